@@ -1,0 +1,142 @@
+"""The protocol every backend honours (reference, cuda, metal, emulated).
+
+The host layer (``decode``, ``merge``, ``pool``, ``cascade``) validates arguments,
+plans, allocates outputs and workspaces through ``empty`` and then calls the kernel
+entry points below, which write *every* element of their outputs (tests poison fresh
+allocations with NaN). Shapes are row-major; B requests, C chunks, Hq query heads, Hkv
+KV heads, D head dim, P page size. LSEs are base 2 everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from ..device import DeviceInfo
+from ..page_table import PageTable
+from ..plan import DecodePlan
+
+POISON_ENV = "PAGED_DECODE_POISON"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a decode call asks of a backend (for ``Backend.supports``)."""
+
+    q_dtype: str
+    kv_dtype: str
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    path: str = "v2"
+
+
+@dataclass(frozen=True)
+class Support:
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def poison_enabled() -> bool:
+    """``PAGED_DECODE_POISON=1`` fills every fresh output and workspace with NaN."""
+    return os.environ.get(POISON_ENV, "") not in ("", "0")
+
+
+class Backend(ABC):
+    """A compute backend. Arrays passed to kernel entry points are the backend's own."""
+
+    name: str = "?"
+
+    # ----------------------------------------------------------- availability
+    @classmethod
+    @abstractmethod
+    def available(cls) -> Support:
+        """Whether this backend can run on this machine (with the reason if not)."""
+
+    @abstractmethod
+    def device_info(self) -> DeviceInfo: ...
+
+    def supports(self, problem: Problem) -> Support:
+        """Whether this backend runs ``problem``; the reason when it does not."""
+        return Support(True)
+
+    def describe(self) -> dict[str, Any]:
+        """Versions and device facts for ``paged-decode info`` and bench headers."""
+        return {"backend": self.name}
+
+    # ----------------------------------------------------------- arrays
+    @abstractmethod
+    def owns(self, x: Any) -> bool:
+        """Whether ``x`` is an array this backend computes on without conversion."""
+
+    @abstractmethod
+    def asarray(self, x: Any) -> Any:
+        """``x`` as this backend's array (zero-copy where the kinds allow)."""
+
+    @abstractmethod
+    def to_numpy(self, x: Any) -> Any: ...
+
+    @abstractmethod
+    def dtype_of(self, x: Any) -> str:
+        """Canonical dtype name of a backend array (see ``paged_decode.dtypes``)."""
+
+    @abstractmethod
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """A fresh array; NaN-filled when ``PAGED_DECODE_POISON`` is set (float dtypes)."""
+
+    @abstractmethod
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any: ...
+
+    @abstractmethod
+    def array_module(self) -> Any:
+        """numpy-like module for glue ops on backend arrays (numpy, cupy, mlx.core)."""
+
+    def wrap_result(self, x: Any, like: Any) -> Any:
+        """Return ``x`` in the array kind of the caller's ``like`` (identity by default)."""
+        return x
+
+    # ----------------------------------------------------------- pool writes
+    @abstractmethod
+    def write_tokens(self, pages: Any, page_ids: Any, slots: Any, values: Any) -> Any:
+        """``pages[..., page_ids[i], slots[i], :, :] = values[..., i, :, :]``; returns pages.
+
+        ``pages [..., num_pages, P, Hkv, D]``; ``values [..., T, Hkv, D]``; ids and slots
+        host ``int64 [T]``. Backends with immutable arrays return a new array.
+        """
+
+    @abstractmethod
+    def copy_page(self, pages: Any, src: int, dst: int) -> Any:
+        """``pages[..., dst, :, :, :] = pages[..., src, :, :, :]``; returns pages."""
+
+    # ----------------------------------------------------------- kernels
+    @abstractmethod
+    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
+                sm_scale: float, v_out: Any, lse_out: Any) -> None:
+        """The v2 partial: one normalized (V, LSE) state per (chunk, query head).
+
+        ``q [B, Hq, D]``; ``k_pages, v_pages [num_pages, P, Hkv, D]``;
+        ``v_out [C, Hq, D]`` (float32, or the output dtype when the plan needs no merge);
+        ``lse_out [C, Hq]`` float32, log2 units. An empty chunk writes zeros and -inf.
+        ``sm_scale`` is the natural-units softmax scale (the backend folds in log2(e)).
+        """
+
+    @abstractmethod
+    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
+        """Variable-length merge: ``v [N, H, D]`` f32, ``lse [N, H]`` f32 (log2),
+        ``o_indptr`` host ``int32 [M+1]`` -> ``v_out [M, H, D]``, ``lse_out [M, H]``."""
+
+    @abstractmethod
+    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                  sm_scale: float, out: Any, lse_out: Any) -> None:
+        """The v1 arm: one CTA per (request, query head) over the whole KV range."""
+
+    @abstractmethod
+    def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                    sm_scale: float, out: Any, lse_out: Any) -> None:
+        """The gather arm: gather visible K/V contiguously, then dense attention."""

@@ -1,0 +1,188 @@
+"""The reference backend: the kernel contracts in vectorized numpy on the CPU.
+
+It follows the GPU kernels' arithmetic (float32 accumulation, base-2 online softmax with
+log2(e) folded into the scale, normalized partials) so its results track theirs; the
+independent float64 oracle lives in ``paged_decode.reference``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from typing import Any
+
+import numpy as np
+
+from ..device import DeviceInfo
+from ..dtypes import dtype_name, numpy_dtype
+from ..page_table import PageTable
+from ..plan import DecodePlan, chunk_token_ranges
+from .base import Backend, Support, poison_enabled
+
+LOG2E = 1.4426950408889634
+V1_SPLITS = 8  # stripes of one v1 "CTA", combined like its warps are
+
+
+def attend_f32(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale_log2: float
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Normalized attention state of grouped queries over one token range.
+
+    ``q [Hkv, G, D]``, ``k, v [Hkv, n, D]`` float32 -> ``o [Hkv, G, D]`` float32 and
+    ``lse [Hkv, G]`` float32 in log2 units; ``n == 0`` gives zeros and -inf.
+    """
+    hkv, g, d = q.shape
+    if k.shape[1] == 0:
+        return np.zeros((hkv, g, d), np.float32), np.full((hkv, g), -np.inf, np.float32)
+    s = np.matmul(q, k.transpose(0, 2, 1)) * np.float32(scale_log2)  # [Hkv, G, n]
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp2(s - m)
+    den = p.sum(axis=-1)
+    o = np.matmul(p, v) / den[..., None]
+    return o.astype(np.float32), (m[..., 0] + np.log2(den)).astype(np.float32)
+
+
+def combine_f32(vs: np.ndarray, lses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge states along axis 0: ``vs [n, ..., D]``, ``lses [n, ...]`` (log2)."""
+    if vs.shape[0] == 0:
+        return np.zeros(vs.shape[1:], np.float32), np.full(lses.shape[1:], -np.inf, np.float32)
+    m = lses.max(axis=0)
+    finite = np.isfinite(m)
+    m_safe = np.where(finite, m, 0).astype(np.float32)
+    w = np.where(np.isfinite(lses), np.exp2(lses - m_safe), 0).astype(np.float32)
+    den = w.sum(axis=0)
+    safe = np.where(den > 0, den, 1)
+    o = (w[..., None] * vs).sum(axis=0) / safe[..., None]
+    o = np.where((den > 0)[..., None], o, 0)
+    lse = np.where(den > 0, m_safe + np.log2(safe), -np.inf)
+    return o.astype(np.float32), lse.astype(np.float32)
+
+
+def visible_kv(pages: np.ndarray, table: PageTable, r: int, t0: int, t1: int) -> np.ndarray:
+    """Visible tokens ``[t0, t1)`` of request ``r`` as float32 ``[Hkv, n, D]``."""
+    p = table.page_size
+    fpo = int(table.first_page_offset[r])
+    a0, a1 = fpo + t0, fpo + t1
+    pb, pe = a0 // p, -(-a1 // p)
+    ids = table.indices[table.indptr[r] + pb: table.indptr[r] + pe]
+    rows = pages[ids].reshape(-1, *pages.shape[2:])[a0 - pb * p: a1 - pb * p]
+    return rows.astype(np.float32).transpose(1, 0, 2)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    @classmethod
+    def available(cls) -> Support:
+        return Support(True)
+
+    def device_info(self) -> DeviceInfo:
+        # A fixed target, so plans do not depend on the CPU the tests run on.
+        return DeviceInfo("reference", f"numpy on {platform.machine() or 'CPU'}",
+                          compute_units=8, ctas_per_unit=4,
+                          detail=f"{os.cpu_count()} CPU cores; fixed target 32 CTAs")
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "numpy": np.__version__, "device": "CPU"}
+
+    # ----------------------------------------------------------- arrays
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def asarray(self, x: Any) -> np.ndarray:
+        if isinstance(x, np.ndarray):
+            return x
+        if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
+            return np.asarray(x)
+        raise TypeError(f"reference backend: cannot use a {type(x).__name__} as a numpy array")
+
+    def array_module(self) -> Any:
+        return np
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(x)
+
+    def dtype_of(self, x: Any) -> str:
+        return dtype_name(np.asarray(x).dtype) if not isinstance(x, np.ndarray) \
+            else dtype_name(x.dtype)
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        out = np.empty(shape, numpy_dtype(dtype))
+        if poison_enabled():
+            out.fill(np.nan)
+        return out
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.zeros(shape, numpy_dtype(dtype))
+
+    # ----------------------------------------------------------- pool writes
+    def write_tokens(self, pages: Any, page_ids: Any, slots: Any, values: Any) -> Any:
+        pages[..., page_ids, slots, :, :] = np.asarray(values).astype(pages.dtype)
+        return pages
+
+    def copy_page(self, pages: Any, src: int, dst: int) -> Any:
+        pages[..., dst, :, :, :] = pages[..., src, :, :, :]
+        return pages
+
+    # ----------------------------------------------------------- kernels
+    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
+                sm_scale: float, v_out: Any, lse_out: Any) -> None:
+        hkv, d = plan.num_kv_heads, plan.head_dim
+        g = plan.num_qo_heads // hkv
+        scale_log2 = sm_scale * LOG2E
+        qf = q.astype(np.float32).reshape(q.shape[0], hkv, g, d)
+        t_begin, t_end = chunk_token_ranges(table, plan)
+        for c in range(plan.num_chunks):
+            r = int(plan.request_indices[c])
+            t0, t1 = int(t_begin[c]), int(t_end[c])
+            k = visible_kv(k_pages, table, r, t0, t1)
+            v = visible_kv(v_pages, table, r, t0, t1)
+            o, lse = attend_f32(qf[r], k, v, scale_log2)
+            v_out[c] = o.reshape(hkv * g, d).astype(v_out.dtype)
+            lse_out[c] = lse.reshape(hkv * g)
+
+    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
+        ip = np.asarray(o_indptr, dtype=np.int64)
+        for o in range(ip.size - 1):
+            vo, lo = combine_f32(v[ip[o]:ip[o + 1]].astype(np.float32),
+                                 lse[ip[o]:ip[o + 1]].astype(np.float32))
+            v_out[o] = vo.astype(v_out.dtype)
+            lse_out[o] = lo
+
+    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                  sm_scale: float, out: Any, lse_out: Any) -> None:
+        b, hq, d = q.shape
+        hkv = k_pages.shape[2]
+        scale_log2 = sm_scale * LOG2E
+        qf = q.astype(np.float32).reshape(b, hkv, hq // hkv, d)
+        for r in range(b):
+            n = int(table.visible_lens[r])
+            k = visible_kv(k_pages, table, r, 0, n)
+            v = visible_kv(v_pages, table, r, 0, n)
+            # the CTA's warps take interleaved token stripes, then combine their states
+            parts = [attend_f32(qf[r], k[:, s::V1_SPLITS], v[:, s::V1_SPLITS], scale_log2)
+                     for s in range(V1_SPLITS)]
+            o, lse = combine_f32(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]))
+            out[r] = o.reshape(hq, d).astype(out.dtype)
+            lse_out[r] = lse.reshape(hq)
+
+    def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                    sm_scale: float, out: Any, lse_out: Any) -> None:
+        b, hq, d = q.shape
+        hkv = k_pages.shape[2]
+        g = hq // hkv
+        for r in range(b):
+            n = int(table.visible_lens[r])
+            k = visible_kv(k_pages, table, r, 0, n)  # the gathered contiguous copy
+            v = visible_kv(v_pages, table, r, 0, n)
+            if n == 0:
+                out[r] = 0
+                lse_out[r] = -np.inf
+                continue
+            qf = q[r].astype(np.float32).reshape(hkv, g, d)
+            s = np.matmul(qf, k.transpose(0, 2, 1)) * np.float32(sm_scale)  # natural units
+            m = s.max(axis=-1, keepdims=True)
+            p = np.exp(s - m)
+            den = p.sum(axis=-1)
+            out[r] = (np.matmul(p, v) / den[..., None]).reshape(hq, d).astype(out.dtype)
+            lse_out[r] = ((m[..., 0] + np.log(den)) / math.log(2)).reshape(hq)

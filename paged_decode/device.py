@@ -1,0 +1,55 @@
+"""What the plan needs to know about the device: how many CTAs fill it.
+
+The target CTA count is resolved in this order: an explicit argument to
+``plan_decode(target_ctas=...)``, the environment variable ``PAGED_DECODE_TARGET_CTAS``,
+then the backend's ``DeviceInfo.default_target_ctas`` (CUDA: SM count x CTAs per SM;
+Apple: GPU core count x threadgroups per core; reference: a fixed value).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+
+TARGET_ENV = "PAGED_DECODE_TARGET_CTAS"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A device as the planner sees it.
+
+    ``compute_units``: SMs (CUDA), GPU cores (Apple) or CPU cores (reference).
+    ``ctas_per_unit``: how many partial-kernel CTAs one unit should hold at once.
+    """
+
+    backend: str
+    name: str
+    compute_units: int
+    ctas_per_unit: int
+    index: int = 0
+    detail: str = ""
+
+    @property
+    def default_target_ctas(self) -> int:
+        return max(1, self.compute_units * self.ctas_per_unit)
+
+    def target_ctas(self, override: int | None = None) -> int:
+        """The CTA count a plan aims for (argument > environment > device default)."""
+        if override is not None:
+            return _positive("plan_decode", "target_ctas", override)
+        env = os.environ.get(TARGET_ENV)
+        if env:
+            try:
+                return _positive(TARGET_ENV, "value", int(env))
+            except ValueError as exc:
+                raise InvalidArgumentError(
+                    f"{TARGET_ENV} must be a positive integer, got {env!r}") from exc
+        return self.default_target_ctas
+
+
+def _positive(fn: str, name: str, value: int) -> int:
+    if int(value) < 1:
+        raise InvalidArgumentError(f"{fn}: {name} must be a positive integer, got {value!r}")
+    return int(value)

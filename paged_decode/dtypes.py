@@ -1,0 +1,67 @@
+"""The element types the package accepts, by one canonical name each.
+
+Names: ``"float16"``, ``"bfloat16"``, ``"float32"``. numpy has no native bfloat16; the
+reference backend uses ``ml_dtypes.bfloat16``. Every backend maps these names onto its
+own array dtypes; kernels are specialized on the names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .errors import InvalidDtypeError
+
+SUPPORTED = ("float16", "bfloat16", "float32")
+
+_NUMPY = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name of a numpy / ml_dtypes / cupy / torch / mlx dtype or a name string."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        name = str(dtype)
+        for prefix in ("torch.", "mlx.core.", "<class 'numpy.", "dtype('"):
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        name = name.rstrip("')>")
+    aliases = {"half": "float16", "f16": "float16", "fp16": "float16", "bf16": "bfloat16",
+               "float": "float32", "f32": "float32", "fp32": "float32"}
+    name = aliases.get(name, name)
+    if name not in SUPPORTED and name != "float64":
+        raise InvalidDtypeError(
+            f"dtype must be one of {', '.join(SUPPORTED)}, got {dtype!r}"
+        )
+    return name
+
+
+def check_dtype(fn: str, arg: str, dtype: Any, allowed: tuple[str, ...] = SUPPORTED) -> str:
+    """Canonical name of ``dtype``; raise naming ``fn`` and ``arg`` unless it is allowed."""
+    try:
+        name = dtype_name(dtype)
+    except InvalidDtypeError:
+        name = str(dtype)
+    if name not in allowed:
+        raise InvalidDtypeError(
+            f"{fn}: {arg} must have dtype in ({', '.join(allowed)}), got {dtype}"
+        )
+    return name
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name == "float64":
+        return np.dtype(np.float64)
+    return _NUMPY[dtype_name(name)]
+
+
+def itemsize(name: str) -> int:
+    return _ITEMSIZE[dtype_name(name)]

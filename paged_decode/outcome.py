@@ -1,0 +1,56 @@
+"""What a decode call actually ran, and why: returned values and process-wide counters.
+
+Benchmarks print these so that a comparison never silently measures a fallback.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    """One decode call: ``path`` is ``"v2"``, ``"v2+merge"``, ``"v1"`` or ``"gather"``."""
+
+    path: str
+    backend: str
+    batch_size: int
+    visible_tokens: int
+    num_chunks: int
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"{self.path} on {self.backend} (batch {self.batch_size}, "
+                f"{self.visible_tokens} visible KV tokens, {self.num_chunks} chunks): "
+                f"{self.reason}")
+
+
+_lock = threading.Lock()
+_counts: Counter[str] = Counter()
+_last: list[DecodeOutcome] = []
+
+
+def record(outcome: DecodeOutcome) -> DecodeOutcome:
+    with _lock:
+        _counts[f"{outcome.backend}:{outcome.path}"] += 1
+        _last[:] = [outcome]
+    return outcome
+
+
+def last_outcome() -> DecodeOutcome | None:
+    """The outcome of the most recent decode call in this process."""
+    return _last[0] if _last else None
+
+
+def counters() -> dict[str, int]:
+    """Calls per ``"backend:path"`` since start (or the last ``reset_counters``)."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset_counters() -> None:
+    with _lock:
+        _counts.clear()
+        _last.clear()

@@ -1,0 +1,241 @@
+"""Split-KV decode plan: host-side plain data, cacheable across steps and layers.
+
+A plan cuts every request's page list into chunks of ``pages_per_chunk`` pages; one
+partial-kernel CTA runs per (chunk, KV head, query-head group). The chunk count is
+non-increasing in ``pages_per_chunk``, so a binary search finds the *largest* chunk
+size whose CTA count still reaches the device target: the fewest chunks (least merge
+work) among the sizes that fill the device. Every request gets at least one chunk (an
+empty request gets exactly one, which writes zeros and ``-inf``). The total chunk count
+never exceeds 65535 (CUDA grid y/z bound). When every request has one chunk the merge is
+skipped: the partial is the answer.
+
+The token range of a chunk is *not* stored: the kernels derive it from the table at run
+time (``chunk_token_ranges``), so a plan stays valid while requests grow inside their
+chunk structure (``matches``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .device import DeviceInfo
+from .errors import InvalidArgumentError, PlanMismatchError
+from .page_table import PageTable
+
+MAX_CHUNKS = 65535
+MAX_HEADS_PER_CTA = 8
+
+
+def heads_per_cta(num_qo_heads: int, num_kv_heads: int) -> int:
+    """Query heads one CTA serves: the largest divisor of the GQA group that is <= 8.
+
+    All of them share each K/V load; groups above 8 are split over ``q_groups`` CTAs
+    (register budget: 8 heads x 8 accumulators per lane).
+    """
+    g = num_qo_heads // num_kv_heads
+    return max(d for d in range(1, min(g, MAX_HEADS_PER_CTA) + 1) if g % d == 0)
+
+
+def check_geometry(fn: str, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                      ("head_dim", head_dim)):
+        if not isinstance(val, (int, np.integer)) or val < 1:
+            raise InvalidArgumentError(f"{fn}: {name} must be a positive integer, got {val!r}")
+    if num_qo_heads % num_kv_heads:
+        raise InvalidArgumentError(
+            f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got {num_qo_heads} "
+            f"and {num_kv_heads}")
+
+
+def chunk_counts(pages: np.ndarray, pages_per_chunk: int) -> np.ndarray:
+    """Chunks per request: ``max(1, ceil(pages / pages_per_chunk))``, ``int64 [B]``."""
+    p = pages.astype(np.int64)
+    return np.maximum(1, -(-p // pages_per_chunk))
+
+
+@dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """A frozen split-KV plan (arrays are host ``int32``, read-only).
+
+    - ``request_indices [C]``: request of chunk ``c`` (ascending).
+    - ``kv_tile_indices [C]``: index of chunk ``c`` within its request; its pages are
+      ``[tile * pages_per_chunk, min((tile + 1) * pages_per_chunk, pages))``.
+    - ``o_indptr [B+1]``: request ``r``'s partials are rows ``o_indptr[r]:o_indptr[r+1]``.
+    - ``chunks_per_request [B]``.
+    Workspaces: ``v_part [C, Hq, D]`` float32 and ``lse_part [C, Hq]`` float32 (log2),
+    needed only when ``needs_merge``.
+    """
+
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_chunk: int
+    heads_per_cta: int
+    q_groups: int
+    target_ctas: int
+    forced: bool
+    chunks_per_request: np.ndarray = field(repr=False)
+    request_indices: np.ndarray = field(repr=False)
+    kv_tile_indices: np.ndarray = field(repr=False)
+    o_indptr: np.ndarray = field(repr=False)
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.request_indices.size)
+
+    @property
+    def ctas_per_chunk(self) -> int:
+        return self.num_kv_heads * self.q_groups
+
+    @property
+    def num_ctas(self) -> int:
+        return self.num_chunks * self.ctas_per_chunk
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.num_chunks != self.batch_size
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the float32 ``v_part`` + ``lse_part`` workspace (0 without merge)."""
+        if not self.needs_merge:
+            return 0
+        return self.num_chunks * self.num_qo_heads * (self.head_dim + 1) * 4
+
+    def mismatch(self, table: PageTable) -> str | None:
+        """Why this plan cannot serve ``table`` (``None`` when it can).
+
+        A plan serves any table with the same batch size and page size whose requests
+        keep the same chunk count at this ``pages_per_chunk``.
+        """
+        if table.batch_size != self.batch_size:
+            return f"batch size {table.batch_size} != plan's {self.batch_size}"
+        if table.page_size != self.page_size:
+            return f"page_size {table.page_size} != plan's {self.page_size}"
+        counts = chunk_counts(table.pages_per_request, self.pages_per_chunk)
+        diff = np.nonzero(counts != self.chunks_per_request)[0]
+        if diff.size:
+            r = int(diff[0])
+            return (f"request {r} needs {int(counts[r])} chunks of {self.pages_per_chunk} "
+                    f"pages, plan has {int(self.chunks_per_request[r])}")
+        return None
+
+    def matches(self, table: PageTable) -> bool:
+        return self.mismatch(table) is None
+
+    def check(self, fn: str, table: PageTable, num_qo_heads: int, num_kv_heads: int,
+              head_dim: int) -> None:
+        """Raise ``PlanMismatchError`` unless the plan fits this table and geometry."""
+        geo = (num_qo_heads, num_kv_heads, head_dim)
+        mine = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
+        if geo != mine:
+            raise PlanMismatchError(f"{fn}: plan was made for (Hq, Hkv, D) = {mine}, "
+                                    f"got {geo}")
+        why = self.mismatch(table)
+        if why:
+            raise PlanMismatchError(f"{fn}: plan does not match the table: {why}; "
+                                    "make a new plan with plan_decode")
+
+
+def chunk_token_ranges(table: PageTable, plan: DecodePlan) -> tuple[np.ndarray, np.ndarray]:
+    """Visible-token range ``[t_begin, t_end)`` of every chunk, ``int64 [C]`` each.
+
+    The kernels compute the same thing in-kernel from the table:
+    ``page_begin = tile * ppc``, ``page_end = min(page_begin + ppc, pages)``,
+    ``t_begin = max(0, page_begin * P - fpo)``, ``t_end = visible_len`` when the chunk
+    reaches the last page, else ``max(0, page_end * P - fpo)``; both clamped to
+    ``visible_len``.
+    """
+    r = plan.request_indices.astype(np.int64)
+    npages = table.pages_per_request.astype(np.int64)[r]
+    seq = table.visible_lens.astype(np.int64)[r]
+    fpo = table.first_page_offset.astype(np.int64)[r]
+    p, ppc = table.page_size, plan.pages_per_chunk
+    page_begin = plan.kv_tile_indices.astype(np.int64) * ppc
+    page_end = np.minimum(page_begin + ppc, npages)
+    t_begin = np.maximum(0, page_begin * p - fpo)
+    t_end = np.where(page_end >= npages, seq, np.maximum(0, page_end * p - fpo))
+    return np.minimum(t_begin, seq), np.minimum(t_end, seq)
+
+
+def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+                device: DeviceInfo | None = None, backend: str | None = None,
+                target_ctas: int | None = None, pages_per_chunk: int | None = None,
+                max_chunks: int = MAX_CHUNKS) -> DecodePlan:
+    """Plan a split-KV decode of ``table``.
+
+    Args:
+        table: the batch's page table.
+        num_qo_heads, num_kv_heads, head_dim: attention geometry (``Hq % Hkv == 0``).
+        device: the device to fill; defaults to the selected backend's ``device_info()``.
+        backend: backend name used to look up ``device`` (see ``backends.get_backend``).
+        target_ctas: CTA count to reach (overrides env and device default).
+        pages_per_chunk: force a chunk size instead of searching (e.g. 1 to force the
+            finest split and exercise the merge).
+        max_chunks: grid bound on the total chunk count (65535).
+    """
+    fn = "plan_decode"
+    if not isinstance(table, PageTable):
+        raise InvalidArgumentError(f"{fn}: table must be a PageTable, got {type(table).__name__}")
+    check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+    b = table.batch_size
+    if b < 1:
+        raise InvalidArgumentError(f"{fn}: table must have at least one request, got 0")
+    if b > max_chunks:
+        raise InvalidArgumentError(f"{fn}: batch size {b} exceeds the grid bound of "
+                                   f"{max_chunks} chunks")
+    if device is None:
+        from .backends import get_backend
+        device = get_backend(backend).device_info()
+    target = device.target_ctas(target_ctas)
+    qh = heads_per_cta(num_qo_heads, num_kv_heads)
+    q_groups = (num_qo_heads // num_kv_heads) // qh
+    ctas_per_chunk = num_kv_heads * q_groups
+    pages = table.pages_per_request
+    total = int(pages.astype(np.int64).sum())
+    max_ppc = max(1, int(pages.max()))
+    # sum(ceil(p / ppc)) <= total / ppc + B, so this ppc keeps the chunk count in bounds
+    min_ppc = max(1, -(-total // (max_chunks - b))) if max_chunks > b else max_ppc
+    while min_ppc < max_ppc and int(chunk_counts(pages, min_ppc).sum()) > max_chunks:
+        min_ppc += 1
+
+    def reaches(ppc: int) -> bool:
+        return int(chunk_counts(pages, ppc).sum()) * ctas_per_chunk >= target
+
+    if pages_per_chunk is not None:
+        if not isinstance(pages_per_chunk, (int, np.integer)) or pages_per_chunk < 1:
+            raise InvalidArgumentError(f"{fn}: pages_per_chunk must be a positive integer, "
+                                       f"got {pages_per_chunk!r}")
+        ppc = int(pages_per_chunk)
+        if int(chunk_counts(pages, ppc).sum()) > max_chunks:
+            raise InvalidArgumentError(
+                f"{fn}: pages_per_chunk = {ppc} gives "
+                f"{int(chunk_counts(pages, ppc).sum())} chunks, above the grid bound of "
+                f"{max_chunks}; use at least {min_ppc}")
+    elif not reaches(min_ppc):
+        ppc = min_ppc
+    else:
+        lo, hi = min_ppc, max_ppc  # invariant: reaches(lo)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if reaches(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        ppc = lo
+    counts = chunk_counts(pages, ppc)
+    req = np.repeat(np.arange(b, dtype=np.int64), counts)
+    o_indptr = np.concatenate([[0], np.cumsum(counts)])
+    tiles = np.arange(req.size, dtype=np.int64) - o_indptr[req]
+    arrays = []
+    for a in (counts, req, tiles, o_indptr):
+        a = np.ascontiguousarray(a, dtype=np.int32)
+        a.setflags(write=False)
+        arrays.append(a)
+    return DecodePlan(b, int(num_qo_heads), int(num_kv_heads), int(head_dim),
+                      table.page_size, ppc, qh, q_groups, target,
+                      pages_per_chunk is not None, *arrays)

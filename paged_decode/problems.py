@@ -1,0 +1,98 @@
+"""Random decode problems with realistic page tables, shared by check, bench and tests.
+
+A problem's pool has slack (twice the pages needed) and hands out physical pages in a
+shuffled order; requests get randomized partial last pages and, when asked, start
+mid-page (a sliding window trimmed inside its first page).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .dtypes import numpy_dtype
+from .page_table import PageTable
+
+
+@dataclass(frozen=True)
+class ProblemSpec:
+    batch: int
+    context: int          # nominal visible tokens per request
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    q_dtype: str = "float16"
+    kv_dtype: str = "float16"
+    seed: int = 0
+    jitter: bool = True   # randomize lengths (partial last pages) and mid-page starts
+    slack: float = 2.0    # pool pages per needed page
+
+    @property
+    def label(self) -> str:
+        g = self.num_qo_heads // self.num_kv_heads
+        return (f"B{self.batch}-ctx{self.context}-ps{self.page_size}-hq{self.num_qo_heads}"
+                f"-hkv{self.num_kv_heads}-g{g}-d{self.head_dim}-{self.kv_dtype}")
+
+
+@dataclass
+class Problem:
+    spec: ProblemSpec
+    q: np.ndarray         # [B, Hq, D]
+    k_pages: np.ndarray   # [num_pages, P, Hkv, D]
+    v_pages: np.ndarray
+    table: PageTable
+
+
+def make_table(lengths: list[int], page_size: int, *, offsets: list[int] | None = None,
+               slack: float = 2.0, rng: np.random.Generator | None = None,
+               ) -> tuple[PageTable, int]:
+    """A table for visible ``lengths`` with ``offsets`` (first_page_offset) per request.
+
+    Physical pages come from a pool of ``ceil(slack * needed)`` pages in shuffled order.
+    Returns ``(table, num_pages)``.
+    """
+    rng = rng or np.random.default_rng(0)
+    offsets = offsets or [0] * len(lengths)
+    p = page_size
+    counts = [(-(-(o + n) // p)) if n > 0 else 0 for n, o in zip(lengths, offsets)]
+    needed = sum(counts)
+    num_pages = max(1, int(np.ceil(slack * needed)))
+    order = rng.permutation(num_pages)[:needed]
+    lpl = [(o + n) - (c - 1) * p if c else 0 for n, o, c in zip(lengths, offsets, counts)]
+    fpo = [o if c else 0 for o, c in zip(offsets, counts)]
+    table = PageTable.build(order, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                            lpl, page_size=p, first_page_offset=fpo, num_pages=num_pages)
+    return table, num_pages
+
+
+def make_problem(spec: ProblemSpec, *, lengths: list[int] | None = None,
+                 offsets: list[int] | None = None) -> Problem:
+    """Random q and pools (standard normal, scaled) for ``spec`` on the host."""
+    rng = np.random.default_rng(spec.seed)
+    p = spec.page_size
+    if lengths is None:
+        if spec.jitter:
+            lengths = [max(1, spec.context - int(rng.integers(0, max(1, min(p, spec.context)))))
+                       for _ in range(spec.batch)]
+        else:
+            lengths = [spec.context] * spec.batch
+    if offsets is None:
+        offsets = [int(rng.integers(1, p)) if spec.jitter and p > 1 and r % 2 == 1 else 0
+                   for r in range(spec.batch)]
+    table, num_pages = make_table(lengths, p, offsets=offsets, slack=spec.slack, rng=rng)
+    shape = (num_pages, p, spec.num_kv_heads, spec.head_dim)
+    kvdt = numpy_dtype(spec.kv_dtype)
+    k = rng.standard_normal(shape, dtype=np.float32).astype(kvdt)
+    v = rng.standard_normal(shape, dtype=np.float32).astype(kvdt)
+    q = (rng.standard_normal((spec.batch, spec.num_qo_heads, spec.head_dim), dtype=np.float32)
+         * 1.5).astype(numpy_dtype(spec.q_dtype))
+    return Problem(spec, q, k, v, table)
+
+
+def move(problem: Problem, backend: Any) -> tuple[Any, Any, Any]:
+    """``(q, k_pages, v_pages)`` as arrays of ``backend``."""
+    return (backend.asarray(problem.q), backend.asarray(problem.k_pages),
+            backend.asarray(problem.v_pages))

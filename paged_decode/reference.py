@@ -1,0 +1,86 @@
+"""The float64 dense oracle that tests, ``check`` and ``bench`` compare against.
+
+Independent of the kernels' arithmetic: it walks each request's page list into one
+contiguous run of entries, slices the visible window, and computes softmax attention in
+float64 with natural exponentials, converting the log-sum-exp to base 2 at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .page_table import PageTable
+
+
+def request_kv_f64(pages: Any, table: PageTable, r: int) -> np.ndarray:
+    """Visible K (or V) rows of request ``r`` as float64 ``[T, Hkv, D]``."""
+    p = table.page_size
+    ids = [int(x) for x in table.request_pages(r)]
+    if not ids:
+        return np.zeros((0, *np.asarray(pages).shape[2:]), np.float64)
+    run = np.concatenate([np.asarray(pages[i], dtype=np.float64) for i in ids], axis=0)
+    end = (len(ids) - 1) * p + int(table.last_page_len[r])
+    return run[int(table.first_page_offset[r]):end]
+
+
+def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Dense GQA attention of one query token: ``q [Hq, D]``, ``k, v [T, Hkv, D]``.
+
+    Returns ``out [Hq, D]`` float64 and ``lse [Hq]`` float64, **base 2** (``-inf`` and
+    zeros when ``T == 0``).
+    """
+    hq, d = q.shape
+    t, hkv, _ = k.shape
+    if t == 0:
+        return np.zeros((hq, d)), np.full(hq, -np.inf)
+    g = hq // hkv
+    heads = np.arange(hq) // g                        # query head -> KV head
+    logits = np.einsum("hd,thd->ht", q.astype(np.float64), k[:, heads, :]) * sm_scale
+    mx = logits.max(axis=1, keepdims=True)
+    e = np.exp(logits - mx)
+    den = e.sum(axis=1)
+    out = np.einsum("ht,thd->hd", e, v[:, heads, :]) / den[:, None]
+    lse = (mx[:, 0] + np.log(den)) / math.log(2.0)
+    return out, lse
+
+
+def oracle_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                  sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """float64 paged decode: ``q [B, Hq, D]`` -> ``out [B, Hq, D]``, ``lse [B, Hq]`` (base 2).
+
+    Inputs may be any array kind with ``__array__`` (they are read on the host).
+    """
+    qn = np.asarray(q, dtype=np.float64)
+    b, hq, d = qn.shape
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    out = np.zeros((b, hq, d))
+    lse = np.full((b, hq), -np.inf)
+    for r in range(b):
+        k = request_kv_f64(k_pages, table, r)
+        v = request_kv_f64(v_pages, table, r)
+        out[r], lse[r] = attention_f64(qn[r], k, v, scale)
+    return out, lse
+
+
+def max_rel_error(got: Any, ref: np.ndarray) -> float:
+    """``max |got - ref| / max |ref|`` (NaN anywhere gives ``inf``; an all-zero ``ref``
+    compares absolutely)."""
+    g = np.asarray(got, dtype=np.float64)
+    if not np.isfinite(g).all():
+        return math.inf
+    scale = float(np.abs(ref).max()) if ref.size else 0.0
+    err = float(np.abs(g - ref).max()) if ref.size else 0.0
+    return err / scale if scale > 0 else err
+
+
+def lse_error(got: Any, ref: np.ndarray) -> float:
+    """Max absolute LSE error; ``-inf`` must match ``-inf`` exactly (else ``inf``)."""
+    g = np.asarray(got, dtype=np.float64)
+    empty = np.isneginf(ref)
+    if np.isnan(g).any() or (np.isneginf(g) != empty).any():
+        return math.inf
+    return float(np.abs(g[~empty] - ref[~empty]).max()) if (~empty).any() else 0.0
