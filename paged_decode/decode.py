@@ -100,24 +100,27 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
     if not sup:
         raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run path {chosen!r}: "
                                       f"{sup.reason}")
-    out_a = _buffer(fn, be, "out", out, (b, hq, d), o_dt)
-    lse_a = _buffer(fn, be, "lse", lse, (b, hq), "float32")
-    if chosen == "v2":
-        if plan.needs_merge:
-            v_part = be.empty((plan.num_chunks, hq, d), "float32")
-            lse_part = be.empty((plan.num_chunks, hq), "float32")
-            be.partial(qa, ka, va, table, plan, scale, v_part, lse_part)
-            be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a)
-            ran = "v2+merge"
+    with be.launch_context(q):
+        out_a = _buffer(fn, be, "out", out, (b, hq, d), o_dt)
+        want_lse = return_lse or lse is not None
+        lse_a = _buffer(fn, be, "lse", lse, (b, hq), "float32") \
+            if want_lse or chosen != "gather" else None
+        if chosen == "v2":
+            if plan.needs_merge:
+                v_part = be.empty((plan.num_chunks, hq, d), "float32")
+                lse_part = be.empty((plan.num_chunks, hq), "float32")
+                be.partial(qa, ka, va, table, plan, scale, v_part, lse_part)
+                be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a)
+                ran = "v2+merge"
+            else:
+                be.partial(qa, ka, va, table, plan, scale, out_a, lse_a)
+                ran = "v2"
+        elif chosen == "v1":
+            be.decode_v1(qa, ka, va, table, scale, out_a, lse_a)
+            ran = "v1"
         else:
-            be.partial(qa, ka, va, table, plan, scale, out_a, lse_a)
-            ran = "v2"
-    elif chosen == "v1":
-        be.decode_v1(qa, ka, va, table, scale, out_a, lse_a)
-        ran = "v1"
-    else:
-        be.gather_sdpa(qa, ka, va, table, scale, out_a, lse_a)
-        ran = "gather"
+            be.gather_sdpa(qa, ka, va, table, scale, out_a, lse_a)
+            ran = "gather"
     record(DecodeOutcome(ran, be.name, b, table.total_visible,
                          plan.num_chunks if ran.startswith("v2") else b, reason))
     result = be.wrap_result(out_a, like=q) if out is None else out

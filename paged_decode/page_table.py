@@ -172,7 +172,9 @@ class PageTable:
                 raise PageTableError(f"{fn}: {name} must have B = {b} entries, got {arr.size}")
         bound = self.num_pages if num_pages is None else int(num_pages)
         if self.indices.size:
-            bad = self.indices < 0 if bound is None else (self.indices < 0) | (self.indices >= bound)
+            bad = self.indices < 0
+            if bound is not None:
+                bad |= self.indices >= bound
             if bad.any():
                 j = int(np.argmax(bad))
                 r = int(np.searchsorted(ip, j, side="right") - 1)

@@ -33,11 +33,10 @@ class BackendEntry:
 
 REGISTRY: dict[str, BackendEntry] = {
     "cuda": BackendEntry("cuda", ".cuda", "CudaBackend", "NVIDIA GPUs through CuPy"),
-    "metal": BackendEntry("metal", ".metal", "MetalBackend", "Apple GPUs through MLX"),
     "reference": BackendEntry("reference", ".reference", "ReferenceBackend",
                               "vectorized numpy on the CPU (float32 accumulation)"),
 }
-AUTO_ORDER = ("cuda", "metal", "reference")
+AUTO_ORDER = ("cuda", "reference")
 
 _instances: dict[str, Backend] = {}
 _last_auto: list[str] = []
@@ -109,8 +108,8 @@ def backend_for(name: str | Backend | None, x: object) -> Backend:
     """The backend for a call on arrays like ``x``.
 
     An explicit ``name`` (or ``PAGED_DECODE_BACKEND``) wins, strictly. Otherwise the
-    array kind decides: numpy -> reference, CuPy or CUDA torch tensors -> cuda,
-    MLX -> metal (or the best available backend for other kinds).
+    array kind decides: numpy -> reference, CuPy or CUDA torch tensors -> cuda (the best
+    available backend for other kinds).
     """
     if isinstance(name, Backend):
         return name
@@ -121,8 +120,6 @@ def backend_for(name: str | Backend | None, x: object) -> Backend:
         return get_backend("reference")
     if kind == "cupy" or (kind == "torch" and getattr(x, "is_cuda", False)):
         return get_backend("cuda")
-    if kind == "mlx":
-        return get_backend("metal")
     return get_backend(None)
 
 
@@ -132,4 +129,5 @@ def last_auto_choice() -> tuple[str, str] | None:
 
 
 __all__ = ["Backend", "BackendEntry", "Problem", "Support", "REGISTRY", "available_backends",
-           "availability", "get_backend", "backend_for", "array_kind", "register", "last_auto_choice"]
+           "availability", "get_backend", "backend_for", "array_kind", "register",
+           "last_auto_choice"]

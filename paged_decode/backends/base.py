@@ -9,6 +9,7 @@ KV heads, D head dim, P page size. LSEs are base 2 everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -97,6 +98,11 @@ class Backend(ABC):
     def array_module(self) -> Any:
         """numpy-like module for glue ops on backend arrays (numpy, cupy, mlx.core)."""
 
+    def launch_context(self, like: Any) -> contextlib.AbstractContextManager[Any]:
+        """Context for allocations and launches of a call on arrays like ``like`` (the
+        device and stream they belong to); nothing by default."""
+        return contextlib.nullcontext()
+
     def wrap_result(self, x: Any, like: Any) -> Any:
         """Return ``x`` in the array kind of the caller's ``like`` (identity by default)."""
         return x
@@ -139,4 +145,6 @@ class Backend(ABC):
     @abstractmethod
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                     sm_scale: float, out: Any, lse_out: Any) -> None:
-        """The gather arm: gather visible K/V contiguously, then dense attention."""
+        """The gather arm: gather visible K/V contiguously, then dense attention.
+
+        ``lse_out`` may be ``None`` (the caller does not want the LSE)."""

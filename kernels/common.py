@@ -1,0 +1,69 @@
+"""Device helpers shared by every CUDA kernel (prepended to each kernel's source).
+
+16-byte vector loads of K/V rows, conversion of those vectors to float, scalar loads and
+stores of q and outputs in any supported dtype, and the butterfly reductions.
+"""
+
+CUDA_COMMON = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+// NVRTC compiles without the C math headers, so INFINITY is spelled out here.
+#define PD_INF __int_as_float(0x7f800000)
+
+namespace pd {
+
+// A K/V element type: how many live in one 16-byte vector, and how to widen them.
+template <typename T> struct KV;
+template <> struct KV<__half> {
+  static constexpr int PER16 = 8;
+  static __device__ __forceinline__ void widen(const uint4& u, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 t = __half22float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+  }
+};
+template <> struct KV<__nv_bfloat16> {
+  static constexpr int PER16 = 8;
+  static __device__ __forceinline__ void widen(const uint4& u, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 t = __bfloat1622float2(h[i]); f[2 * i] = t.x; f[2 * i + 1] = t.y; }
+  }
+};
+template <> struct KV<float> {
+  static constexpr int PER16 = 4;
+  static __device__ __forceinline__ void widen(const uint4& u, float* f) {
+    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+  }
+};
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+// Sum over aligned groups of WIDTH lanes (WIDTH a power of two <= 32); every lane of the
+// group gets the total. All 32 lanes must call it.
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int off = WIDTH / 2; off >= 1; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+__host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
+
+}  // namespace pd
+"""

@@ -1,0 +1,238 @@
+"""The v2 partial kernel: split-KV paged decode, one CTA per (chunk, KV head, q-group).
+
+CUDA dialect (Metal joins in the Metal backend issue). Contract (../DESIGN.md):
+``q [B, Hq, D]``, ``k_pages, v_pages [num_pages, P, Hkv, D]``, CSR arrays, the plan's
+``request_indices [C]`` / ``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each row
+normalized by its own softmax denominator; float32 for the merge, or the output dtype
+when the plan needs no merge) and ``lse_out [C, Hq]`` float32 in log2 units. An empty
+chunk writes zeros and -inf.
+
+Thread mapping: a K/V row of D elements is read by TPR lanes with VEC elements each
+(16-byte loads); a warp covers 32 / TPR rows ("sub-warps") at once, and a CTA of
+NUM_WARPS warps walks the chunk's tokens in U-token steps. Each sub-warp keeps an
+online-softmax state per query head of its group (QH heads share every K/V load);
+states are combined with shuffles inside the warp and through shared memory across
+warps. Offsets into the pools are 64-bit.
+"""
+
+from .common import CUDA_COMMON
+
+# Template parameters, in order: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS
+KERNEL_NAME = "pd_decode_v2_partial"
+
+CUDA_BODY = r"""
+namespace pd {
+
+// Geometry of one K/V row read: VEC elements per lane (a multiple of one 16-byte load),
+// LANES lanes carry data, TPR (a power of two) lanes per row, RPW rows per warp.
+template <typename TKV, int HEAD_DIM>
+struct RowMap {
+  static constexpr int PER16 = KV<TKV>::PER16;
+  static constexpr int MIN_VEC = (HEAD_DIM + 31) / 32;
+  static constexpr int VEC = MIN_VEC <= PER16 ? PER16 : ((MIN_VEC + PER16 - 1) / PER16) * PER16;
+  static constexpr int NLOAD = VEC / PER16;
+  static constexpr int LANES = (HEAD_DIM + VEC - 1) / VEC;
+  static constexpr int TPR = next_pow2(LANES);
+  static constexpr int RPW = 32 / TPR;
+  static_assert(HEAD_DIM % PER16 == 0, "head_dim must fill whole 16-byte vectors");
+  static_assert(TPR <= 32, "a row must fit in one warp");
+};
+
+// Attend the QH query heads q_heads[h0 .. h0+QH) of request r to its visible tokens
+// [t_begin, t_end) under KV head kvh; write normalized rows to out_v[out_row_base + g*D]
+// and log2 LSEs to out_lse[out_lse_base + g]. Every thread of the CTA must call it.
+template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS>
+__device__ __forceinline__ void attend_range(
+    const TQ* __restrict__ q, const TKV* __restrict__ k_pages, const TKV* __restrict__ v_pages,
+    const int* __restrict__ page_ids, long long fpo, long long t_begin, long long t_end,
+    int r, int kvh, int h0, int num_qo_heads, int num_kv_heads, float scale_log2,
+    TO* __restrict__ out_v, float* __restrict__ out_lse, long long out_row, long long out_lse_idx) {
+  using M = RowMap<TKV, HEAD_DIM>;
+  constexpr int VEC = M::VEC, NLOAD = M::NLOAD, TPR = M::TPR, RPW = M::RPW;
+  constexpr int NSW = NUM_WARPS * RPW;           // sub-warps per CTA
+  constexpr int U = 4;                           // tokens per sub-warp per step
+  __shared__ float sm_m[NUM_WARPS][QH];
+  __shared__ float sm_l[NUM_WARPS][QH];
+  __shared__ float sm_acc[NUM_WARPS][QH][HEAD_DIM];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane / TPR, col = lane % TPR;
+  const bool active = col < M::LANES;
+  const int d0 = col * VEC;
+  const int sw = warp * RPW + sub;
+
+  float qf[QH][VEC];
+#pragma unroll
+  for (int g = 0; g < QH; ++g)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      qf[g][i] = (active && d0 + i < HEAD_DIM)
+                     ? to_float(q[((long long)r * num_qo_heads + h0 + g) * HEAD_DIM + d0 + i]) * scale_log2
+                     : 0.f;
+  float m[QH], l[QH], acc[QH][VEC];
+#pragma unroll
+  for (int g = 0; g < QH; ++g) {
+    m[g] = -PD_INF; l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
+  }
+
+  const long long row_stride = (long long)num_kv_heads * HEAD_DIM;   // elements per token
+  const long long head_off = (long long)kvh * HEAD_DIM + d0;
+  for (long long base = t_begin; base < t_end; base += (long long)NSW * U) {
+    uint4 kr[U][NLOAD], vr[U][NLOAD];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const long long t = base + (long long)u * NSW + sw;
+      ok[u] = t < t_end;
+      long long off = 0;
+      if (ok[u]) {
+        const long long a = fpo + t;
+        const long long page = page_ids[a / PAGE_SIZE];
+        off = (page * PAGE_SIZE + a % PAGE_SIZE) * row_stride + head_off;
+      }
+#pragma unroll
+      for (int j = 0; j < NLOAD; ++j) {
+        if (ok[u] && active) {
+          kr[u][j] = __ldg(reinterpret_cast<const uint4*>(k_pages + off) + j);
+          vr[u][j] = __ldg(reinterpret_cast<const uint4*>(v_pages + off) + j);
+        } else {
+          kr[u][j] = make_uint4(0u, 0u, 0u, 0u);
+          vr[u][j] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+    float s[U][QH];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[VEC];
+#pragma unroll
+      for (int j = 0; j < NLOAD; ++j) KV<TKV>::widen(kr[u][j], kf + j * M::PER16);
+#pragma unroll
+      for (int g = 0; g < QH; ++g) {
+        float x = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) x = fmaf(qf[g][i], kf[i], x);
+        x = group_sum<TPR>(x);
+        s[u][g] = ok[u] ? x : -PD_INF;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < QH; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[u][g]);
+      const float ref = mx == -PD_INF ? 0.f : mx;   // avoids (-inf) - (-inf)
+      const float alpha = exp2f(m[g] - ref);
+      l[g] *= alpha;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[g][i] *= alpha;
+      m[g] = mx;
+#pragma unroll
+      for (int u = 0; u < U; ++u) s[u][g] = exp2f(s[u][g] - ref);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[VEC];
+#pragma unroll
+      for (int j = 0; j < NLOAD; ++j) KV<TKV>::widen(vr[u][j], vf + j * M::PER16);
+#pragma unroll
+      for (int g = 0; g < QH; ++g) {
+        l[g] += s[u][g];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(s[u][g], vf[i], acc[g][i]);
+      }
+    }
+  }
+
+  // Combine the RPW sub-warp states of this warp (lanes TPR, 2*TPR, ... apart).
+#pragma unroll
+  for (int off = TPR; off < 32; off <<= 1) {
+#pragma unroll
+    for (int g = 0; g < QH; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[g], off);
+      const float mx = fmaxf(m[g], mo);
+      const float ref = mx == -PD_INF ? 0.f : mx;
+      const float a = exp2f(m[g] - ref), b = exp2f(mo - ref);
+      l[g] = l[g] * a + lo * b;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float ao = __shfl_xor_sync(0xffffffffu, acc[g][i], off);
+        acc[g][i] = acc[g][i] * a + ao * b;
+      }
+      m[g] = mx;
+    }
+  }
+  if (sub == 0) {
+#pragma unroll
+    for (int g = 0; g < QH; ++g) {
+      if (col == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+      if (active)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i)
+          if (d0 + i < HEAD_DIM) sm_acc[warp][g][d0 + i] = acc[g][i];
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < QH * HEAD_DIM; e += NUM_WARPS * 32) {
+    const int g = e / HEAD_DIM, d = e % HEAD_DIM;
+    float mx = -PD_INF;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float num = 0.f, den = 0.f;
+    if (mx != -PD_INF) {
+#pragma unroll
+      for (int w = 0; w < NUM_WARPS; ++w) {
+        const float wt = exp2f(sm_m[w][g] - mx);
+        num = fmaf(wt, sm_acc[w][g][d], num);
+        den = fmaf(wt, sm_l[w][g], den);
+      }
+    }
+    const bool live = den > 0.f;
+    out_v[out_row + (long long)g * HEAD_DIM + d] = from_float<TO>(live ? num / den : 0.f);
+    if (d == 0) out_lse[out_lse_idx + g] = live ? mx + log2f(den) : -PD_INF;
+  }
+}
+
+}  // namespace pd
+
+// grid: (C chunks, Hkv * q_groups); block: NUM_WARPS * 32 threads.
+template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS>
+__global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
+    const TQ* __restrict__ q,                    // [B, Hq, D]
+    const TKV* __restrict__ k_pages,             // [num_pages, P, Hkv, D]
+    const TKV* __restrict__ v_pages,             // [num_pages, P, Hkv, D]
+    const int* __restrict__ indices,             // [total_pages]
+    const int* __restrict__ indptr,              // [B + 1]
+    const int* __restrict__ last_page_len,       // [B]
+    const int* __restrict__ first_page_offset,   // [B]
+    const int* __restrict__ request_indices,     // [C]
+    const int* __restrict__ kv_tile_indices,     // [C]
+    TO* __restrict__ v_out,                      // [C, Hq, D]
+    float* __restrict__ lse_out,                 // [C, Hq], log2
+    int num_qo_heads, int num_kv_heads, int q_groups, int pages_per_chunk, float scale_log2) {
+  const int c = blockIdx.x;
+  const int kvh = blockIdx.y / q_groups, qg = blockIdx.y % q_groups;
+  const int h0 = kvh * (num_qo_heads / num_kv_heads) + qg * QH;
+  const int r = request_indices[c];
+  const long long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];
+  const long long pb = indptr[r], npages = indptr[r + 1] - pb;
+  const long long fpo = first_page_offset[r];
+  long long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_page_len[r] - fpo : 0;
+  seq = seq < 0 ? 0 : seq;
+  const long long page_begin = tile * pages_per_chunk;
+  const long long page_end = page_begin + pages_per_chunk < npages ? page_begin + pages_per_chunk : npages;
+  long long t_begin = page_begin * PAGE_SIZE - fpo;
+  t_begin = t_begin < 0 ? 0 : (t_begin > seq ? seq : t_begin);
+  long long t_end = page_end >= npages ? seq : page_end * PAGE_SIZE - fpo;
+  t_end = t_end < 0 ? 0 : (t_end > seq ? seq : t_end);
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS>(
+      q, k_pages, v_pages, indices + pb, fpo, t_begin, t_end, r, kvh, h0, num_qo_heads,
+      num_kv_heads, scale_log2, v_out, lse_out, ((long long)c * num_qo_heads + h0) * HEAD_DIM,
+      (long long)c * num_qo_heads + h0);
+}
+"""
+
+CUDA_SOURCE = CUDA_COMMON + CUDA_BODY

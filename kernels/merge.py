@@ -1,0 +1,77 @@
+"""The merge kernel: variable-length merge of (V, LSE) partials over an indptr.
+
+CUDA dialect. ``v [N, H, D]`` float32 normalized partials, ``lse [N, H]`` float32 (log2),
+``o_indptr [M+1]`` -> ``v_out [M, H, D]`` (output dtype), ``lse_out [M, H]`` float32.
+One warp per (output row, head); lanes hold float4 slices of D. Rows whose LSE is not
+``> -inf`` (empty chunks, NaN) contribute nothing; an empty group gives zeros and -inf.
+Knows nothing of pages or GQA; cascade decode reuses it unchanged.
+"""
+
+from .common import CUDA_COMMON
+
+# Template parameters, in order: TO, HEAD_DIM
+KERNEL_NAME = "pd_merge_states"
+WARPS_PER_BLOCK = 4
+
+CUDA_BODY = r"""
+// grid: ceil(M * H / 4); block: 128 threads (4 warps, one (row, head) each).
+template <typename TO, int HEAD_DIM>
+__global__ void __launch_bounds__(128) pd_merge_states(
+    const float* __restrict__ v,          // [N, H, D]
+    const float* __restrict__ lse,        // [N, H], log2
+    const int* __restrict__ o_indptr,     // [M + 1]
+    TO* __restrict__ v_out,               // [M, H, D]
+    float* __restrict__ lse_out,          // [M, H], log2
+    int num_heads, int num_out) {
+  static_assert(HEAD_DIM % 4 == 0, "head_dim must be a multiple of 4");
+  constexpr int NV4 = HEAD_DIM / 4;                 // float4 per row
+  constexpr int PER_LANE = (NV4 + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  const long long item = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (item >= (long long)num_out * num_heads) return;   // whole warp; no barrier below
+  const long long o = item / num_heads;
+  const int h = (int)(item % num_heads);
+  const long long beg = o_indptr[o], end = o_indptr[o + 1];
+  float mx = -PD_INF;
+  for (long long i = beg + lane; i < end; i += 32) mx = fmaxf(mx, lse[i * num_heads + h]);
+  mx = pd::warp_max(mx);
+  float4 acc[PER_LANE];
+#pragma unroll
+  for (int j = 0; j < PER_LANE; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float den = 0.f;
+  if (mx > -PD_INF) {
+    for (long long i = beg; i < end; ++i) {
+      const float s = lse[i * num_heads + h];
+      if (!(s > -PD_INF)) continue;               // empty chunk or NaN: no weight
+      const float w = exp2f(s - mx);
+      den += w;
+      const float4* row = reinterpret_cast<const float4*>(v + (i * num_heads + h) * HEAD_DIM);
+#pragma unroll
+      for (int j = 0; j < PER_LANE; ++j) {
+        const int c = lane + 32 * j;
+        if (c < NV4) {
+          const float4 x = row[c];
+          acc[j].x = fmaf(w, x.x, acc[j].x); acc[j].y = fmaf(w, x.y, acc[j].y);
+          acc[j].z = fmaf(w, x.z, acc[j].z); acc[j].w = fmaf(w, x.w, acc[j].w);
+        }
+      }
+    }
+  }
+  const bool live = den > 0.f;
+  const float inv = live ? 1.f / den : 0.f;
+  TO* dst = v_out + (o * num_heads + h) * HEAD_DIM;
+#pragma unroll
+  for (int j = 0; j < PER_LANE; ++j) {
+    const int c = lane + 32 * j;
+    if (c < NV4) {
+      dst[4 * c + 0] = pd::from_float<TO>(acc[j].x * inv);
+      dst[4 * c + 1] = pd::from_float<TO>(acc[j].y * inv);
+      dst[4 * c + 2] = pd::from_float<TO>(acc[j].z * inv);
+      dst[4 * c + 3] = pd::from_float<TO>(acc[j].w * inv);
+    }
+  }
+  if (lane == 0) lse_out[o * num_heads + h] = live ? mx + log2f(den) : -PD_INF;
+}
+"""
+
+CUDA_SOURCE = CUDA_COMMON + CUDA_BODY

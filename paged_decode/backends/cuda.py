@@ -1,0 +1,299 @@
+"""The CUDA backend: the kernels in ``kernels/`` compiled at run time through CuPy.
+
+Arrays: CuPy arrays, and any CUDA array exposing DLPack or ``__cuda_array_interface__``
+(torch tensors) are used in place, without copies; results come back in the caller's
+array kind. Launches go to the caller's current stream (CuPy's, or torch's when the
+inputs are torch tensors) on the inputs' device. Table and plan arrays are copied to the
+device once per (table or plan object, device) and memoised, so a decode with a prepared
+plan and a caller-provided output makes no host-to-device copy and no allocation besides
+the merge workspace (``prepare`` uploads ahead of a CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..device import DeviceInfo
+from ..dtypes import dtype_name, numpy_dtype
+from ..errors import InvalidArgumentError
+from ..page_table import PageTable
+from ..plan import DecodePlan
+from ..specs import (
+    MAX_PAGE_SIZE,
+    SUPPORTED_HEAD_DIMS,
+    V1_NUM_WARPS,
+    V2_NUM_WARPS,
+    KernelSpec,
+    assert_compile_allowed,
+    cuda_source,
+    merge_spec,
+    v1_spec,
+    v2_spec,
+)
+from .base import Backend, Problem, Support, poison_enabled
+
+LOG2E = 1.4426950408889634
+CTAS_PER_SM = 4
+COMPILE_OPTIONS = ("-std=c++17",)
+
+try:  # imported lazily by the registry; a failure here marks the backend unavailable
+    import cupy as cp
+except Exception:  # pragma: no cover - exercised only where CuPy is missing
+    cp = None
+
+
+@functools.cache
+def _module(kernel: str, name_expressions: tuple[str, ...]) -> Any:
+    return cp.RawModule(code=cuda_source(kernel), options=COMPILE_OPTIONS,
+                        name_expressions=list(name_expressions))
+
+
+@functools.cache
+def compiled(spec: KernelSpec) -> Any:
+    """The compiled kernel of ``spec`` (one module per specialization, cached)."""
+    assert_compile_allowed(spec)
+    expr = spec.cuda_name_expression()
+    return _module(spec.kernel, (expr,)).get_function(expr)
+
+
+def _torch() -> Any:
+    try:
+        import torch
+        return torch
+    except Exception:
+        return None
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._uploads: dict[tuple[int, int], Any] = {}
+
+    @classmethod
+    def available(cls) -> Support:
+        if cp is None:
+            return Support(False, "CuPy is not installed (pip install 'paged-decode[cuda12]' "
+                                  "or '[cuda13]')")
+        try:
+            n = cp.cuda.runtime.getDeviceCount()
+        except Exception as exc:
+            return Support(False, f"no usable CUDA device ({type(exc).__name__}: {exc})")
+        return Support(True) if n > 0 else Support(False, "no CUDA device")
+
+    def device_info(self, index: int | None = None) -> DeviceInfo:
+        i = cp.cuda.Device().id if index is None else index
+        return _device_info(i)
+
+    def describe(self) -> dict[str, Any]:
+        info = self.device_info()
+        return {"backend": self.name, "cupy": cp.__version__, "device": info.name,
+                "sms": info.compute_units, "driver": cp.cuda.runtime.driverGetVersion(),
+                "runtime": cp.cuda.runtime.runtimeGetVersion()}
+
+    def supports(self, problem: Problem) -> Support:
+        if problem.head_dim not in SUPPORTED_HEAD_DIMS:
+            return Support(False, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got "
+                                  f"{problem.head_dim}")
+        if not 1 <= problem.page_size <= MAX_PAGE_SIZE:
+            return Support(False, f"page_size must be in [1, {MAX_PAGE_SIZE}], got "
+                                  f"{problem.page_size}")
+        return Support(True)
+
+    # ----------------------------------------------------------- arrays
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, cp.ndarray)
+
+    def asarray(self, x: Any) -> Any:
+        """A CuPy view of ``x`` (no copy for device arrays; host arrays are uploaded)."""
+        if isinstance(x, cp.ndarray):
+            return x
+        if type(x).__module__.split(".")[0] == "torch":
+            if not x.is_cuda:
+                raise InvalidArgumentError(f"cuda backend: torch tensor on {x.device} is not a "
+                                           "CUDA tensor")
+            return _from_torch(x)
+        if hasattr(x, "__cuda_array_interface__"):
+            return cp.asarray(x)
+        if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+            return cp.from_dlpack(x)
+        return cp.asarray(np.asarray(x))
+
+    def array_module(self) -> Any:
+        return cp
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        a = self.asarray(x)
+        return cp.asnumpy(a)
+
+    def dtype_of(self, x: Any) -> str:
+        return dtype_name(self.asarray(x).dtype)
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        out = cp.empty(shape, numpy_dtype(dtype))
+        if poison_enabled():
+            out.view(np.uint16 if out.itemsize == 2 else np.uint32).fill(
+                0x7E00 if dtype == "float16" else 0x7FC0 if dtype == "bfloat16" else 0x7FC00000)
+        return out
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
+        return cp.zeros(shape, numpy_dtype(dtype))
+
+    def wrap_result(self, x: Any, like: Any) -> Any:
+        if type(like).__module__.split(".")[0] == "torch":
+            torch = _torch()
+            return torch.from_dlpack(x)
+        return x
+
+    @contextlib.contextmanager
+    def launch_context(self, like: Any) -> Iterator[None]:
+        """Run on ``like``'s device and its framework's current stream."""
+        if type(like).__module__.split(".")[0] == "torch":
+            torch = _torch()
+            dev = like.device.index
+            dev = torch.cuda.current_device() if dev is None else dev
+            ptr = torch.cuda.current_stream(dev).cuda_stream
+            with cp.cuda.Device(dev), _external_stream(ptr, dev):
+                yield
+            return
+        dev = like.device.id if isinstance(like, cp.ndarray) else cp.cuda.Device().id
+        with cp.cuda.Device(dev):
+            yield
+
+    # ----------------------------------------------------------- pool writes
+    def write_tokens(self, pages: Any, page_ids: Any, slots: Any, values: Any) -> Any:
+        vals = self.asarray(values)
+        ids = cp.asarray(np.asarray(page_ids, dtype=np.int64))
+        sl = cp.asarray(np.asarray(slots, dtype=np.int64))
+        pages[..., ids, sl, :, :] = vals.astype(pages.dtype, copy=False)
+        return pages
+
+    def copy_page(self, pages: Any, src: int, dst: int) -> Any:
+        pages[..., dst, :, :, :] = pages[..., src, :, :, :]
+        return pages
+
+    # ----------------------------------------------------------- device copies of host data
+    def upload(self, arr: np.ndarray) -> Any:
+        """Device copy of a host array on the current device.
+
+        Read-only arrays (every table and plan array) are immutable, so their copies are
+        memoised by identity until the host array is collected.
+        """
+        if arr.flags.writeable:
+            return cp.asarray(arr)
+        key = (id(arr), cp.cuda.Device().id)
+        got = self._uploads.get(key)
+        if got is None:
+            got = cp.asarray(arr if arr.size else np.zeros(1, arr.dtype))
+            self._uploads[key] = got
+            weakref.finalize(arr, self._uploads.pop, key, None)
+        return got
+
+    def prepare(self, table: PageTable, plan: DecodePlan | None = None) -> None:
+        """Upload ``table`` (and ``plan``) to the current device ahead of time (e.g. before
+        capturing a CUDA graph)."""
+        for a in (table.indices, table.indptr, table.last_page_len, table.first_page_offset):
+            self.upload(a)
+        if plan is not None:
+            for a in (plan.request_indices, plan.kv_tile_indices, plan.o_indptr):
+                self.upload(a)
+
+    def _table(self, table: PageTable) -> tuple[Any, ...]:
+        return tuple(self.upload(a) for a in (table.indices, table.indptr, table.last_page_len,
+                                              table.first_page_offset))
+
+    # ----------------------------------------------------------- kernels
+    def kernel(self, spec: KernelSpec) -> Any:
+        """The compiled kernel for ``spec`` (a hook tests override with mutated sources)."""
+        return compiled(spec)
+
+    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
+                sm_scale: float, v_out: Any, lse_out: Any) -> None:
+        _check_aligned("decode", k_pages, v_pages)
+        spec = v2_spec(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out),
+                       plan.head_dim, plan.page_size, plan.heads_per_cta)
+        idx, indptr, lpl, fpo = self._table(table)
+        req, tiles = self.upload(plan.request_indices), self.upload(plan.kv_tile_indices)
+        _launch(self.kernel(spec), (plan.num_chunks, plan.ctas_per_chunk), V2_NUM_WARPS * 32,
+                (q, k_pages, v_pages, idx, indptr, lpl, fpo, req, tiles, v_out, lse_out,
+                 np.int32(plan.num_qo_heads), np.int32(plan.num_kv_heads),
+                 np.int32(plan.q_groups), np.int32(plan.pages_per_chunk),
+                 np.float32(sm_scale * LOG2E)))
+
+    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
+        m, h, d = (int(x) for x in v_out.shape)
+        spec = merge_spec(self.dtype_of(v_out), d)
+        ip = o_indptr if isinstance(o_indptr, cp.ndarray) else self.upload(o_indptr)
+        if m * h == 0:
+            return
+        _launch(self.kernel(spec), (-(-m * h // 4), 1), 128,
+                (v, lse, ip, v_out, lse_out, np.int32(h), np.int32(m)))
+
+    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                  sm_scale: float, out: Any, lse_out: Any) -> None:
+        _check_aligned("decode", k_pages, v_pages)
+        b, hq, d = (int(x) for x in q.shape)
+        spec = v1_spec(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out), d,
+                       table.page_size)
+        idx, indptr, lpl, fpo = self._table(table)
+        _launch(self.kernel(spec), (b * hq, 1), V1_NUM_WARPS * 32,
+                (q, k_pages, v_pages, idx, indptr, lpl, fpo, out, lse_out, np.int32(hq),
+                 np.int32(k_pages.shape[2]), np.float32(sm_scale * LOG2E)))
+
+    def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                    sm_scale: float, out: Any, lse_out: Any) -> None:
+        from .cuda_gather import gather_attention
+        gather_attention(self, q, k_pages, v_pages, table, sm_scale, out, lse_out)
+
+
+@functools.cache
+def _device_info(index: int) -> DeviceInfo:
+    props = cp.cuda.runtime.getDeviceProperties(index)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    sms = int(props["multiProcessorCount"])
+    return DeviceInfo("cuda", name, sms, CTAS_PER_SM, index=index,
+                      detail=f"compute capability {props['major']}.{props['minor']}")
+
+
+def _check_aligned(fn: str, *arrays: Any) -> None:
+    for a in arrays:
+        if a.data.ptr % 16:
+            raise InvalidArgumentError(f"{fn}: K/V page pools must be 16-byte aligned for "
+                                       f"vector loads, got an address {a.data.ptr:#x}")
+
+
+def _launch(kernel: Any, grid: tuple[int, int], block: int, args: tuple[Any, ...]) -> None:
+    """The one place that turns (grid in blocks, threads per block) into a launch."""
+    gx, gy = grid
+    if gx == 0 or gy == 0:
+        return
+    kernel((int(gx), int(gy), 1), (int(block), 1, 1), args)
+
+
+def _external_stream(ptr: int, dev: int) -> Any:
+    """A CuPy stream object for a raw CUDA stream owned by another framework."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers from_external
+        return cp.cuda.ExternalStream(ptr, dev)
+
+
+def _from_torch(t: Any) -> Any:
+    """Zero-copy CuPy view of a CUDA torch tensor (bfloat16 through an int16 view if needed)."""
+    try:
+        return cp.from_dlpack(t)
+    except Exception:
+        torch = _torch()
+        if t.dtype != torch.bfloat16:
+            raise
+        raw = cp.from_dlpack(t.view(torch.int16))
+        return raw.view(numpy_dtype("bfloat16"))
+
+
+__all__ = ["CudaBackend", "compiled"]

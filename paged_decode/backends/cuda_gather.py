@@ -1,0 +1,89 @@
+"""The gather-then-SDPA arm on CUDA: gather every request's visible K/V rows into a
+contiguous, zero-padded ``[B, Hkv, Tmax, D]`` copy, then dense attention.
+
+Dense attention is torch's ``scaled_dot_product_attention`` when torch is importable
+(the baseline an engine without paged kernels would use), otherwise a CuPy float32
+implementation; the LSE (base 2), when asked for, comes from the CuPy implementation.
+Row indices are built on the host once per table and memoised with the table's arrays.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..page_table import PageTable
+
+_rows_cache: weakref.WeakKeyDictionary[PageTable, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+def gather_rows(table: PageTable) -> np.ndarray:
+    """``int64 [B, Tmax]`` flat row ids into ``pages.reshape(-1, Hkv, D)``; padding is -1.
+
+    Read-only and memoised per table.
+    """
+    got = _rows_cache.get(table)
+    if got is not None:
+        return got
+    p = table.page_size
+    vis = table.visible_lens.astype(np.int64)
+    tmax = max(1, int(vis.max()) if vis.size else 1)
+    rows = np.full((table.batch_size, tmax), -1, np.int64)
+    for r in range(table.batch_size):
+        n = int(vis[r])
+        if n == 0:
+            continue
+        a = int(table.first_page_offset[r]) + np.arange(n, dtype=np.int64)
+        pages = table.indices[table.indptr[r] + a // p].astype(np.int64)
+        rows[r, :n] = pages * p + a % p
+    rows.setflags(write=False)
+    _rows_cache[table] = rows
+    return rows
+
+
+def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                     sm_scale: float, out: Any, lse_out: Any) -> None:
+    import cupy as cp
+    b, hq, d = (int(x) for x in q.shape)
+    hkv = int(k_pages.shape[2])
+    g = hq // hkv
+    rows_h = gather_rows(table)
+    rows = be.upload(np.maximum(rows_h, 0))
+    valid = be.upload(rows_h >= 0)                                # [B, Tmax]
+    kf = k_pages.reshape(-1, hkv, d)[rows].transpose(0, 2, 1, 3)  # [B, Hkv, Tmax, D]
+    vf = v_pages.reshape(-1, hkv, d)[rows].transpose(0, 2, 1, 3)
+    empty = cp.asarray(table.visible_lens == 0)
+    torch = _torch_cuda()
+    if torch is not None and lse_out is None:
+        tq = torch.from_dlpack(q).unsqueeze(2)                     # [B, Hq, 1, D]
+        tk, tv = torch.from_dlpack(kf), torch.from_dlpack(vf)
+        mask = None if bool(valid.all()) else torch.from_dlpack(valid)[:, None, None, :]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            tq, tk.to(tq.dtype), tv.to(tq.dtype), attn_mask=mask, scale=sm_scale,
+            enable_gqa=g > 1)
+        res = cp.from_dlpack(o.squeeze(2).contiguous())
+        res = cp.where(empty[:, None, None], 0, res)
+        out[...] = res.astype(out.dtype)
+        return
+    qf = q.astype(cp.float32).reshape(b, hkv, g, d)
+    s = cp.matmul(qf, kf.astype(cp.float32).transpose(0, 1, 3, 2)) * np.float32(sm_scale)
+    s = cp.where(valid[:, None, None, :], s, -cp.inf)              # [B, Hkv, G, Tmax]
+    m = s.max(axis=-1, keepdims=True)
+    m = cp.where(cp.isfinite(m), m, 0)
+    p = cp.exp(s - m)
+    den = p.sum(axis=-1)
+    o = cp.matmul(p, vf.astype(cp.float32)) / cp.where(den > 0, den, 1)[..., None]
+    out[...] = cp.where(empty[:, None, None], 0, o.reshape(b, hq, d)).astype(out.dtype)
+    if lse_out is not None:
+        lse = (m[..., 0] + cp.log(cp.where(den > 0, den, 1))) / np.float32(np.log(2.0))
+        lse_out[...] = cp.where(den > 0, lse, -cp.inf).reshape(b, hq).astype(cp.float32)
+
+
+def _torch_cuda() -> Any:
+    try:
+        import torch
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None

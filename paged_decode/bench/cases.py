@@ -1,0 +1,79 @@
+"""Benchmark cases and named presets (the one registry the CLI and ``bench/`` use)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    batch: int
+    context: int
+    page_size: int
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "float16"
+    model: str = "llama3-8b"
+
+    @property
+    def label(self) -> str:
+        return (f"{self.model} B{self.batch} ctx{self.context} ps{self.page_size} "
+                f"{self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim} {self.dtype}")
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V the decode must read (each visible element once)."""
+        elt = 4 if self.dtype == "float32" else 2
+        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * elt
+
+    def io_bytes(self) -> int:
+        """K + V + q + output bytes: the explicit byte count behind GB/s."""
+        elt = 4 if self.dtype == "float32" else 2
+        return self.kv_bytes() + 2 * self.batch * self.num_qo_heads * self.head_dim * elt
+
+
+MODELS = {  # (Hq, Hkv, D)
+    "llama3-8b": (32, 8, 128),
+    "llama3-70b-tp8": (8, 1, 128),
+    "mistral-7b": (32, 8, 128),
+    "qwen2-7b": (28, 4, 128),
+}
+
+
+def _grid(contexts: list[int], batches: list[int], pages: list[int], model: str = "llama3-8b",
+          dtype: str = "float16") -> list[BenchCase]:
+    hq, hkv, d = MODELS[model]
+    return [BenchCase(b, c, p, hq, hkv, d, dtype, model)
+            for c, b, p in itertools.product(contexts, batches, pages)]
+
+
+PRESETS = {
+    # the issue-3 sweep on a GPU (Llama-3-8B heads, float16)
+    "adr": lambda: _grid([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64], [16, 32, 64]),
+    # small enough for the numpy reference backend to finish in about a minute
+    "cpu": lambda: _grid([512, 2048], [1, 4], [16, 64]),
+    "models": lambda: [c for m in MODELS for c in _grid([4096], [8], [16], model=m)],
+}
+
+
+def preset_cases(name: str, *, contexts: list[int] | None = None,
+                 batches: list[int] | None = None, pages: list[int] | None = None,
+                 dtype: str | None = None) -> list[BenchCase]:
+    """The cases of preset ``name``, optionally with axes replaced."""
+    if name not in PRESETS:
+        raise ValueError(f"bench: preset must be one of {', '.join(PRESETS)}, got {name!r}")
+    cases = PRESETS[name]()
+    if contexts or batches or pages or dtype:
+        seen: dict[tuple[str, int, int, str], BenchCase] = {}
+        for c in cases:
+            seen.setdefault((c.model, c.num_qo_heads, c.head_dim, c.dtype), c)
+        out = []
+        for base in seen.values():
+            hq, hkv, d = base.num_qo_heads, base.num_kv_heads, base.head_dim
+            for ctx, b, p in itertools.product(contexts or sorted({x.context for x in cases}),
+                                               batches or sorted({x.batch for x in cases}),
+                                               pages or sorted({x.page_size for x in cases})):
+                out.append(BenchCase(b, ctx, p, hq, hkv, d, dtype or base.dtype, base.model))
+        cases = out
+    return cases

@@ -1,0 +1,417 @@
+"""The correctness matrix behind ``paged-decode check``.
+
+Every configuration builds a random problem (``problems.make_problem``: randomized
+partial last pages, odd requests starting mid-page, physical pages shuffled out of a pool
+with 2x slack), computes the float64 oracle once, then runs each path through
+``decode(..., path=..., return_lse=True, out_dtype="float32")`` and compares:
+
+- ``"v2"``: the plan the backend's device target gives (single chunk or merged);
+- ``"v2-forced-merge"``: one page per chunk (or the smallest chunk the 65535-chunk grid
+  bound allows), so the merge runs on every request with more than one page;
+- ``"v2-single"``: one chunk per request, so the partial writes the output itself and no
+  merge runs (a large device target rarely plans that for this matrix's batch sizes);
+- ``"v1"`` and ``"gather"``: the comparison and fallback arms.
+
+A result passes only when both errors are finite and within tolerance **and** the path
+that actually ran (``last_outcome()``) is the one asked for. Full matrix: head_dim {64,
+128} x GQA {1, 4, 8} x page {16, 32, 64} x context {512, 4096, 16384, 32768} x batch
+{1, 4, 8} = 216 configurations per dtype (4 KV heads). The quick matrix is a
+deterministic subset that covers every pair of axis values, every kernel specialization
+(head_dim x GQA x page) and both extreme corners.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import problems, reference
+from .backends import Backend, get_backend
+from .decode import decode
+from .outcome import last_outcome
+from .page_table import PageTable
+from .plan import MAX_CHUNKS, DecodePlan, chunk_counts, plan_decode
+
+HEAD_DIMS = (64, 128)
+GQAS = (1, 4, 8)
+PAGE_SIZES = (16, 32, 64)
+CONTEXTS = (512, 4096, 16384, 32768)
+BATCHES = (1, 4, 8)
+AXES: dict[str, tuple[int, ...]] = {"head_dim": HEAD_DIMS, "gqa": GQAS,
+                                    "page_size": PAGE_SIZES, "context": CONTEXTS,
+                                    "batch": BATCHES}
+ALL_PATHS = ("v2", "v2-forced-merge", "v2-single", "v1", "gather")
+QUICK_SIZE = 24
+
+# Max relative error on outputs, keyed by KV dtype. The oracle reads the same quantized
+# inputs, so what remains is accumulation error (float32 on the reference backend: ~1e-6)
+# plus whatever a GPU kernel rounds on the way (P rounded to the KV dtype before P.V:
+# ~2^-11 relative for float16, ~2^-8 for bfloat16). The issue's bound is 2e-2 for float16
+# and bfloat16; float16 is held to 5e-3 here because its arithmetic allows it.
+TOLERANCES = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
+# Max absolute LSE error, log2 units (LSEs here are ~10-20, where a float32 ulp is ~2e-6).
+LSE_TOLERANCE = 2e-4
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """One configuration of the matrix (``num_qo_heads = gqa * num_kv_heads``)."""
+
+    head_dim: int
+    gqa: int
+    page_size: int
+    context: int
+    batch: int
+    num_kv_heads: int = 4
+    q_dtype: str = "float16"
+    kv_dtype: str = "float16"
+    seed: int = 0
+
+    @property
+    def num_qo_heads(self) -> int:
+        return self.gqa * self.num_kv_heads
+
+    @property
+    def label(self) -> str:
+        dt = self.kv_dtype if self.q_dtype == self.kv_dtype else \
+            f"q{self.q_dtype}-kv{self.kv_dtype}"
+        return (f"D{self.head_dim}-G{self.gqa}-P{self.page_size}-ctx{self.context}"
+                f"-B{self.batch}-{dt}")
+
+    @property
+    def spec(self) -> problems.ProblemSpec:
+        return problems.ProblemSpec(self.batch, self.context, self.num_qo_heads,
+                                    self.num_kv_heads, self.head_dim, self.page_size,
+                                    self.q_dtype, self.kv_dtype, seed=self.seed)
+
+    @property
+    def cost(self) -> int:
+        """Relative work (KV elements to generate and read); orders and picks configs."""
+        return self.batch * self.context * self.num_kv_heads * self.head_dim
+
+
+def tolerance(kv_dtype: str) -> float:
+    return TOLERANCES[kv_dtype]
+
+
+# ---------------------------------------------------------------------------- matrix
+def _seed(values: Sequence[int]) -> int:
+    """A stable seed per geometry (the same problem in every dtype)."""
+    return zlib.crc32("-".join(str(v) for v in values).encode())
+
+
+def _quick_points() -> list[tuple[int, ...]]:
+    """Greedy covering of every value pair of every two axes and every kernel
+    specialization (head_dim x GQA x page), seeded with the corners (ctx 32768, batch 8)
+    and (ctx 512, batch 1); ties go to the cheaper point, then to product order; padded
+    to ``QUICK_SIZE`` by covering (context, batch, page) triples."""
+    names = list(AXES)
+    cands = list(itertools.product(*AXES.values()))
+    ci, bi = names.index("context"), names.index("batch")
+
+    def cost(pt: tuple[int, ...]) -> int:
+        return pt[ci] * pt[bi] * pt[names.index("head_dim")]
+
+    def keys(pt: tuple[int, ...], groups: list[tuple[int, ...]]) -> set[tuple[Any, ...]]:
+        return {(g, tuple(pt[i] for i in g)) for g in groups}
+
+    pair_groups = list(itertools.combinations(range(len(names)), 2))
+    spec_group = [tuple(names.index(n) for n in ("head_dim", "gqa", "page_size"))]
+    pad_group = [tuple(names.index(n) for n in ("context", "batch", "page_size"))]
+    primary = pair_groups + spec_group
+    todo = set().union(*(keys(p, primary) for p in cands))
+    chosen: list[tuple[int, ...]] = []
+
+    def take(pool: list[tuple[int, ...]], groups: list[tuple[int, ...]],
+             todo: set[tuple[Any, ...]]) -> None:
+        best = max(pool, key=lambda p: (len(keys(p, groups) & todo), -cost(p)))
+        chosen.append(best)
+        cands.remove(best)
+        todo -= keys(best, groups)
+
+    for ctx, b in ((CONTEXTS[-1], BATCHES[-1]), (CONTEXTS[0], BATCHES[0])):
+        take([p for p in cands if p[ci] == ctx and p[bi] == b], primary, todo)
+    while todo:
+        take(cands, primary, todo)
+    pad = set().union(*(keys(p, pad_group) for p in cands)) - \
+        set().union(*(keys(p, pad_group) for p in chosen))
+    while len(chosen) < QUICK_SIZE and pad:
+        take(cands, pad_group, pad)
+    return chosen
+
+
+def matrix(full: bool, dtypes: Iterable[str] = ("float16",)) -> list[CheckConfig]:
+    """The configurations to check: ``full`` gives all 216 per dtype, otherwise the quick
+    subset (about 24 per dtype). Ordered by dtype, then cheapest first (context, batch,
+    ...), so ``max_configs`` and early progress lines take the small ones."""
+    points = list(itertools.product(*AXES.values())) if full else _quick_points()
+    names = list(AXES)
+    out = []
+    for dt in dtypes:
+        cfgs = [CheckConfig(**dict(zip(names, pt)), q_dtype=dt, kv_dtype=dt,
+                            seed=_seed(pt)) for pt in points]
+        cfgs.sort(key=lambda c: (c.context, c.batch, c.page_size, c.gqa, c.head_dim))
+        out.extend(cfgs)
+    return out
+
+
+# ---------------------------------------------------------------------------- oracle
+def oracle_f64(q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, table: PageTable,
+               sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``reference.oracle_decode``, without materializing K/V per query head.
+
+    Same float64 arithmetic (the page walk is ``reference.request_kv_f64``; natural
+    exponentials; base-2 LSE at the end), but the GQA group is a matmul axis instead of
+    an ``[T, Hq, D]`` copy: ~10x faster at GQA 8, which makes the full matrix feasible.
+    """
+    qn = np.asarray(q, dtype=np.float64)
+    b, hq, d = qn.shape
+    hkv = int(k_pages.shape[2])
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    out = np.zeros((b, hq, d))
+    lse = np.full((b, hq), -np.inf)
+    for r in range(b):
+        k = reference.request_kv_f64(k_pages, table, r)   # [T, Hkv, D]
+        if k.shape[0] == 0:
+            continue
+        v = reference.request_kv_f64(v_pages, table, r)
+        qg = qn[r].reshape(hkv, g, d)
+        logits = np.matmul(qg, k.transpose(1, 2, 0)) * scale          # [Hkv, G, T]
+        mx = logits.max(axis=-1, keepdims=True)
+        e = np.exp(logits - mx)
+        den = e.sum(axis=-1)
+        o = np.matmul(e, np.ascontiguousarray(v.transpose(1, 0, 2))) / den[..., None]
+        out[r] = o.reshape(hq, d)
+        lse[r] = ((mx[..., 0] + np.log(den)) / math.log(2.0)).reshape(hq)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------- results
+@dataclass
+class CheckResult:
+    """One (configuration, path) check. The plan fields are ``None`` for v1 and gather."""
+
+    config: CheckConfig
+    path: str
+    ran: str | None                 # last_outcome().path: "v2", "v2+merge", "v1", "gather"
+    pages_per_chunk: int | None
+    num_chunks: int | None
+    num_ctas: int | None
+    merged: bool | None
+    max_rel_error: float
+    lse_error: float
+    tolerance: float
+    passed: bool
+    seconds: float
+    error: str | None = None        # why it failed beyond the numbers
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["label"] = self.config.label
+        for k in ("max_rel_error", "lse_error"):
+            if not math.isfinite(d[k]):
+                d[k] = str(d[k])
+        return d
+
+
+def format_result(r: CheckResult) -> str:
+    """One line: label, path, plan, max rel err, LSE err, PASS/FAIL (and why)."""
+    if r.pages_per_chunk is None:
+        plan = "-"
+    else:
+        plan = (f"ppc={r.pages_per_chunk} chunks={r.num_chunks} ctas={r.num_ctas} "
+                f"{'merge' if r.merged else 'single'}")
+    line = (f"{r.config.label:<34} {r.path:<15} {plan:<40} rel={r.max_rel_error:.2e} "
+            f"lse={r.lse_error:.2e}  {'PASS' if r.passed else 'FAIL'}")
+    if not r.passed and r.error:
+        line += f"  ({r.error})"
+    return line
+
+
+@dataclass
+class CheckReport:
+    backend: str
+    device: str
+    full: bool
+    dtypes: tuple[str, ...]
+    paths: tuple[str, ...]
+    results: list[CheckResult] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # build, oracle, per path, total
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if not r.passed]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and not self.failures
+
+    def summary(self) -> str:
+        n_cfg = len({(r.config.label) for r in self.results})
+        lines = [f"paged-decode check on {self.backend} ({self.device}): "
+                 f"{'full' if self.full else 'quick'} matrix, {n_cfg} configs x "
+                 f"{len(self.paths)} paths, dtypes {', '.join(self.dtypes)}",
+                 f"{'dtype':<9} {'path':<15} {'runs':>5} {'fail':>5} {'max rel err':>12} "
+                 f"{'tol':>8} {'max lse err':>12} {'seconds':>8}"]
+        for dt in self.dtypes:
+            for p in self.paths:
+                rs = [r for r in self.results if r.path == p and r.config.kv_dtype == dt]
+                if not rs:
+                    continue
+                lines.append(
+                    f"{dt:<9} {p:<15} {len(rs):>5} {sum(not r.passed for r in rs):>5} "
+                    f"{max(r.max_rel_error for r in rs):>12.2e} {tolerance(dt):>8.0e} "
+                    f"{max(r.lse_error for r in rs):>12.2e} {sum(r.seconds for r in rs):>8.1f}")
+        lines.append(f"LSE tolerance {LSE_TOLERANCE:.0e} (absolute, log2 units)")
+        t = self.timings
+        if t:
+            lines.append("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()))
+        for r in self.failures[:20]:
+            lines.append("FAIL " + format_result(r))
+        if len(self.failures) > 20:
+            lines.append(f"... and {len(self.failures) - 20} more failures")
+        good = len(self.results) - len(self.failures)
+        lines.append(f"{'PASS' if self.passed else 'FAIL'}: {good}/{len(self.results)} "
+                     "checks passed")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "device": self.device, "full": self.full,
+                "dtypes": list(self.dtypes), "paths": list(self.paths),
+                "tolerances": {**TOLERANCES, "lse": LSE_TOLERANCE},
+                "passed": self.passed, "num_failures": len(self.failures),
+                "timings": self.timings, "results": [r.to_dict() for r in self.results]}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+# ---------------------------------------------------------------------------- running
+def forced_merge_ppc(table: PageTable) -> int:
+    """Pages per chunk for the forced-merge arm: 1, or the smallest the grid bound allows."""
+    pages = table.pages_per_request
+    lo, hi = 1, max(1, int(pages.max()))
+    while lo < hi:  # chunk count is non-increasing in ppc
+        mid = (lo + hi) // 2
+        if int(chunk_counts(pages, mid).sum()) <= MAX_CHUNKS:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _plan_for(path: str, be: Backend, cfg: CheckConfig, table: PageTable,
+              auto: DecodePlan) -> DecodePlan:
+    if path == "v2-forced-merge":
+        ppc = forced_merge_ppc(table)
+    elif path == "v2-single":
+        ppc = max(1, int(table.pages_per_request.max()))
+    else:
+        return auto
+    return plan_decode(table, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                       device=be.device_info(), pages_per_chunk=ppc)
+
+
+def _run_path(be: Backend, cfg: CheckConfig, path: str, arrays: tuple[Any, Any, Any],
+              table: PageTable, auto: DecodePlan, ref: tuple[np.ndarray, np.ndarray]
+              ) -> CheckResult:
+    tol = tolerance(cfg.kv_dtype)
+    plan = _plan_for(path, be, cfg, table, auto)
+    is_v2 = path.startswith("v2")
+    want = ("v2+merge" if plan.needs_merge else "v2") if is_v2 else path
+    before = last_outcome()
+    t0 = time.perf_counter()
+    err, lerr, ran, why = math.inf, math.inf, None, None
+    try:
+        out, lse = decode(*arrays, table, plan, path="v2" if is_v2 else path,
+                          return_lse=True, out_dtype="float32", backend=be)
+        out_h, lse_h = be.to_numpy(be.asarray(out)), be.to_numpy(be.asarray(lse))
+        outcome = last_outcome()
+        ran = outcome.path if outcome is not None and outcome is not before else None
+        err = reference.max_rel_error(out_h, ref[0])
+        lerr = reference.lse_error(lse_h, ref[1])
+    except Exception as exc:  # a failing backend is a result, not a crash of the check
+        why = f"{type(exc).__name__}: {exc}"
+    seconds = time.perf_counter() - t0
+    if why is None:
+        if ran != want:
+            why = f"asked for {want}, ran {ran or 'nothing recorded'}"
+        elif not (math.isfinite(err) and err <= tol):
+            why = f"max rel error {err:.3g} > {tol:.0e}"
+        elif not (math.isfinite(lerr) and lerr <= LSE_TOLERANCE):
+            why = f"LSE error {lerr:.3g} > {LSE_TOLERANCE:.0e}"
+    return CheckResult(cfg, path, ran,
+                       plan.pages_per_chunk if is_v2 else None,
+                       plan.num_chunks if is_v2 else None,
+                       plan.num_ctas if is_v2 else None,
+                       plan.needs_merge if is_v2 else None,
+                       err, lerr, tol, why is None, seconds, why)
+
+
+def check_config(be: Backend, cfg: CheckConfig, paths: Sequence[str] = ALL_PATHS,
+                 timings: dict[str, float] | None = None) -> list[CheckResult]:
+    """Check one configuration on every path in ``paths`` (oracle computed once)."""
+    tm = timings if timings is not None else {}
+    t0 = time.perf_counter()
+    prob = problems.make_problem(cfg.spec)
+    arrays = problems.move(prob, be)
+    t1 = time.perf_counter()
+    ref = oracle_f64(prob.q, prob.k_pages, prob.v_pages, prob.table)
+    t2 = time.perf_counter()
+    tm["build"] = tm.get("build", 0.0) + (t1 - t0)
+    tm["oracle"] = tm.get("oracle", 0.0) + (t2 - t1)
+    auto = plan_decode(prob.table, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                       device=be.device_info())
+    results = []
+    for p in paths:
+        r = _run_path(be, cfg, p, arrays, prob.table, auto, ref)
+        tm[p] = tm.get(p, 0.0) + r.seconds
+        results.append(r)
+    return results
+
+
+def run_check(backend: str | Backend | None = None, *, full: bool = False,
+              dtypes: Sequence[str] = ("float16",), paths: Sequence[str] = ALL_PATHS,
+              progress: Callable[[CheckResult], None] | None = None,
+              max_configs: int | None = None) -> CheckReport:
+    """Run the correctness matrix on ``backend`` (a name, an instance, or automatic).
+
+    ``progress`` is called with every ``CheckResult`` as it lands; ``max_configs`` keeps
+    only the first (cheapest) configurations of the matrix.
+    """
+    bad = [p for p in paths if p not in ALL_PATHS]
+    if bad:
+        raise ValueError(f"run_check: paths must be among {', '.join(ALL_PATHS)}, got {bad}")
+    for dt in dtypes:
+        if dt not in TOLERANCES:
+            raise ValueError(f"run_check: dtypes must be among {', '.join(TOLERANCES)}, "
+                             f"got {dt!r}")
+    be = get_backend(backend)
+    info = be.device_info()
+    report = CheckReport(be.name, f"{info.name}; target {info.target_ctas()} CTAs", full,
+                         tuple(dtypes), tuple(paths))
+    configs = matrix(full, list(dtypes))
+    if max_configs is not None:
+        configs = configs[:max_configs]
+    t0 = time.perf_counter()
+    for cfg in configs:
+        for r in check_config(be, cfg, paths, report.timings):
+            report.results.append(r)
+            if progress is not None:
+                progress(r)
+    report.timings["total"] = time.perf_counter() - t0
+    return report
+
+
+__all__ = ["ALL_PATHS", "AXES", "CheckConfig", "CheckReport", "CheckResult", "LSE_TOLERANCE",
+           "TOLERANCES", "check_config", "forced_merge_ppc", "format_result", "matrix",
+           "oracle_f64", "run_check", "tolerance"]

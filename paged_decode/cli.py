@@ -1,0 +1,146 @@
+"""The ``paged-decode`` command line: ``info``, ``check`` and ``bench``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .backends import REGISTRY, availability, get_backend, last_auto_choice
+
+
+def _backend(name: str | None):  # type: ignore[no-untyped-def]
+    try:
+        return get_backend(name)
+    except Exception as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.group()
+@click.version_option(__version__, prog_name="paged-decode")
+def main() -> None:
+    """Fused paged-attention decode kernels: inspect, verify and benchmark.
+
+    Without --backend, the best available backend is used (CUDA when a GPU and CuPy are
+    present, otherwise the CPU reference backend); PAGED_DECODE_BACKEND sets it too.
+    """
+
+
+@main.command()
+@click.option("--backend", default=None, help="Backend to describe (default: automatic).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def info(backend: str | None, as_json: bool) -> None:
+    """Available backends, the selected device and its plan target."""
+    import numpy as np
+    rows = {name: availability(name) for name in REGISTRY}
+    be = _backend(backend)
+    dev = be.device_info()
+    data = {"paged_decode": __version__, "numpy": np.__version__,
+            "backends": {n: {"available": s.ok, "reason": s.reason} for n, s in rows.items()},
+            "selected": be.name, "auto_choice": last_auto_choice(),
+            "device": dev.name, "compute_units": dev.compute_units,
+            "ctas_per_unit": dev.ctas_per_unit, "target_ctas": dev.target_ctas(),
+            "detail": dev.detail, **{k: v for k, v in be.describe().items() if k != "backend"}}
+    if as_json:
+        click.echo(json.dumps(data, indent=1, default=str))
+        return
+    click.echo(f"paged-decode {__version__} (numpy {np.__version__})")
+    for n, s in rows.items():
+        click.echo(f"  backend {n:<10} {'available' if s.ok else 'unavailable: ' + s.reason}")
+    click.echo(f"selected: {be.name} on {dev.name} ({dev.detail})")
+    click.echo(f"plan target: {dev.target_ctas()} CTAs ({dev.compute_units} units x "
+               f"{dev.ctas_per_unit})")
+    for k, v in be.describe().items():
+        if k not in ("backend", "device"):
+            click.echo(f"  {k}: {v}")
+
+
+@main.command()
+@click.option("--backend", default=None, help="Backend to check (default: automatic).")
+@click.option("--full", is_flag=True, help="The whole 216-configuration matrix per dtype.")
+@click.option("--dtype", "dtypes", multiple=True, default=["float16"], show_default=True,
+              type=click.Choice(["float16", "bfloat16", "float32"]),
+              help="KV and query dtype (repeat for several).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every result as JSON here.")
+@click.option("--max-configs", type=int, default=None, help="Stop after this many configs.")
+def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: str | None,
+          max_configs: int | None) -> None:
+    """Correctness matrix against the float64 oracle; exits non-zero on any failure."""
+    from .check import format_result, run_check
+    be = _backend(backend)
+    click.echo(f"checking backend {be.name} on {be.device_info().name}"
+               f"{' (full matrix)' if full else ' (quick matrix; --full for all 216)'}")
+    t0 = time.perf_counter()
+    report = run_check(be, full=full, dtypes=list(dtypes), max_configs=max_configs,
+                       progress=lambda r: click.echo(format_result(r)))
+    click.echo(report.summary())
+    click.echo(f"elapsed {time.perf_counter() - t0:.1f} s")
+    if json_path:
+        Path(json_path).write_text(report.to_json())
+    if not report.passed:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--backend", default=None, help="Backend to time (default: automatic).")
+@click.option("--preset", default=None,
+              help="Case preset: adr (GPU sweep), cpu (small), models. Default: adr on a "
+                   "GPU backend, cpu on the reference backend.")
+@click.option("--context", "contexts", multiple=True, type=int, help="Override contexts.")
+@click.option("--batch", "batches", multiple=True, type=int, help="Override batch sizes.")
+@click.option("--page", "pages", multiple=True, type=int, help="Override page sizes.")
+@click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]))
+@click.option("--arms", default="gather,v1,v2", show_default=True)
+@click.option("--reps", default=30, show_default=True, type=int)
+@click.option("--warmup", default=5, show_default=True, type=int)
+@click.option("--warm-l2", is_flag=True, help="Do not flush L2 between iterations.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None)
+def bench(backend: str | None, preset: str | None, contexts: tuple[int, ...],
+          batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
+          reps: int, warmup: int, warm_l2: bool, json_path: str | None, csv_path: str | None,
+          md_path: str | None) -> None:
+    """Time gather vs v1 vs v2 over a context x batch x page sweep (each arm verified
+    against the float64 oracle first)."""
+    from .bench import preset_cases, run_bench
+    from .bench.report import markdown, table, to_csv, to_json
+    from .bench.runner import ARMS, header
+    from .bench.timing import measure_read_bandwidth
+    be = _backend(backend)
+    name = preset or ("cpu" if be.name == "reference" else "adr")
+    try:
+        cases = preset_cases(name, contexts=list(contexts), batches=list(batches),
+                             pages=list(pages), dtype=dtype)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    arm_list = tuple(a.strip() for a in arms.split(",") if a.strip())
+    bad = [a for a in arm_list if a not in ARMS]
+    if bad:
+        raise click.ClickException(f"bench: --arms must name some of {', '.join(ARMS)}, "
+                                   f"got {', '.join(bad)}")
+    bw = measure_read_bandwidth() if be.name == "cuda" else None
+    head = header(be, bandwidth=bw)
+    click.echo(" ".join(f"{k}={v}" for k, v in head.items()))
+    with click.progressbar(length=len(cases), label=f"{len(cases)} cases", file=sys.stderr) \
+            as bar:
+        results = run_bench(cases, backend=be, arms=arm_list, warmup=warmup, reps=reps,
+                            cold_l2=not warm_l2, progress=lambda r: bar.update(1))
+    click.echo(table(results, bandwidth=bw))
+    if json_path:
+        Path(json_path).write_text(to_json(results, head))
+    if csv_path:
+        Path(csv_path).write_text(to_csv(results))
+    if md_path:
+        Path(md_path).write_text(markdown(results, head, " ".join(sys.argv)))
+    if not all(a.verified for r in results for a in r.arms.values()):
+        raise click.ClickException("some arm failed verification against the oracle ('!')")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Compile CUDA specializations on a machine without a GPU (CI), to catch source errors.
+
+Two compilers, NVRTC first because it is what CuPy uses at run time (no host C headers:
+a kernel that leans on ``math.h`` compiles under nvcc and fails under NVRTC):
+
+- NVRTC through ctypes, from ``libnvrtc`` of the ``nvidia-cuda-nvrtc`` wheel or a CUDA
+  toolkit, with the toolkit's headers; produces sm_90 cubins (ptxas runs too);
+- ``nvcc -cubin -arch=sm_90`` otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+
+from .specs import KernelSpec, cuda_source
+
+ARCH = "sm_90"
+
+
+def find_nvrtc() -> str | None:
+    roots = site.getsitepackages() + [site.getusersitepackages(), sys.prefix]
+    pats = [os.path.join(r, "nvidia", "*", "lib", "libnvrtc.so*") for r in roots]
+    pats += [os.path.join(r, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so*") for r in roots]
+    cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    pats += [os.path.join(cuda, "lib64", "libnvrtc.so*")]
+    for pat in pats:
+        hits = sorted(h for h in glob.glob(pat) if "builtins" not in h and "alt" not in h)
+        if hits:
+            return hits[0]
+    return None
+
+
+def cuda_include_dir() -> str | None:
+    nvcc = shutil.which("nvcc")
+    cands = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        cands.append(os.path.dirname(os.path.dirname(real)))
+        try:  # a wrapper script that execs the real nvcc
+            with open(nvcc, errors="ignore") as f:
+                for tok in f.read().split():
+                    if tok.endswith("/bin/nvcc"):
+                        cands.append(os.path.dirname(os.path.dirname(tok)))
+        except OSError:
+            pass
+    for c in cands:
+        if c and os.path.exists(os.path.join(c, "include", "cuda_fp16.h")):
+            return os.path.join(c, "include")
+    return None
+
+
+def available() -> str | None:
+    """``"nvrtc"``, ``"nvcc"`` or ``None``."""
+    if find_nvrtc() and cuda_include_dir():
+        return "nvrtc"
+    if shutil.which("nvcc"):
+        return "nvcc"
+    return None
+
+
+def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None) -> None:
+    """Compile every spec (grouped by kernel source); raise ``RuntimeError`` with the
+    compiler's log on the first failure."""
+    by_kernel: dict[str, list[KernelSpec]] = {}
+    for s in specs:
+        by_kernel.setdefault(s.kernel, []).append(s)
+    how = compiler or available()
+    if how is None:
+        raise RuntimeError("neither NVRTC nor nvcc is available")
+    for kernel, group in by_kernel.items():
+        exprs = sorted({s.cuda_name_expression() for s in group})
+        if how == "nvrtc":
+            _nvrtc(cuda_source(kernel), exprs)
+        else:
+            _nvcc(cuda_source(kernel), exprs)
+
+
+def _load_nvrtc() -> ctypes.CDLL:
+    path = find_nvrtc()
+    assert path is not None
+    # NVRTC dlopens its builtins library by name; load it first from the same folder.
+    for b in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
+        ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+        break
+    return ctypes.CDLL(path)
+
+
+def _nvrtc(src: str, exprs: list[str]) -> None:
+    lib = _load_nvrtc()
+    prog = ctypes.c_void_p()
+    check = _checker(lib)
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"pd.cu", 0, None, None),
+          "create")
+    try:
+        for e in exprs:
+            check(lib.nvrtcAddNameExpression(prog, e.encode()), "addNameExpression")
+        opts = [f"--gpu-architecture={ARCH}", "-std=c++17", f"-I{cuda_include_dir()}"]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        if rc != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC failed for {exprs}:\n{log.value.decode(errors='replace')}")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _checker(lib: ctypes.CDLL):  # type: ignore[no-untyped-def]
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(rc).decode()}")
+    return check
+
+
+def _nvcc(src: str, exprs: list[str]) -> None:
+    body = src + "\nvoid* pd_instances[] = {" + ", ".join(f"(void*)&{e}" for e in exprs) + "};\n"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cu")
+        with open(path, "w") as f:
+            f.write(body)
+        r = subprocess.run(["nvcc", f"-arch={ARCH}", "-std=c++17", "-cubin", "-o",
+                            os.path.join(d, "k.cubin"), path], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"nvcc failed for {exprs}:\n{r.stderr}")

@@ -1,0 +1,119 @@
+"""Kernel specializations: one frozen spec per compiled kernel, with a readable URI.
+
+The URI spells every parameter the compiled code depends on (every dtype included: the
+original project once shared one compiled kernel between an f16 and an f32 pool and
+returned garbage). It names the compiled object, keys the in-process cache and is what
+``PAGED_DECODE_ASSERT_NO_COMPILE`` reports.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import PagedDecodeError
+
+ASSERT_NO_COMPILE_ENV = "PAGED_DECODE_ASSERT_NO_COMPILE"
+
+CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+V2_NUM_WARPS = 4
+V1_NUM_WARPS = 8
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
+MAX_PAGE_SIZE = 256
+
+
+class UnexpectedCompileError(PagedDecodeError, RuntimeError):
+    """A kernel had to be compiled while ``PAGED_DECODE_ASSERT_NO_COMPILE=1``."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One specialization. ``kernel`` is ``"v2"``, ``"v1"`` or ``"merge"``; parameters a
+    kernel does not use are left at 0 / ``""``."""
+
+    kernel: str
+    out_dtype: str
+    head_dim: int
+    q_dtype: str = ""
+    kv_dtype: str = ""
+    page_size: int = 0
+    heads_per_cta: int = 0
+    num_warps: int = 0
+
+    @property
+    def uri(self) -> str:
+        parts = [f"pd_{self.kernel}"]
+        if self.q_dtype:
+            parts.append(f"q-{SHORT[self.q_dtype]}")
+        if self.kv_dtype:
+            parts.append(f"kv-{SHORT[self.kv_dtype]}")
+        parts.append(f"o-{SHORT[self.out_dtype]}")
+        parts.append(f"hd-{self.head_dim}")
+        if self.page_size:
+            parts.append(f"ps-{self.page_size}")
+        if self.heads_per_cta:
+            parts.append(f"qh-{self.heads_per_cta}")
+        if self.num_warps:
+            parts.append(f"w-{self.num_warps}")
+        return "_".join(parts)
+
+    def cuda_name_expression(self) -> str:
+        """The template instantiation CuPy compiles (the kernels' parameter order)."""
+        t = CUDA_TYPES
+        if self.kernel == "v2":
+            args = [t[self.q_dtype], t[self.kv_dtype], t[self.out_dtype], self.head_dim,
+                    self.page_size, self.heads_per_cta, self.num_warps]
+            name = "pd_decode_v2_partial"
+        elif self.kernel == "v1":
+            args = [t[self.q_dtype], t[self.kv_dtype], t[self.out_dtype], self.head_dim,
+                    self.page_size, self.num_warps]
+            name = "pd_decode_v1"
+        elif self.kernel == "merge":
+            args = [t[self.out_dtype], self.head_dim]
+            name = "pd_merge_states"
+        else:
+            raise ValueError(f"unknown kernel {self.kernel!r}")
+        return f"{name}<{', '.join(str(a) for a in args)}>"
+
+
+def v2_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,
+            heads_per_cta: int) -> KernelSpec:
+    return KernelSpec("v2", out_dtype, head_dim, q_dtype, kv_dtype, page_size, heads_per_cta,
+                      V2_NUM_WARPS)
+
+
+def v1_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int,
+            page_size: int) -> KernelSpec:
+    return KernelSpec("v1", out_dtype, head_dim, q_dtype, kv_dtype, page_size, 0, V1_NUM_WARPS)
+
+
+def merge_spec(out_dtype: str, head_dim: int) -> KernelSpec:
+    return KernelSpec("merge", out_dtype, head_dim)
+
+
+def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, page_size: int) -> list[KernelSpec]:
+    """Every specialization a decode of this problem can compile, over all paths: the v2
+    partial writing float32 partials or the output directly, the merge, and v1."""
+    from .plan import heads_per_cta
+    qh = heads_per_cta(num_qo_heads, num_kv_heads)
+    outs = sorted({"float32", out_dtype})
+    return ([v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh) for o in outs]
+            + [merge_spec(out_dtype, head_dim),
+               v1_spec(q_dtype, kv_dtype, out_dtype, head_dim, page_size)])
+
+
+def cuda_source(kernel: str) -> str:
+    """The complete CUDA source holding ``kernel``'s template."""
+    from .kernels import decode_v1, decode_v2, merge
+    return {"v2": decode_v2.CUDA_SOURCE, "v1": decode_v1.CUDA_SOURCE,
+            "merge": merge.CUDA_SOURCE}[kernel]
+
+
+def assert_compile_allowed(spec: KernelSpec) -> None:
+    if os.environ.get(ASSERT_NO_COMPILE_ENV, "") not in ("", "0"):
+        raise UnexpectedCompileError(
+            f"kernel {spec.uri} needs compiling but {ASSERT_NO_COMPILE_ENV} is set "
+            "(warm the kernels up before the measured region)")

@@ -1,0 +1,83 @@
+"""Compile every CUDA specialization the tests and ``check`` use, without a GPU.
+
+Runs in CI (NVRTC from the nvidia-cuda-nvrtc wheel, or nvcc); skips only when neither
+compiler exists. A syntax or type error in a kernel string fails here, and so does a
+source that nvcc accepts but NVRTC (what CuPy uses) rejects.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from paged_decode import cuda_compile
+from paged_decode.specs import decode_specs
+
+pytestmark = [pytest.mark.nvcc,
+              pytest.mark.skipif(cuda_compile.available() is None,
+                                 reason="no NVRTC library and no nvcc on this machine")]
+
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def check_matrix_specs():
+    """The check matrix (D {64,128} x GQA {1,4,8} x page {16,32,64}) for every dtype."""
+    specs = set()
+    for d, g, p, dt in itertools.product((64, 128), (1, 4, 8), (16, 32, 64), DTYPES):
+        specs.update(decode_specs(dt, dt, "float32", 4 * g, 4, d, p))
+        specs.update(decode_specs(dt, dt, dt, 4 * g, 4, d, p))
+    return specs
+
+
+def gpu_test_specs():
+    """Geometries and dtypes of tests/test_cuda_gpu.py (kept in step with its CASES)."""
+    cases = [("float16", "float16", 32, 8, 128, 16), ("float16", "float16", 8, 8, 64, 32),
+             ("bfloat16", "bfloat16", 16, 2, 128, 64), ("float16", "float16", 32, 2, 128, 16),
+             ("float16", "float16", 28, 4, 128, 16), ("float32", "float32", 8, 2, 256, 16),
+             ("float16", "float16", 16, 4, 96, 8), ("float16", "float16", 4, 2, 64, 1),
+             ("float16", "float16", 8, 2, 128, 256), ("bfloat16", "bfloat16", 8, 2, 128, 7),
+             ("float32", "float16", 8, 2, 128, 16), ("bfloat16", "float32", 8, 2, 64, 16)]
+    specs = set()
+    for q, kv, hq, hkv, d, p in cases:
+        specs.update(decode_specs(q, kv, "float32", hq, hkv, d, p))
+        specs.update(decode_specs(q, kv, q, hq, hkv, d, p))
+    return specs
+
+
+def test_compiler_is_found():
+    assert cuda_compile.available() in ("nvrtc", "nvcc")
+
+
+def test_check_matrix_specializations_compile():
+    cuda_compile.compile_specs(check_matrix_specs())
+
+
+def test_gpu_test_specializations_compile():
+    cuda_compile.compile_specs(gpu_test_specs() - check_matrix_specs())
+
+
+def test_a_broken_kernel_string_fails_to_compile(monkeypatch):
+    from paged_decode import specs as specs_mod
+    real = specs_mod.cuda_source
+
+    def broken(kernel):
+        return real(kernel).replace("const int lane = threadIdx.x & 31", "const int lane = ;")
+    monkeypatch.setattr(cuda_compile, "cuda_source", broken)
+    spec = next(iter(decode_specs("float16", "float16", "float32", 8, 2, 128, 16)))
+    with pytest.raises(RuntimeError, match="failed"):
+        cuda_compile.compile_specs([spec])
+
+
+def test_math_header_dependence_is_caught_by_nvrtc(monkeypatch):
+    if cuda_compile.available() != "nvrtc":
+        pytest.skip("only NVRTC lacks the C math headers")
+    from paged_decode import specs as specs_mod
+    real = specs_mod.cuda_source
+    monkeypatch.setattr(cuda_compile, "cuda_source",
+                        lambda k: real(k).replace("PD_INF", "INFINITY").replace(
+                            "#define INFINITY", "#define PD_UNUSED"))
+    spec = next(s for s in decode_specs("float16", "float16", "float32", 8, 2, 128, 16)
+                if s.kernel == "merge")
+    with pytest.raises(RuntimeError, match="INFINITY"):
+        cuda_compile.compile_specs([spec])

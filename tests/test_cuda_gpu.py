@@ -1,0 +1,277 @@
+"""The CUDA backend on a real GPU (skipped cleanly where CuPy or a GPU is missing).
+
+Every output and workspace is NaN-poisoned (conftest); results are compared with the
+float64 oracle per dtype; negative controls show the comparisons can fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import paged_decode as pd
+from paged_decode.backends import availability
+from paged_decode.problems import ProblemSpec, make_problem, make_table
+from paged_decode.reference import lse_error, max_rel_error, oracle_decode
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not availability("cuda").ok,
+                                 reason=f"CUDA backend unavailable: {availability('cuda').reason}")]
+
+TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
+LSE_TOL = 2e-4
+PATHS = [("v2", None), ("v2", 1), ("v1", None), ("gather", None)]
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return pd.get_backend("cuda")
+
+
+def _run(cuda, spec, *, lengths=None, offsets=None, paths=PATHS, out_dtype="float32"):
+    import cupy as cp
+    pr = make_problem(spec, lengths=lengths, offsets=offsets)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    q, k, v = (cuda.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    errs = {}
+    for path, ppc in paths:
+        plan = pd.plan_decode(pr.table, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                              device=cuda.device_info(), pages_per_chunk=ppc)
+        out, lse = pd.decode(q, k, v, pr.table, plan, path=path, return_lse=True,
+                             out_dtype=out_dtype)
+        assert isinstance(out, cp.ndarray)
+        e, le = max_rel_error(cp.asnumpy(out), ref), lse_error(cp.asnumpy(lse), ref_lse)
+        errs[(path, ppc)] = (e, le, pd.last_outcome().path)
+        assert e <= TOL[spec.kv_dtype], (spec.label, path, ppc, e)
+        assert le <= LSE_TOL, (spec.label, path, ppc, le)
+    return errs
+
+
+CASES = [
+    # (id, spec)
+    ("llama-B4-ctx1000-ps16-f16", ProblemSpec(4, 1000, 32, 8, 128, 16)),
+    ("g1-d64-ps32-f16", ProblemSpec(3, 700, 8, 8, 64, 32, seed=1)),
+    ("g8-d128-ps64-bf16", ProblemSpec(3, 900, 16, 2, 128, 64, "bfloat16", "bfloat16", seed=2)),
+    ("g16-d128-ps16-f16", ProblemSpec(2, 600, 32, 2, 128, 16, seed=3)),
+    ("g7-d128-ps16-f16", ProblemSpec(2, 650, 28, 4, 128, 16, seed=4)),
+    ("g4-d256-ps16-f32", ProblemSpec(2, 500, 8, 2, 256, 16, "float32", "float32", seed=5)),
+    ("g4-d96-ps8-f16", ProblemSpec(2, 333, 16, 4, 96, 8, seed=6)),
+    ("g2-d64-ps1-f16", ProblemSpec(2, 70, 4, 2, 64, 1, seed=7)),
+    ("g4-d128-ps256-f16", ProblemSpec(2, 700, 8, 2, 128, 256, seed=8)),
+    ("g4-d128-ps7-bf16", ProblemSpec(3, 300, 8, 2, 128, 7, "bfloat16", "bfloat16", seed=9)),
+    ("qf32-kvf16", ProblemSpec(2, 400, 8, 2, 128, 16, "float32", "float16", seed=10)),
+    ("qbf16-kvf32", ProblemSpec(2, 400, 8, 2, 64, 16, "bfloat16", "float32", seed=11)),
+]
+
+
+@pytest.mark.parametrize("spec", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_paths_match_oracle(cuda, spec):
+    _run(cuda, spec)
+
+
+def test_output_in_query_dtype_and_merge_skipped(cuda):
+    spec = ProblemSpec(8, 256, 32, 8, 128, 16, seed=12)
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    q, k, v = (cuda.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    plan = pd.plan_decode(pr.table, 32, 8, 128, target_ctas=1)
+    assert not plan.needs_merge
+    out = pd.decode(q, k, v, pr.table, plan)
+    assert pd.last_outcome().path == "v2" and out.dtype == np.float16
+    assert max_rel_error(out.get(), ref) <= TOL["float16"]
+
+
+def test_empty_requests_give_zeros_and_neg_inf(cuda):
+    spec = ProblemSpec(4, 300, 16, 4, 128, 16, seed=13)
+    errs = _run(cuda, spec, lengths=[300, 0, 17, 0], offsets=[0, 0, 5, 0])
+    assert errs
+    pr = make_problem(spec, lengths=[0, 0, 0, 0], offsets=[0, 0, 0, 0])
+    q, k, v = (cuda.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    for path in ("v2", "v1", "gather"):
+        out, lse = pd.decode(q, k, v, pr.table, path=path, return_lse=True)
+        assert (out.get() == 0).all() and np.isneginf(lse.get()).all(), path
+
+
+def test_many_chunks_forced_and_large_context(cuda):
+    spec = ProblemSpec(2, 20000, 32, 8, 128, 16, seed=14)
+    _run(cuda, spec, paths=[("v2", None), ("v2", 1), ("v2", 3)])
+
+
+def _mutated_backend(cuda, mutate):
+    """A CUDA backend whose v2 kernel is compiled from a mutated source."""
+    import cupy as cp
+
+    from paged_decode.backends import cuda as cuda_mod
+    from paged_decode.specs import cuda_source
+
+    class Mutant(type(cuda)):
+        name = "cuda"
+
+        def kernel(self, spec):
+            if spec.kernel != "v2":
+                return super().kernel(spec)
+            src = mutate(cuda_source("v2"))
+            assert src != cuda_source("v2"), "mutation did not apply"
+            expr = spec.cuda_name_expression()
+            return cp.RawModule(code=src, options=cuda_mod.COMPILE_OPTIONS,
+                                name_expressions=[expr]).get_function(expr)
+    return Mutant()
+
+
+def test_negative_control_kernel_ignoring_indices_fails(cuda):
+    bad = _mutated_backend(cuda, lambda s: s.replace("page_ids[a / PAGE_SIZE]",
+                                                     "(a / PAGE_SIZE)"))
+    spec = ProblemSpec(3, 500, 16, 4, 128, 16, seed=15)
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    q, k, v = (bad.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    out = pd.decode(q, k, v, pr.table, path="v2", out_dtype="float32", backend=bad)
+    assert max_rel_error(out.get(), ref) > 10 * TOL["float16"]
+
+
+def test_negative_control_off_by_one_page_offset_fails(cuda):
+    bad = _mutated_backend(cuda, lambda s: s.replace("const long long a = fpo + t;",
+                                                     "const long long a = t;"))
+    spec = ProblemSpec(4, 500, 16, 4, 128, 16, seed=16)   # odd requests start mid-page
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    q, k, v = (bad.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    out = pd.decode(q, k, v, pr.table, path="v2", out_dtype="float32", backend=bad)
+    assert max_rel_error(out.get(), ref) > 10 * TOL["float16"]
+
+
+def test_pool_beyond_2_pow_31_elements(cuda):
+    import cupy as cp
+    p, hkv, d = 16, 8, 128
+    per_page = p * hkv * d
+    num_pages = (1 << 31) // per_page + 4096            # > 2^31 elements per pool
+    k = cp.zeros((num_pages, p, hkv, d), cp.float16)
+    v = cp.zeros_like(k)
+    assert k.size > 2**31
+    rng = np.random.default_rng(17)
+    ids = num_pages - 1 - rng.permutation(64)          # pages at the far end of the pool
+    lengths = [600, 380]
+    counts = [-(-n // p) for n in lengths]
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    lpl = [n - (c - 1) * p for n, c in zip(lengths, counts)]
+    table = pd.PageTable.build(ids[: indptr[-1]], indptr, lpl, page_size=p,
+                               num_pages=num_pages)
+    used = cp.asarray(ids[: indptr[-1]])
+    k[used] = cp.random.standard_normal((used.size, p, hkv, d), dtype=cp.float32).astype(cp.float16)
+    v[used] = cp.random.standard_normal((used.size, p, hkv, d), dtype=cp.float32).astype(cp.float16)
+    q = cp.random.standard_normal((2, 32, d), dtype=cp.float32).astype(cp.float16)
+    # oracle on a compact host copy of the used pages
+    small = pd.PageTable.build(np.arange(indptr[-1]), indptr, lpl, page_size=p)
+    ref, _ = oracle_decode(q.get(), k[used].get(), v[used].get(), small)
+    for path, ppc in PATHS:
+        plan = pd.plan_decode(table, 32, hkv, d, pages_per_chunk=ppc)
+        out = pd.decode(q, k, v, table, plan, path=path, out_dtype="float32")
+        assert max_rel_error(out.get(), ref) <= TOL["float16"], path
+    del k, v
+
+
+def test_torch_tensors_on_a_side_stream(cuda):
+    torch = pytest.importorskip("torch")
+    spec = ProblemSpec(4, 800, 32, 8, 128, 16, seed=18)
+    pr = make_problem(spec)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    q = torch.from_numpy(pr.q).cuda()
+    k = torch.from_numpy(pr.k_pages).cuda()
+    v = torch.from_numpy(pr.v_pages).cuda()
+    s = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        out, lse = pd.decode(q, k, v, pr.table, path="v2", return_lse=True,
+                             out_dtype="float32")
+        plan = pd.plan_decode(pr.table, 32, 8, 128, pages_per_chunk=1)
+        out2 = pd.decode(q, k, v, pr.table, plan)
+    s.synchronize()
+    assert isinstance(out, torch.Tensor) and out.device.type == "cuda"
+    assert max_rel_error(out.cpu().numpy(), ref) <= TOL["float16"]
+    assert lse_error(lse.cpu().numpy(), ref_lse) <= LSE_TOL
+    assert max_rel_error(out2.float().cpu().numpy(), ref) <= TOL["float16"]
+
+
+def test_torch_bfloat16_zero_copy(cuda):
+    torch = pytest.importorskip("torch")
+    spec = ProblemSpec(2, 300, 8, 2, 128, 16, "bfloat16", "bfloat16", seed=19)
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    q = torch.from_numpy(pr.q.view(np.int16)).cuda().view(torch.bfloat16)
+    k = torch.from_numpy(pr.k_pages.view(np.int16)).cuda().view(torch.bfloat16)
+    v = torch.from_numpy(pr.v_pages.view(np.int16)).cuda().view(torch.bfloat16)
+    assert cuda.asarray(k).data.ptr == k.data_ptr()          # no copy
+    out = pd.decode(q, k, v, pr.table)
+    assert out.dtype == torch.bfloat16
+    assert max_rel_error(out.float().cpu().numpy(), ref) <= TOL["bfloat16"]
+
+
+def test_dtype_switch_at_one_geometry_compiles_separately(cuda):
+    for dt in ("float16", "float32", "bfloat16", "float16"):
+        _run(cuda, ProblemSpec(2, 300, 8, 2, 128, 16, dt, dt, seed=20), paths=[("v2", 1)])
+
+
+def test_assert_no_compile(cuda, monkeypatch):
+    from paged_decode.specs import UnexpectedCompileError
+    spec = ProblemSpec(2, 200, 8, 2, 128, 16, seed=21)
+    pr = make_problem(spec)
+    q, k, v = (cuda.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    pd.decode(q, k, v, pr.table, path="v2")                # warm
+    monkeypatch.setenv("PAGED_DECODE_ASSERT_NO_COMPILE", "1")
+    pd.decode(q, k, v, pr.table, path="v2")                # cached: fine
+    pr2 = make_problem(ProblemSpec(2, 200, 8, 2, 128, 48, seed=21))
+    q2, k2, v2 = (cuda.asarray(x) for x in (pr2.q, pr2.k_pages, pr2.v_pages))
+    with pytest.raises(UnexpectedCompileError, match="ps-48"):
+        pd.decode(q2, k2, v2, pr2.table, path="v2")
+
+
+def test_pool_on_cuda_with_fork_and_trim(cuda):
+    import cupy as cp
+    rng = np.random.default_rng(22)
+    pool = pd.PagePool(64, 16, 2, 128, "float16", backend="cuda")
+    a = pool.new_sequence()
+    pool.append(a, *(rng.standard_normal((2, 37, 2, 128)).astype(np.float16)))
+    b = pool.fork(a)
+    pool.append(b, *(rng.standard_normal((2, 20, 2, 128)).astype(np.float16)))
+    pool.append(a, *(rng.standard_normal((2, 5, 2, 128)).astype(np.float16)))
+    pool.trim_front(a, 19)
+    table = pool.page_table([a, b])
+    assert isinstance(pool.k, cp.ndarray)
+    q = rng.standard_normal((2, 8, 128)).astype(np.float16)
+    ref, _ = oracle_decode(q, pool.k.get(), pool.v.get(), table)
+    out = pd.decode(cp.asarray(q), pool.k, pool.v, table, out_dtype="float32")
+    assert max_rel_error(out.get(), ref) <= TOL["float16"]
+
+
+def test_merge_states_on_cuda_matches_reference(cuda):
+    import cupy as cp
+    rng = np.random.default_rng(23)
+    v = rng.standard_normal((9, 4, 128)).astype(np.float32)
+    lse = (rng.standard_normal((9, 4)) * 3).astype(np.float32)
+    lse[2] = -np.inf
+    lse[5:7] = -np.inf
+    ip = np.array([0, 3, 3, 5, 7, 9])
+    got_v, got_l = pd.merge_states(cp.asarray(v), cp.asarray(lse), ip)
+    ref_v, ref_l = pd.merge_states(v, lse, ip)
+    assert np.allclose(got_v.get(), ref_v, atol=1e-5)
+    assert np.allclose(got_l.get(), ref_l, atol=1e-5, equal_nan=False)
+    assert (got_v.get()[1] == 0).all() and np.isneginf(got_l.get()[1]).all()
+
+
+def test_second_device_if_present(cuda):
+    import cupy as cp
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("one GPU on this machine")
+    spec = ProblemSpec(2, 300, 8, 2, 128, 16, seed=24)
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    with cp.cuda.Device(1):
+        q, k, v = (cp.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    out = pd.decode(q, k, v, pr.table, out_dtype="float32")
+    assert out.device.id == 1
+    assert max_rel_error(out.get(), ref) <= TOL["float16"]
+
+
+def test_table_helper_used_here_is_sane():
+    table, n = make_table([5, 0, 33], 16, offsets=[0, 0, 3])
+    assert table.visible_lens.tolist() == [5, 0, 33] and n >= table.total_pages

@@ -1,0 +1,240 @@
+"""merge_states / merge_state: the base-2 closed form, empties, associativity, units."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import out_tol
+
+from paged_decode import InvalidArgumentError, InvalidDtypeError, merge_state, merge_states
+
+H, D = 3, 5
+NEG_INF = -np.inf
+
+
+# ---------------------------------------------------------------------------- helpers
+def ref_merge(v: np.ndarray, lse: np.ndarray, indptr) -> tuple[np.ndarray, np.ndarray]:
+    """float64 closed form, one (group, head) at a time; base-2 LSE."""
+    m = len(indptr) - 1
+    out = np.zeros((m, v.shape[1], v.shape[2]))
+    out_lse = np.full((m, v.shape[1]), -np.inf)
+    for o in range(m):
+        for h in range(v.shape[1]):
+            rows = [i for i in range(indptr[o], indptr[o + 1]) if np.isfinite(lse[i, h])]
+            if not rows:
+                continue
+            mx = max(float(lse[i, h]) for i in rows)
+            w = [2.0 ** (float(lse[i, h]) - mx) for i in rows]
+            out[o, h] = sum(wi * v[i, h].astype(np.float64) for wi, i in zip(w, rows)) / sum(w)
+            out_lse[o, h] = mx + math.log2(sum(w))
+    return out, out_lse
+
+
+def random_states(rng: np.random.Generator, n: int, *, empty_frac: float = 0.2):
+    """``n`` normalized partial states; about ``empty_frac`` of the (row, head) entries are
+    empty (-inf LSE) with junk-but-finite V that must be ignored."""
+    v = rng.standard_normal((n, H, D)).astype(np.float32)
+    lse = rng.uniform(-8, 12, (n, H)).astype(np.float32)
+    empty = rng.random((n, H)) < empty_frac
+    lse[empty] = NEG_INF
+    v[empty] = 1e3
+    return v, lse
+
+
+def ragged_indptr(rng: np.random.Generator, groups: int, max_len: int = 5) -> np.ndarray:
+    sizes = rng.integers(0, max_len + 1, groups)
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+def assert_close_to_ref(v_out, lse_out, ref_v, ref_lse, tol: float = 2e-6) -> None:
+    v_out, lse_out = np.asarray(v_out, np.float64), np.asarray(lse_out, np.float64)
+    assert not np.isnan(v_out).any() and not np.isnan(lse_out).any()
+    assert np.array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
+    np.testing.assert_allclose(v_out, ref_v, rtol=0, atol=tol)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse_out[fin], ref_lse[fin], rtol=0, atol=tol * 2)
+
+
+def merged_rel_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+# ---------------------------------------------------------------------------- closed form
+def test_merge_states_matches_closed_form_on_ragged_groups():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        indptr = ragged_indptr(rng, int(rng.integers(1, 9)))
+        v, lse = random_states(rng, int(indptr[-1]))
+        v_out, lse_out = merge_states(v, lse, indptr)
+        assert v_out.shape == (len(indptr) - 1, H, D) and v_out.dtype == np.float32
+        assert lse_out.shape == (len(indptr) - 1, H) and lse_out.dtype == np.float32
+        assert_close_to_ref(v_out, lse_out, *ref_merge(v, lse, indptr))
+
+
+def test_merge_states_wide_lse_spread():
+    # weights differing by 2^-100: the small state must vanish, not overflow or NaN
+    v = np.stack([np.full((H, D), 1.0), np.full((H, D), -1.0)]).astype(np.float32)
+    lse = np.array([[100.0] * H, [0.0] * H], np.float32)
+    v_out, lse_out = merge_states(v, lse, [0, 2])
+    np.testing.assert_allclose(v_out[0], 1.0, atol=1e-6)
+    np.testing.assert_allclose(lse_out[0], 100.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", ["float16", "bfloat16", "float32"])
+def test_merge_states_out_dtype(out_dtype):
+    rng = np.random.default_rng(1)
+    v, lse = random_states(rng, 7)
+    indptr = [0, 3, 7]
+    v_out, lse_out = merge_states(v, lse, indptr, out_dtype=out_dtype)
+    assert str(v_out.dtype) == out_dtype and lse_out.dtype == np.float32
+    ref_v, ref_lse = ref_merge(v, lse, indptr)
+    err = np.abs(np.asarray(v_out, np.float64) - ref_v).max() / np.abs(ref_v).max()
+    assert err <= out_tol(out_dtype)
+
+
+def test_group_of_one_is_the_identity():
+    rng = np.random.default_rng(2)
+    v, lse = random_states(rng, 6, empty_frac=0.0)
+    v_out, lse_out = merge_states(v, lse, np.arange(7))
+    np.testing.assert_array_equal(v_out, v)
+    np.testing.assert_array_equal(lse_out, lse)
+
+
+def test_empty_and_all_inf_groups_give_zeros_and_minus_inf():
+    rng = np.random.default_rng(3)
+    v, lse = random_states(rng, 5, empty_frac=0.0)
+    lse[2:4] = NEG_INF                     # group 2 holds only empty partials
+    v[2:4] = 7.0
+    indptr = [0, 2, 2, 4, 4, 5, 5]         # groups 1, 3, 5 are empty (indptr repeats)
+    v_out, lse_out = merge_states(v, lse, indptr)
+    for o in (1, 2, 3, 5):
+        assert (v_out[o] == 0).all(), o
+        assert np.isneginf(lse_out[o]).all(), o
+    assert not np.isnan(v_out).any() and not np.isnan(lse_out).any()
+    assert_close_to_ref(v_out, lse_out, *ref_merge(v, lse, indptr))
+
+
+def test_no_partials_at_all():
+    v = np.zeros((0, H, D), np.float32)
+    lse = np.zeros((0, H), np.float32)
+    v_out, lse_out = merge_states(v, lse, [0, 0, 0])
+    assert v_out.shape == (2, H, D) and (v_out == 0).all() and np.isneginf(lse_out).all()
+
+
+# ---------------------------------------------------------------------------- algebra
+def merge_groups(v, lse, groups: list[list[int]]):
+    """Merge the rows listed in each group (any order) -> stacked states."""
+    order = [i for g in groups for i in g]
+    indptr = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
+    return merge_states(v[order], lse[order], indptr)
+
+
+def test_associativity_and_commutativity_across_regroupings():
+    rng = np.random.default_rng(4)
+    for _ in range(25):
+        n = int(rng.integers(2, 12))
+        v, lse = random_states(rng, n)
+        whole_v, whole_lse = merge_groups(v, lse, [list(range(n))])
+        for _ in range(4):
+            perm = rng.permutation(n).tolist()
+            cuts = sorted(rng.choice(np.arange(1, n), int(rng.integers(0, n)), replace=False)
+                          .tolist()) if n > 1 else []
+            groups = [perm[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
+            part_v, part_lse = merge_groups(v, lse, groups)          # merge of parts ...
+            k = len(groups)
+            sub = rng.permutation(k).tolist()
+            again_v, again_lse = merge_states(part_v[sub], part_lse[sub], [0, k])
+            np.testing.assert_allclose(again_v, whole_v, rtol=0, atol=1e-5)  # ... of merges
+            fin = np.isfinite(whole_lse)
+            assert np.array_equal(np.isneginf(again_lse), ~fin)
+            np.testing.assert_allclose(again_lse[fin], whole_lse[fin], rtol=0, atol=1e-5)
+
+
+def test_negative_control_natural_log_lse_is_wrong():
+    """Feeding ln-based LSEs where base 2 is expected must visibly break the result."""
+    rng = np.random.default_rng(5)
+    v, lse = random_states(rng, 12, empty_frac=0.0)
+    indptr = [0, 4, 9, 12]
+    good_v, _ = merge_states(v, lse, indptr)
+    ref_v, _ = ref_merge(v, lse, indptr)
+    assert merged_rel_error(good_v, ref_v) < 1e-5
+    wrong_v, _ = merge_states(v, (lse * math.log(2)).astype(np.float32), indptr)
+    assert merged_rel_error(wrong_v, ref_v) > 1e-3
+
+
+# ---------------------------------------------------------------------------- pairwise
+def test_merge_state_pairwise():
+    rng = np.random.default_rng(6)
+    va, la = random_states(rng, 9)
+    vb, lb = random_states(rng, 9)
+    v_out, lse_out = merge_state(va, la, vb, lb)
+    v = np.concatenate([va, vb])
+    lse = np.concatenate([la, lb])
+    pairs = [[i, 9 + i] for i in range(9)]
+    ref_v = np.stack([ref_merge(v[p], lse[p], [0, 2])[0][0] for p in pairs])
+    ref_lse = np.stack([ref_merge(v[p], lse[p], [0, 2])[1][0] for p in pairs])
+    assert_close_to_ref(v_out, lse_out, ref_v, ref_lse)
+    # commutative
+    v_ba, lse_ba = merge_state(vb, lb, va, la)
+    np.testing.assert_allclose(v_ba, v_out, rtol=0, atol=1e-6)
+
+
+def test_merge_state_with_an_empty_side_returns_the_other():
+    rng = np.random.default_rng(7)
+    va, la = random_states(rng, 4, empty_frac=0.0)
+    vb = np.full_like(va, 123.0)
+    lb = np.full_like(la, NEG_INF)
+    v_out, lse_out = merge_state(va, la, vb, lb)
+    np.testing.assert_array_equal(v_out, va)
+    np.testing.assert_array_equal(lse_out, la)
+    v_out, lse_out = merge_state(vb, lb, vb, lb)
+    assert (v_out == 0).all() and np.isneginf(lse_out).all()
+
+
+# ---------------------------------------------------------------------------- validation
+def _states(n=4):
+    return np.zeros((n, H, D), np.float32), np.zeros((n, H), np.float32)
+
+
+@pytest.mark.parametrize("make, pattern", [
+    (lambda v, l: (v[0], l, [0, 4]), r"merge_states: v must be 3-D \[N, H, D\]"),
+    (lambda v, l: (v, l[:3], [0, 4]), r"merge_states: lse must have shape \[N, H\] = \[4, 3\], "
+                                      r"got \[3, 3\]"),
+    (lambda v, l: (v.astype(np.float16), l, [0, 4]), r"merge_states: v must be float32, "
+                                                      r"got float16"),
+    (lambda v, l: (v, l.astype(np.float16), [0, 4]), r"merge_states: lse must be float32"),
+    (lambda v, l: (v, l, [1, 4]), r"merge_states: indptr must start at 0"),
+    (lambda v, l: (v, l, [0, 3]), r"end at N = 4, got \[0, 3\]"),
+    (lambda v, l: (v, l, [0, 3, 2, 4]), r"be non-decreasing"),
+    (lambda v, l: (v, l, [0.0, 4.0]), r"indptr must be a 1-D integer array"),
+    (lambda v, l: (v, l, [[0, 4]]), r"indptr must be a 1-D integer array"),
+    (lambda v, l: (v, l, np.zeros(0, np.int64)), r"indptr must be a 1-D integer array"),
+])
+def test_merge_states_rejects(make, pattern):
+    v, lse = _states()
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        merge_states(*make(v, lse))
+
+
+def test_merge_states_rejects_float64():
+    v, lse = _states()
+    with pytest.raises(InvalidDtypeError, match=r"merge_states: v must have dtype"):
+        merge_states(v.astype(np.float64), lse, [0, 4])
+    with pytest.raises(InvalidDtypeError, match=r"merge_states: out_dtype must have dtype"):
+        merge_states(v, lse, [0, 4], out_dtype="float64")
+
+
+def test_merge_state_rejects_mismatched_shapes():
+    v, lse = _states()
+    with pytest.raises(InvalidArgumentError, match=r"merge_state: v_b must have shape "
+                                                   r"\[n, H, D\] = \[4, 3, 5\], got \[3, 3, 5\]"):
+        merge_state(v, lse, v[:3], lse[:3])
+    with pytest.raises(InvalidArgumentError, match=r"merge_state: lse_a must have shape"):
+        merge_state(v, lse[:, :2], v, lse)
+    with pytest.raises(InvalidArgumentError, match=r"merge_state: lse_b must have shape"):
+        merge_state(v, lse, v, lse[:2])
+    with pytest.raises(InvalidArgumentError, match=r"merge_state: v_a must be 3-D"):
+        merge_state(lse, lse, v, lse)

@@ -1,0 +1,332 @@
+"""plan_decode: the maximal chunk size by brute force, invariants, grid bound, reuse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from paged_decode import (
+    DecodePlan,
+    DeviceInfo,
+    InvalidArgumentError,
+    PageTable,
+    PlanMismatchError,
+    plan_decode,
+)
+from paged_decode.plan import MAX_CHUNKS, chunk_token_ranges, heads_per_cta
+
+
+# ---------------------------------------------------------------------------- helpers
+def table_with_pages(pages, page_size: int = 4, *, fpo=None, lpl=None) -> PageTable:
+    """A table whose requests hold ``pages[r]`` pages (page ids need not be distinct)."""
+    pages = [int(n) for n in pages]
+    lpl = lpl if lpl is not None else [page_size if n else 0 for n in pages]
+    fpo = fpo if fpo is not None else [0] * len(pages)
+    return PageTable.build(np.arange(sum(pages)), np.concatenate([[0], np.cumsum(pages)]),
+                           lpl, page_size=page_size, first_page_offset=fpo)
+
+
+def ref_chunks(pages, ppc: int) -> int:
+    """Total chunks at ``ppc`` pages per chunk: at least one per request, by counting."""
+    total = 0
+    for n in pages:
+        chunks, start = 0, 0
+        while True:
+            chunks += 1
+            start += ppc
+            if start >= n:
+                break
+        total += chunks
+    return total
+
+
+def ref_best_ppc(pages, ctas_per_chunk: int, target: int, max_chunks: int = MAX_CHUNKS) -> int:
+    """Brute force: the largest chunk size that reaches the target within the grid bound,
+    else the finest split allowed by the grid bound."""
+    top = max(1, max(pages))
+    allowed = [ppc for ppc in range(1, top + 1) if ref_chunks(pages, ppc) <= max_chunks]
+    reaching = [ppc for ppc in allowed if ref_chunks(pages, ppc) * ctas_per_chunk >= target]
+    return max(reaching) if reaching else min(allowed)
+
+
+def ref_heads_per_cta(hq: int, hkv: int) -> int:
+    g = hq // hkv
+    return max(d for d in range(1, 9) if g % d == 0)
+
+
+def ref_token_range(table: PageTable, r: int, tile: int, ppc: int) -> list[int]:
+    """Visible tokens of request ``r`` whose page falls in chunk ``tile``, one by one."""
+    p, fpo = table.page_size, int(table.first_page_offset[r])
+    return [t for t in range(int(table.visible_lens[r]))
+            if tile * ppc <= (fpo + t) // p < (tile + 1) * ppc]
+
+
+def check_structure(plan: DecodePlan, table: PageTable) -> None:
+    """The per-chunk arrays describe exactly the chunking at ``plan.pages_per_chunk``."""
+    ppc = plan.pages_per_chunk
+    req, tiles = [], []
+    for r, n in enumerate(table.pages_per_request.tolist()):
+        count = ref_chunks([n], ppc)
+        req += [r] * count
+        tiles += list(range(count))
+    assert plan.request_indices.tolist() == req
+    assert plan.kv_tile_indices.tolist() == tiles
+    counts = np.bincount(req, minlength=table.batch_size)
+    assert plan.chunks_per_request.tolist() == counts.tolist()
+    assert plan.o_indptr.tolist() == [0, *np.cumsum(counts).tolist()]
+    assert (plan.chunks_per_request >= 1).all()
+    assert plan.num_chunks == len(req) <= MAX_CHUNKS
+    assert plan.num_ctas == plan.num_chunks * plan.num_kv_heads * plan.q_groups
+    assert plan.needs_merge == (plan.num_chunks != plan.batch_size)
+
+
+# ---------------------------------------------------------------------------- search
+GEOMETRIES = [(8, 8), (32, 8), (28, 4), (16, 1), (6, 2), (64, 4)]
+
+
+def test_binary_search_is_maximal_brute_force():
+    rng = np.random.default_rng(0)
+    reached = unreachable = 0
+    for _ in range(400):
+        b = int(rng.integers(1, 10))
+        pages = rng.integers(0, int(rng.choice([3, 12, 50])), b).tolist()
+        hq, hkv = GEOMETRIES[int(rng.integers(0, len(GEOMETRIES)))]
+        target = int(rng.integers(1, 3000))
+        table = table_with_pages(pages)
+        plan = plan_decode(table, hq, hkv, 64, target_ctas=target)
+        cpc = hkv * (hq // hkv) // ref_heads_per_cta(hq, hkv)
+        want = ref_best_ppc(pages, cpc, target)
+        assert plan.pages_per_chunk == want, (pages, hq, hkv, target)
+        assert plan.target_ctas == target and not plan.forced
+        assert plan.ctas_per_chunk == cpc
+        check_structure(plan, table)
+        if plan.num_ctas >= target:
+            reached += 1
+            # one page more per chunk would fall short of the target (or change nothing)
+            if want < max(1, max(pages)):
+                assert ref_chunks(pages, want + 1) * cpc < target
+        else:
+            unreachable += 1
+            assert plan.pages_per_chunk == 1
+    assert reached > 25 and unreachable > 25   # both branches exercised
+
+
+@pytest.mark.parametrize("max_chunks", [5, 7, 10, 16, 40])
+def test_binary_search_is_maximal_under_a_small_grid_bound(max_chunks):
+    rng = np.random.default_rng(max_chunks)
+    for _ in range(150):
+        b = int(rng.integers(1, min(max_chunks, 6) + 1))
+        pages = rng.integers(0, 30, b).tolist()
+        target = int(rng.integers(1, 10 * max_chunks))
+        plan = plan_decode(table_with_pages(pages), 8, 8, 64, target_ctas=target,
+                           max_chunks=max_chunks)
+        want = ref_best_ppc(pages, 8, target, max_chunks)
+        assert plan.num_chunks <= max_chunks
+        assert plan.pages_per_chunk == want, (pages, target, max_chunks)
+
+
+def test_grid_bound_finest_split_is_the_smallest_allowed():
+    # two requests of 9 pages, at most 10 chunks: 2 pages per chunk gives 5 + 5 = 10
+    table = table_with_pages([9, 9])
+    plan = plan_decode(table, 1, 1, 8, target_ctas=10, max_chunks=10)
+    assert plan.num_chunks == 10 and plan.pages_per_chunk == 2
+    forced = plan_decode(table, 1, 1, 8, pages_per_chunk=2, max_chunks=10)
+    assert forced.num_chunks == 10
+    with pytest.raises(InvalidArgumentError, match=r"use at least 2\b"):
+        plan_decode(table, 1, 1, 8, pages_per_chunk=1, max_chunks=10)
+
+
+def test_chunk_count_non_increasing_in_pages_per_chunk():
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        pages = rng.integers(0, 40, int(rng.integers(1, 8))).tolist()
+        table = table_with_pages(pages)
+        counts = [plan_decode(table, 4, 4, 32, pages_per_chunk=ppc).num_chunks
+                  for ppc in range(1, max(pages) + 3)]
+        assert all(a >= b for a, b in zip(counts, counts[1:]))
+        assert counts[-1] == len(pages)          # ppc >= max pages: one chunk each
+        assert counts == [ref_chunks(pages, ppc) for ppc in range(1, max(pages) + 3)]
+
+
+def test_example_lengths_in_pages():
+    plan = plan_decode(table_with_pages([10, 3, 0]), 8, 8, 64, pages_per_chunk=4)
+    assert plan.request_indices.tolist() == [0, 0, 0, 1, 2]
+    assert plan.kv_tile_indices.tolist() == [0, 1, 2, 0, 0]
+    assert plan.o_indptr.tolist() == [0, 3, 4, 5]
+    assert plan.chunks_per_request.tolist() == [3, 1, 1]
+    assert plan.forced and plan.needs_merge
+
+
+def test_every_request_gets_a_chunk_even_empty_ones():
+    table = table_with_pages([0, 0, 0])
+    for target in (1, 10_000):
+        plan = plan_decode(table, 4, 2, 16, target_ctas=target)
+        assert plan.chunks_per_request.tolist() == [1, 1, 1]
+        assert not plan.needs_merge and plan.workspace_bytes == 0
+
+
+# ---------------------------------------------------------------------------- matches
+def test_matches_same_chunk_structure():
+    plan = plan_decode(table_with_pages([8, 8]), 8, 8, 64, pages_per_chunk=4)
+    assert plan.matches(table_with_pages([8, 8]))
+    assert plan.matches(table_with_pages([8, 7]))
+    assert plan.matches(table_with_pages([5, 6]))
+    assert not plan.matches(table_with_pages([9, 8]))
+    assert "request 0 needs 3 chunks of 4 pages, plan has 2" in plan.mismatch(
+        table_with_pages([9, 8]))
+    assert not plan.matches(table_with_pages([8, 8, 8]))
+    assert "batch size 3 != plan's 2" in plan.mismatch(table_with_pages([8, 8, 8]))
+    assert not plan.matches(table_with_pages([8, 8], page_size=8))
+    assert "page_size 8 != plan's 4" in plan.mismatch(table_with_pages([8, 8], page_size=8))
+
+
+def test_check_raises_plan_mismatch():
+    table = table_with_pages([8, 8])
+    plan = plan_decode(table, 8, 2, 64, pages_per_chunk=4)
+    plan.check("f", table_with_pages([7, 5]), 8, 2, 64)
+    with pytest.raises(PlanMismatchError, match=r"f: plan was made for \(Hq, Hkv, D\) = "
+                                                r"\(8, 2, 64\), got \(8, 4, 64\)"):
+        plan.check("f", table, 8, 4, 64)
+    with pytest.raises(PlanMismatchError, match=r"f: plan does not match the table: "
+                                                r"request 1 needs 3 chunks"):
+        plan.check("f", table_with_pages([8, 9]), 8, 2, 64)
+
+
+# ---------------------------------------------------------------------------- grid bound
+def test_grid_bound_with_more_than_65535_pages():
+    table = table_with_pages([70_000], page_size=1)
+    plan = plan_decode(table, 8, 8, 64, target_ctas=10**9)
+    assert plan.num_chunks <= MAX_CHUNKS
+    assert plan.pages_per_chunk == ref_best_ppc([70_000], 8, 10**9)   # 2: 35000 chunks
+    with pytest.raises(InvalidArgumentError, match=r"pages_per_chunk = 1 gives 70000 chunks, "
+                                                   r"above the grid bound of 65535"):
+        plan_decode(table, 8, 8, 64, pages_per_chunk=1)
+
+
+def test_grid_bound_finest_split_many_requests():
+    # 30000 requests of 3 pages: 2 pages per chunk gives 60000 <= 65535 chunks
+    table = table_with_pages([3] * 30_000, page_size=1)
+    plan = plan_decode(table, 8, 8, 64, target_ctas=10**9)
+    assert plan.num_chunks <= MAX_CHUNKS
+    assert plan.pages_per_chunk == 2 and plan.num_chunks == 60_000
+
+
+def test_batch_above_grid_bound_is_rejected():
+    with pytest.raises(InvalidArgumentError, match=r"batch size 6 exceeds the grid bound of "
+                                                   r"5 chunks"):
+        plan_decode(table_with_pages([1] * 6), 4, 4, 8, max_chunks=5)
+
+
+# ---------------------------------------------------------------------------- heads
+@pytest.mark.parametrize("hq, hkv", [(8, 8), (32, 8), (56, 8), (14, 2), (16, 1), (24, 2),
+                                     (12, 1), (36, 4), (9, 1), (64, 4), (40, 1)])
+def test_heads_per_cta_divides_group_and_is_at_most_8(hq, hkv):
+    g = hq // hkv
+    h = heads_per_cta(hq, hkv)
+    assert g % h == 0 and 1 <= h <= 8 and h == ref_heads_per_cta(hq, hkv)
+    plan = plan_decode(table_with_pages([3]), hq, hkv, 64)
+    assert plan.heads_per_cta == h and plan.q_groups * h == g
+
+
+# ---------------------------------------------------------------------------- target
+def test_target_default_argument_and_env(monkeypatch):
+    table = table_with_pages([40, 40])
+    assert plan_decode(table, 8, 8, 64).target_ctas == 32   # the reference's fixed target
+    monkeypatch.setenv("PAGED_DECODE_TARGET_CTAS", "100")
+    plan = plan_decode(table, 8, 8, 64)
+    assert plan.target_ctas == 100
+    assert plan.pages_per_chunk == ref_best_ppc([40, 40], 8, 100)
+    assert plan_decode(table, 8, 8, 64, target_ctas=7).target_ctas == 7   # argument wins
+    dev = DeviceInfo("x", "fake", compute_units=3, ctas_per_unit=5)
+    assert plan_decode(table, 8, 8, 64, device=dev).target_ctas == 100    # env beats device
+    monkeypatch.delenv("PAGED_DECODE_TARGET_CTAS")
+    assert plan_decode(table, 8, 8, 64, device=dev).target_ctas == 15
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-4", "1.5"])
+def test_bad_target_env_raises(monkeypatch, value):
+    monkeypatch.setenv("PAGED_DECODE_TARGET_CTAS", value)
+    with pytest.raises(InvalidArgumentError, match=r"PAGED_DECODE_TARGET_CTAS"):
+        plan_decode(table_with_pages([4]), 8, 8, 64)
+
+
+def test_bad_target_argument_raises():
+    with pytest.raises(InvalidArgumentError, match=r"target_ctas must be a positive integer"):
+        plan_decode(table_with_pages([4]), 8, 8, 64, target_ctas=0)
+
+
+# ---------------------------------------------------------------------------- token ranges
+def random_table(rng: np.random.Generator) -> PageTable:
+    p = int(rng.choice([1, 2, 4, 16]))
+    pages = rng.integers(0, 9, int(rng.integers(1, 6))).tolist()
+    lpl, fpo = [], []
+    for n in pages:
+        last = int(rng.integers(1, p + 1)) if n else 0
+        first = 0 if not n else int(rng.integers(0, (min(last, p - 1) if n == 1 else p - 1) + 1))
+        lpl.append(last), fpo.append(first)
+    return table_with_pages(pages, p, fpo=fpo, lpl=lpl)
+
+
+def test_chunk_token_ranges_match_ref_and_tile_the_visible_range():
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        table = random_table(rng)
+        ppc = int(rng.integers(1, 5))
+        plan = plan_decode(table, 4, 2, 16, pages_per_chunk=ppc)
+        t0, t1 = chunk_token_ranges(table, plan)
+        covered = {r: [] for r in range(table.batch_size)}
+        for c in range(plan.num_chunks):
+            r, tile = int(plan.request_indices[c]), int(plan.kv_tile_indices[c])
+            assert list(range(int(t0[c]), int(t1[c]))) == ref_token_range(table, r, tile, ppc)
+            covered[r] += list(range(int(t0[c]), int(t1[c])))
+        for r, toks in covered.items():   # in chunk order: no gap, no overlap
+            assert toks == list(range(int(table.visible_lens[r])))
+
+
+# ---------------------------------------------------------------------------- merge / ws
+def test_needs_merge_and_workspace_bytes():
+    table = table_with_pages([5, 2, 0])
+    single = plan_decode(table, 8, 2, 64, pages_per_chunk=5)
+    assert single.chunks_per_request.tolist() == [1, 1, 1]
+    assert not single.needs_merge and single.workspace_bytes == 0
+    split = plan_decode(table, 8, 2, 64, pages_per_chunk=2)
+    assert split.needs_merge and split.num_chunks == 5
+    v_part = np.zeros((5, 8, 64), np.float32)
+    lse_part = np.zeros((5, 8), np.float32)
+    assert split.workspace_bytes == v_part.nbytes + lse_part.nbytes
+
+
+# ---------------------------------------------------------------------------- plain data
+def test_plan_is_frozen_plain_data():
+    table = table_with_pages([6, 1])
+    plan = plan_decode(table, 8, 2, 64, pages_per_chunk=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.pages_per_chunk = 3
+    for arr in (plan.request_indices, plan.kv_tile_indices, plan.o_indptr,
+                plan.chunks_per_request):
+        assert arr.dtype == np.int32
+        with pytest.raises(ValueError):
+            arr[0] = 5
+    again = plan_decode(table, 8, 2, 64, pages_per_chunk=2)
+    assert again.o_indptr.tolist() == plan.o_indptr.tolist()
+
+
+@pytest.mark.parametrize("args, kwargs, pattern", [
+    (("not a table", 8, 8, 64), {}, r"plan_decode: table must be a PageTable, got str"),
+    ((None, 6, 4, 64), {}, r"num_qo_heads must be a multiple of num_kv_heads, got 6 and 4"),
+    ((None, 0, 4, 64), {}, r"num_qo_heads must be a positive integer, got 0"),
+    ((None, 8, 8, -1), {}, r"head_dim must be a positive integer, got -1"),
+    ((None, 8, 8, 64), {"pages_per_chunk": 0}, r"pages_per_chunk must be a positive integer"),
+])
+def test_plan_rejects(args, kwargs, pattern):
+    if args[0] is None:
+        args = (table_with_pages([4]), *args[1:])
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        plan_decode(*args, **kwargs)
+
+
+def test_plan_rejects_empty_batch():
+    with pytest.raises(InvalidArgumentError, match=r"at least one request, got 0"):
+        plan_decode(PageTable.build([], [0], [], page_size=4), 8, 8, 64)
