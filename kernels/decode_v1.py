@@ -9,12 +9,12 @@ Output ``out [B, Hq, D]`` (output dtype) and ``lse [B, Hq]`` float32, log2.
 
 from .decode_v2 import CUDA_SOURCE as _V2_SOURCE
 
-# Template parameters, in order: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, NUM_WARPS
+# Template parameters, in order: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, NUM_WARPS, STAGES
 KERNEL_NAME = "pd_decode_v1"
 
 CUDA_BODY = r"""
 // grid: (B * Hq); block: NUM_WARPS * 32 threads.
-template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS>
+template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS, int STAGES>
 __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v1(
     const TQ* __restrict__ q,                    // [B, Hq, D]
     const TKV* __restrict__ k_pages,             // [num_pages, P, Hkv, D]
@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v1(
   const long long fpo = first_page_offset[r];
   long long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_page_len[r] - fpo : 0;
   seq = seq < 0 ? 0 : seq;
-  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, 1, NUM_WARPS>(
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, 1, NUM_WARPS, STAGES>(
       q, k_pages, v_pages, indices + pb, fpo, 0, seq, r, kvh, h, num_qo_heads, num_kv_heads,
       scale_log2, out, lse_out, ((long long)r * num_qo_heads + h) * HEAD_DIM,
       (long long)r * num_qo_heads + h);

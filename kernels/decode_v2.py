@@ -8,8 +8,10 @@ when the plan needs no merge) and ``lse_out [C, Hq]`` float32 in log2 units. An 
 chunk writes zeros and -inf.
 
 Thread mapping: a K/V row of D elements is read by TPR lanes with VEC elements each
-(16-byte loads); a warp covers 32 / TPR rows ("sub-warps") at once, and a CTA of
-NUM_WARPS warps walks the chunk's tokens in U-token steps. Each sub-warp keeps an
+(16-byte pieces); a warp covers 32 / TPR rows ("sub-warps") at once, and a CTA of
+NUM_WARPS warps walks the chunk's tokens in steps of U tokens per sub-warp. K/V pieces
+stream through a STAGES-deep ``cp.async`` ring in shared memory (STAGES - 1 steps in
+flight while one is computed). Each sub-warp keeps an
 online-softmax state per query head of its group (QH heads share every K/V load);
 states are combined with shuffles inside the warp and through shared memory across
 warps. Offsets into the pools are 64-bit.
@@ -17,7 +19,9 @@ warps. Offsets into the pools are 64-bit.
 
 from .common import CUDA_COMMON
 
-# Template parameters, in order: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS
+# Template parameters, in order: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, STAGES
+# Dynamic shared memory: STAGES * 4 tokens * 2 (K, V) * NLOAD * 16 bytes per thread
+# (``specs.v2_dynamic_smem``).
 KERNEL_NAME = "pd_decode_v2_partial"
 
 CUDA_BODY = r"""
@@ -38,10 +42,16 @@ struct RowMap {
   static_assert(TPR <= 32, "a row must fit in one warp");
 };
 
-// Attend the QH query heads q_heads[h0 .. h0+QH) of request r to its visible tokens
-// [t_begin, t_end) under KV head kvh; write normalized rows to out_v[out_row_base + g*D]
-// and log2 LSEs to out_lse[out_lse_base + g]. Every thread of the CTA must call it.
-template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS>
+// Dynamic shared memory: the per-thread staging ring of the K/V pipeline.
+extern __shared__ __align__(16) uint4 pd_stage_ring[];
+
+// Attend the QH query heads h0 .. h0+QH-1 of request r to its visible tokens
+// [t_begin, t_end) under KV head kvh; write normalized rows to out_v[out_row + g*D] and
+// log2 LSEs to out_lse[out_lse_idx + g]. Every thread of the CTA must call it.
+// K/V rows stream through a STAGES-deep cp.async ring in shared memory: each thread
+// copies exactly the 16-byte pieces it later reads, so only its own cp.async groups are
+// waited for and no barrier is needed inside the loop.
+template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES>
 __device__ __forceinline__ void attend_range(
     const TQ* __restrict__ q, const TKV* __restrict__ k_pages, const TKV* __restrict__ v_pages,
     const int* __restrict__ page_ids, long long fpo, long long t_begin, long long t_end,
@@ -50,7 +60,9 @@ __device__ __forceinline__ void attend_range(
   using M = RowMap<TKV, HEAD_DIM>;
   constexpr int VEC = M::VEC, NLOAD = M::NLOAD, TPR = M::TPR, RPW = M::RPW;
   constexpr int NSW = NUM_WARPS * RPW;           // sub-warps per CTA
-  constexpr int U = 4;                           // tokens per sub-warp per step
+  constexpr int U = 4;                           // tokens per sub-warp per stage
+  constexpr int THREADS = NUM_WARPS * 32;
+  static_assert(STAGES >= 2, "the pipeline needs at least two stages");
   __shared__ float sm_m[NUM_WARPS][QH];
   __shared__ float sm_l[NUM_WARPS][QH];
   __shared__ float sm_acc[NUM_WARPS][QH][HEAD_DIM];
@@ -79,43 +91,56 @@ __device__ __forceinline__ void attend_range(
 
   const long long row_stride = (long long)num_kv_heads * HEAD_DIM;   // elements per token
   const long long head_off = (long long)kvh * HEAD_DIM + d0;
-  for (long long base = t_begin; base < t_end; base += (long long)NSW * U) {
-    uint4 kr[U][NLOAD], vr[U][NLOAD];
-    bool ok[U];
+  constexpr long long STEP = (long long)NSW * U;                      // tokens per stage
+  const long long n_steps = t_end > t_begin ? (t_end - t_begin + STEP - 1) / STEP : 0;
+  // ring slot (stage, u, kv, j) of this thread
+  auto slot = [&](int stage, int u, int kv, int j) -> uint4* {
+    return pd_stage_ring + (((stage * U + u) * 2 + kv) * NLOAD + j) * THREADS + threadIdx.x;
+  };
+  auto issue = [&](long long step) {
+    const int stage = (int)(step % STAGES);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const long long t = base + (long long)u * NSW + sw;
-      ok[u] = t < t_end;
-      long long off = 0;
-      if (ok[u]) {
+      const long long t = t_begin + step * STEP + (long long)u * NSW + sw;
+      const bool ok = step < n_steps && t < t_end;
+      const TKV* kp = k_pages;
+      const TKV* vp = v_pages;
+      if (ok) {
         const long long a = fpo + t;
         const long long page = page_ids[a / PAGE_SIZE];
-        off = (page * PAGE_SIZE + a % PAGE_SIZE) * row_stride + head_off;
+        const long long off = (page * PAGE_SIZE + a % PAGE_SIZE) * row_stride + head_off;
+        kp += off;
+        vp += off;
       }
 #pragma unroll
       for (int j = 0; j < NLOAD; ++j) {
-        if (ok[u] && active) {
-          kr[u][j] = __ldg(reinterpret_cast<const uint4*>(k_pages + off) + j);
-          vr[u][j] = __ldg(reinterpret_cast<const uint4*>(v_pages + off) + j);
-        } else {
-          kr[u][j] = make_uint4(0u, 0u, 0u, 0u);
-          vr[u][j] = make_uint4(0u, 0u, 0u, 0u);
-        }
+        cp_async16(slot(stage, u, 0, j), reinterpret_cast<const uint4*>(kp) + j, ok && active);
+        cp_async16(slot(stage, u, 1, j), reinterpret_cast<const uint4*>(vp) + j, ok && active);
       }
     }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  for (long long step = 0; step < n_steps; ++step) {
+    issue(step + STAGES - 1);
+    cp_async_wait<STAGES - 1>();                 // this thread's copies of `step` landed
+    const int stage = (int)(step % STAGES);
     float s[U][QH];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      const bool ok = t_begin + step * STEP + (long long)u * NSW + sw < t_end;
       float kf[VEC];
 #pragma unroll
-      for (int j = 0; j < NLOAD; ++j) KV<TKV>::widen(kr[u][j], kf + j * M::PER16);
+      for (int j = 0; j < NLOAD; ++j) KV<TKV>::widen(*slot(stage, u, 0, j), kf + j * M::PER16);
 #pragma unroll
       for (int g = 0; g < QH; ++g) {
         float x = 0.f;
 #pragma unroll
         for (int i = 0; i < VEC; ++i) x = fmaf(qf[g][i], kf[i], x);
         x = group_sum<TPR>(x);
-        s[u][g] = ok[u] ? x : -PD_INF;
+        s[u][g] = ok ? x : -PD_INF;
       }
     }
 #pragma unroll
@@ -136,7 +161,7 @@ __device__ __forceinline__ void attend_range(
     for (int u = 0; u < U; ++u) {
       float vf[VEC];
 #pragma unroll
-      for (int j = 0; j < NLOAD; ++j) KV<TKV>::widen(vr[u][j], vf + j * M::PER16);
+      for (int j = 0; j < NLOAD; ++j) KV<TKV>::widen(*slot(stage, u, 1, j), vf + j * M::PER16);
 #pragma unroll
       for (int g = 0; g < QH; ++g) {
         l[g] += s[u][g];
@@ -145,6 +170,7 @@ __device__ __forceinline__ void attend_range(
       }
     }
   }
+  cp_async_wait<0>();                              // no copy may outlive the loop
 
   // Combine the RPW sub-warp states of this warp (lanes TPR, 2*TPR, ... apart).
 #pragma unroll
@@ -199,7 +225,7 @@ __device__ __forceinline__ void attend_range(
 }  // namespace pd
 
 // grid: (C chunks, Hkv * q_groups); block: NUM_WARPS * 32 threads.
-template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS>
+template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES>
 __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
     const TQ* __restrict__ q,                    // [B, Hq, D]
     const TKV* __restrict__ k_pages,             // [num_pages, P, Hkv, D]
@@ -228,7 +254,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
   t_begin = t_begin < 0 ? 0 : (t_begin > seq ? seq : t_begin);
   long long t_end = page_end >= npages ? seq : page_end * PAGE_SIZE - fpo;
   t_end = t_end < 0 ? 0 : (t_end > seq ? seq : t_end);
-  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS>(
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, STAGES>(
       q, k_pages, v_pages, indices + pb, fpo, t_begin, t_end, r, kvh, h0, num_qo_heads,
       num_kv_heads, scale_log2, v_out, lse_out, ((long long)c * num_qo_heads + h0) * HEAD_DIM,
       (long long)c * num_qo_heads + h0);

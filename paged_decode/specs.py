@@ -41,6 +41,7 @@ class KernelSpec:
     page_size: int = 0
     heads_per_cta: int = 0
     num_warps: int = 0
+    stages: int = 0
 
     @property
     def uri(self) -> str:
@@ -57,6 +58,8 @@ class KernelSpec:
             parts.append(f"qh-{self.heads_per_cta}")
         if self.num_warps:
             parts.append(f"w-{self.num_warps}")
+        if self.stages:
+            parts.append(f"st-{self.stages}")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -64,11 +67,11 @@ class KernelSpec:
         t = CUDA_TYPES
         if self.kernel == "v2":
             args = [t[self.q_dtype], t[self.kv_dtype], t[self.out_dtype], self.head_dim,
-                    self.page_size, self.heads_per_cta, self.num_warps]
+                    self.page_size, self.heads_per_cta, self.num_warps, self.stages]
             name = "pd_decode_v2_partial"
         elif self.kernel == "v1":
             args = [t[self.q_dtype], t[self.kv_dtype], t[self.out_dtype], self.head_dim,
-                    self.page_size, self.num_warps]
+                    self.page_size, self.num_warps, self.stages]
             name = "pd_decode_v1"
         elif self.kernel == "merge":
             args = [t[self.out_dtype], self.head_dim]
@@ -78,15 +81,53 @@ class KernelSpec:
         return f"{name}<{', '.join(str(a) for a in args)}>"
 
 
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Bytes of the K/V staging ring (v2 and v1): per thread, STAGES x 4 tokens x
+        (K, V) x the 16-byte pieces of its slice of a row."""
+        if self.kernel not in ("v2", "v1"):
+            return 0
+        return self.num_warps * 32 * stage_bytes_per_thread(self.kv_dtype, self.head_dim) \
+            * self.stages
+
+
+TOKENS_PER_STAGE = 4          # U in the kernels
+RING_BUDGET = 96 * 1024       # staging bytes one CTA may take
+
+
+def stage_bytes_per_thread(kv_dtype: str, head_dim: int) -> int:
+    """16-byte pieces a lane loads per K/V row (the kernels' RowMap), x tokens x 2."""
+    per16 = 16 // {"float16": 2, "bfloat16": 2, "float32": 4}[kv_dtype]
+    min_vec = -(-head_dim // 32)
+    vec = per16 if min_vec <= per16 else -(-min_vec // per16) * per16
+    return TOKENS_PER_STAGE * 2 * (vec // per16) * 16
+
+
+def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int) -> int:
+    """Deepest ring <= ``preferred`` (env ``PAGED_DECODE_STAGES`` overrides it) that fits
+    ``RING_BUDGET``; at least 2."""
+    env = os.environ.get(STAGES_ENV)
+    want = int(env) if env else preferred
+    per_stage = num_warps * 32 * stage_bytes_per_thread(kv_dtype, head_dim)
+    return max(2, min(want, RING_BUDGET // per_stage))
+
+
+STAGES_ENV = "PAGED_DECODE_STAGES"
+V2_STAGES = 4
+V1_STAGES = 2
+
+
 def v2_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,
             heads_per_cta: int) -> KernelSpec:
     return KernelSpec("v2", out_dtype, head_dim, q_dtype, kv_dtype, page_size, heads_per_cta,
-                      V2_NUM_WARPS)
+                      V2_NUM_WARPS,
+                      pipeline_stages(kv_dtype, head_dim, V2_NUM_WARPS, V2_STAGES))
 
 
 def v1_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int,
             page_size: int) -> KernelSpec:
-    return KernelSpec("v1", out_dtype, head_dim, q_dtype, kv_dtype, page_size, 0, V1_NUM_WARPS)
+    return KernelSpec("v1", out_dtype, head_dim, q_dtype, kv_dtype, page_size, 0, V1_NUM_WARPS,
+                      pipeline_stages(kv_dtype, head_dim, V1_NUM_WARPS, V1_STAGES))
 
 
 def merge_spec(out_dtype: str, head_dim: int) -> KernelSpec:

@@ -60,7 +60,10 @@ def compiled(spec: KernelSpec) -> Any:
     """The compiled kernel of ``spec`` (one module per specialization, cached)."""
     assert_compile_allowed(spec)
     expr = spec.cuda_name_expression()
-    return _module(spec.kernel, (expr,)).get_function(expr)
+    fn = _module(spec.kernel, (expr,)).get_function(expr)
+    if spec.dynamic_smem_bytes > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = spec.dynamic_smem_bytes
+    return fn
 
 
 def _torch() -> Any:
@@ -225,7 +228,7 @@ class CudaBackend(Backend):
                 (q, k_pages, v_pages, idx, indptr, lpl, fpo, req, tiles, v_out, lse_out,
                  np.int32(plan.num_qo_heads), np.int32(plan.num_kv_heads),
                  np.int32(plan.q_groups), np.int32(plan.pages_per_chunk),
-                 np.float32(sm_scale * LOG2E)))
+                 np.float32(sm_scale * LOG2E)), spec.dynamic_smem_bytes)
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
         m, h, d = (int(x) for x in v_out.shape)
@@ -245,7 +248,8 @@ class CudaBackend(Backend):
         idx, indptr, lpl, fpo = self._table(table)
         _launch(self.kernel(spec), (b * hq, 1), V1_NUM_WARPS * 32,
                 (q, k_pages, v_pages, idx, indptr, lpl, fpo, out, lse_out, np.int32(hq),
-                 np.int32(k_pages.shape[2]), np.float32(sm_scale * LOG2E)))
+                 np.int32(k_pages.shape[2]), np.float32(sm_scale * LOG2E)),
+                spec.dynamic_smem_bytes)
 
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                     sm_scale: float, out: Any, lse_out: Any) -> None:
@@ -269,12 +273,14 @@ def _check_aligned(fn: str, *arrays: Any) -> None:
                                        f"vector loads, got an address {a.data.ptr:#x}")
 
 
-def _launch(kernel: Any, grid: tuple[int, int], block: int, args: tuple[Any, ...]) -> None:
-    """The one place that turns (grid in blocks, threads per block) into a launch."""
+def _launch(kernel: Any, grid: tuple[int, int], block: int, args: tuple[Any, ...],
+            smem: int = 0) -> None:
+    """The one place that turns (grid in blocks, threads per block, dynamic shared
+    bytes) into a launch on the current stream."""
     gx, gy = grid
     if gx == 0 or gy == 0:
         return
-    kernel((int(gx), int(gy), 1), (int(block), 1, 1), args)
+    kernel((int(gx), int(gy), 1), (int(block), 1, 1), args, shared_mem=int(smem))
 
 
 def _external_stream(ptr: int, dev: int) -> Any:
