@@ -60,10 +60,7 @@ def compiled(spec: KernelSpec) -> Any:
     """The compiled kernel of ``spec`` (one module per specialization, cached)."""
     assert_compile_allowed(spec)
     expr = spec.cuda_name_expression()
-    fn = _module(spec.kernel, (expr,)).get_function(expr)
-    if spec.dynamic_smem_bytes > 48 * 1024:
-        fn.max_dynamic_shared_size_bytes = spec.dynamic_smem_bytes
-    return fn
+    return _module(spec.kernel, (expr,)).get_function(expr)
 
 
 def _torch() -> Any:
@@ -280,7 +277,15 @@ def _launch(kernel: Any, grid: tuple[int, int], block: int, args: tuple[Any, ...
     gx, gy = grid
     if gx == 0 or gy == 0:
         return
+    if smem and _smem_opt_in.get(id(kernel), (None, 0))[1] < smem:
+        # above 48 KB of dynamic shared memory a kernel must opt in (once per kernel; the
+        # entry keeps the kernel alive so its id is never reused)
+        kernel.max_dynamic_shared_size_bytes = int(smem)
+        _smem_opt_in[id(kernel)] = (kernel, int(smem))
     kernel((int(gx), int(gy), 1), (int(block), 1, 1), args, shared_mem=int(smem))
+
+
+_smem_opt_in: dict[int, tuple[Any, int]] = {}
 
 
 def _external_stream(ptr: int, dev: int) -> Any:
