@@ -113,7 +113,7 @@ def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int
 
 
 STAGES_ENV = "PAGED_DECODE_STAGES"
-V2_STAGES = 4
+V2_STAGES = 2
 V1_STAGES = 2
 
 
