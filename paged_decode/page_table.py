@@ -66,11 +66,14 @@ class PageTable:
     pages_per_request: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        pages = (self.indptr[1:].astype(np.int64) - self.indptr[:-1]) if self.indptr.size else \
+        b = max(self.indptr.size - 1, 0)
+        pages = np.diff(self.indptr.astype(np.int64)) if self.indptr.size else \
             np.zeros(0, np.int64)
-        vis = np.where(pages > 0,
-                       (pages - 1) * self.page_size + self.last_page_len - self.first_page_offset,
-                       0)
+        if self.last_page_len.size == b and self.first_page_offset.size == b:
+            vis = np.where(pages > 0, (pages - 1) * self.page_size + self.last_page_len
+                           - self.first_page_offset, 0)
+        else:  # malformed lengths: validate() reports them by name
+            vis = np.zeros(b, np.int64)
         for name, arr in (("visible_lens", vis), ("pages_per_request", pages)):
             a = np.ascontiguousarray(arr, dtype=np.int32)
             a.setflags(write=False)

@@ -196,12 +196,17 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
     q_groups = (num_qo_heads // num_kv_heads) // qh
     ctas_per_chunk = num_kv_heads * q_groups
     pages = table.pages_per_request
-    total = int(pages.astype(np.int64).sum())
     max_ppc = max(1, int(pages.max()))
-    # sum(ceil(p / ppc)) <= total / ppc + B, so this ppc keeps the chunk count in bounds
-    min_ppc = max(1, -(-total // (max_chunks - b))) if max_chunks > b else max_ppc
-    while min_ppc < max_ppc and int(chunk_counts(pages, min_ppc).sum()) > max_chunks:
-        min_ppc += 1
+    # the smallest chunk size whose chunk count fits the grid bound (counts only fall as
+    # the size grows; at max_ppc every request has one chunk, and b <= max_chunks)
+    lo, hi = 1, max_ppc
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(chunk_counts(pages, mid).sum()) <= max_chunks:
+            hi = mid
+        else:
+            lo = mid + 1
+    min_ppc = lo
 
     def reaches(ppc: int) -> bool:
         return int(chunk_counts(pages, ppc).sum()) * ctas_per_chunk >= target

@@ -82,11 +82,11 @@ class PagePool:
         return list(self._seqs)
 
     def seq_pages(self, seq: int) -> list[int]:
-        return list(self._get("seq_pages", seq).pages)
+        return list(self._get("PagePool.seq_pages", seq).pages)
 
     def seq_len(self, seq: int) -> int:
         """Visible tokens of ``seq``."""
-        s = self._get("seq_len", seq)
+        s = self._get("PagePool.seq_len", seq)
         return s.filled - s.start
 
     def layer(self, i: int) -> tuple[Any, Any]:
@@ -109,7 +109,7 @@ class PagePool:
 
     def fork(self, seq: int) -> int:
         """A new sequence sharing every page of ``seq`` (refcounts go up, nothing copied)."""
-        src = self._get("fork", seq)
+        src = self._get("PagePool.fork", seq)
         sid = self.new_sequence()
         self._seqs[sid] = _Seq(list(src.pages), src.start, src.filled, src.trimmed)
         for p in src.pages:
@@ -118,7 +118,7 @@ class PagePool:
 
     def free(self, seq: int) -> None:
         """Drop ``seq``; pages whose refcount reaches zero return to the free list."""
-        s = self._get("free", seq)
+        s = self._get("PagePool.free", seq)
         for p in s.pages:
             self._release(p)
         del self._seqs[seq]

@@ -35,6 +35,12 @@ class Unplugged(ReferenceBackend):
         return Support(False, UNPLUGGED)
 
 
+class FakeGpu(ReferenceBackend):
+    """A backend that is always available (stands in for a GPU backend)."""
+
+    name = "fakegpu"
+
+
 class Exploding(ReferenceBackend):
     name = "exploding"
 
@@ -46,7 +52,8 @@ class Exploding(ReferenceBackend):
 @pytest.fixture
 def fake_registry(monkeypatch):
     """Register fake backends (this module) and start from an empty instance cache."""
-    for name, cls in (("unplugged", "Unplugged"), ("exploding", "Exploding")):
+    for name, cls in (("unplugged", "Unplugged"), ("exploding", "Exploding"),
+                      ("fakegpu", "FakeGpu")):
         monkeypatch.setitem(backends.REGISTRY, name, BackendEntry(name, __name__, cls, "fake"))
     monkeypatch.setitem(backends.REGISTRY, "broken",
                         BackendEntry("broken", ".no_such_module", "Nope", "fake"))
@@ -156,9 +163,13 @@ def test_auto_on_this_machine_is_usable():
 
 
 # ---------------------------------------------------------------------------- routing
-def test_backend_for_picks_reference_for_numpy():
+def test_backend_for_picks_reference_for_numpy(fake_registry, monkeypatch):
+    # even when a better-ranked backend is available, numpy arrays stay on the CPU
+    monkeypatch.setattr(backends, "AUTO_ORDER", ("fakegpu", "reference"))
+    assert get_backend().name == "fakegpu"
     assert backend_for(None, np.zeros((2, 2), np.float16)).name == "reference"
     assert backend_for("auto", np.zeros(2)).name == "reference"
+    assert backend_for(None, [1.0, 2.0]).name == "fakegpu"    # other kinds: automatic
     inst = Unplugged()
     assert backend_for(inst, np.zeros(2)) is inst
 

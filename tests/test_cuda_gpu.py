@@ -18,8 +18,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not availability("cuda").ok,
                                  reason=f"CUDA backend unavailable: {availability('cuda').reason}")]
 
-TOL = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
-LSE_TOL = 2e-4
+from conftest import LSE_ATOL as LSE_TOL  # noqa: E402  (one place for tolerances)
+from conftest import OUT_RTOL as TOL  # noqa: E402  (keyed by the output dtype)
+
 PATHS = [("v2", None), ("v2", 1), ("v1", None), ("gather", None)]
 
 
@@ -48,7 +49,7 @@ def _run(cuda, spec, *, lengths=None, offsets=None, paths=PATHS, out_dtype="floa
         assert isinstance(out, cp.ndarray)
         e, le = max_rel_error(cp.asnumpy(out), ref), lse_error(cp.asnumpy(lse), ref_lse)
         errs[(path, ppc)] = (e, le, pd.last_outcome().path)
-        assert e <= TOL[spec.kv_dtype], (spec.label, path, ppc, e)
+        assert e <= TOL[out_dtype], (spec.label, path, ppc, e)
         assert le <= LSE_TOL, (spec.label, path, ppc, le)
     return errs
 
@@ -132,7 +133,7 @@ def test_negative_control_kernel_ignoring_indices_fails(cuda):
     ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
     q, k, v = (bad.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
     out = pd.decode(q, k, v, pr.table, path="v2", out_dtype="float32", backend=bad)
-    assert max_rel_error(out.get(), ref) > 10 * TOL["float16"]
+    assert max_rel_error(out.get(), ref) > 0.1
 
 
 def test_negative_control_off_by_one_page_offset_fails(cuda):
@@ -143,7 +144,7 @@ def test_negative_control_off_by_one_page_offset_fails(cuda):
     ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
     q, k, v = (bad.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
     out = pd.decode(q, k, v, pr.table, path="v2", out_dtype="float32", backend=bad)
-    assert max_rel_error(out.get(), ref) > 10 * TOL["float16"]
+    assert max_rel_error(out.get(), ref) > 0.1
 
 
 def test_pool_beyond_2_pow_31_elements(cuda):
@@ -172,7 +173,7 @@ def test_pool_beyond_2_pow_31_elements(cuda):
     for path, ppc in PATHS:
         plan = pd.plan_decode(table, 32, hkv, d, pages_per_chunk=ppc)
         out = pd.decode(q, k, v, table, plan, path=path, out_dtype="float32")
-        assert max_rel_error(out.get(), ref) <= TOL["float16"], path
+        assert max_rel_error(out.get(), ref) <= TOL["float32"], path
     del k, v
 
 
@@ -193,7 +194,7 @@ def test_torch_tensors_on_a_side_stream(cuda):
         out2 = pd.decode(q, k, v, pr.table, plan)
     s.synchronize()
     assert isinstance(out, torch.Tensor) and out.device.type == "cuda"
-    assert max_rel_error(out.cpu().numpy(), ref) <= TOL["float16"]
+    assert max_rel_error(out.cpu().numpy(), ref) <= TOL["float32"]
     assert lse_error(lse.cpu().numpy(), ref_lse) <= LSE_TOL
     assert max_rel_error(out2.float().cpu().numpy(), ref) <= TOL["float16"]
 
@@ -246,7 +247,7 @@ def test_pool_on_cuda_with_fork_and_trim(cuda):
     q = rng.standard_normal((2, 8, 128)).astype(np.float16)
     ref, _ = oracle_decode(q, pool.k.get(), pool.v.get(), table)
     out = pd.decode(cp.asarray(q), pool.k, pool.v, table, out_dtype="float32")
-    assert max_rel_error(out.get(), ref) <= TOL["float16"]
+    assert max_rel_error(out.get(), ref) <= TOL["float32"]
 
 
 def test_merge_states_on_cuda_matches_reference(cuda):
@@ -275,7 +276,7 @@ def test_second_device_if_present(cuda):
         q, k, v = (cp.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
     out = pd.decode(q, k, v, pr.table, out_dtype="float32")
     assert out.device.id == 1
-    assert max_rel_error(out.get(), ref) <= TOL["float16"]
+    assert max_rel_error(out.get(), ref) <= TOL["float32"]
 
 
 def test_table_helper_used_here_is_sane():

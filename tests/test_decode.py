@@ -228,7 +228,7 @@ def geometries(draw):
     )
 
 
-@settings(max_examples=50, deadline=None, database=None,
+@settings(max_examples=50, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(g=geometries())
 def test_fuzz_random_geometries(g):

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..device import DeviceInfo
 from ..dtypes import dtype_name, numpy_dtype
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidDtypeError
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..specs import (
@@ -134,7 +134,11 @@ class CudaBackend(Backend):
         return cp.asnumpy(a)
 
     def dtype_of(self, x: Any) -> str:
-        return dtype_name(self.asarray(x).dtype)
+        dt = self.asarray(x).dtype
+        try:
+            return dtype_name(dt)
+        except InvalidDtypeError:
+            return str(dt)
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         out = cp.empty(shape, numpy_dtype(dtype))

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..device import DeviceInfo
 from ..dtypes import dtype_name, numpy_dtype
+from ..errors import InvalidDtypeError
 from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
 from .base import Backend, Support, poison_enabled
@@ -103,8 +104,13 @@ class ReferenceBackend(Backend):
         return np.asarray(x)
 
     def dtype_of(self, x: Any) -> str:
-        return dtype_name(np.asarray(x).dtype) if not isinstance(x, np.ndarray) \
-            else dtype_name(x.dtype)
+        """Canonical dtype name; an unsupported dtype comes back as its own spelling so the
+        caller's ``check_dtype`` can name the function and argument."""
+        dt = x.dtype if isinstance(x, np.ndarray) else np.asarray(x).dtype
+        try:
+            return dtype_name(dt)
+        except InvalidDtypeError:
+            return str(dt)
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         out = np.empty(shape, numpy_dtype(dtype))
