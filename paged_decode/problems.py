@@ -3,6 +3,10 @@
 A problem's pool has slack (twice the pages needed) and hands out physical pages in a
 shuffled order; requests get randomized partial last pages and, when asked, start
 mid-page (a sliding window trimmed inside its first page).
+
+Every pool entry that no request may read (slack pages, the entries of a first page before
+``first_page_offset``, the entries of a last page past ``last_page_len``) holds NaN, so a
+kernel that reads one produces NaN instead of a plausible wrong number.
 """
 
 from __future__ import annotations
@@ -68,6 +72,19 @@ def make_table(lengths: list[int], page_size: int, *, offsets: list[int] | None 
     return table, num_pages
 
 
+def visible_mask(table: PageTable) -> np.ndarray:
+    """``bool [total_pages, P]``: which entries of each listed page are visible."""
+    p = table.page_size
+    mask = np.ones((table.total_pages, p), bool)
+    for r in range(table.batch_size):
+        a, b = int(table.indptr[r]), int(table.indptr[r + 1])
+        if b == a:
+            continue
+        mask[a, :int(table.first_page_offset[r])] = False
+        mask[b - 1, int(table.last_page_len[r]):] = False
+    return mask
+
+
 def make_problem(spec: ProblemSpec, *, lengths: list[int] | None = None,
                  offsets: list[int] | None = None) -> Problem:
     """Random q and pools (standard normal, scaled) for ``spec`` on the host."""
@@ -85,8 +102,14 @@ def make_problem(spec: ProblemSpec, *, lengths: list[int] | None = None,
     table, num_pages = make_table(lengths, p, offsets=offsets, slack=spec.slack, rng=rng)
     shape = (num_pages, p, spec.num_kv_heads, spec.head_dim)
     kvdt = numpy_dtype(spec.kv_dtype)
-    k = rng.standard_normal(shape, dtype=np.float32).astype(kvdt)
-    v = rng.standard_normal(shape, dtype=np.float32).astype(kvdt)
+    used = table.indices.astype(np.int64)
+    visible = visible_mask(table)                                   # [used pages, P]
+    k = np.full(shape, np.nan, kvdt)
+    v = np.full(shape, np.nan, kvdt)
+    for pool in (k, v):
+        vals = rng.standard_normal((used.size, *shape[1:]), dtype=np.float32)
+        vals[~visible] = np.nan
+        pool[used] = vals.astype(kvdt)
     q = (rng.standard_normal((spec.batch, spec.num_qo_heads, spec.head_dim), dtype=np.float32)
          * 1.5).astype(numpy_dtype(spec.q_dtype))
     return Problem(spec, q, k, v, table)

@@ -20,7 +20,10 @@ _rows_cache: weakref.WeakKeyDictionary[PageTable, np.ndarray] = weakref.WeakKeyD
 
 
 def gather_rows(table: PageTable) -> np.ndarray:
-    """``int64 [B, Tmax]`` flat row ids into ``pages.reshape(-1, Hkv, D)``; padding is -1.
+    """``int64 [B, Tmax]`` flat row ids into ``pages.reshape(-1, Hkv, D)``; padding is
+    negative: ``-1 - row`` for a visible row of the same request to read instead (the
+    attention masks it, but it is never an entry that may hold garbage), ``-1`` for an
+    empty request.
 
     Read-only and memoised per table.
     """
@@ -38,6 +41,8 @@ def gather_rows(table: PageTable) -> np.ndarray:
         a = int(table.first_page_offset[r]) + np.arange(n, dtype=np.int64)
         pages = table.indices[table.indptr[r] + a // p].astype(np.int64)
         rows[r, :n] = pages * p + a % p
+        # padding repeats a visible row of the same request (masked out, but finite)
+        rows[r, n:] = -1 - rows[r, 0]
     rows.setflags(write=False)
     _rows_cache[table] = rows
     return rows
@@ -50,7 +55,7 @@ def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTab
     hkv = int(k_pages.shape[2])
     g = hq // hkv
     rows_h = gather_rows(table)
-    rows = be.upload(np.maximum(rows_h, 0))
+    rows = be.upload(np.where(rows_h >= 0, rows_h, -1 - rows_h))
     valid = be.upload(rows_h >= 0)                                # [B, Tmax]
     kf = k_pages.reshape(-1, hkv, d)[rows].transpose(0, 2, 1, 3)  # [B, Hkv, Tmax, D]
     vf = v_pages.reshape(-1, hkv, d)[rows].transpose(0, 2, 1, 3)
