@@ -38,7 +38,7 @@ from .backends import Backend, get_backend
 from .decode import decode
 from .outcome import last_outcome
 from .page_table import PageTable
-from .plan import MAX_CHUNKS, DecodePlan, chunk_counts, plan_decode
+from .plan import MAX_CHUNKS, DecodePlan, plan_decode, smallest_chunk_size
 
 HEAD_DIMS = (64, 128)
 GQAS = (1, 4, 8)
@@ -163,38 +163,6 @@ def matrix(full: bool, dtypes: Iterable[str] = ("float16",)) -> list[CheckConfig
     return out
 
 
-# ---------------------------------------------------------------------------- oracle
-def oracle_f64(q: np.ndarray, k_pages: np.ndarray, v_pages: np.ndarray, table: PageTable,
-               sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``reference.oracle_decode``, without materializing K/V per query head.
-
-    Same float64 arithmetic (the page walk is ``reference.request_kv_f64``; natural
-    exponentials; base-2 LSE at the end), but the GQA group is a matmul axis instead of
-    an ``[T, Hq, D]`` copy: ~10x faster at GQA 8, which makes the full matrix feasible.
-    """
-    qn = np.asarray(q, dtype=np.float64)
-    b, hq, d = qn.shape
-    hkv = int(k_pages.shape[2])
-    g = hq // hkv
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    out = np.zeros((b, hq, d))
-    lse = np.full((b, hq), -np.inf)
-    for r in range(b):
-        k = reference.request_kv_f64(k_pages, table, r)   # [T, Hkv, D]
-        if k.shape[0] == 0:
-            continue
-        v = reference.request_kv_f64(v_pages, table, r)
-        qg = qn[r].reshape(hkv, g, d)
-        logits = np.matmul(qg, k.transpose(1, 2, 0)) * scale          # [Hkv, G, T]
-        mx = logits.max(axis=-1, keepdims=True)
-        e = np.exp(logits - mx)
-        den = e.sum(axis=-1)
-        o = np.matmul(e, np.ascontiguousarray(v.transpose(1, 0, 2))) / den[..., None]
-        out[r] = o.reshape(hq, d)
-        lse[r] = ((mx[..., 0] + np.log(den)) / math.log(2.0)).reshape(hq)
-    return out, lse
-
-
 # ---------------------------------------------------------------------------- results
 @dataclass
 class CheckResult:
@@ -298,15 +266,7 @@ class CheckReport:
 # ---------------------------------------------------------------------------- running
 def forced_merge_ppc(table: PageTable) -> int:
     """Pages per chunk for the forced-merge arm: 1, or the smallest the grid bound allows."""
-    pages = table.pages_per_request
-    lo, hi = 1, max(1, int(pages.max()))
-    while lo < hi:  # chunk count is non-increasing in ppc
-        mid = (lo + hi) // 2
-        if int(chunk_counts(pages, mid).sum()) <= MAX_CHUNKS:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return smallest_chunk_size(table.pages_per_request, MAX_CHUNKS)
 
 
 def _plan_for(path: str, be: Backend, cfg: CheckConfig, table: PageTable,
@@ -365,7 +325,7 @@ def check_config(be: Backend, cfg: CheckConfig, paths: Sequence[str] = ALL_PATHS
     prob = problems.make_problem(cfg.spec)
     arrays = problems.move(prob, be)
     t1 = time.perf_counter()
-    ref = oracle_f64(prob.q, prob.k_pages, prob.v_pages, prob.table)
+    ref = reference.oracle_decode(prob.q, prob.k_pages, prob.v_pages, prob.table)
     t2 = time.perf_counter()
     tm["build"] = tm.get("build", 0.0) + (t1 - t0)
     tm["oracle"] = tm.get("oracle", 0.0) + (t2 - t1)
@@ -382,11 +342,13 @@ def check_config(be: Backend, cfg: CheckConfig, paths: Sequence[str] = ALL_PATHS
 def run_check(backend: str | Backend | None = None, *, full: bool = False,
               dtypes: Sequence[str] = ("float16",), paths: Sequence[str] = ALL_PATHS,
               progress: Callable[[CheckResult], None] | None = None,
-              max_configs: int | None = None) -> CheckReport:
+              max_configs: int | None = None,
+              shard: tuple[int, int] | None = None) -> CheckReport:
     """Run the correctness matrix on ``backend`` (a name, an instance, or automatic).
 
     ``progress`` is called with every ``CheckResult`` as it lands; ``max_configs`` keeps
-    only the first (cheapest) configurations of the matrix.
+    only the first (cheapest) configurations of the matrix; ``shard=(k, n)`` keeps every
+    n-th configuration starting at the k-th (0-based), so n processes can split a matrix.
     """
     bad = [p for p in paths if p not in ALL_PATHS]
     if bad:
@@ -402,6 +364,11 @@ def run_check(backend: str | Backend | None = None, *, full: bool = False,
     configs = matrix(full, list(dtypes))
     if max_configs is not None:
         configs = configs[:max_configs]
+    if shard is not None:
+        k, n = shard
+        if not (n >= 1 and 0 <= k < n):
+            raise ValueError(f"run_check: shard must be (k, n) with 0 <= k < n, got {shard}")
+        configs = configs[k::n]
     t0 = time.perf_counter()
     for cfg in configs:
         for r in check_config(be, cfg, paths, report.timings):
@@ -414,4 +381,4 @@ def run_check(backend: str | Backend | None = None, *, full: bool = False,
 
 __all__ = ["ALL_PATHS", "AXES", "CheckConfig", "CheckReport", "CheckResult", "LSE_TOLERANCE",
            "TOLERANCES", "check_config", "forced_merge_ppc", "format_result", "matrix",
-           "oracle_f64", "run_check", "tolerance"]
+           "run_check", "tolerance"]

@@ -68,16 +68,29 @@ def info(backend: str | None, as_json: bool) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every result as JSON here.")
 @click.option("--max-configs", type=int, default=None, help="Stop after this many configs.")
+@click.option("--shard", default=None, metavar="K/N",
+              help="Run every N-th configuration from the K-th (0-based), to split a matrix "
+                   "over N processes.")
 def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: str | None,
-          max_configs: int | None) -> None:
+          max_configs: int | None, shard: str | None) -> None:
     """Correctness matrix against the float64 oracle; exits non-zero on any failure."""
     from .check import format_result, run_check
+    part = None
+    if shard:
+        try:
+            k, n = (int(x) for x in shard.split("/"))
+        except ValueError as exc:
+            raise click.BadParameter(f"expected K/N such as 0/4, got {shard!r}",
+                                     param_hint="--shard") from exc
+        if not (n >= 1 and 0 <= k < n):
+            raise click.BadParameter(f"need 0 <= K < N, got {shard!r}", param_hint="--shard")
+        part = (k, n)
     be = _backend(backend)
     click.echo(f"checking backend {be.name} on {be.device_info().name}"
                f"{' (full matrix)' if full else ' (quick matrix; --full for all 216)'}")
     t0 = time.perf_counter()
     report = run_check(be, full=full, dtypes=list(dtypes), max_configs=max_configs,
-                       progress=lambda r: click.echo(format_result(r)))
+                       shard=part, progress=lambda r: click.echo(format_result(r)))
     click.echo(report.summary())
     click.echo(f"elapsed {time.perf_counter() - t0:.1f} s")
     if json_path:

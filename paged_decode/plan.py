@@ -55,6 +55,22 @@ def chunk_counts(pages: np.ndarray, pages_per_chunk: int) -> np.ndarray:
     return np.maximum(1, -(-p // pages_per_chunk))
 
 
+def smallest_chunk_size(pages: np.ndarray, max_chunks: int = MAX_CHUNKS) -> int:
+    """The smallest ``pages_per_chunk`` whose total chunk count is ``<= max_chunks``.
+
+    Counts only fall as the size grows, and at the largest request's page count every
+    request has one chunk, so a binary search finds it (requires ``B <= max_chunks``).
+    """
+    lo, hi = 1, max(1, int(pages.max()) if pages.size else 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(chunk_counts(pages, mid).sum()) <= max_chunks:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 @dataclass(frozen=True, eq=False)
 class DecodePlan:
     """A frozen split-KV plan (arrays are host ``int32``, read-only).
@@ -197,16 +213,7 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
     ctas_per_chunk = num_kv_heads * q_groups
     pages = table.pages_per_request
     max_ppc = max(1, int(pages.max()))
-    # the smallest chunk size whose chunk count fits the grid bound (counts only fall as
-    # the size grows; at max_ppc every request has one chunk, and b <= max_chunks)
-    lo, hi = 1, max_ppc
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if int(chunk_counts(pages, mid).sum()) <= max_chunks:
-            hi = mid
-        else:
-            lo = mid + 1
-    min_ppc = lo
+    min_ppc = smallest_chunk_size(pages, max_chunks)
 
     def reaches(ppc: int) -> bool:
         return int(chunk_counts(pages, ppc).sum()) * ctas_per_chunk >= target

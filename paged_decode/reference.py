@@ -30,22 +30,23 @@ def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Dense GQA attention of one query token: ``q [Hq, D]``, ``k, v [T, Hkv, D]``.
 
-    Returns ``out [Hq, D]`` float64 and ``lse [Hq]`` float64, **base 2** (``-inf`` and
-    zeros when ``T == 0``).
+    The GQA group is a matmul axis (query head ``h`` reads KV head ``h // G``), so no
+    per-query-head copy of K/V is made. Returns ``out [Hq, D]`` float64 and ``lse [Hq]``
+    float64, **base 2** (``-inf`` and zeros when ``T == 0``).
     """
     hq, d = q.shape
     t, hkv, _ = k.shape
     if t == 0:
         return np.zeros((hq, d)), np.full(hq, -np.inf)
     g = hq // hkv
-    heads = np.arange(hq) // g                        # query head -> KV head
-    logits = np.einsum("hd,thd->ht", q.astype(np.float64), k[:, heads, :]) * sm_scale
-    mx = logits.max(axis=1, keepdims=True)
+    qg = q.astype(np.float64).reshape(hkv, g, d)
+    logits = np.matmul(qg, k.transpose(1, 2, 0)) * sm_scale           # [Hkv, G, T]
+    mx = logits.max(axis=-1, keepdims=True)
     e = np.exp(logits - mx)
-    den = e.sum(axis=1)
-    out = np.einsum("ht,thd->hd", e, v[:, heads, :]) / den[:, None]
-    lse = (mx[:, 0] + np.log(den)) / math.log(2.0)
-    return out, lse
+    den = e.sum(axis=-1)
+    out = np.matmul(e, np.ascontiguousarray(v.transpose(1, 0, 2))) / den[..., None]
+    lse = (mx[..., 0] + np.log(den)) / math.log(2.0)
+    return out.reshape(hq, d), lse.reshape(hq)
 
 
 def oracle_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
