@@ -3,7 +3,9 @@
 The target CTA count is resolved in this order: an explicit argument to
 ``plan_decode(target_ctas=...)``, the environment variable ``PAGED_DECODE_TARGET_CTAS``,
 then the backend's ``DeviceInfo.default_target_ctas`` (CUDA: SM count x CTAs per SM;
-Apple: GPU core count x threadgroups per core; reference: a fixed value).
+Apple: GPU core count x threadgroups per core; reference: a fixed value). The shortest
+chunk a plan may cut resolves the same way (``min_chunk_tokens``,
+``PAGED_DECODE_MIN_CHUNK_TOKENS``, ``DeviceInfo.min_chunk_tokens``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from .errors import InvalidArgumentError
 
 TARGET_ENV = "PAGED_DECODE_TARGET_CTAS"
+CHUNK_ENV = "PAGED_DECODE_MIN_CHUNK_TOKENS"
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,8 @@ class DeviceInfo:
 
     ``compute_units``: SMs (CUDA), GPU cores (Apple) or CPU cores (reference).
     ``ctas_per_unit``: how many partial-kernel CTAs one unit should hold at once.
+    ``min_chunk_tokens``: the plan never cuts a request into chunks shorter than this
+    (a split costs a merge; tiny chunks cost more than they spread).
     """
 
     backend: str
@@ -30,6 +35,7 @@ class DeviceInfo:
     ctas_per_unit: int
     index: int = 0
     detail: str = ""
+    min_chunk_tokens: int = 1
 
     @property
     def default_target_ctas(self) -> int:
@@ -47,6 +53,20 @@ class DeviceInfo:
                 raise InvalidArgumentError(
                     f"{TARGET_ENV} must be a positive integer, got {env!r}") from exc
         return self.default_target_ctas
+
+
+    def chunk_floor(self, override: int | None = None) -> int:
+        """Shortest chunk, in tokens, a plan may cut (argument > environment > device)."""
+        if override is not None:
+            return _positive("plan_decode", "min_chunk_tokens", override)
+        env = os.environ.get(CHUNK_ENV)
+        if env:
+            try:
+                return _positive(CHUNK_ENV, "value", int(env))
+            except ValueError as exc:
+                raise InvalidArgumentError(
+                    f"{CHUNK_ENV} must be a positive integer, got {env!r}") from exc
+        return self.min_chunk_tokens
 
 
 def _positive(fn: str, name: str, value: int) -> int:

@@ -181,7 +181,8 @@ def chunk_token_ranges(table: PageTable, plan: DecodePlan) -> tuple[np.ndarray, 
 def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                 device: DeviceInfo | None = None, backend: str | None = None,
                 target_ctas: int | None = None, pages_per_chunk: int | None = None,
-                max_chunks: int = MAX_CHUNKS) -> DecodePlan:
+                min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS
+                ) -> DecodePlan:
     """Plan a split-KV decode of ``table``.
 
     Args:
@@ -192,6 +193,8 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
         target_ctas: CTA count to reach (overrides env and device default).
         pages_per_chunk: force a chunk size instead of searching (e.g. 1 to force the
             finest split and exercise the merge).
+        min_chunk_tokens: the searched chunk size is at least this many tokens (default:
+            ``device.min_chunk_tokens``); ignored when ``pages_per_chunk`` is given.
         max_chunks: grid bound on the total chunk count (65535).
     """
     fn = "plan_decode"
@@ -214,6 +217,9 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
     pages = table.pages_per_request
     max_ppc = max(1, int(pages.max()))
     min_ppc = smallest_chunk_size(pages, max_chunks)
+    floor_tokens = device.chunk_floor(min_chunk_tokens)
+    grid_min_ppc = min_ppc
+    min_ppc = min(max(min_ppc, -(-int(floor_tokens) // table.page_size)), max_ppc)
 
     def reaches(ppc: int) -> bool:
         return int(chunk_counts(pages, ppc).sum()) * ctas_per_chunk >= target
@@ -227,7 +233,7 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
             raise InvalidArgumentError(
                 f"{fn}: pages_per_chunk = {ppc} gives "
                 f"{int(chunk_counts(pages, ppc).sum())} chunks, above the grid bound of "
-                f"{max_chunks}; use at least {min_ppc}")
+                f"{max_chunks}; use at least {grid_min_ppc}")
     elif not reaches(min_ppc):
         ppc = min_ppc
     else:

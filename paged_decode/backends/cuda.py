@@ -41,6 +41,7 @@ from .base import Backend, Problem, Support, poison_enabled
 
 LOG2E = 1.4426950408889634
 CTAS_PER_SM = 4
+MIN_CHUNK_TOKENS = 128
 COMPILE_OPTIONS = ("-std=c++17",)
 
 try:  # imported lazily by the registry; a failure here marks the backend unavailable
@@ -264,7 +265,8 @@ def _device_info(index: int) -> DeviceInfo:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     sms = int(props["multiProcessorCount"])
     return DeviceInfo("cuda", name, sms, CTAS_PER_SM, index=index,
-                      detail=f"compute capability {props['major']}.{props['minor']}")
+                      detail=f"compute capability {props['major']}.{props['minor']}",
+                      min_chunk_tokens=MIN_CHUNK_TOKENS)
 
 
 def _check_aligned(fn: str, *arrays: Any) -> None:
