@@ -173,7 +173,9 @@ def test_pool_beyond_2_pow_31_elements(cuda):
     for path, ppc in PATHS:
         plan = pd.plan_decode(table, 32, hkv, d, pages_per_chunk=ppc)
         out = pd.decode(q, k, v, table, plan, path=path, out_dtype="float32")
-        assert max_rel_error(out.get(), ref) <= TOL["float32"], path
+        # without an LSE the gather arm runs torch SDPA, which computes in q's dtype
+        tol = TOL["float16"] if path == "gather" else TOL["float32"]
+        assert max_rel_error(out.get(), ref) <= tol, path
     del k, v
 
 
