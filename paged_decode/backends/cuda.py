@@ -41,7 +41,7 @@ from .base import Backend, Problem, Support, poison_enabled
 
 LOG2E = 1.4426950408889634
 CTAS_PER_SM = 4
-MIN_CHUNK_TOKENS = 128
+MIN_CHUNK_TOKENS = 256  # measured: bench/results/h200/tune_chunk_floor_2026-11-29.json
 COMPILE_OPTIONS = ("-std=c++17",)
 
 try:  # imported lazily by the registry; a failure here marks the backend unavailable
