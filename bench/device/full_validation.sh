@@ -19,6 +19,9 @@ for dt in float16 bfloat16 float32; do
        "$(cat $OUT/check_${dt}_*.log | grep -c ' FAIL') fail lines;" \
        "summaries: $(grep -h -E '^(PASS|FAIL):' $OUT/check_${dt}_*.log | sort | uniq -c | tr '\n' ' ')" \
        "wall $(( $(date +%s) - t0 )) s"
+  python3 bench/device/merge_check_shards.py "$OUT/check_$dt.json" "$OUT"/check_${dt}_*.json \
+    && rm -f "$OUT"/check_${dt}_*.json && cat "$OUT"/check_${dt}_*.log > "$OUT/check_$dt.log" \
+    && rm -f "$OUT"/check_${dt}_*.log
 done
 PAGED_DECODE_PLAIN_MALLOC=1 compute-sanitizer --tool memcheck --error-exitcode 3 \
   python3 -m pytest -q tests/test_cuda_gpu.py \
