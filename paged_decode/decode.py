@@ -90,7 +90,8 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
     if not math.isfinite(scale):
         raise InvalidArgumentError(f"{fn}: sm_scale must be finite, got {sm_scale!r}")
     if plan is None:
-        plan = plan_decode(table, hq, hkv, d, device=be.device_info())
+        with be.launch_context(q):  # the device of q, for its SM count
+            plan = plan_decode(table, hq, hkv, d, device=be.device_info())
     elif not isinstance(plan, DecodePlan):
         raise InvalidArgumentError(f"{fn}: plan must be a DecodePlan, got {type(plan).__name__}")
     else:

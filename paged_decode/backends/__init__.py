@@ -83,7 +83,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
         inst = REGISTRY[explicit].load()()
         _instances[explicit] = inst
         return inst
-    reasons = []
+    reasons: list[str] = []
     for cand in AUTO_ORDER:
         if cand in _instances:
             _last_auto[:] = [cand, "cached"]
