@@ -13,6 +13,13 @@ LSEs are base 2 everywhere.
 """
 
 from .backends import available_backends, get_backend
+from .cascade import (
+    CascadeDecodePlan,
+    CascadePlan,
+    cascade_decode,
+    detect_shared_prefix,
+    plan_cascade,
+)
 from .decode import decode
 from .device import DeviceInfo
 from .errors import (
@@ -30,6 +37,7 @@ from .outcome import DecodeOutcome, counters, last_outcome, reset_counters
 from .page_table import PageTable
 from .plan import DecodePlan, plan_decode
 from .pool import PagePool
+from .sparse import Selection, make_selection, selection_from_blocks, sparse_decode
 
 __version__ = "0.1.0"
 
@@ -39,4 +47,6 @@ __all__ = [
     "PagedDecodeError", "PlanMismatchError", "PoolExhaustedError", "UnsupportedProblemError",
     "available_backends", "counters", "decode", "get_backend", "last_outcome", "merge_state",
     "merge_states", "plan_decode", "reset_counters", "__version__",
+    "CascadeDecodePlan", "CascadePlan", "cascade_decode", "detect_shared_prefix", "plan_cascade",
+    "Selection", "make_selection", "selection_from_blocks", "sparse_decode",
 ]

@@ -8,6 +8,9 @@ through the backend, runs one of three paths and records what it ran:
   every request has one chunk the partial writes the output directly.
 - ``"v1"``: one CTA per (request, query head), split inside the CTA (comparison arm).
 - ``"gather"``: gather visible K/V contiguously, then dense attention (fallback arm).
+
+With ``cascade`` (or ``PAGED_DECODE_CASCADE=1``) a batch whose requests share prefix pages
+runs the cascade of ``paged_decode.cascade`` on the v2 kernels instead.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def choose_path(backend: Backend, table: PageTable, plan: DecodePlan) -> tuple[s
 def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan | None = None,
            *, path: str = "auto", sm_scale: float | None = None, out: Any = None,
            lse: Any = None, return_lse: bool = False, out_dtype: str | None = None,
-           backend: str | Backend | None = None) -> Any:
+           backend: str | Backend | None = None, cascade: Any = None) -> Any:
     """Paged decode attention for one query token per request.
 
     Args:
@@ -50,6 +53,12 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
             request with no visible tokens (whose output is zeros).
         out_dtype: output dtype (default: ``q``'s).
         backend: backend name or instance; by default chosen from ``q``'s array kind.
+        cascade: ``None`` (automatic: with ``path="auto"``, cascade when a shared prefix
+            is found and the cost rule of ``cascade.cascade_pays`` says it pays; its
+            thresholds are placeholders until measured on the H200), ``True``/``False``
+            force it on/off (``True`` still runs flat when nothing is shared), or a plan
+            from ``detect_shared_prefix``/``plan_cascade``. ``PAGED_DECODE_CASCADE=0/1``
+            forces off/on when the argument is ``None``. ``plan`` is unused by a cascade.
 
     Returns:
         ``out`` (``[B, Hq, D]``), or ``(out, lse)`` with ``return_lse``; arrays of the
@@ -89,6 +98,25 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale):
         raise InvalidArgumentError(f"{fn}: sm_scale must be finite, got {sm_scale!r}")
+    from .cascade import resolve_cascade, run_cascade  # cascade imports this module
+
+    def device() -> Any:
+        with be.launch_context(q):
+            return be.device_info()
+
+    cplan, why_cascade = resolve_cascade(fn, cascade, path, table, hq, hkv, d, device)
+    if cplan is not None:
+        sup = be.supports(Problem(q_dt, kv_dt, hq * cplan.prefix.num_members, hkv, d, p, "v2"))
+        if not sup:
+            raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the cascade's "
+                                          f"level 0: {sup.reason}")
+        with be.launch_context(q):
+            out_a = _buffer(fn, be, "out", out, (b, hq, d), o_dt)
+            lse_a = _buffer(fn, be, "lse", lse, (b, hq), "float32")
+            run_cascade(be, qa, ka, va, cplan, scale, out_a, lse_a)
+        record(DecodeOutcome("cascade", be.name, b, table.total_visible, cplan.num_partials,
+                             f"cascade: {why_cascade}", cplan.prefix.describe()))
+        return _results(be, q, out, lse, out_a, lse_a, return_lse)
     if plan is None:
         with be.launch_context(q):  # the device of q, for its SM count
             plan = plan_decode(table, hq, hkv, d, device=be.device_info())
@@ -122,8 +150,15 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
         else:
             be.gather_sdpa(qa, ka, va, table, scale, out_a, lse_a)
             ran = "gather"
+    if why_cascade:
+        reason = f"{reason}; {why_cascade}"
     record(DecodeOutcome(ran, be.name, b, table.total_visible,
                          plan.num_chunks if ran.startswith("v2") else b, reason))
+    return _results(be, q, out, lse, out_a, lse_a, return_lse)
+
+
+def _results(be: Backend, q: Any, out: Any, lse: Any, out_a: Any, lse_a: Any,
+             return_lse: bool) -> Any:
     result = be.wrap_result(out_a, like=q) if out is None else out
     if not return_lse:
         return result

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DecodeOutcome:
-    """One decode call: ``path`` is ``"v2"``, ``"v2+merge"``, ``"v1"`` or ``"gather"``."""
+    """One decode call.
+
+    ``path``: ``"v2"``, ``"v2+merge"``, ``"v1"``, ``"gather"``, ``"cascade"`` (shared
+    prefix; ``detail`` names the members and shared pages), ``"sparse"`` (a selection
+    through a ``page_size = 1`` table on the v2 kernels) or ``"sparse-masked"`` (the dense
+    masked path the sparsity gate chose). ``num_chunks``: partial states computed.
+    ``detail``: optional extra facts (empty for the flat paths).
+    """
 
     path: str
     backend: str
@@ -20,11 +27,13 @@ class DecodeOutcome:
     visible_tokens: int
     num_chunks: int
     reason: str
+    detail: str = ""
 
     def __str__(self) -> str:
+        extra = f" [{self.detail}]" if self.detail else ""
         return (f"{self.path} on {self.backend} (batch {self.batch_size}, "
                 f"{self.visible_tokens} visible KV tokens, {self.num_chunks} chunks): "
-                f"{self.reason}")
+                f"{self.reason}{extra}")
 
 
 _lock = threading.Lock()

@@ -284,3 +284,58 @@ def test_second_device_if_present(cuda):
 def test_table_helper_used_here_is_sane():
     table, n = make_table([5, 0, 33], 16, offsets=[0, 0, 3])
     assert table.visible_lens.tolist() == [5, 0, 33] and n >= table.total_pages
+
+
+def test_cascade_on_cuda_matches_flat_and_oracle(cuda):
+    import cupy as cp
+    rng = np.random.default_rng(25)
+    hkv, g, d, p = 4, 4, 128, 16
+    pool = pd.PagePool(512, p, hkv, d, "float16", backend="cuda")
+    root = pool.new_sequence()
+    pool.append(root, *(rng.standard_normal((2, 40 * p, hkv, d)).astype(np.float16)))
+    seqs = []
+    for i in range(4):                                    # 4 members sharing 40 pages
+        s = pool.fork(root)
+        pool.append(s, *(rng.standard_normal((2, 37 + 11 * i, hkv, d)).astype(np.float16)))
+        seqs.append(s)
+    other = pool.new_sequence()                           # a non-member
+    pool.append(other, *(rng.standard_normal((2, 300, hkv, d)).astype(np.float16)))
+    table = pool.page_table([seqs[0], other, *seqs[1:]])
+    prefix = pd.detect_shared_prefix(table)
+    assert prefix is not None and prefix.num_members == 4
+    q = rng.standard_normal((5, hkv * g, d)).astype(np.float16)
+    ref, ref_lse = oracle_decode(q, pool.k.get(), pool.v.get(), table)
+    out, lse = pd.decode(cp.asarray(q), pool.k, pool.v, table, cascade=True, return_lse=True,
+                         out_dtype="float32")
+    assert pd.last_outcome().path == "cascade"
+    assert max_rel_error(out.get(), ref) <= TOL["float32"]
+    assert lse_error(lse.get(), ref_lse) <= LSE_TOL
+    flat = pd.decode(cp.asarray(q), pool.k, pool.v, table, cascade=False, out_dtype="float32")
+    assert np.abs(flat.get() - out.get()).max() <= 1e-5
+
+
+def test_sparse_on_cuda_matches_oracle_on_selected_rows(cuda):
+    import cupy as cp
+
+    from paged_decode.reference import attention_f64
+    from paged_decode.sparse import make_selection, sparse_decode
+    rng = np.random.default_rng(26)
+    b, hkv, g, d, cap, s = 2, 2, 4, 128, 4096, 256
+    live = np.array([4096, 3000])
+    k = rng.standard_normal((b, hkv, cap, d)).astype(np.float16)
+    v = rng.standard_normal((b, hkv, cap, d)).astype(np.float16)
+    q = rng.standard_normal((b, hkv * g, d)).astype(np.float16)
+    pos = np.stack([np.stack([np.sort(rng.choice(int(live[i]), s, replace=False))
+                              for _ in range(hkv)]) for i in range(b)]).astype(np.int32)
+    sel = make_selection(pos)
+    out = sparse_decode(cp.asarray(q), cp.asarray(k), cp.asarray(v), sel, live_lens=live,
+                        out_dtype="float32")
+    assert pd.last_outcome().path == "sparse"
+    ref = np.zeros((b, hkv * g, d))
+    for i in range(b):
+        for h in range(hkv):
+            rows = pos[i, h]
+            ref[i, h * g:(h + 1) * g] = attention_f64(
+                q[i, h * g:(h + 1) * g].astype(np.float64), k[i, h, rows][:, None, :].astype(
+                    np.float64), v[i, h, rows][:, None, :].astype(np.float64), 1 / np.sqrt(d))[0]
+    assert max_rel_error(out.get(), ref) <= TOL["float32"]

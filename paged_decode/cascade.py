@@ -1,0 +1,442 @@
+"""Cascade (shared-prefix) decode: read a prefix shared by several requests once.
+
+When requests of a batch list the *same physical pages* at the same positions (pages
+shared through the pool's refcounts, e.g. after ``PagePool.fork``), the flat decode reads
+those pages once per request. Cascade decode splits the work in two levels that run on
+the unchanged v2 partial and merge kernels of any backend:
+
+- **level 0**: one request over the shared pages (``last_page_len = page_size``,
+  ``first_page_offset = 0``) whose query is the M members' queries stacked on the head
+  axis, KV-head major: ``h0 = kv_head * (M * G) + m * G + g``. Its geometry is
+  ``Hq0 = M * Hq`` query heads over the same ``Hkv`` KV heads (GQA group ``M * G``), so
+  the kernel's ``h0 // (M * G)`` is the right KV head and each prefix K/V element is read
+  once for all members. Member-major stacking (``h0 = m * Hq + h``) would run and read
+  the wrong KV heads whenever ``Hkv > 1``.
+- **level 1**: every request minus its shared pages (non-members keep their whole range).
+- **one merge** of all base-2 (V, LSE) partial states of a request: its level-1 chunks
+  and, for a member, its level-0 chunks (the merge is associative and commutative).
+
+Detection and planning are host work on plain data, done once per table (and memoised
+per table object, so the layers of one step share it); a call only runs three kernels
+and a few device copies (query stacking, state un-stacking and one row gather).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .device import CHUNK_ENV, TARGET_ENV, DeviceInfo
+from .errors import InvalidArgumentError
+from .page_table import PageTable
+from .plan import DecodePlan, check_geometry, plan_decode
+
+CASCADE_ENV = "PAGED_DECODE_CASCADE"
+#: Placeholder thresholds, carried over from the original design's reasoning (16 pages of
+#: 32 tokens); to be replaced by H200 measurements (``bench --suite cascade``).
+DEFAULT_MIN_SHARED_TOKENS = 512
+#: Placeholder cost rule of the automatic choice: cascade must remove at least this
+#: fraction of the flat page reads and at least this many token reads. Not measured yet.
+AUTO_MIN_SAVED_FRACTION = 0.25
+AUTO_MIN_SAVED_TOKENS = 8192
+
+
+def _ro(a: Any) -> np.ndarray:
+    out = np.ascontiguousarray(a, dtype=np.int32)
+    out.setflags(write=False)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class CascadePlan:
+    """A detected sharing group and the two level tables (geometry-free, host data).
+
+    - ``members``: ``int32 [M]`` request indices (ascending) that share the prefix.
+    - ``shared_pages``: ``S``, pages of the prefix (each member keeps >= 1 private page).
+    - ``level0``: one request over the ``S`` shared pages (lpl = page_size, fpo = 0).
+    - ``level1``: all ``B`` requests; members without their first ``S`` pages.
+    - ``saved_page_reads``: ``S * (M - 1)`` page reads removed per KV head.
+    """
+
+    members: np.ndarray
+    shared_pages: int
+    page_size: int
+    batch_size: int
+    flat_pages: int
+    saved_page_reads: int
+    level0: PageTable = field(repr=False)
+    level1: PageTable = field(repr=False)
+    _source: tuple[np.ndarray, ...] = field(repr=False)
+
+    @property
+    def num_members(self) -> int:
+        return int(self.members.size)
+
+    @property
+    def shared_tokens(self) -> int:
+        return self.shared_pages * self.page_size
+
+    def matches(self, table: PageTable) -> bool:
+        """Whether this plan was made for ``table`` (same object or equal CSR arrays)."""
+        src = (table.indices, table.indptr, table.last_page_len, table.first_page_offset)
+        return table.page_size == self.page_size and all(
+            a is b or np.array_equal(a, b) for a, b in zip(self._source, src))
+
+    def describe(self) -> str:
+        return (f"members {self.members.tolist()[:16]}{'...' if self.num_members > 16 else ''}"
+                f" (M={self.num_members}), shared pages {self.shared_pages} "
+                f"({self.shared_tokens} tokens), saved page reads {self.saved_page_reads} of "
+                f"{self.flat_pages}")
+
+
+@dataclass(frozen=True, eq=False)
+class CascadeDecodePlan:
+    """A ``CascadePlan`` planned for one geometry and device: everything a call needs.
+
+    - ``plan0``: ``DecodePlan`` of ``level0`` for ``(M * Hq, Hkv, D)``, ``C0`` chunks.
+    - ``plan1``: ``DecodePlan`` of ``level1`` for ``(Hq, Hkv, D)``, ``C1`` chunks.
+    - ``merge_rows``: ``int32 [C1 + M * C0]``: row ``i`` of the merge input is row
+      ``merge_rows[i]`` of the stacked states ``[level-1 chunks; member 0's level-0 chunks;
+      member 1's; ...]``, so each request's partials are contiguous.
+    - ``o_indptr``: ``int32 [B + 1]``, the merge groups (one output row per request).
+    """
+
+    prefix: CascadePlan
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    plan0: DecodePlan = field(repr=False)
+    plan1: DecodePlan = field(repr=False)
+    merge_rows: np.ndarray = field(repr=False)
+    o_indptr: np.ndarray = field(repr=False)
+
+    @property
+    def num_partials(self) -> int:
+        return int(self.merge_rows.size)
+
+
+# ---------------------------------------------------------------------------- detection
+def detect_shared_prefix(table: PageTable, *, min_shared_pages: int | None = None,
+                         min_members: int = 2) -> CascadePlan | None:
+    """Find the sharing group whose cascade removes the most page reads, or ``None``.
+
+    Requests are compared page id by page id from their first page (equal ids at equal
+    positions are the same refcounted page). Eligible requests have visible tokens,
+    ``first_page_offset == 0`` (a window starting mid-page is excluded) and >= 2 pages.
+    A group's span is capped so every member keeps its last page private (the shared
+    pages are full pages). Among all (group, span) candidates with span >=
+    ``min_shared_pages`` and >= ``min_members`` members, the one with the largest
+    ``span * (members - 1)`` wins (ties: longer span, then lower request indices).
+
+    Args:
+        table: the flat batch's page table.
+        min_shared_pages: shortest span worth a cascade (default:
+            ``ceil(DEFAULT_MIN_SHARED_TOKENS / page_size)``, a placeholder).
+        min_members: smallest group (>= 2).
+    """
+    fn = "detect_shared_prefix"
+    if not isinstance(table, PageTable):
+        raise InvalidArgumentError(f"{fn}: table must be a PageTable, got {type(table).__name__}")
+    p = table.page_size
+    msp = -(-DEFAULT_MIN_SHARED_TOKENS // p) if min_shared_pages is None else min_shared_pages
+    if not isinstance(msp, (int, np.integer)) or msp < 1:
+        raise InvalidArgumentError(f"{fn}: min_shared_pages must be a positive integer, "
+                                   f"got {min_shared_pages!r}")
+    if not isinstance(min_members, (int, np.integer)) or min_members < 2:
+        raise InvalidArgumentError(f"{fn}: min_members must be an integer >= 2, "
+                                   f"got {min_members!r}")
+    pages = table.pages_per_request.astype(np.int64)
+    eligible = (table.visible_lens > 0) & (table.first_page_offset == 0) & (pages >= 2)
+    cand = np.nonzero(eligible)[0]
+    if cand.size < min_members:
+        return None
+    first = table.indices[table.indptr[cand]]
+    _, inv, cnt = np.unique(first, return_inverse=True, return_counts=True)
+    cand = cand[cnt[inv.reshape(-1)] >= 2]         # cheap exit when nothing is shared
+    if cand.size < min_members:
+        return None
+    group, span = _best_group(table, cand, pages[cand] - 1, int(msp), int(min_members))
+    if group is None:
+        return None
+    return _make_plan(table, group, span)
+
+
+def _best_group(table: PageTable, cand: np.ndarray, caps: np.ndarray, min_span: int,
+                min_members: int) -> tuple[np.ndarray | None, int]:
+    """Sort candidates by their capped page lists; adjacent common-prefix lengths form a
+    histogram whose largest rectangle (width = members - 1) is the best group."""
+    n = cand.size
+    width = int(caps.max())
+    col = np.arange(width + 1, dtype=np.int64)
+    starts = table.indptr[cand].astype(np.int64)
+    pos = np.minimum(starts[:, None] + col[None, :], table.indices.size - 1)
+    rows = table.indices[pos].astype(np.int64)
+    pad = -(np.arange(n, dtype=np.int64) + 1)       # unique per row: stops every prefix at
+    rows = np.where(col[None, :] < caps[:, None], rows, pad[:, None])  # the row's own cap
+    as_lists = rows.tolist()
+    order = np.asarray(sorted(range(n), key=as_lists.__getitem__), dtype=np.int64)
+    srt = rows[order]
+    lcp = np.argmax(srt[1:] != srt[:-1], axis=1)    # <= min of the two caps (pads differ)
+    h = np.where(lcp >= min_span, lcp, 0).tolist()
+    best: tuple[int, int, int] | None = None        # (saved, span, -first member)
+    best_range = (0, 0)
+    stack: list[int] = []
+    left = [0] * len(h)
+    for k, hk in enumerate(h):                      # left extent of each bar
+        while stack and h[stack[-1]] >= hk:
+            stack.pop()
+        left[k] = stack[-1] + 1 if stack else 0
+        stack.append(k)
+    stack.clear()
+    for k in range(len(h) - 1, -1, -1):             # right extent, then score
+        hk = h[k]
+        while stack and h[stack[-1]] >= hk:
+            stack.pop()
+        right = stack[-1] - 1 if stack else len(h) - 1
+        stack.append(k)
+        members = right - left[k] + 2
+        if hk == 0 or members < min_members:
+            continue
+        lo, hi = left[k], right + 1
+        key = (hk * (members - 1), hk, -int(cand[order[lo:hi + 1]].min()))
+        if best is None or key > best:
+            best, best_range = key, (lo, hi)
+    if best is None:
+        return None, 0
+    lo, hi = best_range
+    return np.sort(cand[order[lo:hi + 1]]), best[1]
+
+
+def _make_plan(table: PageTable, members: np.ndarray, span: int) -> CascadePlan:
+    p, b = table.page_size, table.batch_size
+    ip = table.indptr.astype(np.int64)
+    shared = table.indices[ip[members[0]]:ip[members[0]] + span]
+    level0 = PageTable.build(shared, [0, span], [p], page_size=p, first_page_offset=[0],
+                             rope_positions=[span * p], num_pages=table.num_pages)
+    drop = np.zeros(b, np.int64)
+    drop[members] = span
+    keep = np.ones(table.indices.size, bool)
+    offs = (ip[members][:, None] + np.arange(span)[None, :]).reshape(-1)
+    keep[offs] = False
+    counts = np.diff(ip) - drop
+    level1 = PageTable.build(table.indices[keep], np.concatenate([[0], np.cumsum(counts)]),
+                             table.last_page_len, page_size=p,
+                             first_page_offset=table.first_page_offset,
+                             rope_positions=table.rope_positions, num_pages=table.num_pages)
+    src = (table.indices, table.indptr, table.last_page_len, table.first_page_offset)
+    return CascadePlan(_ro(members), int(span), p, b, table.total_pages,
+                       int(span * (members.size - 1)), level0, level1, src)
+
+
+# ---------------------------------------------------------------------------- planning
+def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+                 prefix: CascadePlan | None = None, device: DeviceInfo | None = None,
+                 backend: str | None = None, min_shared_pages: int | None = None,
+                 min_members: int = 2) -> CascadeDecodePlan | None:
+    """Detect (unless ``prefix`` is given) and plan both levels; ``None`` when no group.
+
+    The level plans use ``plan_decode``'s search on ``device`` (default: the backend's).
+    """
+    fn = "plan_cascade"
+    check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+    if prefix is None:
+        prefix = detect_shared_prefix(table, min_shared_pages=min_shared_pages,
+                                      min_members=min_members)
+        if prefix is None:
+            return None
+    elif not isinstance(prefix, CascadePlan) or not prefix.matches(table):
+        raise InvalidArgumentError(f"{fn}: prefix must be a CascadePlan made for this table")
+    if device is None:
+        from .backends import get_backend
+        device = get_backend(backend).device_info()
+    m = prefix.num_members
+    plan0 = plan_decode(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim, device=device)
+    plan1 = plan_decode(prefix.level1, num_qo_heads, num_kv_heads, head_dim, device=device)
+    c0, c1, b = plan0.num_chunks, plan1.num_chunks, prefix.batch_size
+    chunks1 = plan1.chunks_per_request.astype(np.int64)
+    slot = np.full(b, -1, np.int64)
+    slot[prefix.members] = np.arange(m)
+    counts = chunks1 + np.where(slot >= 0, c0, 0)
+    start = np.concatenate([[0], np.cumsum(counts)])
+    rows = np.empty(int(start[-1]), np.int64)
+    req1 = plan1.request_indices.astype(np.int64)
+    rows[start[req1] + plan1.kv_tile_indices] = np.arange(c1)
+    mem = prefix.members.astype(np.int64)
+    dst = (start[mem] + chunks1[mem])[:, None] + np.arange(c0)[None, :]
+    rows[dst.reshape(-1)] = c1 + np.arange(m * c0)
+    return CascadeDecodePlan(prefix, int(num_qo_heads), int(num_kv_heads), int(head_dim),
+                             plan0, plan1, _ro(rows), _ro(start))
+
+
+# ---------------------------------------------------------------------------- the policy
+_memo_lock = threading.Lock()
+_memo: weakref.WeakKeyDictionary[PageTable, dict[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def _memoised(table: PageTable, key: Any, make: Any) -> Any:
+    with _memo_lock:
+        per = _memo.setdefault(table, {})
+        if key in per:
+            return per[key]
+    val = make()
+    with _memo_lock:
+        _memo.setdefault(table, {})[key] = val
+    return val
+
+
+def cascade_pays(prefix: CascadePlan) -> tuple[bool, str]:
+    """The automatic cost rule (placeholder until measured on the H200): the saved page
+    reads must be >= ``AUTO_MIN_SAVED_FRACTION`` of the flat reads and >=
+    ``AUTO_MIN_SAVED_TOKENS`` tokens."""
+    saved_tokens = prefix.saved_page_reads * prefix.page_size
+    frac = prefix.saved_page_reads / max(1, prefix.flat_pages)
+    if frac < AUTO_MIN_SAVED_FRACTION or saved_tokens < AUTO_MIN_SAVED_TOKENS:
+        return False, (f"saves {frac:.0%} of page reads ({saved_tokens} tokens), below the "
+                       f"rule ({AUTO_MIN_SAVED_FRACTION:.0%} and {AUTO_MIN_SAVED_TOKENS})")
+    return True, f"saves {frac:.0%} of page reads ({saved_tokens} tokens)"
+
+
+def env_cascade(fn: str) -> bool | None:
+    """``PAGED_DECODE_CASCADE``: ``"1"`` forces cascade on, ``"0"`` off, unset/empty auto."""
+    val = os.environ.get(CASCADE_ENV, "").strip()
+    if val == "":
+        return None
+    if val not in ("0", "1"):
+        raise InvalidArgumentError(f"{fn}: {CASCADE_ENV} must be 0 or 1, got {val!r}")
+    return val == "1"
+
+
+def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_heads: int,
+                    num_kv_heads: int, head_dim: int, device: Any
+                    ) -> tuple[CascadeDecodePlan | None, str | None]:
+    """Decide whether ``decode`` runs cascade; returns ``(plan or None, reason or None)``.
+
+    ``cascade``: ``True``/``False`` force (the argument beats the environment), a
+    ``CascadePlan``/``CascadeDecodePlan`` forces that grouping, ``None`` follows
+    ``PAGED_DECODE_CASCADE`` and otherwise the automatic rule (only for ``path="auto"``).
+    ``device`` is a callable returning the ``DeviceInfo`` (called only when planning).
+    """
+    geo = (num_qo_heads, num_kv_heads, head_dim)
+    if isinstance(cascade, CascadeDecodePlan):
+        if (cascade.num_qo_heads, cascade.num_kv_heads, cascade.head_dim) != geo \
+                or not cascade.prefix.matches(table):
+            raise InvalidArgumentError(f"{fn}: cascade plan was made for another table or "
+                                       f"geometry (Hq, Hkv, D) = {geo}")
+        forced: bool | None = True
+    elif isinstance(cascade, CascadePlan):
+        if not cascade.matches(table):
+            raise InvalidArgumentError(f"{fn}: cascade plan was made for another table")
+        forced = True
+    elif cascade is None or isinstance(cascade, bool):
+        forced = cascade if cascade is not None else env_cascade(fn)
+    else:
+        raise InvalidArgumentError(f"{fn}: cascade must be None, a bool or a cascade plan, "
+                                   f"got {type(cascade).__name__}")
+    if forced is False:
+        return None, ("cascade off (argument)" if cascade is False
+                      else f"cascade off ({CASCADE_ENV}=0)")
+    if forced and path not in ("auto", "v2"):
+        raise InvalidArgumentError(f"{fn}: cascade runs on the v2 kernels; it cannot be "
+                                   f"combined with path={path!r}")
+    if forced is None and path != "auto":
+        return None, None
+    if isinstance(cascade, CascadeDecodePlan):
+        return cascade, "requested plan"
+    if isinstance(cascade, CascadePlan):
+        return plan_cascade(table, *geo, prefix=cascade, device=device()), "requested plan"
+    prefix = _memoised(table, "detect", lambda: detect_shared_prefix(table))
+    if prefix is None:
+        return None, "cascade: no shared prefix"
+    if not forced:
+        pays, why = cascade_pays(prefix)
+        if not pays:
+            return None, f"cascade declined: {why}"
+    else:
+        why = "forced " + ("(argument)" if cascade else f"({CASCADE_ENV}=1)")
+    dev = device()
+    key = ("plan", geo, dev, os.environ.get(TARGET_ENV), os.environ.get(CHUNK_ENV))
+    cplan = _memoised(table, key, lambda: plan_cascade(table, *geo, prefix=prefix, device=dev))
+    return cplan, why
+
+
+# ---------------------------------------------------------------------------- running
+def stack_member_queries(xp: Any, q: Any, members: Any, num_kv_heads: int) -> Any:
+    """``q [B, Hq, D]`` -> level-0 query ``[1, Hkv * M * G, D]``, KV-head major
+    (``h0 = kv_head * (M * G) + m * G + g``); ``members`` is a device index array."""
+    _, hq, d = q.shape
+    qm = xp.take(q, members, axis=0)                               # [M, Hq, D]
+    m = qm.shape[0]
+    g = hq // num_kv_heads
+    qm = qm.reshape(m, num_kv_heads, g, d).transpose(1, 0, 2, 3)
+    return xp.ascontiguousarray(qm).reshape(1, num_kv_heads * m * g, d)
+
+
+def unstack_member_states(xp: Any, v0: Any, lse0: Any, num_members: int,
+                          num_kv_heads: int) -> tuple[Any, Any]:
+    """Level-0 states ``v0 [C0, Hkv*M*G, D]``, ``lse0 [C0, Hkv*M*G]`` -> per-member rows
+    ``[M * C0, Hq, D]`` and ``[M * C0, Hq]`` (member-major, each member's chunks together)."""
+    c0, h0, d = v0.shape
+    m, hkv = num_members, num_kv_heads
+    g = h0 // (m * hkv)
+    v = v0.reshape(c0, hkv, m, g, d).transpose(2, 0, 1, 3, 4)
+    lse = lse0.reshape(c0, hkv, m, g).transpose(2, 0, 1, 3)
+    return (xp.ascontiguousarray(v).reshape(m * c0, hkv * g, d),
+            xp.ascontiguousarray(lse).reshape(m * c0, hkv * g))
+
+
+def _device_index(be: Any, arr: np.ndarray) -> Any:
+    up = getattr(be, "upload", None)                # CUDA: memoised per read-only array
+    return up(arr) if up is not None else be.array_module().asarray(arr)
+
+
+def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecodePlan,
+                sm_scale: float, out: Any, lse_out: Any) -> None:
+    """Run both levels and the merge on validated backend arrays.
+
+    ``q [B, Hq, D]``; pools ``[num_pages, P, Hkv, D]``; ``out [B, Hq, D]`` (any output
+    dtype); ``lse_out [B, Hq]`` float32 (base 2). Workspaces are float32.
+    """
+    xp = be.array_module()
+    _, hq, d = q.shape
+    hkv, pre = cplan.num_kv_heads, cplan.prefix
+    p0, p1, m = cplan.plan0, cplan.plan1, pre.num_members
+    c0, c1 = p0.num_chunks, p1.num_chunks
+    ws_v = be.empty((c1 + m * c0, hq, d), "float32")
+    ws_l = be.empty((c1 + m * c0, hq), "float32")
+    be.partial(q, k_pages, v_pages, pre.level1, p1, sm_scale, ws_v[:c1], ws_l[:c1])
+    q0 = stack_member_queries(xp, q, _device_index(be, pre.members), hkv)
+    v0 = be.empty((c0, m * hq, d), "float32")
+    l0 = be.empty((c0, m * hq), "float32")
+    be.partial(q0, k_pages, v_pages, pre.level0, p0, sm_scale, v0, l0)
+    ws_v[c1:], ws_l[c1:] = unstack_member_states(xp, v0, l0, m, hkv)
+    rows = _device_index(be, cplan.merge_rows)
+    be.merge(xp.take(ws_v, rows, axis=0), xp.take(ws_l, rows, axis=0), cplan.o_indptr,
+             out, lse_out)
+
+
+def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
+                   sm_scale: float | None = None, out: Any = None, lse: Any = None,
+                   return_lse: bool = False, out_dtype: str | None = None,
+                   backend: Any = None,
+                   cascade_plan: CascadePlan | CascadeDecodePlan | None = None) -> Any:
+    """Decode with a shared prefix read once per group (see the module docstring).
+
+    Same arrays and results as ``decode`` (``q [B, Hq, D]``, pools ``[num_pages, P, Hkv,
+    D]``, ``out [B, Hq, D]``, ``lse [B, Hq]`` float32 **base 2**). ``cascade_plan``: a
+    ``detect_shared_prefix`` or ``plan_cascade`` result for this table (detected here when
+    ``None``). Without a sharing group it runs flat v2 and records why
+    (``last_outcome().reason``).
+    """
+    from .decode import decode
+    return decode(q, k_pages, v_pages, table, path="v2", sm_scale=sm_scale, out=out, lse=lse,
+                  return_lse=return_lse, out_dtype=out_dtype, backend=backend,
+                  cascade=True if cascade_plan is None else cascade_plan)
+
+
+__all__ = ["CascadePlan", "CascadeDecodePlan", "detect_shared_prefix", "plan_cascade",
+           "cascade_decode", "cascade_pays", "CASCADE_ENV", "DEFAULT_MIN_SHARED_TOKENS"]

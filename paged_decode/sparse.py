@@ -1,0 +1,348 @@
+"""Sparse decode: attend only to selected cached tokens, through the page indirection.
+
+A sparse-attention model picks, per step, request and KV head, which cached tokens the
+query attends to (top-k tokens, or whole blocks). With ``page_size = 1`` a page table's
+``indices`` *are* a list of token rows, so a selection becomes a table and the unchanged
+v2 kernels read exactly those rows, with neither a gathered copy nor a dense masked pass.
+
+Layouts (B requests, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim):
+
+- cache: dense, contiguous ``k_cache, v_cache [B, Hkv, capacity, D]``; only rows
+  ``t < live_lens[b]`` of request ``b`` hold live tokens.
+- pool view: ``cache.reshape(B * Hkv * capacity, 1, 1, D)`` (a pure reshape, no copy):
+  row ``(b * Hkv + h) * capacity + t`` is token ``t`` of KV head ``h`` of request ``b``.
+  The row stride is the reserved capacity, not the live length.
+- heads fold into requests: request ``r' = b * Hkv + h`` of the table has one KV head and
+  the query ``q.reshape(B * Hkv, G, D)`` (a reshape of ``q [B, Hq, D]``); the output
+  ``[B * Hkv, G, D]`` is a view of ``out [B, Hq, D]``.
+- selection: ``positions int32 [B, Hkv, S]`` token indices with ``counts int32 [B, Hkv]``
+  valid entries per row (entries past the count are ignored). Order does not matter.
+  Duplicates are rejected by default (a duplicate would count its token twice).
+
+The sparsity gate: the fused path runs when ``sum(live) >= min_sparsity * sum(selected)``
+over all (request, KV head) rows; otherwise the dense masked path (attention over the live
+window with unselected rows masked, float32 in the backend's array module) runs. LSEs are
+base 2. ``DEFAULT_MIN_SPARSITY`` is the original design's 8x, a placeholder until
+measured on the H200 (``bench --suite sparse``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .backends import Backend, Problem, backend_for
+from .dtypes import check_dtype
+from .errors import InvalidArgumentError, UnsupportedProblemError, check_ndim, check_shape
+from .outcome import DecodeOutcome, record
+from .page_table import PageTable
+from .plan import plan_decode
+
+DEFAULT_MIN_SPARSITY = 8.0
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """Selected token rows: ``positions int32 [B, Hkv, S]``, ``counts int32 [B, Hkv]``
+    (host, read-only). Row ``(b, h)`` selects ``positions[b, h, :counts[b, h]]``."""
+
+    positions: np.ndarray
+    counts: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        b, h, s = self.positions.shape
+        return int(b), int(h), int(s)
+
+    @property
+    def total_selected(self) -> int:
+        return int(self.counts.astype(np.int64).sum())
+
+
+def make_selection(positions: Any, counts: Any = None) -> Selection:
+    """A ``Selection`` from ``positions [B, Hkv, S]`` (host or device integers) and
+    optional ``counts [B, Hkv]`` (default: all ``S`` entries valid)."""
+    fn = "make_selection"
+    pos = np.asarray(_host(positions))
+    if pos.ndim != 3 or (pos.size and not np.issubdtype(pos.dtype, np.integer)):
+        raise InvalidArgumentError(f"{fn}: positions must be an integer array [B, Hkv, S], got "
+                                   f"shape {list(pos.shape)} dtype {pos.dtype}")
+    b, h, s = pos.shape
+    cnt = np.full((b, h), s, np.int64) if counts is None else np.asarray(_host(counts))
+    check_shape(fn, "counts", cnt.shape, (b, h), "[B, Hkv]")
+    if cnt.size and (not np.issubdtype(cnt.dtype, np.integer) or cnt.min() < 0
+                     or cnt.max() > s):
+        raise InvalidArgumentError(f"{fn}: counts must be integers in [0, S = {s}]")
+    if pos.size and (pos.min() < np.iinfo(np.int32).min or pos.max() > np.iinfo(np.int32).max):
+        raise InvalidArgumentError(f"{fn}: positions has values outside int32")
+    p32, c32 = np.ascontiguousarray(pos, np.int32), np.ascontiguousarray(cnt, np.int32)
+    p32.setflags(write=False)
+    c32.setflags(write=False)
+    return Selection(p32, c32)
+
+
+def selection_from_blocks(block_ids: Any, *, block_size: int, live_lens: Any,
+                          block_counts: Any = None, include_tail: bool = False) -> Selection:
+    """Expand selected blocks to token rows.
+
+    ``block_ids [B, Hkv, NB]`` integers (block ``k`` covers tokens ``[k * block_size,
+    (k + 1) * block_size)``, clipped to the live length), ``block_counts [B, Hkv]`` valid
+    entries (default all). ``include_tail`` adds the block holding the newest live token
+    when it is not selected. A block starting at or past the live length is rejected.
+    """
+    fn = "selection_from_blocks"
+    ids = np.asarray(_host(block_ids))
+    if ids.ndim != 3 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise InvalidArgumentError(f"{fn}: block_ids must be an integer array [B, Hkv, NB], "
+                                   f"got shape {list(ids.shape)} dtype {ids.dtype}")
+    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise InvalidArgumentError(f"{fn}: block_size must be a positive integer, "
+                                   f"got {block_size!r}")
+    b, h, nb = ids.shape
+    live = _live_lens(fn, live_lens, b)
+    cnt = np.full((b, h), nb) if block_counts is None else np.asarray(_host(block_counts))
+    check_shape(fn, "block_counts", cnt.shape, (b, h), "[B, Hkv]")
+    rows: list[list[np.ndarray]] = []
+    for bi in range(b):
+        n_blocks = -(-int(live[bi]) // block_size)
+        row = []
+        for hi in range(h):
+            sel = ids[bi, hi, :int(cnt[bi, hi])].astype(np.int64)
+            bad = (sel < 0) | (sel >= n_blocks)
+            if bad.any():
+                raise InvalidArgumentError(
+                    f"{fn}: request {bi}, KV head {hi}: block {int(sel[np.argmax(bad)])} is "
+                    f"outside the live window of {n_blocks} blocks (live_len {int(live[bi])})")
+            if include_tail and n_blocks and not (sel == n_blocks - 1).any():
+                sel = np.append(sel, n_blocks - 1)
+            tok = (sel[:, None] * block_size + np.arange(block_size)[None, :]).reshape(-1)
+            row.append(tok[tok < live[bi]])
+        rows.append(row)
+    s = max([len(t) for row in rows for t in row], default=0)
+    pos = np.full((b, h, s), -1, np.int64)
+    counts = np.zeros((b, h), np.int64)
+    for bi, row in enumerate(rows):
+        for hi, tok in enumerate(row):
+            pos[bi, hi, :tok.size] = tok
+            counts[bi, hi] = tok.size
+    return make_selection(pos, counts)
+
+
+def sparse_table(selection: Selection, capacity: int) -> PageTable:
+    """The ``page_size = 1`` table of a selection over the pool view of a
+    ``[B, Hkv, capacity, D]`` cache: request ``b * Hkv + h`` lists rows
+    ``(b * Hkv + h) * capacity + positions[b, h, :counts[b, h]]``."""
+    b, h, s = selection.shape
+    cnt = selection.counts.reshape(-1).astype(np.int64)
+    base = (np.arange(b * h, dtype=np.int64) * capacity)[:, None]
+    rows = selection.positions.reshape(b * h, s).astype(np.int64) + base
+    valid = np.arange(s)[None, :] < cnt[:, None]
+    return PageTable.build(rows[valid], np.concatenate([[0], np.cumsum(cnt)]),
+                           np.minimum(cnt, 1), page_size=1, num_pages=b * h * capacity)
+
+
+def check_selection(fn: str, selection: Selection, live: np.ndarray, *,
+                    check_duplicates: bool = True) -> None:
+    """Reject positions outside ``[0, live_lens[b])`` and (optionally) duplicates."""
+    b, h, s = selection.shape
+    valid = np.arange(s)[None, None, :] < selection.counts[..., None]
+    pos = selection.positions
+    bad = valid & ((pos < 0) | (pos >= live[:, None, None]))
+    if bad.any():
+        bi, hi, j = (int(x) for x in np.argwhere(bad)[0])
+        raise InvalidArgumentError(
+            f"{fn}: selection: request {bi}, KV head {hi}: position {int(pos[bi, hi, j])} "
+            f"(entry {j}) is outside the live window [0, {int(live[bi])})")
+    if check_duplicates and s > 1:
+        srt = np.sort(np.where(valid, pos, -1 - np.arange(s)[None, None, :]), axis=-1)
+        dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+        if dup.any():
+            bi, hi, j = (int(x) for x in np.argwhere(dup)[0])
+            raise InvalidArgumentError(
+                f"{fn}: selection: request {bi}, KV head {hi} selects position "
+                f"{int(srt[bi, hi, j])} twice (pass check_duplicates=False to count it twice)")
+
+
+def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any, *,
+                  live_lens: Any, min_sparsity: float = DEFAULT_MIN_SPARSITY,
+                  sm_scale: float | None = None, return_lse: bool = False,
+                  out_dtype: str | None = None, check_duplicates: bool = True,
+                  return_outcome: bool = False, backend: str | Backend | None = None) -> Any:
+    """Decode attention over selected cached tokens (see the module docstring).
+
+    Args:
+        q: ``[B, Hq, D]`` queries, C-contiguous.
+        k_cache, v_cache: ``[B, Hkv, capacity, D]`` C-contiguous caches (same dtype).
+        selection: a ``Selection`` (or positions ``[B, Hkv, S]``, all valid).
+        live_lens: host integers ``[B]`` in ``[0, capacity]``.
+        min_sparsity: the gate ratio (0 disables the gate: always fused).
+        sm_scale: natural-units softmax scale (default ``1 / sqrt(D)``).
+        return_lse: also return the ``[B, Hq]`` float32 base-2 LSE (``-inf`` for an
+            empty selection, whose output is zeros).
+        out_dtype: output dtype (default: ``q``'s).
+        return_outcome: also return the ``DecodeOutcome`` (path ``"sparse"`` or
+            ``"sparse-masked"`` and the reason); it is recorded either way.
+
+    Returns:
+        ``out [B, Hq, D]``, then ``lse`` with ``return_lse``, then the outcome with
+        ``return_outcome`` (a tuple when either is set).
+    """
+    fn = "sparse_decode"
+    be = backend_for(backend, q)
+    qa, ka, va = be.asarray(q), be.asarray(k_cache), be.asarray(v_cache)
+    check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]")
+    check_ndim(fn, "k_cache", ka.shape, 4, "[B, Hkv, capacity, D]")
+    b, hkv, cap, d = (int(x) for x in ka.shape)
+    hq = int(qa.shape[1])
+    check_shape(fn, "q", qa.shape, (b, hq, d), "[B, Hq, D]")
+    check_shape(fn, "v_cache", va.shape, ka.shape, "[B, Hkv, capacity, D]")
+    if hq % hkv:
+        raise InvalidArgumentError(f"{fn}: q's heads must be a multiple of the caches' KV "
+                                   f"heads, got Hq = {hq} and Hkv = {hkv}")
+    for name, arr in (("q", qa), ("k_cache", ka), ("v_cache", va)):
+        if not _contiguous(arr):
+            raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous (the pool view "
+                                       "and the head fold are reshapes, never copies)")
+    q_dt = check_dtype(fn, "q", be.dtype_of(qa))
+    kv_dt = check_dtype(fn, "k_cache", be.dtype_of(ka))
+    if check_dtype(fn, "v_cache", be.dtype_of(va)) != kv_dt:
+        raise InvalidArgumentError(f"{fn}: v_cache must have k_cache's dtype {kv_dt}")
+    o_dt = check_dtype(fn, "out_dtype", out_dtype or q_dt)
+    sel = selection if isinstance(selection, Selection) else make_selection(selection)
+    if sel.shape[:2] != (b, hkv):
+        raise InvalidArgumentError(f"{fn}: selection must cover [B, Hkv] = [{b}, {hkv}], "
+                                   f"got {list(sel.shape[:2])}")
+    live = _live_lens(fn, live_lens, b, cap)
+    check_selection(fn, sel, live, check_duplicates=check_duplicates)
+    if not (isinstance(min_sparsity, (int, float)) and min_sparsity >= 0
+            and math.isfinite(min_sparsity)):
+        raise InvalidArgumentError(f"{fn}: min_sparsity must be a finite number >= 0, "
+                                   f"got {min_sparsity!r}")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if not math.isfinite(scale):
+        raise InvalidArgumentError(f"{fn}: sm_scale must be finite, got {sm_scale!r}")
+    selected = sel.total_selected
+    live_rows = int(live.astype(np.int64).sum()) * hkv
+    fused = live_rows >= min_sparsity * selected
+    ratio = live_rows / selected if selected else math.inf
+    g = hq // hkv
+    with be.launch_context(q):
+        out_a = be.empty((b, hq, d), o_dt)
+        lse_a = be.empty((b, hq), "float32")
+        if fused:
+            table = sparse_table(sel, cap)
+            sup = be.supports(Problem(q_dt, kv_dt, g, 1, d, 1, "v2"))
+            if not sup:
+                raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the "
+                                              f"page_size = 1 table: {sup.reason}")
+            plan = plan_decode(table, g, 1, d, device=be.device_info())
+            kp, vp = pool_view(ka), pool_view(va)
+            qf = qa.reshape(b * hkv, g, d)
+            of, lf = out_a.reshape(b * hkv, g, d), lse_a.reshape(b * hkv, g)
+            if plan.needs_merge:
+                v_part = be.empty((plan.num_chunks, g, d), "float32")
+                l_part = be.empty((plan.num_chunks, g), "float32")
+                be.partial(qf, kp, vp, table, plan, scale, v_part, l_part)
+                be.merge(v_part, l_part, plan.o_indptr, of, lf)
+            else:
+                be.partial(qf, kp, vp, table, plan, scale, of, lf)
+            chunks = plan.num_chunks
+            why = (f"fused: live/selected = {ratio:.2f} >= min_sparsity {min_sparsity:g}"
+                   if min_sparsity else "fused: sparsity gate disabled (min_sparsity 0)")
+        else:
+            masked_attention(be, qa, ka, va, sel, live, scale, out_a, lse_a)
+            chunks = b * hkv
+            why = (f"declined: live/selected = {ratio:.2f} < min_sparsity {min_sparsity:g}; "
+                   "dense masked path")
+    outcome = record(DecodeOutcome("sparse" if fused else "sparse-masked", be.name, b,
+                                   selected, chunks, why,
+                                   f"selected {selected} of {live_rows} live rows"))
+    res: list[Any] = [be.wrap_result(out_a, like=q)]
+    if return_lse:
+        res.append(be.wrap_result(lse_a, like=q))
+    if return_outcome:
+        res.append(outcome)
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def pool_view(cache: Any) -> Any:
+    """``[B, Hkv, capacity, D]`` -> ``[B * Hkv * capacity, 1, 1, D]`` by a reshape."""
+    b, h, cap, d = cache.shape
+    return cache.reshape(b * h * cap, 1, 1, d)
+
+
+def selection_mask(selection: Selection, length: int) -> np.ndarray:
+    """``bool [B, Hkv, length]``: True where a row is selected."""
+    b, h, s = selection.shape
+    mask = np.zeros((b, h, length), bool)
+    valid = np.arange(s)[None, None, :] < selection.counts[..., None]
+    bi, hi, j = np.nonzero(valid)
+    mask[bi, hi, selection.positions[bi, hi, j]] = True
+    return mask
+
+
+def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection: Selection,
+                     live: np.ndarray, sm_scale: float, out: Any, lse_out: Any) -> None:
+    """The dense masked path in float32 with the backend's array module: every live row
+    is read; unselected rows get ``-inf`` logits. ``out [B, Hq, D]``, ``lse_out [B, Hq]``
+    float32 base 2 (zeros and ``-inf`` for an empty selection)."""
+    xp = be.array_module()
+    b, hkv, _, d = k_cache.shape
+    hq = q.shape[1]
+    g = hq // hkv
+    n = max(1, int(live.max()) if live.size else 1)
+    mask = xp.asarray(selection_mask(selection, n))[:, :, None, :]     # [B, Hkv, 1, n]
+    k = k_cache[:, :, :n].astype(xp.float32)
+    v = xp.where(mask[:, :, 0, :, None], v_cache[:, :, :n].astype(xp.float32), 0)
+    qf = q.astype(xp.float32).reshape(b, hkv, g, d)
+    s = xp.matmul(qf, k.transpose(0, 1, 3, 2)) * xp.float32(sm_scale * LOG2E)  # [B,Hkv,G,n]
+    s = xp.where(mask, s, -xp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0)
+    p = xp.where(mask, xp.exp2(s - m), 0)
+    den = p.sum(axis=-1)
+    safe = xp.where(den > 0, den, 1)
+    o = xp.matmul(p, v) / safe[..., None]
+    out[...] = o.reshape(b, hq, d).astype(out.dtype)
+    lse = xp.where(den > 0, m[..., 0] + xp.log2(safe), -xp.inf)
+    lse_out[...] = lse.reshape(b, hq).astype(xp.float32)
+
+
+def _live_lens(fn: str, live_lens: Any, b: int, cap: int | None = None) -> np.ndarray:
+    live = np.asarray(_host(live_lens))
+    if live.shape != (b,) or (live.size and not np.issubdtype(live.dtype, np.integer)):
+        raise InvalidArgumentError(f"{fn}: live_lens must be integers of shape [B] = [{b}], "
+                                   f"got shape {list(live.shape)} dtype {live.dtype}")
+    if live.size and (live.min() < 0 or (cap is not None and live.max() > cap)):
+        raise InvalidArgumentError(f"{fn}: live_lens must be in [0, capacity"
+                                   f"{'' if cap is None else f' = {cap}'}], got "
+                                   f"{live.tolist()[:16]}")
+    return live.astype(np.int64)
+
+
+def _host(x: Any) -> Any:
+    """A host view of integer data (device arrays are copied down: a synchronisation)."""
+    if isinstance(x, np.ndarray) or isinstance(x, (list, tuple, int)):
+        return x
+    for attr in ("get", "cpu"):                      # cupy .get(), torch .cpu()
+        f = getattr(x, attr, None)
+        if callable(f):
+            x = f()
+            break
+    return np.asarray(x)
+
+
+def _contiguous(arr: Any) -> bool:
+    flags = getattr(arr, "flags", None)
+    if flags is None:
+        return True
+    return bool(flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous")
+                else flags.c_contiguous)
+
+
+__all__ = ["Selection", "make_selection", "selection_from_blocks", "sparse_decode",
+           "sparse_table", "selection_mask", "pool_view", "DEFAULT_MIN_SPARSITY"]
