@@ -65,13 +65,29 @@ __device__ __forceinline__ float warp_max(float x) {
 
 // Asynchronous 16-byte global->shared copies (sm_80+). With pred false the 16 bytes are
 // zero-filled and global memory is not read. Each thread waits for its own groups only.
+// Without __CUDA_ARCH__ (a host compiler, e.g. the CPU emulator) the copy is synchronous:
+// the same result as an asynchronous copy that has landed by the matching wait.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+#if defined(__CUDA_ARCH__)
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
+#else
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (pred) v = *reinterpret_cast<const uint4*>(gmem);
+  *reinterpret_cast<uint4*>(smem) = v;
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
 
 __host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 

@@ -33,6 +33,9 @@ class BackendEntry:
 
 REGISTRY: dict[str, BackendEntry] = {
     "cuda": BackendEntry("cuda", ".cuda", "CudaBackend", "NVIDIA GPUs through CuPy"),
+    "emulated-cuda": BackendEntry("emulated-cuda", ".emulated", "EmulatedCudaBackend",
+                                  "the CUDA kernels on the CPU emulator (tests; explicit "
+                                  "choice only)"),
     "reference": BackendEntry("reference", ".reference", "ReferenceBackend",
                               "vectorized numpy on the CPU (float32 accumulation)"),
 }
