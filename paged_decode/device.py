@@ -43,30 +43,26 @@ class DeviceInfo:
 
     def target_ctas(self, override: int | None = None) -> int:
         """The CTA count a plan aims for (argument > environment > device default)."""
-        if override is not None:
-            return _positive("plan_decode", "target_ctas", override)
-        env = os.environ.get(TARGET_ENV)
-        if env:
-            try:
-                return _positive(TARGET_ENV, "value", int(env))
-            except ValueError as exc:
-                raise InvalidArgumentError(
-                    f"{TARGET_ENV} must be a positive integer, got {env!r}") from exc
-        return self.default_target_ctas
-
+        return _setting("target_ctas", override, TARGET_ENV, self.default_target_ctas)
 
     def chunk_floor(self, override: int | None = None) -> int:
         """Shortest chunk, in tokens, a plan may cut (argument > environment > device)."""
-        if override is not None:
-            return _positive("plan_decode", "min_chunk_tokens", override)
-        env = os.environ.get(CHUNK_ENV)
-        if env:
-            try:
-                return _positive(CHUNK_ENV, "value", int(env))
-            except ValueError as exc:
-                raise InvalidArgumentError(
-                    f"{CHUNK_ENV} must be a positive integer, got {env!r}") from exc
-        return self.min_chunk_tokens
+        return _setting("min_chunk_tokens", override, CHUNK_ENV, self.min_chunk_tokens)
+
+
+def _setting(name: str, override: int | None, env_name: str, default: int) -> int:
+    """A positive integer setting: the ``plan_decode`` argument, else the environment
+    variable, else the device default."""
+    if override is not None:
+        return _positive("plan_decode", name, override)
+    env = os.environ.get(env_name)
+    if env:
+        try:
+            return _positive(env_name, "value", int(env))
+        except ValueError as exc:
+            raise InvalidArgumentError(
+                f"{env_name} must be a positive integer, got {env!r}") from exc
+    return default
 
 
 def _positive(fn: str, name: str, value: int) -> int:
