@@ -15,9 +15,15 @@ from .backends import REGISTRY, availability, get_backend, last_auto_choice
 
 def _backend(name: str | None):  # type: ignore[no-untyped-def]
     try:
-        return get_backend(name)
+        be = get_backend(name)
     except Exception as exc:
         raise click.ClickException(str(exc)) from exc
+    if be.name == "reference":
+        # The reference backend's matmuls have a handful of rows; multi-threaded OpenBLAS
+        # made them 10-100x slower on a 2-core VM, so the CLI runs BLAS on one thread.
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=1, user_api="blas")
+    return be
 
 
 @click.group()

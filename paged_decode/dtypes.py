@@ -65,3 +65,22 @@ def numpy_dtype(name: str) -> np.dtype:
 
 def itemsize(name: str) -> int:
     return _ITEMSIZE[dtype_name(name)]
+
+
+def as_float32(arr: np.ndarray) -> np.ndarray:
+    """A host array of any supported dtype as float32 (exact for every one of them).
+
+    bfloat16 goes through its bit pattern (the upper half of a float32), which is far
+    faster than ml_dtypes' element-wise cast; float16 uses numpy's cast.
+    """
+    a = np.asarray(arr)
+    if a.dtype == _NUMPY["bfloat16"]:
+        bits = np.ascontiguousarray(a).view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32)
+    return a.astype(np.float32)
+
+
+def as_float64(arr: np.ndarray) -> np.ndarray:
+    """A host array of any supported dtype as float64, through float32 (exact; numpy's
+    direct float16 -> float64 cast is an order of magnitude slower)."""
+    return as_float32(arr).astype(np.float64)

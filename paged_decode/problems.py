@@ -2,7 +2,8 @@
 
 A problem's pool has slack (twice the pages needed) and hands out physical pages in a
 shuffled order; requests get randomized partial last pages and, when asked, start
-mid-page (a sliding window trimmed inside its first page).
+mid-page (a sliding window trimmed inside its first page): the requests r with
+(r + seed) odd, so single-request problems start mid-page for odd seeds.
 
 Every pool entry that no request may read (slack pages, the entries of a first page before
 ``first_page_offset``, the entries of a last page past ``last_page_len``) holds NaN, so a
@@ -97,8 +98,8 @@ def make_problem(spec: ProblemSpec, *, lengths: list[int] | None = None,
         else:
             lengths = [spec.context] * spec.batch
     if offsets is None:
-        offsets = [int(rng.integers(1, p)) if spec.jitter and p > 1 and r % 2 == 1 else 0
-                   for r in range(spec.batch)]
+        mid = [spec.jitter and p > 1 and (r + spec.seed) % 2 == 1 for r in range(spec.batch)]
+        offsets = [int(rng.integers(1, p)) if m else 0 for m in mid]
     table, num_pages = make_table(lengths, p, offsets=offsets, slack=spec.slack, rng=rng)
     shape = (num_pages, p, spec.num_kv_heads, spec.head_dim)
     kvdt = numpy_dtype(spec.kv_dtype)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import as_float64
 from .page_table import PageTable
 
 
@@ -21,7 +22,8 @@ def request_kv_f64(pages: Any, table: PageTable, r: int) -> np.ndarray:
     ids = [int(x) for x in table.request_pages(r)]
     if not ids:
         return np.zeros((0, *np.asarray(pages).shape[2:]), np.float64)
-    run = np.concatenate([np.asarray(pages[i], dtype=np.float64) for i in ids], axis=0)
+    host = np.asarray(pages)
+    run = as_float64(host[np.asarray(ids)]).reshape(-1, *host.shape[2:])
     end = (len(ids) - 1) * p + int(table.last_page_len[r])
     return run[int(table.first_page_offset[r]):end]
 
@@ -55,7 +57,7 @@ def oracle_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
 
     Inputs may be any array kind with ``__array__`` (they are read on the host).
     """
-    qn = np.asarray(q, dtype=np.float64)
+    qn = as_float64(np.asarray(q))
     b, hq, d = qn.shape
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     out = np.zeros((b, hq, d))

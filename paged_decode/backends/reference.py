@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..device import DeviceInfo
-from ..dtypes import dtype_name, numpy_dtype
+from ..dtypes import as_float32, dtype_name, numpy_dtype
 from ..errors import InvalidDtypeError
 from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
@@ -67,7 +67,7 @@ def visible_kv(pages: np.ndarray, table: PageTable, r: int, t0: int, t1: int) ->
     pb, pe = a0 // p, -(-a1 // p)
     ids = table.indices[table.indptr[r] + pb: table.indptr[r] + pe]
     rows = pages[ids].reshape(-1, *pages.shape[2:])[a0 - pb * p: a1 - pb * p]
-    return rows.astype(np.float32).transpose(1, 0, 2)
+    return as_float32(rows).transpose(1, 0, 2)
 
 
 class ReferenceBackend(Backend):
@@ -136,7 +136,7 @@ class ReferenceBackend(Backend):
         hkv, d = plan.num_kv_heads, plan.head_dim
         g = plan.num_qo_heads // hkv
         scale_log2 = sm_scale * LOG2E
-        qf = q.astype(np.float32).reshape(q.shape[0], hkv, g, d)
+        qf = as_float32(q).reshape(q.shape[0], hkv, g, d)
         t_begin, t_end = chunk_token_ranges(table, plan)
         for c in range(plan.num_chunks):
             r = int(plan.request_indices[c])
@@ -160,7 +160,7 @@ class ReferenceBackend(Backend):
         b, hq, d = q.shape
         hkv = k_pages.shape[2]
         scale_log2 = sm_scale * LOG2E
-        qf = q.astype(np.float32).reshape(b, hkv, hq // hkv, d)
+        qf = as_float32(q).reshape(b, hkv, hq // hkv, d)
         for r in range(b):
             n = int(table.visible_lens[r])
             k = visible_kv(k_pages, table, r, 0, n)
@@ -186,7 +186,7 @@ class ReferenceBackend(Backend):
                 if lse_out is not None:
                     lse_out[r] = -np.inf
                 continue
-            qf = q[r].astype(np.float32).reshape(hkv, g, d)
+            qf = as_float32(q[r]).reshape(hkv, g, d)
             s = np.matmul(qf, k.transpose(0, 2, 1)) * np.float32(sm_scale)  # natural units
             m = s.max(axis=-1, keepdims=True)
             p = np.exp(s - m)
