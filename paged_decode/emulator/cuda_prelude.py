@@ -1,0 +1,137 @@
+"""The CUDA-dialect prelude: the types and built-ins our CUDA kernels use, on the CPU.
+
+Included (as ``pd_emu_cuda.h``) ahead of the kernel source; ``<cuda_fp16.h>`` and
+``<cuda_bf16.h>`` resolve to empty stubs. ``__shared__`` declarations are not macros:
+``rewrite.py`` turns them into references into the running block's arena.
+"""
+
+CUDA_PRELUDE = r"""
+#pragma once
+#include "pd_emu_rt.h"
+
+// ------------------------------------------------------------------ qualifiers
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __constant__ static
+
+// ------------------------------------------------------------------ vector types
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct uint3 { unsigned x, y, z; };
+struct dim3 { unsigned x, y, z; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+// ------------------------------------------------------------------ bit casts
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+
+// ------------------------------------------------------------------ half and bfloat16
+struct __half {
+  unsigned short __x;
+};
+struct __half2 { __half x, y; };
+struct __nv_bfloat16 {
+  unsigned short __x;
+};
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+
+inline float __half2float(__half h) {
+  _Float16 v;
+  std::memcpy(&v, &h.__x, 2);
+  return (float)v;
+}
+inline __half __float2half_rn(float f) {
+  const _Float16 v = (_Float16)f;   // IEEE round-to-nearest-even
+  __half h;
+  std::memcpy(&h.__x, &v, 2);
+  return h;
+}
+inline __half __float2half(float f) { return __float2half_rn(f); }
+inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
+inline __half2 __floats2half2_rn(float a, float b) {
+  return {__float2half_rn(a), __float2half_rn(b)};
+}
+inline float __low2float(__half2 h) { return __half2float(h.x); }
+inline float __high2float(__half2 h) { return __half2float(h.y); }
+
+inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float((unsigned)b.__x << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  unsigned u = __float_as_uint(f);
+  __nv_bfloat16 b;
+  if ((u & 0x7fffffffu) > 0x7f800000u) { b.__x = (unsigned short)((u >> 16) | 0x40u); return b; }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  b.__x = (unsigned short)(u >> 16);
+  return b;
+}
+inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
+inline float2 __bfloat1622float2(__nv_bfloat162 h) {
+  return {__bfloat162float(h.x), __bfloat162float(h.y)};
+}
+
+// ------------------------------------------------------------------ thread geometry
+#define threadIdx (pd_emu::self()->tid)
+#define blockIdx (pd_emu::self()->block->bid)
+#define blockDim (pd_emu::self()->block->bdim)
+#define gridDim (pd_emu::self()->block->gdim)
+#define warpSize 32
+
+// ------------------------------------------------------------------ synchronization
+inline void __syncthreads() {
+  pd_emu::Fiber* f = pd_emu::self();
+  pd_emu::barrier_arrive(f);
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  (void)pd_emu::collective<int>(mask, 0, pd_emu::C_SYNCWARP, 0, 32);
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  return pd_emu::collective<T>(mask, v, pd_emu::C_SHFL_XOR, lane_mask, width);
+}
+template <typename T>
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+  return pd_emu::collective<T>(mask, v, pd_emu::C_SHFL_IDX, src_lane, width);
+}
+template <typename T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  return pd_emu::collective<T>(mask, v, pd_emu::C_SHFL_DOWN, (int)delta, width);
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  return pd_emu::collective<T>(mask, v, pd_emu::C_SHFL_UP, (int)delta, width);
+}
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+// ------------------------------------------------------------------ memory
+template <typename T>
+inline T __ldg(const T* p) { return *p; }
+inline std::size_t __cvta_generic_to_shared(const void* p) { return (std::size_t)p; }
+
+// ------------------------------------------------------------------ math
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+"""
+
+STUB_HEADERS = {
+    "cuda_fp16.h": "#pragma once\n// emulator: the prelude defines __half\n",
+    "cuda_bf16.h": "#pragma once\n// emulator: the prelude defines __nv_bfloat16\n",
+    "cuda_runtime.h": "#pragma once\n",
+}

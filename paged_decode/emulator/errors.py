@@ -1,0 +1,32 @@
+"""Errors the emulator raises: each message names the kernel and, where it applies, the
+block, thread, buffer and element."""
+
+from __future__ import annotations
+
+from ..errors import PagedDecodeError
+
+
+class EmulatorError(PagedDecodeError, RuntimeError):
+    """A kernel could not be built or run under the emulator."""
+
+
+class CompileError(EmulatorError):
+    """The C++ compiler rejected the wrapped kernel source (the message holds its output)."""
+
+
+class KernelFault(EmulatorError):
+    """The kernel failed while running: an out-of-bounds access, a divergent barrier or
+    warp collective, a fiber stack overflow."""
+
+
+class OutOfBoundsError(KernelFault):
+    """A read or write outside a launch buffer (caught by its guard pages)."""
+
+
+class DivergenceError(KernelFault):
+    """A barrier or warp collective that not every thread (lane) reaches."""
+
+
+class RaceError(EmulatorError):
+    """The forward and the reverse fiber schedules produced different outputs: the kernel
+    communicates through shared memory without a barrier in between."""

@@ -1,0 +1,194 @@
+"""Run a kernel launch on the CPU: guarded buffers, two fiber schedules, results back.
+
+Every buffer argument is copied into its own mapping between guard regions (PROT_NONE),
+so an access past either end faults; the runtime's SIGSEGV handler turns the fault into a
+report naming the kernel, block, thread, buffer and element. The launch runs twice:
+
+1. lanes in forward order between synchronization points, each buffer *ending* at its
+   upper guard (an overrun faults on its first byte);
+2. lanes in reverse order, each buffer *starting* at its lower guard (underruns fault).
+
+Both runs start from the same input bytes; any difference in any buffer afterwards means
+the result depends on the schedule (a race through shared memory: a missing barrier), and
+raises ``RaceError``. The first run's buffers are copied back into the output arrays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .compiler import kernel_library, runtime
+from .errors import DivergenceError, EmulatorError, KernelFault, OutOfBoundsError, RaceError
+from .rewrite import wrap_cuda
+
+THREADS_ENV = "PAGED_DECODE_EMULATOR_THREADS"
+GUARD_BYTES = 4 << 20     # per side; PROT_NONE, costs address space only
+
+
+@dataclass
+class Buffer:
+    """A pointer argument: ``array`` (C-contiguous numpy) under ``name``. Outputs are
+    written back into ``array`` after the launch."""
+
+    name: str
+    array: np.ndarray
+    output: bool = False
+
+
+class _BufferDesc(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.c_uint64),
+                ("nbytes", ctypes.c_uint64), ("itemsize", ctypes.c_uint64),
+                ("map_base", ctypes.c_uint64), ("map_len", ctypes.c_uint64),
+                ("guard", ctypes.c_uint64)]
+
+
+class _LaunchDesc(ctypes.Structure):
+    _fields_ = [("kernel", ctypes.c_char_p), ("grid", ctypes.c_uint * 3),
+                ("block", ctypes.c_uint * 3), ("dyn_smem", ctypes.c_uint64),
+                ("reverse", ctypes.c_int), ("threads", ctypes.c_int),
+                ("nbuffers", ctypes.c_int), ("buffers", ctypes.POINTER(_BufferDesc))]
+
+
+_SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
+            np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64,
+            np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+
+
+def default_threads() -> int:
+    env = os.environ.get(THREADS_ENV)
+    return max(1, int(env)) if env else max(1, min(2, os.cpu_count() or 1))
+
+
+def _dim3(x: int | Sequence[int]) -> tuple[int, int, int]:
+    t = (int(x),) if isinstance(x, (int, np.integer)) else tuple(int(v) for v in x)
+    return (*t, *(1,) * (3 - len(t)))  # type: ignore[return-value]
+
+
+def _align(nbytes: int, itemsize: int) -> int:
+    a = 16
+    while a > itemsize and nbytes % a:
+        a //= 2
+    return max(a, 1)
+
+
+class _Guarded:
+    """Guarded copies of the launch buffers for one run."""
+
+    def __init__(self, buffers: list[Buffer], end_aligned: bool) -> None:
+        rt = runtime()
+        self.descs = (_BufferDesc * max(1, len(buffers)))()
+        self._names = [b.name.encode() for b in buffers]
+        self.views: list[np.ndarray] = []
+        self.count = 0
+        for i, b in enumerate(buffers):
+            d = self.descs[i]
+            arr = b.array
+            if rt.pd_emu_alloc(ctypes.c_uint64(arr.nbytes),
+                               ctypes.c_uint64(_align(arr.nbytes, arr.itemsize)),
+                               ctypes.c_int(int(end_aligned)), ctypes.c_uint64(GUARD_BYTES),
+                               ctypes.byref(d)) != 0:
+                self.free()
+                raise EmulatorError(f"emulator: cannot map {arr.nbytes} bytes for '{b.name}'")
+            self.count += 1
+            d.name = self._names[i]
+            d.itemsize = arr.itemsize
+            raw = memoryview((ctypes.c_char * arr.nbytes).from_address(d.data)).cast("B")
+            view = np.frombuffer(raw, dtype=np.uint8) if arr.nbytes else np.zeros(0, np.uint8)
+            view[:] = arr.reshape(-1).view(np.uint8)
+            self.views.append(view)
+        self.count = len(buffers)
+
+    def free(self) -> None:
+        rt = runtime()
+        for i in range(self.count):
+            d = self.descs[i]
+            if d.map_base:
+                rt.pd_emu_free(ctypes.c_uint64(d.map_base), ctypes.c_uint64(d.map_len))
+                d.map_base = 0
+        self.views = []
+
+
+def _classify(msg: str) -> type[KernelFault]:
+    if "out-of-bounds" in msg:
+        return OutOfBoundsError
+    if "divergent" in msg:
+        return DivergenceError
+    return KernelFault
+
+
+def launch(source: str, name_expression: str, grid: int | Sequence[int],
+           block: int | Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
+           check_races: bool = True, threads: int | None = None) -> None:
+    """Run ``name_expression`` (a ``__global__`` template instantiation in the CUDA
+    ``source``) over ``grid`` x ``block`` with ``shared_mem`` bytes of dynamic shared
+    memory. ``args`` in the kernel's parameter order: ``Buffer`` for pointers, numpy
+    scalars (``np.int32``, ``np.float32``, ...) of the parameter's exact type for values.
+    Raises ``KernelFault`` subclasses and ``RaceError``; outputs land in their arrays."""
+    lib = kernel_library(wrap_cuda(source, name_expression))
+    fn = lib.pd_emu_launch
+    fn.restype = ctypes.c_int
+    buffers = [a for a in args if isinstance(a, Buffer)]
+    for b in buffers:
+        if not b.array.flags.c_contiguous:
+            raise EmulatorError(f"emulator: buffer '{b.name}' must be C-contiguous")
+    g, bl = _dim3(grid), _dim3(block)
+    if 0 in g:
+        return
+    runs = [(0, True)] + ([(1, False)] if check_races else [])
+    results: list[list[np.ndarray]] = []
+    for reverse, end_aligned in runs:
+        mem = _Guarded(buffers, end_aligned)
+        try:
+            ptrs: list[Any] = []
+            bi = 0
+            for a in args:
+                if isinstance(a, Buffer):
+                    ptrs.append(ctypes.c_void_p(int(mem.descs[bi].data)))
+                    bi += 1
+                else:
+                    dt = np.asarray(a).dtype
+                    if dt not in _SCALARS:
+                        raise EmulatorError(f"emulator: scalar argument of dtype {dt} "
+                                            "(pass a numpy scalar of the parameter's type)")
+                    ptrs.append(_SCALARS[dt](np.asarray(a).item()))
+            argv = (ctypes.c_void_p * max(1, len(ptrs)))(
+                *[ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in ptrs])
+            desc = _LaunchDesc(name_expression.encode(), (ctypes.c_uint * 3)(*g),
+                               (ctypes.c_uint * 3)(*bl), int(shared_mem), reverse,
+                               threads or default_threads(), len(buffers), mem.descs)
+            err = ctypes.create_string_buffer(4096)
+            rc = fn(ctypes.byref(desc), argv, err, ctypes.c_size_t(len(err)))
+            if rc != 0:
+                msg = err.value.decode(errors="replace")
+                sched = "reverse" if reverse else "forward"
+                raise _classify(msg)(f"{msg} [{sched} schedule]")
+            results.append([v.copy() for v in mem.views])
+        finally:
+            mem.free()
+    if len(results) == 2:
+        _compare(name_expression, buffers, results[0], results[1])
+    for b, data in zip(buffers, results[0]):
+        if b.output:
+            b.array.reshape(-1).view(np.uint8)[:] = data
+
+
+def _compare(kernel: str, buffers: list[Buffer], a: list[np.ndarray],
+             b: list[np.ndarray]) -> None:
+    for buf, x, y in zip(buffers, a, b):
+        if np.array_equal(x, y):
+            continue
+        isz = buf.array.itemsize
+        ex, ey = x.view(buf.array.dtype), y.view(buf.array.dtype)
+        bad = np.flatnonzero((x.reshape(-1, isz) != y.reshape(-1, isz)).any(axis=1))
+        i = int(bad[0])
+        raise RaceError(
+            f"{kernel}: buffer '{buf.name}' differs between the forward and the reverse "
+            f"fiber schedule at element {i} ({ex[i]!r} vs {ey[i]!r}; {bad.size} elements "
+            "differ): the kernel reads shared memory another thread writes without a "
+            "barrier in between (or otherwise depends on thread scheduling)")

@@ -1,0 +1,85 @@
+"""Source rewriting for the CUDA dialect: ``__shared__`` storage and the launcher.
+
+``__shared__`` cannot be a macro: a C++ ``static`` is shared by every OS thread and
+block, and ``thread_local`` is slow. Each declaration inside a function body becomes a
+reference into the running block's per-OS-thread arena, at an offset reserved once per
+declaration site and template instantiation (a local ``struct`` tags the site)::
+
+    __shared__ float buf[W][D];
+ -> struct pd_emu_site_0 {}; using pd_emu_t_0 = float[W][D];
+    pd_emu_t_0& buf = pd_emu::shared_var<pd_emu_t_0, pd_emu_site_0>();
+
+``extern __shared__ T name[];`` (dynamic shared memory) becomes an object converting to
+``T*`` (the block's dynamic region). Limits: one declarator per statement; static
+``__shared__`` at namespace scope is rejected.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import EmulatorError
+
+_TYPE = r"[A-Za-z_][\w:<>, ]*?"
+_EXTERN = re.compile(
+    rf"extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?(?P<type>{_TYPE})\s+"
+    r"(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*;")
+_STATIC = re.compile(
+    rf"(?<![\w])__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?(?P<type>{_TYPE})\s+"
+    r"(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\];]+\]\s*)*);")
+
+
+def rewrite_shared(src: str) -> str:
+    """``src`` with every ``__shared__`` declaration turned into arena storage."""
+    src = _EXTERN.sub(
+        lambda m: (f"[[maybe_unused]] static pd_emu::DynamicShared<{m['type'].strip()}> "
+                   f"{m['name']};"), src)
+    out: list[str] = []
+    last = 0
+    for i, m in enumerate(_STATIC.finditer(src)):
+        if _namespace_scope(src, m.start()):
+            raise EmulatorError(
+                f"emulator: static __shared__ '{m['name']}' at namespace scope is not "
+                "supported; declare it inside the kernel or device function")
+        t, name, dims = m["type"].strip(), m["name"], re.sub(r"\s+", "", m["dims"])
+        out.append(src[last:m.start()])
+        out.append(f"struct pd_emu_site_{i} {{}}; using pd_emu_t_{i} = {t}{dims}; "
+                   f"pd_emu_t_{i}& {name} = pd_emu::shared_var<pd_emu_t_{i}, "
+                   f"pd_emu_site_{i}>();")
+        last = m.end()
+    out.append(src[last:])
+    return "".join(out)
+
+
+def _namespace_scope(src: str, pos: int) -> bool:
+    """Whether ``pos`` lies outside every function body: every enclosing ``{`` opens a
+    namespace (a heuristic good enough for kernel sources)."""
+    depth = 0
+    opened: list[bool] = []   # per open brace: is it a namespace?
+    for m in re.finditer(r"namespace\s*\w*\s*\{|\{|\}", src[:pos]):
+        tok = m.group(0)
+        if tok == "}":
+            if opened:
+                opened.pop()
+            depth -= 1
+        else:
+            opened.append(tok.startswith("namespace"))
+            depth += 1
+    return all(opened)
+
+
+def wrap_cuda(source: str, name_expression: str) -> str:
+    """The translation unit the emulator compiles: prelude, the kernel source with its
+    shared memory rewritten, and an ``extern "C"`` launcher of ``name_expression``."""
+    body = rewrite_shared(source)
+    return (
+        '#include "pd_emu_cuda.h"\n'
+        "#line 1 \"kernel.cu\"\n"
+        f"{body}\n"
+        "// ---- emulator launcher\n"
+        'extern "C" int pd_emu_launch(const pd_emu::LaunchDesc* d, void** args, char* err,\n'
+        "                             std::size_t errlen) {\n"
+        "  return pd_emu::run_launch(d, [](void** a) {\n"
+        f"    pd_emu::invoke(&{name_expression}, a);\n"
+        "  }, args, &pd_emu::g_static_smem, err, errlen);\n"
+        "}\n")

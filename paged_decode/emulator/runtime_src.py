@@ -1,0 +1,619 @@
+"""C++ sources of the dialect-neutral emulator runtime (fibers, barriers, warp collectives,
+shared-memory arenas, guarded buffers, fault reports).
+
+``RUNTIME_HEADER`` is included by every kernel translation unit (through a dialect
+prelude); ``RUNTIME_CPP`` is compiled once into a shared library loaded with
+``RTLD_GLOBAL`` so kernel libraries resolve its symbols. x86_64 System V only.
+"""
+
+RUNTIME_HEADER = r"""
+#pragma once
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+namespace pd_emu {
+
+constexpr std::size_t STACK_SIZE = 64 * 1024;        // per fiber, aligned to its size
+constexpr std::size_t STACK_HEADER = 64;             // Fiber* at the top of each stack
+constexpr std::size_t STATIC_SMEM_CAP = 48 * 1024;   // CUDA's static __shared__ limit
+constexpr int WARP = 32;
+
+enum State : int { RUNNABLE = 0, WAIT_COLLECTIVE = 1, WAIT_BARRIER = 2, DONE = 3 };
+enum Collective : int { C_SHFL_XOR = 1, C_SHFL_IDX = 2, C_SHFL_DOWN = 3, C_SHFL_UP = 4,
+                        C_SYNCWARP = 5 };
+
+struct U3 { unsigned x, y, z; };
+
+struct Block;
+struct Warp;
+
+struct Fiber {
+  void* sp;
+  int state;
+  int lane;
+  int linear;            // linear thread index in the block
+  U3 tid;
+  Block* block;
+  Warp* warp;
+};
+
+struct Warp {
+  std::uint64_t vals[WARP];
+  std::uint64_t res[WARP];
+  int op[WARP];
+  int param[WARP];
+  int width[WARP];
+  unsigned mask[WARP];
+  int arrived;
+  int nlanes;
+  int index;
+};
+
+struct Block {
+  U3 bid, bdim, gdim;
+  unsigned char* dyn_smem;
+  unsigned char* static_smem;
+  const std::atomic<std::size_t>* static_used;
+  Fiber* fibers;
+  void (*thunk)(void**);
+  void** args;
+  void* sched_sp;
+  int nthreads;
+  int arrived;           // threads waiting at the block barrier
+  int exited;
+};
+
+// Launch description, filled by the Python driver (ctypes mirrors these layouts).
+struct BufferDesc {
+  const char* name;
+  std::uintptr_t data;
+  std::uint64_t nbytes;
+  std::uint64_t itemsize;
+  std::uintptr_t map_base;   // whole mapping, guards included
+  std::uint64_t map_len;
+  std::uint64_t guard;       // guard bytes at each end of the mapping
+};
+
+struct LaunchDesc {
+  const char* kernel;
+  unsigned grid[3];
+  unsigned block[3];
+  std::uint64_t dyn_smem;
+  int reverse;               // run lanes in reverse order between synchronization points
+  int threads;               // OS threads
+  int nbuffers;
+  const BufferDesc* buffers;
+};
+
+// The running fiber, found from the stack pointer (no thread-local storage).
+inline Fiber* self() {
+  std::uintptr_t sp;
+  asm("mov %%rsp, %0" : "=r"(sp));
+  return *reinterpret_cast<Fiber**>((sp & ~(std::uintptr_t)(STACK_SIZE - 1)) + STACK_SIZE
+                                    - STACK_HEADER);
+}
+
+// Out of line, in the runtime library.
+void collective_arrive(Fiber* f);
+void barrier_arrive(Fiber* f);
+[[noreturn]] void fail(const char* fmt, ...);
+int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
+               const std::atomic<std::size_t>* static_used, char* err, std::size_t errlen);
+
+template <typename T>
+inline T collective(unsigned mask, T v, int op, int param, int width) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value,
+                "warp collectives move values of at most 8 bytes");
+  Fiber* f = self();
+  Warp* w = f->warp;
+  const int lane = f->lane;
+  std::uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  w->vals[lane] = bits;
+  w->op[lane] = op;
+  w->param[lane] = param;
+  w->width[lane] = width;
+  w->mask[lane] = mask;
+  collective_arrive(f);
+  T r;
+  std::memcpy(&r, &w->res[lane], sizeof(T));
+  return r;
+}
+
+// Static shared memory: every declaration site (and every template instantiation of the
+// function holding it: ``Site`` is a local class) reserves an offset once per kernel
+// library; the storage lives in the running block's per-OS-thread arena.
+namespace {
+std::atomic<std::size_t> g_static_smem{0};
+
+inline std::size_t reserve_static(std::size_t size, std::size_t align) {
+  std::size_t cur = g_static_smem.load();
+  for (;;) {
+    const std::size_t off = (cur + align - 1) / align * align;
+    if (off + size > STATIC_SMEM_CAP)
+      fail("static __shared__ memory exceeds %zu bytes", (std::size_t)STATIC_SMEM_CAP);
+    if (g_static_smem.compare_exchange_weak(cur, off + size)) return off;
+  }
+}
+
+template <typename T, typename Site>
+inline T& shared_var() {
+  static const std::size_t off = reserve_static(sizeof(T), alignof(T) < 16 ? 16 : alignof(T));
+  return *reinterpret_cast<T*>(self()->block->static_smem + off);
+}
+
+template <typename... A, std::size_t... I>
+inline void invoke_impl(void (*fn)(A...), void** a, std::index_sequence<I...>) {
+  fn(*reinterpret_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(a[I])...);
+}
+template <typename... A>
+inline void invoke(void (*fn)(A...), void** a) {
+  invoke_impl(fn, a, std::index_sequence_for<A...>{});
+}
+}  // namespace
+
+// ``extern __shared__ T name[]`` becomes an object of this type: it converts to the
+// running block's dynamic shared memory.
+template <typename T>
+struct DynamicShared {
+  operator T*() const { return reinterpret_cast<T*>(self()->block->dyn_smem); }
+};
+
+}  // namespace pd_emu
+"""
+
+RUNTIME_CPP = r"""
+#include "pd_emu_rt.h"
+
+#include <csetjmp>
+#include <csignal>
+#include <cstdarg>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <sys/mman.h>
+#include <thread>
+#include <ucontext.h>
+#include <unistd.h>
+#include <vector>
+
+extern "C" void pd_emu_switch(void** save_sp, void* to_sp);
+extern "C" void pd_emu_fiber_entry();
+
+// Save the callee-saved registers and the stack pointer, switch stacks, restore.
+asm(R"(
+  .text
+  .globl pd_emu_switch
+  .hidden pd_emu_switch
+  .type pd_emu_switch, @function
+pd_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size pd_emu_switch, .-pd_emu_switch
+
+  .globl pd_emu_fiber_entry
+  .hidden pd_emu_fiber_entry
+  .type pd_emu_fiber_entry, @function
+pd_emu_fiber_entry:
+  movq %r12, %rdi
+  callq *%r13
+  ud2
+  .size pd_emu_fiber_entry, .-pd_emu_fiber_entry
+)");
+
+namespace pd_emu {
+namespace {
+
+struct Worker {
+  sigjmp_buf jb;
+  Block block{};
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  unsigned char* stacks = nullptr;      // aligned pool
+  unsigned char* stacks_map = nullptr;
+  std::size_t stacks_map_len = 0;
+  unsigned char* arena = nullptr;
+  std::size_t arena_len = 0;
+  std::size_t dyn_aligned = 0;
+  Fiber* cur = nullptr;
+  volatile bool in_block = false;
+  const LaunchDesc* launch = nullptr;
+  char msg[2048];
+};
+
+thread_local Worker* t_worker = nullptr;
+std::mutex g_launch_mutex;               // one launch at a time per process
+struct sigaction g_old_segv, g_old_bus;
+
+std::size_t page_size() { return (std::size_t)sysconf(_SC_PAGESIZE); }
+
+void where(Worker* w, char* out, std::size_t n) {
+  const Block& b = w->block;
+  if (w->cur)
+    std::snprintf(out, n, "%s: block (%u,%u,%u) thread (%u,%u,%u)", w->launch->kernel,
+                  b.bid.x, b.bid.y, b.bid.z, w->cur->tid.x, w->cur->tid.y, w->cur->tid.z);
+  else
+    std::snprintf(out, n, "%s: block (%u,%u,%u)", w->launch->kernel, b.bid.x, b.bid.y,
+                  b.bid.z);
+}
+
+void describe_fault(Worker* w, std::uintptr_t a, bool write) {
+  char loc[512];
+  where(w, loc, sizeof loc);
+  const char* kind = write ? "write" : "read";
+  const LaunchDesc* d = w->launch;
+  for (int i = 0; i < d->nbuffers; ++i) {
+    const BufferDesc& b = d->buffers[i];
+    if (a < b.map_base || a >= b.map_base + b.map_len) continue;
+    const long long off = (long long)(a - b.data);
+    const long long isz = (long long)b.itemsize;
+    const long long elem = off >= 0 ? off / isz : -((-off + isz - 1) / isz);
+    std::snprintf(w->msg, sizeof w->msg,
+                  "%s: out-of-bounds %s of buffer '%s' at element %lld (byte offset %lld; "
+                  "the buffer holds %llu elements of %llu bytes)", loc, kind, b.name, elem,
+                  off, (unsigned long long)(b.nbytes / b.itemsize),
+                  (unsigned long long)b.itemsize);
+    return;
+  }
+  if (w->stacks && a >= (std::uintptr_t)w->stacks &&
+      a < (std::uintptr_t)w->stacks + w->fibers.size() * STACK_SIZE) {
+    std::snprintf(w->msg, sizeof w->msg, "%s: fiber stack overflow (%zu bytes per thread)",
+                  loc, (std::size_t)STACK_SIZE);
+    return;
+  }
+  std::snprintf(w->msg, sizeof w->msg,
+                "%s: invalid memory %s at address %#lx (not inside any launch buffer or its "
+                "guard pages)", loc, kind, (unsigned long)a);
+}
+
+void on_fault(int sig, siginfo_t* si, void* uctx) {
+  Worker* w = t_worker;
+  if (w == nullptr || !w->in_block) {
+    // not ours: put the previous handler back and let the access fault again
+    sigaction(sig, sig == SIGSEGV ? &g_old_segv : &g_old_bus, nullptr);
+    return;
+  }
+  const ucontext_t* uc = static_cast<const ucontext_t*>(uctx);
+  const bool write = (uc->uc_mcontext.gregs[REG_ERR] & 2) != 0;
+  describe_fault(w, (std::uintptr_t)si->si_addr, write);
+  w->in_block = false;
+  siglongjmp(w->jb, 1);
+}
+
+void fiber_main(Fiber* f) {
+  Block* b = f->block;
+  b->thunk(b->args);
+  f->state = DONE;
+  b->exited++;
+  pd_emu_switch(&f->sp, b->sched_sp);
+  __builtin_unreachable();
+}
+
+void setup_worker(Worker* w, const LaunchDesc* d) {
+  const int n = (int)(d->block[0] * d->block[1] * d->block[2]);
+  const std::size_t pg = page_size();
+  w->fibers.assign(n, Fiber{});
+  w->warps.assign((n + WARP - 1) / WARP, Warp{});
+  w->stacks_map_len = (std::size_t)(n + 1) * STACK_SIZE;
+  w->stacks_map = (unsigned char*)mmap(nullptr, w->stacks_map_len, PROT_READ | PROT_WRITE,
+                                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (w->stacks_map == MAP_FAILED) { w->stacks_map = nullptr; return; }
+  w->stacks = (unsigned char*)(((std::uintptr_t)w->stacks_map + STACK_SIZE - 1)
+                               & ~(std::uintptr_t)(STACK_SIZE - 1));
+  for (int i = 0; i < n; ++i) mprotect(w->stacks + (std::size_t)i * STACK_SIZE, pg, PROT_NONE);
+  w->dyn_aligned = (d->dyn_smem + 127) / 128 * 128;
+  w->arena_len = w->dyn_aligned + STATIC_SMEM_CAP;
+  w->arena = (unsigned char*)mmap(nullptr, w->arena_len, PROT_READ | PROT_WRITE,
+                                  MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (w->arena == MAP_FAILED) { w->arena = nullptr; return; }
+  std::memset(w->arena, 0xff, w->arena_len);   // NaN-poisoned, like uninitialized smem
+}
+
+void teardown_worker(Worker* w) {
+  if (w->stacks_map) munmap(w->stacks_map, w->stacks_map_len);
+  if (w->arena) munmap(w->arena, w->arena_len);
+  w->stacks_map = w->stacks = w->arena = nullptr;
+}
+
+void diagnose_deadlock(Worker* w) {
+  char loc[512];
+  w->cur = nullptr;
+  where(w, loc, sizeof loc);
+  Block& b = w->block;
+  for (Warp& wp : w->warps) {
+    int at_coll = 0, exited = 0, at_bar = 0;
+    for (int l = 0; l < wp.nlanes; ++l) {
+      const Fiber& f = w->fibers[wp.index * WARP + l];
+      at_coll += f.state == WAIT_COLLECTIVE;
+      exited += f.state == DONE;
+      at_bar += f.state == WAIT_BARRIER;
+    }
+    if (at_coll > 0)
+      fail("%s: divergent warp collective: %d of %d lanes of warp %d wait in a shuffle/"
+           "__syncwarp while %d lanes exited and %d wait at __syncthreads", loc, at_coll,
+           wp.nlanes, wp.index, exited, at_bar);
+  }
+  fail("%s: divergent barrier: __syncthreads reached by %d of %d threads; %d threads exited "
+       "without reaching it", loc, b.arrived, b.nthreads, b.exited);
+}
+
+void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
+  const LaunchDesc* d = w->launch;
+  Block& b = w->block;
+  b.bid = U3{bx, by, bz};
+  b.arrived = 0;
+  b.exited = 0;
+  std::memset(w->arena, 0xff, w->dyn_aligned + b.static_used->load());
+  const int n = b.nthreads;
+  for (int i = 0; i < n; ++i) {
+    Fiber& f = w->fibers[i];
+    f.state = RUNNABLE;
+    f.linear = i;
+    f.lane = i % WARP;
+    f.tid = U3{i % d->block[0], (i / d->block[0]) % d->block[1],
+               i / (d->block[0] * d->block[1])};
+    f.block = &b;
+    f.warp = &w->warps[i / WARP];
+    unsigned char* base = w->stacks + (std::size_t)i * STACK_SIZE;
+    unsigned char* top = base + STACK_SIZE - STACK_HEADER;
+    *reinterpret_cast<Fiber**>(top) = &f;
+    void** sp = reinterpret_cast<void**>(top - 16 - 56);
+    sp[0] = nullptr;                                   // r15
+    sp[1] = nullptr;                                   // r14
+    sp[2] = reinterpret_cast<void*>(&fiber_main);      // r13: entry
+    sp[3] = &f;                                        // r12: argument
+    sp[4] = nullptr;                                   // rbx
+    sp[5] = nullptr;                                   // rbp
+    sp[6] = reinterpret_cast<void*>(&pd_emu_fiber_entry);
+    f.sp = sp;
+  }
+  for (std::size_t k = 0; k < w->warps.size(); ++k) {
+    Warp& wp = w->warps[k];
+    wp.arrived = 0;
+    wp.index = (int)k;
+    wp.nlanes = n - (int)k * WARP < WARP ? n - (int)k * WARP : WARP;
+  }
+  const bool rev = d->reverse != 0;
+  for (;;) {
+    bool progressed = false;
+    for (int k = 0; k < n; ++k) {
+      Fiber& f = w->fibers[rev ? n - 1 - k : k];
+      if (f.state != RUNNABLE) continue;
+      w->cur = &f;
+      pd_emu_switch(&b.sched_sp, f.sp);
+      w->cur = nullptr;
+      progressed = true;
+    }
+    if (b.exited == n) return;
+    if (!progressed) diagnose_deadlock(w);
+  }
+}
+
+std::mutex g_err_mutex;
+
+struct Shared {
+  const LaunchDesc* d;
+  std::atomic<long long> next{0};
+  std::atomic<bool> abort{false};
+  long long total = 0;
+  std::string error;
+};
+
+void worker_main(Worker* w, Shared* s) {
+  t_worker = w;
+  stack_t alt{}, old_alt{};
+  std::vector<unsigned char> altmem(256 * 1024);
+  alt.ss_sp = altmem.data();
+  alt.ss_size = altmem.size();
+  sigaltstack(&alt, &old_alt);
+  const LaunchDesc* d = s->d;
+  if (w->stacks == nullptr || w->arena == nullptr) {
+    std::lock_guard<std::mutex> g(g_err_mutex);
+    if (s->error.empty()) s->error = std::string(d->kernel) + ": out of memory for fibers";
+    s->abort = true;
+  }
+  while (!s->abort.load()) {
+    const long long i = s->next.fetch_add(1);
+    if (i >= s->total) break;
+    if (sigsetjmp(w->jb, 1) != 0) {
+      w->in_block = false;
+      std::lock_guard<std::mutex> g(g_err_mutex);
+      if (s->error.empty()) s->error = w->msg;
+      s->abort = true;
+      break;
+    }
+    const unsigned gx = d->grid[0], gy = d->grid[1];
+    w->in_block = true;
+    run_block(w, (unsigned)(i % gx), (unsigned)((i / gx) % gy), (unsigned)(i / gx / gy));
+    w->in_block = false;
+  }
+  sigaltstack(&old_alt, nullptr);
+  t_worker = nullptr;
+}
+
+}  // namespace
+
+void fail(const char* fmt, ...) {
+  Worker* w = t_worker;
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(w->msg, sizeof w->msg, fmt, ap);
+  va_end(ap);
+  w->in_block = false;
+  siglongjmp(w->jb, 1);
+}
+
+static void resolve_collective(Warp* w) {
+  const int n = w->nlanes;
+  Worker* wk = t_worker;   // error paths only
+  char loc[512];
+  for (int l = 0; l < n; ++l) {
+    if (w->op[l] != w->op[0] || w->width[l] != w->width[0] ||
+        (w->op[l] != C_SHFL_IDX && w->param[l] != w->param[0])) {
+      wk->cur = nullptr;
+      where(wk, loc, sizeof loc);
+      fail("%s: lanes of warp %d meet in different collectives (lane 0: op %d param %d "
+           "width %d; lane %d: op %d param %d width %d): divergent shuffles", loc, w->index,
+           w->op[0], w->param[0], w->width[0], l, w->op[l], w->param[l], w->width[l]);
+    }
+    const unsigned full = n == WARP ? 0xffffffffu : (1u << n) - 1u;
+    if ((w->mask[l] & full) != full) {
+      wk->cur = nullptr;
+      where(wk, loc, sizeof loc);
+      fail("%s: warp %d lane %d uses member mask %#x: partial masks are not emulated", loc,
+           w->index, l, w->mask[l]);
+    }
+  }
+  const int width = w->width[0];
+  if (width <= 0 || width > WARP || (width & (width - 1)) != 0) {
+    wk->cur = nullptr;
+    where(wk, loc, sizeof loc);
+    fail("%s: shuffle width %d is not a power of two <= 32", loc, width);
+  }
+  for (int l = 0; l < n; ++l) {
+    const int seg = l & ~(width - 1);
+    int src = l;
+    switch (w->op[l]) {
+      case C_SHFL_XOR: src = l ^ w->param[l]; if ((src & ~(width - 1)) != seg) src = l; break;
+      case C_SHFL_IDX: src = seg + (w->param[l] & (width - 1)); break;
+      case C_SHFL_DOWN: src = (l - seg) + w->param[l] < width ? l + w->param[l] : l; break;
+      case C_SHFL_UP: src = (l - seg) - w->param[l] >= 0 ? l - w->param[l] : l; break;
+      default: break;
+    }
+    w->res[l] = src < n ? w->vals[src] : w->vals[l];
+  }
+}
+
+void collective_arrive(Fiber* f) {
+  Warp* w = f->warp;
+  Block* b = f->block;
+  if (++w->arrived == w->nlanes) {
+    resolve_collective(w);
+    w->arrived = 0;
+    Fiber* lanes = b->fibers + w->index * WARP;
+    for (int l = 0; l < w->nlanes; ++l) lanes[l].state = RUNNABLE;
+  } else {
+    f->state = WAIT_COLLECTIVE;
+  }
+  pd_emu_switch(&f->sp, b->sched_sp);   // the schedule, not the arrival, orders lanes
+}
+
+void barrier_arrive(Fiber* f) {
+  Block* b = f->block;
+  if (++b->arrived == b->nthreads) {
+    b->arrived = 0;
+    for (int i = 0; i < b->nthreads; ++i) b->fibers[i].state = RUNNABLE;
+  } else {
+    f->state = WAIT_BARRIER;
+  }
+  pd_emu_switch(&f->sp, b->sched_sp);
+}
+
+int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
+               const std::atomic<std::size_t>* static_used, char* err, std::size_t errlen) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  const long long nthreads = (long long)d->block[0] * d->block[1] * d->block[2];
+  const long long total = (long long)d->grid[0] * d->grid[1] * d->grid[2];
+  if (nthreads <= 0 || nthreads > 1024) {
+    std::snprintf(err, errlen, "%s: %lld threads per block (must be 1..1024)", d->kernel,
+                  nthreads);
+    return 1;
+  }
+  if (d->dyn_smem + STATIC_SMEM_CAP > 227 * 1024 + STATIC_SMEM_CAP) {
+    std::snprintf(err, errlen, "%s: %llu bytes of dynamic shared memory (at most 227 KiB)",
+                  d->kernel, (unsigned long long)d->dyn_smem);
+    return 1;
+  }
+  if (total == 0) return 0;
+  struct sigaction sa{};
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, &g_old_segv);
+  sigaction(SIGBUS, &sa, &g_old_bus);
+  Shared s;
+  s.d = d;
+  s.total = total;
+  int nw = d->threads < 1 ? 1 : d->threads;
+  if (nw > total) nw = (int)total;
+  std::vector<Worker> workers(nw);
+  for (Worker& w : workers) {
+    w.launch = d;
+    w.block.bdim = U3{d->block[0], d->block[1], d->block[2]};
+    w.block.gdim = U3{d->grid[0], d->grid[1], d->grid[2]};
+    w.block.nthreads = (int)nthreads;
+    w.block.thunk = thunk;
+    w.block.args = args;
+    w.block.static_used = static_used;
+    setup_worker(&w, d);
+    w.block.fibers = w.fibers.data();
+    w.block.dyn_smem = w.arena;
+    w.block.static_smem = w.arena ? w.arena + w.dyn_aligned : nullptr;
+  }
+  if (nw == 1) {
+    worker_main(&workers[0], &s);
+  } else {
+    std::vector<std::thread> ts;
+    for (int i = 0; i < nw; ++i) ts.emplace_back(worker_main, &workers[i], &s);
+    for (std::thread& t : ts) t.join();
+  }
+  for (Worker& w : workers) teardown_worker(&w);
+  sigaction(SIGSEGV, &g_old_segv, nullptr);
+  sigaction(SIGBUS, &g_old_bus, nullptr);
+  if (!s.error.empty()) {
+    std::snprintf(err, errlen, "%s", s.error.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace pd_emu
+
+extern "C" {
+
+// A buffer between guard regions of ``guard`` bytes. ``end_aligned``: the data ends where
+// the upper guard begins (overruns fault at once); otherwise it starts right after the
+// lower guard (underruns fault at once).
+int pd_emu_alloc(std::uint64_t nbytes, std::uint64_t align, int end_aligned,
+                 std::uint64_t guard, pd_emu::BufferDesc* out) {
+  const std::size_t pg = pd_emu::page_size();
+  guard = (guard + pg - 1) / pg * pg;
+  const std::size_t body = (nbytes + align + pg - 1) / pg * pg + pg;
+  const std::size_t len = body + 2 * guard;
+  unsigned char* m = (unsigned char*)mmap(nullptr, len, PROT_NONE,
+                                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return 1;
+  if (mprotect(m + guard, body, PROT_READ | PROT_WRITE) != 0) { munmap(m, len); return 1; }
+  std::uintptr_t data = (std::uintptr_t)(m + guard);
+  if (end_aligned)
+    data = ((std::uintptr_t)(m + guard + body) - nbytes) & ~(std::uintptr_t)(align - 1);
+  out->data = data;
+  out->nbytes = nbytes;
+  out->map_base = (std::uintptr_t)m;
+  out->map_len = len;
+  out->guard = guard;
+  return 0;
+}
+
+void pd_emu_free(std::uintptr_t base, std::uint64_t len) { munmap((void*)base, len); }
+
+}  // extern "C"
+"""

@@ -1,0 +1,244 @@
+"""The CPU kernel emulator itself, on tiny CUDA kernels: barrier ordering, shuffle results,
+planted out-of-bounds accesses, a planted missing barrier, divergent barriers and warp
+collectives (reported, not hung), dynamic and templated static shared memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_decode import emulator
+from paged_decode.emulator import (
+    Buffer,
+    CompileError,
+    DivergenceError,
+    OutOfBoundsError,
+    RaceError,
+    launch,
+)
+
+pytestmark = pytest.mark.skipif(not emulator.available()[0],
+                                reason=f"emulator unavailable: {emulator.available()[1]}")
+
+SRC = r"""
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+// Each thread writes its slot, the block syncs, each reads its neighbour's: correct only
+// if the barrier holds every thread until all have written.
+template <int N>
+__global__ void rotate(const float* __restrict__ x, float* __restrict__ y) {
+  __shared__ float s[N];
+  const int t = threadIdx.x;
+  s[t] = x[blockIdx.x * N + t];
+  __syncthreads();
+  y[blockIdx.x * N + t] = s[(t + 1) % N];
+}
+
+// The same without the barrier: a race through shared memory.
+template <int N>
+__global__ void rotate_racy(const float* __restrict__ x, float* __restrict__ y) {
+  __shared__ float s[N];
+  const int t = threadIdx.x;
+  s[t] = x[blockIdx.x * N + t];
+  y[blockIdx.x * N + t] = s[(t + 1) % N];
+}
+
+// Two barriers in a row with a phase counter: every thread sees every write of phase 1.
+__global__ void phases(int* __restrict__ out) {
+  __shared__ int count[1];
+  if (threadIdx.x == 0) count[0] = 0;
+  __syncthreads();
+  atomicAddEmu(count, 1);
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = count[0];
+}
+
+__global__ void shuffles(const float* __restrict__ x, float* __restrict__ out) {
+  const int t = threadIdx.x;
+  const float v = x[t];
+  float s = v;
+  for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  out[4 * t + 0] = s;                                        // warp sum
+  out[4 * t + 1] = __shfl_xor_sync(0xffffffffu, v, 5);       // butterfly partner
+  out[4 * t + 2] = __shfl_sync(0xffffffffu, v, 3);           // broadcast of lane 3
+  out[4 * t + 3] = __shfl_down_sync(0xffffffffu, v, 2, 8);   // down within groups of 8
+}
+
+__global__ void halves(const __half* __restrict__ h, const __nv_bfloat16* __restrict__ b,
+                       const float* __restrict__ f, float* __restrict__ out,
+                       __half* __restrict__ h_out, __nv_bfloat16* __restrict__ b_out) {
+  const int t = threadIdx.x;
+  out[2 * t] = __half2float(h[t]);
+  out[2 * t + 1] = __bfloat162float(b[t]);
+  h_out[t] = __float2half_rn(f[t]);
+  b_out[t] = __float2bfloat16_rn(f[t]);
+}
+
+// Dynamic shared memory, written in reverse and read back after a barrier.
+extern __shared__ __align__(16) float dyn[];
+__global__ void dynamic(const float* __restrict__ x, float* __restrict__ y, int n) {
+  const int t = threadIdx.x;
+  dyn[n - 1 - t] = x[t];
+  __syncthreads();
+  y[t] = dyn[t];
+}
+
+__global__ void overrun(const float* __restrict__ x, float* __restrict__ y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i <= n) y[i] = x[i < n ? i : 0];        // off by one: writes y[n]
+}
+
+__global__ void underrun(const float* __restrict__ x, float* __restrict__ y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i - 1];                 // reads x[-1]
+}
+
+__global__ void early_exit_barrier(float* __restrict__ y) {
+  if (threadIdx.x >= 32) return;             // warp 1 leaves before the barrier
+  __syncthreads();
+  y[threadIdx.x] = 1.f;
+}
+
+__global__ void half_warp_shuffle(float* __restrict__ y) {
+  float v = (float)threadIdx.x;
+  if ((threadIdx.x & 31) < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);
+  y[threadIdx.x] = v;
+}
+
+__global__ void split_shuffles(float* __restrict__ y) {
+  float v = (float)threadIdx.x;
+  if ((threadIdx.x & 31) < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);
+  else v = __shfl_xor_sync(0xffffffffu, v, 2);
+  y[threadIdx.x] = v;
+}
+
+__global__ void grid_ids(int* __restrict__ out) {
+  const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const int t = threadIdx.x + blockDim.x * threadIdx.y;
+  out[b * blockDim.x * blockDim.y + t] = b * 1000 + t;
+}
+"""
+
+# a non-atomic increment is correct here: fibers never interleave inside a segment
+PRELUDE = "template <typename T> __device__ void atomicAddEmu(T* p, T v) { *p += v; }\n"
+SOURCE = SRC.replace("#include <cuda_bf16.h>\n", "#include <cuda_bf16.h>\n" + PRELUDE)
+
+
+def run(name, grid, block, args, smem=0, **kw):
+    launch(SOURCE, name, grid, block, args, smem, **kw)
+
+
+def test_barrier_orders_shared_memory_across_blocks():
+    x = np.arange(4 * 64, dtype=np.float32)
+    y = np.full_like(x, np.nan)
+    run("rotate<64>", 4, 64, [Buffer("x", x), Buffer("y", y, True)])
+    np.testing.assert_array_equal(y.reshape(4, 64), np.roll(x.reshape(4, 64), -1, axis=1))
+
+
+def test_two_barriers_phase_counter():
+    out = np.zeros(3 * 96, np.int32)
+    run("phases", 3, 96, [Buffer("out", out, True)])
+    assert (out == 96).all()
+
+
+def test_shuffle_results():
+    x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    out = np.full(4 * 64, np.nan, np.float32)
+    run("shuffles", 1, 64, [Buffer("x", x), Buffer("out", out, True)])
+    o = out.reshape(64, 4)
+    lanes = np.arange(64)
+    w = lanes // 32 * 32
+    sums = x.reshape(2, 32).astype(np.float64).sum(axis=1)
+    np.testing.assert_allclose(o[:, 0], np.repeat(sums, 32), rtol=1e-5)
+    assert (o[:32, 0] == o[0, 0]).all()                      # every lane the same total
+    np.testing.assert_array_equal(o[:, 1], x[lanes ^ 5])
+    np.testing.assert_array_equal(o[:, 2], x[w + 3])
+    seg = lanes & ~7
+    down = np.where((lanes - seg) + 2 < 8, lanes + 2, lanes)
+    np.testing.assert_array_equal(o[:, 3], x[down])
+
+
+def test_half_and_bfloat16_conversions_round_to_nearest_even():
+    import ml_dtypes
+    rng = np.random.default_rng(1)
+    f = np.concatenate([rng.standard_normal(56).astype(np.float32) * 100,
+                        np.array([65519.0, 65520.0, 1e-8, -0.0, np.inf, -np.inf, 2.0 ** -24,
+                                  1.0 + 2.0 ** -11], np.float32)])
+    with np.errstate(over="ignore"):
+        h = f.astype(np.float16)
+    b = f.astype(ml_dtypes.bfloat16)
+    out = np.zeros(2 * 64, np.float32)
+    h_out = np.zeros(64, np.float16)
+    b_out = np.zeros(64, ml_dtypes.bfloat16)
+    run("halves", 1, 64, [Buffer("h", h), Buffer("b", b), Buffer("f", f),
+                          Buffer("out", out, True), Buffer("h_out", h_out, True),
+                          Buffer("b_out", b_out, True)])
+    np.testing.assert_array_equal(out[0::2], h.astype(np.float32))
+    np.testing.assert_array_equal(out[1::2], b.astype(np.float32))
+    np.testing.assert_array_equal(h_out.view(np.uint16), h.view(np.uint16))
+    np.testing.assert_array_equal(b_out.view(np.uint16), b.view(np.uint16))
+
+
+def test_dynamic_shared_memory():
+    x = np.arange(128, dtype=np.float32)
+    y = np.zeros_like(x)
+    run("dynamic", 2, 128, [Buffer("x", x), Buffer("y", y, True), np.int32(128)], smem=512)
+    np.testing.assert_array_equal(y, x[::-1])
+
+
+def test_multi_dimensional_grid_and_block():
+    out = np.full(2 * 3 * 2 * 8 * 4, -1, np.int32)
+    run("grid_ids", (2, 3, 2), (8, 4), [Buffer("out", out, True)])
+    np.testing.assert_array_equal(out, [b * 1000 + t for b in range(12) for t in range(32)])
+
+
+def test_out_of_bounds_write_names_kernel_buffer_and_index():
+    x = np.arange(100, dtype=np.float32)
+    y = np.zeros(100, np.float32)
+    with pytest.raises(OutOfBoundsError) as e:
+        run("overrun", 4, 32, [Buffer("x", x), Buffer("y", y, True), np.int32(100)])
+    msg = str(e.value)
+    assert "overrun" in msg and "write" in msg and "'y'" in msg and "element 100" in msg
+    assert "block (3,0,0) thread (4,0,0)" in msg
+
+
+def test_out_of_bounds_read_before_the_start():
+    x = np.arange(64, dtype=np.float32)
+    y = np.zeros(64, np.float32)
+    with pytest.raises(OutOfBoundsError, match=r"underrun.*read of buffer 'x' at element -1"):
+        run("underrun", 1, 64, [Buffer("x", x), Buffer("y", y, True), np.int32(64)])
+
+
+def test_missing_barrier_is_caught_by_the_two_schedules():
+    x = np.arange(64, dtype=np.float32)
+    y = np.zeros_like(x)
+    with pytest.raises(RaceError, match=r"rotate_racy<64>.*buffer 'y'"):
+        run("rotate_racy<64>", 1, 64, [Buffer("x", x), Buffer("y", y, True)])
+    # one schedule alone cannot see it
+    run("rotate_racy<64>", 1, 64, [Buffer("x", x), Buffer("y", y, True)], check_races=False)
+
+
+def test_divergent_barrier_is_reported_not_hung():
+    y = np.zeros(64, np.float32)
+    with pytest.raises(DivergenceError, match=r"early_exit_barrier: block \(0,0,0\).*"
+                                              r"32 of 64 threads; 32 threads exited"):
+        run("early_exit_barrier", 1, 64, [Buffer("y", y, True)])
+
+
+def test_partial_warp_collective_is_reported():
+    y = np.zeros(64, np.float32)
+    with pytest.raises(DivergenceError, match=r"half_warp_shuffle.*16 of 32 lanes of warp 0"):
+        run("half_warp_shuffle", 1, 64, [Buffer("y", y, True)])
+
+
+def test_lanes_in_different_shuffles_are_reported():
+    y = np.zeros(32, np.float32)
+    with pytest.raises(DivergenceError, match=r"split_shuffles.*different collectives"):
+        run("split_shuffles", 1, 32, [Buffer("y", y, True)])
+
+
+def test_compile_error_carries_compiler_output():
+    with pytest.raises(CompileError, match="no_such_identifier"):
+        launch("__global__ void bad(float* y) { y[0] = no_such_identifier; }", "bad", 1, 32,
+               [Buffer("y", np.zeros(1, np.float32), True)])
