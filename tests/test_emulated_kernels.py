@@ -180,21 +180,18 @@ def _problem_args(spec):
 
 # ----------------------------------------------------------------- launch packing
 def test_launch_packing_matches_cuda_backend(monkeypatch):
-    """The emulated backend launches with the CUDA backend's grid, block, dynamic shared
-    memory and argument order (CuPy faked out; cuda.py's own code builds the launch)."""
+    """The emulated backend launches with the CUDA backend's spec, grid, block, dynamic
+    shared memory and arguments (CuPy faked out; cuda.py's own code builds the launch)."""
     from paged_decode.backends import cuda as cuda_mod
     calls = {"cuda": [], "emu": []}
     monkeypatch.setattr(cuda_mod, "cp", types.SimpleNamespace(ndarray=np.ndarray))
     monkeypatch.setattr(cuda_mod, "_check_aligned", lambda *a: None)
-    monkeypatch.setattr(cuda_mod, "_launch", lambda k, grid, block, args, smem=0:
-                        calls["cuda"].append((k.uri, tuple(grid), block, args, smem)))
     cb = cuda_mod.CudaBackend()
     monkeypatch.setattr(cb, "upload", lambda a: a)
-    monkeypatch.setattr(cb, "kernel", lambda spec: spec)
     monkeypatch.setattr(cb, "dtype_of", ReferenceBackend().dtype_of)
+    monkeypatch.setattr(cb, "_run", lambda launch: calls["cuda"].append(launch))
     eb = EmulatedCudaBackend()
-    monkeypatch.setattr(eb, "_launch", lambda spec, grid, block, args, smem=0:
-                        calls["emu"].append((spec.uri, tuple(grid), block, args, smem)))
+    monkeypatch.setattr(eb, "_run", lambda launch: calls["emu"].append(launch))
     spec = ProblemSpec(2, 50, 8, 2, 64, 16, seed=31)
     pr = make_problem(spec)
     plan = pd.plan_decode(pr.table, 8, 2, 64, pages_per_chunk=1)
@@ -208,12 +205,10 @@ def test_launch_packing_matches_cuda_backend(monkeypatch):
                      np.zeros((2, 8, 64), np.float32), np.zeros((2, 8), np.float32))
     assert len(calls["cuda"]) == len(calls["emu"]) == 3
     for c, e in zip(calls["cuda"], calls["emu"]):
-        assert c[0] == e[0] and c[1] == e[1] and c[2] == e[2] and c[4] == e[4], (c[:3], e[:3])
-        assert len(c[3]) == len(e[3])
-        for a, b in zip(c[3], e[3]):
-            b = getattr(b, "array", b)
-            assert np.asarray(a).dtype == np.asarray(b).dtype
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert (c.spec, c.grid, c.block, c.smem) == (e.spec, e.grid, e.block, e.smem)
+        assert [(a.name, a.role) for a in c.args] == [(a.name, a.role) for a in e.args]
+        for a, b in zip(c.args, e.args):
+            np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value))
 
 
 def test_source_is_the_cuda_backends(emu):

@@ -25,21 +25,10 @@ from ..dtypes import dtype_name, numpy_dtype
 from ..errors import InvalidArgumentError, InvalidDtypeError
 from ..page_table import PageTable
 from ..plan import DecodePlan
-from ..specs import (
-    MAX_PAGE_SIZE,
-    SUPPORTED_HEAD_DIMS,
-    V1_NUM_WARPS,
-    V2_NUM_WARPS,
-    KernelSpec,
-    assert_compile_allowed,
-    cuda_source,
-    merge_spec,
-    v1_spec,
-    v2_spec,
-)
+from ..specs import KernelSpec, assert_compile_allowed, cuda_source
+from . import launches
 from .base import Backend, Problem, Support, poison_enabled
 
-LOG2E = 1.4426950408889634
 CTAS_PER_SM = 4
 MIN_CHUNK_TOKENS = 256  # measured: bench/results/h200/tune_chunk_floor_2026-11-29.json
 COMPILE_OPTIONS = ("-std=c++17",)
@@ -100,13 +89,7 @@ class CudaBackend(Backend):
                 "runtime": cp.cuda.runtime.runtimeGetVersion()}
 
     def supports(self, problem: Problem) -> Support:
-        if problem.head_dim not in SUPPORTED_HEAD_DIMS:
-            return Support(False, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got "
-                                  f"{problem.head_dim}")
-        if not 1 <= problem.page_size <= MAX_PAGE_SIZE:
-            return Support(False, f"page_size must be in [1, {MAX_PAGE_SIZE}], got "
-                                  f"{problem.page_size}")
-        return Support(True)
+        return launches.support(problem)
 
     # ----------------------------------------------------------- arrays
     def owns(self, x: Any) -> bool:
@@ -222,36 +205,38 @@ class CudaBackend(Backend):
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
                 sm_scale: float, v_out: Any, lse_out: Any) -> None:
         _check_aligned("decode", k_pages, v_pages)
-        spec = v2_spec(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out),
-                       plan.head_dim, plan.page_size, plan.heads_per_cta)
-        idx, indptr, lpl, fpo = self._table(table)
-        req, tiles = self.upload(plan.request_indices), self.upload(plan.kv_tile_indices)
-        _launch(self.kernel(spec), (plan.num_chunks, plan.ctas_per_chunk), V2_NUM_WARPS * 32,
-                (q, k_pages, v_pages, idx, indptr, lpl, fpo, req, tiles, v_out, lse_out,
-                 np.int32(plan.num_qo_heads), np.int32(plan.num_kv_heads),
-                 np.int32(plan.q_groups), np.int32(plan.pages_per_chunk),
-                 np.float32(sm_scale * LOG2E)), spec.dynamic_smem_bytes)
+        self._run(launches.partial_launch(
+            (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out)), plan, sm_scale,
+            q, k_pages, v_pages, self._table(table), self.upload(plan.request_indices),
+            self.upload(plan.kv_tile_indices), v_out, lse_out))
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
-        m, h, d = (int(x) for x in v_out.shape)
-        spec = merge_spec(self.dtype_of(v_out), d)
         ip = o_indptr if isinstance(o_indptr, cp.ndarray) else self.upload(o_indptr)
-        if m * h == 0:
-            return
-        _launch(self.kernel(spec), (-(-m * h // 4), 1), 128,
-                (v, lse, ip, v_out, lse_out, np.int32(h), np.int32(m)))
+        self._run(launches.merge_launch(self.dtype_of(v_out), tuple(v_out.shape), v, lse, ip,
+                                        v_out, lse_out))
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                   sm_scale: float, out: Any, lse_out: Any) -> None:
         _check_aligned("decode", k_pages, v_pages)
-        b, hq, d = (int(x) for x in q.shape)
-        spec = v1_spec(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out), d,
-                       table.page_size)
-        idx, indptr, lpl, fpo = self._table(table)
-        _launch(self.kernel(spec), (b * hq, 1), V1_NUM_WARPS * 32,
-                (q, k_pages, v_pages, idx, indptr, lpl, fpo, out, lse_out, np.int32(hq),
-                 np.int32(k_pages.shape[2]), np.float32(sm_scale * LOG2E)),
-                spec.dynamic_smem_bytes)
+        self._run(launches.v1_launch(
+            (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)), tuple(q.shape),
+            int(k_pages.shape[2]), table.page_size, sm_scale, q, k_pages, v_pages,
+            self._table(table), out, lse_out))
+
+    def _run(self, launch: launches.Launch) -> None:
+        """The one place that turns a ``Launch`` into a kernel call on the current stream."""
+        if launch.empty:
+            return
+        kernel = self.kernel(launch.spec)
+        smem = launch.smem
+        if smem and _smem_opt_in.get(id(kernel), (None, 0))[1] < smem:
+            # above 48 KB of dynamic shared memory a kernel must opt in (once per kernel; the
+            # entry keeps the kernel alive so its id is never reused)
+            kernel.max_dynamic_shared_size_bytes = int(smem)
+            _smem_opt_in[id(kernel)] = (kernel, int(smem))
+        gx, gy = launch.grid
+        kernel((int(gx), int(gy), 1), (int(launch.block), 1, 1), launch.values(),
+               shared_mem=int(smem))
 
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                     sm_scale: float, out: Any, lse_out: Any) -> None:
@@ -274,21 +259,6 @@ def _check_aligned(fn: str, *arrays: Any) -> None:
         if a.data.ptr % 16:
             raise InvalidArgumentError(f"{fn}: K/V page pools must be 16-byte aligned for "
                                        f"vector loads, got an address {a.data.ptr:#x}")
-
-
-def _launch(kernel: Any, grid: tuple[int, int], block: int, args: tuple[Any, ...],
-            smem: int = 0) -> None:
-    """The one place that turns (grid in blocks, threads per block, dynamic shared
-    bytes) into a launch on the current stream."""
-    gx, gy = grid
-    if gx == 0 or gy == 0:
-        return
-    if smem and _smem_opt_in.get(id(kernel), (None, 0))[1] < smem:
-        # above 48 KB of dynamic shared memory a kernel must opt in (once per kernel; the
-        # entry keeps the kernel alive so its id is never reused)
-        kernel.max_dynamic_shared_size_bytes = int(smem)
-        _smem_opt_in[id(kernel)] = (kernel, int(smem))
-    kernel((int(gx), int(gy), 1), (int(block), 1, 1), args, shared_mem=int(smem))
 
 
 _smem_opt_in: dict[int, tuple[Any, int]] = {}

@@ -3,9 +3,8 @@
 Arrays are numpy and pool writes are the reference backend's; ``partial``, ``merge`` and
 ``decode_v1`` compile ``specs.cuda_source(kind)`` with the spec's name expression through
 ``paged_decode.emulator`` and launch it with the CUDA backend's grid, block, dynamic
-shared memory and argument order (``launch_partial`` & co. below mirror
-``backends/cuda.py`` line for line; ``tests/test_emulated_kernels.py`` pins the two
-together). ``gather_sdpa`` is the reference backend's (it is not a kernel of ours).
+shared memory and argument order: both backends build their launches with
+``backends/launches.py``. ``gather_sdpa`` is the reference backend's (it is not a kernel of ours).
 
 Explicit choice only (``backend="emulated-cuda"``, ``PAGED_DECODE_BACKEND`` or
 ``paged-decode check --backend emulated-cuda``): it is slow and meant for tests and CI.
@@ -21,27 +20,12 @@ import numpy as np
 from ..device import DeviceInfo
 from ..page_table import PageTable
 from ..plan import DecodePlan
-from ..specs import (
-    MAX_PAGE_SIZE,
-    SUPPORTED_HEAD_DIMS,
-    V1_NUM_WARPS,
-    V2_NUM_WARPS,
-    KernelSpec,
-    cuda_source,
-    merge_spec,
-    v1_spec,
-    v2_spec,
-)
+from ..specs import KernelSpec, cuda_source
+from . import launches
 from .base import Problem, Support
 from .reference import ReferenceBackend
 
-LOG2E = 1.4426950408889634
 RACES_ENV = "PAGED_DECODE_EMULATOR_RACES"   # "0" skips the second (reverse) schedule
-
-
-def _buf(name: str, a: Any, output: bool = False) -> Any:
-    from ..emulator import Buffer
-    return Buffer(name, a, output)
 
 
 class EmulatedCudaBackend(ReferenceBackend):
@@ -69,79 +53,57 @@ class EmulatedCudaBackend(ReferenceBackend):
                 "cache": str(cache_dir()), "race_check": self.check_races}
 
     def supports(self, problem: Problem) -> Support:
-        if problem.head_dim not in SUPPORTED_HEAD_DIMS:
-            return Support(False, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got "
-                                  f"{problem.head_dim}")
-        if not 1 <= problem.page_size <= MAX_PAGE_SIZE:
-            return Support(False, f"page_size must be in [1, {MAX_PAGE_SIZE}], got "
-                                  f"{problem.page_size}")
-        return Support(True)
+        return launches.support(problem)
 
     # ----------------------------------------------------------- kernels
     def kernel_source(self, spec: KernelSpec) -> str:
         """The CUDA source compiled for ``spec`` (a hook tests override with mutants)."""
         return cuda_source(spec.kernel)
 
-    def _launch(self, spec: KernelSpec, grid: tuple[int, int], block: int,
-                args: list[Any], smem: int = 0) -> None:
-        from ..emulator import launch
-        gx, gy = grid
-        if gx == 0 or gy == 0:
+    def _run(self, lc: launches.Launch) -> None:
+        """Run a ``Launch`` on the emulator: inputs are copied into guarded buffers and
+        outputs written back (C-contiguous stand-ins when the caller's are not)."""
+        from ..emulator import Buffer, launch
+        if lc.empty:
             return
-        launch(self.kernel_source(spec), spec.cuda_name_expression(), (gx, gy, 1), block,
-               args, smem, check_races=self.check_races)
+        outs = [a.value for a in lc.args if a.role == "out"]
+        with _Outputs(*outs) as tmp:
+            it = iter(tmp)
+            args = [a.value if a.role == "scalar" else
+                    Buffer(a.name, next(it) if a.role == "out" else _host(a.value),
+                           a.role == "out")
+                    for a in lc.args]
+            launch(self.kernel_source(lc.spec), lc.spec.cuda_name_expression(),
+                   (lc.grid[0], lc.grid[1], 1), lc.block, args, lc.smem,
+                   check_races=self.check_races)
 
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
                 sm_scale: float, v_out: Any, lse_out: Any) -> None:
-        spec = v2_spec(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out),
-                       plan.head_dim, plan.page_size, plan.heads_per_cta)
-        with _Outputs(v_out, lse_out) as (vo, lo):
-            self._launch(spec, (plan.num_chunks, plan.ctas_per_chunk), V2_NUM_WARPS * 32,
-                         [_buf("q", _c(q)), _buf("k_pages", _c(k_pages)),
-                          _buf("v_pages", _c(v_pages)), *_table(table),
-                          _buf("request_indices", _i32(plan.request_indices)),
-                          _buf("kv_tile_indices", _i32(plan.kv_tile_indices)),
-                          _buf("v_out", vo, True), _buf("lse_out", lo, True),
-                          np.int32(plan.num_qo_heads), np.int32(plan.num_kv_heads),
-                          np.int32(plan.q_groups), np.int32(plan.pages_per_chunk),
-                          np.float32(sm_scale * LOG2E)], spec.dynamic_smem_bytes)
+        self._run(launches.partial_launch(
+            (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out)), plan, sm_scale,
+            q, k_pages, v_pages, _table(table), plan.request_indices, plan.kv_tile_indices,
+            v_out, lse_out))
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
-        m, h, d = (int(x) for x in v_out.shape)
-        spec = merge_spec(self.dtype_of(v_out), d)
-        if m * h == 0:
-            return
-        with _Outputs(v_out, lse_out) as (vo, lo):
-            self._launch(spec, (-(-m * h // 4), 1), 128,
-                         [_buf("v", _c(v)), _buf("lse", _c(lse)),
-                          _buf("o_indptr", _i32(o_indptr)), _buf("v_out", vo, True),
-                          _buf("lse_out", lo, True), np.int32(h), np.int32(m)])
+        self._run(launches.merge_launch(self.dtype_of(v_out), tuple(v_out.shape), v, lse,
+                                        o_indptr, v_out, lse_out))
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                   sm_scale: float, out: Any, lse_out: Any) -> None:
-        b, hq, d = (int(x) for x in q.shape)
-        spec = v1_spec(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out), d,
-                       table.page_size)
-        with _Outputs(out, lse_out) as (o, lo):
-            self._launch(spec, (b * hq, 1), V1_NUM_WARPS * 32,
-                         [_buf("q", _c(q)), _buf("k_pages", _c(k_pages)),
-                          _buf("v_pages", _c(v_pages)), *_table(table),
-                          _buf("out", o, True), _buf("lse_out", lo, True), np.int32(hq),
-                          np.int32(k_pages.shape[2]), np.float32(sm_scale * LOG2E)],
-                         spec.dynamic_smem_bytes)
+        self._run(launches.v1_launch(
+            (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)), tuple(q.shape),
+            int(k_pages.shape[2]), table.page_size, sm_scale, q, k_pages, v_pages,
+            _table(table), out, lse_out))
 
 
-def _c(a: Any) -> np.ndarray:
-    return np.ascontiguousarray(a)
+def _host(a: Any) -> np.ndarray:
+    """An input as a C-contiguous numpy array (index arrays as int32)."""
+    arr = np.ascontiguousarray(a)
+    return arr.astype(np.int32) if arr.dtype.kind in "iu" else arr
 
 
-def _i32(a: Any) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.int32)
-
-
-def _table(table: PageTable) -> list[Any]:
-    return [_buf(n, _i32(getattr(table, n))) for n in
-            ("indices", "indptr", "last_page_len", "first_page_offset")]
+def _table(table: PageTable) -> tuple[Any, ...]:
+    return tuple(getattr(table, n) for n in launches.TABLE_FIELDS)
 
 
 class _Outputs:

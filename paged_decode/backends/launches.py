@@ -1,0 +1,117 @@
+"""How the CUDA kernels are launched, in one place for every backend that runs them.
+
+Each function turns a call into a ``Launch``: the specialization, the grid in blocks, the
+threads per block, the dynamic shared memory and the argument list in the kernels'
+parameter order, each argument tagged as an input buffer, an output buffer or a scalar
+(scalars are packed as numpy ``int32`` / ``float32``, never Python numbers). The CUDA
+backend passes the values to CuPy; the emulated backend wraps the buffers for the CPU
+emulator. Arrays are whatever the calling backend uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..plan import DecodePlan
+from ..specs import (
+    MAX_PAGE_SIZE,
+    SUPPORTED_HEAD_DIMS,
+    V1_NUM_WARPS,
+    V2_NUM_WARPS,
+    KernelSpec,
+    merge_spec,
+    v1_spec,
+    v2_spec,
+)
+from .base import Problem, Support
+
+LOG2E = 1.4426950408889634
+MERGE_ITEMS_PER_BLOCK = 4      # one warp per (output row, head)
+TABLE_FIELDS = ("indices", "indptr", "last_page_len", "first_page_offset")
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    value: Any
+    role: str            # "in", "out" or "scalar"
+
+
+@dataclass(frozen=True)
+class Launch:
+    spec: KernelSpec
+    grid: tuple[int, int]        # blocks in x, y
+    block: int                   # threads per block
+    smem: int                    # dynamic shared memory bytes
+    args: tuple[Arg, ...]
+
+    @property
+    def empty(self) -> bool:
+        return self.grid[0] == 0 or self.grid[1] == 0
+
+    def values(self) -> tuple[Any, ...]:
+        return tuple(a.value for a in self.args)
+
+
+def support(problem: Problem) -> Support:
+    """Whether the CUDA kernels have a specialization for ``problem``."""
+    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
+        return Support(False, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got "
+                              f"{problem.head_dim}")
+    if not 1 <= problem.page_size <= MAX_PAGE_SIZE:
+        return Support(False, f"page_size must be in [1, {MAX_PAGE_SIZE}], got "
+                              f"{problem.page_size}")
+    return Support(True)
+
+
+def _ins(names: tuple[str, ...], values: tuple[Any, ...]) -> list[Arg]:
+    return [Arg(n, v, "in") for n, v in zip(names, values)]
+
+
+def partial_launch(dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: float, q: Any,
+                   k_pages: Any, v_pages: Any, table: tuple[Any, ...], request_indices: Any,
+                   kv_tile_indices: Any, v_out: Any, lse_out: Any) -> Launch:
+    """The v2 partial: grid (C chunks, Hkv * q_groups). ``dtypes`` = (q, kv, out);
+    ``table`` = the four CSR arrays in ``TABLE_FIELDS`` order."""
+    spec = v2_spec(*dtypes, plan.head_dim, plan.page_size, plan.heads_per_cta)
+    args = [*_ins(("q", "k_pages", "v_pages"), (q, k_pages, v_pages)),
+            *_ins(TABLE_FIELDS, table),
+            *_ins(("request_indices", "kv_tile_indices"), (request_indices, kv_tile_indices)),
+            Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
+            Arg("num_qo_heads", np.int32(plan.num_qo_heads), "scalar"),
+            Arg("num_kv_heads", np.int32(plan.num_kv_heads), "scalar"),
+            Arg("q_groups", np.int32(plan.q_groups), "scalar"),
+            Arg("pages_per_chunk", np.int32(plan.pages_per_chunk), "scalar"),
+            Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
+    return Launch(spec, (plan.num_chunks, plan.ctas_per_chunk), V2_NUM_WARPS * 32,
+                  spec.dynamic_smem_bytes, tuple(args))
+
+
+def merge_launch(out_dtype: str, shape: tuple[int, int, int], v: Any, lse: Any,
+                 o_indptr: Any, v_out: Any, lse_out: Any) -> Launch:
+    """The merge: ``shape`` = (M, H, D) of ``v_out``; one warp per (row, head)."""
+    m, h, d = shape
+    spec = merge_spec(out_dtype, d)
+    args = [*_ins(("v", "lse", "o_indptr"), (v, lse, o_indptr)),
+            Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
+            Arg("num_heads", np.int32(h), "scalar"), Arg("num_out", np.int32(m), "scalar")]
+    return Launch(spec, (-(-m * h // MERGE_ITEMS_PER_BLOCK), 1), 32 * MERGE_ITEMS_PER_BLOCK,
+                  0, tuple(args))
+
+
+def v1_launch(dtypes: tuple[str, str, str], shape: tuple[int, int, int], num_kv_heads: int,
+              page_size: int, sm_scale: float, q: Any, k_pages: Any, v_pages: Any,
+              table: tuple[Any, ...], out: Any, lse_out: Any) -> Launch:
+    """v1: one block per (request, query head); ``shape`` = (B, Hq, D) of ``q``."""
+    b, hq, d = shape
+    spec = v1_spec(*dtypes, d, page_size)
+    args = [*_ins(("q", "k_pages", "v_pages"), (q, k_pages, v_pages)),
+            *_ins(TABLE_FIELDS, table),
+            Arg("out", out, "out"), Arg("lse_out", lse_out, "out"),
+            Arg("num_qo_heads", np.int32(hq), "scalar"),
+            Arg("num_kv_heads", np.int32(num_kv_heads), "scalar"),
+            Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
+    return Launch(spec, (b * hq, 1), V1_NUM_WARPS * 32, spec.dynamic_smem_bytes, tuple(args))
