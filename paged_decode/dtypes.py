@@ -24,8 +24,24 @@ _NUMPY = {
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
+_NAME_CACHE: dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
     """Canonical name of a numpy / ml_dtypes / cupy / torch / mlx dtype or a name string."""
+    try:
+        return _NAME_CACHE[dtype]
+    except (KeyError, TypeError):
+        pass
+    name = _dtype_name(dtype)
+    try:
+        _NAME_CACHE[dtype] = name
+    except TypeError:  # an unhashable dtype-like: fine, just not cached
+        pass
+    return name
+
+
+def _dtype_name(dtype: Any) -> str:
     if isinstance(dtype, str):
         name = dtype
     else:

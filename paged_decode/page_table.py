@@ -23,6 +23,7 @@ with a ``-inf`` log-sum-exp.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,12 +121,12 @@ class PageTable:
     def total_pages(self) -> int:
         return int(self.indptr[-1])
 
-    @property
+    @functools.cached_property
     def max_page_id(self) -> int:
         """Largest physical page id referenced (``-1`` when there are none)."""
         return int(self.indices.max()) if self.indices.size else -1
 
-    @property
+    @functools.cached_property
     def total_visible(self) -> int:
         return int(self.visible_lens.astype(np.int64).sum())
 

@@ -16,6 +16,7 @@ chunk structure (``matches``).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,6 +99,9 @@ class DecodePlan:
     request_indices: np.ndarray = field(repr=False)
     kv_tile_indices: np.ndarray = field(repr=False)
     o_indptr: np.ndarray = field(repr=False)
+    #: tables this plan was checked against (weak: tables are dropped with their step)
+    _served: weakref.WeakKeyDictionary[PageTable, bool] = field(
+        init=False, repr=False, default_factory=weakref.WeakKeyDictionary)
 
     @property
     def num_chunks(self) -> int:
@@ -151,7 +155,11 @@ class DecodePlan:
         if geo != mine:
             raise PlanMismatchError(f"{fn}: plan was made for (Hq, Hkv, D) = {mine}, "
                                     f"got {geo}")
+        if table in self._served:  # both are immutable: one check per (plan, table)
+            return
         why = self.mismatch(table)
+        if why is None:
+            self._served[table] = True
         if why:
             raise PlanMismatchError(f"{fn}: plan does not match the table: {why}; "
                                     "make a new plan with plan_decode")
