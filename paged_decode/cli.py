@@ -107,6 +107,11 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 
 @main.command()
 @click.option("--backend", default=None, help="Backend to time (default: automatic).")
+@click.option("--suite", default="decode", show_default=True,
+              type=click.Choice(["decode", "cascade", "sparse"]),
+              help="decode: gather/v1/v2 over --preset; cascade: flat v2 vs cascade over "
+                   "shared prefixes {2K,8K,32K} x batch {4,8,32,128}, suffix 256; sparse: "
+                   "dense masked vs fused over context {4K,16K,64K} x sparsity {2..32}x.")
 @click.option("--preset", default=None,
               help="Case preset: adr (GPU sweep), cpu (small), models. Default: adr on a "
                    "GPU backend, cpu on the reference backend.")
@@ -121,7 +126,7 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None)
-def bench(backend: str | None, preset: str | None, contexts: tuple[int, ...],
+def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
           reps: int, warmup: int, warm_l2: bool, json_path: str | None, csv_path: str | None,
           md_path: str | None) -> None:
@@ -146,10 +151,20 @@ def bench(backend: str | None, preset: str | None, contexts: tuple[int, ...],
     bw = measure_read_bandwidth() if be.name == "cuda" else None
     head = header(be, bandwidth=bw)
     click.echo(" ".join(f"{k}={v}" for k, v in head.items()))
-    with click.progressbar(length=len(cases), label=f"{len(cases)} cases", file=sys.stderr) \
-            as bar:
-        results = run_bench(cases, backend=be, arms=arm_list, warmup=warmup, reps=reps,
-                            cold_l2=not warm_l2, progress=lambda r: bar.update(1))
+    if suite != "decode":
+        from .bench.suites import SUITES, run_suite
+        if be.name != "cuda":
+            raise click.ClickException(f"bench: the {suite} suite is a GPU sweep (up to 64K "
+                                       "contexts); run it with --backend cuda")
+        n = len(SUITES[suite]())
+        with click.progressbar(length=n, label=f"{n} cases", file=sys.stderr) as bar:
+            results = run_suite(suite, be, warmup=warmup, reps=reps, cold_l2=not warm_l2,
+                                progress=lambda r: bar.update(1))
+    else:
+        with click.progressbar(length=len(cases), label=f"{len(cases)} cases",
+                               file=sys.stderr) as bar:
+            results = run_bench(cases, backend=be, arms=arm_list, warmup=warmup, reps=reps,
+                                cold_l2=not warm_l2, progress=lambda r: bar.update(1))
     click.echo(table(results, bandwidth=bw))
     if json_path:
         Path(json_path).write_text(to_json(results, head))
@@ -159,6 +174,9 @@ def bench(backend: str | None, preset: str | None, contexts: tuple[int, ...],
         Path(md_path).write_text(markdown(results, head, " ".join(sys.argv)))
     if not all(a.verified for r in results for a in r.arms.values()):
         raise click.ClickException("some arm failed verification against the oracle ('!')")
+    if any(a.fell_back for r in results for a in r.arms.values()):
+        raise click.ClickException("some arm fell back to another path ('*'); its comparisons "
+                                   "were withheld")
 
 
 if __name__ == "__main__":

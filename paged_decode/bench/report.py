@@ -10,35 +10,43 @@ from typing import Any
 from .runner import BenchResult
 
 
-def _time(r: BenchResult, arm: str) -> float:
-    a = r.arms[arm]
-    return a.gpu.get("median_us") or a.call.get("median_us", float("nan"))
-
-
 def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
-    """One row per case: median time per arm (GPU time when measured), v2's GB/s and
-    fraction of the measured read bandwidth, and v2's speedups over v1 and gather."""
+    """One row per case: the median time of each arm (GPU time when measured; ``!`` marks
+    an arm that failed verification, ``*`` one that fell back to another path), then the
+    last arm's GB/s and fraction of the measured read bandwidth, and its speedup over each
+    other arm. A speedup involving an arm that fell back or failed is withheld (``-``)."""
     if not results:
         return "(no results)"
     arms = list(results[0].arms)
-    head = f"{'case':<44}" + "".join(f"{a + ' us':>12}" for a in arms)
-    extra = "v2" in arms
-    if extra:
-        head += f"{'v2 GB/s':>10}{'%bw':>6}{'v2/v1':>7}{'v2/gth':>7}{'chunks':>7}"
+    main, others = arms[-1], arms[:-1]
+    width = max(44, max(len(r.case.label) for r in results) + 1)
+    head = f"{'case':<{width}}" + "".join(f"{a + ' us':>13}" for a in arms)
+    head += f"{main + ' GB/s':>14}{'%bw':>6}" + "".join(f"{main[:6] + '/' + o[:6]:>14}"
+                                                          for o in others)
+    head += f"{'chunks':>7}"
     lines = [head, "-" * len(head)]
+    withheld = []
     for r in results:
-        row = f"{r.case.label:<44}" + "".join(
-            f"{_time(r, a):>11.1f}{' ' if r.arms[a].verified else '!'}" for a in arms)
-        if extra:
-            v2 = _time(r, "v2")
-            pct = f"{100 * r.arms['v2'].gbps * 1e9 / bandwidth:>5.0f}%" if bandwidth else \
-                f"{'-':>6}"
-            sp1 = _time(r, "v1") / v2 if "v1" in arms else float("nan")
-            spg = _time(r, "gather") / v2 if "gather" in arms else float("nan")
-            row += f"{r.arms['v2'].gbps:>10.1f}{pct}{sp1:>7.2f}{spg:>7.2f}{r.num_chunks:>7}"
-        lines.append(row)
+        row = f"{r.case.label:<{width}}"
+        for a in arms:
+            x = r.arms[a]
+            mark = "!" if not x.verified else "*" if x.fell_back else " "
+            row += f"{x.median_us:>12.1f}{mark}"
+        m = r.arms[main]
+        pct = f"{100 * m.gbps * 1e9 / bandwidth:>5.0f}%" if bandwidth else f"{'-':>6}"
+        row += f"{m.gbps:>14.1f}{pct}"
+        for o in others:
+            x = r.arms[o]
+            ok = m.verified and x.verified and not m.fell_back and not x.fell_back
+            row += f"{x.median_us / m.median_us:>14.2f}" if ok else f"{'-':>14}"
+            if not ok:
+                withheld.append(f"{r.case.label}: {main} vs {o}")
+        lines.append(row + f"{r.num_chunks:>7}")
     ran = sorted({f"{a}->{x.ran}" for r in results for a, x in r.arms.items()})
-    lines.append("arms ran: " + ", ".join(ran) + "  ('!' = failed verification)")
+    lines.append("arms ran: " + ", ".join(ran) + "  ('!' failed verification, '*' fell back)")
+    if withheld:
+        lines.append(f"comparisons withheld (an arm fell back or failed): {len(withheld)}: "
+                     + "; ".join(withheld[:8]) + (" ..." if len(withheld) > 8 else ""))
     return "\n".join(lines)
 
 

@@ -34,6 +34,10 @@ ARMS = ("gather", "v1", "v2")
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
 
 
+#: the paths each adr arm may report; anything else is a fallback
+EXPECTED = {"gather": ("gather",), "v1": ("v1",), "v2": ("v2", "v2+merge")}
+
+
 @dataclass
 class ArmResult:
     arm: str
@@ -42,12 +46,22 @@ class ArmResult:
     verified: bool
     gpu: dict[str, float] = field(default_factory=dict)    # median/p20/p80 in us
     call: dict[str, float] = field(default_factory=dict)
-    gbps: float = 0.0          # io bytes / median GPU (or host) time
+    gbps: float = 0.0          # the arm's own bytes / median GPU (or host) time
+    expected: tuple[str, ...] = ()   # paths this arm is meant to run
+
+    @property
+    def fell_back(self) -> bool:
+        """The arm ran something else than it stands for: no comparison may use it."""
+        return bool(self.expected) and self.ran not in self.expected
+
+    @property
+    def median_us(self) -> float:
+        return self.gpu.get("median_us") or self.call.get("median_us", float("nan"))
 
 
 @dataclass
 class BenchResult:
-    case: BenchCase
+    case: Any                  # BenchCase or a suite's case: .label, .io_bytes()
     num_chunks: int
     pages_per_chunk: int
     arms: dict[str, ArmResult]
@@ -101,6 +115,28 @@ def _verify(be: Backend, out: Any, q: Any, k: Any, v: Any, table: PageTable) -> 
     return worst
 
 
+def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[], float],
+             nbytes: int, tolerance: float, expected: tuple[str, ...], *, warmup: int,
+             reps: int, cold_l2: bool) -> ArmResult:
+    """Run ``call`` once, verify it (``verify`` returns the max relative error against the
+    oracle), record the path it ran, then time it: CUDA events (cold L2) and per-call wall
+    time on a GPU backend, host time otherwise. GB/s uses ``nbytes``."""
+    call()
+    done = last_outcome()
+    err = verify()
+    res = ArmResult(arm, done.path if done else "?", err, bool(err <= tolerance),
+                    expected=expected)
+    if be.name == "cuda":
+        res.gpu = timing.stats(timing.cuda_event_times(call, warmup=warmup, reps=reps,
+                                                       cold_l2=cold_l2))
+        res.call = timing.stats(timing.cuda_per_call_times(call, warmup=warmup, reps=reps))
+    else:
+        res.call = timing.stats(timing.host_times(call, warmup=min(warmup, 2),
+                                                  reps=max(3, reps // 6)))
+    res.gbps = nbytes / (res.median_us * 1e-6) / 1e9
+    return res
+
+
 def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ARMS,
                warmup: int = 5, reps: int = 30, cold_l2: bool = True,
                seed: int = 0) -> BenchResult:
@@ -114,21 +150,9 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ARMS,
     for arm in arms:
         def call(arm: str = arm) -> Any:
             return decode(q, k, v, table, plan, path=arm, out=out, backend=be)
-        call()
-        done = last_outcome()
-        err = _verify(be, out, q, k, v, table)
-        res = ArmResult(arm, done.path if done else "?", err, bool(err <= TOLERANCE[case.dtype]))
-        if be.name == "cuda":
-            res.gpu = timing.stats(timing.cuda_event_times(call, warmup=warmup, reps=reps,
-                                                           cold_l2=cold_l2))
-            res.call = timing.stats(timing.cuda_per_call_times(call, warmup=warmup, reps=reps))
-            t = res.gpu["median_us"]
-        else:
-            res.call = timing.stats(timing.host_times(call, warmup=min(warmup, 2),
-                                                      reps=max(3, reps // 6)))
-            t = res.call["median_us"]
-        res.gbps = case.io_bytes() / (t * 1e-6) / 1e9
-        results[arm] = res
+        results[arm] = time_arm(be, arm, call, lambda: _verify(be, out, q, k, v, table),
+                                case.io_bytes(), TOLERANCE[case.dtype], EXPECTED[arm],
+                                warmup=warmup, reps=reps, cold_l2=cold_l2)
     return BenchResult(case, plan.num_chunks, plan.pages_per_chunk, results)
 
 

@@ -1,0 +1,182 @@
+"""The cascade and sparse benchmark suites (issue 6): flat v2 against cascade over shared
+prefixes, and the dense masked path against fused sparse decode.
+
+Cases run on the GPU with device-generated data; each arm is verified against the float64
+oracle (requests 0 and B-1) before it is timed, and must run the path it stands for (an
+arm that falls back is marked and its comparisons are withheld).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..backends import Backend
+from ..cascade import plan_cascade
+from ..decode import decode
+from ..dtypes import numpy_dtype
+from ..page_table import PageTable
+from ..plan import plan_decode
+from ..reference import attention_f64, max_rel_error
+from ..sparse import make_selection, sparse_decode
+from .runner import TOLERANCE, BenchResult, _verify, time_arm
+
+
+@dataclass(frozen=True)
+class CascadeCase:
+    batch: int
+    shared: int            # shared prefix tokens (whole pages)
+    suffix: int = 256      # private tokens per request
+    page_size: int = 16
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "float16"
+
+    @property
+    def label(self) -> str:
+        return f"cascade B{self.batch} shared{self.shared} suffix{self.suffix} ps{self.page_size}"
+
+    def row_bytes(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * (4 if self.dtype == "float32" else 2)
+
+    def io_bytes(self) -> int:
+        """What flat decode must read: every request's whole context."""
+        return self.batch * (self.shared + self.suffix) * self.row_bytes()
+
+    def cascade_bytes(self) -> int:
+        """What cascade must read: the prefix once, the suffixes once."""
+        return (self.shared + self.batch * self.suffix) * self.row_bytes()
+
+
+@dataclass(frozen=True)
+class SparseCase:
+    batch: int
+    context: int           # live tokens per request (= capacity)
+    sparsity: int          # context / selected rows per (request, KV head)
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "float16"
+
+    @property
+    def selected(self) -> int:
+        return self.context // self.sparsity
+
+    @property
+    def label(self) -> str:
+        return f"sparse B{self.batch} ctx{self.context} {self.sparsity}x ({self.selected} rows)"
+
+    def row_bytes(self) -> int:
+        return 2 * self.head_dim * (4 if self.dtype == "float32" else 2)
+
+    def io_bytes(self) -> int:
+        """What the dense masked path reads: the whole live window."""
+        return self.batch * self.num_kv_heads * self.context * self.row_bytes()
+
+    def fused_bytes(self) -> int:
+        return self.batch * self.num_kv_heads * self.selected * self.row_bytes()
+
+
+SUITES: dict[str, Callable[[], list[Any]]] = {
+    "cascade": lambda: [CascadeCase(b, s) for s, b in
+                        itertools.product([2048, 8192, 32768], [4, 8, 32, 128])],
+    "sparse": lambda: [SparseCase(4, c, x) for c, x in
+                       itertools.product([4096, 16384, 65536], [2, 4, 8, 16, 32])],
+}
+
+
+def _random(be: Backend, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
+    xp = be.array_module()
+    return xp.random.default_rng(seed).standard_normal(shape, dtype=xp.float32).astype(
+        numpy_dtype(dtype))
+
+
+def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
+                  cold_l2: bool) -> BenchResult:
+    p = case.page_size
+    n_shared, n_priv = case.shared // p, -(-case.suffix // p)
+    num_pages = n_shared + case.batch * n_priv
+    rows = [np.concatenate([np.arange(n_shared), n_shared + r * n_priv + np.arange(n_priv)])
+            for r in range(case.batch)]
+    lpl = case.suffix - (n_priv - 1) * p
+    table = PageTable.build(np.concatenate(rows), np.arange(case.batch + 1) * (n_shared + n_priv),
+                            [lpl] * case.batch, page_size=p, num_pages=num_pages)
+    shape = (num_pages, p, case.num_kv_heads, case.head_dim)
+    k, v = _random(be, shape, case.dtype, 1), _random(be, shape, case.dtype, 2)
+    q = _random(be, (case.batch, case.num_qo_heads, case.head_dim), case.dtype, 3)
+    geo = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
+    with be.launch_context(q):
+        flat_plan = plan_decode(table, *geo, device=be.device_info())
+        cplan = plan_cascade(table, *geo, device=be.device_info())
+        out = be.empty(tuple(q.shape), case.dtype)
+    calls = {"flat": (lambda: decode(q, k, v, table, flat_plan, out=out, cascade=False,
+                                     backend=be), case.io_bytes(), ("v2", "v2+merge")),
+             "cascade": (lambda: decode(q, k, v, table, out=out, cascade=cplan, backend=be),
+                         case.cascade_bytes(), ("cascade",))}
+    arms = {name: time_arm(be, name, call, lambda: _verify(be, out, q, k, v, table), nbytes,
+                           TOLERANCE[case.dtype], expected, warmup=warmup, reps=reps,
+                           cold_l2=cold_l2)
+            for name, (call, nbytes, expected) in calls.items()}
+    return BenchResult(case, flat_plan.num_chunks, flat_plan.pages_per_chunk, arms)
+
+
+def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
+                 cold_l2: bool) -> BenchResult:
+    b, hkv, d = case.batch, case.num_kv_heads, case.head_dim
+    rng = np.random.default_rng(4)
+    pos = np.stack([np.stack([np.sort(rng.choice(case.context, case.selected, replace=False))
+                              for _ in range(hkv)]) for _ in range(b)]).astype(np.int32)
+    sel = make_selection(pos)
+    shape = (b, hkv, case.context, d)
+    k, v = _random(be, shape, case.dtype, 5), _random(be, shape, case.dtype, 6)
+    q = _random(be, (b, case.num_qo_heads, d), case.dtype, 7)
+    live = np.full(b, case.context)
+    holder: dict[str, Any] = {}
+
+    def run(min_sparsity: float) -> Any:
+        holder["out"] = sparse_decode(q, k, v, sel, live_lens=live, min_sparsity=min_sparsity,
+                                      backend=be)
+        return holder["out"]
+
+    def verify() -> float:
+        g = case.num_qo_heads // hkv
+        got, qn = be.to_numpy(holder["out"]), be.to_numpy(q)
+        worst = 0.0
+        for r in sorted({0, b - 1}):
+            kk = be.to_numpy(k[r]).astype(np.float64)
+            vv = be.to_numpy(v[r]).astype(np.float64)
+            for h in range(hkv):
+                rows = pos[r, h]
+                ref, _ = attention_f64(qn[r, h * g:(h + 1) * g].astype(np.float64),
+                                       kk[h, rows][:, None, :], vv[h, rows][:, None, :],
+                                       1.0 / np.sqrt(d))
+                worst = max(worst, max_rel_error(got[r, h * g:(h + 1) * g], ref))
+        return worst
+
+    calls = {"masked": (lambda: run(1e12), case.io_bytes(), ("sparse-masked",)),
+             "fused": (lambda: run(0.0), case.fused_bytes(), ("sparse",))}
+    arms = {name: time_arm(be, name, call, verify, nbytes, TOLERANCE[case.dtype], expected,
+                           warmup=warmup, reps=reps, cold_l2=cold_l2)
+            for name, (call, nbytes, expected) in calls.items()}
+    return BenchResult(case, 0, 1, arms)
+
+
+def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30, cold_l2: bool = True,
+              progress: Any = None) -> list[BenchResult]:
+    """All cases of suite ``name`` (``"cascade"`` or ``"sparse"``) on ``be``."""
+    if name not in SUITES:
+        raise ValueError(f"bench: suite must be one of decode, {', '.join(SUITES)}, "
+                         f"got {name!r}")
+    fn = bench_cascade if name == "cascade" else bench_sparse
+    results = []
+    for case in SUITES[name]():
+        r = fn(be, case, warmup=warmup, reps=reps, cold_l2=cold_l2)
+        results.append(r)
+        if progress:
+            progress(r)
+    return results

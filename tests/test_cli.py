@@ -1,0 +1,102 @@
+"""The command line through click's CliRunner (CPU: the reference backend)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from paged_decode.bench.report import table
+from paged_decode.bench.runner import ArmResult, BenchResult
+from paged_decode.bench.suites import CascadeCase, SparseCase, bench_cascade, bench_sparse
+from paged_decode.cli import main
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(main, list(args), catch_exceptions=False)
+    return invoke
+
+
+def test_help_lists_the_commands(run):
+    res = run("--help")
+    assert res.exit_code == 0
+    for cmd in ("info", "check", "bench"):
+        assert cmd in res.output
+    assert run("check", "--help").exit_code == 0
+
+
+def test_info_reports_the_reference_backend(run):
+    res = run("info", "--backend", "reference")
+    assert res.exit_code == 0 and "selected: reference" in res.output
+    data = json.loads(run("info", "--backend", "reference", "--json").output)
+    assert data["selected"] == "reference" and data["target_ctas"] == 32
+    assert data["backends"]["reference"]["available"] is True
+
+
+def test_unknown_backend_is_a_clear_error(run):
+    res = CliRunner().invoke(main, ["info", "--backend", "nope"])
+    assert res.exit_code != 0 and "nope" in res.output and "available" in res.output
+
+
+def test_small_check_passes_and_writes_json(run, tmp_path):
+    out = tmp_path / "check.json"
+    res = run("check", "--backend", "reference", "--max-configs", "2", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    assert "PASS" in res.output
+    data = json.loads(out.read_text())
+    assert data["passed"] and len(data["results"]) == 10      # 2 configs x 5 paths
+
+
+def test_check_shard_must_be_well_formed(run):
+    res = CliRunner().invoke(main, ["check", "--backend", "reference", "--shard", "3/2"])
+    assert res.exit_code != 0 and "--shard" in res.output
+
+
+def test_small_bench_prints_the_three_arms(run, tmp_path):
+    js, cs = tmp_path / "b.json", tmp_path / "b.csv"
+    res = run("bench", "--backend", "reference", "--context", "256", "--batch", "2",
+              "--page", "16", "--reps", "6", "--warmup", "1", "--json", str(js),
+              "--csv", str(cs))
+    assert res.exit_code == 0, res.output
+    for arm in ("gather us", "v1 us", "v2 us", "v2/v1", "v2/gather"):
+        assert arm in res.output
+    data = json.loads(js.read_text())
+    assert data["header"]["backend"] == "reference"
+    assert {a for r in data["results"] for a in r["arms"]} == {"gather", "v1", "v2"}
+    assert cs.read_text().count("\n") == 1 + 3                 # header + one row per arm
+
+
+def test_bench_rejects_unknown_arm_and_gpu_suites_on_cpu(run):
+    res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--arms", "v3"])
+    assert res.exit_code != 0 and "v3" in res.output
+    res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "cascade"])
+    assert res.exit_code != 0 and "--backend cuda" in res.output
+
+
+def test_suites_run_small_cases_and_verify():
+    from paged_decode import get_backend
+    be = get_backend("reference")
+    c = bench_cascade(be, CascadeCase(4, 512, 64, num_qo_heads=8, num_kv_heads=2,
+                                      head_dim=64), warmup=1, reps=6, cold_l2=False)
+    assert c.arms["cascade"].ran == "cascade" and not c.arms["cascade"].fell_back
+    assert c.arms["flat"].ran in ("v2", "v2+merge")
+    assert all(a.verified for a in c.arms.values())
+    s = bench_sparse(be, SparseCase(2, 2048, 8, num_qo_heads=8, num_kv_heads=2, head_dim=64),
+                     warmup=1, reps=6, cold_l2=False)
+    assert s.arms["fused"].ran == "sparse" and s.arms["masked"].ran == "sparse-masked"
+    assert all(a.verified for a in s.arms.values())
+
+
+def test_a_fallen_back_arm_withholds_the_comparison():
+    ok = ArmResult("v1", "v1", 0.0, True, call={"median_us": 10.0}, expected=("v1",))
+    fell = ArmResult("v2", "gather", 0.0, True, call={"median_us": 5.0},
+                     expected=("v2", "v2+merge"))
+    text = table([BenchResult(CascadeCase(1, 16), 1, 1, {"v1": ok, "v2": fell})])
+    assert fell.fell_back and "withheld" in text and "2.00" not in text
+    good = ArmResult("v2", "v2", 0.0, True, call={"median_us": 5.0}, expected=("v2",))
+    assert "2.00" in table([BenchResult(CascadeCase(1, 16), 1, 1, {"v1": ok, "v2": good})])
