@@ -40,10 +40,14 @@ CASCADE_ENV = "PAGED_DECODE_CASCADE"
 #: Placeholder thresholds, carried over from the original design's reasoning (16 pages of
 #: 32 tokens); to be replaced by H200 measurements (``bench --suite cascade``).
 DEFAULT_MIN_SHARED_TOKENS = 512
-#: Placeholder cost rule of the automatic choice: cascade must remove at least this
-#: fraction of the flat page reads and at least this many token reads. Not measured yet.
+#: Cost rule of the automatic choice: cascade must remove at least this fraction of the
+#: flat page reads and at least this many token reads. Measured on an H200 (2026-11-29,
+#: bench/results/h200/bench_cascade_2026-11-29.json, Llama-3-8B heads, suffix 256): with
+#: the current kernels cascade beat flat v2 only where it saved ~1M token reads or more
+#: (8K x 128: 1.04x, 32K x 32: 1.11x, 32K x 128: 1.12x) and lost everywhere below
+#: (8K x 32, 254K saved: 0.98x; 2K x 4: 0.11x).
 AUTO_MIN_SAVED_FRACTION = 0.25
-AUTO_MIN_SAVED_TOKENS = 8192
+AUTO_MIN_SAVED_TOKENS = 1_000_000
 
 
 def _ro(a: Any) -> np.ndarray:
@@ -290,8 +294,8 @@ def _memoised(table: PageTable, key: Any, make: Any) -> Any:
 
 
 def cascade_pays(prefix: CascadePlan) -> tuple[bool, str]:
-    """The automatic cost rule (placeholder until measured on the H200): the saved page
-    reads must be >= ``AUTO_MIN_SAVED_FRACTION`` of the flat reads and >=
+    """The automatic cost rule (measured on the H200, see ``AUTO_MIN_SAVED_TOKENS``): the
+    saved page reads must be >= ``AUTO_MIN_SAVED_FRACTION`` of the flat reads and >=
     ``AUTO_MIN_SAVED_TOKENS`` tokens."""
     saved_tokens = prefix.saved_page_reads * prefix.page_size
     frac = prefix.saved_page_reads / max(1, prefix.flat_pages)

@@ -296,6 +296,12 @@ def test_decode_cascade_option_and_env(monkeypatch):
                                   num_pages=256)
     ref_out, ref_lse = oracle_decode(q, pool.k, pool.v, table)
     pd.reset_counters()
+    # the measured default rule wants ~1M saved token reads; this batch saves 8192
+    decode(q, pool.k, pool.v, table)
+    assert pd.last_outcome().path.startswith("v2")
+    assert "cascade declined" in pd.last_outcome().reason
+    import paged_decode.cascade as cascade_mod
+    monkeypatch.setattr(cascade_mod, "AUTO_MIN_SAVED_TOKENS", 8192)
     out, lse = decode(q, pool.k, pool.v, table, return_lse=True)       # auto: it pays
     o = pd.last_outcome()
     assert o.path == "cascade" and "saves" in o.reason and "M=9" in o.detail, str(o)
