@@ -93,3 +93,41 @@ __host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * nex
 
 }  // namespace pd
 """
+
+# Metal dialect (MLX ``metal_kernel`` header text). MLX pastes ``header`` verbatim after
+# its ``utils.h`` (``using namespace metal``, ``bfloat16_t``); template values are not
+# visible here, so every helper is a template. Pointer arguments whose address space
+# depends on the input's size (MLX passes inputs of fewer than 8 elements in the
+# ``constant`` space) are template parameters too. ASCII only (MLX passes sources as ASCII).
+METAL_COMMON = r"""
+namespace pd {
+
+template <typename T> inline float to_float(T x) { return static_cast<float>(x); }
+template <typename T> inline T from_float(float x) { return static_cast<T>(x); }
+
+// Four consecutive K/V elements as a float4: one vector load for half and float rows in
+// device memory, four scalar loads otherwise (bfloat, or a constant-space input).
+inline float4 load4(const device half* p) {
+  return float4(*reinterpret_cast<const device half4*>(p));
+}
+inline float4 load4(const device float* p) {
+  return *reinterpret_cast<const device float4*>(p);
+}
+template <typename P>
+inline float4 load4(P p) {
+  return float4(float(p[0]), float(p[1]), float(p[2]), float(p[3]));
+}
+
+// Sum over aligned groups of WIDTH lanes of the SIMD group (WIDTH a power of two <= 32);
+// every lane of the group gets the total. All 32 lanes must call it.
+template <int WIDTH>
+inline float group_sum(float x) {
+  if (WIDTH == 32) return simd_sum(x);
+  for (ushort off = WIDTH / 2; off >= 1; off >>= 1) x += simd_shuffle_xor(x, off);
+  return x;
+}
+
+constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
+
+}  // namespace pd
+"""

@@ -8,6 +8,7 @@ Output ``out [B, Hq, D]`` (output dtype) and ``lse [B, Hq]`` float32, log2.
 """
 
 from .decode_v2 import CUDA_SOURCE as _V2_SOURCE
+from .decode_v2 import METAL_HEADER as _V2_METAL_HEADER
 
 # Template parameters, in order: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, NUM_WARPS, STAGES
 KERNEL_NAME = "pd_decode_v1"
@@ -40,3 +41,36 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v1(
 """
 
 CUDA_SOURCE = _V2_SOURCE + CUDA_BODY
+
+# ---------------------------------------------------------------------------- Metal
+# MLX ``metal_kernel`` body over the v2 header's ``pd::attend_range`` (one query head per
+# threadgroup). Inputs: q, k_pages, v_pages, indices, indptr, last_page_len,
+# first_page_offset, num_qo_heads, num_kv_heads (0-d int32), scale_log2 (0-d float32);
+# outputs: out, lse_out. Template arguments: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, NUM_WARPS.
+# Launch: grid (B * Hq * NUM_WARPS * 32, 1, 1) threads, threadgroup (NUM_WARPS * 32, 1, 1).
+METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
+                "first_page_offset", "num_qo_heads", "num_kv_heads", "scale_log2")
+METAL_OUTPUTS = ("out", "lse_out")
+METAL_TEMPLATE = ("TQ", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS")
+METAL_HEADER = _V2_METAL_HEADER
+
+METAL_SOURCE = r"""
+  // one threadgroup per (request, query head)
+  const int r = int(threadgroup_position_in_grid.x) / num_qo_heads;
+  const int h = int(threadgroup_position_in_grid.x) % num_qo_heads;
+  const int kvh = h / (num_qo_heads / num_kv_heads);
+  const long pb = indptr[r], npages = indptr[r + 1] - pb;
+  const long fpo = first_page_offset[r];
+  long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_page_len[r] - fpo : 0;
+  seq = seq < 0 ? 0 : seq;
+
+  typedef pd::Combine<HEAD_DIM, 1, NUM_WARPS> CB;
+  threadgroup float sm_m[CB::STATE];
+  threadgroup float sm_l[CB::STATE];
+  threadgroup float sm_acc[CB::ACC];
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, 1, NUM_WARPS>(
+      q, k_pages, v_pages, indices + pb, fpo, 0, seq, r, kvh, h, num_qo_heads,
+      num_kv_heads, scale_log2, out, lse_out, (long(r) * num_qo_heads + h) * HEAD_DIM,
+      long(r) * num_qo_heads + h, sm_m, sm_l, sm_acc, thread_position_in_threadgroup.x,
+      thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
+"""

@@ -1,6 +1,6 @@
 """The v2 partial kernel: split-KV paged decode, one CTA per (chunk, KV head, q-group).
 
-CUDA dialect (Metal joins in the Metal backend issue). Contract (../DESIGN.md):
+CUDA dialect, and a Metal (MLX ``metal_kernel``) body below. Contract (../DESIGN.md):
 ``q [B, Hq, D]``, ``k_pages, v_pages [num_pages, P, Hkv, D]``, CSR arrays, the plan's
 ``request_indices [C]`` / ``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each row
 normalized by its own softmax denominator; float32 for the merge, or the output dtype
@@ -17,7 +17,7 @@ states are combined with shuffles inside the warp and through shared memory acro
 warps. Offsets into the pools are 64-bit.
 """
 
-from .common import CUDA_COMMON
+from .common import CUDA_COMMON, METAL_COMMON
 
 # Template parameters, in order: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, STAGES
 # Dynamic shared memory: STAGES * 4 tokens * 2 (K, V) * NLOAD * 16 bytes per thread
@@ -262,3 +262,222 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
 """
 
 CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
+
+# ---------------------------------------------------------------------------- Metal
+# MLX ``metal_kernel`` dialect: ``METAL_HEADER`` is the ``header`` argument, ``METAL_SOURCE``
+# the body (MLX generates the signature). Same thread mapping, chunk arithmetic and
+# accumulation order as the CUDA kernel; without cp.async, K/V pieces are loaded straight
+# from device memory (no staging ring). Inputs (in order): q, k_pages, v_pages, indices,
+# indptr, last_page_len, first_page_offset, request_indices, kv_tile_indices,
+# num_qo_heads, num_kv_heads, q_groups, pages_per_chunk (0-d int32), scale_log2 (0-d
+# float32); outputs: v_out, lse_out. Template arguments, in order: TQ, TKV, TO (dtypes),
+# HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS. Launch: grid (C * NUM_WARPS * 32, Hkv * q_groups, 1)
+# threads, threadgroup (NUM_WARPS * 32, 1, 1).
+METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
+                "first_page_offset", "request_indices", "kv_tile_indices", "num_qo_heads",
+                "num_kv_heads", "q_groups", "pages_per_chunk", "scale_log2")
+METAL_OUTPUTS = ("v_out", "lse_out")
+METAL_TEMPLATE = ("TQ", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "QH", "NUM_WARPS")
+
+METAL_ATTEND = r"""
+namespace pd {
+
+// Geometry of one K/V row read: VEC elements per lane (whole 16-byte pieces, loaded as
+// 4-element vectors), LANES lanes carry data, TPR (a power of two) lanes per row, RPW rows
+// per SIMD group.
+template <typename TKV, int HEAD_DIM>
+struct RowMap {
+  static constexpr int PER16 = 16 / int(sizeof(TKV));
+  static constexpr int MIN_VEC = (HEAD_DIM + 31) / 32;
+  static constexpr int VEC = MIN_VEC <= PER16 ? PER16 : ((MIN_VEC + PER16 - 1) / PER16) * PER16;
+  static constexpr int LANES = (HEAD_DIM + VEC - 1) / VEC;
+  static constexpr int TPR = next_pow2(LANES);
+  static constexpr int RPW = 32 / TPR;
+  static_assert(HEAD_DIM % PER16 == 0, "head_dim must fill whole 16-byte vectors");
+  static_assert(TPR <= 32, "a row must fit in one SIMD group");
+};
+
+// Threadgroup memory of the cross-SIMD-group combine: HPR heads per round, so that the
+// accumulators stay within half of Metal's 32 KB (one round when they fit, as in CUDA).
+template <int HEAD_DIM, int QH, int NUM_WARPS>
+struct Combine {
+  static constexpr int HPR = NUM_WARPS * QH * HEAD_DIM * 4 <= 16384 ? QH : 1;
+  static constexpr int STATE = NUM_WARPS * QH;
+  static constexpr int ACC = NUM_WARPS * HPR * HEAD_DIM;
+};
+
+// Attend the QH query heads h0 .. h0+QH-1 of request r to its visible tokens
+// [t_begin, t_end) under KV head kvh; write normalized rows to out_v[out_row + g*D] and
+// log2 LSEs to out_lse[out_lse_idx + g]. Every thread of the threadgroup must call it.
+template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH,
+          int NUM_WARPS, typename QP, typename KP, typename IP>
+inline void attend_range(
+    QP q, KP k_pages, KP v_pages, IP page_ids, long fpo, long t_begin, long t_end,
+    int r, int kvh, int h0, int num_qo_heads, int num_kv_heads, float scale_log2,
+    device TO* out_v, device float* out_lse, long out_row, long out_lse_idx,
+    threadgroup float* sm_m, threadgroup float* sm_l, threadgroup float* sm_acc,
+    uint tid, uint lane, uint warp) {
+  typedef RowMap<TKV, HEAD_DIM> M;
+  typedef Combine<HEAD_DIM, QH, NUM_WARPS> CB;
+  constexpr int VEC = M::VEC, TPR = M::TPR, RPW = M::RPW;
+  constexpr int NSW = NUM_WARPS * RPW;           // sub-groups per threadgroup
+  constexpr int U = 4;                           // tokens per sub-group per step
+  constexpr int THREADS = NUM_WARPS * 32;
+
+  const int sub = int(lane) / TPR, col = int(lane) % TPR;
+  const bool active = col < M::LANES;
+  const int d0 = col * VEC;
+  const int sw = int(warp) * RPW + sub;
+
+  float qf[QH][VEC];
+  for (int g = 0; g < QH; ++g)
+    for (int i = 0; i < VEC; ++i)
+      qf[g][i] = (active && d0 + i < HEAD_DIM)
+                     ? to_float(q[(long(r) * num_qo_heads + h0 + g) * HEAD_DIM + d0 + i]) * scale_log2
+                     : 0.0f;
+  float m[QH], l[QH], acc[QH][VEC];
+  for (int g = 0; g < QH; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+    for (int i = 0; i < VEC; ++i) acc[g][i] = 0.0f;
+  }
+
+  const long row_stride = long(num_kv_heads) * HEAD_DIM;   // elements per token
+  const long head_off = long(kvh) * HEAD_DIM + d0;
+  constexpr long STEP = long(NSW) * U;                      // tokens per step
+  const long n_steps = t_end > t_begin ? (t_end - t_begin + STEP - 1) / STEP : 0;
+  for (long step = 0; step < n_steps; ++step) {
+    long off[U];
+    bool ok[U];
+    for (int u = 0; u < U; ++u) {
+      const long t = t_begin + step * STEP + long(u) * NSW + sw;
+      ok[u] = t < t_end;
+      off[u] = 0;
+      if (ok[u]) {
+        const long a = fpo + t;
+        const long page = page_ids[a / PAGE_SIZE];
+        off[u] = (page * PAGE_SIZE + a % PAGE_SIZE) * row_stride + head_off;
+      }
+    }
+    float s[U][QH];
+    for (int u = 0; u < U; ++u) {
+      float kf[VEC];
+      for (int j = 0; j < VEC / 4; ++j) {
+        const float4 x = (ok[u] && active) ? load4(k_pages + off[u] + 4 * j) : float4(0.0f);
+        kf[4 * j] = x.x; kf[4 * j + 1] = x.y; kf[4 * j + 2] = x.z; kf[4 * j + 3] = x.w;
+      }
+      for (int g = 0; g < QH; ++g) {
+        float x = 0.0f;
+        for (int i = 0; i < VEC; ++i) x = fma(qf[g][i], kf[i], x);
+        x = group_sum<TPR>(x);
+        s[u][g] = ok[u] ? x : -INFINITY;
+      }
+    }
+    for (int g = 0; g < QH; ++g) {
+      float mx = m[g];
+      for (int u = 0; u < U; ++u) mx = fmax(mx, s[u][g]);
+      const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
+      const float alpha = exp2(m[g] - ref);
+      l[g] *= alpha;
+      for (int i = 0; i < VEC; ++i) acc[g][i] *= alpha;
+      m[g] = mx;
+      for (int u = 0; u < U; ++u) s[u][g] = exp2(s[u][g] - ref);
+    }
+    for (int u = 0; u < U; ++u) {
+      float vf[VEC];
+      for (int j = 0; j < VEC / 4; ++j) {
+        const float4 x = (ok[u] && active) ? load4(v_pages + off[u] + 4 * j) : float4(0.0f);
+        vf[4 * j] = x.x; vf[4 * j + 1] = x.y; vf[4 * j + 2] = x.z; vf[4 * j + 3] = x.w;
+      }
+      for (int g = 0; g < QH; ++g) {
+        l[g] += s[u][g];
+        for (int i = 0; i < VEC; ++i) acc[g][i] = fma(s[u][g], vf[i], acc[g][i]);
+      }
+    }
+  }
+
+  // Combine the RPW sub-group states of this SIMD group (lanes TPR, 2*TPR, ... apart).
+  for (ushort off = TPR; off < 32; off <<= 1) {
+    for (int g = 0; g < QH; ++g) {
+      const float mo = simd_shuffle_xor(m[g], off);
+      const float lo = simd_shuffle_xor(l[g], off);
+      const float mx = fmax(m[g], mo);
+      const float ref = mx == -INFINITY ? 0.0f : mx;
+      const float a = exp2(m[g] - ref), b = exp2(mo - ref);
+      l[g] = l[g] * a + lo * b;
+      for (int i = 0; i < VEC; ++i) {
+        const float ao = simd_shuffle_xor(acc[g][i], off);
+        acc[g][i] = acc[g][i] * a + ao * b;
+      }
+      m[g] = mx;
+    }
+  }
+  // Across SIMD groups, through threadgroup memory, CB::HPR heads per round.
+  if (sub == 0 && col == 0) {
+    for (int g = 0; g < QH; ++g) {
+      sm_m[warp * QH + g] = m[g];
+      sm_l[warp * QH + g] = l[g];
+    }
+  }
+  for (int g0 = 0; g0 < QH; g0 += CB::HPR) {
+    if (g0 > 0) threadgroup_barrier(mem_flags::mem_threadgroup);   // previous round read
+    if (sub == 0 && active) {
+      for (int gg = 0; gg < CB::HPR; ++gg)
+        for (int i = 0; i < VEC; ++i)
+          if (d0 + i < HEAD_DIM) sm_acc[(warp * CB::HPR + gg) * HEAD_DIM + d0 + i] = acc[g0 + gg][i];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int e = int(tid); e < CB::HPR * HEAD_DIM; e += THREADS) {
+      const int gg = e / HEAD_DIM, d = e % HEAD_DIM, g = g0 + gg;
+      float mx = -INFINITY;
+      for (int w = 0; w < NUM_WARPS; ++w) mx = fmax(mx, sm_m[w * QH + g]);
+      float num = 0.0f, den = 0.0f;
+      if (mx != -INFINITY) {
+        for (int w = 0; w < NUM_WARPS; ++w) {
+          const float wt = exp2(sm_m[w * QH + g] - mx);
+          num = fma(wt, sm_acc[(w * CB::HPR + gg) * HEAD_DIM + d], num);
+          den = fma(wt, sm_l[w * QH + g], den);
+        }
+      }
+      const bool live = den > 0.0f;
+      out_v[out_row + long(g) * HEAD_DIM + d] = from_float<TO>(live ? num / den : 0.0f);
+      if (d == 0) out_lse[out_lse_idx + g] = live ? mx + log2(den) : -INFINITY;
+    }
+  }
+}
+
+}  // namespace pd
+"""
+
+METAL_HEADER = METAL_COMMON + METAL_ATTEND
+
+METAL_SOURCE = r"""
+  // one threadgroup per (chunk, KV head, q-group)
+  const int c = int(threadgroup_position_in_grid.x);
+  const int qgs = q_groups;
+  const int kvh = int(threadgroup_position_in_grid.y) / qgs;
+  const int qg = int(threadgroup_position_in_grid.y) % qgs;
+  const int h0 = kvh * (num_qo_heads / num_kv_heads) + qg * QH;
+  const int r = request_indices[c];
+  const long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];
+  const long pb = indptr[r], npages = indptr[r + 1] - pb;
+  const long fpo = first_page_offset[r];
+  long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_page_len[r] - fpo : 0;
+  seq = seq < 0 ? 0 : seq;
+  const long page_begin = tile * pages_per_chunk;
+  const long page_end = page_begin + pages_per_chunk < npages ? page_begin + pages_per_chunk : npages;
+  long t_begin = page_begin * PAGE_SIZE - fpo;
+  t_begin = t_begin < 0 ? 0 : (t_begin > seq ? seq : t_begin);
+  long t_end = page_end >= npages ? seq : page_end * PAGE_SIZE - fpo;
+  t_end = t_end < 0 ? 0 : (t_end > seq ? seq : t_end);
+
+  typedef pd::Combine<HEAD_DIM, QH, NUM_WARPS> CB;
+  threadgroup float sm_m[CB::STATE];
+  threadgroup float sm_l[CB::STATE];
+  threadgroup float sm_acc[CB::ACC];
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS>(
+      q, k_pages, v_pages, indices + pb, fpo, t_begin, t_end, r, kvh, h0, num_qo_heads,
+      num_kv_heads, scale_log2, v_out, lse_out, (long(c) * num_qo_heads + h0) * HEAD_DIM,
+      long(c) * num_qo_heads + h0, sm_m, sm_l, sm_acc, thread_position_in_threadgroup.x,
+      thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
+"""

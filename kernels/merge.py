@@ -7,7 +7,7 @@ One warp per (output row, head); lanes hold float4 slices of D. Rows whose LSE i
 Knows nothing of pages or GQA; cascade decode reuses it unchanged.
 """
 
-from .common import CUDA_COMMON
+from .common import CUDA_COMMON, METAL_COMMON
 
 # Template parameters, in order: TO, HEAD_DIM
 KERNEL_NAME = "pd_merge_states"
@@ -75,3 +75,57 @@ __global__ void __launch_bounds__(128) pd_merge_states(
 """
 
 CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
+
+# ---------------------------------------------------------------------------- Metal
+# MLX ``metal_kernel`` body: one SIMD group per (output row, head), 4 per threadgroup;
+# ``simd_max`` where CUDA uses a max butterfly. Inputs: v, lse, o_indptr, num_heads,
+# num_out (0-d int32); outputs: v_out, lse_out. Template arguments: TO, HEAD_DIM.
+# Launch: grid (ceil(M * H / 4) * 128, 1, 1) threads, threadgroup (128, 1, 1).
+METAL_INPUTS = ("v", "lse", "o_indptr", "num_heads", "num_out")
+METAL_OUTPUTS = ("v_out", "lse_out")
+METAL_TEMPLATE = ("TO", "HEAD_DIM")
+METAL_HEADER = METAL_COMMON
+
+METAL_SOURCE = r"""
+  static_assert(HEAD_DIM % 4 == 0, "head_dim must be a multiple of 4");
+  constexpr int NV4 = HEAD_DIM / 4;                 // float4 per row
+  constexpr int PER_LANE = (NV4 + 31) / 32;
+  const uint lane = thread_index_in_simdgroup;
+  const long item = long(threadgroup_position_in_grid.x) * 4 + simdgroup_index_in_threadgroup;
+  if (item >= long(num_out) * num_heads) return;   // whole SIMD group; no barrier below
+  const long o = item / num_heads;
+  const int h = int(item % num_heads);
+  const long beg = o_indptr[o], end = o_indptr[o + 1];
+  float mx = -INFINITY;
+  for (long i = beg + lane; i < end; i += 32) mx = fmax(mx, lse[i * num_heads + h]);
+  mx = simd_max(mx);
+  float4 acc[PER_LANE];
+  for (int j = 0; j < PER_LANE; ++j) acc[j] = float4(0.0f);
+  float den = 0.0f;
+  if (mx > -INFINITY) {
+    for (long i = beg; i < end; ++i) {
+      const float s = lse[i * num_heads + h];
+      if (!(s > -INFINITY)) continue;               // empty chunk or NaN: no weight
+      const float w = exp2(s - mx);
+      den += w;
+      const long row = (i * num_heads + h) * HEAD_DIM;
+      for (int j = 0; j < PER_LANE; ++j) {
+        const int c = int(lane) + 32 * j;
+        if (c < NV4) acc[j] = fma(float4(w), pd::load4(v + row + 4 * c), acc[j]);
+      }
+    }
+  }
+  const bool live = den > 0.0f;
+  const float inv = live ? 1.0f / den : 0.0f;
+  const long dst = (o * num_heads + h) * HEAD_DIM;
+  for (int j = 0; j < PER_LANE; ++j) {
+    const int c = int(lane) + 32 * j;
+    if (c < NV4) {
+      v_out[dst + 4 * c + 0] = pd::from_float<TO>(acc[j].x * inv);
+      v_out[dst + 4 * c + 1] = pd::from_float<TO>(acc[j].y * inv);
+      v_out[dst + 4 * c + 2] = pd::from_float<TO>(acc[j].z * inv);
+      v_out[dst + 4 * c + 3] = pd::from_float<TO>(acc[j].w * inv);
+    }
+  }
+  if (lane == 0) lse_out[o * num_heads + h] = live ? mx + log2(den) : -INFINITY;
+"""

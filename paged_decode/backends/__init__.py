@@ -36,6 +36,9 @@ REGISTRY: dict[str, BackendEntry] = {
     "emulated-cuda": BackendEntry("emulated-cuda", ".emulated", "EmulatedCudaBackend",
                                   "the CUDA kernels on the CPU emulator (tests; explicit "
                                   "choice only)"),
+    "emulated-metal": BackendEntry("emulated-metal", ".emulated", "EmulatedMetalBackend",
+                                   "the Metal kernels (MLX metal_kernel bodies) on the CPU "
+                                   "emulator (tests; explicit choice only)"),
     "reference": BackendEntry("reference", ".reference", "ReferenceBackend",
                               "vectorized numpy on the CPU (float32 accumulation)"),
 }

@@ -6,6 +6,9 @@ Arrays are numpy and pool writes are the reference backend's; ``partial``, ``mer
 shared memory and argument order: both backends build their launches with
 ``backends/launches.py``. ``gather_sdpa`` is the reference backend's (it is not a kernel of ours).
 
+``EmulatedMetalBackend`` (``emulated-metal``) runs the Metal bodies the same way, wrapped
+in the signature MLX's ``metal_kernel`` generates (``paged_decode.emulator.metal``).
+
 Explicit choice only (``backend="emulated-cuda"``, ``PAGED_DECODE_BACKEND`` or
 ``paged-decode check --backend emulated-cuda``): it is slow and meant for tests and CI.
 """
@@ -13,7 +16,7 @@ Explicit choice only (``backend="emulated-cuda"``, ``PAGED_DECODE_BACKEND`` or
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +27,9 @@ from ..specs import KernelSpec, cuda_source
 from . import launches
 from .base import Problem, Support
 from .reference import ReferenceBackend
+
+if TYPE_CHECKING:
+    from .metal_launches import MetalKernel
 
 RACES_ENV = "PAGED_DECODE_EMULATOR_RACES"   # "0" skips the second (reverse) schedule
 
@@ -124,4 +130,45 @@ class _Outputs:
                     a[...] = t
 
 
-__all__ = ["EmulatedCudaBackend"]
+class EmulatedMetalBackend(EmulatedCudaBackend):
+    """The Metal kernel bodies (``kernels/*.py`` ``METAL_SOURCE``), wrapped in the
+    signature ``mlx.core.fast.metal_kernel`` generates and run on the CPU emulator with
+    the template arguments and geometry an MLX call would use (``metal_launches``). The
+    launch descriptions are the CUDA backend's (``launches.py``), converted in one place.
+    Nothing here ran on Apple hardware."""
+
+    name = "emulated-metal"
+
+    def device_info(self) -> DeviceInfo:
+        return DeviceInfo("emulated-metal", "Metal kernels on the CPU emulator",
+                          compute_units=8, ctas_per_unit=4, detail="fibers on up to 2 OS "
+                          "threads; fixed target 32 threadgroups")
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["device"] = "CPU (emulated Metal, MLX metal_kernel signature)"
+        return d
+
+    def metal_kernel(self, spec: KernelSpec) -> MetalKernel:
+        """The Metal header and body run for ``spec`` (a hook tests override with mutants)."""
+        from .metal_launches import metal_kernel
+        return metal_kernel(spec.kernel)
+
+    def _run(self, lc: launches.Launch) -> None:
+        import dataclasses
+
+        from ..emulator.metal import launch_metal
+        from .metal_launches import metal_call
+        if lc.empty:
+            return
+        call = metal_call(lc, self.dtype_of)
+        mk = self.metal_kernel(lc.spec)
+        call = dataclasses.replace(call, kernel=mk)
+        with _Outputs(*call.outputs) as tmp:
+            ins = [np.asarray(x) if np.ndim(x) == 0 else _host(x) for x in call.inputs]
+            launch_metal(call.name, mk.inputs, mk.outputs, mk.source, mk.header, ins, tmp,
+                         call.grid, call.threadgroup, call.template,
+                         output_dtypes=call.output_dtypes, check_races=self.check_races)
+
+
+__all__ = ["EmulatedCudaBackend", "EmulatedMetalBackend"]

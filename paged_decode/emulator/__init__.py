@@ -1,4 +1,5 @@
-"""A test-time emulator that runs our CUDA kernel strings on the CPU with GPU semantics.
+"""A test-time emulator that runs our CUDA kernel strings and Metal (MLX ``metal_kernel``)
+bodies on the CPU with GPU semantics (``metal.py`` for the Metal dialect).
 
 Every thread of a block is a cooperative fiber (a hand-written x86_64 context switch);
 warps of 32 lanes meet in shuffles, blocks in ``__syncthreads``; buffers sit between

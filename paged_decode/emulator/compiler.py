@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .cuda_prelude import CUDA_PRELUDE, STUB_HEADERS
 from .errors import CompileError
+from .metal_prelude import METAL_PRELUDE
 from .runtime_src import RUNTIME_CPP, RUNTIME_HEADER
 
 CACHE_ENV = "PAGED_DECODE_EMULATOR_CACHE"
@@ -27,7 +28,8 @@ CXX_ENV = "PAGED_DECODE_EMULATOR_CXX"
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-g0",
          "-Wno-unknown-pragmas", "-Wno-attributes")
 #: the dialect preludes, by the header name the wrapped source includes
-HEADERS = {"pd_emu_rt.h": RUNTIME_HEADER, "pd_emu_cuda.h": CUDA_PRELUDE, **STUB_HEADERS}
+HEADERS = {"pd_emu_rt.h": RUNTIME_HEADER, "pd_emu_cuda.h": CUDA_PRELUDE,
+           "pd_emu_metal.h": METAL_PRELUDE, **STUB_HEADERS}
 
 _lock = threading.Lock()
 
@@ -98,7 +100,8 @@ def runtime() -> ctypes.CDLL:
 
 @functools.cache
 def kernel_library(wrapped_source: str) -> ctypes.CDLL:
-    """The compiled kernel library of a wrapped translation unit (see ``rewrite.wrap_cuda``)."""
+    """The compiled kernel library of a wrapped translation unit (``rewrite.wrap_cuda`` or
+    ``metal.wrap_metal``)."""
     runtime()
     with _lock:
         path = _build(wrapped_source, "pd_emu_kernel")

@@ -130,7 +130,17 @@ def launch(source: str, name_expression: str, grid: int | Sequence[int],
     memory. ``args`` in the kernel's parameter order: ``Buffer`` for pointers, numpy
     scalars (``np.int32``, ``np.float32``, ...) of the parameter's exact type for values.
     Raises ``KernelFault`` subclasses and ``RaceError``; outputs land in their arrays."""
-    lib = kernel_library(wrap_cuda(source, name_expression))
+    run_wrapped(wrap_cuda(source, name_expression), name_expression, grid, block, args,
+                shared_mem, check_races=check_races, threads=threads)
+
+
+def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
+                block: int | Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
+                check_races: bool = True, threads: int | None = None) -> None:
+    """Run a wrapped translation unit (one that defines ``pd_emu_launch``) over ``grid``
+    blocks of ``block`` threads; ``kernel`` names it in reports. See ``launch``."""
+    name_expression = kernel
+    lib = kernel_library(wrapped)
     fn = lib.pd_emu_launch
     fn.restype = ctypes.c_int
     buffers = [a for a in args if isinstance(a, Buffer)]

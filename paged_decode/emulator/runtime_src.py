@@ -25,7 +25,10 @@ constexpr int WARP = 32;
 
 enum State : int { RUNNABLE = 0, WAIT_COLLECTIVE = 1, WAIT_BARRIER = 2, DONE = 3 };
 enum Collective : int { C_SHFL_XOR = 1, C_SHFL_IDX = 2, C_SHFL_DOWN = 3, C_SHFL_UP = 4,
-                        C_SYNCWARP = 5 };
+                        C_SYNCWARP = 5,
+                        // reductions over every lane of the warp (Metal simd_sum & co.),
+                        // in lane order; every lane gets the result
+                        C_SUM_F32 = 6, C_MAX_F32 = 7, C_MIN_F32 = 8 };
 
 struct U3 { unsigned x, y, z; };
 
@@ -487,6 +490,21 @@ static void resolve_collective(Warp* w) {
     wk->cur = nullptr;
     where(wk, loc, sizeof loc);
     fail("%s: shuffle width %d is not a power of two <= 32", loc, width);
+  }
+  const int op0 = w->op[0];
+  if (op0 == C_SUM_F32 || op0 == C_MAX_F32 || op0 == C_MIN_F32) {
+    float acc;
+    std::memcpy(&acc, &w->vals[0], 4);
+    for (int l = 1; l < n; ++l) {
+      float x;
+      std::memcpy(&x, &w->vals[l], 4);
+      acc = op0 == C_SUM_F32 ? acc + x : (op0 == C_MAX_F32 ? std::fmax(acc, x)
+                                                            : std::fmin(acc, x));
+    }
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &acc, 4);
+    for (int l = 0; l < n; ++l) w->res[l] = bits;
+    return;
   }
   for (int l = 0; l < n; ++l) {
     const int seg = l & ~(width - 1);

@@ -1,0 +1,114 @@
+"""How the Metal kernels are called through ``mlx.core.fast.metal_kernel``, in one place.
+
+A ``Launch`` from ``backends/launches.py`` (the CUDA description: grid in blocks, threads
+per block, arguments tagged in/out/scalar) becomes a ``MetalCall``: the kernel name
+(carrying every specialization parameter), input and output names, header and body, the
+input values (scalars as 0-d ``int32`` / ``float32`` arrays, which MLX passes as
+``constant`` references), the outputs, MLX template arguments (dtypes and geometry,
+never formatted into the body) and the launch geometry in MLX's units. ``mlx_geometry``
+is the one conversion from blocks to MLX's ``grid``, which counts threads.
+
+Used by the ``emulated-metal`` backend today; a real MLX backend passes the same values
+to ``metal_kernel(...)(inputs=..., template=..., grid=..., threadgroup=...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..emulator.metal import Dtype
+from ..specs import KernelSpec
+from .launches import Launch
+
+
+@dataclass(frozen=True)
+class MetalKernel:
+    """A kernel's Metal text and interface (from ``kernels/<kernel>.py``)."""
+
+    header: str
+    source: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    template: tuple[str, ...]
+
+
+def metal_kernel(kernel: str) -> MetalKernel:
+    """The Metal header, body and interface of ``kernel`` (``"v2"``, ``"v1"``, ``"merge"``)."""
+    from ..kernels import decode_v1, decode_v2, merge
+    mod = {"v2": decode_v2, "v1": decode_v1, "merge": merge}[kernel]
+    return MetalKernel(mod.METAL_HEADER, mod.METAL_SOURCE, tuple(mod.METAL_INPUTS),
+                       tuple(mod.METAL_OUTPUTS), tuple(mod.METAL_TEMPLATE))
+
+
+def metal_name(spec: KernelSpec) -> str:
+    """The ``metal_kernel`` name: the spec's URI without the CUDA-only pipeline depth
+    (Metal has no staging ring) and with ``-`` dropped (it becomes a C++ identifier), e.g.
+    ``pd_v2_qf16_kvf16_of32_hd64_ps16_qh4_w4``: one name per specialization."""
+    return dataclasses.replace(spec, stages=0).uri.replace("-", "")
+
+
+def metal_template(spec: KernelSpec) -> list[tuple[str, Any]]:
+    """MLX template arguments as (name, value): dtypes as ``Dtype`` (a canonical name; a
+    real MLX call maps it to ``mx.Dtype``), geometry as ints."""
+    if spec.kernel == "v2":
+        vals: list[Any] = [Dtype(spec.q_dtype), Dtype(spec.kv_dtype), Dtype(spec.out_dtype),
+                           spec.head_dim, spec.page_size, spec.heads_per_cta, spec.num_warps]
+    elif spec.kernel == "v1":
+        vals = [Dtype(spec.q_dtype), Dtype(spec.kv_dtype), Dtype(spec.out_dtype),
+                spec.head_dim, spec.page_size, spec.num_warps]
+    elif spec.kernel == "merge":
+        vals = [Dtype(spec.out_dtype), spec.head_dim]
+    else:
+        raise ValueError(f"unknown kernel {spec.kernel!r}")
+    names = metal_kernel(spec.kernel).template
+    assert len(names) == len(vals)
+    return list(zip(names, vals))
+
+
+def mlx_geometry(grid_blocks: tuple[int, int], threads: int) -> tuple[tuple[int, int, int],
+                                                                      tuple[int, int, int]]:
+    """(grid, threadgroup) for ``metal_kernel``: ``grid`` counts threads, so NB blocks of
+    T threads are ``grid = (NB * T, ...)``, ``threadgroup = (T, 1, 1)`` (an exact multiple:
+    no ragged last threadgroup)."""
+    return (grid_blocks[0] * threads, grid_blocks[1], 1), (threads, 1, 1)
+
+
+@dataclass(frozen=True)
+class MetalCall:
+    name: str
+    kernel: MetalKernel
+    inputs: tuple[Any, ...]          # arrays; scalars as 0-d numpy arrays
+    outputs: tuple[Any, ...]
+    output_dtypes: tuple[str, ...]
+    template: tuple[tuple[str, Any], ...]
+    grid: tuple[int, int, int]       # threads
+    threadgroup: tuple[int, int, int]
+
+    @property
+    def empty(self) -> bool:
+        return 0 in self.grid
+
+
+def metal_call(lc: Launch, dtype_of: Any) -> MetalCall:
+    """The ``metal_kernel`` call for a launch description. ``dtype_of`` names an array's
+    dtype (the calling backend's)."""
+    mk = metal_kernel(lc.spec.kernel)
+    by_name = {a.name: a for a in lc.args}
+    missing = [n for n in (*mk.inputs, *mk.outputs) if n not in by_name]
+    if missing:
+        raise ValueError(f"{lc.spec.uri}: launch lacks Metal arguments {missing}")
+    ins = tuple(np.asarray(by_name[n].value) if by_name[n].role == "scalar"
+                else by_name[n].value for n in mk.inputs)
+    outs = tuple(by_name[n].value for n in mk.outputs)
+    grid, tg = mlx_geometry(lc.grid, lc.block)
+    return MetalCall(metal_name(lc.spec), mk, ins, outs,
+                     tuple(dtype_of(o) for o in outs), tuple(metal_template(lc.spec)),
+                     grid, tg)
+
+
+__all__ = ["MetalCall", "MetalKernel", "metal_call", "metal_kernel", "metal_name",
+           "metal_template", "mlx_geometry"]

@@ -1,0 +1,398 @@
+"""The Metal kernel bodies (v2 partial, merge, v1) on the ``emulated-metal`` backend against
+the float64 oracle, the Metal dialect of the emulator on tiny kernels, negative controls
+(mutated Metal bodies must fail), and the generated ``metal_kernel`` signature pinned
+against MLX's own output (MLX's Linux CPU wheel prints it through export tracing; that
+test is skipped where ``mlx`` is not installed).
+
+Nothing here runs on Apple hardware: the emulator executes the Metal text on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_matches_oracle
+
+import paged_decode as pd
+from paged_decode.backends import availability, launches
+from paged_decode.backends.emulated import EmulatedMetalBackend, _table
+from paged_decode.backends.metal_launches import (
+    MetalKernel,
+    metal_call,
+    metal_kernel,
+    mlx_geometry,
+)
+from paged_decode.backends.reference import ReferenceBackend, combine_f32
+from paged_decode.emulator import CompileError, DivergenceError, OutOfBoundsError, RaceError
+from paged_decode.emulator.metal import (
+    Dtype,
+    InputDesc,
+    groups,
+    launch_metal,
+    metal_source,
+    rewrite_metal,
+)
+from paged_decode.problems import ProblemSpec, make_problem
+from paged_decode.reference import max_rel_error, oracle_decode
+
+pytestmark = pytest.mark.skipif(not availability("emulated-metal").ok,
+                                reason=f"emulator unavailable: "
+                                       f"{availability('emulated-metal').reason}")
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return pd.get_backend("emulated-metal")
+
+
+# ----------------------------------------------------------------- the Metal dialect
+def _run_tiny(src, inputs, outputs, grid, tg, template=(), header="", **kw):
+    names = [f"in{i}" for i in range(len(inputs))]
+    onames = [f"out{i}" for i in range(len(outputs))]
+    src = src.replace("IN0", "in0").replace("OUT0", "out0").replace("OUT1", "out1")
+    launch_metal("tiny", names, onames, src, header, inputs, outputs, grid, tg, template,
+                 **kw)
+
+
+def test_simd_collectives_and_barrier():
+    src = """
+  const uint t = thread_position_in_threadgroup.x;
+  threadgroup float buf[64];
+  buf[t] = IN0[thread_position_in_grid.x];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const float other = buf[63 - t];                 // written by another SIMD group
+  OUT0[thread_position_in_grid.x] = simd_sum(other) + simd_max(other);
+  OUT1[thread_position_in_grid.x] = simd_shuffle_xor(float(thread_index_in_simdgroup),
+      ushort(5)) + 100.0f * simdgroup_index_in_threadgroup;
+"""
+    x = np.random.default_rng(0).standard_normal(128).astype(np.float32)
+    o0, o1 = np.full(128, np.nan, np.float32), np.full(128, np.nan, np.float32)
+    _run_tiny(src, [x], [o0, o1], (128, 1, 1), (64, 1, 1))
+    for b in range(2):
+        blk = x[64 * b:64 * b + 64]
+        for s in range(2):
+            vals = blk[::-1][32 * s:32 * s + 32]
+            np.testing.assert_allclose(o0[64 * b + 32 * s:64 * b + 32 * s + 32],
+                                       vals.sum() + vals.max(), rtol=1e-6)
+    lanes = np.arange(128) % 32
+    np.testing.assert_array_equal(o1, (lanes ^ 5) + 100.0 * ((np.arange(128) % 64) // 32))
+
+
+def test_missing_threadgroup_barrier_is_a_race():
+    src = """
+  const uint t = thread_position_in_threadgroup.x;
+  threadgroup float buf[64];
+  buf[t] = IN0[t];
+  OUT0[t] = buf[63 - t];
+"""
+    with pytest.raises(RaceError, match="out0"):
+        _run_tiny(src, [np.arange(64, dtype=np.float32)], [np.zeros(64, np.float32)],
+                  (64, 1, 1), (64, 1, 1))
+
+
+def test_out_of_bounds_and_divergence_reported():
+    with pytest.raises(OutOfBoundsError, match="'out0' at element 64"):
+        _run_tiny("  OUT0[thread_position_in_grid.x + 1] = 1.0f;",
+                  [np.zeros(64, np.float32)], [np.zeros(64, np.float32)], (64, 1, 1),
+                  (64, 1, 1))
+    with pytest.raises(DivergenceError):
+        _run_tiny("  if (thread_position_in_grid.x < 32) "
+                  "threadgroup_barrier(mem_flags::mem_threadgroup);\n  OUT0[0] = IN0[0];",
+                  [np.zeros(64, np.float32)], [np.zeros(1, np.float32)], (64, 1, 1),
+                  (64, 1, 1))
+
+
+def test_threadgroup_memory_limit_and_templates():
+    src = """
+  threadgroup float big[N];
+  big[thread_position_in_threadgroup.x] = 1.0f;
+  OUT0[0] = static_cast<T>(big[0]);
+"""
+    out = np.zeros(1, np.float16)
+    _run_tiny(src, [np.zeros(8, np.float32)], [out], (1, 1, 1), (1, 1, 1),
+              [("T", Dtype("float16")), ("N", 8192)])
+    assert out[0] == 1
+    with pytest.raises(Exception, match="threadgroup memory exceeds"):
+        _run_tiny(src, [np.zeros(8, np.float32)], [out], (1, 1, 1), (1, 1, 1),
+                  [("T", Dtype("float16")), ("N", 8193)])
+
+
+def test_qualifiers_rewritten_only_in_declarations():
+    src = """
+  const device float* p = IN0;
+  threadgroup float tg[4];
+  threadgroup float* tp = tg;
+  int device = 2, constant = 3;                    // identifiers spelled like qualifiers
+  tp[0] = p[0] * device + constant;
+  OUT0[0] = tg[0];
+"""
+    out = np.zeros(1, np.float32)
+    _run_tiny(src, [np.full(8, 5.0, np.float32)], [out], (1, 1, 1), (1, 1, 1))
+    assert out[0] == 13.0
+    assert "device" not in rewrite_metal("const device float* a; device half4* b;")
+
+
+def test_geometry_counts_threads():
+    assert mlx_geometry((5, 3), 128) == ((640, 3, 1), (128, 1, 1))
+    assert groups((640, 3, 1), (128, 1, 1)) == ((5, 3, 1), (128, 1, 1))
+    assert groups((32, 1, 1), (128, 1, 1)) == ((1, 1, 1), (32, 1, 1))   # min(tg, grid)
+    with pytest.raises(Exception, match="non-uniform"):
+        groups((130, 1, 1), (128, 1, 1))
+
+
+# ----------------------------------------------------------------- kernels vs the oracle
+CASES = [
+    ("d64-g1-ps16-f16", ProblemSpec(3, 70, 4, 4, 64, 16, seed=21),
+     [("v2", None), ("v2", 1), ("v1", None)]),
+    ("d128-g4-ps16-bf16", ProblemSpec(3, 90, 8, 2, 128, 16, "bfloat16", "bfloat16", seed=22),
+     [("v2", None), ("v2", 2), ("v1", None)]),
+    ("d128-g8-ps32-f16", ProblemSpec(2, 120, 16, 2, 128, 32, seed=23),
+     [("v2", 1), ("v1", None)]),
+    ("d64-g4-ps1-f32", ProblemSpec(2, 21, 8, 2, 64, 1, "float32", "float32", seed=24),
+     [("v2", 5), ("v1", None)]),
+    ("d128-g1-ps32-qf32-kvf16", ProblemSpec(2, 75, 2, 2, 128, 32, "float32", "float16",
+                                            seed=25), [("v2", 1)]),
+    ("d64-g8-ps16-qbf16-kvf32", ProblemSpec(2, 50, 8, 1, 64, 16, "bfloat16", "float32",
+                                            seed=26), [("v2", 2)]),
+    # head_dim 96: 24 of 32 lanes carry data; simd_sum over the whole SIMD group
+    ("d96-g2-ps16-f32", ProblemSpec(2, 45, 4, 2, 96, 16, "float32", "float32", seed=34),
+     [("v2", 1)]),
+    # head_dim 256 at 8 heads per threadgroup: the combine runs in 8 rounds (32 KB limit)
+    ("d256-g8-ps16-f16", ProblemSpec(1, 40, 8, 1, 256, 16, seed=32), [("v2", 1), ("v1", None)]),
+]
+
+
+def _run(be, spec, paths, *, lengths=None, offsets=None, out_dtype="float32"):
+    pr = make_problem(spec, lengths=lengths, offsets=offsets)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    for path, ppc in paths:
+        plan = pd.plan_decode(pr.table, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                              device=be.device_info(), pages_per_chunk=ppc)
+        out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path=path,
+                             return_lse=True, out_dtype=out_dtype, backend=be)
+        assert pd.last_outcome().path.split("+")[0] == path
+        if path == "v2" and ppc is not None:
+            assert plan.needs_merge, "the case must exercise the merge kernel"
+        assert_matches_oracle(out, lse, ref, ref_lse, out_dtype, f"{spec.label} {path} {ppc}")
+
+
+@pytest.mark.parametrize("spec,paths", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_metal_kernels_match_oracle(emu, spec, paths):
+    _run(emu, spec, paths)
+
+
+def test_metal_output_in_query_dtype_without_merge(emu):
+    spec = ProblemSpec(2, 60, 8, 2, 128, 16, seed=27)
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    plan = pd.plan_decode(pr.table, 8, 2, 128, target_ctas=1)
+    assert not plan.needs_merge
+    out = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, backend=emu)
+    assert pd.last_outcome().path == "v2" and out.dtype == np.float16
+    assert_matches_oracle(out, None, ref, None, "float16", "metal v2 direct f16")
+
+
+def test_metal_empty_requests_give_zeros_and_neg_inf(emu):
+    spec = ProblemSpec(4, 40, 8, 2, 64, 16, seed=28)
+    _run(emu, spec, [("v2", 1), ("v1", None)], lengths=[40, 0, 17, 0], offsets=[0, 0, 5, 0])
+    pr = make_problem(spec, lengths=[0, 0, 0, 0], offsets=[0, 0, 0, 0])
+    for path in ("v2", "v1"):
+        out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path=path,
+                             return_lse=True, backend=emu)
+        assert (out == 0).all() and np.isneginf(lse).all(), path
+
+
+def test_metal_merge_kernel_against_combine(emu):
+    rng = np.random.default_rng(29)
+    n, h, d = 9, 3, 128
+    v = rng.standard_normal((n, h, d)).astype(np.float32)
+    lse = (rng.standard_normal((n, h)) * 4).astype(np.float32)
+    lse[2, :] = -np.inf                           # an empty chunk
+    lse[5, 1] = np.nan                            # NaN carries no weight
+    indptr = np.array([0, 1, 1, 4, 6, 6, 9], np.int32)   # singleton, empty groups
+    lse[4:6, 2] = -np.inf                         # an all-empty group for one head
+    out, lse_out = pd.merge_states(v, lse, indptr, backend=emu)
+    for o in range(indptr.size - 1):
+        a, b = indptr[o], indptr[o + 1]
+        lw = np.where(np.isnan(lse[a:b]), -np.inf, lse[a:b])
+        ro, rl = combine_f32(v[a:b], lw)
+        np.testing.assert_allclose(out[o], ro, rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(lse_out[o], rl, rtol=1e-6, atol=1e-6)
+    assert np.isneginf(lse_out[1]).all() and (out[1] == 0).all()
+    assert np.isneginf(lse_out[4, 2])
+
+
+# ----------------------------------------------------------------- negative controls
+class _Mutant(EmulatedMetalBackend):
+    def __init__(self, kernel, mutate):
+        super().__init__()
+        self._kernel, self._mutate = kernel, mutate
+
+    def metal_kernel(self, spec):
+        mk = super().metal_kernel(spec)
+        if spec.kernel != self._kernel:
+            return mk
+        bad = self._mutate(mk.header)
+        assert bad != mk.header, "mutation did not apply"
+        return MetalKernel(bad, mk.source, mk.inputs, mk.outputs, mk.template)
+
+
+SPEC_NEG = ProblemSpec(3, 60, 8, 2, 64, 16, seed=30)
+
+
+def _fails(be, spec, path="v2", ppc=None):
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    plan = pd.plan_decode(pr.table, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                          device=be.device_info(), pages_per_chunk=ppc)
+    try:
+        out = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path=path,
+                        out_dtype="float32", backend=be)
+    except (OutOfBoundsError, RaceError, DivergenceError) as exc:
+        return str(exc)
+    err = max_rel_error(out, ref)
+    return f"error {err:.3g}" if err > 0.1 else ""
+
+
+def test_metal_off_by_one_page_index_fails():
+    bad = _Mutant("v2", lambda s: s.replace("page_ids[a / PAGE_SIZE]",
+                                            "page_ids[a / PAGE_SIZE + 1]"))
+    assert "out-of-bounds read of buffer 'indices'" in _fails(bad, SPEC_NEG)
+
+
+def test_metal_removed_threadgroup_barrier_fails():
+    bad = _Mutant("v2", lambda s: s.replace(
+        "    threadgroup_barrier(mem_flags::mem_threadgroup);\n", "", 1))
+    why = _fails(bad, SPEC_NEG)
+    assert "differs between the forward and the reverse fiber schedule" in why, why
+
+
+def test_metal_removed_round_barrier_fails():
+    """The barrier between combine rounds (head_dim 256, 8 heads per threadgroup)."""
+    bad = _Mutant("v2", lambda s: s.replace(
+        "    if (g0 > 0) threadgroup_barrier(mem_flags::mem_threadgroup);", "", 1))
+    why = _fails(bad, ProblemSpec(1, 40, 8, 1, 256, 16, seed=33))
+    assert "differs between the forward and the reverse fiber schedule" in why, why
+
+
+def test_metal_identity_mutant_passes():
+    ok = _Mutant("v2", lambda s: s + "\n// unchanged\n")
+    assert _fails(ok, SPEC_NEG, ppc=1) == ""
+
+
+def test_metal_sources_are_ascii_and_cuda_untouched():
+    from paged_decode.specs import cuda_source
+    for k in ("v2", "v1", "merge"):
+        mk = metal_kernel(k)
+        (mk.header + mk.source).encode("ascii")
+        assert "__global__" in cuda_source(k) and "__global__" not in mk.source
+
+
+def test_metal_compile_error_is_reported():
+    with pytest.raises(CompileError):
+        _run_tiny("  OUT0[0] = undefined_name;", [np.zeros(8, np.float32)],
+                  [np.zeros(1, np.float32)], (1, 1, 1), (1, 1, 1))
+
+
+def test_metal_call_geometry_and_names():
+    """Each launch converts to MLX units in one place; names carry every specialization."""
+    calls, _ = _calls()
+    v2, merge, v1 = calls
+    assert v2.threadgroup == (128, 1, 1) and v2.grid[0] % 128 == 0 and v2.grid[2] == 1
+    assert merge.threadgroup == (128, 1, 1) and merge.grid == (-(-3 * 8 // 4) * 128, 1, 1)
+    assert v1.threadgroup == (256, 1, 1) and v1.grid == (3 * 8 * 256, 1, 1)
+    assert v2.name == "pd_v2_qf16_kvf16_of32_hd64_ps16_qh4_w4"
+    assert [v for _, v in v2.template] == [Dtype("float16"), Dtype("float16"),
+                                           Dtype("float32"), 64, 16, 4, 4]
+    assert [n for n, _ in v1.template] == ["TQ", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE",
+                                           "NUM_WARPS"]
+    # every scalar is a 0-d input (a constant reference in the generated signature)
+    assert [np.ndim(x) for x in merge.inputs] == [3, 2, 1, 0, 0]
+
+
+# ----------------------------------------------------------------- MLX's generated signature
+MX_TYPES = ("float16", "bfloat16", "float32", "int32")
+
+
+def _calls():
+    """One launch of each kernel, as the emulated-metal backend builds them."""
+    rb = ReferenceBackend()
+    spec = ProblemSpec(3, 70, 8, 2, 64, 16, seed=21)
+    pr = make_problem(spec)
+    plan = pd.plan_decode(pr.table, 8, 2, 64, pages_per_chunk=1)
+    vo = np.zeros((plan.num_chunks, 8, 64), np.float32)
+    lo = np.zeros((plan.num_chunks, 8), np.float32)
+    tab = tuple(np.asarray(t, np.int32) for t in _table(pr.table))
+    lcs = [
+        launches.partial_launch(("float16", "float16", "float32"), plan, 0.125, pr.q,
+                                pr.k_pages, pr.v_pages, tab,
+                                np.asarray(plan.request_indices, np.int32),
+                                np.asarray(plan.kv_tile_indices, np.int32), vo, lo),
+        launches.merge_launch("bfloat16", (3, 8, 64), vo, lo,
+                              np.asarray(plan.o_indptr, np.int32),
+                              np.zeros((3, 8, 64), np.float32), np.zeros((3, 8), np.float32)),
+        launches.v1_launch(("float16", "float16", "float32"), (3, 8, 64), 2, 16, 0.125, pr.q,
+                           pr.k_pages, pr.v_pages, tab, np.zeros((3, 8, 64), np.float32),
+                           np.zeros((3, 8), np.float32)),
+    ]
+    return [metal_call(lc, rb.dtype_of) for lc in lcs], rb
+
+
+def test_metal_signature_matches_mlx(tmp_path, capfd):
+    mx = pytest.importorskip("mlx.core")
+    if not hasattr(mx, "export_function"):
+        pytest.skip("this mlx has no export_function")
+    calls, rb = _calls()
+    mxd = {n: getattr(mx, n) for n in MX_TYPES}
+    for i, call in enumerate(calls):
+        mk = call.kernel
+        ins = [np.asarray(x) for x in call.inputs]
+        descs = [InputDesc(n, rb.dtype_of(a) if a.dtype.kind == "f" else "int32",
+                           tuple(a.shape)) for n, a in zip(mk.inputs, ins)]
+        mine = metal_source(call.name, descs, mk.outputs, call.output_dtypes, mk.source,
+                            mk.header, call.template)
+        kern = mx.fast.metal_kernel(name=call.name, input_names=list(mk.inputs),
+                                    output_names=list(mk.outputs), source=mk.source,
+                                    header=mk.header)
+        tmpl = [(n, mxd[v.name] if isinstance(v, Dtype) else v) for n, v in call.template]
+        out_shapes = [tuple(o.shape) for o in call.outputs]
+        out_dtypes = [mxd[d] for d in call.output_dtypes]
+
+        def f(*a, kern=kern, tmpl=tmpl, out_shapes=out_shapes, out_dtypes=out_dtypes,
+              call=call):
+            return kern(inputs=list(a), output_shapes=out_shapes, output_dtypes=out_dtypes,
+                        grid=call.grid, threadgroup=call.threadgroup, template=tmpl,
+                        verbose=True)
+
+        args = [mx.array(a) for a in ins]
+        capfd.readouterr()
+        mx.export_function(str(tmp_path / f"k{i}.mlxfn"), f, *args)
+        printed = capfd.readouterr().out
+        assert "```\n" in printed, printed[-2000:]
+        theirs = printed.split("```\n", 1)[1].rsplit("```", 1)[0]
+        assert theirs == mine + "\n", call.name
+
+
+def test_metal_signature_small_inputs_and_metadata(tmp_path, capfd):
+    """Address spaces (0-d -> constant reference, < 8 elements -> constant pointer),
+    metadata buffers and attributes by substring, bool/int/dtype templates."""
+    mx = pytest.importorskip("mlx.core")
+    src = ("  // thread_index_in_threadgroup threads_per_grid grid_size\n"
+           "  out[0] = T(a[0] * s + b[0] + a_shape[0] + b_strides[0] + b_ndim);\n")
+    descs = [InputDesc("a", "float16", (16, 8)), InputDesc("s", "float32", ()),
+             InputDesc("b", "int32", (2, 3))]
+    tmpl = [("T", Dtype("bfloat16")), ("N", 16), ("C", True)]
+    mine = metal_source("probe", descs, ["out"], ["bfloat16"], src, "// hdr\n", tmpl)
+    kern = mx.fast.metal_kernel(name="probe", input_names=["a", "s", "b"],
+                                output_names=["out"], source=src, header="// hdr\n")
+
+    def f(a, s, b):
+        return kern(inputs=[a, s, b], output_shapes=[(1,)], output_dtypes=[mx.bfloat16],
+                    grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                    template=[("T", mx.bfloat16), ("N", 16), ("C", True)], verbose=True)
+
+    capfd.readouterr()
+    mx.export_function(str(tmp_path / "p.mlxfn"), f, mx.zeros((16, 8), mx.float16),
+                       mx.array(np.float32(0.5)), mx.zeros((2, 3), mx.int32))
+    theirs = capfd.readouterr().out.split("```\n", 1)[1].rsplit("```", 1)[0]
+    assert theirs == mine + "\n"
