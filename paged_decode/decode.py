@@ -54,8 +54,8 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
         out_dtype: output dtype (default: ``q``'s).
         backend: backend name or instance; by default chosen from ``q``'s array kind.
         cascade: ``None`` (automatic: with ``path="auto"``, cascade when a shared prefix
-            is found and the cost rule of ``cascade.cascade_pays`` says it pays; its
-            thresholds are placeholders until measured on the H200), ``True``/``False``
+            is found and the cost rule of ``cascade_policy.cascade_pays`` says it pays; its
+            threshold was measured on the H200), ``True``/``False``
             force it on/off (``True`` still runs flat when nothing is shared), or a plan
             from ``detect_shared_prefix``/``plan_cascade``. ``PAGED_DECODE_CASCADE=0/1``
             forces off/on when the argument is ``None``. ``plan`` is unused by a cascade.
@@ -98,7 +98,8 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale):
         raise InvalidArgumentError(f"{fn}: sm_scale must be finite, got {sm_scale!r}")
-    from .cascade import resolve_cascade, run_cascade  # cascade imports this module
+    from .cascade import run_cascade  # cascade imports this module
+    from .cascade_policy import resolve_cascade
 
     def device() -> Any:
         with be.launch_context(q):

@@ -13,11 +13,11 @@ import paged_decode.cascade as cascade_mod
 from paged_decode import InvalidArgumentError, PagePool, PageTable, decode
 from paged_decode.backends.reference import ReferenceBackend
 from paged_decode.cascade import (
-    CASCADE_ENV,
     cascade_decode,
     detect_shared_prefix,
     plan_cascade,
 )
+from paged_decode.cascade_policy import CASCADE_ENV
 from paged_decode.device import DeviceInfo
 from paged_decode.reference import max_rel_error, oracle_decode
 
@@ -300,8 +300,8 @@ def test_decode_cascade_option_and_env(monkeypatch):
     decode(q, pool.k, pool.v, table)
     assert pd.last_outcome().path.startswith("v2")
     assert "cascade declined" in pd.last_outcome().reason
-    import paged_decode.cascade as cascade_mod
-    monkeypatch.setattr(cascade_mod, "AUTO_MIN_SAVED_TOKENS", 8192)
+    import paged_decode.cascade_policy as policy
+    monkeypatch.setattr(policy, "AUTO_MIN_SAVED_TOKENS", 8192)
     out, lse = decode(q, pool.k, pool.v, table, return_lse=True)       # auto: it pays
     o = pd.last_outcome()
     assert o.path == "cascade" and "saves" in o.reason and "M=9" in o.detail, str(o)
