@@ -86,3 +86,26 @@ def backend():
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+def mutant_fails(be, spec, path: str = "v2", ppc: int | None = None) -> str:
+    """Why a decode of a fresh ``spec`` problem on ``be`` (a backend running a mutated
+    kernel) fails: the emulator's fault or race report, or the error off the float64
+    oracle when above 0.1; ``""`` when it passes. A compile error is not a detection and
+    propagates."""
+    import paged_decode as pd
+    from paged_decode.emulator import KernelFault, RaceError
+    from paged_decode.problems import make_problem
+    from paged_decode.reference import oracle_decode
+
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    plan = pd.plan_decode(pr.table, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                          device=be.device_info(), pages_per_chunk=ppc)
+    try:
+        out = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path=path,
+                        out_dtype="float32", backend=be)
+    except (KernelFault, RaceError) as exc:
+        return str(exc)
+    err = max_rel_error(out, ref)
+    return f"error {err:.3g}" if err > 0.1 else ""

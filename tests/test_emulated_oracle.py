@@ -1,0 +1,113 @@
+"""Both dialects' kernels (v2 partial, merge, v1) on the CPU emulator against the float64
+oracle: every test runs on ``emulated-cuda`` (the CUDA strings) and ``emulated-metal``
+(the Metal bodies in MLX's generated signature).
+
+A subset of the GPU matrix, sized for CI on 2 cores: head_dim 64/96/128/256, GQA 1/4/8,
+pages 1/16/32, partial last pages and mid-page starts (``make_problem`` jitter), empty
+requests, multi-chunk merges (forced ``pages_per_chunk``), every K/V dtype. The dialect
+specific checks (negative controls, launch packing, the signature pin) live in
+``test_emulated_kernels.py`` and ``test_emulated_metal.py``. Nothing runs on Apple
+hardware.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_matches_oracle
+
+import paged_decode as pd
+from paged_decode.backends import availability
+from paged_decode.backends.reference import combine_f32
+from paged_decode.problems import ProblemSpec, make_problem
+from paged_decode.reference import oracle_decode
+
+EMULATED = [pytest.param(name, marks=pytest.mark.skipif(
+    not availability(name).ok, reason=f"emulator unavailable: {availability(name).reason}"))
+    for name in ("emulated-cuda", "emulated-metal")]
+
+
+@pytest.fixture(scope="module", params=EMULATED)
+def emu(request):
+    return pd.get_backend(request.param)
+
+
+CASES = [
+    ("d64-g1-ps16-f16", ProblemSpec(3, 70, 4, 4, 64, 16, seed=21),
+     [("v2", None), ("v2", 1), ("v1", None)]),
+    ("d128-g4-ps16-bf16", ProblemSpec(3, 90, 8, 2, 128, 16, "bfloat16", "bfloat16", seed=22),
+     [("v2", None), ("v2", 2), ("v1", None)]),
+    ("d128-g8-ps32-f16", ProblemSpec(2, 120, 16, 2, 128, 32, seed=23),
+     [("v2", 1), ("v1", None)]),
+    ("d64-g4-ps1-f32", ProblemSpec(2, 21, 8, 2, 64, 1, "float32", "float32", seed=24),
+     [("v2", 5), ("v1", None)]),
+    ("d128-g1-ps32-qf32-kvf16", ProblemSpec(2, 75, 2, 2, 128, 32, "float32", "float16",
+                                            seed=25), [("v2", 1)]),
+    ("d64-g8-ps16-qbf16-kvf32", ProblemSpec(2, 50, 8, 1, 64, 16, "bfloat16", "float32",
+                                            seed=26), [("v2", 2)]),
+    # head_dim 96: 24 of 32 lanes carry data; simd_sum over the whole SIMD group
+    ("d96-g2-ps16-f32", ProblemSpec(2, 45, 4, 2, 96, 16, "float32", "float32", seed=34),
+     [("v2", 1)]),
+    # head_dim 256 at 8 heads per threadgroup: the combine runs in 8 rounds (32 KB limit)
+    ("d256-g8-ps16-f16", ProblemSpec(1, 40, 8, 1, 256, 16, seed=32), [("v2", 1), ("v1", None)]),
+]
+
+
+def _run(be, spec, paths, *, lengths=None, offsets=None, out_dtype="float32"):
+    pr = make_problem(spec, lengths=lengths, offsets=offsets)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    for path, ppc in paths:
+        plan = pd.plan_decode(pr.table, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                              device=be.device_info(), pages_per_chunk=ppc)
+        out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path=path,
+                             return_lse=True, out_dtype=out_dtype, backend=be)
+        assert pd.last_outcome().path.split("+")[0] == path
+        if path == "v2" and ppc is not None:
+            assert plan.needs_merge, "the case must exercise the merge kernel"
+        assert_matches_oracle(out, lse, ref, ref_lse, out_dtype, f"{spec.label} {path} {ppc}")
+
+
+@pytest.mark.parametrize("spec,paths", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_kernels_match_oracle(emu, spec, paths):
+    _run(emu, spec, paths)
+
+
+def test_output_in_query_dtype_without_merge(emu):
+    spec = ProblemSpec(2, 60, 8, 2, 128, 16, seed=27)
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    plan = pd.plan_decode(pr.table, 8, 2, 128, target_ctas=1)
+    assert not plan.needs_merge
+    out = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, backend=emu)
+    assert pd.last_outcome().path == "v2" and out.dtype == np.float16
+    assert_matches_oracle(out, None, ref, None, "float16", f"{emu.name} v2 direct f16")
+
+
+def test_empty_requests_give_zeros_and_neg_inf(emu):
+    spec = ProblemSpec(4, 40, 8, 2, 64, 16, seed=28)
+    _run(emu, spec, [("v2", 1), ("v1", None)], lengths=[40, 0, 17, 0], offsets=[0, 0, 5, 0])
+    pr = make_problem(spec, lengths=[0, 0, 0, 0], offsets=[0, 0, 0, 0])
+    for path in ("v2", "v1"):
+        out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path=path,
+                             return_lse=True, backend=emu)
+        assert (out == 0).all() and np.isneginf(lse).all(), path
+
+
+def test_merge_kernel_against_combine(emu):
+    rng = np.random.default_rng(29)
+    n, h, d = 9, 3, 128
+    v = rng.standard_normal((n, h, d)).astype(np.float32)
+    lse = (rng.standard_normal((n, h)) * 4).astype(np.float32)
+    lse[2, :] = -np.inf                           # an empty chunk
+    lse[5, 1] = np.nan                            # NaN carries no weight
+    indptr = np.array([0, 1, 1, 4, 6, 6, 9], np.int32)   # singleton, empty groups
+    lse[4:6, 2] = -np.inf                         # an all-empty group for one head
+    out, lse_out = pd.merge_states(v, lse, indptr, backend=emu)
+    for o in range(indptr.size - 1):
+        a, b = indptr[o], indptr[o + 1]
+        lw = np.where(np.isnan(lse[a:b]), -np.inf, lse[a:b])
+        ro, rl = combine_f32(v[a:b], lw)
+        np.testing.assert_allclose(out[o], ro, rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(lse_out[o], rl, rtol=1e-6, atol=1e-6)
+    assert np.isneginf(lse_out[1]).all() and (out[1] == 0).all()
+    assert np.isneginf(lse_out[4, 2])
