@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v1(
   const long long fpo = first_page_offset[r];
   long long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_page_len[r] - fpo : 0;
   seq = seq < 0 ? 0 : seq;
-  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, 1, NUM_WARPS, STAGES>(
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, 1, NUM_WARPS, STAGES, 1>(
       q, k_pages, v_pages, indices + pb, fpo, 0, seq, r, kvh, h, num_qo_heads, num_kv_heads,
       scale_log2, out, lse_out, ((long long)r * num_qo_heads + h) * HEAD_DIM,
       (long long)r * num_qo_heads + h);

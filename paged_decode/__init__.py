@@ -37,6 +37,7 @@ from .outcome import DecodeOutcome, counters, last_outcome, reset_counters
 from .page_table import PageTable
 from .plan import DecodePlan, plan_decode
 from .pool import PagePool
+from .prepared import PreparedDecode, prepare_decode
 from .sparse import Selection, make_selection, selection_from_blocks, sparse_decode
 
 __version__ = "0.1.0"
@@ -46,7 +47,8 @@ __all__ = [
     "InvalidArgumentError", "InvalidDtypeError", "PageTable", "PageTableError", "PagePool",
     "PagedDecodeError", "PlanMismatchError", "PoolExhaustedError", "UnsupportedProblemError",
     "available_backends", "counters", "decode", "get_backend", "last_outcome", "merge_state",
-    "merge_states", "plan_decode", "reset_counters", "__version__",
+    "merge_states", "plan_decode", "prepare_decode", "PreparedDecode", "reset_counters",
+    "__version__",
     "CascadeDecodePlan", "CascadePlan", "cascade_decode", "detect_shared_prefix", "plan_cascade",
     "Selection", "make_selection", "selection_from_blocks", "sparse_decode",
 ]

@@ -310,7 +310,10 @@ def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecod
     c0, c1 = p0.num_chunks, p1.num_chunks
     ws_v = be.empty((c1 + m * c0, hq, d), "float32")
     ws_l = be.empty((c1 + m * c0, hq), "float32")
-    be.partial(q, k_pages, v_pages, pre.level1, p1, sm_scale, ws_v[:c1], ws_l[:c1])
+    v1, l1 = ws_v[:c1], ws_l[:c1]       # views on numpy/CuPy: the kernel fills ws_v, ws_l
+    be.partial(q, k_pages, v_pages, pre.level1, p1, sm_scale, v1, l1)
+    if be.functional_outputs:           # MLX rebinds v1, l1 instead (see backends.base)
+        ws_v[:c1], ws_l[:c1] = v1, l1
     q0 = stack_member_queries(xp, q, _device_index(be, pre.members), hkv)
     v0 = be.empty((c0, m * hq, d), "float32")
     l0 = be.empty((c0, m * hq), "float32")

@@ -1,4 +1,4 @@
-"""The ``paged-decode`` command line: ``info``, ``check`` and ``bench``."""
+"""The ``paged-decode`` command line: ``info``, ``check``, ``bench`` and ``plot``."""
 
 from __future__ import annotations
 
@@ -74,13 +74,16 @@ def info(backend: str | None, as_json: bool) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every result as JSON here.")
 @click.option("--max-configs", type=int, default=None, help="Stop after this many configs.")
+@click.option("--path", "paths", multiple=True,
+              type=click.Choice(["v2", "v2-forced-merge", "v2-single", "v1", "gather"]),
+              help="Paths to check (repeat for several; default: all the backend runs).")
 @click.option("--shard", default=None, metavar="K/N",
               help="Run every N-th configuration from the K-th (0-based), to split a matrix "
                    "over N processes.")
 def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: str | None,
-          max_configs: int | None, shard: str | None) -> None:
+          max_configs: int | None, paths: tuple[str, ...], shard: str | None) -> None:
     """Correctness matrix against the float64 oracle; exits non-zero on any failure."""
-    from .check import format_result, run_check
+    from .check import ALL_PATHS, format_result, run_check
     part = None
     if shard:
         try:
@@ -94,9 +97,14 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
     be = _backend(backend)
     click.echo(f"checking backend {be.name} on {be.device_info().name}"
                f"{' (full matrix)' if full else ' (quick matrix; --full for all 216)'}")
+    single = be.auto_path()
+    if not paths and single is not None:  # a backend with one arm (MLX without Metal)
+        click.echo(f"paths: {single[0]} only ({single[1]})")
+    chosen = paths or (ALL_PATHS if single is None else (single[0],))
     t0 = time.perf_counter()
     report = run_check(be, full=full, dtypes=list(dtypes), max_configs=max_configs,
-                       shard=part, progress=lambda r: click.echo(format_result(r)))
+                       paths=chosen, shard=part,
+                       progress=lambda r: click.echo(format_result(r)))
     click.echo(report.summary())
     click.echo(f"elapsed {time.perf_counter() - t0:.1f} s")
     if json_path:
@@ -113,31 +121,46 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "shared prefixes {2K,8K,32K} x batch {4,8,32,128}, suffix 256; sparse: "
                    "dense masked vs fused over context {4K,16K,64K} x sparsity {2..32}x.")
 @click.option("--preset", default=None,
-              help="Case preset: adr (GPU sweep), cpu (small), models. Default: adr on a "
-                   "GPU backend, cpu on the reference backend.")
+              help="Case preset: adr (gather/v1/v2 GPU sweep, pages 16/32/64), targets "
+                   "(page 16, batch up to 128), variants (8 x 8K: bf16, head_dim, GQA, "
+                   "page size), models, cpu (small). Default: adr on a GPU backend, cpu on "
+                   "the reference backend.")
 @click.option("--context", "contexts", multiple=True, type=int, help="Override contexts.")
 @click.option("--batch", "batches", multiple=True, type=int, help="Override batch sizes.")
 @click.option("--page", "pages", multiple=True, type=int, help="Override page sizes.")
 @click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]))
-@click.option("--arms", default="gather,v1,v2", show_default=True)
+@click.option("--arms", default="gather,v1,v2", show_default=True,
+              help="Comma-separated arms: gather, v1, v2 (ours), sdpa (torch SDPA on "
+                   "contiguous K/V), flashinfer, flashinfer-tc (FlashInfer batch decode, "
+                   "CUDA cores / tensor cores, when importable).")
 @click.option("--reps", default=30, show_default=True, type=int)
 @click.option("--warmup", default=5, show_default=True, type=int)
 @click.option("--warm-l2", is_flag=True, help="Do not flush L2 between iterations.")
+@click.option("--no-graph", is_flag=True,
+              help="GPU time from eager CUDA events instead of CUDA-graph replay.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write a PNG (GPU time against context, one line per arm; needs "
+                   "matplotlib).")
+@click.option("--write-crossover", "crossover_path", type=click.Path(dir_okay=False),
+              default=None, help="Write the measured crossover table (best of gather/v1/v2 "
+                                 "per cell) that path='auto' reads; see "
+                                 "paged_decode.crossover for where it is looked up.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None)
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None)
 def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
-          reps: int, warmup: int, warm_l2: bool, json_path: str | None, csv_path: str | None,
+          reps: int, warmup: int, warm_l2: bool, no_graph: bool, plot_path: str | None,
+          crossover_path: str | None, json_path: str | None, csv_path: str | None,
           md_path: str | None) -> None:
-    """Time gather vs v1 vs v2 over a context x batch x page sweep (each arm verified
-    against the float64 oracle first)."""
+    """Time decode arms over a context x batch x page sweep (each arm verified against the
+    float64 oracle first): GPU time under CUDA-graph replay and per-call time."""
     from .bench import preset_cases, run_bench
     from .bench.report import markdown, table, to_csv, to_json
     from .bench.runner import ARMS, header
     from .bench.timing import measure_read_bandwidth
     be = _backend(backend)
-    name = preset or ("cpu" if be.name == "reference" else "adr")
+    name = preset or ("adr" if be.name in ("cuda", "metal") else "cpu")
     try:
         cases = preset_cases(name, contexts=list(contexts), batches=list(batches),
                              pages=list(pages), dtype=dtype)
@@ -159,24 +182,55 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
         n = len(SUITES[suite]())
         with click.progressbar(length=n, label=f"{n} cases", file=sys.stderr) as bar:
             results = run_suite(suite, be, warmup=warmup, reps=reps, cold_l2=not warm_l2,
-                                progress=lambda r: bar.update(1))
+                                graph=not no_graph, progress=lambda r: bar.update(1))
     else:
         with click.progressbar(length=len(cases), label=f"{len(cases)} cases",
                                file=sys.stderr) as bar:
             results = run_bench(cases, backend=be, arms=arm_list, warmup=warmup, reps=reps,
-                                cold_l2=not warm_l2, progress=lambda r: bar.update(1))
+                                cold_l2=not warm_l2, graph=not no_graph,
+                                progress=lambda r: bar.update(1))
     click.echo(table(results, bandwidth=bw))
     if json_path:
         Path(json_path).write_text(to_json(results, head))
+    if plot_path:
+        from .bench.plot import plot_results
+        try:
+            plot_results(json.loads(to_json(results, head)), plot_path)
+        except ImportError as exc:
+            raise click.ClickException(f"bench: --plot needs matplotlib ({exc}); pip "
+                                       "install 'paged-decode[plot]'") from exc
+    if crossover_path:
+        from .crossover import from_results
+        xt = from_results(results, str(head.get("device", be.name)))
+        Path(crossover_path).write_text(json.dumps(xt, indent=1))
+        click.echo(f"crossover table: {len(xt['cells'])} cells -> {crossover_path}")
     if csv_path:
         Path(csv_path).write_text(to_csv(results))
     if md_path:
         Path(md_path).write_text(markdown(results, head, " ".join(sys.argv)))
-    if not all(a.verified for r in results for a in r.arms.values()):
+    if not all(a.verified for r in results for a in r.arms.values() if a.ran != "unavailable"):
         raise click.ClickException("some arm failed verification against the oracle ('!')")
-    if any(a.fell_back for r in results for a in r.arms.values()):
+    if any(a.fell_back for r in results for a in r.arms.values() if a.ran != "unavailable"):
         raise click.ClickException("some arm fell back to another path ('*'); its comparisons "
                                    "were withheld")
+
+
+@main.command()
+@click.argument("json_path", type=click.Path(exists=True, dir_okay=False))
+@click.argument("png_path", type=click.Path(dir_okay=False))
+@click.option("--metric", default="gpu", show_default=True,
+              type=click.Choice(["gpu", "call", "gbps"]))
+def plot(json_path: str, png_path: str, metric: str) -> None:
+    """Plot a `bench --json` result file as a PNG (needs matplotlib)."""
+    from .bench.plot import plot_file
+    try:
+        out = plot_file(json_path, png_path, metric=metric)
+    except ImportError as exc:
+        raise click.ClickException(f"plot: needs matplotlib ({exc}); pip install "
+                                   "'paged-decode[plot]'") from exc
+    except (ValueError, KeyError) as exc:
+        raise click.ClickException(f"plot: {json_path}: {exc}") from exc
+    click.echo(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ runs the cascade of ``paged_decode.cascade`` on the v2 kernels instead.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .backends import Backend, Problem, backend_for
@@ -29,8 +31,23 @@ PATHS = ("auto", "v2", "v1", "gather")
 
 
 def choose_path(backend: Backend, table: PageTable, plan: DecodePlan) -> tuple[str, str]:
-    """The path ``path="auto"`` takes, and why (one place for the policy)."""
-    return "v2", "auto: v2 is the default path (no crossover table for this device)"
+    """The path ``path="auto"`` takes, and why (one place for the policy): the best path
+    of the nearest cell of the device's measured crossover table
+    (``paged_decode.crossover``), v2 when the device has no table."""
+    single = backend.auto_path()  # a backend with one arm (MLX without Metal: gather)
+    if single is not None:
+        return single
+    from .crossover import table_for
+    name = backend.device_info().name
+    xt = table_for(name)
+    if xt is None:
+        return "v2", f"auto: v2 (no crossover table for {name!r})"
+    ctx = table.total_visible / max(1, table.batch_size)
+    best, cell = xt.choose(table.batch_size, ctx, table.page_size,
+                           plan.num_qo_heads // plan.num_kv_heads)
+    return best, (f"auto: {best} was fastest at the nearest measured cell (B{cell.batch} "
+                  f"ctx{cell.context} ps{cell.page_size} G{cell.group}) of "
+                  f"{Path(xt.source).name}")
 
 
 def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan | None = None,
@@ -46,8 +63,10 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
         plan: a ``DecodePlan`` for this table and geometry (made here when ``None``).
         path: ``"auto"``, ``"v2"``, ``"v1"`` or ``"gather"``.
         sm_scale: softmax scale in natural units (default ``1 / sqrt(D)``).
-        out: optional ``[B, Hq, D]`` output to write (dtype ``out_dtype``).
-        lse: optional ``[B, Hq]`` float32 buffer for the log-sum-exp.
+        out: optional ``[B, Hq, D]`` output to write (dtype ``out_dtype``). On MLX
+            (immutable arrays) ``out`` must be an MLX array; it is rebound to the result
+            (``out[...] = result``) rather than written, so it saves no allocation.
+        lse: optional ``[B, Hq]`` float32 buffer for the log-sum-exp (same rule).
         return_lse: also return the ``[B, Hq]`` float32 LSE, **base 2** of the scaled
             logits (``log2 sum_t exp2(sm_scale * log2(e) * q.k_t)``); ``-inf`` for a
             request with no visible tokens (whose output is zeros).
@@ -63,9 +82,77 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
     Returns:
         ``out`` (``[B, Hq, D]``), or ``(out, lse)`` with ``return_lse``; arrays of the
         backend's kind (CUDA results come back as the caller's kind, e.g. torch).
+
+    With a plan and ``out`` given, the v2 and v1 paths on CUDA allocate nothing and copy
+    nothing to the device after the first call on a stream (the merge workspace is kept
+    per plan and stream), so such a call can be captured in a CUDA graph. For the least
+    host overhead per step see ``prepare_decode``.
     """
     fn = "decode"
     be = backend_for(backend, q)
+    a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
+                   out_dtype=out_dtype)
+    from .cascade import run_cascade  # cascade imports this module
+    from .cascade_policy import resolve_cascade
+
+    def device() -> Any:
+        with be.launch_context(q):
+            return be.device_info()
+
+    single = be.auto_path() if path == "auto" else None  # no automatic cascade there
+    cplan, why_cascade = resolve_cascade(fn, cascade, single[0] if single else path, table,
+                                         a.hq, a.hkv, a.d, device)
+    if cplan is not None:
+        sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members, a.hkv,
+                                  a.d, a.p, "v2"))
+        if not sup:
+            raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the cascade's "
+                                          f"level 0: {sup.reason}")
+        with be.launch_context(q):
+            out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+            lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
+            run_cascade(be, a.q, a.k, a.v, cplan, a.scale, out_a, lse_a)
+        record(DecodeOutcome("cascade", be.name, a.b, table.total_visible, cplan.num_partials,
+                             f"cascade: {why_cascade}", cplan.prefix.describe()))
+        return _results(be, q, out, lse, out_a, lse_a, return_lse)
+    plan = resolve_plan(fn, be, a, plan, q)
+    chosen, reason = choose_path(be, table, plan) if path == "auto" else (path, "requested")
+    check_support(fn, be, a, chosen)
+    with be.launch_context(q):
+        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+        want_lse = return_lse or lse is not None
+        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
+            if want_lse or chosen != "gather" else None
+        ran = run_path(be, a, plan, chosen, out_a, lse_a)
+    if why_cascade:
+        reason = f"{reason}; {why_cascade}"
+    record(DecodeOutcome(ran, be.name, a.b, table.total_visible,
+                         plan.num_chunks if ran.startswith("v2") else a.b, reason))
+    return _results(be, q, out, lse, out_a, lse_a, return_lse)
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """A validated decode call: backend arrays, geometry, dtypes and the scale."""
+
+    q: Any
+    k: Any
+    v: Any
+    table: PageTable
+    b: int
+    hq: int
+    hkv: int
+    d: int
+    p: int
+    q_dt: str
+    kv_dt: str
+    o_dt: str
+    scale: float
+
+
+def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
+               path: str, sm_scale: float | None, out_dtype: str | None) -> CallArgs:
+    """Validate a decode call's arrays, table, path and scale (errors name ``fn``)."""
     qa, ka, va = be.asarray(q), be.asarray(k_pages), be.asarray(v_pages)
     if not isinstance(table, PageTable):
         raise InvalidArgumentError(f"{fn}: table must be a PageTable, got {type(table).__name__}")
@@ -98,64 +185,45 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if not math.isfinite(scale):
         raise InvalidArgumentError(f"{fn}: sm_scale must be finite, got {sm_scale!r}")
-    from .cascade import run_cascade  # cascade imports this module
-    from .cascade_policy import resolve_cascade
+    return CallArgs(qa, ka, va, table, b, hq, hkv, d, p, q_dt, kv_dt, o_dt, scale)
 
-    def device() -> Any:
-        with be.launch_context(q):
-            return be.device_info()
 
-    cplan, why_cascade = resolve_cascade(fn, cascade, path, table, hq, hkv, d, device)
-    if cplan is not None:
-        sup = be.supports(Problem(q_dt, kv_dt, hq * cplan.prefix.num_members, hkv, d, p, "v2"))
-        if not sup:
-            raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the cascade's "
-                                          f"level 0: {sup.reason}")
-        with be.launch_context(q):
-            out_a = _buffer(fn, be, "out", out, (b, hq, d), o_dt)
-            lse_a = _buffer(fn, be, "lse", lse, (b, hq), "float32")
-            run_cascade(be, qa, ka, va, cplan, scale, out_a, lse_a)
-        record(DecodeOutcome("cascade", be.name, b, table.total_visible, cplan.num_partials,
-                             f"cascade: {why_cascade}", cplan.prefix.describe()))
-        return _results(be, q, out, lse, out_a, lse_a, return_lse)
+def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
+                 like: Any) -> DecodePlan:
+    """``plan`` checked against the call, or a fresh plan for ``like``'s device."""
     if plan is None:
-        with be.launch_context(q):  # the device of q, for its SM count
-            plan = plan_decode(table, hq, hkv, d, device=be.device_info())
-    elif not isinstance(plan, DecodePlan):
+        with be.launch_context(like):  # the device of q, for its SM count
+            return plan_decode(a.table, a.hq, a.hkv, a.d, device=be.device_info())
+    if not isinstance(plan, DecodePlan):
         raise InvalidArgumentError(f"{fn}: plan must be a DecodePlan, got {type(plan).__name__}")
-    else:
-        plan.check(fn, table, hq, hkv, d)
-    chosen, reason = choose_path(be, table, plan) if path == "auto" else (path, "requested")
-    sup = be.supports(Problem(q_dt, kv_dt, hq, hkv, d, p, chosen))
+    plan.check(fn, a.table, a.hq, a.hkv, a.d)
+    return plan
+
+
+def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:
+    sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq, a.hkv, a.d, a.p, path))
     if not sup:
-        raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run path {chosen!r}: "
+        raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run path {path!r}: "
                                       f"{sup.reason}")
-    with be.launch_context(q):
-        out_a = _buffer(fn, be, "out", out, (b, hq, d), o_dt)
-        want_lse = return_lse or lse is not None
-        lse_a = _buffer(fn, be, "lse", lse, (b, hq), "float32") \
-            if want_lse or chosen != "gather" else None
-        if chosen == "v2":
-            if plan.needs_merge:
-                v_part = be.empty((plan.num_chunks, hq, d), "float32")
-                lse_part = be.empty((plan.num_chunks, hq), "float32")
-                be.partial(qa, ka, va, table, plan, scale, v_part, lse_part)
-                be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a)
-                ran = "v2+merge"
-            else:
-                be.partial(qa, ka, va, table, plan, scale, out_a, lse_a)
-                ran = "v2"
-        elif chosen == "v1":
-            be.decode_v1(qa, ka, va, table, scale, out_a, lse_a)
-            ran = "v1"
-        else:
-            be.gather_sdpa(qa, ka, va, table, scale, out_a, lse_a)
-            ran = "gather"
-    if why_cascade:
-        reason = f"{reason}; {why_cascade}"
-    record(DecodeOutcome(ran, be.name, b, table.total_visible,
-                         plan.num_chunks if ran.startswith("v2") else b, reason))
-    return _results(be, q, out, lse, out_a, lse_a, return_lse)
+
+
+def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
+             lse_a: Any) -> str:
+    """Launch ``path`` (``"v2"``, ``"v1"`` or ``"gather"``) into ``out_a`` / ``lse_a``
+    (inside the backend's launch context); returns the path that ran."""
+    if path == "v2":
+        if plan.needs_merge:
+            v_part, lse_part = be.workspace(plan)
+            be.partial(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part)
+            be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a)
+            return "v2+merge"
+        be.partial(a.q, a.k, a.v, a.table, plan, a.scale, out_a, lse_a)
+        return "v2"
+    if path == "v1":
+        be.decode_v1(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a)
+        return "v1"
+    be.gather_sdpa(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a)
+    return "gather"
 
 
 def _results(be: Backend, q: Any, out: Any, lse: Any, out_a: Any, lse_a: Any,
@@ -166,10 +234,15 @@ def _results(be: Backend, q: Any, out: Any, lse: Any, out_a: Any, lse_a: Any,
     return result, (be.wrap_result(lse_a, like=q) if lse is None else lse)
 
 
-def _buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int, ...],
-            dtype: str) -> Any:
+def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int, ...],
+                  dtype: str) -> Any:
+    """``given`` checked (shape, dtype, contiguity) as the backend's array, or a fresh one."""
     if given is None:
         return be.empty(shape, dtype)
+    if be.functional_outputs and not be.owns(given):  # MLX: the result rebinds `given`
+        raise InvalidArgumentError(f"{fn}: {name} must be an array of backend {be.name!r} "
+                                   "(it receives the result by rebinding), got "
+                                   f"{type(given).__module__}.{type(given).__name__}")
     arr = be.asarray(given)
     check_shape(fn, name, arr.shape, shape, "[B, Hq, D]" if len(shape) == 3 else "[B, Hq]")
     got = check_dtype(fn, name, be.dtype_of(arr))
@@ -188,4 +261,5 @@ def _is_contiguous(arr: Any) -> bool:
     return bool(c)
 
 
-__all__ = ["decode", "choose_path", "PATHS"]
+__all__ = ["decode", "choose_path", "PATHS", "CallArgs", "check_call", "resolve_plan",
+           "check_support", "run_path", "output_buffer"]

@@ -3,8 +3,10 @@
 A plan cuts every request's page list into chunks of ``pages_per_chunk`` pages; one
 partial-kernel CTA runs per (chunk, KV head, query-head group). The chunk count is
 non-increasing in ``pages_per_chunk``, so a binary search finds the *largest* chunk
-size whose CTA count still reaches the device target: the fewest chunks (least merge
-work) among the sizes that fill the device. Every request gets at least one chunk (an
+size whose CTA count still reaches the device target (the fewest chunks, least merge
+work, among the sizes that fill the device); of that size and the next larger one (whose
+count falls short), the plan takes the one whose CTA count is closer to the target by
+ratio. Every request gets at least one chunk (an
 empty request gets exactly one, which writes zeros and ``-inf``). The total chunk count
 never exceeds 65535 (CUDA grid y/z bound). When every request has one chunk the merge is
 skipped: the partial is the answer.
@@ -253,6 +255,14 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
             else:
                 hi = mid - 1
         ppc = lo
+        if lo < max_ppc:
+            # one page more per chunk falls short of the target: take it when its CTA
+            # count is closer to the target (by ratio), e.g. no split at all for a batch
+            # whose requests already give 97% of the target
+            over = int(chunk_counts(pages, lo).sum()) * ctas_per_chunk
+            under = int(chunk_counts(pages, lo + 1).sum()) * ctas_per_chunk
+            if target * target < over * under:   # target / under < over / target
+                ppc = lo + 1
     counts = chunk_counts(pages, ppc)
     req = np.repeat(np.arange(b, dtype=np.int64), counts)
     o_indptr = np.concatenate([[0], np.cumsum(counts)])

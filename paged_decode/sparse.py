@@ -262,6 +262,8 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
                 be.merge(v_part, l_part, plan.o_indptr, of, lf)
             else:
                 be.partial(qf, kp, vp, table, plan, scale, of, lf)
+            if be.functional_outputs:   # MLX rebinds of, lf (see backends.base)
+                out_a, lse_a = of.reshape(b, hq, d), lf.reshape(b, hq)
             chunks = plan.num_chunks
             why = (f"fused: live/selected = {ratio:.2f} >= min_sparsity {min_sparsity:g}"
                    if min_sparsity else "fused: sparsity gate disabled (min_sparsity 0)")

@@ -42,6 +42,7 @@ class KernelSpec:
     heads_per_cta: int = 0
     num_warps: int = 0
     stages: int = 0
+    row_loads: int = 0           # v2: 16-byte loads per lane per K/V row (CUDA only)
 
     @property
     def uri(self) -> str:
@@ -60,6 +61,8 @@ class KernelSpec:
             parts.append(f"w-{self.num_warps}")
         if self.stages:
             parts.append(f"st-{self.stages}")
+        if self.row_loads:
+            parts.append(f"ld-{self.row_loads}")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -67,7 +70,8 @@ class KernelSpec:
         t = CUDA_TYPES
         if self.kernel == "v2":
             args = [t[self.q_dtype], t[self.kv_dtype], t[self.out_dtype], self.head_dim,
-                    self.page_size, self.heads_per_cta, self.num_warps, self.stages]
+                    self.page_size, self.heads_per_cta, self.num_warps, self.stages,
+                    max(1, self.row_loads)]
             name = "pd_decode_v2_partial"
         elif self.kernel == "v1":
             args = [t[self.q_dtype], t[self.kv_dtype], t[self.out_dtype], self.head_dim,
@@ -87,41 +91,61 @@ class KernelSpec:
         (K, V) x the 16-byte pieces of its slice of a row."""
         if self.kernel not in ("v2", "v1"):
             return 0
-        return self.num_warps * 32 * stage_bytes_per_thread(self.kv_dtype, self.head_dim) \
-            * self.stages
+        return self.num_warps * 32 * self.stages * stage_bytes_per_thread(
+            self.kv_dtype, self.head_dim, max(1, self.row_loads))
 
 
 TOKENS_PER_STAGE = 4          # U in the kernels
 RING_BUDGET = 96 * 1024       # staging bytes one CTA may take
 
 
-def stage_bytes_per_thread(kv_dtype: str, head_dim: int) -> int:
-    """16-byte pieces a lane loads per K/V row (the kernels' RowMap), x tokens x 2."""
+def row_loads(kv_dtype: str, head_dim: int, requested: int = 1) -> int:
+    """16-byte loads a lane makes per K/V row (the kernels' RowMap): enough for the row
+    to fit in one warp, at least ``requested``."""
     per16 = 16 // {"float16": 2, "bfloat16": 2, "float32": 4}[kv_dtype]
     min_vec = -(-head_dim // 32)
-    vec = per16 if min_vec <= per16 else -(-min_vec // per16) * per16
-    return TOKENS_PER_STAGE * 2 * (vec // per16) * 16
+    return max(-(-min_vec // per16), requested)
 
 
-def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int) -> int:
+def stage_bytes_per_thread(kv_dtype: str, head_dim: int, requested_loads: int = 1) -> int:
+    """Ring bytes per thread and stage: 16-byte loads per row x tokens x (K, V)."""
+    return TOKENS_PER_STAGE * 2 * row_loads(kv_dtype, head_dim, requested_loads) * 16
+
+
+def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int,
+                    requested_loads: int = 1) -> int:
     """Deepest ring <= ``preferred`` (env ``PAGED_DECODE_STAGES`` overrides it) that fits
     ``RING_BUDGET``; at least 2."""
     env = os.environ.get(STAGES_ENV)
     want = int(env) if env else preferred
-    per_stage = num_warps * 32 * stage_bytes_per_thread(kv_dtype, head_dim)
+    per_stage = num_warps * 32 * stage_bytes_per_thread(kv_dtype, head_dim, requested_loads)
     return max(2, min(want, RING_BUDGET // per_stage))
 
 
+def v2_row_loads(kv_dtype: str, head_dim: int, heads_per_cta: int) -> int:
+    """Loads per lane per row of the v2 partial: ``PAGED_DECODE_V2_ROW_LOADS`` when set,
+    else ``V2_ROW_LOADS`` (the minimum, 1, unless measured otherwise)."""
+    env = os.environ.get(ROW_LOADS_ENV)
+    want = int(env) if env else V2_ROW_LOADS
+    if want < 1:
+        raise ValueError(f"{ROW_LOADS_ENV} must be a positive integer, got {env!r}")
+    return row_loads(kv_dtype, head_dim, want)
+
+
 STAGES_ENV = "PAGED_DECODE_STAGES"
+ROW_LOADS_ENV = "PAGED_DECODE_V2_ROW_LOADS"
+V2_ROW_LOADS = 1
 V2_STAGES = 2
 V1_STAGES = 2
 
 
 def v2_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,
             heads_per_cta: int) -> KernelSpec:
+    loads = v2_row_loads(kv_dtype, head_dim, heads_per_cta)
     return KernelSpec("v2", out_dtype, head_dim, q_dtype, kv_dtype, page_size, heads_per_cta,
                       V2_NUM_WARPS,
-                      pipeline_stages(kv_dtype, head_dim, V2_NUM_WARPS, V2_STAGES))
+                      pipeline_stages(kv_dtype, head_dim, V2_NUM_WARPS, V2_STAGES, loads),
+                      loads)
 
 
 def v1_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int,

@@ -63,7 +63,7 @@ def test_small_bench_prints_the_three_arms(run, tmp_path):
               "--page", "16", "--reps", "6", "--warmup", "1", "--json", str(js),
               "--csv", str(cs))
     assert res.exit_code == 0, res.output
-    for arm in ("gather us", "v1 us", "v2 us", "v2/v1", "v2/gather"):
+    for arm in ("gather us", "v1 us", "v2 us", "v1/v2", "gather/v2"):
         assert arm in res.output
     data = json.loads(js.read_text())
     assert data["header"]["backend"] == "reference"

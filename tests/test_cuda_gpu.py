@@ -129,13 +129,16 @@ MUTATIONS = {
     # the kernel reads page t // P of the pool instead of indices[indptr[r] + t // P]
     "ignores-indices": ("page_ids[a / PAGE_SIZE]", "(a / PAGE_SIZE)"),
     # the kernel forgets first_page_offset (odd requests start mid-page)
-    "drops-first-page-offset": ("const long long a = fpo + t;", "const long long a = t;"),
+    "drops-first-page-offset": ("const int a_begin = (int)(fpo + t_begin)",
+                                "const int a_begin = (int)(t_begin)"),
 }
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
 def test_negative_control_mutated_kernel_fails(cuda, mutation):
+    from paged_decode.specs import cuda_source
     old, new = MUTATIONS[mutation]
+    assert old in cuda_source("v2"), "the mutation no longer applies to the kernel"
     bad = _mutated_backend(cuda, lambda s: s.replace(old, new))
     pr = make_problem(ProblemSpec(4, 500, 16, 4, 128, 16, seed=15))
     ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)

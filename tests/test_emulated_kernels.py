@@ -55,8 +55,8 @@ def test_off_by_one_page_index_fails():
 
 
 def test_off_by_one_page_offset_fails():
-    bad = _Mutant("v2", lambda s: s.replace("const long long a = fpo + t;",
-                                            "const long long a = fpo + t + 1;"))
+    bad = _Mutant("v2", lambda s: s.replace("const int a = a_begin + i;",
+                                            "const int a = a_begin + i + 1;"))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
@@ -120,3 +120,32 @@ def test_source_is_the_cuda_backends(emu):
     from paged_decode.specs import v2_spec
     assert emu.kernel_source(v2_spec("float16", "float16", "float32", 64, 16, 4)) == \
         cuda_source("v2")
+
+
+ROW_LOAD_CASES = [
+    # (id, spec): two 16-byte loads per lane per row (half the lanes per row of the default)
+    ("d128-g4-f16", ProblemSpec(3, 150, 8, 2, 128, 16, seed=41)),
+    ("d64-g8-bf16", ProblemSpec(2, 90, 8, 1, 64, 16, "bfloat16", "bfloat16", seed=42)),
+    ("d256-g2-f32", ProblemSpec(2, 40, 4, 2, 256, 8, "float32", "float32", seed=43)),
+]
+
+
+@pytest.mark.parametrize("spec", [c[1] for c in ROW_LOAD_CASES],
+                         ids=[c[0] for c in ROW_LOAD_CASES])
+def test_v2_with_two_row_loads_matches_oracle(spec, monkeypatch):
+    from conftest import assert_matches_oracle
+
+    from paged_decode.reference import oracle_decode
+    monkeypatch.setenv("PAGED_DECODE_V2_ROW_LOADS", "2")
+    be = pd.get_backend("emulated-cuda")
+    pr = make_problem(spec)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    for ppc in (None, 2):
+        plan = pd.plan_decode(pr.table, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                              device=be.device_info(), pages_per_chunk=ppc)
+        out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2",
+                             return_lse=True, out_dtype="float32", backend=be)
+        assert_matches_oracle(out, lse, ref, ref_lse, "float32", f"{spec.label} ld2 {ppc}")
+    from paged_decode.specs import v2_spec
+    assert v2_spec(spec.q_dtype, spec.kv_dtype, "float32", spec.head_dim, spec.page_size,
+                   1).row_loads == 2

@@ -48,6 +48,8 @@ CASES = [
     # head_dim 96: 24 of 32 lanes carry data; simd_sum over the whole SIMD group
     ("d96-g2-ps16-f32", ProblemSpec(2, 45, 4, 2, 96, 16, "float32", "float32", seed=34),
      [("v2", 1)]),
+    # GQA 7 (QH 7): the CUDA partial's per-head butterfly (no head transposition)
+    ("d64-g7-ps16-f16", ProblemSpec(2, 50, 7, 1, 64, 16, seed=35), [("v2", 1)]),
     # head_dim 256 at 8 heads per threadgroup: the combine runs in 8 rounds (32 KB limit)
     ("d256-g8-ps16-f16", ProblemSpec(1, 40, 8, 1, 256, 16, seed=32), [("v2", 1), ("v1", None)]),
 ]

@@ -43,12 +43,21 @@ def ref_chunks(pages, ppc: int) -> int:
 
 
 def ref_best_ppc(pages, ctas_per_chunk: int, target: int, max_chunks: int = MAX_CHUNKS) -> int:
-    """Brute force: the largest chunk size that reaches the target within the grid bound,
-    else the finest split allowed by the grid bound."""
+    """Brute force: the largest chunk size that reaches the target within the grid bound
+    (or, when one page more per chunk gives a CTA count closer to the target by ratio,
+    that size), else the finest split allowed by the grid bound."""
     top = max(1, max(pages))
     allowed = [ppc for ppc in range(1, top + 1) if ref_chunks(pages, ppc) <= max_chunks]
     reaching = [ppc for ppc in allowed if ref_chunks(pages, ppc) * ctas_per_chunk >= target]
-    return max(reaching) if reaching else min(allowed)
+    if not reaching:
+        return min(allowed)
+    best = max(reaching)
+    if best < top:
+        over = ref_chunks(pages, best) * ctas_per_chunk
+        under = ref_chunks(pages, best + 1) * ctas_per_chunk
+        if target / under < over / target:
+            return best + 1
+    return best
 
 
 def ref_heads_per_cta(hq: int, hkv: int) -> int:
@@ -88,7 +97,7 @@ GEOMETRIES = [(8, 8), (32, 8), (28, 4), (16, 1), (6, 2), (64, 4)]
 
 def test_binary_search_is_maximal_brute_force():
     rng = np.random.default_rng(0)
-    reached = unreachable = 0
+    reached = unreachable = under = 0
     for _ in range(400):
         b = int(rng.integers(1, 10))
         pages = rng.integers(0, int(rng.choice([3, 12, 50])), b).tolist()
@@ -107,10 +116,13 @@ def test_binary_search_is_maximal_brute_force():
             # one page more per chunk would fall short of the target (or change nothing)
             if want < max(1, max(pages)):
                 assert ref_chunks(pages, want + 1) * cpc < target
+        elif plan.pages_per_chunk > 1 and ref_chunks(pages, want - 1) * cpc >= target:
+            under += 1          # the count just below the target was closer to it
+            assert target / plan.num_ctas < ref_chunks(pages, want - 1) * cpc / target
         else:
             unreachable += 1
             assert plan.pages_per_chunk == 1
-    assert reached > 25 and unreachable > 25   # both branches exercised
+    assert reached > 15 and unreachable > 25 and under > 10   # every branch exercised
 
 
 @pytest.mark.parametrize("max_chunks", [5, 7, 10, 16, 40])

@@ -36,6 +36,12 @@ REGISTRY: dict[str, BackendEntry] = {
     "emulated-cuda": BackendEntry("emulated-cuda", ".emulated", "EmulatedCudaBackend",
                                   "the CUDA kernels on the CPU emulator (tests; explicit "
                                   "choice only)"),
+    "metal": BackendEntry("metal", ".mlx", "MetalBackend",
+                          "Apple GPUs: the Metal kernels through MLX's metal_kernel (MLX "
+                          "arrays; not yet run on Apple hardware)"),
+    "mlx": BackendEntry("mlx", ".mlx", "MlxBackend",
+                        "MLX arrays on any MLX device, MLX ops only: the gather arm and the "
+                        "merge (Linux, or Macs as a baseline)"),
     "emulated-metal": BackendEntry("emulated-metal", ".emulated", "EmulatedMetalBackend",
                                    "the Metal kernels (MLX metal_kernel bodies) on the CPU "
                                    "emulator (tests; explicit choice only)"),
@@ -114,7 +120,8 @@ def backend_for(name: str | Backend | None, x: object) -> Backend:
     """The backend for a call on arrays like ``x``.
 
     An explicit ``name`` (or ``PAGED_DECODE_BACKEND``) wins, strictly. Otherwise the
-    array kind decides: numpy -> reference, CuPy or CUDA torch tensors -> cuda (the best
+    array kind decides: numpy -> reference, CuPy or CUDA torch tensors -> cuda, MLX arrays
+    -> metal where Metal is available and mlx (the gather arm) elsewhere (the best
     available backend for other kinds).
     """
     if isinstance(name, Backend):
@@ -126,6 +133,9 @@ def backend_for(name: str | Backend | None, x: object) -> Backend:
         return get_backend("reference")
     if kind == "cupy" or (kind == "torch" and getattr(x, "is_cuda", False)):
         return get_backend("cuda")
+    if kind == "mlx":
+        return get_backend("metal" if "metal" in _instances or availability("metal").ok
+                           else "mlx")
     return get_backend(None)
 
 

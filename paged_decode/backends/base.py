@@ -5,6 +5,16 @@ plans, allocates outputs and workspaces through ``empty`` and then calls the ker
 entry points below, which write *every* element of their outputs (tests poison fresh
 allocations with NaN). Shapes are row-major; B requests, C chunks, Hq query heads, Hkv
 KV heads, D head dim, P page size. LSEs are base 2 everywhere.
+
+How results reach the caller: an entry point delivers each output as ``out[...] =
+result`` would, so after the call the object passed as ``out`` holds the result. On
+numpy and CuPy that writes the buffer (a view of a larger array writes through to it).
+MLX arrays are immutable values (``metal_kernel`` returns fresh outputs and cannot write
+an input): there, item assignment *rebinds* the given array object to the result, at no
+cost, and nothing else changes. Backends like that set ``functional_outputs = True``, and
+the host layer then never relies on a write reaching an array through a slice or a
+reshape: it passes whole arrays it owns, or reads the result back from the object it
+passed (``cascade.run_cascade``, ``sparse_decode``).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +64,9 @@ class Backend(ABC):
     """A compute backend. Arrays passed to kernel entry points are the backend's own."""
 
     name: str = "?"
+    #: results are delivered by rebinding the given output objects (MLX), not by writing
+    #: their memory; see the module docstring
+    functional_outputs: bool = False
 
     # ----------------------------------------------------------- availability
     @classmethod
@@ -70,6 +84,17 @@ class Backend(ABC):
     def describe(self) -> dict[str, Any]:
         """Versions and device facts for ``paged-decode info`` and bench headers."""
         return {"backend": self.name}
+
+    def auto_path(self) -> tuple[str, str] | None:
+        """The one path ``decode(path="auto")`` must take on this backend and why, for a
+        backend that runs a single arm (MLX without Metal: gather); ``None`` otherwise."""
+        return None
+
+    def synchronize(self, *arrays: Any) -> None:
+        """Wait until ``arrays`` (and the work queued before them) are computed, for host
+        timers. Default: nothing, which is right for numpy; MLX evaluates its lazy graph,
+        and a backend with asynchronous launches overrides it."""
+        return None
 
     # ----------------------------------------------------------- arrays
     @abstractmethod
@@ -106,6 +131,21 @@ class Backend(ABC):
     def wrap_result(self, x: Any, like: Any) -> Any:
         """Return ``x`` in the array kind of the caller's ``like`` (identity by default)."""
         return x
+
+    def workspace(self, plan: DecodePlan) -> tuple[Any, Any]:
+        """The merge workspace of ``plan``: ``v [C, Hq, D]`` and ``lse [C, Hq]``, float32
+        (base-2 LSEs). Fresh arrays by default; the CUDA backend keeps one per (plan,
+        device, stream) so that a decode call allocates nothing (CUDA-graph capture)."""
+        return (self.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), "float32"),
+                self.empty((plan.num_chunks, plan.num_qo_heads), "float32"))
+
+    def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
+        """A callable repeating the kernel launches ``run`` makes, for a prepared call
+        (``prepare_decode``) on arrays like ``like``. ``run`` may only launch kernels
+        through this backend's kernel entry points on fixed arrays. By default the
+        callable is ``run`` itself; the CUDA backend records the launches once and
+        replays them with pre-packed arguments."""
+        return run
 
     # ----------------------------------------------------------- pool writes
     @abstractmethod

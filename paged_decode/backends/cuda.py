@@ -12,10 +12,12 @@ the merge workspace (``prepare`` uploads ahead of a CUDA-graph capture).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -29,8 +31,8 @@ from ..specs import KernelSpec, assert_compile_allowed, cuda_source
 from . import launches
 from .base import Backend, Problem, Support, poison_enabled
 
-CTAS_PER_SM = 4
-MIN_CHUNK_TOKENS = 256  # measured: bench/results/h200/tune_chunk_floor_2026-11-29.json
+CTAS_PER_SM = 2   # measured: bench/results/h200/tune_plan_2026-11-30.json
+MIN_CHUNK_TOKENS = 128  # measured: bench/results/h200/tune_plan_2026-11-30.json
 COMPILE_OPTIONS = ("-std=c++17",)
 
 try:  # imported lazily by the registry; a failure here marks the backend unavailable
@@ -66,6 +68,8 @@ class CudaBackend(Backend):
 
     def __init__(self) -> None:
         self._uploads: dict[tuple[int, int], Any] = {}
+        self._workspaces: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+        self._recording = threading.local()
 
     @classmethod
     def available(cls) -> Support:
@@ -193,6 +197,19 @@ class CudaBackend(Backend):
             for a in (plan.request_indices, plan.kv_tile_indices, plan.o_indptr):
                 self.upload(a)
 
+    def workspace(self, plan: DecodePlan) -> tuple[Any, Any]:
+        """The merge workspace of ``plan`` on the current device and stream, allocated on
+        first use and kept while ``plan`` lives: ``v [C, Hq, D]``, ``lse [C, Hq]`` float32.
+        One per stream, so concurrent streams never share partials; after the first call
+        on a stream a decode allocates nothing (it can be captured in a CUDA graph)."""
+        key = (id(plan), cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+        got = self._workspaces.get(key)
+        if got is None:
+            got = super().workspace(plan)
+            self._workspaces[key] = got
+            weakref.finalize(plan, self._workspaces.pop, key, None)
+        return got
+
     def _table(self, table: PageTable) -> tuple[Any, ...]:
         return tuple(self.upload(a) for a in (table.indices, table.indptr, table.last_page_len,
                                               table.first_page_offset))
@@ -224,9 +241,20 @@ class CudaBackend(Backend):
             self._table(table), out, lse_out))
 
     def _run(self, launch: launches.Launch) -> None:
-        """The one place that turns a ``Launch`` into a kernel call on the current stream."""
+        """The one place that turns a ``Launch`` into a kernel call on the current stream
+        (or, while ``compile_launches`` records, into a recorded launch)."""
         if launch.empty:
             return
+        recorded = getattr(self._recording, "launches", None)
+        if recorded is not None:
+            recorded.append(launch)
+            return
+        kernel = self._kernel_for(launch)
+        gx, gy = launch.grid
+        kernel((int(gx), int(gy), 1), (int(launch.block), 1, 1), launch.values(),
+               shared_mem=int(launch.smem))
+
+    def _kernel_for(self, launch: launches.Launch) -> Any:
         kernel = self.kernel(launch.spec)
         smem = launch.smem
         if smem and _smem_opt_in.get(id(kernel), (None, 0))[1] < smem:
@@ -234,9 +262,38 @@ class CudaBackend(Backend):
             # entry keeps the kernel alive so its id is never reused)
             kernel.max_dynamic_shared_size_bytes = int(smem)
             _smem_opt_in[id(kernel)] = (kernel, int(smem))
-        gx, gy = launch.grid
-        kernel((int(gx), int(gy), 1), (int(launch.block), 1, 1), launch.values(),
-               shared_mem=int(smem))
+        return kernel
+
+    def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
+        """Record the launches ``run`` makes (nothing runs), then return a callable that
+        replays them through ``cuLaunchKernel`` with arguments packed once, on the current
+        stream of ``like``'s framework at call time (torch's for torch tensors, CuPy's
+        otherwise) and on ``like``'s device. No allocation, host synchronization or
+        host-to-device copy happens in the callable, so it can be captured in a graph."""
+        self._recording.launches = []
+        try:
+            with self.launch_context(like):
+                run()
+                recorded = self._recording.launches
+                packed = [_PackedLaunch(self._kernel_for(lc), lc) for lc in recorded]
+                dev = cp.cuda.Device().id
+        finally:
+            self._recording.launches = None
+        stream = _stream_getter(like, dev)
+        launch = cp.cuda.driver.launchKernel
+        get_device = cp.cuda.runtime.getDevice
+
+        def replay() -> None:
+            if get_device() != dev:
+                with cp.cuda.Device(dev):
+                    replay()
+                return
+            s = stream()
+            for pk in packed:
+                launch(pk.fn, pk.gx, pk.gy, 1, pk.block, 1, 1, pk.smem, s, pk.params, 0)
+
+        replay.launches = tuple(recorded)  # type: ignore[attr-defined]
+        return replay
 
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                     sm_scale: float, out: Any, lse_out: Any) -> None:
@@ -262,6 +319,43 @@ def _check_aligned(fn: str, *arrays: Any) -> None:
 
 
 _smem_opt_in: dict[int, tuple[Any, int]] = {}
+
+
+class _PackedLaunch:
+    """One recorded launch with its kernel arguments packed for ``cuLaunchKernel``: a
+    ``void*[]`` of pointers to ctypes copies of each argument (device pointers for
+    arrays, ``int32``/``float32`` scalars). Keeps the arrays alive."""
+
+    __slots__ = ("fn", "gx", "gy", "block", "smem", "params", "_keep")
+
+    def __init__(self, kernel: Any, launch: launches.Launch) -> None:
+        self.fn = int(kernel.kernel.ptr)
+        self.gx, self.gy = (int(x) for x in launch.grid)
+        self.block, self.smem = int(launch.block), int(launch.smem)
+        cells: list[Any] = []
+        for arg in launch.args:
+            v = arg.value
+            if isinstance(v, cp.ndarray):
+                cells.append(ctypes.c_void_p(v.data.ptr))
+            elif isinstance(v, np.int32):
+                cells.append(ctypes.c_int32(int(v)))
+            elif isinstance(v, np.float32):
+                cells.append(ctypes.c_float(float(v)))
+            else:
+                raise TypeError(f"{launch.spec.uri}: cannot pack argument {arg.name!r} of type "
+                                f"{type(v).__name__}")
+        ptrs = (ctypes.c_void_p * len(cells))(*(ctypes.addressof(c) for c in cells))
+        self.params = ctypes.addressof(ptrs)
+        self._keep = (cells, ptrs, launch.values())
+
+
+def _stream_getter(like: Any, dev: int) -> Callable[[], int]:
+    """A function returning the raw current stream for calls on arrays like ``like``."""
+    if type(like).__module__.split(".")[0] == "torch":
+        current = _torch().cuda.current_stream
+        return lambda: int(current(dev).cuda_stream)
+    get = cp.cuda.get_current_stream
+    return lambda: int(get().ptr)
 
 
 def _external_stream(ptr: int, dev: int) -> Any:

@@ -8,8 +8,9 @@ input values (scalars as 0-d ``int32`` / ``float32`` arrays, which MLX passes as
 never formatted into the body) and the launch geometry in MLX's units. ``mlx_geometry``
 is the one conversion from blocks to MLX's ``grid``, which counts threads.
 
-Used by the ``emulated-metal`` backend today; a real MLX backend passes the same values
-to ``metal_kernel(...)(inputs=..., template=..., grid=..., threadgroup=...)``.
+Used by the ``emulated-metal`` backend (the CPU emulator) and by the ``metal`` backend,
+whose ``mlx_kernels`` turns a ``MetalCall`` into the arguments of ``metal_kernel(...)`` and
+of its call (``inputs=..., template=..., grid=..., threadgroup=...``).
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def metal_kernel(kernel: str) -> MetalKernel:
 
 
 def metal_name(spec: KernelSpec) -> str:
-    """The ``metal_kernel`` name: the spec's URI without the CUDA-only pipeline depth
-    (Metal has no staging ring) and with ``-`` dropped (it becomes a C++ identifier), e.g.
-    ``pd_v2_qf16_kvf16_of32_hd64_ps16_qh4_w4``: one name per specialization."""
-    return dataclasses.replace(spec, stages=0).uri.replace("-", "")
+    """The ``metal_kernel`` name: the spec's URI without the CUDA-only pipeline depth and
+    row loads (Metal has no staging ring and one row mapping) and with ``-`` dropped (it
+    becomes a C++ identifier), e.g. ``pd_v2_qf16_kvf16_of32_hd64_ps16_qh4_w4``: one name
+    per specialization."""
+    return dataclasses.replace(spec, stages=0, row_loads=0).uri.replace("-", "")
 
 
 def metal_template(spec: KernelSpec) -> list[tuple[str, Any]]:

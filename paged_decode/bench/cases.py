@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -48,12 +49,29 @@ def _grid(contexts: list[int], batches: list[int], pages: list[int], model: str 
             for c, b, p in itertools.product(contexts, batches, pages)]
 
 
+def _variants() -> list[BenchCase]:
+    """8 x 8K, float16, Hkv 8, D 128, page 16 unless varied: bfloat16; head_dim 64 and 256;
+    GQA 1, 7 and 16; page sizes 1 to 64 (each compared with its own contiguous SDPA)."""
+    base = BenchCase(8, 8192, 16)
+    out = [base, dataclasses.replace(base, dtype="bfloat16")]
+    out += [dataclasses.replace(base, head_dim=d) for d in (64, 256)]
+    out += [dataclasses.replace(base, num_qo_heads=8 * g, model=f"gqa{g}") for g in (1, 7, 16)]
+    out += [dataclasses.replace(base, page_size=p) for p in (1, 2, 4, 8, 32, 64)]
+    return out
+
+
 PRESETS = {
-    # the issue-3 sweep on a GPU (Llama-3-8B heads, float16)
-    "adr": lambda: _grid([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64], [16, 32, 64]),
+    # the gather / v1 / v2 sweep on a GPU (Llama-3-8B heads, float16); also the cells of
+    # the crossover table behind path="auto"
+    "adr": lambda: _grid([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64, 128], [16, 32, 64]),
+    # the performance targets of the H200 (page 16): compare with --arms
+    # v1,v2,sdpa,flashinfer,flashinfer-tc
+    "targets": lambda: _grid([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64, 128], [16]),
+    "variants": _variants,
     # small enough for the numpy reference backend to finish in about a minute
     "cpu": lambda: _grid([512, 2048], [1, 4], [16, 64]),
-    "models": lambda: [c for m in MODELS for c in _grid([4096], [8], [16], model=m)],
+    "models": lambda: [c for m in MODELS for c in _grid([1024, 8192, 32768], [1, 8, 64], [16],
+                                                        model=m)],
 }
 
 

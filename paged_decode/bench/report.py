@@ -7,43 +7,75 @@ import io
 import json
 from typing import Any
 
-from .runner import BenchResult
+from .runner import ArmResult, BenchResult
+
+MAIN_ARM = "v2"
+
+
+def _main_arm(arms: list[str]) -> str:
+    return MAIN_ARM if MAIN_ARM in arms else arms[-1]
+
+
+def comparable(a: ArmResult, b: ArmResult) -> bool:
+    """Both arms verified, timed and ran what they stand for."""
+    return (a.verified and b.verified and not a.fell_back and not b.fell_back
+            and a.median_us == a.median_us and b.median_us == b.median_us)
+
+
+def _cell(x: ArmResult) -> str:
+    if x.ran == "unavailable":
+        return f"{'n/a':>19}"
+    mark = "!" if not x.verified else "*" if x.fell_back else " "
+    if not x.verified:
+        return f"{'FAIL':>18}{mark}"
+    gpu = x.gpu.get("median_us")
+    call = x.call.get("median_us", float("nan"))
+    txt = f"{gpu:.1f}/{call:.1f}" if gpu is not None else f"{call:.1f}"
+    if x.gpu_mode == "events":
+        txt += "e"
+    return f"{txt:>18}{mark}"
 
 
 def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
-    """One row per case: the median time of each arm (GPU time when measured; ``!`` marks
-    an arm that failed verification, ``*`` one that fell back to another path), then the
-    last arm's GB/s and fraction of the measured read bandwidth, and its speedup over each
-    other arm. A speedup involving an arm that fell back or failed is withheld (``-``)."""
+    """One row per case: each arm's median GPU time (graph replay) / per-call time in us
+    (``!`` failed verification, ``*`` fell back to another path, ``e`` GPU time from eager
+    events because the call could not be captured, ``n/a`` the arm cannot run here), then
+    the main arm's (v2) GB/s and fraction of the measured read bandwidth, and each other
+    arm's time divided by the main arm's (GPU time; > 1 means v2 is faster). A ratio
+    involving an arm that fell back or failed is withheld (``-``)."""
     if not results:
         return "(no results)"
     arms = list(results[0].arms)
-    main, others = arms[-1], arms[:-1]
+    main = _main_arm(arms)
+    others = [a for a in arms if a != main]
     width = max(44, max(len(r.case.label) for r in results) + 1)
-    head = f"{'case':<{width}}" + "".join(f"{a + ' us':>13}" for a in arms)
-    head += f"{main + ' GB/s':>14}{'%bw':>6}" + "".join(f"{main[:6] + '/' + o[:6]:>14}"
-                                                          for o in others)
+    head = f"{'case':<{width}}" + "".join(f"{a[:13] + ' us':>19}" for a in arms)
+    head += f"{main + ' GB/s':>12}{'%bw':>6}" + "".join(f"{o[:8] + '/' + main:>13}"
+                                                         for o in others)
     head += f"{'chunks':>7}"
     lines = [head, "-" * len(head)]
     withheld = []
     for r in results:
-        row = f"{r.case.label:<{width}}"
-        for a in arms:
-            x = r.arms[a]
-            mark = "!" if not x.verified else "*" if x.fell_back else " "
-            row += f"{x.median_us:>12.1f}{mark}"
+        row = f"{r.case.label:<{width}}" + "".join(_cell(r.arms[a]) for a in arms)
         m = r.arms[main]
-        pct = f"{100 * m.gbps * 1e9 / bandwidth:>5.0f}%" if bandwidth else f"{'-':>6}"
-        row += f"{m.gbps:>14.1f}{pct}"
+        pct = f"{100 * m.gbps * 1e9 / bandwidth:>5.0f}%" if bandwidth and m.gbps else f"{'-':>6}"
+        row += f"{m.gbps:>12.1f}{pct}"
         for o in others:
             x = r.arms[o]
-            ok = m.verified and x.verified and not m.fell_back and not x.fell_back
-            row += f"{x.median_us / m.median_us:>14.2f}" if ok else f"{'-':>14}"
-            if not ok:
+            ok = comparable(m, x)
+            row += f"{x.median_us / m.median_us:>13.2f}" if ok else f"{'-':>13}"
+            if not ok and x.ran != "unavailable":
                 withheld.append(f"{r.case.label}: {main} vs {o}")
         lines.append(row + f"{r.num_chunks:>7}")
     ran = sorted({f"{a}->{x.ran}" for r in results for a, x in r.arms.items()})
+    if any(x.gpu for r in results for x in r.arms.values()):
+        lines.append("columns: GPU us (CUDA-graph replay, cold L2) / per-call us (host "
+                     "included)")
+    else:
+        lines.append("columns: host us per call (synchronized)")
     lines.append("arms ran: " + ", ".join(ran) + "  ('!' failed verification, '*' fell back)")
+    notes = sorted({f"{a}: {x.note}" for r in results for a, x in r.arms.items() if x.note})
+    lines += [f"note: {n}" for n in notes[:10]]
     if withheld:
         lines.append(f"comparisons withheld (an arm fell back or failed): {len(withheld)}: "
                      + "; ".join(withheld[:8]) + (" ..." if len(withheld) > 8 else ""))
@@ -58,17 +90,19 @@ def to_csv(results: list[BenchResult]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["model", "batch", "context", "page_size", "hq", "hkv", "head_dim", "dtype",
-                "arm", "ran", "verified", "max_rel_error", "gpu_median_us", "gpu_p20_us",
-                "gpu_p80_us", "call_median_us", "gbps", "num_chunks", "pages_per_chunk"])
+                "arm", "ran", "verified", "max_rel_error", "gpu_mode", "gpu_median_us",
+                "gpu_p20_us", "gpu_p80_us", "call_median_us", "call_p20_us", "call_p80_us",
+                "api_call_median_us", "gbps", "num_chunks", "pages_per_chunk", "note"])
     for r in results:
         c = r.case
         for a in r.arms.values():
             w.writerow([c.model, c.batch, c.context, c.page_size, c.num_qo_heads,
                         c.num_kv_heads, c.head_dim, c.dtype, a.arm, a.ran, a.verified,
-                        f"{a.max_rel_error:.3g}", a.gpu.get("median_us", ""),
+                        f"{a.max_rel_error:.3g}", a.gpu_mode, a.gpu.get("median_us", ""),
                         a.gpu.get("p20_us", ""), a.gpu.get("p80_us", ""),
-                        a.call.get("median_us", ""), f"{a.gbps:.2f}", r.num_chunks,
-                        r.pages_per_chunk])
+                        a.call.get("median_us", ""), a.call.get("p20_us", ""),
+                        a.call.get("p80_us", ""), a.api_call.get("median_us", ""),
+                        f"{a.gbps:.2f}", r.num_chunks, r.pages_per_chunk, a.note])
     return buf.getvalue()
 
 

@@ -1,10 +1,12 @@
 """Run benchmark cases on a backend: verify each arm against the float64 oracle, then time
 it, and record what actually ran.
 
-GPU arms are timed with CUDA events around each call with a cold L2 (``gpu_us``) and as a
-Python caller sees them, back-to-back with host overhead (``call_us``); on the reference
-backend only host time exists. The plan is made once per case and reused, as an engine
-reuses it across layers.
+GPU arms are timed two ways, side by side: GPU time under CUDA-graph replay with a cold
+L2 (``gpu``; plain CUDA events when the call cannot be captured, noted in ``gpu_mode``),
+and per call as a Python caller sees it, back-to-back with host overhead (``call``; for
+our arms this is the prepared call, and ``api_call`` is the plain ``decode(...)`` with
+the plan reused). On the reference backend only host time exists. The plan is made once
+per case and reused, as an engine reuses it across layers and steps.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import numpy as np
 
 from .. import __version__
 from ..backends import Backend, get_backend
-from ..decode import decode
 from ..dtypes import numpy_dtype
 from ..outcome import last_outcome
 from ..page_table import PageTable
@@ -28,14 +29,11 @@ from ..plan import plan_decode
 from ..problems import make_table
 from ..reference import attention_f64, max_rel_error
 from . import timing
+from .arms import ALL_ARMS, EXPECTED, ArmUnavailable, make_arm
 from .cases import BenchCase
 
-ARMS = ("gather", "v1", "v2")
+ARMS = ALL_ARMS
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
-
-
-#: the paths each adr arm may report; anything else is a fallback
-EXPECTED = {"gather": ("gather",), "v1": ("v1",), "v2": ("v2", "v2+merge")}
 
 
 @dataclass
@@ -46,8 +44,11 @@ class ArmResult:
     verified: bool
     gpu: dict[str, float] = field(default_factory=dict)    # median/p20/p80 in us
     call: dict[str, float] = field(default_factory=dict)
-    gbps: float = 0.0          # the arm's own bytes / median GPU (or host) time
+    gbps: float = 0.0          # the case's bytes / median GPU (or host) time
     expected: tuple[str, ...] = ()   # paths this arm is meant to run
+    gpu_mode: str = ""         # "graph" (CUDA-graph replay) or "events" (eager, fallback)
+    api_call: dict[str, float] = field(default_factory=dict)   # ours: plain decode()
+    note: str = ""             # why an arm was unavailable, or a capture failure
 
     @property
     def fell_back(self) -> bool:
@@ -85,14 +86,17 @@ def _problem(be: Backend, case: BenchCase, seed: int) -> tuple[Any, Any, Any, Pa
     rng = np.random.default_rng(seed)
     table, num_pages = make_table([case.context] * case.batch, case.page_size, slack=1.25,
                                   rng=rng)
-    xp = be.array_module()
-    g = xp.random.default_rng(seed)
     dt = numpy_dtype(case.dtype)
     shape = (num_pages, case.page_size, case.num_kv_heads, case.head_dim)
-    k = g.standard_normal(shape, dtype=xp.float32).astype(dt)
-    v = g.standard_normal(shape, dtype=xp.float32).astype(dt)
-    q = g.standard_normal((case.batch, case.num_qo_heads, case.head_dim),
-                          dtype=xp.float32).astype(dt)
+    qshape = (case.batch, case.num_qo_heads, case.head_dim)
+    if be.name == "cuda":   # generated on the device (pools of many GB)
+        import cupy as cp
+        g = cp.random.default_rng(seed)
+        return tuple(g.standard_normal(s, dtype=cp.float32).astype(dt)  # type: ignore[return-value]
+                     for s in (qshape, shape, shape)) + (table,)
+    h = np.random.default_rng(seed)
+    q, k, v = (be.asarray(h.standard_normal(s, dtype=np.float32).astype(dt))
+               for s in (qshape, shape, shape))
     return q, k, v, table
 
 
@@ -111,61 +115,119 @@ def _verify(be: Backend, out: Any, q: Any, k: Any, v: Any, table: PageTable) -> 
             kv.append(rows.reshape(-1, *rows.shape[2:])[fpo:fpo + n].astype(np.float64))
         ref, _ = attention_f64(qn[r].astype(np.float64), kv[0], kv[1],
                                1.0 / np.sqrt(qn.shape[-1]))
-        worst = max(worst, max_rel_error(on[r], ref))
+        worst = max(worst, max_rel_error(on[r].astype(np.float64), ref))
     return worst
+
+
+def verifier(be: Backend, arm: Any, q: Any, k: Any, v: Any,
+             table: PageTable) -> Callable[[], float]:
+    """A function running ``arm`` once and returning its max relative error against the
+    oracle (the output the call returns, else ``arm.out``)."""
+    def verify() -> float:
+        res = arm.call()
+        target = res[0] if isinstance(res, tuple) else res
+        return _verify(be, arm.out if target is None else target, q, k, v, table)
+    return verify
 
 
 def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[], float],
              nbytes: int, tolerance: float, expected: tuple[str, ...], *, warmup: int,
-             reps: int, cold_l2: bool) -> ArmResult:
+             reps: int, cold_l2: bool, ran: str | None = None,
+             api_call: Callable[[], Any] | None = None, graph: bool = True,
+             check_output: Callable[[Any], float] | None = None) -> ArmResult:
     """Run ``call`` once, verify it (``verify`` returns the max relative error against the
-    oracle), record the path it ran, then time it: CUDA events (cold L2) and per-call wall
-    time on a GPU backend, host time otherwise. GB/s uses ``nbytes``."""
+    oracle), record what ran (``ran``, else the last decode outcome's path), then time it:
+    on a GPU backend GPU time and per-call wall time (and ``api_call``'s per-call time when
+    given); host time otherwise. GB/s uses ``nbytes``. An arm that fails verification is
+    not timed.
+
+    GPU time comes from CUDA-graph replay when ``graph``: the call is captured once, and
+    with ``check_output`` (the max relative error of a given output array) the graph's
+    output is NaN-poisoned, replayed and verified, so a graph that does not do the work
+    cannot be timed. When capture fails, or the replay does not reproduce the output,
+    eager CUDA events are used instead and ``note`` says why."""
     call()
-    done = last_outcome()
+    if ran is None:
+        done = last_outcome()
+        ran = done.path if done else "?"
     err = verify()
-    res = ArmResult(arm, done.path if done else "?", err, bool(err <= tolerance),
-                    expected=expected)
+    res = ArmResult(arm, ran, err, bool(err <= tolerance), expected=expected)
+    if not res.verified:
+        return res
     if be.name == "cuda":
-        res.gpu = timing.stats(timing.cuda_event_times(call, warmup=warmup, reps=reps,
-                                                       cold_l2=cold_l2))
+        times = None
+        if graph:
+            try:
+                replay, result = timing.capture(call)
+                target = result[0] if isinstance(result, tuple) else result
+                if check_output is not None and target is not None:
+                    be.asarray(target).fill(float("nan"))
+                    replay()
+                    timing.synchronize()
+                    gerr = check_output(target)
+                    if not gerr <= tolerance:
+                        raise timing.GraphCaptureError(
+                            f"the replayed graph did not reproduce the output (max rel "
+                            f"error {gerr:.3g})")
+                times = timing.replay_times(replay, warmup=warmup, reps=reps,
+                                            cold_l2=cold_l2)
+                res.gpu_mode = "graph"
+            except timing.GraphCaptureError as exc:
+                res.note = f"graph timing unusable ({str(exc)[:160]}); eager events"
+        if times is None:
+            times = timing.cuda_event_times(call, warmup=warmup, reps=reps, cold_l2=cold_l2)
+            res.gpu_mode = "events"
+        res.gpu = timing.stats(times)
         res.call = timing.stats(timing.cuda_per_call_times(call, warmup=warmup, reps=reps))
+        if api_call is not None:
+            res.api_call = timing.stats(timing.cuda_per_call_times(api_call, warmup=warmup,
+                                                                   reps=reps))
     else:
-        res.call = timing.stats(timing.host_times(call, warmup=min(warmup, 2),
+        def synced() -> None:   # lazy backends (MLX) compute only when synchronized
+            r = call()
+            be.synchronize(*(r if isinstance(r, tuple) else (r,)))
+        res.call = timing.stats(timing.host_times(synced, warmup=min(warmup, 2),
                                                   reps=max(3, reps // 6)))
     res.gbps = nbytes / (res.median_us * 1e-6) / 1e9
     return res
 
 
-def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ARMS,
-               warmup: int = 5, reps: int = 30, cold_l2: bool = True,
-               seed: int = 0) -> BenchResult:
-    """Verify, then time, every arm of one case on ``be``."""
+def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather", "v1", "v2"),
+               warmup: int = 5, reps: int = 30, cold_l2: bool = True, seed: int = 0,
+               graph: bool = True) -> BenchResult:
+    """Verify, then time, every arm of one case on ``be``. An arm that cannot run here
+    (``ArmUnavailable``) is reported as unverified with the reason in ``note``."""
     q, k, v, table = _problem(be, case, seed)
     plan = plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
                        device=be.device_info())
-    with be.launch_context(q):
-        out = be.empty(tuple(q.shape), case.dtype)
+    scale = 1.0 / float(np.sqrt(case.head_dim))
     results = {}
     for arm in arms:
-        def call(arm: str = arm) -> Any:
-            return decode(q, k, v, table, plan, path=arm, out=out, backend=be)
-        results[arm] = time_arm(be, arm, call, lambda: _verify(be, out, q, k, v, table),
-                                case.io_bytes(), TOLERANCE[case.dtype], EXPECTED[arm],
-                                warmup=warmup, reps=reps, cold_l2=cold_l2)
+        try:
+            a = make_arm(arm, be, q, k, v, table, plan, scale)
+        except ArmUnavailable as exc:
+            results[arm] = ArmResult(arm, "unavailable", float("nan"), False,
+                                     expected=EXPECTED.get(arm, ()), note=str(exc))
+            continue
+        results[arm] = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table),
+                                case.io_bytes(), TOLERANCE[case.dtype],
+                                a.expected, warmup=warmup, reps=reps, cold_l2=cold_l2,
+                                ran=a.ran, api_call=a.api_call, graph=graph,
+                                check_output=lambda o: _verify(be, o, q, k, v, table))
+        del a
     return BenchResult(case, plan.num_chunks, plan.pages_per_chunk, results)
 
 
 def run_bench(cases: list[BenchCase], *, backend: str | Backend | None = None,
-              arms: tuple[str, ...] = ARMS, warmup: int = 5, reps: int = 30,
-              cold_l2: bool = True, seed: int = 0,
+              arms: tuple[str, ...] = ("gather", "v1", "v2"), warmup: int = 5, reps: int = 30,
+              cold_l2: bool = True, seed: int = 0, graph: bool = True,
               progress: Callable[[BenchResult], None] | None = None) -> list[BenchResult]:
     """Verify and time every arm of every case; see the module docstring."""
     be = get_backend(backend)
     results = []
     for case in cases:
         r = bench_case(be, case, arms=arms, warmup=warmup, reps=reps, cold_l2=cold_l2,
-                       seed=seed)
+                       seed=seed, graph=graph)
         results.append(r)
         if progress:
             progress(r)

@@ -97,7 +97,7 @@ def _random(be: Backend, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
 
 
 def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
-                  cold_l2: bool) -> BenchResult:
+                  cold_l2: bool, graph: bool = True) -> BenchResult:
     p = case.page_size
     n_shared, n_priv = case.shared // p, -(-case.suffix // p)
     num_pages = n_shared + case.batch * n_priv
@@ -120,13 +120,13 @@ def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
                          case.cascade_bytes(), ("cascade",))}
     arms = {name: time_arm(be, name, call, lambda: _verify(be, out, q, k, v, table), nbytes,
                            TOLERANCE[case.dtype], expected, warmup=warmup, reps=reps,
-                           cold_l2=cold_l2)
+                           cold_l2=cold_l2, graph=graph)
             for name, (call, nbytes, expected) in calls.items()}
     return BenchResult(case, flat_plan.num_chunks, flat_plan.pages_per_chunk, arms)
 
 
 def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
-                 cold_l2: bool) -> BenchResult:
+                 cold_l2: bool, graph: bool = True) -> BenchResult:
     b, hkv, d = case.batch, case.num_kv_heads, case.head_dim
     rng = np.random.default_rng(4)
     pos = np.stack([np.stack([np.sort(rng.choice(case.context, case.selected, replace=False))
@@ -161,13 +161,13 @@ def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
     calls = {"masked": (lambda: run(1e12), case.io_bytes(), ("sparse-masked",)),
              "fused": (lambda: run(0.0), case.fused_bytes(), ("sparse",))}
     arms = {name: time_arm(be, name, call, verify, nbytes, TOLERANCE[case.dtype], expected,
-                           warmup=warmup, reps=reps, cold_l2=cold_l2)
+                           warmup=warmup, reps=reps, cold_l2=cold_l2, graph=graph)
             for name, (call, nbytes, expected) in calls.items()}
     return BenchResult(case, 0, 1, arms)
 
 
 def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30, cold_l2: bool = True,
-              progress: Any = None) -> list[BenchResult]:
+              graph: bool = True, progress: Any = None) -> list[BenchResult]:
     """All cases of suite ``name`` (``"cascade"`` or ``"sparse"``) on ``be``."""
     if name not in SUITES:
         raise ValueError(f"bench: suite must be one of decode, {', '.join(SUITES)}, "
@@ -175,7 +175,7 @@ def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30, cold_l
     fn = bench_cascade if name == "cascade" else bench_sparse
     results = []
     for case in SUITES[name]():
-        r = fn(be, case, warmup=warmup, reps=reps, cold_l2=cold_l2)
+        r = fn(be, case, warmup=warmup, reps=reps, cold_l2=cold_l2, graph=graph)
         results.append(r)
         if progress:
             progress(r)

@@ -1,12 +1,20 @@
-"""Timers: CUDA events per iteration (optionally with a cold L2), or host perf counters.
+"""Timers: CUDA-graph replay and CUDA events per iteration (optionally with a cold L2),
+per-call wall time, or host perf counters.
 
 Each returns per-iteration seconds; the runner reports median, p20 and p80.
+
+GPU time is measured under CUDA-graph replay by default: the call is captured once and
+each iteration replays the graph between two events, so launch gaps of the host (Python,
+argument packing) are not counted, only the GPU work and its in-graph dependencies.
+Capture binds one stream as the current stream of both CuPy and torch, so arms written
+against either framework are captured alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -52,6 +60,100 @@ def cuda_event_times(fn: Callable[[], Any], *, warmup: int, reps: int,
     return np.array([cp.cuda.get_elapsed_time(s, e) * 1e-3 for s, e in zip(starts, ends)])
 
 
+def _torch() -> Any:
+    try:
+        import torch
+    except Exception:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+@contextlib.contextmanager
+def shared_stream(ptr: int) -> Iterator[None]:
+    """Make the raw CUDA stream ``ptr`` current for CuPy and (when importable) torch."""
+    import cupy as cp
+    torch = _torch()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cp.cuda.ExternalStream(ptr))
+        if torch is not None:
+            stack.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(ptr)))
+        yield
+
+
+class GraphCaptureError(RuntimeError):
+    """A call could not be captured in a CUDA graph (it synchronizes, allocates outside a
+    graph pool, or copies from the host)."""
+
+
+def capture(fn: Callable[[], Any], *, warmup: int = 2) -> tuple[Callable[[], None], Any]:
+    """Capture ``fn`` into a CUDA graph; returns ``(replay, result)``: a function launching
+    the graph, and what ``fn`` returned during capture (the arrays a replay writes). With
+    torch importable, torch's graph machinery captures (allocations then come from the
+    graph's private pool) and ``replay`` launches on torch's current stream; otherwise
+    CuPy's stream capture, and ``replay`` launches on CuPy's current stream. Time a replay
+    with ``replay_times``, which records events on that same stream."""
+    import cupy as cp
+    torch = _torch()
+    try:
+        if torch is not None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with shared_stream(side.cuda_stream):
+                for _ in range(warmup):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                with shared_stream(torch.cuda.current_stream().cuda_stream):
+                    result = fn()
+            torch.cuda.synchronize()
+            return graph.replay, result
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            for _ in range(warmup):
+                fn()
+            stream.synchronize()
+            stream.begin_capture()
+            try:
+                result = fn()
+            finally:
+                g = stream.end_capture()
+        return (lambda: g.launch(cp.cuda.get_current_stream())), result
+    except Exception as exc:
+        raise GraphCaptureError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def replay_times(replay: Callable[[], None], *, warmup: int, reps: int,
+                 cold_l2: bool = True) -> np.ndarray:
+    """GPU time of each ``replay`` between events on the stream it launches on (torch's
+    current stream when torch is importable, else CuPy's); with ``cold_l2`` a 256 MB
+    buffer is overwritten on that stream before each iteration, outside the events."""
+    torch = _torch()
+    if torch is None:
+        return cuda_event_times(replay, warmup=warmup, reps=reps, cold_l2=cold_l2)
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") \
+        if cold_l2 else None
+    for _ in range(warmup):
+        replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if flush is not None:
+            flush.fill_(i)
+        starts[i].record()
+        replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return np.array([s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)])
+
+
+def synchronize() -> None:
+    """Wait for all work on the current device (every stream)."""
+    import cupy as cp
+    cp.cuda.Device().synchronize()
+
+
 def cuda_per_call_times(fn: Callable[[], Any], *, warmup: int, reps: int) -> np.ndarray:
     """Per-call time as a Python caller sees it: back-to-back calls, wall clock around a
     batch of ``reps`` calls with one synchronize (launch and host overhead included, no
@@ -60,13 +162,14 @@ def cuda_per_call_times(fn: Callable[[], Any], *, warmup: int, reps: int) -> np.
     for _ in range(warmup):
         fn()
     cp.cuda.get_current_stream().synchronize()
+    cp.cuda.Device().synchronize()
     n = max(1, reps // 5)
     out = []
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        cp.cuda.get_current_stream().synchronize()
+        cp.cuda.Device().synchronize()
         out.append((time.perf_counter() - t0) / n)
     return np.array(out)
 

@@ -1,0 +1,30 @@
+"""Run the prepared v2 decode of one cell a few times (for ncu / compute-sanitizer).
+
+Usage: python3 bench/device/profile_v2.py BATCH CONTEXT [ROW_LOADS]
+"""
+
+import os
+import sys
+
+import numpy as np
+
+b, ctx = int(sys.argv[1]), int(sys.argv[2])
+if len(sys.argv) > 3:
+    os.environ["PAGED_DECODE_V2_ROW_LOADS"] = sys.argv[3]
+
+from paged_decode.backends import get_backend  # noqa: E402
+from paged_decode.bench.arms import make_arm  # noqa: E402
+from paged_decode.bench.cases import BenchCase  # noqa: E402
+from paged_decode.bench.runner import _problem  # noqa: E402
+from paged_decode.plan import plan_decode  # noqa: E402
+
+be = get_backend("cuda")
+q, k, v, table = _problem(be, BenchCase(b, ctx, 16), 0)
+plan = plan_decode(table, 32, 8, 128, device=be.device_info())
+arm = make_arm("v2", be, q, k, v, table, plan, 1 / np.sqrt(128))
+for _ in range(3):
+    arm.call()
+import cupy as cp  # noqa: E402
+
+cp.cuda.Device().synchronize()
+print("ran", arm.ran, "chunks", plan.num_chunks)

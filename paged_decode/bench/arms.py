@@ -1,0 +1,95 @@
+"""The arms a decode benchmark compares, built per case.
+
+Each arm is a callable an engine would make once per step (ours: a ``prepare_decode``
+call with the plan reused; FlashInfer: ``wrapper.run`` after one ``plan``; contiguous
+SDPA: one ``scaled_dot_product_attention`` call on K/V already laid out contiguously), the
+array its output lands in (verified against the float64 oracle before timing) and what it
+actually ran. Ours also expose the plain ``decode(...)`` call with the same plan, timed
+per call as the API cost.
+
+- ``gather``, ``v1``, ``v2``: this package's paths.
+- ``sdpa``: torch SDPA on contiguous ``[B, Hkv, L, D]`` K/V (the same bytes without
+  paging; needs torch and equal request lengths).
+- ``flashinfer``, ``flashinfer-tc``: FlashInfer's batch decode, CUDA-core and tensor-core
+  (needs ``flashinfer`` importable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..backends import Backend
+from ..decode import decode
+from ..errors import UnsupportedProblemError
+from ..page_table import PageTable
+from ..plan import DecodePlan
+from ..prepared import prepare_decode
+
+OURS = ("gather", "v1", "v2")
+EXTERNAL = ("sdpa", "flashinfer", "flashinfer-tc")
+ALL_ARMS = OURS + EXTERNAL
+#: the paths each of our arms may report; anything else is a fallback
+EXPECTED = {"gather": ("gather",), "v1": ("v1",), "v2": ("v2", "v2+merge")}
+
+
+class ArmUnavailable(Exception):
+    """The arm cannot run this case here (missing package, unsupported geometry)."""
+
+
+@dataclass
+class Arm:
+    call: Callable[[], Any]                 # what is timed per call and captured in a graph
+    out: Any                                # where the output lands (verified)
+    ran: str                                # what actually ran
+    expected: tuple[str, ...] = ()          # allowed values of ``ran`` (ours)
+    api_call: Callable[[], Any] | None = None   # ours: plain decode() with the same plan
+
+
+def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
+             plan: DecodePlan, sm_scale: float) -> Arm:
+    """Build arm ``name`` for one case (``q [B, Hq, D]``, pools ``[N, P, Hkv, D]`` of
+    ``be``'s kind). Raises ``ArmUnavailable`` with the reason when it cannot run."""
+    if name in OURS:
+        with be.launch_context(q):
+            out = be.empty(tuple(q.shape), be.dtype_of(q))
+        try:
+            prep = prepare_decode(q, k, v, table, plan, path=name, out=out,
+                                  sm_scale=sm_scale, backend=be)
+        except UnsupportedProblemError as exc:
+            raise ArmUnavailable(str(exc)) from exc
+
+        def api(name: str = name) -> Any:
+            return decode(q, k, v, table, plan, path=name, out=out, sm_scale=sm_scale,
+                          backend=be)
+        return Arm(prep, out, prep.path, EXPECTED[name], api)
+    if name not in EXTERNAL:
+        raise ValueError(f"bench: unknown arm {name!r}; arms: {', '.join(ALL_ARMS)}")
+    if be.name != "cuda":
+        raise ArmUnavailable(f"{name} runs only against the cuda backend")
+    try:
+        import torch
+
+        from . import flashinfer_arm as fa
+    except Exception as exc:
+        raise ArmUnavailable(f"{name} needs torch and the arm module "
+                             f"({type(exc).__name__}: {exc})") from exc
+    qt, kt, vt = (torch.from_dlpack(x) for x in (q, k, v))
+    try:
+        if name == "sdpa":
+            call, out, desc = fa.make_contiguous_sdpa(qt, kt, vt, table, sm_scale=sm_scale)
+        else:
+            ok, why = fa.available()
+            if not ok:
+                raise ArmUnavailable(why)
+            call, out, desc = fa.make_flashinfer_decode(
+                qt, kt, vt, table, sm_scale=sm_scale, use_tensor_cores=name.endswith("-tc"))
+    except ArmUnavailable:
+        raise
+    except Exception as exc:
+        raise ArmUnavailable(f"{name}: {type(exc).__name__}: {str(exc)[:200]}") from exc
+    return Arm(call, out, desc)
+
+
+__all__ = ["ALL_ARMS", "Arm", "ArmUnavailable", "EXPECTED", "EXTERNAL", "OURS", "make_arm"]

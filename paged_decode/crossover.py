@@ -1,0 +1,133 @@
+"""Per-device crossover tables: which path ``decode(path="auto")`` takes.
+
+A table is the measured best of this package's arms (``gather``, ``v1``, ``v2``) per
+benchmark cell, by median GPU time under CUDA-graph replay (``paged-decode bench
+--write-crossover PATH`` writes one from a sweep). ``choose`` takes the nearest measured
+cell in (log2 batch, log2 mean visible context, log2 page size), preferring cells with
+the same GQA group, and returns its best path.
+
+Lookup order for a device: ``PAGED_DECODE_CROSSOVER`` (a JSON file), then
+``~/.cache/paged-decode/crossover/<device>.json`` (re-measured on this machine), then the
+table shipped in ``paged_decode/data/crossover/<device>.json``. ``<device>`` is the device
+name in lower case with non-alphanumerics as ``-`` (e.g. ``nvidia-h200``). With no table,
+auto runs v2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidArgumentError
+
+ENV = "PAGED_DECODE_CROSSOVER"
+PATHS = ("gather", "v1", "v2")
+SHIPPED = Path(__file__).parent / "data" / "crossover"
+USER = Path(os.path.expanduser("~")) / ".cache" / "paged-decode" / "crossover"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured cell: geometry, the best path and each path's median GPU time (us)."""
+
+    batch: int
+    context: int
+    page_size: int
+    group: int                   # Hq / Hkv
+    best: str
+    times_us: dict[str, float]
+
+
+@dataclass(frozen=True)
+class CrossoverTable:
+    device: str
+    source: str                  # the file it came from
+    cells: tuple[Cell, ...]
+
+    def choose(self, batch: int, context: float, page_size: int,
+               group: int) -> tuple[str, Cell]:
+        """Best path of the nearest cell (same GQA group preferred) and that cell."""
+        same = [c for c in self.cells if c.group == group] or list(self.cells)
+
+        def dist(c: Cell) -> float:
+            return ((math.log2(max(1, batch)) - math.log2(c.batch)) ** 2
+                    + (math.log2(max(1.0, context)) - math.log2(c.context)) ** 2
+                    + (math.log2(page_size) - math.log2(c.page_size)) ** 2)
+        cell = min(same, key=dist)
+        return cell.best, cell
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def parse(data: Any, source: str) -> CrossoverTable:
+    """A table from its JSON form (``{"device": ..., "cells": [...]}``); errors name the
+    file and the field."""
+    fn = f"crossover table {source}"
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
+        raise InvalidArgumentError(f"{fn}: expected an object with a 'cells' list")
+    cells = []
+    for i, c in enumerate(data["cells"]):
+        try:
+            cell = Cell(int(c["batch"]), int(c["context"]), int(c["page_size"]),
+                        int(c.get("group", 1)), str(c["best"]),
+                        {str(k): float(v) for k, v in c.get("times_us", {}).items()})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"{fn}: cell {i} is malformed ({exc})") from exc
+        if cell.best not in PATHS:
+            raise InvalidArgumentError(f"{fn}: cell {i} best must be one of {PATHS}, "
+                                       f"got {cell.best!r}")
+        if min(cell.batch, cell.context, cell.page_size, cell.group) < 1:
+            raise InvalidArgumentError(f"{fn}: cell {i} has a non-positive dimension")
+        cells.append(cell)
+    if not cells:
+        raise InvalidArgumentError(f"{fn}: no cells")
+    return CrossoverTable(str(data.get("device", "?")), source, tuple(cells))
+
+
+@functools.cache
+def _load(path: str, mtime: float) -> CrossoverTable:
+    return parse(json.loads(Path(path).read_text()), path)
+
+
+def table_for(device_name: str) -> CrossoverTable | None:
+    """The crossover table for ``device_name`` (see the module doc for the lookup)."""
+    env = os.environ.get(ENV)
+    candidates = [Path(env)] if env else []
+    slug = device_slug(device_name)
+    candidates += [USER / f"{slug}.json", SHIPPED / f"{slug}.json"]
+    for p in candidates:
+        if p.is_file():
+            return _load(str(p), p.stat().st_mtime)
+        if env and p == Path(env):
+            raise InvalidArgumentError(f"{ENV}: no such file {env!r}")
+    return None
+
+
+def from_results(results: list[Any], device: str) -> dict[str, Any]:
+    """The JSON form of a table from bench results (``BenchResult`` list): per case, the
+    fastest verified arm among ``PATHS`` that ran what it stands for, by GPU median."""
+    cells = []
+    for r in results:
+        times = {a: x.gpu["median_us"] for a, x in r.arms.items()
+                 if a in PATHS and x.verified and not x.fell_back and x.gpu.get("median_us")}
+        if not times:
+            continue
+        c = r.case
+        cells.append({"batch": c.batch, "context": c.context, "page_size": c.page_size,
+                      "group": c.num_qo_heads // c.num_kv_heads,
+                      "best": min(times, key=lambda a: times[a]),
+                      "times_us": {a: round(t, 2) for a, t in times.items()}})
+    return {"device": device, "metric": "median GPU time under CUDA-graph replay, cold L2",
+            "cells": cells}
+
+
+__all__ = ["Cell", "CrossoverTable", "ENV", "device_slug", "from_results", "parse",
+           "table_for"]

@@ -1,0 +1,113 @@
+"""Prepared decode calls: validate, plan and pack once, then launch with minimal host work.
+
+An engine calls decode for every layer of every step with the same buffers and (for the
+life of a batch composition) the same page table and plan. ``prepare_decode`` does all
+the host work of ``decode`` once (argument checks, plan check, path choice, output and
+workspace allocation, table and plan uploads, kernel compilation and argument packing)
+and returns a ``PreparedDecode`` whose call only launches the kernels. The arrays are
+bound: write the next step's queries into the same ``q`` (and new tokens into the same
+pools) before calling again, exactly as a CUDA graph requires. Cascade decode is not
+prepared (use ``decode``).
+
+On CUDA the call is one or two ``cuLaunchKernel`` calls on the caller's current stream
+(torch's for torch tensors), with no allocation, synchronization or host-to-device copy,
+so it can be captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends import Backend, backend_for
+from .decode import (
+    CallArgs,
+    check_call,
+    check_support,
+    choose_path,
+    output_buffer,
+    resolve_plan,
+    run_path,
+)
+from .errors import InvalidArgumentError
+from .outcome import DecodeOutcome, record
+from .page_table import PageTable
+from .plan import DecodePlan
+
+
+class PreparedDecode:
+    """A decode call with every argument bound; call it to launch (see the module doc).
+
+    Attributes: ``path`` (what runs: ``"v2"``, ``"v2+merge"``, ``"v1"`` or ``"gather"``),
+    ``plan``, ``out`` (``[B, Hq, D]``, the caller's array kind), ``lse`` (``[B, Hq]``
+    float32, base 2, or ``None``), ``outcome`` (recorded on every call).
+    """
+
+    def __init__(self, be: Backend, args: CallArgs, plan: DecodePlan, path: str,
+                 reason: str, out: Any, lse: Any, out_a: Any, lse_a: Any,
+                 return_lse: bool, like: Any) -> None:
+        self.backend, self.plan, self.args = be, plan, args
+        self.out, self.lse = out, lse
+        self._return_lse = return_lse
+        def run() -> None:
+            run_path(be, args, plan, path, out_a, lse_a)
+
+        if path in ("v2", "v1"):
+            self._launch = be.compile_launches(run, like)
+        else:
+            self._launch = run
+        self.path = "v2+merge" if path == "v2" and plan.needs_merge else path
+        self.outcome = DecodeOutcome(
+            self.path, be.name, args.b, args.table.total_visible,
+            plan.num_chunks if self.path.startswith("v2") else args.b,
+            f"{reason}; prepared call")
+        self._like = like
+
+    def __call__(self) -> Any:
+        """Launch the decode; returns ``out`` (or ``(out, lse)`` if prepared with
+        ``return_lse``)."""
+        if self.path == "gather":
+            with self.backend.launch_context(self._like):
+                self._launch()
+        else:
+            self._launch()
+        record(self.outcome)
+        return (self.out, self.lse) if self._return_lse else self.out
+
+
+def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                   plan: DecodePlan | None = None, *, path: str = "auto",
+                   sm_scale: float | None = None, out: Any = None, lse: Any = None,
+                   return_lse: bool = False, out_dtype: str | None = None,
+                   backend: str | Backend | None = None) -> PreparedDecode:
+    """Prepare ``decode(q, k_pages, v_pages, table, plan, ...)`` for repeated launches.
+
+    Arguments are ``decode``'s (shapes: ``q [B, Hq, D]``, pools
+    ``[num_pages, P, Hkv, D]``, ``out [B, Hq, D]``, ``lse [B, Hq]`` float32 base 2), without
+    ``cascade``. ``out`` and ``lse`` are allocated here when not given and returned by
+    every call. The arrays stay bound to the prepared call: update them in place.
+    """
+    fn = "prepare_decode"
+    be = backend_for(backend, q)
+    a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
+                   out_dtype=out_dtype)
+    plan = resolve_plan(fn, be, a, plan, q)
+    chosen, reason = choose_path(be, table, plan) if path == "auto" else (path, "requested")
+    check_support(fn, be, a, chosen)
+    if not isinstance(return_lse, bool):
+        raise InvalidArgumentError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
+    with be.launch_context(q):
+        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+        want_lse = return_lse or lse is not None
+        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
+            if want_lse or chosen != "gather" else None
+        if chosen == "v2" and plan.needs_merge:
+            be.workspace(plan)   # allocated now, on the caller's current stream
+    out_r = be.wrap_result(out_a, like=q) if out is None else out
+    lse_r = None
+    if want_lse:
+        lse_r = be.wrap_result(lse_a, like=q) if lse is None else lse
+    return PreparedDecode(be, a, plan, chosen, reason, out_r, lse_r, out_a, lse_a,
+                          return_lse, q)
+
+
+__all__ = ["PreparedDecode", "prepare_decode"]

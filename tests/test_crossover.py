@@ -1,0 +1,94 @@
+"""Crossover tables: parsing, nearest-cell choice, writing from bench results, and the
+path ``decode(path="auto")`` takes from them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import paged_decode as pd
+from paged_decode import crossover
+from paged_decode.bench.cases import BenchCase
+from paged_decode.bench.runner import ArmResult, BenchResult
+from paged_decode.errors import InvalidArgumentError
+from paged_decode.problems import ProblemSpec, make_problem
+
+
+def _cells():
+    return [{"batch": 1, "context": 1024, "page_size": 16, "group": 4, "best": "v1",
+             "times_us": {"v1": 5.0, "v2": 6.0}},
+            {"batch": 64, "context": 32768, "page_size": 16, "group": 4, "best": "v2",
+             "times_us": {"v1": 900.0, "v2": 300.0}},
+            {"batch": 1, "context": 1024, "page_size": 16, "group": 1, "best": "gather",
+             "times_us": {"gather": 4.0, "v2": 6.0}}]
+
+
+def test_nearest_cell_prefers_the_same_group():
+    t = crossover.parse({"device": "x", "cells": _cells()}, "mem")
+    assert t.choose(2, 900, 16, 4)[0] == "v1"
+    assert t.choose(48, 30000, 32, 4)[0] == "v2"
+    assert t.choose(2, 900, 16, 1)[0] == "gather"
+    assert t.choose(2, 900, 16, 8)[0] == "v1"        # no group-8 cell: nearest of all
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({}, "cells"),
+    ({"cells": []}, "no cells"),
+    ({"cells": [{"batch": 1}]}, "cell 0 is malformed"),
+    ({"cells": [{"batch": 1, "context": 1, "page_size": 1, "best": "v3"}]}, "best must"),
+    ({"cells": [{"batch": 0, "context": 1, "page_size": 1, "best": "v2"}]}, "non-positive"),
+])
+def test_malformed_tables_are_rejected(bad, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        crossover.parse(bad, "t.json")
+
+
+def test_auto_follows_the_table_named_by_the_environment(tmp_path, monkeypatch):
+    pr = make_problem(ProblemSpec(2, 700, 8, 2, 64, 16, seed=1))
+    dev = pd.get_backend("reference").device_info().name
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"device": dev, "cells": [
+        {"batch": 2, "context": 700, "page_size": 16, "group": 4, "best": "v1"}]}))
+    monkeypatch.setenv(crossover.ENV, str(path))
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert pd.last_outcome().path == "v1" and "t.json" in pd.last_outcome().reason
+    path.write_text(json.dumps({"device": dev, "cells": [
+        {"batch": 2, "context": 700, "page_size": 16, "group": 4, "best": "gather"}]}))
+    import os
+    os.utime(path, (1, 1))      # a new mtime: the cached table is re-read
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert pd.last_outcome().path == "gather"
+    monkeypatch.setenv(crossover.ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(InvalidArgumentError, match="missing.json"):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+
+
+def test_without_a_table_auto_runs_v2(monkeypatch, tmp_path):
+    monkeypatch.delenv(crossover.ENV, raising=False)
+    monkeypatch.setattr(crossover, "USER", tmp_path)
+    assert crossover.table_for("no such device 123") is None
+    pr = make_problem(ProblemSpec(2, 300, 8, 2, 64, 16, seed=2))
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    out = pd.last_outcome()
+    assert out.path.startswith("v2") and "no crossover table" in out.reason
+
+
+def test_from_results_skips_failed_and_fallen_back_arms():
+    def arm(name, us, *, ok=True, ran=None):
+        return ArmResult(name, ran or name, 0.0, ok, gpu={"median_us": us},
+                         expected=(name,))
+    r = BenchResult(BenchCase(4, 4096, 16), 1, 1, {
+        "gather": arm("gather", 1.0, ok=False), "v1": arm("v1", 5.0, ran="gather"),
+        "v2": arm("v2", 7.0), "sdpa": arm("sdpa", 0.5)})
+    t = crossover.from_results([r], "dev")
+    assert t["cells"] == [{"batch": 4, "context": 4096, "page_size": 16, "group": 4,
+                           "best": "v2", "times_us": {"v2": 7.0}}]
+    assert crossover.parse(t, "x").choose(4, 4096, 16, 4)[0] == "v2"
+
+
+def test_shipped_tables_parse():
+    for p in crossover.SHIPPED.glob("*.json"):
+        t = crossover.parse(json.loads(p.read_text()), str(p))
+        assert all(np.isfinite(list(c.times_us.values())).all() for c in t.cells)

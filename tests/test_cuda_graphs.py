@@ -1,0 +1,140 @@
+"""Prepared calls and CUDA-graph capture on a real GPU (skipped cleanly without one).
+
+A decode call with a plan and a caller-provided output, and a prepared call, must be
+capturable in a CUDA graph under the strict (global) capture mode, which rejects host
+synchronization and unsafe API calls; a replay must give the eager result, and must read
+the *current* contents of the bound buffers (not values baked in at capture).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import paged_decode as pd
+from paged_decode.backends import availability
+from paged_decode.problems import ProblemSpec, make_problem
+from paged_decode.reference import lse_error, max_rel_error, oracle_decode
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not availability("cuda").ok,
+                                 reason=f"CUDA backend unavailable: {availability('cuda').reason}")]
+
+from conftest import LSE_ATOL, OUT_RTOL  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    return pd.get_backend("cuda")
+
+
+def _problem(cuda, spec):
+    pr = make_problem(spec)
+    q, k, v = (cuda.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    return pr, q, k, v
+
+
+def _capture(fn):
+    """Capture ``fn`` on a fresh stream in global mode; returns (graph, stream)."""
+    import cupy as cp
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+        try:
+            fn()
+        finally:
+            g = s.end_capture()
+    return g, s
+
+
+@pytest.mark.parametrize("ppc", [None, 1], ids=["single-chunk", "merge"])
+@pytest.mark.parametrize("path", ["v2", "v1"])
+def test_decode_with_plan_and_out_is_capturable(cuda, path, ppc):
+    import cupy as cp
+    spec = ProblemSpec(4, 700, 32, 8, 128, 16, seed=21)
+    pr, q, k, v = _problem(cuda, spec)
+    plan = pd.plan_decode(pr.table, 32, 8, 128, device=cuda.device_info(), pages_per_chunk=ppc)
+    out = cp.full(q.shape, np.nan, q.dtype)
+    lse = cp.full(q.shape[:2], np.nan, cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:   # the eager call on the capture stream allocates its workspace there
+        pd.decode(q, k, v, pr.table, plan, path=path, out=out, lse=lse)
+        stream.synchronize()
+        eager, eager_lse = cp.asnumpy(out), cp.asnumpy(lse)
+        out.fill(np.nan)
+        lse.fill(np.nan)
+        stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+        try:
+            pd.decode(q, k, v, pr.table, plan, path=path, out=out, lse=lse)
+        finally:
+            g = stream.end_capture()
+        stream.synchronize()
+        assert np.isnan(cp.asnumpy(out)).all()      # capture ran nothing
+        g.launch(stream)
+        stream.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(out), eager)
+    np.testing.assert_array_equal(cp.asnumpy(lse), eager_lse)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert max_rel_error(cp.asnumpy(out), ref) <= OUT_RTOL["float16"]
+    assert lse_error(cp.asnumpy(lse), ref_lse) <= LSE_ATOL
+
+
+@pytest.mark.parametrize("ppc", [None, 1], ids=["single-chunk", "merge"])
+def test_prepared_call_matches_decode_and_replays_in_a_graph(cuda, ppc):
+    import cupy as cp
+    spec = ProblemSpec(3, 900, 16, 2, 128, 32, "bfloat16", "bfloat16", seed=22)
+    pr, q, k, v = _problem(cuda, spec)
+    plan = pd.plan_decode(pr.table, 16, 2, 128, device=cuda.device_info(), pages_per_chunk=ppc)
+    prep = pd.prepare_decode(q, k, v, pr.table, plan, path="v2", return_lse=True)
+    assert prep.path == ("v2+merge" if plan.needs_merge else "v2")
+    out, lse = prep()
+    want, want_lse = pd.decode(q, k, v, pr.table, plan, path="v2", return_lse=True)
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(want))
+    np.testing.assert_array_equal(cp.asnumpy(lse), cp.asnumpy(want_lse))
+    assert pd.last_outcome().path == prep.path
+    # the graph reads the bound q at replay time: change q in place, replay, compare
+    g, s = _capture(prep)
+    q2 = cuda.asarray(np.random.default_rng(5).standard_normal(q.shape).astype(np.float32)
+                      ).astype(q.dtype)
+    q[...] = q2
+    out.fill(np.nan)
+    g.launch(s)
+    s.synchronize()
+    want2 = pd.decode(q, k, v, pr.table, plan, path="v2")
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(want2))
+    assert not np.array_equal(cp.asnumpy(want2), cp.asnumpy(want))
+
+
+def test_prepared_call_with_torch_tensors_uses_torch_stream(cuda):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    spec = ProblemSpec(4, 500, 32, 8, 128, 16, seed=23)
+    pr = make_problem(spec)
+    dev = torch.device("cuda", 0)
+    q, k, v = (torch.from_numpy(np.asarray(x, np.float32)).to(dev, torch.float16)
+               for x in (pr.q, pr.k_pages, pr.v_pages))
+    plan = pd.plan_decode(pr.table, 32, 8, 128, device=cuda.device_info(), pages_per_chunk=2)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        prep = pd.prepare_decode(q, k, v, pr.table, plan)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            prep()
+        prep.out.fill_(float("nan"))
+        graph.replay()
+    side.synchronize()
+    assert isinstance(prep.out, torch.Tensor)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert max_rel_error(prep.out.float().cpu().numpy(), ref) <= OUT_RTOL["float16"]
+
+
+def test_bench_graph_timer_captures_every_arm_of_ours(cuda):
+    from paged_decode.bench.cases import BenchCase
+    from paged_decode.bench.runner import bench_case
+    r = bench_case(cuda, BenchCase(2, 1024, 16), arms=("gather", "v1", "v2"), warmup=1, reps=3)
+    for name, arm in r.arms.items():
+        assert arm.verified, (name, arm.max_rel_error)
+        assert arm.gpu_mode in ("graph", "events"), name
+        assert arm.gpu["median_us"] > 0 and arm.call["median_us"] > 0
+    assert r.arms["v2"].gpu_mode == "graph" and r.arms["v1"].gpu_mode == "graph"

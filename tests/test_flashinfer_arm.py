@@ -1,0 +1,184 @@
+"""The external benchmark arms (FlashInfer batch decode, contiguous SDPA): what runs
+without a GPU is the validation that decides when an arm must refuse a case, and the
+promise that importing the module pulls in neither torch nor FlashInfer. The arms
+themselves run on the GPU machine (``bench/device/flashinfer_setup.sh`` smoke test, and
+the GPU test at the end, skipped elsewhere)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from paged_decode.bench import flashinfer_arm as fa
+from paged_decode.page_table import PageTable
+
+
+def _table(lengths, page_size=16, first_page_offset=None, spare_pages=2):
+    """Pages in order, request ``r`` holding ``lengths[r]`` visible tokens after
+    ``first_page_offset[r]`` retired ones."""
+    fpo = np.zeros(len(lengths), np.int32) if first_page_offset is None \
+        else np.asarray(first_page_offset, np.int32)
+    pages = [-(-(n + f) // page_size) if n + f else 0 for n, f in zip(lengths, fpo)]
+    last = [(n + f) - (c - 1) * page_size if c else 0 for n, f, c in zip(lengths, fpo, pages)]
+    total = int(sum(pages))
+    indptr = np.concatenate([[0], np.cumsum(pages, dtype=np.int64)]).astype(np.int64)
+    return PageTable.build(np.arange(total), indptr, np.asarray(last, np.int64),
+                           page_size=page_size, first_page_offset=fpo,
+                           num_pages=total + spare_pages)
+
+
+def _arrays(table, hq=8, hkv=2, d=16):
+    n = (table.num_pages or table.total_pages)
+    q = np.zeros((table.batch_size, hq, d), np.float16)
+    k = np.zeros((n, table.page_size, hkv, d), np.float16)
+    return q, k, k.copy()
+
+
+# ---------------------------------------------------------------------------- import
+def test_import_pulls_in_neither_torch_nor_flashinfer():
+    code = ("import sys, paged_decode, paged_decode.page_table, numpy\n"
+            "before = set(sys.modules)\n"
+            "import paged_decode.bench.flashinfer_arm\n"
+            "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+            "assert not new & {'torch', 'flashinfer'}, new\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_available_reports_a_reason_without_a_gpu():
+    ok, why = fa.available()
+    if ok:
+        pytest.skip(f"FlashInfer is usable here ({why}): the GPU test covers it")
+    assert isinstance(why, str) and why
+    if importlib.util.find_spec("torch") is None:
+        assert "torch" in why
+
+
+# ---------------------------------------------------------------------------- validation
+def test_first_page_offset_is_refused():
+    table = _table([40, 40, 40], first_page_offset=[0, 5, 0])
+    with pytest.raises(ValueError, match="first-page offset.*request 1.*5"):
+        fa.check_table_for_flashinfer(table)
+    fa.check_table_for_flashinfer(_table([40, 17, 1]))          # zero offsets pass
+
+
+def test_make_flashinfer_decode_refuses_offsets_before_importing_anything():
+    table = _table([33, 33], first_page_offset=[3, 0])
+    q, k, v = _arrays(table)
+    with pytest.raises(ValueError, match="first-page offset"):
+        fa.make_flashinfer_decode(q, k, v, table, sm_scale=0.25, use_tensor_cores=True)
+
+
+def test_empty_requests_are_refused():
+    with pytest.raises(ValueError, match="request 1 has none"):
+        fa.check_table_for_flashinfer(_table([5, 0, 7]))
+    with pytest.raises(ValueError, match="at least one request"):
+        fa.check_table_for_flashinfer(_table([]))
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_cuda_core_group_sizes_accepted(group):
+    fa.check_group_size(8 * group, 8, use_tensor_cores=False, version="0.3.1")
+
+
+@pytest.mark.parametrize("group", [5, 6, 7, 16])
+def test_cuda_core_group_sizes_refused(group):
+    with pytest.raises(ValueError, match=f"not {group}"):
+        fa.check_group_size(4 * group, 4, use_tensor_cores=False, version="0.3.1")
+    fa.check_group_size(4 * group, 4, use_tensor_cores=True, version="0.3.1")
+    fa.check_group_size(4 * group, 4, use_tensor_cores=False, version="0.4.0")
+
+
+def test_dtypes():
+    fa.check_dtypes("float16", "float16")
+    fa.check_dtypes(np.dtype("float16"), "float8_e4m3fn")
+    fa.check_dtypes("torch.bfloat16", "torch.bfloat16")
+    with pytest.raises(ValueError, match="no float32 kernels"):
+        fa.check_dtypes("float32", "float32")
+    table = _table([9])
+    q, k, v = _arrays(table)
+    with pytest.raises(ValueError, match="no float32 kernels"):
+        fa.make_flashinfer_decode(q.astype(np.float32), k.astype(np.float32),
+                                  v.astype(np.float32), table, sm_scale=1.0,
+                                  use_tensor_cores=False)
+
+
+def test_version_tuple():
+    assert fa._version_tuple("0.3.1") == (0, 3, 1)
+    assert fa._version_tuple("0.3.1.post1") == (0, 3, 1)
+    assert fa._version_tuple("0.4.0rc1+cu130") == (0, 4, 0)
+    assert fa._version_tuple("0.0.0+unknown") == (0, 0, 0)
+
+
+def test_check_shapes():
+    table = _table([20, 9], page_size=8)
+    q, k, v = _arrays(table, hq=8, hkv=2, d=16)
+    assert fa.check_shapes(q.shape, k.shape, v.shape, table) == (2, 8, 2, 16, 8)
+    n = k.shape[0]
+    bad = [
+        ((2, 8), k.shape, v.shape, "q must be"),
+        (q.shape, k.shape, (n, 8, 2, 32), "k_pages and v_pages"),
+        ((2, 8, 32), k.shape, v.shape, "head_dim"),
+        ((2, 6, 16), (n, 8, 4, 16), (n, 8, 4, 16), "multiple"),
+        ((3, 8, 16), k.shape, v.shape, "batch 3"),
+        (q.shape, (n, 16, 2, 16), (n, 16, 2, 16), "page size 16"),
+        (q.shape, (3, 8, 2, 16), (3, 8, 2, 16), "references page"),
+    ]
+    for qs, ks, vs, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            fa.check_shapes(qs, ks, vs, table)
+
+
+def test_contiguous_sdpa_needs_equal_lengths():
+    assert fa.equal_visible_length(_table([30, 30, 30])) == 30
+    assert fa.equal_visible_length(_table([30, 30], first_page_offset=[0, 9])) == 30
+    with pytest.raises(ValueError, match="equal request lengths"):
+        fa.equal_visible_length(_table([30, 31]))
+    with pytest.raises(ValueError, match=">= 1 visible"):
+        fa.equal_visible_length(_table([0, 0]))
+    table = _table([12, 40])
+    q, k, v = _arrays(table)
+    with pytest.raises(ValueError, match="equal request lengths"):
+        fa.make_contiguous_sdpa(q, k, v, table, sm_scale=0.25)
+
+
+# ---------------------------------------------------------------------------- with torch
+def test_contiguous_sdpa_on_cpu_matches_a_numpy_oracle():
+    torch = pytest.importorskip("torch", reason="torch is not installed (the arm's own "
+                                "gather and SDPA call are checked here when it is)")
+    rng = np.random.default_rng(3)
+    hq, hkv, d, p, length = 12, 4, 32, 8, 21
+    fpo = [0, 3, 7]
+    table = _table([length] * 3, page_size=p, first_page_offset=fpo, spare_pages=3)
+    perm = rng.permutation(table.num_pages)[: table.total_pages]
+    table = PageTable.build(perm, table.indptr, table.last_page_len, page_size=p,
+                            first_page_offset=fpo, num_pages=table.num_pages)
+    q = torch.from_numpy(rng.standard_normal((3, hq, d)).astype(np.float32))
+    k = torch.from_numpy(rng.standard_normal((table.num_pages, p, hkv, d)).astype(np.float32))
+    v = torch.from_numpy(rng.standard_normal((table.num_pages, p, hkv, d)).astype(np.float32))
+    call, out, desc = fa.make_contiguous_sdpa(q, k, v, table, sm_scale=0.3)
+    assert "SDPA" in desc and f"[3, {hkv}, {length}, {d}]" in desc
+    got = call().numpy()
+    np.testing.assert_allclose(out.numpy(), got)
+    g = hq // hkv
+    for r in range(3):
+        pos = [fpo[r] + t for t in range(length)]
+        pages = table.request_pages(r)
+        kk = np.stack([k.numpy()[pages[i // p], i % p] for i in pos])      # [L, Hkv, D]
+        vv = np.stack([v.numpy()[pages[i // p], i % p] for i in pos])
+        for h in range(hq):
+            s = kk[:, h // g] @ q.numpy()[r, h] * 0.3
+            w = np.exp(s - s.max())
+            np.testing.assert_allclose(got[r, h], (w / w.sum()) @ vv[:, h // g],
+                                       rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_flashinfer_smoke_on_gpu():
+    ok, why = fa.available()
+    if not ok:
+        pytest.skip(f"FlashInfer arm unavailable: {why}")
+    assert fa.smoke("float16") == 0

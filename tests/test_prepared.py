@@ -1,0 +1,86 @@
+"""Prepared decode calls on the CPU backends: same results as ``decode``, bound buffers,
+outcomes, errors. (The CUDA launch packing and graph capture are in test_cuda_graphs.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_matches_oracle
+
+import paged_decode as pd
+from paged_decode.errors import InvalidArgumentError, PlanMismatchError
+from paged_decode.problems import ProblemSpec, make_problem
+from paged_decode.reference import oracle_decode
+
+SPEC = ProblemSpec(3, 300, 8, 2, 64, 16, seed=3)
+
+
+@pytest.mark.parametrize("path,ppc", [("v2", None), ("v2", 1), ("v1", None),
+                                      ("gather", None)])
+def test_prepared_equals_decode_and_oracle(path, ppc):
+    pr = make_problem(SPEC)
+    plan = pd.plan_decode(pr.table, 8, 2, 64, backend="reference", pages_per_chunk=ppc)
+    prep = pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path=path,
+                             return_lse=True)
+    out, lse = prep()
+    want, want_lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path=path,
+                               return_lse=True)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert_matches_oracle(out, lse, ref, ref_lse, "float16", f"prepared {path}")
+    assert prep.path == ("v2+merge" if path == "v2" and plan.needs_merge else path)
+    prep()
+    assert pd.last_outcome().path == prep.path
+    assert "prepared call" in pd.last_outcome().reason
+
+
+def test_prepared_reads_bound_buffers_at_call_time():
+    pr = make_problem(SPEC)
+    q = pr.q.copy()
+    out = np.full(q.shape, np.nan, np.float16)
+    prep = pd.prepare_decode(q, pr.k_pages, pr.v_pages, pr.table, path="v2", out=out)
+    assert prep() is out
+    first = out.copy()
+    q[...] = np.random.default_rng(9).standard_normal(q.shape).astype(np.float16)
+    prep()
+    assert not np.array_equal(out, first)
+    ref, _ = oracle_decode(q, pr.k_pages, pr.v_pages, pr.table)
+    assert_matches_oracle(out, None, ref, None, "float16", "after an in-place q update")
+
+
+def test_prepared_without_out_allocates_once():
+    pr = make_problem(SPEC)
+    prep = pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    a = prep()
+    assert prep() is a and prep.lse is None
+
+
+def test_prepared_errors_name_the_function():
+    pr = make_problem(SPEC)
+    with pytest.raises(InvalidArgumentError, match="prepare_decode: path"):
+        pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v3")
+    with pytest.raises(InvalidArgumentError, match="prepare_decode: out"):
+        pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table,
+                          out=np.zeros((1, 8, 64), np.float16))
+    other = make_problem(ProblemSpec(2, 100, 8, 2, 64, 16, seed=4))
+    plan = pd.plan_decode(other.table, 8, 2, 64, backend="reference")
+    with pytest.raises((PlanMismatchError, InvalidArgumentError), match="prepare_decode"):
+        pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan)
+    with pytest.raises(InvalidArgumentError, match="return_lse"):
+        pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, return_lse=1)
+
+
+def test_prepared_on_the_emulated_cuda_kernels():
+    pytest.importorskip("paged_decode.emulator")
+    from paged_decode.backends import availability
+    if not availability("emulated-cuda").ok:
+        pytest.skip(availability("emulated-cuda").reason)
+    spec = ProblemSpec(2, 80, 4, 2, 64, 16, seed=5)
+    pr = make_problem(spec)
+    plan = pd.plan_decode(pr.table, 4, 2, 64, backend="emulated-cuda", pages_per_chunk=2)
+    prep = pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2",
+                             backend="emulated-cuda", return_lse=True)
+    out, lse = prep()
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert_matches_oracle(out, lse, ref, ref_lse, "float16", "prepared on emulated-cuda")
