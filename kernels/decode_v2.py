@@ -357,10 +357,15 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
 # MLX ``metal_kernel`` dialect: ``METAL_HEADER`` is the ``header`` argument, ``METAL_SOURCE``
 # the body (MLX generates the signature). Same thread mapping, chunk arithmetic and
 # accumulation order as the CUDA kernel; without cp.async, K/V pieces are loaded straight
-# from device memory (no staging ring). Inputs (in order): q, k_pages, v_pages, indices,
-# indptr, last_page_len, first_page_offset, request_indices, kv_tile_indices,
-# num_qo_heads, num_kv_heads, q_groups, pages_per_chunk (0-d int32), scale_log2 (0-d
-# float32); outputs: v_out, lse_out. Template arguments, in order: TQ, TKV, TO (dtypes),
+# from device memory (no staging ring). The per-token reduction is CUDA's too: with a
+# power-of-two QH <= TPR the head partials are transposed across the lanes of a row
+# (simd_shuffle_xor), each lane runs the online softmax of one head, and alpha / p / the
+# final m, l reach the other lanes by indexed simd_shuffle; other QH keep one butterfly
+# (group_sum) per (token, head). U = 2 tokens per sub-group per step at QH >= 8, else 4,
+# as in CUDA. Inputs (in order): q, k_pages, v_pages, indices, indptr, last_page_len,
+# first_page_offset, request_indices, kv_tile_indices, num_qo_heads, num_kv_heads,
+# q_groups, pages_per_chunk (0-d int32), scale_log2 (0-d float32); outputs: v_out,
+# lse_out. Template arguments, in order: TQ, TKV, TO (dtypes),
 # HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS. Launch: grid (C * NUM_WARPS * 32, Hkv * q_groups, 1)
 # threads, threadgroup (NUM_WARPS * 32, 1, 1).
 METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
@@ -411,7 +416,10 @@ inline void attend_range(
   typedef Combine<HEAD_DIM, QH, NUM_WARPS> CB;
   constexpr int VEC = M::VEC, TPR = M::TPR, RPW = M::RPW;
   constexpr int NSW = NUM_WARPS * RPW;           // sub-groups per threadgroup
-  constexpr int U = 4;                           // tokens per sub-group per step
+  // tokens per sub-group per step: 4, or 2 at 8 heads per threadgroup (register budget:
+  // the QH x U logits and QH x VEC accumulators per lane), as in CUDA (the rule was
+  // measured there, not on an Apple GPU)
+  constexpr int U = QH >= 8 ? 2 : 4;
   constexpr int THREADS = NUM_WARPS * 32;
 
   const int sub = int(lane) / TPR, col = int(lane) % TPR;
@@ -436,53 +444,122 @@ inline void attend_range(
   const long head_off = long(kvh) * HEAD_DIM + d0;
   constexpr long STEP = long(NSW) * U;                      // tokens per step
   const long n_steps = t_end > t_begin ? (t_end - t_begin + STEP - 1) / STEP : 0;
+  // With a power-of-two QH the per-token head sums are reduced by transposition: each
+  // shuffle level hands half of a lane's head partials to its partner, so after log2(QH)
+  // levels lane `col` holds head col / (TPR / QH) alone and finishes with a butterfly
+  // over its TPR / QH lanes; the softmax of that head runs once per lane (not once per
+  // head in every lane), and alpha / p reach every lane by indexed shuffles. Other QH
+  // (3, 5, 6, 7) keep one full butterfly per (token, head). TRANSPOSE is a compile-time
+  // constant and a plain `if` on it is folded (MSL 3.x is C++14-based, where CUDA's
+  // `if constexpr` is at best a compiler extension); both branches are valid for every QH.
+  constexpr bool TRANSPOSE = (QH & (QH - 1)) == 0 && QH <= TPR;
+  constexpr int HLANES = TRANSPOSE ? TPR / QH : TPR;   // lanes sharing one head's sums
+  const int sub0 = int(lane) - col;                    // first lane of this sub-group
+  float m_h = -INFINITY, l_h = 0.0f;   // TRANSPOSE: the state of head col / HLANES
+
   for (long step = 0; step < n_steps; ++step) {
-    long off[U];
+    long kv_off[U];                              // pool offset of token u's piece
     bool ok[U];
     for (int u = 0; u < U; ++u) {
       const long t = t_begin + step * STEP + long(u) * NSW + sw;
       ok[u] = t < t_end;
-      off[u] = 0;
+      kv_off[u] = 0;
       if (ok[u]) {
         const long a = fpo + t;
         const long page = page_ids[a / PAGE_SIZE];
-        off[u] = (page * PAGE_SIZE + a % PAGE_SIZE) * row_stride + head_off;
+        kv_off[u] = (page * PAGE_SIZE + a % PAGE_SIZE) * row_stride + head_off;
       }
     }
-    float s[U][QH];
+    float s[QH][U];
     for (int u = 0; u < U; ++u) {
       float kf[VEC];
       for (int j = 0; j < VEC / 4; ++j) {
-        const float4 x = (ok[u] && active) ? load4(k_pages + off[u] + 4 * j) : float4(0.0f);
+        const float4 x = (ok[u] && active) ? load4(k_pages + kv_off[u] + 4 * j) : float4(0.0f);
         kf[4 * j] = x.x; kf[4 * j + 1] = x.y; kf[4 * j + 2] = x.z; kf[4 * j + 3] = x.w;
       }
       for (int g = 0; g < QH; ++g) {
         float x = 0.0f;
         for (int i = 0; i < VEC; ++i) x = fma(qf[g][i], kf[i], x);
-        x = group_sum<TPR>(x);
-        s[u][g] = ok[u] ? x : -INFINITY;
+        s[g][u] = x;
       }
     }
-    for (int g = 0; g < QH; ++g) {
-      float mx = m[g];
-      for (int u = 0; u < U; ++u) mx = fmax(mx, s[u][g]);
+    if (TRANSPOSE) {
+      // hn: the number of heads kept per level (`half` in CUDA, a type name in Metal)
+      for (int hn = QH / 2, off = TPR / 2; hn >= 1; hn >>= 1, off >>= 1) {
+        const bool up = (col & off) != 0;        // keep heads [hn, 2 hn) of the range
+        for (int h = 0; h < hn; ++h)
+          for (int u = 0; u < U; ++u) {
+            const float give = up ? s[h][u] : s[h + hn][u];
+            const float keep = up ? s[h + hn][u] : s[h][u];
+            s[h][u] = keep + simd_shuffle_xor(give, ushort(off));
+          }
+      }
+      for (int off = HLANES / 2; off >= 1; off >>= 1)
+        for (int u = 0; u < U; ++u) s[0][u] += simd_shuffle_xor(s[0][u], ushort(off));
+      float mx = m_h;
+      for (int u = 0; u < U; ++u) {
+        s[0][u] = ok[u] ? s[0][u] : -INFINITY;
+        mx = fmax(mx, s[0][u]);
+      }
       const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
-      const float alpha = exp2(m[g] - ref);
-      l[g] *= alpha;
-      for (int i = 0; i < VEC; ++i) acc[g][i] *= alpha;
-      m[g] = mx;
-      for (int u = 0; u < U; ++u) s[u][g] = exp2(s[u][g] - ref);
-    }
-    for (int u = 0; u < U; ++u) {
-      float vf[VEC];
-      for (int j = 0; j < VEC / 4; ++j) {
-        const float4 x = (ok[u] && active) ? load4(v_pages + off[u] + 4 * j) : float4(0.0f);
-        vf[4 * j] = x.x; vf[4 * j + 1] = x.y; vf[4 * j + 2] = x.z; vf[4 * j + 3] = x.w;
+      const float alpha = exp2(m_h - ref);
+      l_h *= alpha;
+      m_h = mx;
+      for (int u = 0; u < U; ++u) {
+        s[0][u] = exp2(s[0][u] - ref);
+        l_h += s[0][u];
       }
       for (int g = 0; g < QH; ++g) {
-        l[g] += s[u][g];
-        for (int i = 0; i < VEC; ++i) acc[g][i] = fma(s[u][g], vf[i], acc[g][i]);
+        const float a = simd_shuffle(alpha, ushort(sub0 + g * HLANES));
+        for (int i = 0; i < VEC; ++i) acc[g][i] *= a;
       }
+      for (int u = 0; u < U; ++u) {
+        float vf[VEC];
+        for (int j = 0; j < VEC / 4; ++j) {
+          const float4 x = (ok[u] && active) ? load4(v_pages + kv_off[u] + 4 * j) : float4(0.0f);
+          vf[4 * j] = x.x; vf[4 * j + 1] = x.y; vf[4 * j + 2] = x.z; vf[4 * j + 3] = x.w;
+        }
+        for (int g = 0; g < QH; ++g) {
+          const float p = simd_shuffle(s[0][u], ushort(sub0 + g * HLANES));
+          for (int i = 0; i < VEC; ++i) acc[g][i] = fma(p, vf[i], acc[g][i]);
+        }
+      }
+    } else {
+      for (int u = 0; u < U; ++u) {
+        for (int g = 0; g < QH; ++g) {
+          const float x = group_sum<TPR>(s[g][u]);
+          s[g][u] = ok[u] ? x : -INFINITY;
+        }
+      }
+      for (int g = 0; g < QH; ++g) {
+        float mx = m[g];
+        for (int u = 0; u < U; ++u) mx = fmax(mx, s[g][u]);
+        const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
+        const float alpha = exp2(m[g] - ref);
+        l[g] *= alpha;
+        for (int i = 0; i < VEC; ++i) acc[g][i] *= alpha;
+        m[g] = mx;
+        for (int u = 0; u < U; ++u) s[g][u] = exp2(s[g][u] - ref);
+      }
+      for (int u = 0; u < U; ++u) {
+        float vf[VEC];
+        for (int j = 0; j < VEC / 4; ++j) {
+          const float4 x = (ok[u] && active) ? load4(v_pages + kv_off[u] + 4 * j) : float4(0.0f);
+          vf[4 * j] = x.x; vf[4 * j + 1] = x.y; vf[4 * j + 2] = x.z; vf[4 * j + 3] = x.w;
+        }
+        for (int g = 0; g < QH; ++g) {
+          l[g] += s[g][u];
+          for (int i = 0; i < VEC; ++i) acc[g][i] = fma(s[g][u], vf[i], acc[g][i]);
+        }
+      }
+    }
+  }
+  if (TRANSPOSE) {
+    // every lane of a sub-group takes each head's state from a lane that reduced it (the
+    // sub-group's lanes of head g saw the same tokens: their states are equal)
+    for (int g = 0; g < QH; ++g) {
+      m[g] = simd_shuffle(m_h, ushort(sub0 + g * HLANES));
+      l[g] = simd_shuffle(l_h, ushort(sub0 + g * HLANES));
     }
   }
 

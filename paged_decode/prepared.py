@@ -16,6 +16,8 @@ so it can be captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from .backends import Backend, backend_for
@@ -110,4 +112,41 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                           return_lse, q)
 
 
-__all__ = ["PreparedDecode", "prepare_decode"]
+class CallCache:
+    """The prepared calls behind ``decode``'s fast path: a small LRU keyed by the identity
+    of every argument (and the settings that steer path choice). Each entry holds the
+    keyed objects themselves, so an ``id`` can never be reused by another object while
+    its entry lives; arrays stay alive until the entry is evicted (``MAX`` entries)."""
+
+    MAX = 8
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], PreparedDecode]] \
+            = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Any, ...]) -> PreparedDecode | None:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                return None
+            self._entries.move_to_end(key)
+            return hit[1]
+
+    def put(self, key: tuple[Any, ...], refs: tuple[Any, ...], prep: PreparedDecode) -> None:
+        with self._lock:
+            self._entries[key] = (refs, prep)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.MAX:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+#: the process-wide cache ``decode`` uses (``decode_cache.clear()`` drops every entry)
+decode_cache = CallCache()
+
+
+__all__ = ["CallCache", "PreparedDecode", "decode_cache", "prepare_decode"]

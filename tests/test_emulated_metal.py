@@ -178,6 +178,40 @@ def test_metal_removed_round_barrier_fails():
     assert "differs between the forward and the reverse fiber schedule" in why, why
 
 
+# The per-token reduction: head-transposed at power-of-two QH (QH 4 here), one butterfly
+# per (token, head) otherwise (QH 7). Each mutation breaks one of the two paths. Chunks of
+# 8 pages (128 tokens) take two steps of 64 tokens (16 sub-groups x U 4) with several
+# tokens per sub-group, so the broadcast alpha and p matter (at one page per chunk a
+# sub-group sees one token and p is 1 for every head).
+SPEC_RED = ProblemSpec(2, 200, 8, 2, 64, 16, seed=31)
+REDUCTION_MUTANTS = [
+    ("transpose-keep-give", SPEC_RED,
+     "const float keep = up ? s[h + hn][u] : s[h][u];",
+     "const float keep = up ? s[h][u] : s[h + hn][u];"),
+    ("transpose-p-lane", SPEC_RED,
+     "simd_shuffle(s[0][u], ushort(sub0 + g * HLANES))", "simd_shuffle(s[0][u], ushort(sub0))"),
+    ("transpose-alpha-lane", SPEC_RED,
+     "simd_shuffle(alpha, ushort(sub0 + g * HLANES))", "simd_shuffle(alpha, ushort(sub0))"),
+    ("transpose-final-m-lane", SPEC_RED,
+     "m[g] = simd_shuffle(m_h, ushort(sub0 + g * HLANES));",
+     "m[g] = simd_shuffle(m_h, ushort(sub0));"),
+    ("butterfly-qh7", ProblemSpec(2, 200, 7, 1, 64, 16, seed=35),
+     "const float x = group_sum<TPR>(s[g][u]);", "const float x = s[g][u];"),
+]
+
+
+@pytest.mark.parametrize("spec,old,new", [m[1:] for m in REDUCTION_MUTANTS],
+                         ids=[m[0] for m in REDUCTION_MUTANTS])
+def test_metal_reduction_mutants_fail(spec, old, new):
+    bad = _Mutant("v2", lambda s: s.replace(old, new))
+    assert mutant_fails(bad, spec, ppc=8)
+
+
+def test_metal_reduction_identity_passes():
+    ok = _Mutant("v2", lambda s: s + "\n// unchanged\n")
+    assert mutant_fails(ok, SPEC_RED, ppc=8) == ""
+
+
 def test_metal_identity_mutant_passes():
     ok = _Mutant("v2", lambda s: s + "\n// unchanged\n")
     assert mutant_fails(ok, SPEC_NEG, ppc=1) == ""
@@ -189,6 +223,17 @@ def test_metal_sources_are_ascii_and_cuda_untouched():
         mk = metal_kernel(k)
         (mk.header + mk.source).encode("ascii")
         assert "__global__" in cuda_source(k) and "__global__" not in mk.source
+
+
+def test_metal_v2_mirrors_cuda_reduction_rules():
+    """The compile-time rules of the v2 reduction are spelled alike in both dialects (the
+    results cannot show U, and both reduction paths give the same answer)."""
+    from paged_decode.specs import cuda_source
+    cuda, metal = cuda_source("v2"), metal_kernel("v2").header
+    for line in ("constexpr int U = QH >= 8 ? 2 : 4;",
+                 "constexpr bool TRANSPOSE = (QH & (QH - 1)) == 0 && QH <= TPR;",
+                 "constexpr int HLANES = TRANSPOSE ? TPR / QH : TPR;"):
+        assert line in cuda and line in metal, line
 
 
 def test_metal_compile_error_is_reported():

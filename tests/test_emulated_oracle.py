@@ -2,7 +2,7 @@
 oracle: every test runs on ``emulated-cuda`` (the CUDA strings) and ``emulated-metal``
 (the Metal bodies in MLX's generated signature).
 
-A subset of the GPU matrix, sized for CI on 2 cores: head_dim 64/96/128/256, GQA 1/4/8,
+A subset of the GPU matrix, sized for CI on 2 cores: head_dim 64/96/128/256, GQA 1/2/4/7/8,
 pages 1/16/32, partial last pages and mid-page starts (``make_problem`` jitter), empty
 requests, multi-chunk merges (forced ``pages_per_chunk``), every K/V dtype. The dialect
 specific checks (negative controls, launch packing, the signature pin) live in
@@ -48,7 +48,7 @@ CASES = [
     # head_dim 96: 24 of 32 lanes carry data; simd_sum over the whole SIMD group
     ("d96-g2-ps16-f32", ProblemSpec(2, 45, 4, 2, 96, 16, "float32", "float32", seed=34),
      [("v2", 1)]),
-    # GQA 7 (QH 7): the CUDA partial's per-head butterfly (no head transposition)
+    # GQA 7 (QH 7): the per-head butterfly of both dialects (no head transposition)
     ("d64-g7-ps16-f16", ProblemSpec(2, 50, 7, 1, 64, 16, seed=35), [("v2", 1)]),
     # head_dim 256 at 8 heads per threadgroup: the combine runs in 8 rounds (32 KB limit)
     ("d256-g8-ps16-f16", ProblemSpec(1, 40, 8, 1, 256, 16, seed=32), [("v2", 1), ("v1", None)]),

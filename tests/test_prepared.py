@@ -84,3 +84,55 @@ def test_prepared_on_the_emulated_cuda_kernels():
     out, lse = prep()
     ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
     assert_matches_oracle(out, lse, ref, ref_lse, "float16", "prepared on emulated-cuda")
+
+
+def test_decode_fast_path_reuses_a_prepared_call_only_for_the_same_objects():
+    from paged_decode.prepared import decode_cache
+    decode_cache.clear()
+    pr = make_problem(SPEC)
+    q = pr.q.copy()
+    plan = pd.plan_decode(pr.table, 8, 2, 64, backend="reference", pages_per_chunk=2)
+    out = np.full(q.shape, np.nan, np.float16)
+    args = (q, pr.k_pages, pr.v_pages, pr.table, plan)
+    pd.decode(*args, out=out)
+    assert len(decode_cache._entries) == 1
+    first = out.copy()
+    out.fill(np.nan)
+    assert pd.decode(*args, out=out) is out          # replayed from the cache
+    np.testing.assert_array_equal(out, first)
+    assert "prepared call" in pd.last_outcome().reason
+    q[...] = np.random.default_rng(11).standard_normal(q.shape).astype(np.float16)
+    pd.decode(*args, out=out)                        # in-place updates are seen
+    ref, _ = oracle_decode(q, pr.k_pages, pr.v_pages, pr.table)
+    assert_matches_oracle(out, None, ref, None, "float16", "fast path after a q update")
+    # anything else (another output, no output, return_lse without lse, another scale,
+    # a path) takes the full path or a new entry
+    pd.decode(*args, out=np.empty_like(out))
+    pd.decode(*args)
+    pd.decode(*args, out=out, return_lse=True)
+    pd.decode(*args, out=out, sm_scale=0.5)
+    assert len(decode_cache._entries) == 3
+    for _ in range(2 * decode_cache.MAX):
+        pd.decode(*args, out=np.empty_like(out))
+    assert len(decode_cache._entries) == decode_cache.MAX
+    decode_cache.clear()
+
+
+def test_decode_fast_path_keys_on_the_backend_instance():
+    from paged_decode.backends.reference import ReferenceBackend
+    from paged_decode.prepared import decode_cache
+    decode_cache.clear()
+
+    class Zeroing(ReferenceBackend):
+        def partial(self, q, k, v, table, plan, scale, v_out, lse_out):
+            v_out[...] = 0
+            lse_out[...] = 0
+
+    pr = make_problem(SPEC)
+    plan = pd.plan_decode(pr.table, 8, 2, 64, backend="reference", pages_per_chunk=2)
+    out = np.empty(pr.q.shape, np.float16)
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, out=out, backend="reference")
+    good = out.copy()
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, out=out, backend=Zeroing())
+    assert not np.array_equal(out, good)             # the other backend really ran
+    decode_cache.clear()

@@ -139,6 +139,11 @@ class Backend(ABC):
         return (self.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), "float32"),
                 self.empty((plan.num_chunks, plan.num_qo_heads), "float32"))
 
+    def stream_key(self, like: Any) -> int:
+        """An identifier of the stream a call on arrays like ``like`` launches on now (0
+        for backends without streams); part of ``decode``'s fast-path key."""
+        return 0
+
     def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
         """A callable repeating the kernel launches ``run`` makes, for a prepared call
         (``prepare_decode``) on arrays like ``like``. ``run`` may only launch kernels

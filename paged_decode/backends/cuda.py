@@ -264,6 +264,12 @@ class CudaBackend(Backend):
             _smem_opt_in[id(kernel)] = (kernel, int(smem))
         return kernel
 
+    def stream_key(self, like: Any) -> int:
+        """The raw current stream for arrays like ``like`` (torch's for torch tensors)."""
+        if type(like).__module__.split(".")[0] == "torch":
+            return int(_torch().cuda.current_stream(like.device).cuda_stream)
+        return int(cp.cuda.get_current_stream().ptr)
+
     def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
         """Record the launches ``run`` makes (nothing runs), then return a callable that
         replays them through ``cuLaunchKernel`` with arguments packed once, on the current

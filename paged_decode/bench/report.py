@@ -7,6 +7,8 @@ import io
 import json
 from typing import Any
 
+import numpy as np
+
 from .runner import ArmResult, BenchResult
 
 MAIN_ARM = "v2"
@@ -67,6 +69,11 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
             if not ok and x.ran != "unavailable":
                 withheld.append(f"{r.case.label}: {main} vs {o}")
         lines.append(row + f"{r.num_chunks:>7}")
+    host = {a: [x.host["median_us"] for r in results for b, x in r.arms.items()
+                if b == a and x.host] for a in arms}
+    if any(host.values()):
+        lines.append("host us per call (enqueue only, median over cases; min-max): " + ", ".join(
+            f"{a} {np.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for a, v in host.items() if v))
     ran = sorted({f"{a}->{x.ran}" for r in results for a, x in r.arms.items()})
     if any(x.gpu for r in results for x in r.arms.values()):
         lines.append("columns: GPU us (CUDA-graph replay, cold L2) / per-call us (host "
@@ -92,7 +99,8 @@ def to_csv(results: list[BenchResult]) -> str:
     w.writerow(["model", "batch", "context", "page_size", "hq", "hkv", "head_dim", "dtype",
                 "arm", "ran", "verified", "max_rel_error", "gpu_mode", "gpu_median_us",
                 "gpu_p20_us", "gpu_p80_us", "call_median_us", "call_p20_us", "call_p80_us",
-                "api_call_median_us", "gbps", "num_chunks", "pages_per_chunk", "note"])
+                "api_call_median_us", "host_median_us", "gbps", "num_chunks",
+                "pages_per_chunk", "note"])
     for r in results:
         c = r.case
         for a in r.arms.values():
@@ -102,7 +110,8 @@ def to_csv(results: list[BenchResult]) -> str:
                         a.gpu.get("p20_us", ""), a.gpu.get("p80_us", ""),
                         a.call.get("median_us", ""), a.call.get("p20_us", ""),
                         a.call.get("p80_us", ""), a.api_call.get("median_us", ""),
-                        f"{a.gbps:.2f}", r.num_chunks, r.pages_per_chunk, a.note])
+                        a.host.get("median_us", ""), f"{a.gbps:.2f}", r.num_chunks,
+                        r.pages_per_chunk, a.note])
     return buf.getvalue()
 
 

@@ -5,7 +5,8 @@ GPU arms are timed two ways, side by side: GPU time under CUDA-graph replay with
 L2 (``gpu``; plain CUDA events when the call cannot be captured, noted in ``gpu_mode``),
 and per call as a Python caller sees it, back-to-back with host overhead (``call``; for
 our arms this is the prepared call, and ``api_call`` is the plain ``decode(...)`` with
-the plan reused). On the reference backend only host time exists. The plan is made once
+the plan reused). ``host`` is the host time of one call alone (no wait for the GPU): the
+host overhead per call. On the reference backend only host time exists. The plan is made once
 per case and reused, as an engine reuses it across layers and steps.
 """
 
@@ -48,6 +49,7 @@ class ArmResult:
     expected: tuple[str, ...] = ()   # paths this arm is meant to run
     gpu_mode: str = ""         # "graph" (CUDA-graph replay) or "events" (eager, fallback)
     api_call: dict[str, float] = field(default_factory=dict)   # ours: plain decode()
+    host: dict[str, float] = field(default_factory=dict)       # host time per call (enqueue)
     note: str = ""             # why an arm was unavailable, or a capture failure
 
     @property
@@ -179,6 +181,8 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
             res.gpu_mode = "events"
         res.gpu = timing.stats(times)
         res.call = timing.stats(timing.cuda_per_call_times(call, warmup=warmup, reps=reps))
+        res.host = timing.stats(timing.host_enqueue_times(call, warmup=warmup,
+                                                          reps=max(reps, 40)))
         if api_call is not None:
             res.api_call = timing.stats(timing.cuda_per_call_times(api_call, warmup=warmup,
                                                                    reps=reps))

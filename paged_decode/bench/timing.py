@@ -174,6 +174,24 @@ def cuda_per_call_times(fn: Callable[[], Any], *, warmup: int, reps: int) -> np.
     return np.array(out)
 
 
+def host_enqueue_times(fn: Callable[[], Any], *, warmup: int, reps: int) -> np.ndarray:
+    """Host time of each call alone (argument checks, packing, launch enqueue; no wait for
+    the GPU): the host overhead a caller pays per call. The device is synchronized every
+    4 calls, outside the timed region, so the launch queue never fills and blocks."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    out = np.empty(reps)
+    for i in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out[i] = time.perf_counter() - t0
+        if i % 4 == 3:
+            synchronize()
+    synchronize()
+    return out
+
+
 def stats(times: np.ndarray) -> dict[str, float]:
     return {"median_us": float(np.median(times) * 1e6),
             "p20_us": float(np.percentile(times, 20) * 1e6),
