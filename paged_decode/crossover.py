@@ -113,11 +113,14 @@ def table_for(device_name: str) -> CrossoverTable | None:
 
 def from_results(results: list[Any], device: str) -> dict[str, Any]:
     """The JSON form of a table from bench results (``BenchResult`` list): per case, the
-    fastest verified arm among ``PATHS`` that ran what it stands for, by GPU median."""
+    fastest verified arm among ``PATHS`` that ran what it stands for, by GPU median (by
+    the per-call median on backends without GPU timing, e.g. Metal)."""
     cells = []
+    gpu = any(x.gpu for r in results for x in r.arms.values())
     for r in results:
-        times = {a: x.gpu["median_us"] for a, x in r.arms.items()
-                 if a in PATHS and x.verified and not x.fell_back and x.gpu.get("median_us")}
+        times = {a: (x.gpu if gpu else x.call)["median_us"] for a, x in r.arms.items()
+                 if a in PATHS and x.verified and not x.fell_back
+                 and (x.gpu if gpu else x.call).get("median_us")}
         if not times:
             continue
         c = r.case
@@ -125,8 +128,9 @@ def from_results(results: list[Any], device: str) -> dict[str, Any]:
                       "group": c.num_qo_heads // c.num_kv_heads,
                       "best": min(times, key=lambda a: times[a]),
                       "times_us": {a: round(t, 2) for a, t in times.items()}})
-    return {"device": device, "metric": "median GPU time under CUDA-graph replay, cold L2",
-            "cells": cells}
+    metric = ("median GPU time under CUDA-graph replay, cold L2" if gpu
+              else "median host-measured time per synchronized call")
+    return {"device": device, "metric": metric, "cells": cells}
 
 
 __all__ = ["Cell", "CrossoverTable", "ENV", "device_slug", "from_results", "parse",

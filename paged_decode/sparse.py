@@ -49,6 +49,7 @@ DEFAULT_MIN_SPARSITY = 8.0
 #: selection (layers of a step, benchmarks) do the host work once
 _checked: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], PageTable | None]] = \
     weakref.WeakKeyDictionary()
+LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
 
 
@@ -241,13 +242,16 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
     fused = live_rows >= min_sparsity * selected
     ratio = live_rows / selected if selected else math.inf
     g = hq // hkv
+    sup = be.supports(Problem(q_dt, kv_dt, g, 1, d, 1, "v2"))
+    unsupported = fused and not sup and min_sparsity > 0
+    if unsupported:   # the gate falls back; min_sparsity = 0 (always fused) raises below
+        fused = False
     with be.launch_context(q):
         out_a = be.empty((b, hq, d), o_dt)
         lse_a = be.empty((b, hq), "float32")
         if fused:
             table = memo[key] or sparse_table(sel, cap)
             memo[key] = table
-            sup = be.supports(Problem(q_dt, kv_dt, g, 1, d, 1, "v2"))
             if not sup:
                 raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the "
                                               f"page_size = 1 table: {sup.reason}")
@@ -270,7 +274,9 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         else:
             masked_attention(be, qa, ka, va, sel, live, scale, out_a, lse_a)
             chunks = b * hkv
-            why = (f"declined: live/selected = {ratio:.2f} < min_sparsity {min_sparsity:g}; "
+            why = (f"declined: backend {be.name!r} cannot run the fused path "
+                   f"({sup.reason}); dense masked path" if unsupported else
+                   f"declined: live/selected = {ratio:.2f} < min_sparsity {min_sparsity:g}; "
                    "dense masked path")
     outcome = record(DecodeOutcome("sparse" if fused else "sparse-masked", be.name, b,
                                    selected, chunks, why,
@@ -313,11 +319,12 @@ def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection:
     k = k_cache[:, :, :n].astype(xp.float32)
     v = xp.where(mask[:, :, 0, :, None], v_cache[:, :, :n].astype(xp.float32), 0)
     qf = q.astype(xp.float32).reshape(b, hkv, g, d)
-    s = xp.matmul(qf, k.transpose(0, 1, 3, 2)) * xp.float32(sm_scale * LOG2E)  # [B,Hkv,G,n]
+    s = xp.matmul(qf, k.transpose(0, 1, 3, 2)) * float(sm_scale * LOG2E)    # [B,Hkv,G,n]
     s = xp.where(mask, s, -xp.inf)
     m = s.max(axis=-1, keepdims=True)
     m = xp.where(xp.isfinite(m), m, 0)
-    p = xp.where(mask, xp.exp2(s - m), 0)
+    exp2 = getattr(xp, "exp2", None) or (lambda x: xp.exp(x * LN2))   # mlx.core has no exp2
+    p = xp.where(mask, exp2(s - m), 0)
     den = p.sum(axis=-1)
     safe = xp.where(den > 0, den, 1)
     o = xp.matmul(p, v) / safe[..., None]

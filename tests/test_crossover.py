@@ -92,3 +92,11 @@ def test_shipped_tables_parse():
     for p in crossover.SHIPPED.glob("*.json"):
         t = crossover.parse(json.loads(p.read_text()), str(p))
         assert all(np.isfinite(list(c.times_us.values())).all() for c in t.cells)
+
+
+def test_from_results_uses_call_times_without_gpu_times():
+    r = BenchResult(BenchCase(1, 512, 16), 1, 1, {
+        "v1": ArmResult("v1", "v1", 0.0, True, call={"median_us": 9.0}, expected=("v1",)),
+        "v2": ArmResult("v2", "v2", 0.0, True, call={"median_us": 12.0}, expected=("v2",))})
+    t = crossover.from_results([r], "cpu")
+    assert t["cells"][0]["best"] == "v1" and "per synchronized call" in t["metric"]

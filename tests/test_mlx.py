@@ -356,3 +356,33 @@ def test_synchronize_and_describe(be):
     assert float(mx.sum(lazy).item()) == 12.0
     d = be.describe()
     assert d["backend"] == "mlx" and d["mlx"] == mx.__version__ and "device" in d
+
+
+def test_sparse_decode_on_mlx_cpu_takes_the_masked_path_with_the_reason():
+    from paged_decode.reference import attention_f64, max_rel_error
+    from paged_decode.sparse import make_selection, sparse_decode
+    rng = np.random.default_rng(31)
+    b, hkv, cap, d, g = 2, 2, 256, 64, 4
+    pos = np.stack([np.stack([np.sort(rng.choice(200, 24, replace=False))
+                              for _ in range(hkv)]) for _ in range(b)]).astype(np.int32)
+    sel = make_selection(pos)
+    k, v = (rng.standard_normal((b, hkv, cap, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((b, hkv * g, d)).astype(np.float32)
+    out = sparse_decode(mx.array(q), mx.array(k), mx.array(v), sel,
+                        live_lens=np.full(b, 200))
+    outcome = pd.last_outcome()
+    if mx.metal.is_available():
+        assert outcome.path == "sparse"
+    else:
+        assert outcome.path == "sparse-masked" and "cannot run the fused path" in outcome.reason
+        with pytest.raises(pd.UnsupportedProblemError, match="sparse_decode"):
+            sparse_decode(mx.array(q), mx.array(k), mx.array(v), sel,
+                          live_lens=np.full(b, 200), min_sparsity=0)
+    got = np.array(out)
+    for r in range(b):
+        for h in range(hkv):
+            rows = pos[r, h]
+            ref, _ = attention_f64(q[r, h * g:(h + 1) * g].astype(np.float64),
+                                   k[r, h, rows][:, None, :].astype(np.float64),
+                                   v[r, h, rows][:, None, :].astype(np.float64), 1 / np.sqrt(d))
+            assert max_rel_error(got[r, h * g:(h + 1) * g], ref) <= 1e-5
