@@ -1,7 +1,7 @@
 PYTHON ?= python3
 BACKEND ?=
 
-.PHONY: install test test-gpu lint check check-full bench info clean
+.PHONY: install test test-gpu lint check check-full bench plot info clean
 
 install:            ## editable install with the test tools
 	$(PYTHON) -m pip install -e '.[dev]'
@@ -9,8 +9,11 @@ install:            ## editable install with the test tools
 test:               ## the CPU suite (GPU tests skip without a GPU)
 	$(PYTHON) -m pytest -q
 
-test-gpu:           ## the CUDA test module (needs a GPU and CuPy)
-	$(PYTHON) -m pytest -q tests/test_cuda_gpu.py -rs
+test-gpu:           ## the CUDA test modules (need a GPU and CuPy)
+	$(PYTHON) -m pytest -q tests/test_cuda_gpu.py tests/test_cuda_graphs.py -rs
+
+plot:               ## PNG of a saved bench JSON: make plot JSON=run.json PNG=run.png
+	paged-decode plot $(JSON) $(PNG)
 
 lint:
 	ruff check paged_decode kernels tests

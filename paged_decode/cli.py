@@ -51,6 +51,13 @@ def info(backend: str | None, as_json: bool) -> None:
             "device": dev.name, "compute_units": dev.compute_units,
             "ctas_per_unit": dev.ctas_per_unit, "target_ctas": dev.target_ctas(),
             "detail": dev.detail, **{k: v for k, v in be.describe().items() if k != "backend"}}
+    from .crossover import table_for
+    try:
+        xt = table_for(dev.name)
+        data["crossover"] = (f"{xt.source} ({len(xt.cells)} cells)" if xt is not None
+                             else "none: path='auto' runs v2")
+    except Exception as exc:   # a malformed table file must not hide the rest of info
+        data["crossover"] = f"unreadable: {exc}"
     if as_json:
         click.echo(json.dumps(data, indent=1, default=str))
         return
@@ -60,6 +67,7 @@ def info(backend: str | None, as_json: bool) -> None:
     click.echo(f"selected: {be.name} on {dev.name} ({dev.detail})")
     click.echo(f"plan target: {dev.target_ctas()} CTAs ({dev.compute_units} units x "
                f"{dev.ctas_per_unit})")
+    click.echo(f"crossover table: {data['crossover']}")
     for k, v in be.describe().items():
         if k not in ("backend", "device"):
             click.echo(f"  {k}: {v}")
@@ -123,8 +131,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @click.option("--preset", default=None,
               help="Case preset: adr (gather/v1/v2 GPU sweep, pages 16/32/64), targets "
                    "(page 16, batch up to 128), variants (8 x 8K: bf16, head_dim, GQA, "
-                   "page size), models, cpu (small). Default: adr on a GPU backend, cpu on "
-                   "the reference backend.")
+                   "page size), models, cpu (small); cascade and sparse select those "
+                   "suites. Default: adr on a GPU backend, cpu on the others.")
 @click.option("--context", "contexts", multiple=True, type=int, help="Override contexts.")
 @click.option("--batch", "batches", multiple=True, type=int, help="Override batch sizes.")
 @click.option("--page", "pages", multiple=True, type=int, help="Override page sizes.")
@@ -160,6 +168,11 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     from .bench.runner import ARMS, header
     from .bench.timing import measure_read_bandwidth
     be = _backend(backend)
+    if preset in ("cascade", "sparse"):   # the suites are presets too
+        if suite not in ("decode", preset):
+            raise click.ClickException(f"bench: --preset {preset} runs the {preset} suite; "
+                                       f"it cannot be combined with --suite {suite}")
+        suite, preset = preset, None
     name = preset or ("adr" if be.name in ("cuda", "metal") else "cpu")
     try:
         cases = preset_cases(name, contexts=list(contexts), batches=list(batches),

@@ -100,3 +100,21 @@ def test_a_fallen_back_arm_withholds_the_comparison():
     assert fell.fell_back and "withheld" in text and "2.00" not in text
     good = ArmResult("v2", "v2", 0.0, True, call={"median_us": 5.0}, expected=("v2",))
     assert "2.00" in table([BenchResult(CascadeCase(1, 16), 1, 1, {"v1": ok, "v2": good})])
+
+
+def test_cascade_and_sparse_presets_select_their_suites(run):
+    res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--preset", "cascade"])
+    assert res.exit_code != 0 and "--backend cuda" in res.output      # the suite ran its gate
+    res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--preset", "sparse",
+                                    "--suite", "cascade"])
+    assert res.exit_code != 0 and "cannot be combined" in res.output
+
+
+def test_info_names_the_crossover_table(run, tmp_path, monkeypatch):
+    res = run("info", "--backend", "reference", "--json")
+    assert "path='auto' runs v2" in json.loads(res.output)["crossover"]
+    bad = tmp_path / "t.json"
+    bad.write_text("[]")
+    monkeypatch.setenv("PAGED_DECODE_CROSSOVER", str(bad))
+    res = run("info", "--backend", "reference")
+    assert "crossover table: unreadable" in res.output
