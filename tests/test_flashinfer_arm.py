@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from paged_decode.bench import flashinfer_arm as fa
+from paged_decode.bench import sdpa_arm as sa
 from paged_decode.page_table import PageTable
 
 
@@ -116,7 +117,7 @@ def test_version_tuple():
 def test_check_shapes():
     table = _table([20, 9], page_size=8)
     q, k, v = _arrays(table, hq=8, hkv=2, d=16)
-    assert fa.check_shapes(q.shape, k.shape, v.shape, table) == (2, 8, 2, 16, 8)
+    assert sa.check_shapes(q.shape, k.shape, v.shape, table) == (2, 8, 2, 16, 8)
     n = k.shape[0]
     bad = [
         ((2, 8), k.shape, v.shape, "q must be"),
@@ -129,20 +130,20 @@ def test_check_shapes():
     ]
     for qs, ks, vs, msg in bad:
         with pytest.raises(ValueError, match=msg):
-            fa.check_shapes(qs, ks, vs, table)
+            sa.check_shapes(qs, ks, vs, table)
 
 
 def test_contiguous_sdpa_needs_equal_lengths():
-    assert fa.equal_visible_length(_table([30, 30, 30])) == 30
-    assert fa.equal_visible_length(_table([30, 30], first_page_offset=[0, 9])) == 30
+    assert sa.equal_visible_length(_table([30, 30, 30])) == 30
+    assert sa.equal_visible_length(_table([30, 30], first_page_offset=[0, 9])) == 30
     with pytest.raises(ValueError, match="equal request lengths"):
-        fa.equal_visible_length(_table([30, 31]))
+        sa.equal_visible_length(_table([30, 31]))
     with pytest.raises(ValueError, match=">= 1 visible"):
-        fa.equal_visible_length(_table([0, 0]))
+        sa.equal_visible_length(_table([0, 0]))
     table = _table([12, 40])
     q, k, v = _arrays(table)
     with pytest.raises(ValueError, match="equal request lengths"):
-        fa.make_contiguous_sdpa(q, k, v, table, sm_scale=0.25)
+        sa.make_contiguous_sdpa(q, k, v, table, sm_scale=0.25)
 
 
 # ---------------------------------------------------------------------------- with torch
@@ -159,7 +160,7 @@ def test_contiguous_sdpa_on_cpu_matches_a_numpy_oracle():
     q = torch.from_numpy(rng.standard_normal((3, hq, d)).astype(np.float32))
     k = torch.from_numpy(rng.standard_normal((table.num_pages, p, hkv, d)).astype(np.float32))
     v = torch.from_numpy(rng.standard_normal((table.num_pages, p, hkv, d)).astype(np.float32))
-    call, out, desc = fa.make_contiguous_sdpa(q, k, v, table, sm_scale=0.3)
+    call, out, desc = sa.make_contiguous_sdpa(q, k, v, table, sm_scale=0.3)
     assert "SDPA" in desc and f"[3, {hkv}, {length}, {d}]" in desc
     got = call().numpy()
     np.testing.assert_allclose(out.numpy(), got)

@@ -72,13 +72,15 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
         import torch
 
         from . import flashinfer_arm as fa
+        from . import sdpa_arm
     except Exception as exc:
         raise ArmUnavailable(f"{name} needs torch and the arm module "
                              f"({type(exc).__name__}: {exc})") from exc
     qt, kt, vt = (torch.from_dlpack(x) for x in (q, k, v))
     try:
         if name == "sdpa":
-            call, out, desc = fa.make_contiguous_sdpa(qt, kt, vt, table, sm_scale=sm_scale)
+            call, out, desc = sdpa_arm.make_contiguous_sdpa(qt, kt, vt, table,
+                                                            sm_scale=sm_scale)
         else:
             ok, why = fa.available()
             if not ok:
