@@ -266,9 +266,7 @@ class CudaBackend(Backend):
 
     def stream_key(self, like: Any) -> int:
         """The raw current stream for arrays like ``like`` (torch's for torch tensors)."""
-        if type(like).__module__.split(".")[0] == "torch":
-            return int(_torch().cuda.current_stream(like.device).cuda_stream)
-        return int(cp.cuda.get_current_stream().ptr)
+        return _stream_getter(like)()
 
     def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
         """Record the launches ``run`` makes (nothing runs), then return a callable that
@@ -285,7 +283,7 @@ class CudaBackend(Backend):
                 dev = cp.cuda.Device().id
         finally:
             self._recording.launches = None
-        stream = _stream_getter(like, dev)
+        stream = _stream_getter(like)
         launch = cp.cuda.driver.launchKernel
         get_device = cp.cuda.runtime.getDevice
 
@@ -355,10 +353,11 @@ class _PackedLaunch:
         self._keep = (cells, ptrs, launch.values())
 
 
-def _stream_getter(like: Any, dev: int) -> Callable[[], int]:
-    """A function returning the raw current stream for calls on arrays like ``like``."""
+def _stream_getter(like: Any) -> Callable[[], int]:
+    """A function returning the raw current stream for calls on arrays like ``like``:
+    torch's current stream on the tensor's device for torch tensors, else CuPy's."""
     if type(like).__module__.split(".")[0] == "torch":
-        current = _torch().cuda.current_stream
+        current, dev = _torch().cuda.current_stream, like.device
         return lambda: int(current(dev).cuda_stream)
     get = cp.cuda.get_current_stream
     return lambda: int(get().ptr)

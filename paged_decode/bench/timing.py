@@ -37,27 +37,41 @@ def host_times(fn: Callable[[], Any], *, warmup: int, reps: int,
     return out
 
 
+def _event_loop(fn: Callable[[], Any], *, warmup: int, reps: int,
+                overwrite: Callable[[int], Any] | None, new_event: Callable[[], Any],
+                elapsed_ms: Callable[[Any, Any], float],
+                wait: Callable[[], Any]) -> np.ndarray:
+    """The timed loop shared by the event timers: per iteration, ``overwrite(i)`` the L2
+    flush buffer (if given), record an event, run ``fn``, record an event; returns the
+    seconds between each pair."""
+    for _ in range(warmup):
+        fn()
+    starts = [new_event() for _ in range(reps)]
+    ends = [new_event() for _ in range(reps)]
+    for i in range(reps):
+        if overwrite is not None:
+            overwrite(i)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    wait()
+    return np.array([elapsed_ms(s, e) * 1e-3 for s, e in zip(starts, ends)])
+
+
 def cuda_event_times(fn: Callable[[], Any], *, warmup: int, reps: int,
                      cold_l2: bool = True) -> np.ndarray:
-    """GPU time of each call between CUDA events on the current stream.
+    """GPU time of each call between CUDA events on CuPy's current stream.
 
     With ``cold_l2`` a 256 MB buffer is overwritten before every iteration (outside the
     events), so no iteration reads K/V left in L2 by the previous one.
     """
     import cupy as cp
     flush = cp.empty(L2_FLUSH_BYTES // 4, cp.int32) if cold_l2 else None
-    for _ in range(warmup):
-        fn()
-    starts = [cp.cuda.Event() for _ in range(reps)]
-    ends = [cp.cuda.Event() for _ in range(reps)]
-    for i in range(reps):
-        if flush is not None:
-            flush.fill(i)
-        starts[i].record()
-        fn()
-        ends[i].record()
-    ends[-1].synchronize()
-    return np.array([cp.cuda.get_elapsed_time(s, e) * 1e-3 for s, e in zip(starts, ends)])
+    return _event_loop(fn, warmup=warmup, reps=reps,
+                       overwrite=None if flush is None else flush.fill,
+                       new_event=cp.cuda.Event,
+                       elapsed_ms=cp.cuda.get_elapsed_time,
+                       wait=lambda: cp.cuda.get_current_stream().synchronize())
 
 
 def _torch() -> Any:
@@ -134,18 +148,10 @@ def replay_times(replay: Callable[[], None], *, warmup: int, reps: int,
         return cuda_event_times(replay, warmup=warmup, reps=reps, cold_l2=cold_l2)
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") \
         if cold_l2 else None
-    for _ in range(warmup):
-        replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        if flush is not None:
-            flush.fill_(i)
-        starts[i].record()
-        replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return np.array([s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)])
+    return _event_loop(replay, warmup=warmup, reps=reps,
+                       overwrite=None if flush is None else flush.fill_,
+                       new_event=lambda: torch.cuda.Event(enable_timing=True),
+                       elapsed_ms=lambda s, e: s.elapsed_time(e), wait=torch.cuda.synchronize)
 
 
 def synchronize() -> None:
