@@ -135,26 +135,21 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
         record(DecodeOutcome("cascade", be.name, a.b, table.total_visible, cplan.num_partials,
                              f"cascade: {why_cascade}", cplan.prefix.describe()))
         return _results(be, q, out, lse, out_a, lse_a, return_lse)
-    plan = resolve_plan(fn, be, a, plan, q)
-    chosen, reason = choose_path(be, table, plan) if path == "auto" else (path, "requested")
-    check_support(fn, be, a, chosen)
+    want_lse = return_lse or lse is not None
+    plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
+                                                   want_lse)
     with be.launch_context(q):
-        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
-        want_lse = return_lse or lse is not None
-        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
-            if want_lse or chosen != "gather" else None
         ran = run_path(be, a, plan, chosen, out_a, lse_a)
     if why_cascade:
         reason = f"{reason}; {why_cascade}"
     record(DecodeOutcome(ran, be.name, a.b, table.total_visible,
                          plan.num_chunks if ran.startswith("v2") else a.b, reason))
     if fast_key is not None and chosen in ("v2", "v1"):
-        from .prepared import decode_cache, prepare_decode
+        from .prepared import PreparedDecode, decode_cache
         decode_cache.put(fast_key, (be, q, k_pages, v_pages, table, plan, out, lse),
-                         prepare_decode(q, k_pages, v_pages, table, plan, path=chosen,
-                                        sm_scale=sm_scale, out=out, lse=lse,
-                                        return_lse=return_lse, out_dtype=out_dtype,
-                                        backend=be))
+                         PreparedDecode(be, a, plan, chosen, reason, out,
+                                        lse if want_lse else None, out_a, lse_a,
+                                        return_lse, q))
     return _results(be, q, out, lse, out_a, lse_a, return_lse)
 
 
@@ -227,6 +222,23 @@ def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
     return plan
 
 
+def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
+              like: Any, out: Any, lse: Any, want_lse: bool
+              ) -> tuple[DecodePlan, str, str, Any, Any]:
+    """The set-up of a flat (non-cascade) call, shared by ``decode`` and ``prepare_decode``:
+    the plan (checked or made), the path and why, the support check, and the output
+    buffers ``out [B, Hq, D]`` and ``lse [B, Hq]`` float32 (``None`` when the gather path
+    needs no LSE). Returns ``(plan, path, reason, out, lse)``."""
+    plan = resolve_plan(fn, be, a, plan, like)
+    chosen, reason = choose_path(be, a.table, plan) if path == "auto" else (path, "requested")
+    check_support(fn, be, a, chosen)
+    with be.launch_context(like):
+        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
+            if want_lse or chosen != "gather" else None
+    return plan, chosen, reason, out_a, lse_a
+
+
 def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:
     sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq, a.hkv, a.d, a.p, path))
     if not sup:
@@ -289,4 +301,4 @@ def _is_contiguous(arr: Any) -> bool:
 
 
 __all__ = ["decode", "choose_path", "PATHS", "CallArgs", "check_call", "resolve_plan",
-           "check_support", "run_path", "output_buffer"]
+           "check_support", "flat_call", "run_path", "output_buffer"]

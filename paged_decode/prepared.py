@@ -24,10 +24,7 @@ from .backends import Backend, backend_for
 from .decode import (
     CallArgs,
     check_call,
-    check_support,
-    choose_path,
-    output_buffer,
-    resolve_plan,
+    flat_call,
     run_path,
 )
 from .errors import InvalidArgumentError
@@ -92,17 +89,13 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     be = backend_for(backend, q)
     a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
                    out_dtype=out_dtype)
-    plan = resolve_plan(fn, be, a, plan, q)
-    chosen, reason = choose_path(be, table, plan) if path == "auto" else (path, "requested")
-    check_support(fn, be, a, chosen)
     if not isinstance(return_lse, bool):
         raise InvalidArgumentError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
-    with be.launch_context(q):
-        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
-        want_lse = return_lse or lse is not None
-        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
-            if want_lse or chosen != "gather" else None
-        if chosen == "v2" and plan.needs_merge:
+    want_lse = return_lse or lse is not None
+    plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
+                                                   want_lse)
+    if chosen == "v2" and plan.needs_merge:
+        with be.launch_context(q):
             be.workspace(plan)   # allocated now, on the caller's current stream
     out_r = be.wrap_result(out_a, like=q) if out is None else out
     lse_r = None

@@ -4,9 +4,11 @@ Arrays: CuPy arrays, and any CUDA array exposing DLPack or ``__cuda_array_interf
 (torch tensors) are used in place, without copies; results come back in the caller's
 array kind. Launches go to the caller's current stream (CuPy's, or torch's when the
 inputs are torch tensors) on the inputs' device. Table and plan arrays are copied to the
-device once per (table or plan object, device) and memoised, so a decode with a prepared
-plan and a caller-provided output makes no host-to-device copy and no allocation besides
-the merge workspace (``prepare`` uploads ahead of a CUDA-graph capture).
+device once per (table or plan object, device) and memoised, and the merge workspace is
+kept per (plan, device, stream), so after its first call on a stream a decode with a plan
+and a caller-provided output makes no host-to-device copy and no allocation (it can be
+captured in a CUDA graph). ``compile_launches`` packs a call's launches once for
+``prepare_decode``; ``prepare`` uploads a table and plan ahead of time.
 """
 
 from __future__ import annotations
