@@ -16,6 +16,13 @@ the unchanged v2 partial and merge kernels of any backend:
 - **one merge** of all base-2 (V, LSE) partial states of a request: its level-1 chunks
   and, for a member, its level-0 chunks (the merge is associative and commutative).
 
+Level 0 is a matrix product of ``M * G`` stacked rows against the prefix. Where the
+backend has it (CUDA on sm_80+, and the CUDA emulator), it runs on the tensor-core prefix
+kernel (``kernels/prefix_tc.py``): a CTA holds 64 stacked rows and reads each prefix K/V
+element once for all of them, taking the members' rows straight from ``q`` and writing
+their states member-major; otherwise (float32 pools, the Metal backend) on the v2 partial
+over explicitly stacked queries, which re-reads the prefix once per 8 stacked heads.
+
 Detection and planning are host work on plain data; ``cascade_policy`` decides when
 ``decode`` uses them (and memoises them per table object, so the layers of one step share
 the work); a call only runs three kernels and a few device copies (query stacking, state
@@ -97,12 +104,16 @@ class CascadeDecodePlan:
       ``merge_rows[i]`` of the stacked states ``[level-1 chunks; member 0's level-0 chunks;
       member 1's; ...]``, so each request's partials are contiguous.
     - ``o_indptr``: ``int32 [B + 1]``, the merge groups (one output row per request).
+    - ``prefix_row_tiles``: row tiles per KV head of the tensor-core level 0
+      (``ceil(M * G / DeviceInfo.prefix_tile_rows)``; ``plan0`` was searched for its
+      ``Hkv * prefix_row_tiles`` CTAs per chunk), 0 when level 0 runs on the v2 partial.
     """
 
     prefix: CascadePlan
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
+    prefix_row_tiles: int
     plan0: DecodePlan = field(repr=False)
     plan1: DecodePlan = field(repr=False)
     merge_rows: np.ndarray = field(repr=False)
@@ -230,13 +241,20 @@ def _make_plan(table: PageTable, members: np.ndarray, span: int) -> CascadePlan:
 def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                  prefix: CascadePlan | None = None, device: DeviceInfo | None = None,
                  backend: str | None = None, min_shared_pages: int | None = None,
-                 min_members: int = 2) -> CascadeDecodePlan | None:
+                 min_members: int = 2, level0: str = "auto") -> CascadeDecodePlan | None:
     """Detect (unless ``prefix`` is given) and plan both levels; ``None`` when no group.
 
     The level plans use ``plan_decode``'s search on ``device`` (default: the backend's).
+    ``level0``: ``"auto"`` (the tensor-core prefix kernel where ``device`` has one, else
+    the v2 partial), ``"tc"`` (require it) or ``"v2"`` (the v2 partial on stacked queries,
+    a comparison arm). A call whose dtypes the prefix kernel does not take (float32)
+    runs level 0 on the v2 partial with the same chunks.
     """
     fn = "plan_cascade"
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+    if level0 not in ("auto", "tc", "v2"):
+        raise InvalidArgumentError(f"{fn}: level0 must be 'auto', 'tc' or 'v2', "
+                                   f"got {level0!r}")
     if prefix is None:
         prefix = detect_shared_prefix(table, min_shared_pages=min_shared_pages,
                                       min_members=min_members)
@@ -248,7 +266,14 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
         from .backends import get_backend
         device = get_backend(backend).device_info()
     m = prefix.num_members
-    plan0 = plan_decode(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim, device=device)
+    tile_rows = device.prefix_tile_rows if level0 != "v2" else 0
+    if level0 == "tc" and not tile_rows:
+        raise InvalidArgumentError(f"{fn}: level0='tc' needs a backend with the tensor-core "
+                                   f"prefix kernel; device {device.name!r} "
+                                   f"({device.backend}) has none")
+    row_tiles = -(-m * (num_qo_heads // num_kv_heads) // tile_rows) if tile_rows else 0
+    plan0 = plan_decode(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim, device=device,
+                        ctas_per_chunk=num_kv_heads * row_tiles if row_tiles else None)
     plan1 = plan_decode(prefix.level1, num_qo_heads, num_kv_heads, head_dim, device=device)
     c0, c1, b = plan0.num_chunks, plan1.num_chunks, prefix.batch_size
     chunks1 = plan1.chunks_per_request.astype(np.int64)
@@ -263,7 +288,7 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
     dst = (start[mem] + chunks1[mem])[:, None] + np.arange(c0)[None, :]
     rows[dst.reshape(-1)] = c1 + np.arange(m * c0)
     return CascadeDecodePlan(prefix, int(num_qo_heads), int(num_kv_heads), int(head_dim),
-                             plan0, plan1, _ro(rows), _ro(start))
+                             row_tiles, plan0, plan1, _ro(rows), _ro(start))
 
 
 # ---------------------------------------------------------------------------- running
@@ -297,31 +322,48 @@ def _device_index(be: Any, arr: np.ndarray) -> Any:
 
 
 def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecodePlan,
-                sm_scale: float, out: Any, lse_out: Any) -> None:
-    """Run both levels and the merge on validated backend arrays.
+                sm_scale: float, out: Any, lse_out: Any) -> str:
+    """Run both levels and the merge on validated backend arrays; returns which kernel
+    ran level 0 (``"tensor-core prefix"`` or ``"v2 on stacked queries"``).
 
     ``q [B, Hq, D]``; pools ``[num_pages, P, Hkv, D]``; ``out [B, Hq, D]`` (any output
-    dtype); ``lse_out [B, Hq]`` float32 (base 2). Workspaces are float32.
+    dtype); ``lse_out [B, Hq]`` float32 (base 2). Workspaces are float32 ``scratch`` of
+    ``cplan`` (kept per plan and stream on CUDA: a call allocates nothing after its first).
     """
     xp = be.array_module()
     _, hq, d = q.shape
     hkv, pre = cplan.num_kv_heads, cplan.prefix
     p0, p1, m = cplan.plan0, cplan.plan1, pre.num_members
     c0, c1 = p0.num_chunks, p1.num_chunks
-    ws_v = be.empty((c1 + m * c0, hq, d), "float32")
-    ws_l = be.empty((c1 + m * c0, hq), "float32")
+    n = c1 + m * c0
+    ws_v = be.scratch(cplan, "states_v", (n, hq, d), "float32")
+    ws_l = be.scratch(cplan, "states_lse", (n, hq), "float32")
     v1, l1 = ws_v[:c1], ws_l[:c1]       # views on numpy/CuPy: the kernel fills ws_v, ws_l
     be.partial(q, k_pages, v_pages, pre.level1, p1, sm_scale, v1, l1)
     if be.functional_outputs:           # MLX rebinds v1, l1 instead (see backends.base)
         ws_v[:c1], ws_l[:c1] = v1, l1
-    q0 = stack_member_queries(xp, q, _device_index(be, pre.members), hkv)
-    v0 = be.empty((c0, m * hq, d), "float32")
-    l0 = be.empty((c0, m * hq), "float32")
-    be.partial(q0, k_pages, v_pages, pre.level0, p0, sm_scale, v0, l0)
-    ws_v[c1:], ws_l[c1:] = unstack_member_states(xp, v0, l0, m, hkv)
+    members = _device_index(be, pre.members)
+    if cplan.prefix_row_tiles and be.prefix_partial(
+            q, k_pages, v_pages, pre.level0, p0, members, cplan.prefix_row_tiles, sm_scale,
+            ws_v[c1:], ws_l[c1:]):
+        ran = "tensor-core prefix"
+    else:
+        q0 = stack_member_queries(xp, q, members, hkv)
+        v0 = be.scratch(cplan, "level0_v", (c0, m * hq, d), "float32")
+        l0 = be.scratch(cplan, "level0_lse", (c0, m * hq), "float32")
+        be.partial(q0, k_pages, v_pages, pre.level0, p0, sm_scale, v0, l0)
+        ws_v[c1:], ws_l[c1:] = unstack_member_states(xp, v0, l0, m, hkv)
+        ran = "v2 on stacked queries"
     rows = _device_index(be, cplan.merge_rows)
-    be.merge(xp.take(ws_v, rows, axis=0), xp.take(ws_l, rows, axis=0), cplan.o_indptr,
-             out, lse_out)
+    if be.functional_outputs:
+        mv, ml = xp.take(ws_v, rows, axis=0), xp.take(ws_l, rows, axis=0)
+    else:                               # into kept buffers: no allocation per call
+        mv = be.scratch(cplan, "merge_v", (n, hq, d), "float32")
+        ml = be.scratch(cplan, "merge_lse", (n, hq), "float32")
+        xp.take(ws_v, rows, axis=0, out=mv)
+        xp.take(ws_l, rows, axis=0, out=ml)
+    be.merge(mv, ml, cplan.o_indptr, out, lse_out)
+    return ran
 
 
 def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,

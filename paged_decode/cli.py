@@ -124,9 +124,11 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @main.command()
 @click.option("--backend", default=None, help="Backend to time (default: automatic).")
 @click.option("--suite", default="decode", show_default=True,
-              type=click.Choice(["decode", "cascade", "sparse"]),
-              help="decode: gather/v1/v2 over --preset; cascade: flat v2 vs cascade over "
-                   "shared prefixes {2K,8K,32K} x batch {4,8,32,128}, suffix 256; sparse: "
+              type=click.Choice(["decode", "cascade", "cascade-rule", "sparse"]),
+              help="decode: gather/v1/v2 over --preset; cascade: flat v2 vs cascade "
+                   "(tensor-core level 0, and v2 level 0 where both exist) over shared "
+                   "prefixes {2K,8K,32K} x batch {4,8,32,128}, suffix 256; cascade-rule: "
+                   "the same arms over short prefixes {128..2K} x batch {2..16}; sparse: "
                    "dense masked vs fused over context {4K,16K,64K} x sparsity {2..32}x.")
 @click.option("--preset", default=None,
               help="Case preset: adr (gather/v1/v2 GPU sweep, pages 16/32/64), targets "
@@ -168,7 +170,7 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     from .bench.runner import ARMS, header
     from .bench.timing import measure_read_bandwidth
     be = _backend(backend)
-    if preset in ("cascade", "sparse"):   # the suites are presets too
+    if preset in ("cascade", "cascade-rule", "sparse"):   # the suites are presets too
         if suite not in ("decode", preset):
             raise click.ClickException(f"bench: --preset {preset} runs the {preset} suite; "
                                        f"it cannot be combined with --suite {suite}")

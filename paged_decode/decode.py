@@ -131,9 +131,10 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
         with be.launch_context(q):
             out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
             lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
-            run_cascade(be, a.q, a.k, a.v, cplan, a.scale, out_a, lse_a)
+            level0 = run_cascade(be, a.q, a.k, a.v, cplan, a.scale, out_a, lse_a)
         record(DecodeOutcome("cascade", be.name, a.b, table.total_visible, cplan.num_partials,
-                             f"cascade: {why_cascade}", cplan.prefix.describe()))
+                             f"cascade: {why_cascade}",
+                             f"{cplan.prefix.describe()}; level 0: {level0}"))
         return _results(be, q, out, lse, out_a, lse_a, return_lse)
     want_lse = return_lse or lse is not None
     plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,

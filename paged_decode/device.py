@@ -27,6 +27,9 @@ class DeviceInfo:
     ``ctas_per_unit``: how many partial-kernel CTAs one unit should hold at once.
     ``min_chunk_tokens``: the plan never cuts a request into chunks shorter than this
     (a split costs a merge; tiny chunks cost more than they spread).
+    ``prefix_tile_rows``: query rows per CTA of the backend's tensor-core level-0 kernel
+    of cascade decode (``kernels/prefix_tc.py``), 0 when it has none (cascade then runs
+    level 0 on the v2 partial); ``plan_cascade`` sizes level-0 chunks by it.
     """
 
     backend: str
@@ -36,6 +39,7 @@ class DeviceInfo:
     index: int = 0
     detail: str = ""
     min_chunk_tokens: int = 1
+    prefix_tile_rows: int = 0
 
     @property
     def default_target_ctas(self) -> int:

@@ -97,6 +97,7 @@ class DecodePlan:
     q_groups: int
     target_ctas: int
     forced: bool
+    cta_count_per_chunk: int
     chunks_per_request: np.ndarray = field(repr=False)
     request_indices: np.ndarray = field(repr=False)
     kv_tile_indices: np.ndarray = field(repr=False)
@@ -111,7 +112,9 @@ class DecodePlan:
 
     @property
     def ctas_per_chunk(self) -> int:
-        return self.num_kv_heads * self.q_groups
+        """CTAs of the kernel the plan was searched for, per chunk (the v2 partial's
+        ``Hkv * q_groups`` unless ``plan_decode(ctas_per_chunk=...)`` said otherwise)."""
+        return self.cta_count_per_chunk
 
     @property
     def num_ctas(self) -> int:
@@ -191,8 +194,8 @@ def chunk_token_ranges(table: PageTable, plan: DecodePlan) -> tuple[np.ndarray, 
 def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                 device: DeviceInfo | None = None, backend: str | None = None,
                 target_ctas: int | None = None, pages_per_chunk: int | None = None,
-                min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS
-                ) -> DecodePlan:
+                min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
+                ctas_per_chunk: int | None = None) -> DecodePlan:
     """Plan a split-KV decode of ``table``.
 
     Args:
@@ -206,6 +209,9 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
         min_chunk_tokens: the searched chunk size is at least this many tokens (default:
             ``device.min_chunk_tokens``); ignored when ``pages_per_chunk`` is given.
         max_chunks: grid bound on the total chunk count (65535).
+        ctas_per_chunk: CTAs one chunk launches, for a kernel whose CTA geometry is not
+            the v2 partial's ``Hkv * q_groups`` (cascade's tensor-core level 0); the search
+            fills the device with that kernel's CTAs.
     """
     fn = "plan_decode"
     if not isinstance(table, PageTable):
@@ -223,7 +229,11 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
     target = device.target_ctas(target_ctas)
     qh = heads_per_cta(num_qo_heads, num_kv_heads)
     q_groups = (num_qo_heads // num_kv_heads) // qh
-    ctas_per_chunk = num_kv_heads * q_groups
+    if ctas_per_chunk is None:
+        ctas_per_chunk = num_kv_heads * q_groups
+    elif not isinstance(ctas_per_chunk, (int, np.integer)) or ctas_per_chunk < 1:
+        raise InvalidArgumentError(f"{fn}: ctas_per_chunk must be a positive integer, "
+                                   f"got {ctas_per_chunk!r}")
     pages = table.pages_per_request
     max_ppc = max(1, int(pages.max()))
     min_ppc = smallest_chunk_size(pages, max_chunks)
@@ -274,4 +284,4 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
         arrays.append(a)
     return DecodePlan(b, int(num_qo_heads), int(num_kv_heads), int(head_dim),
                       table.page_size, ppc, qh, q_groups, target,
-                      pages_per_chunk is not None, *arrays)
+                      pages_per_chunk is not None, int(ctas_per_chunk), *arrays)

@@ -30,7 +30,8 @@ class UnexpectedCompileError(PagedDecodeError, RuntimeError):
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One specialization. ``kernel`` is ``"v2"``, ``"v1"`` or ``"merge"``; parameters a
+    """One specialization. ``kernel`` is ``"v2"``, ``"v1"``, ``"merge"`` or ``"prefix"`` (the
+    tensor-core level 0 of cascade decode: ``kv_dtype`` is its q/K/V dtype); parameters a
     kernel does not use are left at 0 / ``""``."""
 
     kernel: str
@@ -80,6 +81,9 @@ class KernelSpec:
         elif self.kernel == "merge":
             args = [t[self.out_dtype], self.head_dim]
             name = "pd_merge_states"
+        elif self.kernel == "prefix":
+            args = [t[self.kv_dtype], self.head_dim, self.page_size, self.num_warps]
+            name = "pd_prefix_tc"
         else:
             raise ValueError(f"unknown kernel {self.kernel!r}")
         return f"{name}<{', '.join(str(a) for a in args)}>"
@@ -89,6 +93,9 @@ class KernelSpec:
     def dynamic_smem_bytes(self) -> int:
         """Bytes of the K/V staging ring (v2 and v1): per thread, STAGES x 4 tokens x
         (K, V) x the 16-byte pieces of its slice of a row."""
+        if self.kernel == "prefix":
+            from .kernels import prefix_tc
+            return prefix_tc.dynamic_smem_bytes(self.head_dim, self.num_warps)
         if self.kernel not in ("v2", "v1"):
             return 0
         return self.num_warps * 32 * self.stages * stage_bytes_per_thread(
@@ -158,6 +165,18 @@ def merge_spec(out_dtype: str, head_dim: int) -> KernelSpec:
     return KernelSpec("merge", out_dtype, head_dim)
 
 
+#: the tensor-core prefix kernel's dtypes (its operands are 16-bit; q must match the pools)
+PREFIX_DTYPES = ("float16", "bfloat16")
+
+
+def prefix_spec(kv_dtype: str, head_dim: int, page_size: int) -> KernelSpec:
+    """The tensor-core level 0 of cascade decode (``kernels/prefix_tc.py``); it writes
+    float32 partials."""
+    from .kernels import prefix_tc
+    return KernelSpec("prefix", "float32", head_dim, kv_dtype, kv_dtype, page_size, 0,
+                      prefix_tc.NUM_WARPS)
+
+
 def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int) -> list[KernelSpec]:
     """Every specialization a decode of this problem can compile, over all paths: the v2
@@ -172,9 +191,9 @@ def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
 
 def cuda_source(kernel: str) -> str:
     """The complete CUDA source holding ``kernel``'s template."""
-    from .kernels import decode_v1, decode_v2, merge
+    from .kernels import decode_v1, decode_v2, merge, prefix_tc
     return {"v2": decode_v2.CUDA_SOURCE, "v1": decode_v1.CUDA_SOURCE,
-            "merge": merge.CUDA_SOURCE}[kernel]
+            "merge": merge.CUDA_SOURCE, "prefix": prefix_tc.CUDA_SOURCE}[kernel]
 
 
 def assert_compile_allowed(spec: KernelSpec) -> None:

@@ -132,12 +132,19 @@ class Backend(ABC):
         """Return ``x`` in the array kind of the caller's ``like`` (identity by default)."""
         return x
 
+    def scratch(self, owner: Any, tag: str, shape: tuple[int, ...], dtype: str) -> Any:
+        """A workspace array belonging to ``owner`` (a plan object) under ``tag``. A fresh
+        array by default; the CUDA backend keeps one per (owner, tag, device, stream)
+        while ``owner`` lives, so that a call allocates nothing after its first on a
+        stream (CUDA-graph capture). Its content is whatever the last call left."""
+        return self.empty(shape, dtype)
+
     def workspace(self, plan: DecodePlan) -> tuple[Any, Any]:
         """The merge workspace of ``plan``: ``v [C, Hq, D]`` and ``lse [C, Hq]``, float32
-        (base-2 LSEs). Fresh arrays by default; the CUDA backend keeps one per (plan,
-        device, stream) so that a decode call allocates nothing (CUDA-graph capture)."""
-        return (self.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), "float32"),
-                self.empty((plan.num_chunks, plan.num_qo_heads), "float32"))
+        (base-2 LSEs), from ``scratch``."""
+        return (self.scratch(plan, "v", (plan.num_chunks, plan.num_qo_heads, plan.head_dim),
+                             "float32"),
+                self.scratch(plan, "lse", (plan.num_chunks, plan.num_qo_heads), "float32"))
 
     def stream_key(self, like: Any) -> int:
         """An identifier of the stream a call on arrays like ``like`` launches on now (0
@@ -186,6 +193,21 @@ class Backend(ABC):
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                   sm_scale: float, out: Any, lse_out: Any) -> None:
         """The v1 arm: one CTA per (request, query head) over the whole KV range."""
+
+    def prefix_partial(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
+                       plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
+                       v_out: Any, lse_out: Any) -> bool:
+        """Cascade level 0 on the tensor-core prefix kernel, where this backend has it
+        (``DeviceInfo.prefix_tile_rows > 0``) and the dtypes fit (``q`` and pools both
+        float16 or both bfloat16); returns whether it ran (``False``: the caller runs
+        level 0 on the v2 partial instead).
+
+        ``q [B, Hq, D]`` (unstacked); ``level0`` the one-request table of the shared pages
+        and ``plan0`` its plan (``M * Hq`` heads, ``C0`` chunks); ``members`` a device
+        ``int32 [M]``; ``v_out [M * C0, Hq, D]`` float32 and ``lse_out [M * C0, Hq]``
+        float32 (log2), member-major (row ``m * C0 + c``).
+        """
+        return False
 
     @abstractmethod
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,

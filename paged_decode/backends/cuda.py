@@ -70,7 +70,7 @@ class CudaBackend(Backend):
 
     def __init__(self) -> None:
         self._uploads: dict[tuple[int, int], Any] = {}
-        self._workspaces: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+        self._workspaces: dict[tuple[Any, ...], Any] = {}
         self._recording = threading.local()
 
     @classmethod
@@ -199,18 +199,32 @@ class CudaBackend(Backend):
             for a in (plan.request_indices, plan.kv_tile_indices, plan.o_indptr):
                 self.upload(a)
 
-    def workspace(self, plan: DecodePlan) -> tuple[Any, Any]:
-        """The merge workspace of ``plan`` on the current device and stream, allocated on
-        first use and kept while ``plan`` lives: ``v [C, Hq, D]``, ``lse [C, Hq]`` float32.
-        One per stream, so concurrent streams never share partials; after the first call
-        on a stream a decode allocates nothing (it can be captured in a CUDA graph)."""
-        key = (id(plan), cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    def scratch(self, owner: Any, tag: str, shape: tuple[int, ...], dtype: str) -> Any:
+        """A workspace of ``owner`` on the current device and stream, allocated on first
+        use and kept while ``owner`` lives (the merge workspace of a plan, cascade's
+        stacked states). One per stream, so concurrent streams never share partials;
+        after the first call on a stream a decode allocates nothing (it can be captured in
+        a CUDA graph)."""
+        key = (id(owner), tag, tuple(int(x) for x in shape), dtype, cp.cuda.Device().id,
+               cp.cuda.get_current_stream().ptr)
         got = self._workspaces.get(key)
         if got is None:
-            got = super().workspace(plan)
+            got = self.empty(shape, dtype)
             self._workspaces[key] = got
-            weakref.finalize(plan, self._workspaces.pop, key, None)
+            weakref.finalize(owner, self._workspaces.pop, key, None)
         return got
+
+    def prefix_partial(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
+                       plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
+                       v_out: Any, lse_out: Any) -> bool:
+        kv = self.dtype_of(k_pages)
+        if not (self.device_info().prefix_tile_rows and launches.prefix_fits(self.dtype_of(q), kv)):
+            return False
+        _check_aligned("cascade_decode", k_pages, v_pages)
+        self._run(launches.prefix_launch(
+            kv, plan0, int(members.shape[0]), level0.total_pages, row_tiles, sm_scale, q,
+            k_pages, v_pages, self.upload(level0.indices), members, v_out, lse_out))
+        return True
 
     def _table(self, table: PageTable) -> tuple[Any, ...]:
         return tuple(self.upload(a) for a in (table.indices, table.indptr, table.last_page_len,
@@ -312,9 +326,11 @@ def _device_info(index: int) -> DeviceInfo:
     props = cp.cuda.runtime.getDeviceProperties(index)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     sms = int(props["multiProcessorCount"])
+    tc = int(props["major"]) >= 8          # mma.sync m16n8k16 with f16 and bf16
     return DeviceInfo("cuda", name, sms, CTAS_PER_SM, index=index,
                       detail=f"compute capability {props['major']}.{props['minor']}",
-                      min_chunk_tokens=MIN_CHUNK_TOKENS)
+                      min_chunk_tokens=MIN_CHUNK_TOKENS,
+                      prefix_tile_rows=launches.PREFIX_TILE_ROWS if tc else 0)
 
 
 def _check_aligned(fn: str, *arrays: Any) -> None:

@@ -51,7 +51,7 @@ class EmulatedCudaBackend(ReferenceBackend):
         # the reference backend's fixed target, so plans do not depend on this machine
         return DeviceInfo("emulated-cuda", "CUDA kernels on the CPU emulator", compute_units=8,
                           ctas_per_unit=4, detail="fibers on up to 2 OS threads; fixed "
-                          "target 32 CTAs")
+                          "target 32 CTAs", prefix_tile_rows=launches.PREFIX_TILE_ROWS)
 
     def describe(self) -> dict[str, Any]:
         from ..emulator import cache_dir
@@ -100,6 +100,17 @@ class EmulatedCudaBackend(ReferenceBackend):
             (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)), tuple(q.shape),
             int(k_pages.shape[2]), table.page_size, sm_scale, q, k_pages, v_pages,
             _table(table), out, lse_out))
+
+    def prefix_partial(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
+                       plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
+                       v_out: Any, lse_out: Any) -> bool:
+        kv = self.dtype_of(k_pages)
+        if not (self.device_info().prefix_tile_rows and launches.prefix_fits(self.dtype_of(q), kv)):
+            return False     # emulated-metal: no Metal prefix kernel, level 0 runs on v2
+        self._run(launches.prefix_launch(
+            kv, plan0, int(members.shape[0]), level0.total_pages, row_tiles, sm_scale, q,
+            k_pages, v_pages, level0.indices, members, v_out, lse_out))
+        return True
 
 
 def _host(a: Any) -> np.ndarray:

@@ -18,11 +18,13 @@ import numpy as np
 from ..plan import DecodePlan
 from ..specs import (
     MAX_PAGE_SIZE,
+    PREFIX_DTYPES,
     SUPPORTED_HEAD_DIMS,
     V1_NUM_WARPS,
     V2_NUM_WARPS,
     KernelSpec,
     merge_spec,
+    prefix_spec,
     v1_spec,
     v2_spec,
 )
@@ -31,6 +33,7 @@ from .base import Problem, Support
 LOG2E = 1.4426950408889634
 MERGE_ITEMS_PER_BLOCK = 4      # one warp per (output row, head)
 TABLE_FIELDS = ("indices", "indptr", "last_page_len", "first_page_offset")
+PREFIX_TILE_ROWS = 64          # query rows per CTA of the prefix kernel (16 per warp, 4 warps)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def partial_launch(dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: flo
             Arg("q_groups", np.int32(plan.q_groups), "scalar"),
             Arg("pages_per_chunk", np.int32(plan.pages_per_chunk), "scalar"),
             Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
-    return Launch(spec, (plan.num_chunks, plan.ctas_per_chunk), V2_NUM_WARPS * 32,
+    return Launch(spec, (plan.num_chunks, plan.num_kv_heads * plan.q_groups), V2_NUM_WARPS * 32,
                   spec.dynamic_smem_bytes, tuple(args))
 
 
@@ -115,3 +118,32 @@ def v1_launch(dtypes: tuple[str, str, str], shape: tuple[int, int, int], num_kv_
             Arg("num_kv_heads", np.int32(num_kv_heads), "scalar"),
             Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
     return Launch(spec, (b * hq, 1), V1_NUM_WARPS * 32, spec.dynamic_smem_bytes, tuple(args))
+
+
+def prefix_fits(q_dtype: str, kv_dtype: str) -> bool:
+    """Whether the tensor-core prefix kernel takes these dtypes (q and pools both float16
+    or both bfloat16; float32 pools run level 0 on the v2 partial)."""
+    return kv_dtype in PREFIX_DTYPES and q_dtype == kv_dtype
+
+
+def prefix_launch(kv_dtype: str, plan0: DecodePlan, num_members: int, shared_pages: int,
+                  row_tiles: int, sm_scale: float, q: Any, k_pages: Any, v_pages: Any,
+                  page_ids: Any, members: Any, v_out: Any, lse_out: Any) -> Launch:
+    """Cascade level 0 on tensor cores (``kernels/prefix_tc.py``): grid (C0 * row_tiles,
+    Hkv). ``plan0`` is the level-0 plan (its ``num_qo_heads`` is ``M * Hq``); ``page_ids``
+    the level-0 table's ``indices``; ``v_out [M * C0, Hq, D]``, ``lse_out [M * C0, Hq]``."""
+    spec = prefix_spec(kv_dtype, plan0.head_dim, plan0.page_size)
+    hq = plan0.num_qo_heads // num_members
+    args = [*_ins(("q", "k_pages", "v_pages", "page_ids", "members"),
+                  (q, k_pages, v_pages, page_ids, members)),
+            Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
+            Arg("num_shared_pages", np.int32(shared_pages), "scalar"),
+            Arg("num_members", np.int32(num_members), "scalar"),
+            Arg("num_chunks", np.int32(plan0.num_chunks), "scalar"),
+            Arg("pages_per_chunk", np.int32(plan0.pages_per_chunk), "scalar"),
+            Arg("num_qo_heads", np.int32(hq), "scalar"),
+            Arg("num_kv_heads", np.int32(plan0.num_kv_heads), "scalar"),
+            Arg("row_tiles", np.int32(row_tiles), "scalar"),
+            Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
+    return Launch(spec, (plan0.num_chunks * row_tiles, plan0.num_kv_heads),
+                  spec.num_warps * 32, spec.dynamic_smem_bytes, tuple(args))

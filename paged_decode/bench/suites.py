@@ -85,6 +85,9 @@ class SparseCase:
 SUITES: dict[str, Callable[[], list[Any]]] = {
     "cascade": lambda: [CascadeCase(b, s) for s, b in
                         itertools.product([2048, 8192, 32768], [4, 8, 32, 128])],
+    # where cascade starts to pay (the automatic rule and detection thresholds)
+    "cascade-rule": lambda: [CascadeCase(b, s) for s, b in
+                             itertools.product([128, 256, 512, 1024, 2048], [2, 4, 8, 16])],
     "sparse": lambda: [SparseCase(4, c, x) for c, x in
                        itertools.product([4096, 16384, 65536], [2, 4, 8, 16, 32])],
 }
@@ -112,12 +115,18 @@ def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
     geo = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
     with be.launch_context(q):
         flat_plan = plan_decode(table, *geo, device=be.device_info())
-        cplan = plan_cascade(table, *geo, device=be.device_info())
+        dev = be.device_info()
+        cplan = plan_cascade(table, *geo, device=dev, min_shared_pages=1)
+        cplan_v2 = (plan_cascade(table, *geo, device=dev, min_shared_pages=1, level0="v2")
+                    if dev.prefix_tile_rows else None)
         out = be.empty(tuple(q.shape), case.dtype)
     calls = {"flat": (lambda: decode(q, k, v, table, flat_plan, out=out, cascade=False,
                                      backend=be), case.io_bytes(), ("v2", "v2+merge")),
              "cascade": (lambda: decode(q, k, v, table, out=out, cascade=cplan, backend=be),
                          case.cascade_bytes(), ("cascade",))}
+    if cplan_v2 is not None:   # level 0 on the v2 partial over stacked queries (comparison)
+        calls["cascade-v2"] = (lambda: decode(q, k, v, table, out=out, cascade=cplan_v2,
+                                              backend=be), case.cascade_bytes(), ("cascade",))
     arms = {name: time_arm(be, name, call, lambda: _verify(be, out, q, k, v, table), nbytes,
                            TOLERANCE[case.dtype], expected, warmup=warmup, reps=reps,
                            cold_l2=cold_l2, graph=graph)
@@ -168,11 +177,12 @@ def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
 
 def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30, cold_l2: bool = True,
               graph: bool = True, progress: Any = None) -> list[BenchResult]:
-    """All cases of suite ``name`` (``"cascade"`` or ``"sparse"``) on ``be``."""
+    """All cases of suite ``name`` (``"cascade"``, ``"cascade-rule"`` or ``"sparse"``) on
+    ``be``."""
     if name not in SUITES:
         raise ValueError(f"bench: suite must be one of decode, {', '.join(SUITES)}, "
                          f"got {name!r}")
-    fn = bench_cascade if name == "cascade" else bench_sparse
+    fn = bench_sparse if name == "sparse" else bench_cascade
     results = []
     for case in SUITES[name]():
         r = fn(be, case, warmup=warmup, reps=reps, cold_l2=cold_l2, graph=graph)

@@ -80,6 +80,9 @@ inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); 
 inline float2 __bfloat1622float2(__nv_bfloat162 h) {
   return {__bfloat162float(h.x), __bfloat162float(h.y)};
 }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)};
+}
 
 // ------------------------------------------------------------------ thread geometry
 #define threadIdx (pd_emu::self()->tid)

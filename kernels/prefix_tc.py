@@ -1,0 +1,321 @@
+"""The shared-prefix kernel of cascade decode: level 0 on tensor cores (CUDA, sm_80+).
+
+Level 0 of a cascade attends the ``R = M * G`` stacked query rows of one KV head (M
+members, G query heads per KV head) to the same shared pages. That is a small prefill-like
+matrix product, so this kernel runs it as one: a CTA takes a tile of 16 * NUM_WARPS rows
+of one KV head and one chunk of the prefix, stages K/V tiles of KT tokens in shared
+memory once for all its rows, and computes S = Q K^T and O += P V with
+``mma.sync.m16n8k16`` (f16 or bf16 inputs, float32 accumulators) under an online softmax
+in base 2. Each prefix K/V element is read once per row tile instead of once per 8 rows
+(the v2 partial at 8 heads per CTA).
+
+Contract (CUDA dialect; the Metal backend runs level 0 on the stacked v2 partial instead):
+``q [B, Hq, D]`` (the batch's queries, same dtype as the pools), ``k_pages, v_pages
+[num_pages, P, Hkv, D]`` (f16 or bf16), ``page_ids [S]`` (the shared pages, all full),
+``members [M]`` (request indices), chunk ``c`` covers pages ``[c * ppc, min((c + 1) * ppc,
+S))`` -> ``v_out [M * C, Hq, D]`` float32, row ``m * C + c`` = member ``m``'s chunk ``c``
+(member-major, as the merge input of ``cascade.run_cascade`` wants it), each row
+normalized by its own softmax denominator, and ``lse_out [M * C, Hq]`` float32 in log2
+units. Every row, head and column of both outputs is written; an empty chunk writes zeros
+and ``-inf``. Pool offsets are 64-bit.
+
+Fragment layouts (PTX ISA, ``mma.m16n8k16`` with 16-bit A/B): lane = 4 * grp + tig;
+A regs {(grp, 2tig..+1), (grp+8, 2tig..), (grp, 2tig+8..), (grp+8, 2tig+8..)}; B regs
+{(k = 2tig..+1, n = grp), (k = 2tig+8.., n = grp)}; C {(grp, 2tig..+1), (grp+8, 2tig..+1)};
+the lower 16 bits of a register hold the lower index. The S accumulator of two adjacent
+8-token tiles is then exactly the A operand of P V for those 16 tokens (no shuffles).
+Without ``__CUDA_ARCH__`` (the CPU emulator), or with ``PD_EMULATE_MMA`` defined, the
+product is computed from the same fragments with warp shuffles.
+"""
+
+from .common import CUDA_COMMON
+
+# Template parameters, in order: T, HEAD_DIM, PAGE_SIZE, NUM_WARPS
+KERNEL_NAME = "pd_prefix_tc"
+NUM_WARPS = 4
+ROWS_PER_WARP = 16
+SMEM_PAD = 8                  # elements of padding per smem row (bank-conflict-free frags)
+
+
+def tokens_per_tile(head_dim: int) -> int:
+    """K/V tokens per shared-memory tile (``KT`` in the kernel)."""
+    return 64 if head_dim <= 128 else 32
+
+
+def dynamic_smem_bytes(head_dim: int, num_warps: int = NUM_WARPS) -> int:
+    """The Q tile plus a double-buffered K and V tile, 16-bit elements, padded rows."""
+    row = (head_dim + SMEM_PAD) * 2
+    return (ROWS_PER_WARP * num_warps + 2 * 2 * tokens_per_tile(head_dim)) * row
+
+
+CUDA_BODY = r"""
+namespace pd {
+
+// Two floats as one 16-bit pair register (lower index in the lower half), and back.
+template <typename T> struct Pair;
+template <> struct Pair<__half> {
+  static constexpr bool BF16 = false;
+  static __device__ __forceinline__ unsigned pack(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack(unsigned u) {
+    return __half22float2(*reinterpret_cast<__half2*>(&u));
+  }
+};
+template <> struct Pair<__nv_bfloat16> {
+  static constexpr bool BF16 = true;
+  static __device__ __forceinline__ unsigned pack(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack(unsigned u) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  }
+};
+
+// d += A (16 x 16, row) * B (16 x 8, col), float32 accumulators (layouts: module doc).
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#if defined(__CUDA_ARCH__) && !defined(PD_EMULATE_MMA)
+  if constexpr (!Pair<T>::BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  // The same product from the same fragments: lane (grp, tig) fetches rows grp and grp+8
+  // of A and columns 2tig, 2tig+1 of B from the lanes holding them.
+  const int lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+  const unsigned long long mine_a01 = (unsigned long long)a[0] | ((unsigned long long)a[1] << 32);
+  const unsigned long long mine_a23 = (unsigned long long)a[2] | ((unsigned long long)a[3] << 32);
+  const unsigned long long mine_b = (unsigned long long)b[0] | ((unsigned long long)b[1] << 32);
+#pragma unroll
+  for (int src = 0; src < 4; ++src) {
+    const unsigned long long a01 = __shfl_sync(0xffffffffu, mine_a01, grp * 4 + src);
+    const unsigned long long a23 = __shfl_sync(0xffffffffu, mine_a23, grp * 4 + src);
+    const unsigned long long bc0 = __shfl_sync(0xffffffffu, mine_b, (2 * tig) * 4 + src);
+    const unsigned long long bc1 = __shfl_sync(0xffffffffu, mine_b, (2 * tig + 1) * 4 + src);
+    const float2 r0lo = Pair<T>::unpack((unsigned)a01), r1lo = Pair<T>::unpack((unsigned)(a01 >> 32));
+    const float2 r0hi = Pair<T>::unpack((unsigned)a23), r1hi = Pair<T>::unpack((unsigned)(a23 >> 32));
+    const float2 c0lo = Pair<T>::unpack((unsigned)bc0), c0hi = Pair<T>::unpack((unsigned)(bc0 >> 32));
+    const float2 c1lo = Pair<T>::unpack((unsigned)bc1), c1hi = Pair<T>::unpack((unsigned)(bc1 >> 32));
+    d[0] += r0lo.x * c0lo.x + r0lo.y * c0lo.y + r0hi.x * c0hi.x + r0hi.y * c0hi.y;
+    d[1] += r0lo.x * c1lo.x + r0lo.y * c1lo.y + r0hi.x * c1hi.x + r0hi.y * c1hi.y;
+    d[2] += r1lo.x * c0lo.x + r1lo.y * c0lo.y + r1hi.x * c0hi.x + r1hi.y * c0hi.y;
+    d[3] += r1lo.x * c1lo.x + r1lo.y * c1lo.y + r1hi.x * c1hi.x + r1hi.y * c1hi.y;
+  }
+#endif
+}
+
+extern __shared__ __align__(16) unsigned char pd_prefix_smem[];
+
+}  // namespace pd
+
+// grid: (C * row_tiles, Hkv) with the row tile fastest (the CTAs reading one chunk of one
+// KV head run side by side and share its K/V in L2); block: NUM_WARPS * 32 threads.
+template <typename T, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS>
+__global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
+    const T* __restrict__ q,                  // [B, Hq, D]
+    const T* __restrict__ k_pages,            // [num_pages, P, Hkv, D]
+    const T* __restrict__ v_pages,            // [num_pages, P, Hkv, D]
+    const int* __restrict__ page_ids,         // [S], the shared pages
+    const int* __restrict__ members,          // [M]
+    float* __restrict__ v_out,                // [M * C, Hq, D]
+    float* __restrict__ lse_out,              // [M * C, Hq], log2
+    int num_shared_pages, int num_members, int num_chunks, int pages_per_chunk,
+    int num_qo_heads, int num_kv_heads, int row_tiles, float scale_log2) {
+  using namespace pd;
+  constexpr int D = HEAD_DIM;
+  constexpr int KT = D <= 128 ? 64 : 32;         // tokens per K/V tile
+  constexpr int ROWS = 16 * NUM_WARPS;           // query rows per CTA
+  constexpr int LD = D + 8;                      // padded smem row, in elements
+  constexpr int THREADS = NUM_WARPS * 32;
+  constexpr int PIECES = D / 8;                  // 16-byte pieces per row
+  constexpr int NT = KT / 8;                     // 8-token column tiles of S
+  constexpr int DT = D / 8;                      // 8-wide column tiles of O
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  static_assert((KT * PIECES) % THREADS == 0, "a K/V tile must split evenly over the threads");
+
+  unsigned char* smem = pd_prefix_smem;
+  T* qs = reinterpret_cast<T*>(smem);                // [ROWS][LD]
+  T* ks = qs + ROWS * LD;                                      // [2][KT][LD]
+  T* vs = ks + 2 * KT * LD;                                    // [2][KT][LD]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int c = blockIdx.x / row_tiles, rt = blockIdx.x % row_tiles;
+  const int kvh = blockIdx.y;
+  const int group = num_qo_heads / num_kv_heads;
+  const int rows = num_members * group;          // stacked rows of this KV head
+  const int page_begin = c * pages_per_chunk;
+  const int page_end = min(page_begin + pages_per_chunk, num_shared_pages);
+  const int t_begin = page_begin * PAGE_SIZE;
+  const int n_tok = page_end > page_begin ? (page_end - page_begin) * PAGE_SIZE : 0;
+  const int n_tiles = (n_tok + KT - 1) / KT;
+
+  // Q tile: row i of this CTA is stacked row rt * ROWS + i = member m, head kvh * G + g.
+  for (int e = tid; e < ROWS * D; e += THREADS) {
+    const int i = e / D, d = e % D, row = rt * ROWS + i;
+    T x = from_float<T>(0.f);
+    if (row < rows) {
+      const int m = row / group, g = row % group;
+      x = q[((long long)members[m] * num_qo_heads + kvh * group + g) * D + d];
+    }
+    qs[i * LD + d] = x;
+  }
+
+  const long long row_stride = (long long)num_kv_heads * D;            // elements per token
+  const long long page_stride = (long long)PAGE_SIZE * row_stride;
+  auto issue = [&](int tile) {
+    const int buf = tile & 1;
+#pragma unroll
+    for (int j = 0; j < KT * PIECES / THREADS; ++j) {
+      const int e = tid + j * THREADS, tok = e / PIECES, piece = e % PIECES;
+      const int i = tile * KT + tok;                                   // token in the chunk
+      const bool ok = i < n_tok;
+      const T* kp = k_pages;
+      const T* vp = v_pages;
+      if (ok) {
+        const int a = t_begin + i;
+        const long long off = (long long)page_ids[a / PAGE_SIZE] * page_stride
+                              + (long long)(a % PAGE_SIZE) * row_stride + (long long)kvh * D + piece * 8;
+        kp += off;
+        vp += off;
+      }
+      cp_async16(ks + (buf * KT + tok) * LD + piece * 8, kp, ok);
+      cp_async16(vs + (buf * KT + tok) * LD + piece * 8, vp, ok);
+    }
+    cp_async_commit();
+  };
+
+  float o[DT][4];
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m_run[2] = {-PD_INF, -PD_INF}, l_run[2] = {0.f, 0.f};   // rows grp, grp + 8
+  const T* qw = qs + warp * 16 * LD;
+  const unsigned short* vbits = reinterpret_cast<const unsigned short*>(vs);
+
+  if (n_tiles > 0) issue(0);
+  for (int tile = 0; tile < n_tiles; ++tile) {
+    const int buf = tile & 1;
+    if (tile + 1 < n_tiles) {
+      issue(tile + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();                              // this tile (and the Q tile) landed
+    const T* kt = ks + buf * KT * LD;
+
+    // S = Q K^T for this warp's 16 rows and KT tokens
+    float s[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      unsigned a[4];
+      const int col = kk * 16 + 2 * tig;
+      a[0] = *reinterpret_cast<const unsigned*>(qw + grp * LD + col);
+      a[1] = *reinterpret_cast<const unsigned*>(qw + (grp + 8) * LD + col);
+      a[2] = *reinterpret_cast<const unsigned*>(qw + grp * LD + col + 8);
+      a[3] = *reinterpret_cast<const unsigned*>(qw + (grp + 8) * LD + col + 8);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        unsigned b[2];
+        b[0] = *reinterpret_cast<const unsigned*>(kt + (n * 8 + grp) * LD + col);
+        b[1] = *reinterpret_cast<const unsigned*>(kt + (n * 8 + grp) * LD + col + 8);
+        mma_16816<T>(s[n], a, b);
+      }
+    }
+
+    // online softmax (base 2) of rows grp (s[.][0..1]) and grp + 8 (s[.][2..3]); the four
+    // lanes of a group hold the row between them
+    const int tok0 = tile * KT + 2 * tig;
+    float tmax[2] = {-PD_INF, -PD_INF};
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool live = tok0 + n * 8 + (e & 1) < n_tok;
+        s[n][e] = live ? s[n][e] * scale_log2 : -PD_INF;
+        tmax[e >> 1] = fmaxf(tmax[e >> 1], s[n][e]);
+      }
+    float alpha[2], base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+      const float m_new = fmaxf(m_run[h], tmax[h]);
+      base[h] = m_new == -PD_INF ? 0.f : m_new;
+      alpha[h] = exp2f(m_run[h] - base[h]);
+      m_run[h] = m_new;
+      l_run[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+    }
+    // the row sums take p in float32 (an exact LSE); P V takes p rounded to T (unbiased)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp2f(s[n][e] - base[e >> 1]);
+        s[n][e] = p;
+        l_run[e >> 1] += p;
+      }
+
+    // O += P V: the S accumulators of column tiles 2kk, 2kk+1 are the A operand
+    const unsigned short* vt = vbits + buf * KT * LD;
+#pragma unroll
+    for (int kk = 0; kk < KT / 16; ++kk) {
+      unsigned a[4];
+      a[0] = Pair<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+      a[1] = Pair<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+      a[2] = Pair<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[3] = Pair<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      const unsigned short* v0 = vt + (kk * 16 + 2 * tig) * LD + grp;
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        unsigned b[2];
+        b[0] = (unsigned)v0[j * 8] | ((unsigned)v0[LD + j * 8] << 16);
+        b[1] = (unsigned)v0[8 * LD + j * 8] | ((unsigned)v0[9 * LD + j * 8] << 16);
+        mma_16816<T>(o[j], a, b);
+      }
+    }
+    __syncthreads();                              // buffer `buf` is refilled next round
+  }
+
+  // finish: the row sums are spread over the four lanes of a group
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = rt * ROWS + warp * 16 + grp + 8 * h;
+    if (row >= rows) continue;
+    const int m = row / group, g = row % group;
+    const long long out_row = ((long long)m * num_chunks + c) * num_qo_heads + kvh * group + g;
+    const bool live = l_run[h] > 0.f;
+    const float inv = live ? 1.f / l_run[h] : 0.f;
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      float2 val = make_float2(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+      *reinterpret_cast<float2*>(v_out + out_row * D + j * 8 + 2 * tig) = val;
+    }
+    if (tig == 0) lse_out[out_row] = live ? m_run[h] + log2f(l_run[h]) : -PD_INF;
+  }
+}
+"""
+
+CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
