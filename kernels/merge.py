@@ -2,6 +2,9 @@
 
 CUDA dialect. ``v [N, H, D]`` float32 normalized partials, ``lse [N, H]`` float32 (log2),
 ``o_indptr [M+1]`` -> ``v_out [M, H, D]`` (output dtype), ``lse_out [M, H]`` float32.
+With ``GATHER`` the i-th merge input is row ``rows[i]`` of ``v`` / ``lse`` (``rows
+[o_indptr[M]]`` int32), so partials written in another order (cascade's two levels) are
+merged without a reordering copy; without it ``rows`` is not read.
 One warp per (output row, head); lanes hold float4 slices of D. Rows whose LSE is not
 ``> -inf`` (empty chunks, NaN) contribute nothing; an empty group gives zeros and -inf.
 Knows nothing of pages or GQA; cascade decode reuses it unchanged.
@@ -9,17 +12,18 @@ Knows nothing of pages or GQA; cascade decode reuses it unchanged.
 
 from .common import CUDA_COMMON, METAL_COMMON
 
-# Template parameters, in order: TO, HEAD_DIM
+# Template parameters, in order: TO, HEAD_DIM, GATHER (CUDA; Metal: TO, HEAD_DIM)
 KERNEL_NAME = "pd_merge_states"
 WARPS_PER_BLOCK = 4
 
 CUDA_BODY = r"""
 // grid: ceil(M * H / 4); block: 128 threads (4 warps, one (row, head) each).
-template <typename TO, int HEAD_DIM>
+template <typename TO, int HEAD_DIM, bool GATHER>
 __global__ void __launch_bounds__(128) pd_merge_states(
     const float* __restrict__ v,          // [N, H, D]
     const float* __restrict__ lse,        // [N, H], log2
     const int* __restrict__ o_indptr,     // [M + 1]
+    const int* __restrict__ rows,         // [o_indptr[M]] with GATHER (else unread)
     TO* __restrict__ v_out,               // [M, H, D]
     float* __restrict__ lse_out,          // [M, H], log2
     int num_heads, int num_out) {
@@ -33,7 +37,8 @@ __global__ void __launch_bounds__(128) pd_merge_states(
   const int h = (int)(item % num_heads);
   const long long beg = o_indptr[o], end = o_indptr[o + 1];
   float mx = -PD_INF;
-  for (long long i = beg + lane; i < end; i += 32) mx = fmaxf(mx, lse[i * num_heads + h]);
+  for (long long i = beg + lane; i < end; i += 32)
+    mx = fmaxf(mx, lse[(GATHER ? (long long)rows[i] : i) * num_heads + h]);
   mx = pd::warp_max(mx);
   float4 acc[PER_LANE];
 #pragma unroll
@@ -41,11 +46,12 @@ __global__ void __launch_bounds__(128) pd_merge_states(
   float den = 0.f;
   if (mx > -PD_INF) {
     for (long long i = beg; i < end; ++i) {
-      const float s = lse[i * num_heads + h];
+      const long long src = GATHER ? (long long)rows[i] : i;
+      const float s = lse[src * num_heads + h];
       if (!(s > -PD_INF)) continue;               // empty chunk or NaN: no weight
       const float w = exp2f(s - mx);
       den += w;
-      const float4* row = reinterpret_cast<const float4*>(v + (i * num_heads + h) * HEAD_DIM);
+      const float4* row = reinterpret_cast<const float4*>(v + (src * num_heads + h) * HEAD_DIM);
 #pragma unroll
       for (int j = 0; j < PER_LANE; ++j) {
         const int c = lane + 32 * j;

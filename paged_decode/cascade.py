@@ -102,7 +102,8 @@ class CascadeDecodePlan:
     - ``plan1``: ``DecodePlan`` of ``level1`` for ``(Hq, Hkv, D)``, ``C1`` chunks.
     - ``merge_rows``: ``int32 [C1 + M * C0]``: row ``i`` of the merge input is row
       ``merge_rows[i]`` of the stacked states ``[level-1 chunks; member 0's level-0 chunks;
-      member 1's; ...]``, so each request's partials are contiguous.
+      member 1's; ...]``, so each request's partials are contiguous (the CUDA merge reads
+      through it; other backends gather first).
     - ``o_indptr``: ``int32 [B + 1]``, the merge groups (one output row per request).
     - ``prefix_row_tiles``: row tiles per KV head of the tensor-core level 0
       (``ceil(M * G / DeviceInfo.prefix_tile_rows)``; ``plan0`` was searched for its
@@ -321,10 +322,24 @@ def _device_index(be: Any, arr: np.ndarray) -> Any:
     return up(arr) if up is not None else be.array_module().asarray(arr)
 
 
+TC_LEVEL0 = "tensor-core prefix"
+V2_LEVEL0 = "v2 on stacked queries"
+
+
+def tc_level0_applies(be: Any, cplan: CascadeDecodePlan, q_dtype: str, kv_dtype: str) -> bool:
+    """Whether ``run_cascade`` runs level 0 on the tensor-core prefix kernel: the plan was
+    made for it, the backend has it and the dtypes fit (16-bit pools, ``q`` alike)."""
+    from .backends.launches import prefix_fits
+    return bool(cplan.prefix_row_tiles and be.device_info().prefix_tile_rows
+                and prefix_fits(q_dtype, kv_dtype))
+
+
 def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecodePlan,
                 sm_scale: float, out: Any, lse_out: Any) -> str:
     """Run both levels and the merge on validated backend arrays; returns which kernel
-    ran level 0 (``"tensor-core prefix"`` or ``"v2 on stacked queries"``).
+    ran level 0 (``TC_LEVEL0`` or ``V2_LEVEL0``). On the tensor-core path with a
+    gathering merge it makes three kernel launches and nothing else (``prepare_decode``
+    records them).
 
     ``q [B, Hq, D]``; pools ``[num_pages, P, Hkv, D]``; ``out [B, Hq, D]`` (any output
     dtype); ``lse_out [B, Hq]`` float32 (base 2). Workspaces are float32 ``scratch`` of
@@ -346,23 +361,20 @@ def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecod
     if cplan.prefix_row_tiles and be.prefix_partial(
             q, k_pages, v_pages, pre.level0, p0, members, cplan.prefix_row_tiles, sm_scale,
             ws_v[c1:], ws_l[c1:]):
-        ran = "tensor-core prefix"
+        ran = TC_LEVEL0
     else:
         q0 = stack_member_queries(xp, q, members, hkv)
         v0 = be.scratch(cplan, "level0_v", (c0, m * hq, d), "float32")
         l0 = be.scratch(cplan, "level0_lse", (c0, m * hq), "float32")
         be.partial(q0, k_pages, v_pages, pre.level0, p0, sm_scale, v0, l0)
         ws_v[c1:], ws_l[c1:] = unstack_member_states(xp, v0, l0, m, hkv)
-        ran = "v2 on stacked queries"
+        ran = V2_LEVEL0
     rows = _device_index(be, cplan.merge_rows)
-    if be.functional_outputs:
-        mv, ml = xp.take(ws_v, rows, axis=0), xp.take(ws_l, rows, axis=0)
-    else:                               # into kept buffers: no allocation per call
-        mv = be.scratch(cplan, "merge_v", (n, hq, d), "float32")
-        ml = be.scratch(cplan, "merge_lse", (n, hq), "float32")
-        xp.take(ws_v, rows, axis=0, out=mv)
-        xp.take(ws_l, rows, axis=0, out=ml)
-    be.merge(mv, ml, cplan.o_indptr, out, lse_out)
+    if be.merge_gathers:                # the merge reads the states through `rows`
+        be.merge(ws_v, ws_l, cplan.o_indptr, out, lse_out, rows=rows)
+    else:
+        be.merge(xp.take(ws_v, rows, axis=0), xp.take(ws_l, rows, axis=0), cplan.o_indptr,
+                 out, lse_out)
     return ran
 
 
@@ -385,5 +397,6 @@ def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
                   cascade=True if cascade_plan is None else cascade_plan)
 
 
-__all__ = ["CascadePlan", "CascadeDecodePlan", "detect_shared_prefix", "plan_cascade",
+__all__ = ["TC_LEVEL0", "V2_LEVEL0", "CascadePlan", "CascadeDecodePlan",
+           "detect_shared_prefix", "plan_cascade", "tc_level0_applies",
            "cascade_decode", "run_cascade", "DEFAULT_MIN_SHARED_TOKENS"]

@@ -99,8 +99,10 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
     fn = "decode"
     be = backend_for(backend, q)
     fast_key = None
-    if (plan is not None and out is not None and (lse is not None or not return_lse)
-            and (cascade is None or cascade is False) and not be.functional_outputs):
+    from .cascade import TC_LEVEL0, CascadeDecodePlan, run_cascade  # (imports this module)
+    if (out is not None and (lse is not None or not return_lse) and not be.functional_outputs
+            and ((plan is not None and (cascade is None or cascade is False))
+                 or isinstance(cascade, CascadeDecodePlan))):
         # an engine's steady state (same buffers, table and plan every step): replay the
         # launches prepared on the first such call instead of re-validating and re-packing
         from .prepared import decode_cache
@@ -112,7 +114,6 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
             return prepared()
     a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
                    out_dtype=out_dtype)
-    from .cascade import run_cascade  # cascade imports this module
     from .cascade_policy import resolve_cascade
 
     def device() -> Any:
@@ -132,9 +133,15 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
             out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
             lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
             level0 = run_cascade(be, a.q, a.k, a.v, cplan, a.scale, out_a, lse_a)
-        record(DecodeOutcome("cascade", be.name, a.b, table.total_visible, cplan.num_partials,
-                             f"cascade: {why_cascade}",
-                             f"{cplan.prefix.describe()}; level 0: {level0}"))
+        outcome = DecodeOutcome("cascade", be.name, a.b, table.total_visible,
+                                cplan.num_partials, f"cascade: {why_cascade}",
+                                f"{cplan.prefix.describe()}; level 0: {level0}")
+        record(outcome)
+        if fast_key is not None and level0 == TC_LEVEL0 and be.merge_gathers:
+            from .prepared import PreparedCascade, decode_cache
+            decode_cache.put(fast_key, (be, q, k_pages, v_pages, table, cascade, out, lse),
+                             PreparedCascade(be, a, cplan, outcome, out, lse, out_a, lse_a,
+                                             return_lse, q))
         return _results(be, q, out, lse, out_a, lse_a, return_lse)
     want_lse = return_lse or lse is not None
     plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,

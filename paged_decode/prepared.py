@@ -6,8 +6,9 @@ the host work of ``decode`` once (argument checks, plan check, path choice, outp
 workspace allocation, table and plan uploads, kernel compilation and argument packing)
 and returns a ``PreparedDecode`` whose call only launches the kernels. The arrays are
 bound: write the next step's queries into the same ``q`` (and new tokens into the same
-pools) before calling again, exactly as a CUDA graph requires. Cascade decode is not
-prepared (use ``decode``).
+pools) before calling again, exactly as a CUDA graph requires. ``cascade=`` prepares a
+cascade decode (``PreparedCascade``): three launches when level 0 runs on the
+tensor-core prefix kernel and the merge gathers (CUDA), else the host path on every call.
 
 On CUDA the call is one or two ``cuLaunchKernel`` calls on the caller's current stream
 (torch's for torch tensors), with no allocation, synchronization or host-to-device copy,
@@ -16,15 +17,17 @@ so it can be captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from typing import Any
 
-from .backends import Backend, backend_for
+from .backends import Backend, Problem, backend_for
 from .decode import (
     CallArgs,
     check_call,
     flat_call,
+    output_buffer,
     run_path,
 )
 from .errors import InvalidArgumentError
@@ -73,17 +76,53 @@ class PreparedDecode:
         return (self.out, self.lse) if self._return_lse else self.out
 
 
+class PreparedCascade:
+    """A cascade decode with every argument bound; call it to launch. Same attributes as
+    ``PreparedDecode`` (``path`` is ``"cascade"``, ``plan`` the ``CascadeDecodePlan``).
+    Three recorded launches (level 1, the tensor-core level 0, the gathering merge) where
+    ``compiled``; otherwise every call runs ``run_cascade`` on the host path."""
+
+    def __init__(self, be: Backend, args: CallArgs, cplan: Any, outcome: DecodeOutcome,
+                 out: Any, lse: Any, out_a: Any, lse_a: Any, return_lse: bool,
+                 like: Any) -> None:
+        from .cascade import run_cascade, tc_level0_applies
+        self.backend, self.plan, self.args = be, cplan, args
+        self.out, self.lse, self.path = out, lse, "cascade"
+        self._return_lse, self._like = return_lse, like
+
+        def run() -> None:
+            run_cascade(be, args.q, args.k, args.v, cplan, args.scale, out_a, lse_a)
+
+        self.compiled = (be.merge_gathers
+                         and tc_level0_applies(be, cplan, args.q_dt, args.kv_dt))
+        self._launch = be.compile_launches(run, like) if self.compiled else run
+        self.outcome = dataclasses.replace(outcome, reason=f"{outcome.reason}; prepared call")
+
+    def __call__(self) -> Any:
+        if not self.compiled:
+            with self.backend.launch_context(self._like):
+                self._launch()
+        else:
+            self._launch()
+        record(self.outcome)
+        return (self.out, self.lse) if self._return_lse else self.out
+
+
 def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                    plan: DecodePlan | None = None, *, path: str = "auto",
                    sm_scale: float | None = None, out: Any = None, lse: Any = None,
                    return_lse: bool = False, out_dtype: str | None = None,
-                   backend: str | Backend | None = None) -> PreparedDecode:
+                   backend: str | Backend | None = None,
+                   cascade: Any = None) -> PreparedDecode | PreparedCascade:
     """Prepare ``decode(q, k_pages, v_pages, table, plan, ...)`` for repeated launches.
 
     Arguments are ``decode``'s (shapes: ``q [B, Hq, D]``, pools
-    ``[num_pages, P, Hkv, D]``, ``out [B, Hq, D]``, ``lse [B, Hq]`` float32 base 2), without
-    ``cascade``. ``out`` and ``lse`` are allocated here when not given and returned by
-    every call. The arrays stay bound to the prepared call: update them in place.
+    ``[num_pages, P, Hkv, D]``, ``out [B, Hq, D]``, ``lse [B, Hq]`` float32 base 2).
+    ``cascade``: ``None``/``False`` prepares a flat decode; ``True``, a ``CascadePlan`` or
+    a ``CascadeDecodePlan`` a cascade (``PreparedCascade``; with ``True`` and no shared
+    prefix, a flat decode). ``out`` and ``lse`` are allocated here when not given and
+    returned by every call. The arrays stay bound to the prepared call: update them in
+    place.
     """
     fn = "prepare_decode"
     be = backend_for(backend, q)
@@ -92,6 +131,31 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     if not isinstance(return_lse, bool):
         raise InvalidArgumentError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
     want_lse = return_lse or lse is not None
+    if cascade is not None and cascade is not False:
+        from .cascade_policy import resolve_cascade
+
+        def device() -> Any:
+            with be.launch_context(q):
+                return be.device_info()
+        cplan, why = resolve_cascade(fn, cascade, path, table, a.hq, a.hkv, a.d, device)
+        if cplan is not None:
+            sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members,
+                                      a.hkv, a.d, a.p, "v2"))
+            if not sup:
+                raise InvalidArgumentError(f"{fn}: backend {be.name!r} cannot run the "
+                                           f"cascade's level 0: {sup.reason}")
+            from .cascade import TC_LEVEL0, V2_LEVEL0, tc_level0_applies
+            with be.launch_context(q):
+                out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+                lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
+            level0 = TC_LEVEL0 if tc_level0_applies(be, cplan, a.q_dt, a.kv_dt) else V2_LEVEL0
+            outcome = DecodeOutcome("cascade", be.name, a.b, table.total_visible,
+                                    cplan.num_partials, f"cascade: {why}",
+                                    f"{cplan.prefix.describe()}; level 0: {level0}")
+            out_r = be.wrap_result(out_a, like=q) if out is None else out
+            lse_r = (be.wrap_result(lse_a, like=q) if lse is None else lse) if want_lse else None
+            return PreparedCascade(be, a, cplan, outcome, out_r, lse_r, out_a, lse_a,
+                                   return_lse, q)
     plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
                                                    want_lse)
     if chosen == "v2" and plan.needs_merge:
@@ -105,6 +169,9 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                           return_lse, q)
 
 
+Prepared = PreparedDecode | PreparedCascade
+
+
 class CallCache:
     """The prepared calls behind ``decode``'s fast path: a small LRU keyed by the identity
     of every argument (and the settings that steer path choice). Each entry holds the
@@ -114,11 +181,11 @@ class CallCache:
     MAX = 8
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], PreparedDecode]] \
+        self._entries: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Prepared]] \
             = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[Any, ...]) -> PreparedDecode | None:
+    def get(self, key: tuple[Any, ...]) -> Prepared | None:
         with self._lock:
             hit = self._entries.get(key)
             if hit is None:
@@ -126,7 +193,7 @@ class CallCache:
             self._entries.move_to_end(key)
             return hit[1]
 
-    def put(self, key: tuple[Any, ...], refs: tuple[Any, ...], prep: PreparedDecode) -> None:
+    def put(self, key: tuple[Any, ...], refs: tuple[Any, ...], prep: Prepared) -> None:
         with self._lock:
             self._entries[key] = (refs, prep)
             self._entries.move_to_end(key)
@@ -142,4 +209,4 @@ class CallCache:
 decode_cache = CallCache()
 
 
-__all__ = ["CallCache", "PreparedDecode", "decode_cache", "prepare_decode"]
+__all__ = ["CallCache", "PreparedCascade", "PreparedDecode", "decode_cache", "prepare_decode"]

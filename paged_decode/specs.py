@@ -44,6 +44,7 @@ class KernelSpec:
     num_warps: int = 0
     stages: int = 0
     row_loads: int = 0           # v2: 16-byte loads per lane per K/V row (CUDA only)
+    gather: bool = False         # merge: inputs read through a row index (CUDA only)
 
     @property
     def uri(self) -> str:
@@ -64,6 +65,8 @@ class KernelSpec:
             parts.append(f"st-{self.stages}")
         if self.row_loads:
             parts.append(f"ld-{self.row_loads}")
+        if self.gather:
+            parts.append("gather")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -79,7 +82,7 @@ class KernelSpec:
                     self.page_size, self.num_warps, self.stages]
             name = "pd_decode_v1"
         elif self.kernel == "merge":
-            args = [t[self.out_dtype], self.head_dim]
+            args = [t[self.out_dtype], self.head_dim, "true" if self.gather else "false"]
             name = "pd_merge_states"
         elif self.kernel == "prefix":
             args = [t[self.kv_dtype], self.head_dim, self.page_size, self.num_warps]
@@ -161,8 +164,8 @@ def v1_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int,
                       pipeline_stages(kv_dtype, head_dim, V1_NUM_WARPS, V1_STAGES))
 
 
-def merge_spec(out_dtype: str, head_dim: int) -> KernelSpec:
-    return KernelSpec("merge", out_dtype, head_dim)
+def merge_spec(out_dtype: str, head_dim: int, gather: bool = False) -> KernelSpec:
+    return KernelSpec("merge", out_dtype, head_dim, gather=gather)
 
 
 #: the tensor-core prefix kernel's dtypes (its operands are 16-bit; q must match the pools)

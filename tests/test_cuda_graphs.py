@@ -138,3 +138,58 @@ def test_bench_graph_timer_captures_every_arm_of_ours(cuda):
         assert arm.gpu_mode in ("graph", "events"), name
         assert arm.gpu["median_us"] > 0 and arm.call["median_us"] > 0
     assert r.arms["v2"].gpu_mode == "graph" and r.arms["v1"].gpu_mode == "graph"
+
+
+@pytest.mark.parametrize("how", ["decode", "prepared"])
+def test_cascade_with_plan_and_out_is_capturable(cuda, how):
+    """Cascade with the tensor-core level 0: three launches, capturable in global mode;
+    the replay equals the eager call and the oracle, and reads the current queries."""
+    import cupy as cp
+    from conftest import PREFIX_RTOL
+    rng = np.random.default_rng(31)
+    hkv, g, d, p, b, shared = 8, 4, 128, 16, 12, 40
+    pool = pd.PagePool(shared + 4 * b + 8, p, hkv, d, "float16", backend="cuda")
+    root = pool.new_sequence()
+    pool.append(root, *(rng.standard_normal((2, shared * p, hkv, d)).astype(np.float16)))
+    seqs = []
+    for i in range(b):
+        s = pool.fork(root)
+        pool.append(s, *(rng.standard_normal((2, 20 + 7 * i, hkv, d)).astype(np.float16)))
+        seqs.append(s)
+    table = pool.page_table(seqs)
+    cplan = pd.plan_cascade(table, hkv * g, hkv, d)
+    assert cplan is not None and cplan.prefix_row_tiles == 1
+    q = cp.asarray(rng.standard_normal((b, hkv * g, d)).astype(np.float16))
+    out = cp.full(q.shape, np.nan, cp.float32)
+    lse = cp.full(q.shape[:2], np.nan, cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        if how == "prepared":
+            call = pd.prepare_decode(q, pool.k, pool.v, table, out=out, lse=lse, cascade=cplan)
+            assert call.path == "cascade" and call.compiled
+        else:
+            def call():
+                return pd.decode(q, pool.k, pool.v, table, out=out, lse=lse, cascade=cplan)
+        call()
+        stream.synchronize()
+        assert "level 0: tensor-core prefix" in pd.last_outcome().detail
+        eager = cp.asnumpy(out)
+        out.fill(np.nan)
+        lse.fill(np.nan)
+        q2 = cp.asarray(rng.standard_normal((b, hkv * g, d)).astype(np.float16))
+        stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+        try:
+            call()
+        finally:
+            graph = stream.end_capture()
+        stream.synchronize()
+        assert np.isnan(cp.asnumpy(out)).all()      # capture ran nothing
+        graph.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(out), eager)
+        q[...] = q2                                  # the replay reads the bound q now
+        graph.launch(stream)
+        stream.synchronize()
+    ref, ref_lse = oracle_decode(cp.asnumpy(q2), pool.k.get(), pool.v.get(), table)
+    assert max_rel_error(cp.asnumpy(out), ref) <= PREFIX_RTOL["float16"]
+    assert lse_error(cp.asnumpy(lse), ref_lse) <= LSE_ATOL

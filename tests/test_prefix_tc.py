@@ -229,3 +229,53 @@ def test_plan_decode_rejects_bad_ctas_per_chunk():
     with pytest.raises(InvalidArgumentError, match=r"plan_decode: ctas_per_chunk must be"):
         plan_decode(_table_with_group(), 32, 8, 128, ctas_per_chunk=0,
                     device=DeviceInfo("x", "x", 4, 1))
+
+
+# ---------------------------------------------------------------------------- prepared
+@needs_emulator
+def test_prepared_cascade_equals_decode(emu):
+    from test_cascade import shared_batch
+
+    from paged_decode.prepared import PreparedCascade, PreparedDecode, decode_cache
+    from paged_decode.reference import oracle_decode
+    q, pool, table = shared_batch([("group", 70, [5, 9, 2]), ("solo", 21)], page_size=8,
+                                  head_dim=64, dtype="float16")
+    cplan = plan_cascade(table, q.shape[1], 2, 64, device=emu.device_info(),
+                         min_shared_pages=2)
+    call = pd.prepare_decode(q, pool.k, pool.v, table, cascade=cplan, backend=emu,
+                             out_dtype="float32", return_lse=True)
+    assert isinstance(call, PreparedCascade) and call.compiled
+    out, lse = call()
+    oc = pd.last_outcome()
+    assert oc.path == "cascade" and "prepared call" in oc.reason
+    assert "level 0: tensor-core prefix" in oc.detail
+    ref, ref_lse = oracle_decode(q, pool.k, pool.v, table)
+    assert max_rel_error(out, ref) <= PREFIX_RTOL["float16"]
+    assert lse_error(lse, ref_lse) <= 5e-5
+    # decode's fast path: the second identical call replays a cached PreparedCascade
+    decode_cache.clear()
+    o2 = np.full_like(out, np.nan)
+    pd.decode(q, pool.k, pool.v, table, out=o2, cascade=cplan, backend=emu,
+              out_dtype="float32")
+    pd.decode(q, pool.k, pool.v, table, out=o2, cascade=cplan, backend=emu,
+              out_dtype="float32")
+    assert "prepared call" in pd.last_outcome().reason
+    np.testing.assert_array_equal(o2, out)
+    # without a shared prefix, cascade=True prepares the flat decode
+    q1, pool1, t1 = shared_batch([("solo", 40), ("solo", 9)], page_size=8, head_dim=64,
+                                 dtype="float16")
+    flat = pd.prepare_decode(q1, pool1.k, pool1.v, t1, cascade=True, backend=emu)
+    assert isinstance(flat, PreparedDecode)
+
+
+@needs_emulator
+def test_prepared_cascade_float32_runs_the_host_path(emu):
+    from test_cascade import shared_batch
+    q, pool, table = shared_batch([("group", 40, [5, 9])], page_size=8, head_dim=64,
+                                  dtype="float32")
+    cplan = plan_cascade(table, q.shape[1], 2, 64, device=emu.device_info(),
+                         min_shared_pages=2)
+    call = pd.prepare_decode(q, pool.k, pool.v, table, cascade=cplan, backend=emu)
+    assert not call.compiled
+    call()
+    assert "level 0: v2 on stacked queries" in pd.last_outcome().detail

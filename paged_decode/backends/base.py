@@ -67,6 +67,8 @@ class Backend(ABC):
     #: results are delivered by rebinding the given output objects (MLX), not by writing
     #: their memory; see the module docstring
     functional_outputs: bool = False
+    #: ``merge`` reads its inputs through a row index itself (``rows=``), without a copy
+    merge_gathers: bool = False
 
     # ----------------------------------------------------------- availability
     @classmethod
@@ -187,7 +189,9 @@ class Backend(ABC):
     @abstractmethod
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
         """Variable-length merge: ``v [N, H, D]`` f32, ``lse [N, H]`` f32 (log2),
-        ``o_indptr`` host ``int32 [M+1]`` -> ``v_out [M, H, D]``, ``lse_out [M, H]``."""
+        ``o_indptr`` host ``int32 [M+1]`` -> ``v_out [M, H, D]``, ``lse_out [M, H]``.
+        Backends with ``merge_gathers`` also take ``rows=`` (device ``int32
+        [o_indptr[M]]``): merge input ``i`` is then row ``rows[i]`` of ``v`` / ``lse``."""
 
     @abstractmethod
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,

@@ -67,6 +67,7 @@ def _torch() -> Any:
 
 class CudaBackend(Backend):
     name = "cuda"
+    merge_gathers = True
 
     def __init__(self) -> None:
         self._uploads: dict[tuple[int, int], Any] = {}
@@ -243,10 +244,11 @@ class CudaBackend(Backend):
             q, k_pages, v_pages, self._table(table), self.upload(plan.request_indices),
             self.upload(plan.kv_tile_indices), v_out, lse_out))
 
-    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
+    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
+              rows: Any = None) -> None:
         ip = o_indptr if isinstance(o_indptr, cp.ndarray) else self.upload(o_indptr)
         self._run(launches.merge_launch(self.dtype_of(v_out), tuple(v_out.shape), v, lse, ip,
-                                        v_out, lse_out))
+                                        v_out, lse_out, rows))
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                   sm_scale: float, out: Any, lse_out: Any) -> None:

@@ -36,6 +36,7 @@ RACES_ENV = "PAGED_DECODE_EMULATOR_RACES"   # "0" skips the second (reverse) sch
 
 class EmulatedCudaBackend(ReferenceBackend):
     name = "emulated-cuda"
+    merge_gathers = True
 
     def __init__(self, *, check_races: bool | None = None) -> None:
         self.check_races = (os.environ.get(RACES_ENV, "1") not in ("", "0")
@@ -90,9 +91,10 @@ class EmulatedCudaBackend(ReferenceBackend):
             q, k_pages, v_pages, _table(table), plan.request_indices, plan.kv_tile_indices,
             v_out, lse_out))
 
-    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
+    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
+              rows: Any = None) -> None:
         self._run(launches.merge_launch(self.dtype_of(v_out), tuple(v_out.shape), v, lse,
-                                        o_indptr, v_out, lse_out))
+                                        o_indptr, v_out, lse_out, rows))
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                   sm_scale: float, out: Any, lse_out: Any) -> None:
@@ -149,6 +151,7 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
     Nothing here ran on Apple hardware."""
 
     name = "emulated-metal"
+    merge_gathers = False      # the Metal merge has no row index
 
     def device_info(self) -> DeviceInfo:
         return DeviceInfo("emulated-metal", "Metal kernels on the CPU emulator",

@@ -94,11 +94,14 @@ def partial_launch(dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: flo
 
 
 def merge_launch(out_dtype: str, shape: tuple[int, int, int], v: Any, lse: Any,
-                 o_indptr: Any, v_out: Any, lse_out: Any) -> Launch:
-    """The merge: ``shape`` = (M, H, D) of ``v_out``; one warp per (row, head)."""
+                 o_indptr: Any, v_out: Any, lse_out: Any, rows: Any = None) -> Launch:
+    """The merge: ``shape`` = (M, H, D) of ``v_out``; one warp per (row, head). With
+    ``rows`` (int32 ``[o_indptr[M]]``) merge input ``i`` is row ``rows[i]`` of ``v``/``lse``
+    (CUDA dialect only); without, ``o_indptr`` stands in for the unread pointer."""
     m, h, d = shape
-    spec = merge_spec(out_dtype, d)
-    args = [*_ins(("v", "lse", "o_indptr"), (v, lse, o_indptr)),
+    spec = merge_spec(out_dtype, d, gather=rows is not None)
+    args = [*_ins(("v", "lse", "o_indptr", "rows"),
+                  (v, lse, o_indptr, o_indptr if rows is None else rows)),
             Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
             Arg("num_heads", np.int32(h), "scalar"), Arg("num_out", np.int32(m), "scalar")]
     return Launch(spec, (-(-m * h // MERGE_ITEMS_PER_BLOCK), 1), 32 * MERGE_ITEMS_PER_BLOCK,

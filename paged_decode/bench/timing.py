@@ -118,7 +118,8 @@ def capture(fn: Callable[[], Any], *, warmup: int = 2) -> tuple[Callable[[], Non
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=side):   # the warm-up stream: per-stream
+                # workspaces and prepared calls made by the warm-up are the ones captured
                 with shared_stream(torch.cuda.current_stream().cuda_stream):
                     result = fn()
             torch.cuda.synchronize()
