@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(128) pd_merge_states(
   const long long o = item / num_heads;
   const int h = (int)(item % num_heads);
   const long long beg = o_indptr[o], end = o_indptr[o + 1];
+  // pass 1: the group's max LSE, lanes striding over its rows (fmaxf skips NaN)
   float mx = -PD_INF;
   for (long long i = beg + lane; i < end; i += 32)
     mx = fmaxf(mx, lse[(GATHER ? (long long)rows[i] : i) * num_heads + h]);
@@ -43,26 +44,48 @@ __global__ void __launch_bounds__(128) pd_merge_states(
   float4 acc[PER_LANE];
 #pragma unroll
   for (int j = 0; j < PER_LANE; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  float den = 0.f;
+  float den = 0.f;                                  // this lane's rows' weights
   if (mx > -PD_INF) {
-    for (long long i = beg; i < end; ++i) {
-      const long long src = GATHER ? (long long)rows[i] : i;
-      const float s = lse[src * num_heads + h];
-      if (!(s > -PD_INF)) continue;               // empty chunk or NaN: no weight
-      const float w = exp2f(s - mx);
+    // pass 2, 32 rows at a time: lane j weighs row base + j (0 for an empty chunk, a NaN
+    // LSE or past the group), then the warp reads the weighted rows UNROLL at a time
+    // (independent loads in flight; a row of weight 0 is not read: it may be NaN)
+    constexpr int UNROLL = 4;
+    for (long long base = beg; base < end; base += 32) {
+      const long long i = base + lane;
+      float w = 0.f;
+      long long src = 0;
+      if (i < end) {
+        src = GATHER ? (long long)rows[i] : i;
+        const float s = lse[src * num_heads + h];
+        if (s > -PD_INF) w = exp2f(s - mx);
+      }
       den += w;
-      const float4* row = reinterpret_cast<const float4*>(v + (src * num_heads + h) * HEAD_DIM);
+      const int count = end - base < 32 ? (int)(end - base) : 32;
+      for (int j = 0; j < count; j += UNROLL) {
+        float wu[UNROLL];
+        float4 x[UNROLL][PER_LANE];
 #pragma unroll
-      for (int j = 0; j < PER_LANE; ++j) {
-        const int c = lane + 32 * j;
-        if (c < NV4) {
-          const float4 x = row[c];
-          acc[j].x = fmaf(w, x.x, acc[j].x); acc[j].y = fmaf(w, x.y, acc[j].y);
-          acc[j].z = fmaf(w, x.z, acc[j].z); acc[j].w = fmaf(w, x.w, acc[j].w);
+        for (int u = 0; u < UNROLL; ++u) {
+          wu[u] = __shfl_sync(0xffffffffu, w, j + u);       // j + u <= 31
+          const long long ru = __shfl_sync(0xffffffffu, src, j + u);
+          const float4* row = reinterpret_cast<const float4*>(v + (ru * num_heads + h) * HEAD_DIM);
+#pragma unroll
+          for (int k = 0; k < PER_LANE; ++k) {
+            const int c = lane + 32 * k;
+            x[u][k] = (wu[u] > 0.f && c < NV4) ? row[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+          }
         }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+          for (int k = 0; k < PER_LANE; ++k) {
+            acc[k].x = fmaf(wu[u], x[u][k].x, acc[k].x); acc[k].y = fmaf(wu[u], x[u][k].y, acc[k].y);
+            acc[k].z = fmaf(wu[u], x[u][k].z, acc[k].z); acc[k].w = fmaf(wu[u], x[u][k].w, acc[k].w);
+          }
       }
     }
   }
+  den = pd::group_sum<32>(den);
   const bool live = den > 0.f;
   const float inv = live ? 1.f / den : 0.f;
   TO* dst = v_out + (o * num_heads + h) * HEAD_DIM;

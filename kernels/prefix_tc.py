@@ -24,8 +24,10 @@ A regs {(grp, 2tig..+1), (grp+8, 2tig..), (grp, 2tig+8..), (grp+8, 2tig+8..)}; B
 {(k = 2tig..+1, n = grp), (k = 2tig+8.., n = grp)}; C {(grp, 2tig..+1), (grp+8, 2tig..+1)};
 the lower 16 bits of a register hold the lower index. The S accumulator of two adjacent
 8-token tiles is then exactly the A operand of P V for those 16 tokens (no shuffles).
-Without ``__CUDA_ARCH__`` (the CPU emulator), or with ``PD_EMULATE_MMA`` defined, the
-product is computed from the same fragments with warp shuffles.
+Q and K fragments come from shared memory through ``ldmatrix``, V fragments through
+``ldmatrix.trans``. Without ``__CUDA_ARCH__`` (the CPU emulator), or with
+``PD_EMULATE_MMA`` defined, products and matrix loads are computed from the same
+fragments and row addresses with warp shuffles.
 """
 
 from .common import CUDA_COMMON
@@ -46,6 +48,13 @@ def dynamic_smem_bytes(head_dim: int, num_warps: int = NUM_WARPS) -> int:
     """The Q tile plus a double-buffered K and V tile, 16-bit elements, padded rows."""
     row = (head_dim + SMEM_PAD) * 2
     return (ROWS_PER_WARP * num_warps + 2 * 2 * tokens_per_tile(head_dim)) * row
+
+
+def ctas_per_sm(head_dim: int, smem_per_sm: int) -> int:
+    """Prefix CTAs one SM holds by shared memory (1 KB per block reserved), 1 to 4 (4 by
+    registers at head_dim 64; measured 168 registers at 128, 237 at 256 on sm_90)."""
+    fit = smem_per_sm // (dynamic_smem_bytes(head_dim) + 1024)
+    return max(1, min(4, fit))
 
 
 CUDA_BODY = r"""
@@ -114,6 +123,38 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 #endif
 }
 
+// Four 8x8 matrices of 16-bit elements from shared memory (ldmatrix .x4): lane l passes
+// the address of row l % 8 of matrix l / 8 (16-byte aligned); register i receives matrix
+// i's elements (row l / 4, columns 2 (l % 4) and +1), or with TRANS (rows 2 (l % 4) and +1,
+// column l / 4), the lower index in the lower half.
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && !defined(PD_EMULATE_MMA)
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  }
+#else
+  const int lane = threadIdx.x & 31;
+  const unsigned long long mine = (unsigned long long)row;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (TRANS) {
+      const unsigned short* p0 = (const unsigned short*)__shfl_sync(0xffffffffu, mine, i * 8 + 2 * (lane & 3));
+      const unsigned short* p1 = (const unsigned short*)__shfl_sync(0xffffffffu, mine, i * 8 + 2 * (lane & 3) + 1);
+      r[i] = (unsigned)p0[lane >> 2] | ((unsigned)p1[lane >> 2] << 16);
+    } else {
+      const unsigned short* p = (const unsigned short*)__shfl_sync(0xffffffffu, mine, i * 8 + (lane >> 2));
+      r[i] = (unsigned)p[2 * (lane & 3)] | ((unsigned)p[2 * (lane & 3) + 1] << 16);
+    }
+  }
+#endif
+}
+
 extern __shared__ __align__(16) unsigned char pd_prefix_smem[];
 
 }  // namespace pd
@@ -141,6 +182,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
   constexpr int NT = KT / 8;                     // 8-token column tiles of S
   constexpr int DT = D / 8;                      // 8-wide column tiles of O
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  static_assert(KT % 16 == 0 && (D / 8) % 2 == 0, "ldmatrix takes 16-token, 16-column blocks");
   static_assert((KT * PIECES) % THREADS == 0, "a K/V tile must split evenly over the threads");
 
   unsigned char* smem = pd_prefix_smem;
@@ -200,7 +242,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
   for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_run[2] = {-PD_INF, -PD_INF}, l_run[2] = {0.f, 0.f};   // rows grp, grp + 8
   const T* qw = qs + warp * 16 * LD;
-  const unsigned short* vbits = reinterpret_cast<const unsigned short*>(vs);
 
   if (n_tiles > 0) issue(0);
   for (int tile = 0; tile < n_tiles; ++tile) {
@@ -218,20 +259,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
     float s[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    // ldmatrix row addresses: lane l points at row l % 8 of matrix l / 8
+    const int lrow = lane & 7, lhi = (lane >> 3) & 1, lq = lane >> 4;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      unsigned a[4];
-      const int col = kk * 16 + 2 * tig;
-      a[0] = *reinterpret_cast<const unsigned*>(qw + grp * LD + col);
-      a[1] = *reinterpret_cast<const unsigned*>(qw + (grp + 8) * LD + col);
-      a[2] = *reinterpret_cast<const unsigned*>(qw + grp * LD + col + 8);
-      a[3] = *reinterpret_cast<const unsigned*>(qw + (grp + 8) * LD + col + 8);
+      unsigned a[4];                              // rows 0-7 / 8-15 x columns +0 / +8
+      ldsm_x4<false>(a, qw + (lrow + 8 * lhi) * LD + kk * 16 + 8 * lq);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        unsigned b[2];
-        b[0] = *reinterpret_cast<const unsigned*>(kt + (n * 8 + grp) * LD + col);
-        b[1] = *reinterpret_cast<const unsigned*>(kt + (n * 8 + grp) * LD + col + 8);
-        mma_16816<T>(s[n], a, b);
+      for (int n = 0; n < NT; n += 2) {
+        unsigned b[4];                            // tokens of tiles n / n+1 x columns +0 / +8
+        ldsm_x4<false>(b, kt + (n * 8 + lrow + 8 * lq) * LD + kk * 16 + 8 * lhi);
+        const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_16816<T>(s[n], a, b0);
+        mma_16816<T>(s[n + 1], a, b1);
       }
     }
 
@@ -274,7 +314,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
       }
 
     // O += P V: the S accumulators of column tiles 2kk, 2kk+1 are the A operand
-    const unsigned short* vt = vbits + buf * KT * LD;
+    const T* vt = vs + buf * KT * LD;
 #pragma unroll
     for (int kk = 0; kk < KT / 16; ++kk) {
       unsigned a[4];
@@ -282,13 +322,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
       a[1] = Pair<T>::pack(s[2 * kk][2], s[2 * kk][3]);
       a[2] = Pair<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       a[3] = Pair<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      const unsigned short* v0 = vt + (kk * 16 + 2 * tig) * LD + grp;
 #pragma unroll
-      for (int j = 0; j < DT; ++j) {
-        unsigned b[2];
-        b[0] = (unsigned)v0[j * 8] | ((unsigned)v0[LD + j * 8] << 16);
-        b[1] = (unsigned)v0[8 * LD + j * 8] | ((unsigned)v0[9 * LD + j * 8] << 16);
-        mma_16816<T>(o[j], a, b);
+      for (int j = 0; j < DT; j += 2) {
+        unsigned b[4];                            // tokens +0 / +8 x columns of tiles j / j+1
+        ldsm_x4<true>(b, vt + (kk * 16 + lrow + 8 * lhi) * LD + j * 8 + 8 * lq);
+        const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_16816<T>(o[j], a, b0);
+        mma_16816<T>(o[j + 1], a, b1);
       }
     }
     __syncthreads();                              // buffer `buf` is refilled next round

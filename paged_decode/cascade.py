@@ -273,8 +273,14 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
                                    f"prefix kernel; device {device.name!r} "
                                    f"({device.backend}) has none")
     row_tiles = -(-m * (num_qo_heads // num_kv_heads) // tile_rows) if tile_rows else 0
-    plan0 = plan_decode(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim, device=device,
-                        ctas_per_chunk=num_kv_heads * row_tiles if row_tiles else None)
+    if row_tiles:
+        plan0 = plan_decode(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim,
+                            device=device, ctas_per_chunk=num_kv_heads * row_tiles,
+                            pages_per_chunk=_prefix_pages_per_chunk(
+                                prefix, device, head_dim, num_kv_heads * row_tiles))
+    else:
+        plan0 = plan_decode(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim,
+                            device=device)
     plan1 = plan_decode(prefix.level1, num_qo_heads, num_kv_heads, head_dim, device=device)
     c0, c1, b = plan0.num_chunks, plan1.num_chunks, prefix.batch_size
     chunks1 = plan1.chunks_per_request.astype(np.int64)
@@ -290,6 +296,22 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
     rows[dst.reshape(-1)] = c1 + np.arange(m * c0)
     return CascadeDecodePlan(prefix, int(num_qo_heads), int(num_kv_heads), int(head_dim),
                              row_tiles, plan0, plan1, _ro(rows), _ro(start))
+
+
+def _prefix_pages_per_chunk(prefix: CascadePlan, device: DeviceInfo, head_dim: int,
+                            ctas_per_chunk: int) -> int:
+    """Level-0 chunk size for the tensor-core prefix kernel: as many chunks as fit in one
+    wave of resident CTAs (``ctas_per_sm`` by shared memory, 2 when unknown; a CTA
+    more would start a second wave that doubles the kernel's time), no chunk shorter
+    than the device's chunk floor."""
+    from .kernels import prefix_tc
+    per_sm = (prefix_tc.ctas_per_sm(head_dim, device.shared_mem_per_unit)
+              if device.shared_mem_per_unit else 2)
+    wave = max(1, device.compute_units * per_sm)
+    chunks = max(1, wave // ctas_per_chunk)
+    s = prefix.shared_pages
+    floor_pages = -(-device.chunk_floor() // prefix.page_size)
+    return max(1, min(s, max(-(-s // chunks), floor_pages)))
 
 
 # ---------------------------------------------------------------------------- running

@@ -30,6 +30,8 @@ class DeviceInfo:
     ``prefix_tile_rows``: query rows per CTA of the backend's tensor-core level-0 kernel
     of cascade decode (``kernels/prefix_tc.py``), 0 when it has none (cascade then runs
     level 0 on the v2 partial); ``plan_cascade`` sizes level-0 chunks by it.
+    ``shared_mem_per_unit``: shared memory bytes per SM (0: unknown), which bounds how
+    many prefix-kernel CTAs an SM holds at once.
     """
 
     backend: str
@@ -40,6 +42,7 @@ class DeviceInfo:
     detail: str = ""
     min_chunk_tokens: int = 1
     prefix_tile_rows: int = 0
+    shared_mem_per_unit: int = 0
 
     @property
     def default_target_ctas(self) -> int:

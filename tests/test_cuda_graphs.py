@@ -165,11 +165,13 @@ def test_cascade_with_plan_and_out_is_capturable(cuda, how):
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         if how == "prepared":
-            call = pd.prepare_decode(q, pool.k, pool.v, table, out=out, lse=lse, cascade=cplan)
+            call = pd.prepare_decode(q, pool.k, pool.v, table, out=out, lse=lse, cascade=cplan,
+                                     out_dtype="float32")
             assert call.path == "cascade" and call.compiled
         else:
             def call():
-                return pd.decode(q, pool.k, pool.v, table, out=out, lse=lse, cascade=cplan)
+                return pd.decode(q, pool.k, pool.v, table, out=out, lse=lse, cascade=cplan,
+                                 out_dtype="float32")
         call()
         stream.synchronize()
         assert "level 0: tensor-core prefix" in pd.last_outcome().detail

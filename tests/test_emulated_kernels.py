@@ -67,8 +67,21 @@ def test_removed_syncthreads_fails():
 
 
 def test_merge_without_rescale_fails():
-    bad = _Mutant("merge", lambda s: s.replace("const float w = exp2f(s - mx);",
-                                               "const float w = 1.f;"))
+    bad = _Mutant("merge", lambda s: s.replace("if (s > -PD_INF) w = exp2f(s - mx);",
+                                               "if (s > -PD_INF) w = 1.f;"))
+    assert mutant_fails(bad, SPEC_NEG, ppc=1)
+
+
+def test_merge_reading_the_wrong_row_fails():
+    # the batched row reads: lane u's row taken for all UNROLL rows of a batch
+    bad = _Mutant("merge", lambda s: s.replace(
+        "const long long ru = __shfl_sync(0xffffffffu, src, j + u);",
+        "const long long ru = __shfl_sync(0xffffffffu, src, j);"))
+    assert mutant_fails(bad, SPEC_NEG, ppc=1)
+
+
+def test_merge_with_a_lane_local_denominator_fails():
+    bad = _Mutant("merge", lambda s: s.replace("  den = pd::group_sum<32>(den);\n", ""))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 

@@ -238,3 +238,41 @@ def test_merge_state_rejects_mismatched_shapes():
         merge_state(v, lse, v, lse[:2])
     with pytest.raises(InvalidArgumentError, match=r"merge_state: v_a must be 3-D"):
         merge_state(lse, lse, v, lse)
+
+
+# ---------------------------------------------------------------------------- the kernel
+@pytest.mark.skipif(not __import__("paged_decode.backends", fromlist=["x"]).availability(
+    "emulated-cuda").ok, reason="emulator unavailable")
+@pytest.mark.parametrize("gather", [False, True])
+def test_merge_kernel_large_groups_nan_rows_and_gather(gather):
+    """The CUDA merge kernel (emulated) on groups of 0..70 rows (its 32-row batches and
+    4-row reads), rows with a NaN LSE and NaN values (no weight), and a row index."""
+    from paged_decode.backends import get_backend
+    be = get_backend("emulated-cuda")
+    rng = np.random.default_rng(7)
+    sizes = [0, 1, 3, 4, 5, 31, 32, 33, 70]
+    indptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    n, h, d = int(indptr[-1]), 2, 64
+    v = rng.standard_normal((n, h, d)).astype(np.float32)
+    lse = rng.uniform(-8, 12, (n, h)).astype(np.float32)
+    empty = rng.random((n, h)) < 0.15
+    lse[empty] = NEG_INF
+    v[empty] = np.nan                       # must never be read into the result
+    nan_lse = rng.random((n, h)) < 0.05
+    lse[nan_lse] = np.nan
+    v[nan_lse] = np.nan
+    ref_lse_in = np.where(nan_lse, NEG_INF, lse)
+    ref_v, ref_lse = ref_merge(np.nan_to_num(v), ref_lse_in, indptr)
+    rows = None
+    if gather:                              # store the states permuted, merge through rows
+        perm = rng.permutation(n).astype(np.int32)
+        stored_v, stored_l = np.empty_like(v), np.empty_like(lse)
+        stored_v[perm], stored_l[perm] = v, lse
+        v, lse, rows = stored_v, stored_l, perm
+    v_out = np.full((len(sizes), h, d), np.nan, np.float32)
+    lse_out = np.full((len(sizes), h), np.nan, np.float32)
+    if rows is None:
+        be.merge(v, lse, indptr, v_out, lse_out)
+    else:
+        be.merge(v, lse, indptr, v_out, lse_out, rows=rows)
+    assert_close_to_ref(v_out, lse_out, ref_v, ref_lse, tol=5e-6)

@@ -119,7 +119,8 @@ class _Mutant(EmulatedCudaBackend):
         src = super().kernel_source(spec)
         if spec.kernel != "prefix":
             return src
-        assert self._old in src, "mutation did not apply"
+        if self._old not in src:
+            raise RuntimeError(f"mutation did not apply: {self._old!r}")
         return src.replace(self._old, self._new)
 
 
@@ -142,9 +143,11 @@ def _fails(be, **kw) -> bool:
     ("kvh * group + g) * D + d]", "g) * D + d]"),
     # drops the mask of tokens past the chunk (zero-filled rows then get weight)
     ("const bool live = tok0 + n * 8 + (e & 1) < n_tok;", "const bool live = true;"),
-    # a wrong A fragment: rows grp+8 and columns +8 swapped
-    ("a[1] = *reinterpret_cast<const unsigned*>(qw + (grp + 8) * LD + col);",
-     "a[1] = *reinterpret_cast<const unsigned*>(qw + grp * LD + col + 8);"),
+    # a wrong A fragment: rows 8-15 and columns +8 swapped in the Q ldmatrix addresses
+    ("ldsm_x4<false>(a, qw + (lrow + 8 * lhi) * LD + kk * 16 + 8 * lq);",
+     "ldsm_x4<false>(a, qw + (lrow + 8 * lq) * LD + kk * 16 + 8 * lhi);"),
+    # V fragments without the transpose
+    ("ldsm_x4<true>(b, vt", "ldsm_x4<false>(b, vt"),
     # natural-log LSE
     ("m_run[h] + log2f(l_run[h])", "(m_run[h] + log2f(l_run[h])) * 0.6931472f"),
 ])
@@ -208,9 +211,18 @@ def test_level0_plan_fills_device_with_prefix_ctas():
     cp = plan_cascade(table, 32, 8, 128, device=dev)
     assert cp.prefix_row_tiles == math.ceil(40 * 4 / 64) == 3
     assert cp.plan0.ctas_per_chunk == 8 * 3
-    # the search targets the prefix kernel's CTAs: at least the target, one page more
-    # per chunk falls short (or the floor of 128 tokens binds)
-    assert cp.plan0.num_chunks * 24 >= 264 or cp.plan0.pages_per_chunk * 16 <= 128
+    # one wave of resident prefix CTAs (2 per SM when shared memory is unknown): 11 chunks
+    # of ceil(64 / 11) = 6 pages (ceil(64 / 6) = 11 chunks, 264 CTAs)
+    assert cp.plan0.num_chunks == 11 and cp.plan0.num_ctas == 264
+    # 228 KB per SM holds 2 CTAs of the head_dim 128 kernel; 3 of head_dim 96
+    dev2 = DeviceInfo("cuda", "test", 132, 2, prefix_tile_rows=64,
+                      shared_mem_per_unit=228 * 1024)
+    assert plan_cascade(table, 32, 8, 128, device=dev2).plan0.num_ctas <= 264
+    p96 = plan_cascade(table, 32, 8, 96, device=dev2).plan0
+    assert p96.num_ctas <= 3 * 132 and (p96.num_chunks + 1) * 24 > 3 * 132
+    # the chunk floor (min_chunk_tokens 256 = 16 pages) caps the split at 4 chunks
+    dev3 = DeviceInfo("cuda", "test", 132, 2, prefix_tile_rows=64, min_chunk_tokens=256)
+    assert plan_cascade(table, 32, 8, 128, device=dev3).plan0.num_chunks == 4
     v2 = plan_cascade(table, 32, 8, 128, device=dev, level0="v2")
     assert v2.prefix_row_tiles == 0 and v2.plan0.ctas_per_chunk == 8 * 20
     assert v2.plan0.num_chunks < cp.plan0.num_chunks

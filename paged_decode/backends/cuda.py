@@ -332,7 +332,8 @@ def _device_info(index: int) -> DeviceInfo:
     return DeviceInfo("cuda", name, sms, CTAS_PER_SM, index=index,
                       detail=f"compute capability {props['major']}.{props['minor']}",
                       min_chunk_tokens=MIN_CHUNK_TOKENS,
-                      prefix_tile_rows=launches.PREFIX_TILE_ROWS if tc else 0)
+                      prefix_tile_rows=launches.PREFIX_TILE_ROWS if tc else 0,
+                      shared_mem_per_unit=int(props.get("sharedMemPerMultiprocessor", 0)))
 
 
 def _check_aligned(fn: str, *arrays: Any) -> None:

@@ -99,8 +99,9 @@ def _random(be: Backend, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
         numpy_dtype(dtype))
 
 
-def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
-                  cold_l2: bool, graph: bool = True) -> BenchResult:
+def cascade_problem(be: Backend, case: CascadeCase) -> tuple[Any, Any, Any, PageTable]:
+    """``(q, k_pages, v_pages, table)`` of a case on ``be``: every request shares the
+    ``case.shared`` prefix pages and owns ``case.suffix`` private tokens."""
     p = case.page_size
     n_shared, n_priv = case.shared // p, -(-case.suffix // p)
     num_pages = n_shared + case.batch * n_priv
@@ -112,6 +113,12 @@ def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
     shape = (num_pages, p, case.num_kv_heads, case.head_dim)
     k, v = _random(be, shape, case.dtype, 1), _random(be, shape, case.dtype, 2)
     q = _random(be, (case.batch, case.num_qo_heads, case.head_dim), case.dtype, 3)
+    return q, k, v, table
+
+
+def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
+                  cold_l2: bool, graph: bool = True) -> BenchResult:
+    q, k, v, table = cascade_problem(be, case)
     geo = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
     with be.launch_context(q):
         flat_plan = plan_decode(table, *geo, device=be.device_info())
