@@ -32,27 +32,47 @@ fragments and row addresses with warp shuffles.
 
 from .common import CUDA_COMMON
 
-# Template parameters, in order: T, HEAD_DIM, PAGE_SIZE, NUM_WARPS
+# Template parameters, in order: T, HEAD_DIM, PAGE_SIZE, NUM_WARPS, KT (tokens per tile)
 KERNEL_NAME = "pd_prefix_tc"
 NUM_WARPS = 4
 ROWS_PER_WARP = 16
 SMEM_PAD = 8                  # elements of padding per smem row (bank-conflict-free frags)
 
 
+TILE_ENV = "PAGED_DECODE_PREFIX_TILE"
+
+
 def tokens_per_tile(head_dim: int) -> int:
-    """K/V tokens per shared-memory tile (``KT`` in the kernel)."""
+    """K/V tokens per shared-memory tile (``KT`` in the kernel): 64, 32 at head_dim 256
+    (registers and shared memory); ``PAGED_DECODE_PREFIX_TILE`` (32 or 64) overrides."""
+    import os
+    env = os.environ.get(TILE_ENV)
+    if env:
+        if env not in ("32", "64"):
+            raise ValueError(f"{TILE_ENV} must be 32 or 64, got {env!r}")
+        return int(env)
     return 64 if head_dim <= 128 else 32
 
 
-def dynamic_smem_bytes(head_dim: int, num_warps: int = NUM_WARPS) -> int:
+def dynamic_smem_bytes(head_dim: int, num_warps: int = NUM_WARPS,
+                       tile: int | None = None) -> int:
     """The Q tile plus a double-buffered K and V tile, 16-bit elements, padded rows."""
     row = (head_dim + SMEM_PAD) * 2
-    return (ROWS_PER_WARP * num_warps + 2 * 2 * tokens_per_tile(head_dim)) * row
+    kt = tokens_per_tile(head_dim) if tile is None else tile
+    return (ROWS_PER_WARP * num_warps + 2 * 2 * kt) * row
+
+
+CTAS_ENV = "PAGED_DECODE_PREFIX_CTAS_PER_SM"
 
 
 def ctas_per_sm(head_dim: int, smem_per_sm: int) -> int:
     """Prefix CTAs one SM holds by shared memory (1 KB per block reserved), 1 to 4 (4 by
-    registers at head_dim 64; measured 168 registers at 128, 237 at 256 on sm_90)."""
+    registers at head_dim 64; measured 168 registers at 128, 237 at 256 on sm_90);
+    ``PAGED_DECODE_PREFIX_CTAS_PER_SM`` overrides (tuning)."""
+    import os
+    env = os.environ.get(CTAS_ENV)
+    if env:
+        return max(1, int(env))
     fit = smem_per_sm // (dynamic_smem_bytes(head_dim) + 1024)
     return max(1, min(4, fit))
 
@@ -161,7 +181,7 @@ extern __shared__ __align__(16) unsigned char pd_prefix_smem[];
 
 // grid: (C * row_tiles, Hkv) with the row tile fastest (the CTAs reading one chunk of one
 // KV head run side by side and share its K/V in L2); block: NUM_WARPS * 32 threads.
-template <typename T, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS>
+template <typename T, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS, int KT>
 __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
     const T* __restrict__ q,                  // [B, Hq, D]
     const T* __restrict__ k_pages,            // [num_pages, P, Hkv, D]
@@ -174,7 +194,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
     int num_qo_heads, int num_kv_heads, int row_tiles, float scale_log2) {
   using namespace pd;
   constexpr int D = HEAD_DIM;
-  constexpr int KT = D <= 128 ? 64 : 32;         // tokens per K/V tile
   constexpr int ROWS = 16 * NUM_WARPS;           // query rows per CTA
   constexpr int LD = D + 8;                      // padded smem row, in elements
   constexpr int THREADS = NUM_WARPS * 32;

@@ -19,13 +19,18 @@ from .page_table import PageTable
 
 CASCADE_ENV = "PAGED_DECODE_CASCADE"
 #: Cost rule of the automatic choice: cascade must remove at least this fraction of the
-#: flat page reads and at least this many token reads. Measured on an H200 (2026-11-29,
-#: bench/results/h200/bench_cascade_2026-11-29.json, Llama-3-8B heads, suffix 256): with
-#: the current kernels cascade beat flat v2 only where it saved ~1M token reads or more
-#: (8K x 128: 1.04x, 32K x 32: 1.11x, 32K x 128: 1.12x) and lost everywhere below
-#: (8K x 32, 254K saved: 0.98x; 2K x 4: 0.11x).
+#: flat page reads and at least this many bytes of K/V reads (saved token reads x 2 x
+#: Hkv x D x element size), and level 0 must run on the tensor-core prefix kernel.
+#: Measured on an H200 (2026-11-30, bench/results/h200/bench_cascade*_2026-11-30.json,
+#: Llama-3-8B heads, float16, suffix 256, CUDA-graph replay), cascade against flat v2:
+#: - tensor-core level 0: 0.67x at 1K shared x 16 (63 MB saved), 0.97x at 2K x 16 (126
+#:   MB), 1.07x at 8K x 4 (101 MB), 1.29x at 2K x 32 (260 MB), 1.60x at 8K x 8 (235 MB),
+#:   3.4x at 8K x 32: below ~130 MB it loses (three launches instead of two);
+#: - v2 level 0 (stacked queries: float32 pools, no tensor-core kernel): between 0.89x and
+#:   1.10x with no byte count separating wins from losses (0.91x at 2K x 128, 1.07 GB
+#:   saved; 1.08x at 8K x 32, 1.04 GB), so the automatic choice never takes it.
 AUTO_MIN_SAVED_FRACTION = 0.25
-AUTO_MIN_SAVED_TOKENS = 1_000_000
+AUTO_MIN_SAVED_BYTES = 192 * 2 ** 20
 
 
 _memo_lock = threading.Lock()
@@ -43,16 +48,26 @@ def _memoised(table: PageTable, key: Any, make: Any) -> Any:
     return val
 
 
-def cascade_pays(prefix: CascadePlan) -> tuple[bool, str]:
-    """The automatic cost rule (measured on the H200, see ``AUTO_MIN_SAVED_TOKENS``): the
-    saved page reads must be >= ``AUTO_MIN_SAVED_FRACTION`` of the flat reads and >=
-    ``AUTO_MIN_SAVED_TOKENS`` tokens."""
+def cascade_pays(prefix: CascadePlan, token_bytes: int, tensor_cores: bool
+                 ) -> tuple[bool, str]:
+    """The automatic cost rule (measured on the H200, see ``AUTO_MIN_SAVED_BYTES``): level
+    0 runs on the tensor-core prefix kernel, and the saved page reads are >=
+    ``AUTO_MIN_SAVED_FRACTION`` of the flat reads and >= ``AUTO_MIN_SAVED_BYTES`` bytes.
+    ``token_bytes``: K and V bytes of one token over all KV heads (``2 * Hkv * D * element
+    size``)."""
     saved_tokens = prefix.saved_page_reads * prefix.page_size
+    saved = saved_tokens * token_bytes
     frac = prefix.saved_page_reads / max(1, prefix.flat_pages)
-    if frac < AUTO_MIN_SAVED_FRACTION or saved_tokens < AUTO_MIN_SAVED_TOKENS:
-        return False, (f"saves {frac:.0%} of page reads ({saved_tokens} tokens), below the "
-                       f"rule ({AUTO_MIN_SAVED_FRACTION:.0%} and {AUTO_MIN_SAVED_TOKENS})")
-    return True, f"saves {frac:.0%} of page reads ({saved_tokens} tokens)"
+    what = (f"saves {frac:.0%} of page reads ({saved_tokens} tokens, {saved / 2 ** 20:.0f} "
+            f"MiB)")
+    if not tensor_cores:
+        return False, (f"{what}, but level 0 would run on the v2 partial (no tensor-core "
+                       "prefix kernel for this backend or dtype), measured no faster than "
+                       "flat")
+    if frac < AUTO_MIN_SAVED_FRACTION or saved < AUTO_MIN_SAVED_BYTES:
+        return False, (f"{what}, below the rule ({AUTO_MIN_SAVED_FRACTION:.0%} and "
+                       f"{AUTO_MIN_SAVED_BYTES / 2 ** 20:.0f} MiB)")
+    return True, what
 
 
 def env_cascade(fn: str) -> bool | None:
@@ -66,14 +81,16 @@ def env_cascade(fn: str) -> bool | None:
 
 
 def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_heads: int,
-                    num_kv_heads: int, head_dim: int, device: Any
+                    num_kv_heads: int, head_dim: int, device: Any,
+                    dtypes: tuple[str, str] = ("float16", "float16")
                     ) -> tuple[CascadeDecodePlan | None, str | None]:
     """Decide whether ``decode`` runs cascade; returns ``(plan or None, reason or None)``.
 
     ``cascade``: ``True``/``False`` force (the argument beats the environment), a
     ``CascadePlan``/``CascadeDecodePlan`` forces that grouping, ``None`` follows
     ``PAGED_DECODE_CASCADE`` and otherwise the automatic rule (only for ``path="auto"``).
-    ``device`` is a callable returning the ``DeviceInfo`` (called only when planning).
+    ``device`` is a callable returning the ``DeviceInfo`` (called only when the rule or
+    the planning needs it); ``dtypes`` = (q, K/V) dtype names, for the rule.
     """
     geo = (num_qo_heads, num_kv_heads, head_dim)
     if isinstance(cascade, CascadeDecodePlan):
@@ -107,7 +124,10 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
     if prefix is None:
         return None, "cascade: no shared prefix"
     if not forced:
-        pays, why = cascade_pays(prefix)
+        from .backends.launches import prefix_fits
+        from .dtypes import itemsize
+        tc = bool(device().prefix_tile_rows) and prefix_fits(*dtypes)
+        pays, why = cascade_pays(prefix, 2 * num_kv_heads * head_dim * itemsize(dtypes[1]), tc)
         if not pays:
             return None, f"cascade declined: {why}"
     else:

@@ -122,7 +122,7 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
 
     single = be.auto_path() if path == "auto" else None  # no automatic cascade there
     cplan, why_cascade = resolve_cascade(fn, cascade, single[0] if single else path, table,
-                                         a.hq, a.hkv, a.d, device)
+                                         a.hq, a.hkv, a.d, device, (a.q_dt, a.kv_dt))
     if cplan is not None:
         sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members, a.hkv,
                                   a.d, a.p, "v2"))

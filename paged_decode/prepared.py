@@ -137,7 +137,8 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
         def device() -> Any:
             with be.launch_context(q):
                 return be.device_info()
-        cplan, why = resolve_cascade(fn, cascade, path, table, a.hq, a.hkv, a.d, device)
+        cplan, why = resolve_cascade(fn, cascade, path, table, a.hq, a.hkv, a.d, device,
+                                     (a.q_dt, a.kv_dt))
         if cplan is not None:
             sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members,
                                       a.hkv, a.d, a.p, "v2"))

@@ -45,6 +45,7 @@ class KernelSpec:
     stages: int = 0
     row_loads: int = 0           # v2: 16-byte loads per lane per K/V row (CUDA only)
     gather: bool = False         # merge: inputs read through a row index (CUDA only)
+    tile_tokens: int = 0         # prefix: K/V tokens per shared-memory tile
 
     @property
     def uri(self) -> str:
@@ -67,6 +68,8 @@ class KernelSpec:
             parts.append(f"ld-{self.row_loads}")
         if self.gather:
             parts.append("gather")
+        if self.tile_tokens:
+            parts.append(f"kt-{self.tile_tokens}")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -85,7 +88,8 @@ class KernelSpec:
             args = [t[self.out_dtype], self.head_dim, "true" if self.gather else "false"]
             name = "pd_merge_states"
         elif self.kernel == "prefix":
-            args = [t[self.kv_dtype], self.head_dim, self.page_size, self.num_warps]
+            args = [t[self.kv_dtype], self.head_dim, self.page_size, self.num_warps,
+                    self.tile_tokens]
             name = "pd_prefix_tc"
         else:
             raise ValueError(f"unknown kernel {self.kernel!r}")
@@ -98,7 +102,8 @@ class KernelSpec:
         (K, V) x the 16-byte pieces of its slice of a row."""
         if self.kernel == "prefix":
             from .kernels import prefix_tc
-            return prefix_tc.dynamic_smem_bytes(self.head_dim, self.num_warps)
+            return prefix_tc.dynamic_smem_bytes(self.head_dim, self.num_warps,
+                                                self.tile_tokens)
         if self.kernel not in ("v2", "v1"):
             return 0
         return self.num_warps * 32 * self.stages * stage_bytes_per_thread(
@@ -177,7 +182,7 @@ def prefix_spec(kv_dtype: str, head_dim: int, page_size: int) -> KernelSpec:
     float32 partials."""
     from .kernels import prefix_tc
     return KernelSpec("prefix", "float32", head_dim, kv_dtype, kv_dtype, page_size, 0,
-                      prefix_tc.NUM_WARPS)
+                      prefix_tc.NUM_WARPS, tile_tokens=prefix_tc.tokens_per_tile(head_dim))
 
 
 def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,

@@ -296,16 +296,17 @@ def test_decode_cascade_option_and_env(monkeypatch):
                                   num_pages=256)
     ref_out, ref_lse = oracle_decode(q, pool.k, pool.v, table)
     pd.reset_counters()
-    # the measured default rule wants ~1M saved token reads; this batch saves 8192
+    # the reference backend has no tensor-core prefix kernel: the automatic rule declines
+    # whatever the savings (level 0 on the v2 partial measured no faster than flat)
+    import paged_decode.cascade_policy as policy
+    monkeypatch.setattr(policy, "AUTO_MIN_SAVED_BYTES", 1)
     decode(q, pool.k, pool.v, table)
     assert pd.last_outcome().path.startswith("v2")
-    assert "cascade declined" in pd.last_outcome().reason
-    import paged_decode.cascade_policy as policy
-    monkeypatch.setattr(policy, "AUTO_MIN_SAVED_TOKENS", 8192)
-    out, lse = decode(q, pool.k, pool.v, table, return_lse=True)       # auto: it pays
+    assert "level 0 would run on the v2 partial" in pd.last_outcome().reason
+    out, lse = decode(q, pool.k, pool.v, table, return_lse=True, cascade=True)
     o = pd.last_outcome()
-    assert o.path == "cascade" and "saves" in o.reason and "M=9" in o.detail, str(o)
-    assert_matches_oracle(out, lse, ref_out, ref_lse, "float32", "auto cascade")
+    assert o.path == "cascade" and "M=9" in o.detail, str(o)
+    assert_matches_oracle(out, lse, ref_out, ref_lse, "float32", "forced cascade")
     decode(q, pool.k, pool.v, table, cascade=False)
     assert pd.last_outcome().path.startswith("v2")
     decode(q, pool.k, pool.v, table, path="v2")                         # explicit flat path
@@ -325,6 +326,31 @@ def test_decode_cascade_option_and_env(monkeypatch):
         decode(q, pool.k, pool.v, table, path="v1", cascade=True)
     with pytest.raises(InvalidArgumentError, match="decode: cascade must be"):
         decode(q, pool.k, pool.v, table, cascade="on")
+
+
+@pytest.mark.skipif(not __import__("paged_decode.backends", fromlist=["x"]).availability(
+    "emulated-cuda").ok, reason="emulator unavailable")
+def test_decode_auto_takes_cascade_with_tensor_cores_when_it_pays(monkeypatch):
+    """With the tensor-core level 0 (emulated CUDA, float16) the byte rule decides."""
+    import paged_decode.cascade_policy as policy
+    emu = pd.get_backend("emulated-cuda")
+    q, pool, table = shared_batch([("group", 520, [3, 20, 7, 15]), ("solo", 40)],
+                                  page_size=16, hkv=2, group=2, head_dim=64, seed=4,
+                                  num_pages=128, dtype="float16")
+    ref_out, ref_lse = oracle_decode(q, pool.k, pool.v, table)
+    # 32 shared pages x 3 saved x 16 tokens x 2 x 2 x 64 x 2 bytes = 768 KiB saved
+    decode(q, pool.k, pool.v, table, backend=emu)
+    o = pd.last_outcome()
+    assert o.path.startswith("v2") and "below the rule" in o.reason and "1 MiB" in o.reason
+    monkeypatch.setattr(policy, "AUTO_MIN_SAVED_BYTES", 512 * 1024)
+    out, lse = decode(q, pool.k, pool.v, table, backend=emu, return_lse=True,
+                      out_dtype="float32")
+    o = pd.last_outcome()
+    assert o.path == "cascade" and "saves" in o.reason and "tensor-core prefix" in o.detail
+    from conftest import PREFIX_RTOL
+    from paged_decode.reference import lse_error
+    assert max_rel_error(out, ref_out) <= PREFIX_RTOL["float16"]
+    assert lse_error(lse, ref_lse) <= 5e-5
 
 
 def test_decode_auto_declines_small_savings_and_env_forces(monkeypatch):
