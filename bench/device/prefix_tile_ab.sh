@@ -18,6 +18,6 @@ for v in "64 2" "32 3" "32 4"; do
   set -- $v
   PAGED_DECODE_PREFIX_TILE=$1 PAGED_DECODE_PREFIX_CTAS_PER_SM=$2 timeout 120 paged-decode bench --backend cuda \
     --suite cascade --reps 20 --warmup 3 --json "$OUT/ab_kt$1_c$2.json" 2>/dev/null > "$L/ab_kt$1_c$2.txt"
-  echo "kt=$1 ctas/sm=$2 rc=$?"; grep -E "^cascade" "$L/ab_kt$1_c$2.txt" | awk '{printf "%s %s %s\n", $2, $3, $6}'
+  echo "kt=$1 ctas/sm=$2 rc=$?"; grep -E "^cascade" "$L/ab_kt$1_c$2.txt" | awk '{print $2, $3, $6, $7}'
 done
 tar czf "$OUT/logs.tgz" -C "$L" .
