@@ -128,7 +128,7 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
               help="decode: gather/v1/v2 over --preset; cascade: flat v2 vs cascade "
                    "(tensor-core level 0, and v2 level 0 where both exist) over shared "
                    "prefixes {2K,8K,32K} x batch {4,8,32,128}, suffix 256; cascade-rule: "
-                   "the same arms over short prefixes {128..2K} x batch {2..16}; sparse: "
+                   "the same arms over short prefixes {128..2K} x batch {2..128}; sparse: "
                    "dense masked vs fused over context {4K,16K,64K} x sparsity {2..32}x.")
 @click.option("--preset", default=None,
               help="Case preset: adr (gather/v1/v2 GPU sweep, pages 16/32/64), targets "

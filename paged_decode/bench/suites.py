@@ -87,7 +87,8 @@ SUITES: dict[str, Callable[[], list[Any]]] = {
                         itertools.product([2048, 8192, 32768], [4, 8, 32, 128])],
     # where cascade starts to pay (the automatic rule and detection thresholds)
     "cascade-rule": lambda: [CascadeCase(b, s) for s, b in
-                             itertools.product([128, 256, 512, 1024, 2048], [2, 4, 8, 16])],
+                             itertools.product([128, 256, 512, 1024, 2048],
+                                               [2, 4, 8, 16, 32, 64, 128])],
     "sparse": lambda: [SparseCase(4, c, x) for c, x in
                        itertools.product([4096, 16384, 65536], [2, 4, 8, 16, 32])],
 }
