@@ -41,9 +41,11 @@ from .errors import InvalidArgumentError
 from .page_table import PageTable
 from .plan import DecodePlan, check_geometry, plan_decode
 
-#: Placeholder threshold, carried over from the original design's reasoning (16 pages of
-#: 32 tokens); not measured.
-DEFAULT_MIN_SHARED_TOKENS = 512
+#: Shortest shared span detection considers. Measured on an H200 (2026-11-30,
+#: bench/results/h200/bench_cascade-rule_2026-11-30.json, shared 128-2048 x batch 2-128,
+#: tensor-core level 0): no span below 1024 tokens beat flat decode at any batch (512 x
+#: 128 broke even, 1.00x; 256 x 128 0.75x); 1024 x 64 won 1.09x, 1024 x 128 1.50x.
+DEFAULT_MIN_SHARED_TOKENS = 1024
 
 
 def _ro(a: Any) -> np.ndarray:
@@ -141,8 +143,9 @@ def detect_shared_prefix(table: PageTable, *, min_shared_pages: int | None = Non
     Args:
         table: the flat batch's page table.
         min_shared_pages: shortest span worth a cascade (default:
-            ``ceil(DEFAULT_MIN_SHARED_TOKENS / page_size)``, a placeholder).
-        min_members: smallest group (>= 2).
+            ``ceil(DEFAULT_MIN_SHARED_TOKENS / page_size)``, measured).
+        min_members: smallest group (>= 2; the automatic rule's byte floor decides
+            whether a small group pays).
     """
     fn = "detect_shared_prefix"
     if not isinstance(table, PageTable):

@@ -275,10 +275,12 @@ def test_rejections():
     assert detect_shared_prefix(synthetic(lists), min_shared_pages=9) is None
     assert detect_shared_prefix(synthetic(lists), min_shared_pages=8).shared_pages == 8
     assert detect_shared_prefix(synthetic(lists), min_shared_pages=1, min_members=4) is None
-    # default threshold: 512 tokens
+    # default threshold: 1024 tokens (64 pages of 16)
     assert detect_shared_prefix(synthetic(lists)) is None
-    long = list(range(32))
-    assert detect_shared_prefix(synthetic([long + [90], long + [91]])).shared_pages == 32
+    assert detect_shared_prefix(synthetic([list(range(63)) + [90], list(range(63)) + [91]])) \
+        is None
+    long = list(range(64))
+    assert detect_shared_prefix(synthetic([long + [90], long + [91]])).shared_pages == 64
     with pytest.raises(InvalidArgumentError, match="detect_shared_prefix: min_members"):
         detect_shared_prefix(synthetic(lists), min_members=1)
     with pytest.raises(InvalidArgumentError, match="detect_shared_prefix: min_shared_pages"):
@@ -334,27 +336,28 @@ def test_decode_auto_takes_cascade_with_tensor_cores_when_it_pays(monkeypatch):
     """With the tensor-core level 0 (emulated CUDA, float16) the byte rule decides."""
     import paged_decode.cascade_policy as policy
     emu = pd.get_backend("emulated-cuda")
-    q, pool, table = shared_batch([("group", 520, [3, 20, 7, 15]), ("solo", 40)],
+    q, pool, table = shared_batch([("group", 1030, [3, 20, 7, 15]), ("solo", 40)],
                                   page_size=16, hkv=2, group=2, head_dim=64, seed=4,
                                   num_pages=128, dtype="float16")
     ref_out, ref_lse = oracle_decode(q, pool.k, pool.v, table)
-    # 32 shared pages x 3 saved x 16 tokens x 2 x 2 x 64 x 2 bytes = 768 KiB saved
+    # 64 shared pages x 3 saved x 16 tokens x 2 x 2 x 64 x 2 bytes = 1.5 MiB saved
     decode(q, pool.k, pool.v, table, backend=emu)
     o = pd.last_outcome()
-    assert o.path.startswith("v2") and "below the rule" in o.reason and "1 MiB" in o.reason
-    monkeypatch.setattr(policy, "AUTO_MIN_SAVED_BYTES", 512 * 1024)
+    assert o.path.startswith("v2") and "below the rule" in o.reason and "2 MiB" in o.reason
+    monkeypatch.setattr(policy, "AUTO_MIN_SAVED_BYTES", 1024 * 1024)
     out, lse = decode(q, pool.k, pool.v, table, backend=emu, return_lse=True,
                       out_dtype="float32")
     o = pd.last_outcome()
     assert o.path == "cascade" and "saves" in o.reason and "tensor-core prefix" in o.detail
     from conftest import PREFIX_RTOL
+
     from paged_decode.reference import lse_error
     assert max_rel_error(out, ref_out) <= PREFIX_RTOL["float16"]
     assert lse_error(lse, ref_lse) <= 5e-5
 
 
 def test_decode_auto_declines_small_savings_and_env_forces(monkeypatch):
-    q, pool, table = shared_batch([("group", 600, [5, 9]), ("solo", 50)], page_size=16,
+    q, pool, table = shared_batch([("group", 1100, [5, 9]), ("solo", 50)], page_size=16,
                                   hkv=1, group=2, head_dim=8, seed=6, num_pages=128)
     ref_out, _ = oracle_decode(q, pool.k, pool.v, table)
     decode(q, pool.k, pool.v, table)

@@ -217,13 +217,15 @@ def test_gate_picks_the_dense_path_below_the_ratio():
     q, k, v = caches()
     pos = topk_positions(10)                       # selected 60 of 2 * 233 = 466 live rows
     pd.reset_counters()
-    _, o = sparse_decode(q, k, v, pos, live_lens=LIVE, return_outcome=True)   # default 8x
+    _, o = sparse_decode(q, k, v, pos, live_lens=LIVE, min_sparsity=8, return_outcome=True)
     assert o.path == "sparse-masked" and "7.77 < min_sparsity 8" in o.reason
+    _, o = sparse_decode(q, k, v, pos, live_lens=LIVE, return_outcome=True)   # default 2x
+    assert o.path == "sparse" and "7.77 >= min_sparsity 2" in o.reason
     _, o = sparse_decode(q, k, v, pos, live_lens=LIVE, min_sparsity=7.5, return_outcome=True)
     assert o.path == "sparse" and "7.77 >= min_sparsity 7.5" in o.reason
     _, o = sparse_decode(q, k, v, pos[:, :, :5], live_lens=LIVE, return_outcome=True)
     assert o.path == "sparse"                      # 15.5x
     _, o = sparse_decode(q, k, v, pos, live_lens=LIVE, min_sparsity=0, return_outcome=True)
     assert o.path == "sparse" and "disabled" in o.reason
-    assert pd.counters() == {"reference:sparse-masked": 1, "reference:sparse": 3}
+    assert pd.counters() == {"reference:sparse-masked": 1, "reference:sparse": 4}
     assert "selected 60 of 466" in o.detail
