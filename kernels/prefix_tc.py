@@ -234,10 +234,21 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
 
   const long long row_stride = (long long)num_kv_heads * D;            // elements per token
   const long long page_stride = (long long)PAGE_SIZE * row_stride;
-  auto issue = [&](int tile) {
+  // The page ids of the tokens a thread copies are loaded one tile ahead of their copies
+  // (fetch), so issuing a tile's cp.async never waits on a global load.
+  constexpr int PER_THREAD = KT * PIECES / THREADS;
+  int ids[PER_THREAD];
+  auto fetch = [&](int tile) {
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      const int i = tile * KT + (tid + j * THREADS) / PIECES;          // token in the chunk
+      ids[j] = i < n_tok ? page_ids[(t_begin + i) / PAGE_SIZE] : 0;
+    }
+  };
+  auto issue = [&](int tile) {                   // with the ids fetched for this tile
     const int buf = tile & 1;
 #pragma unroll
-    for (int j = 0; j < KT * PIECES / THREADS; ++j) {
+    for (int j = 0; j < PER_THREAD; ++j) {
       const int e = tid + j * THREADS, tok = e / PIECES, piece = e % PIECES;
       const int i = tile * KT + tok;                                   // token in the chunk
       const bool ok = i < n_tok;
@@ -245,7 +256,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
       const T* vp = v_pages;
       if (ok) {
         const int a = t_begin + i;
-        const long long off = (long long)page_ids[a / PAGE_SIZE] * page_stride
+        const long long off = (long long)ids[j] * page_stride
                               + (long long)(a % PAGE_SIZE) * row_stride + (long long)kvh * D + piece * 8;
         kp += off;
         vp += off;
@@ -262,11 +273,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
   float m_run[2] = {-PD_INF, -PD_INF}, l_run[2] = {0.f, 0.f};   // rows grp, grp + 8
   const T* qw = qs + warp * 16 * LD;
 
-  if (n_tiles > 0) issue(0);
+  if (n_tiles > 0) {
+    fetch(0);
+    issue(0);
+    fetch(1);
+  }
   for (int tile = 0; tile < n_tiles; ++tile) {
     const int buf = tile & 1;
     if (tile + 1 < n_tiles) {
       issue(tile + 1);
+      fetch(tile + 2);                            // consumed by the next round's issue
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();

@@ -333,7 +333,8 @@ def test_prefix_kernel_on_cuda_matches_oracle(cuda, dtype, head_dim):
 
 @pytest.mark.parametrize("members,group,hkv,page_size,pages,ppc", [
     (24, 3, 1, 16, 4, 3), (1, 1, 2, 16, 4, 3), (70, 1, 1, 16, 4, 3), (32, 4, 8, 16, 64, 8),
-    (8, 4, 2, 1, 300, 100), (8, 4, 2, 64, 5, 2), (128, 8, 4, 16, 20, 7)])
+    (8, 4, 2, 1, 300, 100), (8, 4, 2, 64, 5, 2), (128, 8, 4, 16, 20, 7),
+    (16, 4, 8, 16, 70, 33)])
 def test_prefix_kernel_on_cuda_geometries(cuda, members, group, hkv, page_size, pages, ppc):
     import cupy as cp
     from test_prefix_tc import prefix_case

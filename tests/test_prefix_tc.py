@@ -135,8 +135,11 @@ def _fails(be, **kw) -> bool:
 @needs_emulator
 @pytest.mark.parametrize("old,new", [
     # ignores the page list: reads pages 0, 1, ... instead of the shared pages
-    ("(long long)page_ids[a / PAGE_SIZE] * page_stride",
-     "(long long)(a / PAGE_SIZE) * page_stride"),
+    ("ids[j] = i < n_tok ? page_ids[(t_begin + i) / PAGE_SIZE] : 0;",
+     "ids[j] = i < n_tok ? (t_begin + i) / PAGE_SIZE : 0;"),
+    # the page ids of the tile before (the prefetch one tile late)
+    ("      fetch(tile + 2);                            // consumed",
+     "      fetch(tile + 1);                            // consumed"),
     # reads KV head 0 for every CTA
     ("+ (long long)kvh * D + piece * 8", "+ piece * 8"),
     # takes the members' rows member-major (h = m * G + g without the KV head)
@@ -152,12 +155,13 @@ def _fails(be, **kw) -> bool:
     ("m_run[h] + log2f(l_run[h])", "(m_run[h] + log2f(l_run[h])) * 0.6931472f"),
 ])
 def test_prefix_kernel_mutants_fail(old, new):
-    assert _fails(_Mutant(old, new), shared_pages=9, ppc=5)
+    # chunks of 13 pages of 16: 208 tokens = three full tiles of 64 and a partial one
+    assert _fails(_Mutant(old, new), shared_pages=26, ppc=13)
 
 
 @needs_emulator
 def test_prefix_kernel_unmutated_control_passes():
-    assert not _fails(_Mutant("PD_INF", "PD_INF"), shared_pages=9, ppc=5)
+    assert not _fails(_Mutant("PD_INF", "PD_INF"), shared_pages=26, ppc=13)
 
 
 # ---------------------------------------------------------------------------- cascade
