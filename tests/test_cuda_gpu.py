@@ -293,9 +293,9 @@ def test_cascade_on_cuda_matches_flat_and_oracle(cuda):
     hkv, g, d, p = 4, 4, 128, 16
     pool = pd.PagePool(512, p, hkv, d, "float16", backend="cuda")
     root = pool.new_sequence()
-    pool.append(root, *(rng.standard_normal((2, 40 * p, hkv, d)).astype(np.float16)))
+    pool.append(root, *(rng.standard_normal((2, 70 * p, hkv, d)).astype(np.float16)))
     seqs = []
-    for i in range(4):                                    # 4 members sharing 40 pages
+    for i in range(4):                                    # 4 members sharing 70 pages
         s = pool.fork(root)
         pool.append(s, *(rng.standard_normal((2, 37 + 11 * i, hkv, d)).astype(np.float16)))
         seqs.append(s)

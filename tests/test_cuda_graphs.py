@@ -147,7 +147,7 @@ def test_cascade_with_plan_and_out_is_capturable(cuda, how):
     import cupy as cp
     from conftest import PREFIX_RTOL
     rng = np.random.default_rng(31)
-    hkv, g, d, p, b, shared = 8, 4, 128, 16, 12, 40
+    hkv, g, d, p, b, shared = 8, 4, 128, 16, 12, 70   # 70 pages: above detection's 1024 tokens
     pool = pd.PagePool(shared + 4 * b + 8, p, hkv, d, "float16", backend="cuda")
     root = pool.new_sequence()
     pool.append(root, *(rng.standard_normal((2, shared * p, hkv, d)).astype(np.float16)))
