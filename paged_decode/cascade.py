@@ -42,9 +42,10 @@ from .page_table import PageTable
 from .plan import DecodePlan, check_geometry, plan_decode
 
 #: Shortest shared span detection considers. Measured on an H200 (2026-11-30,
-#: bench/results/h200/bench_cascade-rule_2026-11-30.json, shared 128-2048 x batch 2-128,
-#: tensor-core level 0): no span below 1024 tokens beat flat decode at any batch (512 x
-#: 128 broke even, 1.00x; 256 x 128 0.75x); 1024 x 64 won 1.09x, 1024 x 128 1.50x.
+#: bench/results/h200/bench_cascade-rule{,_run8}_2026-11-30.json, shared 128-2048 x batch 2-128,
+#: tensor-core level 0, two runs): no span below 1024 tokens beat flat decode at any
+#: batch (512 x 128: 1.00x and 0.995x; 256 x 128: 0.75x and 0.74x); 1024 x 64 won 1.09x,
+#: 1024 x 128 1.50x.
 DEFAULT_MIN_SHARED_TOKENS = 1024
 
 

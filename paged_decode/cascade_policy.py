@@ -21,13 +21,15 @@ CASCADE_ENV = "PAGED_DECODE_CASCADE"
 #: Cost rule of the automatic choice: cascade must remove at least this fraction of the
 #: flat page reads and at least this many bytes of K/V reads (saved token reads x 2 x
 #: Hkv x D x element size), and level 0 must run on the tensor-core prefix kernel.
-#: Measured on an H200 (2026-11-30, bench/results/h200/bench_cascade{,-rule}_2026-11-30
+#: Measured on an H200 (2026-11-30, bench/results/h200/bench_cascade{,-rule}_run8_2026-11-30
 #: .json: shared 128-32K x batch 2-128, Llama-3-8B heads, float16, suffix 256, CUDA-graph
 #: replay), cascade against flat v2, by bytes saved and fraction of page reads saved:
 #: - tensor-core level 0: every cell below 128 MiB lost (0.38-0.85x) but two (8K x 4, 96
 #:   MiB: 1.07x; 2K x 16, 120 MiB: 1.00x); from 192 MiB up every cell with >= 70% saved
 #:   won (1.09x at 1K x 64, 252 MiB; 1.26x at 2K x 32; 1.64x at 8K x 8; 3.3x at 8K x 32;
 #:   8.4x at 32K x 128); 512 x 128 (254 MiB, 66% saved) broke even (1.00x).
+#:   Re-checked with the final kernel (page ids fetched a tile ahead, bench_cascade{,-rule}
+#:   _2026-11-30.json): every accepted cell 1.09x-9.1x; 8K x 4 (declined) 1.09x.
 #: - v2 level 0 (stacked queries: float32 pools, no tensor-core kernel): 0.38-1.18x, with
 #:   losses up to 1 GiB saved (0.90x at 2K x 128), so the automatic choice never takes it.
 AUTO_MIN_SAVED_FRACTION = 0.7

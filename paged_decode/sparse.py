@@ -23,7 +23,7 @@ The sparsity gate: the fused path runs when ``sum(live) >= min_sparsity * sum(se
 over all (request, KV head) rows; otherwise the dense masked path (attention over the live
 window with unselected rows masked, float32 in the backend's array module) runs. LSEs are
 base 2. ``DEFAULT_MIN_SPARSITY`` = 2: on an H200 (``bench --suite sparse``, batch 4,
-contexts 4K-64K, 2026-11-29 and 2026-11-30) the fused path was 3.3x-98x faster than the
+contexts 4K-64K, 2026-11-29 and 2026-11-30) the fused path was 3.1x-98x faster than the
 dense masked path at every sparsity measured (2x-32x); 2x is the lowest measured, so
 below it the gate keeps the dense path.
 """
