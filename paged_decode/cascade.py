@@ -355,17 +355,18 @@ V2_LEVEL0 = "v2 on stacked queries"
 def tc_level0_applies(be: Any, cplan: CascadeDecodePlan, q_dtype: str, kv_dtype: str) -> bool:
     """Whether ``run_cascade`` runs level 0 on the tensor-core prefix kernel: the plan was
     made for it, the backend has it and the dtypes fit (16-bit pools, ``q`` alike)."""
-    from .backends.launches import prefix_fits
-    return bool(cplan.prefix_row_tiles and be.device_info().prefix_tile_rows
-                and prefix_fits(q_dtype, kv_dtype))
+    from .backends.launches import prefix_kernel_runs
+    return bool(cplan.prefix_row_tiles) and prefix_kernel_runs(be.device_info(), q_dtype,
+                                                                kv_dtype)
 
 
 def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecodePlan,
-                sm_scale: float, out: Any, lse_out: Any) -> str:
-    """Run both levels and the merge on validated backend arrays; returns which kernel
-    ran level 0 (``TC_LEVEL0`` or ``V2_LEVEL0``). On the tensor-core path with a
-    gathering merge it makes three kernel launches and nothing else (``prepare_decode``
-    records them).
+                sm_scale: float, out: Any, lse_out: Any) -> None:
+    """Run both levels and the merge on validated backend arrays. Level 0 runs on the
+    tensor-core prefix kernel when ``tc_level0_applies`` (outcomes name it ``TC_LEVEL0``),
+    else on the v2 partial over stacked queries (``V2_LEVEL0``). On the tensor-core path
+    with a gathering merge it makes three kernel launches and nothing else
+    (``prepare_decode`` records them).
 
     ``q [B, Hq, D]``; pools ``[num_pages, P, Hkv, D]``; ``out [B, Hq, D]`` (any output
     dtype); ``lse_out [B, Hq]`` float32 (base 2). Workspaces are float32 ``scratch`` of
@@ -384,24 +385,20 @@ def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecod
     if be.functional_outputs:           # MLX rebinds v1, l1 instead (see backends.base)
         ws_v[:c1], ws_l[:c1] = v1, l1
     members = _device_index(be, pre.members)
-    if cplan.prefix_row_tiles and be.prefix_partial(
+    if not (cplan.prefix_row_tiles and be.prefix_partial(
             q, k_pages, v_pages, pre.level0, p0, members, cplan.prefix_row_tiles, sm_scale,
-            ws_v[c1:], ws_l[c1:]):
-        ran = TC_LEVEL0
-    else:
+            ws_v[c1:], ws_l[c1:])):
         q0 = stack_member_queries(xp, q, members, hkv)
         v0 = be.scratch(cplan, "level0_v", (c0, m * hq, d), "float32")
         l0 = be.scratch(cplan, "level0_lse", (c0, m * hq), "float32")
         be.partial(q0, k_pages, v_pages, pre.level0, p0, sm_scale, v0, l0)
         ws_v[c1:], ws_l[c1:] = unstack_member_states(xp, v0, l0, m, hkv)
-        ran = V2_LEVEL0
     rows = _device_index(be, cplan.merge_rows)
     if be.merge_gathers:                # the merge reads the states through `rows`
         be.merge(ws_v, ws_l, cplan.o_indptr, out, lse_out, rows=rows)
     else:
         be.merge(xp.take(ws_v, rows, axis=0), xp.take(ws_l, rows, axis=0), cplan.o_indptr,
                  out, lse_out)
-    return ran
 
 
 def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,

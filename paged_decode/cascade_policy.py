@@ -127,9 +127,9 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
     if prefix is None:
         return None, "cascade: no shared prefix"
     if not forced:
-        from .backends.launches import prefix_fits
+        from .backends.launches import prefix_kernel_runs
         from .dtypes import itemsize
-        tc = bool(device().prefix_tile_rows) and prefix_fits(*dtypes)
+        tc = prefix_kernel_runs(device(), *dtypes)
         pays, why = cascade_pays(prefix, 2 * num_kv_heads * head_dim * itemsize(dtypes[1]), tc)
         if not pays:
             return None, f"cascade declined: {why}"

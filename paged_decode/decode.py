@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends import Backend, Problem, backend_for
+from .cascade import CascadeDecodePlan, run_cascade
 from .dtypes import check_dtype
 from .errors import InvalidArgumentError, UnsupportedProblemError, check_ndim, check_shape
 from .outcome import DecodeOutcome, record
@@ -99,7 +100,6 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
     fn = "decode"
     be = backend_for(backend, q)
     fast_key = None
-    from .cascade import TC_LEVEL0, CascadeDecodePlan, run_cascade  # (imports this module)
     if (out is not None and (lse is not None or not return_lse) and not be.functional_outputs
             and ((plan is not None and (cascade is None or cascade is False))
                  or isinstance(cascade, CascadeDecodePlan))):
@@ -114,35 +114,18 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
             return prepared()
     a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
                    out_dtype=out_dtype)
-    from .cascade_policy import resolve_cascade
-
-    def device() -> Any:
-        with be.launch_context(q):
-            return be.device_info()
-
     single = be.auto_path() if path == "auto" else None  # no automatic cascade there
-    cplan, why_cascade = resolve_cascade(fn, cascade, single[0] if single else path, table,
-                                         a.hq, a.hkv, a.d, device, (a.q_dt, a.kv_dt))
-    if cplan is not None:
-        sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members, a.hkv,
-                                  a.d, a.p, "v2"))
-        if not sup:
-            raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the cascade's "
-                                          f"level 0: {sup.reason}")
+    cc, why_cascade = cascade_call(fn, be, a, cascade, single[0] if single else path, q,
+                                   out, lse)
+    if cc is not None:
         with be.launch_context(q):
-            out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
-            lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
-            level0 = run_cascade(be, a.q, a.k, a.v, cplan, a.scale, out_a, lse_a)
-        outcome = DecodeOutcome("cascade", be.name, a.b, table.total_visible,
-                                cplan.num_partials, f"cascade: {why_cascade}",
-                                f"{cplan.prefix.describe()}; level 0: {level0}")
-        record(outcome)
-        if fast_key is not None and level0 == TC_LEVEL0 and be.merge_gathers:
+            run_cascade(be, a.q, a.k, a.v, cc.plan, a.scale, cc.out, cc.lse)
+        record(cc.outcome)
+        if fast_key is not None and cc.tensor_cores and be.merge_gathers:
             from .prepared import PreparedCascade, decode_cache
             decode_cache.put(fast_key, (be, q, k_pages, v_pages, table, cascade, out, lse),
-                             PreparedCascade(be, a, cplan, outcome, out, lse, out_a, lse_a,
-                                             return_lse, q))
-        return _results(be, q, out, lse, out_a, lse_a, return_lse)
+                             PreparedCascade(be, a, cc, out, lse, return_lse, q))
+        return _results(be, q, out, lse, cc.out, cc.lse, return_lse)
     want_lse = return_lse or lse is not None
     plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
                                                    want_lse)
@@ -245,6 +228,52 @@ def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: 
         lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
             if want_lse or chosen != "gather" else None
     return plan, chosen, reason, out_a, lse_a
+
+
+@dataclass(frozen=True)
+class CascadeCall:
+    """A cascade call set up for running: the ``CascadeDecodePlan``, the output buffers
+    ``out [B, Hq, D]`` and ``lse [B, Hq]`` float32 (base 2), whether level 0 runs on the
+    tensor-core prefix kernel, and the outcome a run records."""
+
+    plan: Any
+    out: Any
+    lse: Any
+    tensor_cores: bool
+    outcome: DecodeOutcome
+
+
+def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str, like: Any,
+                 out: Any, lse: Any) -> tuple[CascadeCall | None, str | None]:
+    """The set-up of a cascade call, shared by ``decode`` and ``prepare_decode``: whether
+    to run cascade (``cascade_policy.resolve_cascade``), the support check of its level 0,
+    the output buffers and the outcome. Returns ``(call or None, reason or None)``; with
+    ``None`` the caller runs the flat decode and appends the reason to its own."""
+    from .cascade import TC_LEVEL0, V2_LEVEL0, tc_level0_applies
+    from .cascade_policy import resolve_cascade
+
+    def device() -> Any:
+        with be.launch_context(like):
+            return be.device_info()
+
+    cplan, why = resolve_cascade(fn, cascade, path, a.table, a.hq, a.hkv, a.d, device,
+                                 (a.q_dt, a.kv_dt))
+    if cplan is None:
+        return None, why
+    sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members, a.hkv, a.d,
+                              a.p, "v2"))
+    if not sup:
+        raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the cascade's "
+                                      f"level 0: {sup.reason}")
+    with be.launch_context(like):
+        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
+    tc = tc_level0_applies(be, cplan, a.q_dt, a.kv_dt)
+    outcome = DecodeOutcome("cascade", be.name, a.b, a.table.total_visible,
+                            cplan.num_partials, f"cascade: {why}",
+                            f"{cplan.prefix.describe()}; level 0: "
+                            f"{TC_LEVEL0 if tc else V2_LEVEL0}")
+    return CascadeCall(cplan, out_a, lse_a, tc, outcome), why
 
 
 def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:

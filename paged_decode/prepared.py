@@ -22,12 +22,13 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from .backends import Backend, Problem, backend_for
+from .backends import Backend, backend_for
 from .decode import (
     CallArgs,
+    CascadeCall,
+    cascade_call,
     check_call,
     flat_call,
-    output_buffer,
     run_path,
 )
 from .errors import InvalidArgumentError
@@ -36,7 +37,32 @@ from .page_table import PageTable
 from .plan import DecodePlan
 
 
-class PreparedDecode:
+class _PreparedCall:
+    """What every prepared call does when called: launch (inside the backend's launch
+    context when the launches are not pre-packed), record the outcome, return ``out``."""
+
+    backend: Backend
+    out: Any
+    lse: Any
+    outcome: DecodeOutcome
+    _launch: Any
+    _eager: bool
+    _like: Any
+    _return_lse: bool
+
+    def __call__(self) -> Any:
+        """Launch the decode; returns ``out`` (or ``(out, lse)`` if prepared with
+        ``return_lse``)."""
+        if self._eager:
+            with self.backend.launch_context(self._like):
+                self._launch()
+        else:
+            self._launch()
+        record(self.outcome)
+        return (self.out, self.lse) if self._return_lse else self.out
+
+
+class PreparedDecode(_PreparedCall):
     """A decode call with every argument bound; call it to launch (see the module doc).
 
     Attributes: ``path`` (what runs: ``"v2"``, ``"v2+merge"``, ``"v1"`` or ``"gather"``),
@@ -49,63 +75,41 @@ class PreparedDecode:
                  return_lse: bool, like: Any) -> None:
         self.backend, self.plan, self.args = be, plan, args
         self.out, self.lse = out, lse
-        self._return_lse = return_lse
+        self._return_lse, self._like = return_lse, like
+
         def run() -> None:
             run_path(be, args, plan, path, out_a, lse_a)
 
-        if path in ("v2", "v1"):
-            self._launch = be.compile_launches(run, like)
-        else:
-            self._launch = run
+        self._eager = path not in ("v2", "v1")       # gather: array ops, not launches
+        self._launch = run if self._eager else be.compile_launches(run, like)
         self.path = "v2+merge" if path == "v2" and plan.needs_merge else path
         self.outcome = DecodeOutcome(
             self.path, be.name, args.b, args.table.total_visible,
             plan.num_chunks if self.path.startswith("v2") else args.b,
             f"{reason}; prepared call")
-        self._like = like
-
-    def __call__(self) -> Any:
-        """Launch the decode; returns ``out`` (or ``(out, lse)`` if prepared with
-        ``return_lse``)."""
-        if self.path == "gather":
-            with self.backend.launch_context(self._like):
-                self._launch()
-        else:
-            self._launch()
-        record(self.outcome)
-        return (self.out, self.lse) if self._return_lse else self.out
 
 
-class PreparedCascade:
+class PreparedCascade(_PreparedCall):
     """A cascade decode with every argument bound; call it to launch. Same attributes as
     ``PreparedDecode`` (``path`` is ``"cascade"``, ``plan`` the ``CascadeDecodePlan``).
     Three recorded launches (level 1, the tensor-core level 0, the gathering merge) where
     ``compiled``; otherwise every call runs ``run_cascade`` on the host path."""
 
-    def __init__(self, be: Backend, args: CallArgs, cplan: Any, outcome: DecodeOutcome,
-                 out: Any, lse: Any, out_a: Any, lse_a: Any, return_lse: bool,
-                 like: Any) -> None:
-        from .cascade import run_cascade, tc_level0_applies
-        self.backend, self.plan, self.args = be, cplan, args
+    def __init__(self, be: Backend, args: CallArgs, call: CascadeCall, out: Any, lse: Any,
+                 return_lse: bool, like: Any) -> None:
+        from .cascade import run_cascade
+        self.backend, self.plan, self.args = be, call.plan, args
         self.out, self.lse, self.path = out, lse, "cascade"
         self._return_lse, self._like = return_lse, like
 
         def run() -> None:
-            run_cascade(be, args.q, args.k, args.v, cplan, args.scale, out_a, lse_a)
+            run_cascade(be, args.q, args.k, args.v, call.plan, args.scale, call.out, call.lse)
 
-        self.compiled = (be.merge_gathers
-                         and tc_level0_applies(be, cplan, args.q_dt, args.kv_dt))
+        self.compiled = be.merge_gathers and call.tensor_cores
+        self._eager = not self.compiled
         self._launch = be.compile_launches(run, like) if self.compiled else run
-        self.outcome = dataclasses.replace(outcome, reason=f"{outcome.reason}; prepared call")
-
-    def __call__(self) -> Any:
-        if not self.compiled:
-            with self.backend.launch_context(self._like):
-                self._launch()
-        else:
-            self._launch()
-        record(self.outcome)
-        return (self.out, self.lse) if self._return_lse else self.out
+        self.outcome = dataclasses.replace(call.outcome,
+                                           reason=f"{call.outcome.reason}; prepared call")
 
 
 def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
@@ -131,42 +135,24 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     if not isinstance(return_lse, bool):
         raise InvalidArgumentError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
     want_lse = return_lse or lse is not None
-    if cascade is not None and cascade is not False:
-        from .cascade_policy import resolve_cascade
 
-        def device() -> Any:
-            with be.launch_context(q):
-                return be.device_info()
-        cplan, why = resolve_cascade(fn, cascade, path, table, a.hq, a.hkv, a.d, device,
-                                     (a.q_dt, a.kv_dt))
-        if cplan is not None:
-            sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members,
-                                      a.hkv, a.d, a.p, "v2"))
-            if not sup:
-                raise InvalidArgumentError(f"{fn}: backend {be.name!r} cannot run the "
-                                           f"cascade's level 0: {sup.reason}")
-            from .cascade import TC_LEVEL0, V2_LEVEL0, tc_level0_applies
-            with be.launch_context(q):
-                out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
-                lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
-            level0 = TC_LEVEL0 if tc_level0_applies(be, cplan, a.q_dt, a.kv_dt) else V2_LEVEL0
-            outcome = DecodeOutcome("cascade", be.name, a.b, table.total_visible,
-                                    cplan.num_partials, f"cascade: {why}",
-                                    f"{cplan.prefix.describe()}; level 0: {level0}")
-            out_r = be.wrap_result(out_a, like=q) if out is None else out
-            lse_r = (be.wrap_result(lse_a, like=q) if lse is None else lse) if want_lse else None
-            return PreparedCascade(be, a, cplan, outcome, out_r, lse_r, out_a, lse_a,
-                                   return_lse, q)
+    def bound(out_a: Any, lse_a: Any) -> tuple[Any, Any]:
+        """What every call returns: the caller's arrays, or the allocated ones."""
+        out_r = be.wrap_result(out_a, like=q) if out is None else out
+        if not want_lse:
+            return out_r, None
+        return out_r, be.wrap_result(lse_a, like=q) if lse is None else lse
+
+    if cascade is not None and cascade is not False:
+        cc, _ = cascade_call(fn, be, a, cascade, path, q, out, lse)
+        if cc is not None:
+            return PreparedCascade(be, a, cc, *bound(cc.out, cc.lse), return_lse, q)
     plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
                                                    want_lse)
     if chosen == "v2" and plan.needs_merge:
         with be.launch_context(q):
             be.workspace(plan)   # allocated now, on the caller's current stream
-    out_r = be.wrap_result(out_a, like=q) if out is None else out
-    lse_r = None
-    if want_lse:
-        lse_r = be.wrap_result(lse_a, like=q) if lse is None else lse
-    return PreparedDecode(be, a, plan, chosen, reason, out_r, lse_r, out_a, lse_a,
+    return PreparedDecode(be, a, plan, chosen, reason, *bound(out_a, lse_a), out_a, lse_a,
                           return_lse, q)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from paged_decode import get_backend
+from paged_decode.backends.emulated import EmulatedCudaBackend
 from paged_decode.reference import lse_error, max_rel_error
 
 # ---------------------------------------------------------------------------- tolerances
@@ -94,6 +95,26 @@ def backend():
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+class CudaMutant(EmulatedCudaBackend):
+    """The ``emulated-cuda`` backend running ``mutate(source)`` for kernel ``kernel``
+    (``"v2"``, ``"v1"``, ``"merge"``, ``"prefix"``) and the real sources otherwise. A
+    mutation that changes nothing raises ``RuntimeError`` (never an ``AssertionError``,
+    which a harness could take for a detection)."""
+
+    def __init__(self, kernel, mutate, *, check_races=None):
+        super().__init__(check_races=check_races)
+        self._kernel, self._mutate = kernel, mutate
+
+    def kernel_source(self, spec):
+        src = super().kernel_source(spec)
+        if spec.kernel != self._kernel:
+            return src
+        bad = self._mutate(src)
+        if bad == src:
+            raise RuntimeError(f"mutation of {self._kernel} did not apply")
+        return bad
 
 
 def mutant_fails(be, spec, path: str = "v2", ppc: int | None = None) -> str:

@@ -34,16 +34,23 @@ def _problem(cuda, spec):
     return pr, q, k, v
 
 
+def _capture_on(stream, fn):
+    """Capture ``fn`` on ``stream`` (the current stream) in global mode; returns the graph."""
+    import cupy as cp
+    stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+    try:
+        fn()
+    finally:
+        graph = stream.end_capture()
+    return graph
+
+
 def _capture(fn):
     """Capture ``fn`` on a fresh stream in global mode; returns (graph, stream)."""
     import cupy as cp
     s = cp.cuda.Stream(non_blocking=True)
     with s:
-        s.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
-        try:
-            fn()
-        finally:
-            g = s.end_capture()
+        g = _capture_on(s, fn)
     return g, s
 
 
@@ -63,11 +70,8 @@ def test_decode_with_plan_and_out_is_capturable(cuda, path, ppc):
         eager, eager_lse = cp.asnumpy(out), cp.asnumpy(lse)
         out.fill(np.nan)
         lse.fill(np.nan)
-        stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
-        try:
-            pd.decode(q, k, v, pr.table, plan, path=path, out=out, lse=lse)
-        finally:
-            g = stream.end_capture()
+        g = _capture_on(stream, lambda: pd.decode(q, k, v, pr.table, plan, path=path,
+                                                  out=out, lse=lse))
         stream.synchronize()
         assert np.isnan(cp.asnumpy(out)).all()      # capture ran nothing
         g.launch(stream)
@@ -179,11 +183,7 @@ def test_cascade_with_plan_and_out_is_capturable(cuda, how):
         out.fill(np.nan)
         lse.fill(np.nan)
         q2 = cp.asarray(rng.standard_normal((b, hkv * g, d)).astype(np.float16))
-        stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
-        try:
-            call()
-        finally:
-            graph = stream.end_capture()
+        graph = _capture_on(stream, call)
         stream.synchronize()
         assert np.isnan(cp.asnumpy(out)).all()      # capture ran nothing
         graph.launch(stream)

@@ -9,7 +9,7 @@ import types
 
 import numpy as np
 import pytest
-from conftest import mutant_fails
+from conftest import CudaMutant, mutant_fails
 
 import paged_decode as pd
 from paged_decode.backends import availability
@@ -30,64 +30,50 @@ def emu():
 
 
 # ----------------------------------------------------------------- negative controls
-class _Mutant(EmulatedCudaBackend):
-    def __init__(self, kernel, mutate):
-        super().__init__()
-        self._kernel, self._mutate = kernel, mutate
-
-    def kernel_source(self, spec):
-        src = super().kernel_source(spec)
-        if spec.kernel != self._kernel:
-            return src
-        bad = self._mutate(src)
-        assert bad != src, "mutation did not apply"
-        return bad
-
-
 SPEC_NEG = ProblemSpec(3, 60, 8, 2, 64, 16, seed=30)
 
 
 def test_off_by_one_page_index_fails():
-    bad = _Mutant("v2", lambda s: s.replace("page_ids[a / PAGE_SIZE]",
+    bad = CudaMutant("v2", lambda s: s.replace("page_ids[a / PAGE_SIZE]",
                                             "page_ids[a / PAGE_SIZE + 1]"))
     with pytest.raises(OutOfBoundsError, match=r"pd_decode_v2_partial<.*'indices'"):
         pd.decode(*_problem_args(SPEC_NEG), path="v2", backend=bad)
 
 
 def test_off_by_one_page_offset_fails():
-    bad = _Mutant("v2", lambda s: s.replace("const int a = a_begin + i;",
+    bad = CudaMutant("v2", lambda s: s.replace("const int a = a_begin + i;",
                                             "const int a = a_begin + i + 1;"))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
 def test_removed_syncthreads_fails():
-    bad = _Mutant("v2", lambda s: s.replace("  __syncthreads();\n", "", 1))
+    bad = CudaMutant("v2", lambda s: s.replace("  __syncthreads();\n", "", 1))
     why = mutant_fails(bad, SPEC_NEG)
     assert "differs between the forward and the reverse fiber schedule" in why, why
 
 
 def test_merge_without_rescale_fails():
-    bad = _Mutant("merge", lambda s: s.replace("if (s > -PD_INF) w = exp2f(s - mx);",
+    bad = CudaMutant("merge", lambda s: s.replace("if (s > -PD_INF) w = exp2f(s - mx);",
                                                "if (s > -PD_INF) w = 1.f;"))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
 def test_merge_reading_the_wrong_row_fails():
     # the batched row reads: lane u's row taken for all UNROLL rows of a batch
-    bad = _Mutant("merge", lambda s: s.replace(
+    bad = CudaMutant("merge", lambda s: s.replace(
         "const long long ru = __shfl_sync(0xffffffffu, src, j + u);",
         "const long long ru = __shfl_sync(0xffffffffu, src, j);"))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
 def test_merge_with_a_lane_local_denominator_fails():
-    bad = _Mutant("merge", lambda s: s.replace("  den = pd::group_sum<32>(den);\n", ""))
+    bad = CudaMutant("merge", lambda s: s.replace("  den = pd::group_sum<32>(den);\n", ""))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
 def test_reference_mutant_control_passes():
     # the harness itself: an identity "mutation" must pass
-    ok = _Mutant("v2", lambda s: s + "\n// unchanged\n")
+    ok = CudaMutant("v2", lambda s: s + "\n// unchanged\n")
     assert mutant_fails(ok, SPEC_NEG, ppc=1) == ""
 
 

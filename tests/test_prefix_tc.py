@@ -10,12 +10,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import PREFIX_RTOL
+from conftest import PREFIX_RTOL, CudaMutant
 
 import paged_decode as pd
 from paged_decode import InvalidArgumentError, PageTable
 from paged_decode.backends import availability
-from paged_decode.backends.emulated import EmulatedCudaBackend
 from paged_decode.cascade import plan_cascade
 from paged_decode.device import DeviceInfo
 from paged_decode.dtypes import numpy_dtype
@@ -110,20 +109,6 @@ def test_prefix_kernel_page_sizes(emu, page_size):
 
 
 # ---------------------------------------------------------------------------- controls
-class _Mutant(EmulatedCudaBackend):
-    def __init__(self, old, new):
-        super().__init__(check_races=False)
-        self._old, self._new = old, new
-
-    def kernel_source(self, spec):
-        src = super().kernel_source(spec)
-        if spec.kernel != "prefix":
-            return src
-        if self._old not in src:
-            raise RuntimeError(f"mutation did not apply: {self._old!r}")
-        return src.replace(self._old, self._new)
-
-
 def _fails(be, **kw) -> bool:
     try:
         out_err, lse_err = prefix_case(be, np, check=False, **kw)
@@ -156,12 +141,14 @@ def _fails(be, **kw) -> bool:
 ])
 def test_prefix_kernel_mutants_fail(old, new):
     # chunks of 13 pages of 16: 208 tokens = three full tiles of 64 and a partial one
-    assert _fails(_Mutant(old, new), shared_pages=26, ppc=13)
+    assert _fails(CudaMutant("prefix", lambda s: s.replace(old, new), check_races=False),
+                  shared_pages=26, ppc=13)
 
 
 @needs_emulator
 def test_prefix_kernel_unmutated_control_passes():
-    assert not _fails(_Mutant("PD_INF", "PD_INF"), shared_pages=26, ppc=13)
+    assert not _fails(CudaMutant("prefix", lambda s: s + "\n// unchanged\n",
+                                 check_races=False), shared_pages=26, ppc=13)
 
 
 # ---------------------------------------------------------------------------- cascade

@@ -215,17 +215,14 @@ class CudaBackend(Backend):
             weakref.finalize(owner, self._workspaces.pop, key, None)
         return got
 
-    def prefix_partial(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
-                       plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
-                       v_out: Any, lse_out: Any) -> bool:
-        kv = self.dtype_of(k_pages)
-        if not (self.device_info().prefix_tile_rows and launches.prefix_fits(self.dtype_of(q), kv)):
-            return False
+    def run_prefix(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
+                   plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
+                   v_out: Any, lse_out: Any) -> None:
         _check_aligned("cascade_decode", k_pages, v_pages)
         self._run(launches.prefix_launch(
-            kv, plan0, int(members.shape[0]), level0.total_pages, row_tiles, sm_scale, q,
-            k_pages, v_pages, self.upload(level0.indices), members, v_out, lse_out))
-        return True
+            self.dtype_of(k_pages), plan0, int(members.shape[0]), level0.total_pages,
+            row_tiles, sm_scale, q, k_pages, v_pages, self.upload(level0.indices), members,
+            v_out, lse_out))
 
     def _table(self, table: PageTable) -> tuple[Any, ...]:
         return tuple(self.upload(a) for a in (table.indices, table.indptr, table.last_page_len,

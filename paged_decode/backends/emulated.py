@@ -103,16 +103,14 @@ class EmulatedCudaBackend(ReferenceBackend):
             int(k_pages.shape[2]), table.page_size, sm_scale, q, k_pages, v_pages,
             _table(table), out, lse_out))
 
-    def prefix_partial(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
-                       plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
-                       v_out: Any, lse_out: Any) -> bool:
-        kv = self.dtype_of(k_pages)
-        if not (self.device_info().prefix_tile_rows and launches.prefix_fits(self.dtype_of(q), kv)):
-            return False     # emulated-metal: no Metal prefix kernel, level 0 runs on v2
+    def run_prefix(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
+                   plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
+                   v_out: Any, lse_out: Any) -> None:
+        # emulated-metal reports no prefix kernel (prefix_tile_rows 0): never called there
         self._run(launches.prefix_launch(
-            kv, plan0, int(members.shape[0]), level0.total_pages, row_tiles, sm_scale, q,
-            k_pages, v_pages, level0.indices, members, v_out, lse_out))
-        return True
+            self.dtype_of(k_pages), plan0, int(members.shape[0]), level0.total_pages,
+            row_tiles, sm_scale, q, k_pages, v_pages, level0.indices, members, v_out,
+            lse_out))
 
 
 def _host(a: Any) -> np.ndarray:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels import prefix_tc
 from ..plan import DecodePlan
 from ..specs import (
     MAX_PAGE_SIZE,
@@ -33,7 +34,8 @@ from .base import Problem, Support
 LOG2E = 1.4426950408889634
 MERGE_ITEMS_PER_BLOCK = 4      # one warp per (output row, head)
 TABLE_FIELDS = ("indices", "indptr", "last_page_len", "first_page_offset")
-PREFIX_TILE_ROWS = 64          # query rows per CTA of the prefix kernel (16 per warp, 4 warps)
+#: query rows per CTA of the prefix kernel (``DeviceInfo.prefix_tile_rows`` where it runs)
+PREFIX_TILE_ROWS = prefix_tc.ROWS_PER_WARP * prefix_tc.NUM_WARPS
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,13 @@ def prefix_fits(q_dtype: str, kv_dtype: str) -> bool:
     """Whether the tensor-core prefix kernel takes these dtypes (q and pools both float16
     or both bfloat16; float32 pools run level 0 on the v2 partial)."""
     return kv_dtype in PREFIX_DTYPES and q_dtype == kv_dtype
+
+
+def prefix_kernel_runs(device: Any, q_dtype: str, kv_dtype: str) -> bool:
+    """Whether cascade's level 0 runs on the tensor-core prefix kernel on ``device`` (a
+    ``DeviceInfo`` with ``prefix_tile_rows > 0``) for these dtypes: the one place this is
+    decided (the backends' ``prefix_partial``, the plan's level-0 choice, the cost rule)."""
+    return bool(device.prefix_tile_rows) and prefix_fits(q_dtype, kv_dtype)
 
 
 def prefix_launch(kv_dtype: str, plan0: DecodePlan, num_members: int, shared_pages: int,
