@@ -10,8 +10,16 @@ CUDA_COMMON = r"""
 
 // NVRTC compiles without the C math headers, so INFINITY is spelled out here.
 #define PD_INF __int_as_float(0x7f800000)
+#define PD_NAN __int_as_float(0x7fffffff)
 
 namespace pd {
+
+// A score that is not finite (a NaN or infinite q or K element, or an overflow) becomes
+// NaN: it then poisons its head's running sum and accumulators instead of passing for a
+// masked token (fmaxf skips NaN, exp2f(NaN) is NaN, 0 * NaN is NaN).
+__device__ __forceinline__ float finite_or_nan(float x) {
+  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u ? PD_NAN : x;
+}
 
 // A K/V element type: how many live in one 16-byte vector, and how to widen them.
 template <typename T> struct KV;
@@ -101,6 +109,9 @@ __host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * nex
 # ``constant`` space) are template parameters too. ASCII only (MLX passes sources as ASCII).
 METAL_COMMON = r"""
 namespace pd {
+
+// A non-finite score becomes NaN, which poisons its head's state (as in CUDA).
+inline float finite_or_nan(float x) { return isfinite(x) ? x : NAN; }
 
 template <typename T> inline float to_float(T x) { return static_cast<float>(x); }
 template <typename T> inline T from_float(float x) { return static_cast<T>(x); }

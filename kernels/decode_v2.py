@@ -5,7 +5,8 @@ CUDA dialect, and a Metal (MLX ``metal_kernel``) body below. Contract (../DESIGN
 ``request_indices [C]`` / ``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each row
 normalized by its own softmax denominator; float32 for the merge, or the output dtype
 when the plan needs no merge) and ``lse_out [C, Hq]`` float32 in log2 units. An empty
-chunk writes zeros and -inf.
+chunk writes zeros and -inf; a head with a non-finite score in the chunk writes NaN
+(output row and LSE).
 
 Thread mapping: a K/V row of D elements is read by TPR lanes with VEC elements each
 (16-byte pieces); a warp covers 32 / TPR rows ("sub-warps") at once, and a CTA of
@@ -183,7 +184,7 @@ __device__ __forceinline__ void attend_range(
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const bool ok = step * (int)STEP + u * NSW + sw < n_tok;
-        s[0][u] = ok ? s[0][u] : -PD_INF;
+        s[0][u] = ok ? finite_or_nan(s[0][u]) : -PD_INF;
         mx = fmaxf(mx, s[0][u]);
       }
       const float ref = mx == -PD_INF ? 0.f : mx;   // avoids (-inf) - (-inf)
@@ -220,7 +221,7 @@ __device__ __forceinline__ void attend_range(
 #pragma unroll
         for (int g = 0; g < QH; ++g) {
           const float x = group_sum<TPR>(s[g][u]);
-          s[g][u] = ok ? x : -PD_INF;
+          s[g][u] = ok ? finite_or_nan(x) : -PD_INF;
         }
       }
 #pragma unroll
@@ -297,16 +298,17 @@ __device__ __forceinline__ void attend_range(
     float mx = -PD_INF;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    const float ref = mx == -PD_INF ? 0.f : mx;
     float num = 0.f, den = 0.f;
-    if (mx != -PD_INF) {
 #pragma unroll
-      for (int w = 0; w < NUM_WARPS; ++w) {
-        const float wt = exp2f(sm_m[w][g] - mx);
-        num = fmaf(wt, sm_acc[w][g][d], num);
-        den = fmaf(wt, sm_l[w][g], den);
-      }
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float wt = exp2f(sm_m[w][g] - ref);
+      num = fmaf(wt, sm_acc[w][g][d], num);
+      den = fmaf(wt, sm_l[w][g], den);
     }
-    const bool live = den > 0.f;
+    // den is 0 for an empty range and NaN when a score was not finite (a warp's NaN sum
+    // survives its weight of 0): NaN output and LSE, never the empty answer
+    const bool live = !(den <= 0.f);
     out_v[out_row + (long long)g * HEAD_DIM + d] = from_float<TO>(live ? num / den : 0.f);
     if (d == 0) out_lse[out_lse_idx + g] = live ? mx + log2f(den) : -PD_INF;
   }
@@ -498,7 +500,7 @@ inline void attend_range(
         for (int u = 0; u < U; ++u) s[0][u] += simd_shuffle_xor(s[0][u], ushort(off));
       float mx = m_h;
       for (int u = 0; u < U; ++u) {
-        s[0][u] = ok[u] ? s[0][u] : -INFINITY;
+        s[0][u] = ok[u] ? finite_or_nan(s[0][u]) : -INFINITY;
         mx = fmax(mx, s[0][u]);
       }
       const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
@@ -528,7 +530,7 @@ inline void attend_range(
       for (int u = 0; u < U; ++u) {
         for (int g = 0; g < QH; ++g) {
           const float x = group_sum<TPR>(s[g][u]);
-          s[g][u] = ok[u] ? x : -INFINITY;
+          s[g][u] = ok[u] ? finite_or_nan(x) : -INFINITY;
         }
       }
       for (int g = 0; g < QH; ++g) {
@@ -598,15 +600,15 @@ inline void attend_range(
       const int gg = e / HEAD_DIM, d = e % HEAD_DIM, g = g0 + gg;
       float mx = -INFINITY;
       for (int w = 0; w < NUM_WARPS; ++w) mx = fmax(mx, sm_m[w * QH + g]);
+      const float ref = mx == -INFINITY ? 0.0f : mx;
       float num = 0.0f, den = 0.0f;
-      if (mx != -INFINITY) {
-        for (int w = 0; w < NUM_WARPS; ++w) {
-          const float wt = exp2(sm_m[w * QH + g] - mx);
-          num = fma(wt, sm_acc[(w * CB::HPR + gg) * HEAD_DIM + d], num);
-          den = fma(wt, sm_l[w * QH + g], den);
-        }
+      for (int w = 0; w < NUM_WARPS; ++w) {
+        const float wt = exp2(sm_m[w * QH + g] - ref);
+        num = fma(wt, sm_acc[(w * CB::HPR + gg) * HEAD_DIM + d], num);
+        den = fma(wt, sm_l[w * QH + g], den);
       }
-      const bool live = den > 0.0f;
+      // den is 0 for an empty range and NaN when a score was not finite (as in CUDA)
+      const bool live = !(den <= 0.0f);
       out_v[out_row + long(g) * HEAD_DIM + d] = from_float<TO>(live ? num / den : 0.0f);
       if (d == 0) out_lse[out_lse_idx + g] = live ? mx + log2(den) : -INFINITY;
     }

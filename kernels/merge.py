@@ -5,8 +5,10 @@ CUDA dialect. ``v [N, H, D]`` float32 normalized partials, ``lse [N, H]`` float3
 With ``GATHER`` the i-th merge input is row ``rows[i]`` of ``v`` / ``lse`` (``rows
 [o_indptr[M]]`` int32), so partials written in another order (cascade's two levels) are
 merged without a reordering copy; without it ``rows`` is not read.
-One warp per (output row, head); lanes hold float4 slices of D. Rows whose LSE is not
-``> -inf`` (empty chunks, NaN) contribute nothing; an empty group gives zeros and -inf.
+One warp per (output row, head); lanes hold float4 slices of D. Rows whose LSE is
+``-inf`` (empty chunks) contribute nothing and are not read; a NaN or ``+inf`` LSE (a
+poisoned chunk; no kernel writes +inf) makes the group's output and LSE NaN; an empty
+group gives zeros and -inf.
 Knows nothing of pages or GQA; cascade decode reuses it unchanged.
 """
 
@@ -36,18 +38,23 @@ __global__ void __launch_bounds__(128) pd_merge_states(
   const long long o = item / num_heads;
   const int h = (int)(item % num_heads);
   const long long beg = o_indptr[o], end = o_indptr[o + 1];
-  // pass 1: the group's max LSE, lanes striding over its rows (fmaxf skips NaN)
-  float mx = -PD_INF;
-  for (long long i = beg + lane; i < end; i += 32)
-    mx = fmaxf(mx, lse[(GATHER ? (long long)rows[i] : i) * num_heads + h]);
+  // pass 1: the group's max LSE, lanes striding over its rows (fmaxf skips NaN), and
+  // whether any row is poisoned (NaN or +inf: not `< inf`)
+  float mx = -PD_INF, bad = 0.f;
+  for (long long i = beg + lane; i < end; i += 32) {
+    const float s = lse[(GATHER ? (long long)rows[i] : i) * num_heads + h];
+    mx = fmaxf(mx, s);
+    bad = s < PD_INF ? bad : 1.f;
+  }
   mx = pd::warp_max(mx);
+  bad = pd::warp_max(bad);                          // warp-uniform
   float4 acc[PER_LANE];
 #pragma unroll
   for (int j = 0; j < PER_LANE; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
   float den = 0.f;                                  // this lane's rows' weights
-  if (mx > -PD_INF) {
-    // pass 2, 32 rows at a time: lane j weighs row base + j (0 for an empty chunk, a NaN
-    // LSE or past the group), then the warp reads the weighted rows UNROLL at a time
+  if (mx > -PD_INF && bad == 0.f) {
+    // pass 2, 32 rows at a time: lane j weighs row base + j (0 for an empty chunk or past
+    // the group), then the warp reads the weighted rows UNROLL at a time
     // (independent loads in flight; a row of weight 0 is not read: it may be NaN)
     constexpr int UNROLL = 4;
     for (long long base = beg; base < end; base += 32) {
@@ -87,7 +94,7 @@ __global__ void __launch_bounds__(128) pd_merge_states(
   }
   den = pd::group_sum<32>(den);
   const bool live = den > 0.f;
-  const float inv = live ? 1.f / den : 0.f;
+  const float inv = bad != 0.f ? PD_NAN : (live ? 1.f / den : 0.f);   // 0 * NaN is NaN
   TO* dst = v_out + (o * num_heads + h) * HEAD_DIM;
 #pragma unroll
   for (int j = 0; j < PER_LANE; ++j) {
@@ -99,7 +106,7 @@ __global__ void __launch_bounds__(128) pd_merge_states(
       dst[4 * c + 3] = pd::from_float<TO>(acc[j].w * inv);
     }
   }
-  if (lane == 0) lse_out[o * num_heads + h] = live ? mx + log2f(den) : -PD_INF;
+  if (lane == 0) lse_out[o * num_heads + h] = bad != 0.f ? PD_NAN : (live ? mx + log2f(den) : -PD_INF);
 }
 """
 
@@ -125,16 +132,22 @@ METAL_SOURCE = r"""
   const long o = item / num_heads;
   const int h = int(item % num_heads);
   const long beg = o_indptr[o], end = o_indptr[o + 1];
-  float mx = -INFINITY;
-  for (long i = beg + lane; i < end; i += 32) mx = fmax(mx, lse[i * num_heads + h]);
+  // the group's max LSE (fmax skips NaN) and whether a row is poisoned (NaN or +inf)
+  float mx = -INFINITY, bad = 0.0f;
+  for (long i = beg + lane; i < end; i += 32) {
+    const float s = lse[i * num_heads + h];
+    mx = fmax(mx, s);
+    bad = s < INFINITY ? bad : 1.0f;
+  }
   mx = simd_max(mx);
+  bad = simd_max(bad);                             // SIMD-group-uniform
   float4 acc[PER_LANE];
   for (int j = 0; j < PER_LANE; ++j) acc[j] = float4(0.0f);
   float den = 0.0f;
-  if (mx > -INFINITY) {
+  if (mx > -INFINITY && bad == 0.0f) {
     for (long i = beg; i < end; ++i) {
       const float s = lse[i * num_heads + h];
-      if (!(s > -INFINITY)) continue;               // empty chunk or NaN: no weight
+      if (!(s > -INFINITY)) continue;               // empty chunk: no weight, not read
       const float w = exp2(s - mx);
       den += w;
       const long row = (i * num_heads + h) * HEAD_DIM;
@@ -145,7 +158,7 @@ METAL_SOURCE = r"""
     }
   }
   const bool live = den > 0.0f;
-  const float inv = live ? 1.0f / den : 0.0f;
+  const float inv = bad != 0.0f ? NAN : (live ? 1.0f / den : 0.0f);   // 0 * NaN is NaN
   const long dst = (o * num_heads + h) * HEAD_DIM;
   for (int j = 0; j < PER_LANE; ++j) {
     const int c = int(lane) + 32 * j;
@@ -156,5 +169,5 @@ METAL_SOURCE = r"""
       v_out[dst + 4 * c + 3] = pd::from_float<TO>(acc[j].w * inv);
     }
   }
-  if (lane == 0) lse_out[o * num_heads + h] = live ? mx + log2(den) : -INFINITY;
+  if (lane == 0) lse_out[o * num_heads + h] = bad != 0.0f ? NAN : (live ? mx + log2(den) : -INFINITY);
 """

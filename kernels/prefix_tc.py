@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const bool live = tok0 + n * 8 + (e & 1) < n_tok;
-        s[n][e] = live ? s[n][e] * scale_log2 : -PD_INF;
+        s[n][e] = live ? finite_or_nan(s[n][e] * scale_log2) : -PD_INF;
         tmax[e >> 1] = fmaxf(tmax[e >> 1], s[n][e]);
       }
     float alpha[2], base[2];
@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
     if (row >= rows) continue;
     const int m = row / group, g = row % group;
     const long long out_row = ((long long)m * num_chunks + c) * num_qo_heads + kvh * group + g;
-    const bool live = l_run[h] > 0.f;
+    const bool live = !(l_run[h] <= 0.f);          // NaN (a non-finite score) propagates
     const float inv = live ? 1.f / l_run[h] : 0.f;
 #pragma unroll
     for (int j = 0; j < DT; ++j) {

@@ -74,7 +74,8 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
         lse: optional ``[B, Hq]`` float32 buffer for the log-sum-exp (same rule).
         return_lse: also return the ``[B, Hq]`` float32 LSE, **base 2** of the scaled
             logits (``log2 sum_t exp2(sm_scale * log2(e) * q.k_t)``); ``-inf`` for a
-            request with no visible tokens (whose output is zeros).
+            request with no visible tokens (whose output is zeros); NaN, with a NaN
+            output row, for a head with a non-finite visible score (docs/concepts.md).
         out_dtype: output dtype (default: ``q``'s).
         backend: backend name or instance; by default chosen from ``q``'s array kind.
         cascade: ``None`` (automatic: with ``path="auto"``, cascade when a shared prefix

@@ -34,7 +34,8 @@ def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float
 
     The GQA group is a matmul axis (query head ``h`` reads KV head ``h // G``), so no
     per-query-head copy of K/V is made. Returns ``out [Hq, D]`` float64 and ``lse [Hq]``
-    float64, **base 2** (``-inf`` and zeros when ``T == 0``).
+    float64, **base 2** (``-inf`` and zeros when ``T == 0``; NaN for a head with a
+    non-finite score).
     """
     hq, d = q.shape
     t, hkv, _ = k.shape
@@ -42,11 +43,14 @@ def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float
         return np.zeros((hq, d)), np.full(hq, -np.inf)
     g = hq // hkv
     qg = q.astype(np.float64).reshape(hkv, g, d)
-    logits = np.matmul(qg, k.transpose(1, 2, 0)) * sm_scale           # [Hkv, G, T]
-    mx = logits.max(axis=-1, keepdims=True)
-    e = np.exp(logits - mx)
-    den = e.sum(axis=-1)
-    out = np.matmul(e, np.ascontiguousarray(v.transpose(1, 0, 2))) / den[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        logits = np.matmul(qg, k.transpose(1, 2, 0)) * sm_scale           # [Hkv, G, T]
+        # a non-finite score poisons its head (NaN output and LSE; numpy's max keeps NaN)
+        logits = np.where(np.isfinite(logits), logits, np.nan)
+        mx = logits.max(axis=-1, keepdims=True)
+        e = np.exp(logits - mx)
+        den = e.sum(axis=-1)
+        out = np.matmul(e, np.ascontiguousarray(v.transpose(1, 0, 2))) / den[..., None]
     lse = (mx[..., 0] + np.log(den)) / math.log(2.0)
     return out.reshape(hq, d), lse.reshape(hq)
 

@@ -43,6 +43,7 @@ from .errors import InvalidArgumentError, UnsupportedProblemError, check_ndim, c
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import plan_decode
+from .softmax import RowSoftmax
 
 DEFAULT_MIN_SPARSITY = 2.0   # measured: see the module docstring
 
@@ -51,7 +52,6 @@ DEFAULT_MIN_SPARSITY = 2.0   # measured: see the module docstring
 #: selection (layers of a step, benchmarks) do the host work once
 _checked: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], PageTable | None]] = \
     weakref.WeakKeyDictionary()
-LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
 
 
@@ -321,18 +321,12 @@ def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection:
     k = k_cache[:, :, :n].astype(xp.float32)
     v = xp.where(mask[:, :, 0, :, None], v_cache[:, :, :n].astype(xp.float32), 0)
     qf = q.astype(xp.float32).reshape(b, hkv, g, d)
-    s = xp.matmul(qf, k.transpose(0, 1, 3, 2)) * float(sm_scale * LOG2E)    # [B,Hkv,G,n]
-    s = xp.where(mask, s, -xp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = xp.where(xp.isfinite(m), m, 0)
-    exp2 = getattr(xp, "exp2", None) or (lambda x: xp.exp(x * LN2))   # mlx.core has no exp2
-    p = xp.where(mask, exp2(s - m), 0)
-    den = p.sum(axis=-1)
-    safe = xp.where(den > 0, den, 1)
-    o = xp.matmul(p, v) / safe[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):   # numpy: non-finite scores are poison
+        s = xp.matmul(qf, k.transpose(0, 1, 3, 2)) * float(sm_scale * LOG2E)  # [B,Hkv,G,n]
+        sm = RowSoftmax(xp, s, mask, base2=True)
+        o = sm.normalize(xp.matmul(sm.p, v))
     out[...] = o.reshape(b, hq, d).astype(out.dtype)
-    lse = xp.where(den > 0, m[..., 0] + xp.log2(safe), -xp.inf)
-    lse_out[...] = lse.reshape(b, hq).astype(xp.float32)
+    lse_out[...] = sm.lse2.reshape(b, hq).astype(xp.float32)
 
 
 def _live_lens(fn: str, live_lens: Any, b: int, cap: int | None = None) -> np.ndarray:

@@ -101,15 +101,19 @@ def test_merge_kernel_against_combine(emu):
     v = rng.standard_normal((n, h, d)).astype(np.float32)
     lse = (rng.standard_normal((n, h)) * 4).astype(np.float32)
     lse[2, :] = -np.inf                           # an empty chunk
-    lse[5, 1] = np.nan                            # NaN carries no weight
+    lse[5, 1] = np.nan                            # NaN poisons its group (3, head 1)
+    lse[7, 0] = np.inf                            # so does +inf (group 5, head 0)
     indptr = np.array([0, 1, 1, 4, 6, 6, 9], np.int32)   # singleton, empty groups
-    lse[4:6, 2] = -np.inf                         # an all-empty group for one head
+    lse[4:6, 2] = -np.inf                         # an all-empty group (3) for one head
     out, lse_out = pd.merge_states(v, lse, indptr, backend=emu)
     for o in range(indptr.size - 1):
         a, b = indptr[o], indptr[o + 1]
-        lw = np.where(np.isnan(lse[a:b]), -np.inf, lse[a:b])
-        ro, rl = combine_f32(v[a:b], lw)
-        np.testing.assert_allclose(out[o], ro, rtol=2e-6, atol=2e-6)
+        ro, rl = combine_f32(v[a:b], lse[a:b])
+        np.testing.assert_allclose(out[o], ro, rtol=2e-6, atol=2e-6)     # NaN == NaN here
         np.testing.assert_allclose(lse_out[o], rl, rtol=1e-6, atol=1e-6)
     assert np.isneginf(lse_out[1]).all() and (out[1] == 0).all()
-    assert np.isneginf(lse_out[4, 2])
+    assert np.isneginf(lse_out[3, 2]) and (out[3, 2] == 0).all()
+    assert np.isnan(out[3, 1]).all() and np.isnan(lse_out[3, 1])
+    assert np.isnan(out[5, 0]).all() and np.isnan(lse_out[5, 0])
+    assert np.isfinite(out[[0, 2]]).all() and np.isfinite(lse_out[[0, 2]]).all()
+    assert np.isfinite(out[3, 0]).all() and np.isfinite(out[5, 1:]).all()

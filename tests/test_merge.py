@@ -16,12 +16,17 @@ NEG_INF = -np.inf
 
 # ---------------------------------------------------------------------------- helpers
 def ref_merge(v: np.ndarray, lse: np.ndarray, indptr) -> tuple[np.ndarray, np.ndarray]:
-    """float64 closed form, one (group, head) at a time; base-2 LSE."""
+    """float64 closed form, one (group, head) at a time; base-2 LSE. A NaN or +inf partial
+    LSE poisons its group (NaN output and LSE); -inf partials carry no weight."""
     m = len(indptr) - 1
     out = np.zeros((m, v.shape[1], v.shape[2]))
     out_lse = np.full((m, v.shape[1]), -np.inf)
     for o in range(m):
         for h in range(v.shape[1]):
+            group = [float(lse[i, h]) for i in range(indptr[o], indptr[o + 1])]
+            if any(math.isnan(x) or x == math.inf for x in group):
+                out[o, h], out_lse[o, h] = np.nan, np.nan
+                continue
             rows = [i for i in range(indptr[o], indptr[o + 1]) if np.isfinite(lse[i, h])]
             if not rows:
                 continue
@@ -49,8 +54,11 @@ def ragged_indptr(rng: np.random.Generator, groups: int, max_len: int = 5) -> np
 
 
 def assert_close_to_ref(v_out, lse_out, ref_v, ref_lse, tol: float = 2e-6) -> None:
+    """Close where ``ref`` is a number; NaN exactly where ``ref`` is NaN (poisoned groups,
+    whole rows); ``-inf`` exactly where ``ref`` is ``-inf``."""
     v_out, lse_out = np.asarray(v_out, np.float64), np.asarray(lse_out, np.float64)
-    assert not np.isnan(v_out).any() and not np.isnan(lse_out).any()
+    assert np.array_equal(np.isnan(v_out), np.isnan(ref_v))
+    assert np.array_equal(np.isnan(lse_out), np.isnan(ref_lse))
     assert np.array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
     np.testing.assert_allclose(v_out, ref_v, rtol=0, atol=tol)
     fin = np.isfinite(ref_lse)
@@ -246,7 +254,8 @@ def test_merge_state_rejects_mismatched_shapes():
 @pytest.mark.parametrize("gather", [False, True])
 def test_merge_kernel_large_groups_nan_rows_and_gather(gather):
     """The CUDA merge kernel (emulated) on groups of 0..70 rows (its 32-row batches and
-    4-row reads), rows with a NaN LSE and NaN values (no weight), and a row index."""
+    4-row reads), empty rows holding NaN values (never read), rows with a NaN or +inf
+    LSE (each poisons its group), and a row index."""
     from paged_decode.backends import get_backend
     be = get_backend("emulated-cuda")
     rng = np.random.default_rng(7)
@@ -258,11 +267,12 @@ def test_merge_kernel_large_groups_nan_rows_and_gather(gather):
     empty = rng.random((n, h)) < 0.15
     lse[empty] = NEG_INF
     v[empty] = np.nan                       # must never be read into the result
-    nan_lse = rng.random((n, h)) < 0.05
+    nan_lse = rng.random((n, h)) < 0.02
     lse[nan_lse] = np.nan
     v[nan_lse] = np.nan
-    ref_lse_in = np.where(nan_lse, NEG_INF, lse)
-    ref_v, ref_lse = ref_merge(np.nan_to_num(v), ref_lse_in, indptr)
+    lse[indptr[6] + 3, 1] = np.inf             # one +inf in the group of 31
+    ref_v, ref_lse = ref_merge(np.where(empty[..., None], 0, v), lse, indptr)
+    assert np.isnan(ref_lse).any() and np.isfinite(ref_lse).any()   # both kinds of group
     rows = None
     if gather:                              # store the states permuted, merge through rows
         perm = rng.permutation(n).astype(np.int32)

@@ -224,18 +224,19 @@ def test_merge_states_on_mlx_matches_reference(be):
     lse = (rng.standard_normal((n, h)) * 4).astype(np.float32)
     lse[2] = -np.inf
     v[2] = 0
-    lse[5, 1] = np.nan                               # NaN carries no weight
+    lse[5, 1] = np.nan                               # NaN poisons its group (row 4, head 1)
+    lse[6, 2] = np.inf                               # so does +inf (row 4, head 2)
     indptr = np.array([0, 1, 1, 3, 3, 7, 9])         # singles, empties, an all -inf group
     lse[7:9] = -np.inf
     v[7:9] = 0
-    ref_v, ref_l = pd.merge_states(v, np.where(np.isnan(lse), -np.inf, lse), indptr,
-                                   backend="reference")
+    ref_v, ref_l = pd.merge_states(v, lse, indptr, backend="reference")
     got_v, got_l = pd.merge_states(mx.array(v), mx.array(lse), indptr)
     assert isinstance(got_v, mx.array)
     gv, gl = be.to_numpy(got_v), be.to_numpy(got_l)
-    np.testing.assert_allclose(gv, ref_v, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(gv, ref_v, rtol=2e-6, atol=2e-6)      # NaN == NaN here
+    assert np.isnan(gv[4, 1:]).all() and np.isnan(gl[4, 1:]).all() and np.isfinite(gl[4, 0])
     fin = np.isfinite(ref_l)
-    assert (np.isneginf(gl) == ~fin).all()
+    assert (np.isneginf(gl) == np.isneginf(ref_l)).all()
     np.testing.assert_allclose(gl[fin], ref_l[fin], rtol=1e-6, atol=1e-6)
     assert (gv[[1, 3, 5]] == 0).all()                # empty and all -inf groups: zeros
     v2, l2 = pd.merge_state(mx.array(v[:4]), mx.array(lse[:4]), mx.array(v[4:8]),

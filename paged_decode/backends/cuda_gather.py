@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..page_table import PageTable
+from ..softmax import RowSoftmax
 
 _rows_cache: weakref.WeakKeyDictionary[PageTable, np.ndarray] = weakref.WeakKeyDictionary()
 
@@ -70,20 +71,20 @@ def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTab
             enable_gqa=g > 1)
         res = cp.from_dlpack(o.squeeze(2).contiguous())
         res = cp.where(empty[:, None, None], 0, res)
-        out[...] = res.astype(out.dtype)
+        # SDPA takes a -inf score for a masked one: poison heads whose inputs could give a
+        # non-finite score (a non-finite q element, or one in a visible K row)
+        bad_k = ~(cp.isfinite(kf) | ~valid[:, None, :, None]).all(axis=(2, 3))  # [B, Hkv]
+        bad = ~cp.isfinite(q).all(axis=-1) | cp.repeat(bad_k, g, axis=1)      # [B, Hq]
+        bad &= ~empty[:, None]                        # an empty request stays empty
+        out[...] = cp.where(bad[..., None], cp.nan, res).astype(out.dtype)
         return
     qf = q.astype(cp.float32).reshape(b, hkv, g, d)
     s = cp.matmul(qf, kf.astype(cp.float32).transpose(0, 1, 3, 2)) * np.float32(sm_scale)
-    s = cp.where(valid[:, None, None, :], s, -cp.inf)              # [B, Hkv, G, Tmax]
-    m = s.max(axis=-1, keepdims=True)
-    m = cp.where(cp.isfinite(m), m, 0)
-    p = cp.exp(s - m)
-    den = p.sum(axis=-1)
-    o = cp.matmul(p, vf.astype(cp.float32)) / cp.where(den > 0, den, 1)[..., None]
-    out[...] = cp.where(empty[:, None, None], 0, o.reshape(b, hq, d)).astype(out.dtype)
+    sm = RowSoftmax(cp, s, valid[:, None, None, :], base2=False)  # [B, Hkv, G, Tmax]
+    o = sm.normalize(cp.matmul(sm.p, vf.astype(cp.float32)))
+    out[...] = o.reshape(b, hq, d).astype(out.dtype)
     if lse_out is not None:
-        lse = (m[..., 0] + cp.log(cp.where(den > 0, den, 1))) / np.float32(np.log(2.0))
-        lse_out[...] = cp.where(den > 0, lse, -cp.inf).reshape(b, hq).astype(cp.float32)
+        lse_out[...] = sm.lse2.reshape(b, hq).astype(cp.float32)
 
 
 def _torch_cuda() -> Any:

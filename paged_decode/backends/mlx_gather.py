@@ -16,16 +16,15 @@ in float16, against 2e-6 in float32), and float32 when q and K/V dtypes differ.
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
 import numpy as np
 
 from ..page_table import PageTable
+from ..softmax import RowSoftmax, merge_partials
 from .cuda_gather import gather_rows
 
-LN2 = math.log(2.0)
 _index_cache: weakref.WeakKeyDictionary[PageTable, tuple[Any, Any, Any]] = \
     weakref.WeakKeyDictionary()
 
@@ -71,23 +70,27 @@ def gather_attention(q: Any, k_pages: Any, v_pages: Any, table: PageTable, sm_sc
         q.astype(ct)[:, :, None, :], kf.astype(ct), vf.astype(ct), scale=float(sm_scale),
         mask=mask)[:, :, 0, :]
     out = mx.where(empty[:, None, None], mx.zeros((), o.dtype), o)
-    if not want_lse:
-        return out, None
     g = hq // hkv
+    if not want_lse:
+        # SDPA takes a -inf score for a masked one: poison heads whose inputs could give a
+        # non-finite score (a non-finite q element, or one in a visible K row)
+        bad_k = ~mx.all(mx.isfinite(kf) | ~mask[:, :, 0, :, None], axis=(2, 3))  # [B, Hkv]
+        bad = ~mx.all(mx.isfinite(q), axis=-1) | mx.repeat(bad_k, g, axis=1)     # [B, Hq]
+        bad = bad & ~empty[:, None]                   # an empty request stays empty
+        return mx.where(bad[..., None], mx.array(float("nan"), o.dtype), out), None
     qf = q.astype(mx.float32).reshape(b, hkv, g, d)
     s = mx.matmul(qf, kf.astype(mx.float32).transpose(0, 1, 3, 2)) * float(sm_scale)
-    s = mx.where(mask, s, -mx.inf)                                    # [B, Hkv, G, Tmax]
-    m = mx.max(s, axis=-1)
-    m = mx.where(mx.isfinite(m), m, 0.0)
-    den = mx.sum(mx.exp(s - m[..., None]), axis=-1)
-    lse = mx.where(den > 0, (m + mx.log(mx.where(den > 0, den, 1.0))) / LN2, -mx.inf)
-    return out, lse.reshape(b, hq).astype(mx.float32)
+    sm = RowSoftmax(mx, s, mask, base2=False)                         # [B, Hkv, G, Tmax]
+    # the output keeps SDPA's values; its poisoned heads follow the logits pass
+    out = mx.where(sm.poisoned.reshape(b, hq)[..., None], mx.array(float("nan"), o.dtype), out)
+    return out, sm.lse2.reshape(b, hq).astype(mx.float32)
 
 
 def merge_ops(v: Any, lse: Any, o_indptr: Any) -> tuple[Any, Any]:
     """The merge contract with MLX ops: ``v [N, H, D]`` f32, ``lse [N, H]`` f32 (base 2),
     host ``o_indptr [M+1]`` -> ``(v_out [M, H, D]`` f32, ``lse_out [M, H]`` f32); a
-    ``-inf`` or NaN partial carries no weight, an all-empty group gives zeros and -inf."""
+    ``-inf`` partial carries no weight, a NaN or +inf one poisons its group (NaN), an
+    all-empty group gives zeros and -inf (``paged_decode.softmax.merge_partials``)."""
     import mlx.core as mx
     ip = np.asarray(o_indptr, dtype=np.int64)
     m = ip.size - 1
@@ -100,15 +103,8 @@ def merge_ops(v: Any, lse: Any, o_indptr: Any) -> tuple[Any, Any]:
     live = slot < counts[:, None]                                     # [M, W]
     idx = mx.array(np.where(live, ip[:-1, None] + slot, 0).astype(np.int32))
     ls = mx.take(lse, idx, axis=0)                                    # [M, W, H]
-    ls = mx.where(mx.array(live)[..., None] & ~mx.isnan(ls), ls, -mx.inf)  # NaN: no weight
-    top = mx.max(ls, axis=1)
-    top = mx.where(mx.isfinite(top), top, 0.0)
-    w = mx.where(mx.isfinite(ls), mx.exp((ls - top[:, None, :]) * LN2), 0.0)
-    part = mx.where(w[..., None] > 0, w[..., None] * mx.take(v, idx, axis=0), 0.0)
-    den = mx.sum(w, axis=1)                                           # [M, H]
-    safe = mx.where(den > 0, den, 1.0)
-    out = mx.where(den[..., None] > 0, mx.sum(part, axis=1) / safe[..., None], 0.0)
-    lse_out = mx.where(den > 0, top + mx.log(safe) / LN2, -mx.inf)
+    vs = mx.take(v, idx, axis=0)                                      # [M, W, H, D]
+    out, lse_out = merge_partials(mx, vs, ls, mx.array(live)[..., None], axis=1)
     return out.astype(mx.float32), lse_out.astype(mx.float32)
 
 

@@ -7,7 +7,6 @@ independent float64 oracle lives in ``paged_decode.reference``.
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 from typing import Any
@@ -19,6 +18,7 @@ from ..dtypes import as_float32, dtype_name, numpy_dtype
 from ..errors import InvalidDtypeError
 from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
+from ..softmax import RowSoftmax, merge_partials
 from .base import Backend, Support, poison_enabled
 
 LOG2E = 1.4426950408889634
@@ -30,32 +30,24 @@ def attend_f32(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale_log2: float
     """Normalized attention state of grouped queries over one token range.
 
     ``q [Hkv, G, D]``, ``k, v [Hkv, n, D]`` float32 -> ``o [Hkv, G, D]`` float32 and
-    ``lse [Hkv, G]`` float32 in log2 units; ``n == 0`` gives zeros and -inf.
+    ``lse [Hkv, G]`` float32 in log2 units; ``n == 0`` gives zeros and -inf, a non-finite
+    score NaN (``paged_decode.softmax``).
     """
     hkv, g, d = q.shape
     if k.shape[1] == 0:
         return np.zeros((hkv, g, d), np.float32), np.full((hkv, g), -np.inf, np.float32)
-    s = np.matmul(q, k.transpose(0, 2, 1)) * np.float32(scale_log2)  # [Hkv, G, n]
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp2(s - m)
-    den = p.sum(axis=-1)
-    o = np.matmul(p, v) / den[..., None]
-    return o.astype(np.float32), (m[..., 0] + np.log2(den)).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):   # non-finite scores are poison
+        s = np.matmul(q, k.transpose(0, 2, 1)) * np.float32(scale_log2)  # [Hkv, G, n]
+        sm = RowSoftmax(np, s, base2=True)
+        o = sm.normalize(np.matmul(sm.p.astype(np.float32), v))
+    return o.astype(np.float32), sm.lse2.astype(np.float32)
 
 
 def combine_f32(vs: np.ndarray, lses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Merge states along axis 0: ``vs [n, ..., D]``, ``lses [n, ...]`` (log2)."""
     if vs.shape[0] == 0:
         return np.zeros(vs.shape[1:], np.float32), np.full(lses.shape[1:], -np.inf, np.float32)
-    m = lses.max(axis=0)
-    finite = np.isfinite(m)
-    m_safe = np.where(finite, m, 0).astype(np.float32)
-    w = np.where(np.isfinite(lses), np.exp2(lses - m_safe), 0).astype(np.float32)
-    den = w.sum(axis=0)
-    safe = np.where(den > 0, den, 1)
-    o = (w[..., None] * vs).sum(axis=0) / safe[..., None]
-    o = np.where((den > 0)[..., None], o, 0)
-    lse = np.where(den > 0, m_safe + np.log2(safe), -np.inf)
+    o, lse = merge_partials(np, vs.astype(np.float32), lses.astype(np.float32))
     return o.astype(np.float32), lse.astype(np.float32)
 
 
@@ -187,10 +179,10 @@ class ReferenceBackend(Backend):
                     lse_out[r] = -np.inf
                 continue
             qf = as_float32(q[r]).reshape(hkv, g, d)
-            s = np.matmul(qf, k.transpose(0, 2, 1)) * np.float32(sm_scale)  # natural units
-            m = s.max(axis=-1, keepdims=True)
-            p = np.exp(s - m)
-            den = p.sum(axis=-1)
-            out[r] = (np.matmul(p, v) / den[..., None]).reshape(hq, d).astype(out.dtype)
+            with np.errstate(invalid="ignore", over="ignore"):
+                s = np.matmul(qf, k.transpose(0, 2, 1)) * np.float32(sm_scale)  # natural
+                sm = RowSoftmax(np, s, base2=False)
+                o = sm.normalize(np.matmul(sm.p, v))
+            out[r] = o.reshape(hq, d).astype(out.dtype)
             if lse_out is not None:
-                lse_out[r] = ((m[..., 0] + np.log(den)) / math.log(2)).reshape(hq)
+                lse_out[r] = sm.lse2.reshape(hq)
