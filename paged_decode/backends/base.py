@@ -107,6 +107,20 @@ class Backend(ABC):
     def asarray(self, x: Any) -> Any:
         """``x`` as this backend's array (zero-copy where the kinds allow)."""
 
+    def array_arg(self, fn: str, name: str, x: Any) -> Any:
+        """Argument ``name`` of ``fn`` as this backend's array (``asarray``); anything that
+        is not an array this backend can use raises ``InvalidArgumentError`` naming both."""
+        from ..errors import InvalidArgumentError, PagedDecodeError
+        try:
+            arr = self.asarray(x)
+            arr.shape, arr.dtype  # noqa: B018 - what every caller reads first
+        except PagedDecodeError:
+            raise
+        except Exception as exc:
+            raise InvalidArgumentError(f"{fn}: {name} must be an array the {self.name} "
+                                       f"backend can use, got {type(x).__name__}") from exc
+        return arr
+
     @abstractmethod
     def to_numpy(self, x: Any) -> Any: ...
 
