@@ -298,3 +298,74 @@ def test_page_table_arguments(pr):
         pr.table.request_pages(2)
     with pytest.raises(PageTableError, match=r"PageTable.subset: requests\[i\] must be"):
         pr.table.subset([0, -1])
+
+
+# ---------------------------------------------------------------------------- command line
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from paged_decode.cli import main
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.output
+    assert "Traceback" not in res.output
+    return res
+
+
+@pytest.mark.parametrize("option, value", [("--page", 0), ("--batch", 0), ("--context", -5),
+                                           ("--reps", 0), ("--warmup", -1)])
+def test_bench_refuses_non_positive_sizes(option, value):
+    res = _cli("bench", "--backend", "reference", option, value)
+    assert res.exit_code == 2 and f"Invalid value for '{option}'" in res.output
+
+
+def test_bench_plot_on_cpu_results_keeps_every_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    files = {k: tmp_path / f"b.{k}" for k in ("json", "csv", "md", "png")}
+    res = _cli("bench", "--backend", "reference", "--context", 64, "--batch", 1, "--page", 16,
+               "--arms", "v2", "--reps", 3, "--warmup", 0, "--plot", files["png"],
+               "--json", files["json"], "--csv", files["csv"], "--markdown", files["md"])
+    assert res.exit_code == 0, res.output
+    assert all(f.stat().st_size > 0 for f in files.values())
+    res = _cli("plot", files["json"], tmp_path / "again.png")           # default metric
+    assert res.exit_code == 0 and (tmp_path / "again.png").exists(), res.output
+    res = _cli("plot", files["json"], tmp_path / "gpu.png", "--metric", "gpu")
+    assert res.exit_code == 1 and "try --metric call" in res.output
+    res = _cli("plot", files["csv"], tmp_path / "csv.png")
+    assert res.exit_code == 1
+    assert "not a 'paged-decode bench --json' result (not JSON" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_output_folder_must_exist(tmp_path):
+    missing = tmp_path / "no" / "x.json"
+    for cmd in (("check", "--json", missing), ("bench", "--csv", missing),
+                ("plot", __file__, missing)):
+        res = _cli(*cmd)
+        assert res.exit_code == 2 and "does not exist" in res.output, res.output
+
+
+def test_check_header_names_the_dtypes_that_ran():
+    res = _cli("check", "--backend", "reference", "--dtype", "float16", "--dtype", "bfloat16",
+               "--max-configs", 1)
+    assert res.exit_code == 0, res.output
+    assert ("dtypes float16 (bfloat16 not reached within the configs selected)"
+            in res.output)
+    assert "errors of float32 outputs" in res.output and "rel(f32 out)=" in res.output
+    assert _cli("check", "--backend", "reference", "--max-configs", 0).exit_code == 2
+
+
+def test_bench_table_columns_fit_long_arm_names():
+    from paged_decode.bench.report import table
+    from paged_decode.bench.runner import ArmResult, BenchResult
+    from paged_decode.bench.suites import CascadeCase
+    arms = {"flashinfer-tc": ArmResult("flashinfer-tc", "unavailable", float("nan"), False),
+            "v2": ArmResult("v2", "v2", 0.0, True, call={"median_us": 5.0}),
+            "flashinfer": ArmResult("flashinfer", "unavailable", float("nan"), False)}
+    for only in (["flashinfer"], list(arms)):
+        lines = table([BenchResult(CascadeCase(1, 16), 1, 1,
+                                   {a: arms[a] for a in only})]).splitlines()
+        assert len(lines[0]) == len(lines[1]) == len(lines[2]), lines[:3]
+        assert "flashinfer/v2" in lines[0] or only == ["flashinfer"]
+    res = _cli("bench", "--backend", "reference", "--context", 64, "--batch", 1,
+               "--arms", "flashinfer")
+    assert res.exit_code == 1 and "no arm could run here" in res.output
