@@ -78,6 +78,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"paged-decode worst errors vs oracle: {parts}")
 
 
+def require_mlx():
+    """``mlx.core``, or skip the calling test module with the reason: MLX missing, or
+    installed but not loadable (a Linux ``pip install '.[metal]'`` whose ``libmlx.so`` is
+    missing raises ``ImportError`` or ``OSError``, which ``importorskip`` lets through)."""
+    try:
+        import mlx.core as mx
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"mlx.core cannot be imported ({type(exc).__name__}: {exc})",
+                    allow_module_level=True)
+    return mx
+
+
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(autouse=True)
 def _poison_and_clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
