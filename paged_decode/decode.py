@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backends import Backend, Problem, backend_for
+from .backends import Backend, Problem, backend_for, c_contiguous
 from .cascade import CascadeDecodePlan, run_cascade
 from .dtypes import check_dtype, expect_dtype
 from .errors import (
@@ -212,7 +212,7 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
         raise fail(fn, f"table references page {table.max_page_id}, but k_pages has only "
                        f"{num_pages} pages")
     for name, arr in (("q", qa), ("k_pages", ka), ("v_pages", va)):
-        if not _is_contiguous(arr):
+        if not c_contiguous(arr):
             raise fail(fn, f"{name} must be C-contiguous (row-major)")
     q_dt = check_dtype(fn, "q", be.dtype_of(qa))
     kv_dt = check_dtype(fn, "k_pages", be.dtype_of(ka))
@@ -361,19 +361,12 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     arr = be.array_arg(fn, name, given)
     check_shape(fn, name, arr.shape, shape, "[B, Hq, D]" if len(shape) == 3 else "[B, Hq]")
     expect_dtype(fn, name, be.dtype_of(arr), dtype)
-    if not _is_contiguous(arr):
+    if not c_contiguous(arr):
         raise fail(fn, f"{name} must be C-contiguous")
     if not getattr(getattr(arr, "flags", None), "writeable", True):   # numpy read-only
         raise fail(fn, f"{name} must be writable, got a read-only array")
     return arr
 
-
-def _is_contiguous(arr: Any) -> bool:
-    flags = getattr(arr, "flags", None)
-    if flags is None:
-        return True
-    c = flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous") else flags.c_contiguous
-    return bool(c)
 
 
 __all__ = ["decode", "run_decode", "choose_path", "PATHS", "CallArgs", "check_call", "resolve_plan",

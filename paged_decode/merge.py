@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Backend, backend_for
+from .backends import Backend, backend_for, c_contiguous
 from .dtypes import check_dtype, expect_dtype
 from .errors import InvalidArgumentError, check_ndim, check_shape
 
@@ -50,6 +50,9 @@ def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
     fn = "merge_states"
     be = backend_for(backend, v, fn=fn)
     va, la, (n, h, d) = _check_state(fn, be, ("v", "lse"), v, lse, "[N, H, D]")
+    for name, arr in (("v", va), ("lse", la)):
+        if not c_contiguous(arr):   # the merge kernels read rows through raw pointers
+            raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous (row-major)")
     try:
         ip = np.asarray(indptr)
     except (ValueError, TypeError):   # ragged nested lists

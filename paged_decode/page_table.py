@@ -134,7 +134,7 @@ class PageTable:
             rope = rope_positions
         table = cls(idx, ip, lpl, fpo, _as_i32(fn, "rope_positions", rope), int(page_size),
                     None if num_pages is None else int(num_pages))
-        table.validate()
+        table._validate(fn, None)
         return table
 
     # ------------------------------------------------------------------ queries
@@ -189,7 +189,10 @@ class PageTable:
         geometry identity giving ``visible_len >= 0``, and ``rope_positions >=
         visible_len``.
         """
-        fn = "PageTable.validate"
+        self._validate("PageTable.validate", num_pages)
+
+    def _validate(self, fn: str, num_pages: int | None) -> None:
+        """``validate`` for the public function ``fn`` (``build`` names itself)."""
         if num_pages is not None:
             check_int(fn, "num_pages", num_pages, 0, note=" or None", error=PageTableError)
         p = self.page_size

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Backend, Problem, backend_for
+from .backends import Backend, Problem, backend_for, c_contiguous
 from .dtypes import check_dtype
 from .errors import (
     InvalidArgumentError,
@@ -236,7 +236,7 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         raise InvalidArgumentError(f"{fn}: q's heads must be a multiple of the caches' KV "
                                    f"heads, got Hq = {hq} and Hkv = {hkv}")
     for name, arr in (("q", qa), ("k_cache", ka), ("v_cache", va)):
-        if not _contiguous(arr):
+        if not c_contiguous(arr):
             raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous (the pool view "
                                        "and the head fold are reshapes, never copies)")
     q_dt = check_dtype(fn, "q", be.dtype_of(qa))
@@ -380,13 +380,6 @@ def _host(x: Any) -> Any:
             break
     return np.asarray(x)
 
-
-def _contiguous(arr: Any) -> bool:
-    flags = getattr(arr, "flags", None)
-    if flags is None:
-        return True
-    return bool(flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous")
-                else flags.c_contiguous)
 
 
 __all__ = ["Selection", "make_selection", "selection_from_blocks", "sparse_decode",

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
-from .base import Backend, Problem, Support
+from .base import Backend, Problem, Support, c_contiguous
 
 ENV = "PAGED_DECODE_BACKEND"
 
@@ -148,6 +148,6 @@ def last_auto_choice() -> tuple[str, str] | None:
     return (_last_auto[0], _last_auto[1]) if _last_auto else None
 
 
-__all__ = ["Backend", "BackendEntry", "Problem", "Support", "REGISTRY", "available_backends",
-           "availability", "get_backend", "backend_for", "array_kind", "register",
-           "last_auto_choice"]
+__all__ = ["Backend", "BackendEntry", "Problem", "Support", "c_contiguous", "REGISTRY",
+           "available_backends", "availability", "get_backend", "backend_for", "array_kind",
+           "register", "last_auto_choice"]

@@ -55,6 +55,16 @@ class Support:
         return self.ok
 
 
+def c_contiguous(arr: Any) -> bool:
+    """Whether a backend array is C-contiguous (row-major; arrays without ``flags``, e.g.
+    MLX's, count as contiguous): kernels read raw pointers, so strided inputs are refused."""
+    flags = getattr(arr, "flags", None)
+    if flags is None:
+        return True
+    return bool(flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous")
+                else flags.c_contiguous)
+
+
 def poison_enabled() -> bool:
     """``PAGED_DECODE_POISON=1`` fills every fresh output and workspace with NaN."""
     return os.environ.get(POISON_ENV, "") not in ("", "0")
