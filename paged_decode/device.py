@@ -56,19 +56,22 @@ class DeviceInfo:
     def default_target_ctas(self) -> int:
         return max(1, self.compute_units * self.ctas_per_unit)
 
-    def target_ctas(self, override: int | None = None) -> int:
-        """The CTA count a plan aims for (argument > environment > device default)."""
-        return _setting("target_ctas", override, TARGET_ENV, self.default_target_ctas)
+    def target_ctas(self, override: int | None = None, *,
+                    fn: str = "DeviceInfo.target_ctas") -> int:
+        """The CTA count a plan aims for (argument > environment > device default);
+        errors name ``fn`` (``plan_decode`` passes its own name)."""
+        return _setting(fn, "target_ctas", override, TARGET_ENV, self.default_target_ctas)
 
-    def chunk_floor(self, override: int | None = None) -> int:
+    def chunk_floor(self, override: int | None = None, *,
+                    fn: str = "DeviceInfo.chunk_floor") -> int:
         """Shortest chunk, in tokens, a plan may cut (argument > environment > device)."""
-        return _setting("min_chunk_tokens", override, CHUNK_ENV, self.min_chunk_tokens)
+        return _setting(fn, "min_chunk_tokens", override, CHUNK_ENV, self.min_chunk_tokens)
 
 
-def _setting(name: str, override: int | None, env_name: str, default: int) -> int:
-    """A positive integer setting: the ``plan_decode`` argument, else the environment
-    variable, else the device default."""
+def _setting(fn: str, name: str, override: int | None, env_name: str, default: int) -> int:
+    """A positive integer setting: the argument, else the environment variable, else the
+    device default."""
     if override is not None:
-        return check_int("plan_decode", name, override, note=" or None")
+        return check_int(fn, name, override, note=" or None")
     env = env_positive_int(env_name)
     return default if env is None else env

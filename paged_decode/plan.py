@@ -227,7 +227,7 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
         from .backends import get_backend
         device = get_backend(backend, fn=fn).device_info()
     check_type(fn, "device", device, DeviceInfo, "a DeviceInfo or None")
-    target = device.target_ctas(target_ctas)
+    target = device.target_ctas(target_ctas, fn=fn)
     qh = heads_per_cta(num_qo_heads, num_kv_heads)
     q_groups = (num_qo_heads // num_kv_heads) // qh
     if ctas_per_chunk is None:
@@ -237,7 +237,7 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
     pages = table.pages_per_request
     max_ppc = max(1, int(pages.max()))
     min_ppc = smallest_chunk_size(pages, max_chunks)
-    floor_tokens = device.chunk_floor(min_chunk_tokens)
+    floor_tokens = device.chunk_floor(min_chunk_tokens, fn=fn)
     grid_min_ppc = min_ppc
     min_ppc = min(max(min_ppc, -(-int(floor_tokens) // table.page_size)), max_ppc)
 
