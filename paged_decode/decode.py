@@ -368,6 +368,5 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     return arr
 
 
-
 __all__ = ["decode", "run_decode", "choose_path", "PATHS", "CallArgs", "check_call", "resolve_plan",
            "check_support", "flat_call", "run_path", "output_buffer"]

@@ -55,8 +55,9 @@ def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
             raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous (row-major)")
     try:
         ip = np.asarray(indptr)
-    except (ValueError, TypeError):   # ragged nested lists
-        ip = np.zeros((0, 0))
+    except (ValueError, TypeError) as exc:   # ragged nested lists
+        raise InvalidArgumentError(f"{fn}: indptr must be a 1-D integer array [M+1], got a "
+                                   f"{type(indptr).__name__} that is not one") from exc
     if ip.ndim != 1 or ip.size < 1 or (ip.size and not np.issubdtype(ip.dtype, np.integer)):
         raise InvalidArgumentError(f"{fn}: indptr must be a 1-D integer array [M+1], got "
                                    f"shape {list(ip.shape)} dtype {ip.dtype}")

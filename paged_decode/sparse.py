@@ -102,8 +102,9 @@ def _ints(fn: str, name: str, value: Any, dims: str) -> np.ndarray:
     ndim = dims.count(",") + 1
     try:
         arr = np.asarray(_host(value))
-    except (ValueError, TypeError):   # ragged nested lists
-        arr = np.zeros((0,) * (ndim + 1))
+    except (ValueError, TypeError) as exc:   # ragged nested lists
+        raise InvalidArgumentError(f"{fn}: {name} must be an integer array {dims}, got a "
+                                   f"{type(value).__name__} that is not one ({exc})") from exc
     if arr.ndim != ndim or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise InvalidArgumentError(f"{fn}: {name} must be an integer array {dims}, got "
                                    f"shape {list(arr.shape)} dtype {arr.dtype}")
@@ -379,7 +380,6 @@ def _host(x: Any) -> Any:
             x = f()
             break
     return np.asarray(x)
-
 
 
 __all__ = ["Selection", "make_selection", "selection_from_blocks", "sparse_decode",
