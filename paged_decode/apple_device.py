@@ -19,7 +19,6 @@ Nothing here has run on a Mac: the parsers are tested on recorded sample output.
 
 from __future__ import annotations
 
-import os
 import plistlib
 import re
 import subprocess
@@ -27,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .device import DeviceInfo
-from .errors import InvalidArgumentError
+from .errors import env_positive_int
 
 CORES_ENV = "PAGED_DECODE_GPU_CORES"
 #: v2 threadgroups (128 threads each) per GPU core the plan aims for: the CUDA backend's
@@ -94,16 +93,7 @@ def estimate_from_architecture(arch: str) -> int | None:
 
 
 def env_core_count() -> int | None:
-    val = os.environ.get(CORES_ENV, "").strip()
-    if not val:
-        return None
-    try:
-        n = int(val)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise InvalidArgumentError(f"{CORES_ENV} must be a positive integer, got {val!r}")
-    return n
+    return env_positive_int(CORES_ENV)
 
 
 def gpu_core_count(mlx_info: dict[str, Any] | None = None,

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from .device import DeviceInfo
-from .errors import InvalidArgumentError
-from .page_table import PageTable
+from .errors import InvalidArgumentError, check_choice, check_int, check_type
+from .page_table import PageTable, frozen_int32
 from .plan import DecodePlan, check_geometry, plan_decode
 
 #: Shortest shared span detection considers. Measured on an H200 (2026-11-30,
@@ -50,9 +50,7 @@ DEFAULT_MIN_SHARED_TOKENS = 1024
 
 
 def _ro(a: Any) -> np.ndarray:
-    out = np.ascontiguousarray(a, dtype=np.int32)
-    out.setflags(write=False)
-    return out
+    return frozen_int32(a)
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,6 +84,7 @@ class CascadePlan:
 
     def matches(self, table: PageTable) -> bool:
         """Whether this plan was made for ``table`` (same object or equal CSR arrays)."""
+        check_type("CascadePlan.matches", "table", table, PageTable, "a PageTable")
         src = (table.indices, table.indptr, table.last_page_len, table.first_page_offset)
         return table.page_size == self.page_size and all(
             a is b or np.array_equal(a, b) for a, b in zip(self._source, src))
@@ -148,31 +147,47 @@ def detect_shared_prefix(table: PageTable, *, min_shared_pages: int | None = Non
         min_members: smallest group (>= 2; the automatic rule's byte floor decides
             whether a small group pays).
     """
-    fn = "detect_shared_prefix"
-    if not isinstance(table, PageTable):
-        raise InvalidArgumentError(f"{fn}: table must be a PageTable, got {type(table).__name__}")
+    return detect_with_reason(table, min_shared_pages=min_shared_pages,
+                              min_members=min_members)[0]
+
+
+def detect_with_reason(table: PageTable, *, min_shared_pages: int | None = None,
+                       min_members: int = 2, fn: str = "detect_shared_prefix"
+                       ) -> tuple[CascadePlan | None, str]:
+    """``detect_shared_prefix`` and why it found no group (``""`` when it found one): no
+    shared prefix at all, or one shorter than the minimum span (a fork that shares every
+    page of a short sequence), which the outcome of an automatic call reports."""
+    check_type(fn, "table", table, PageTable, "a PageTable")
     p = table.page_size
-    msp = -(-DEFAULT_MIN_SHARED_TOKENS // p) if min_shared_pages is None else min_shared_pages
-    if not isinstance(msp, (int, np.integer)) or msp < 1:
-        raise InvalidArgumentError(f"{fn}: min_shared_pages must be a positive integer, "
-                                   f"got {min_shared_pages!r}")
-    if not isinstance(min_members, (int, np.integer)) or min_members < 2:
-        raise InvalidArgumentError(f"{fn}: min_members must be an integer >= 2, "
-                                   f"got {min_members!r}")
+    if min_shared_pages is None:
+        msp = -(-DEFAULT_MIN_SHARED_TOKENS // p)
+        floor = (f"the minimum span of {msp} pages ({DEFAULT_MIN_SHARED_TOKENS} tokens, "
+                 "DEFAULT_MIN_SHARED_TOKENS)")
+    else:
+        msp = check_int(fn, "min_shared_pages", min_shared_pages, note=" or None")
+        floor = f"min_shared_pages = {msp}"
+    min_members = check_int(fn, "min_members", min_members, 2)
+    none = "no shared prefix"
     pages = table.pages_per_request.astype(np.int64)
     eligible = (table.visible_lens > 0) & (table.first_page_offset == 0) & (pages >= 2)
     cand = np.nonzero(eligible)[0]
     if cand.size < min_members:
-        return None
+        return None, none
     first = table.indices[table.indptr[cand]]
     _, inv, cnt = np.unique(first, return_inverse=True, return_counts=True)
     cand = cand[cnt[inv.reshape(-1)] >= 2]         # cheap exit when nothing is shared
     if cand.size < min_members:
-        return None
-    group, span = _best_group(table, cand, pages[cand] - 1, int(msp), int(min_members))
+        return None, none
+    caps = pages[cand] - 1
+    group, span = _best_group(table, cand, caps, msp, min_members)
+    if group is not None:
+        return _make_plan(table, group, span), ""
+    group, span = _best_group(table, cand, caps, 1, min_members)
     if group is None:
-        return None
-    return _make_plan(table, group, span)
+        return None, none
+    return None, (f"requests {group.tolist()[:8]}{'...' if group.size > 8 else ''} share "
+                  f"{span} full pages ({span * p} tokens; each keeps its last page), below "
+                  f"{floor}")
 
 
 def _best_group(table: PageTable, cand: np.ndarray, caps: np.ndarray, min_span: int,
@@ -256,20 +271,20 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
     runs level 0 on the v2 partial with the same chunks.
     """
     fn = "plan_cascade"
+    check_type(fn, "table", table, PageTable, "a PageTable")
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
-    if level0 not in ("auto", "tc", "v2"):
-        raise InvalidArgumentError(f"{fn}: level0 must be 'auto', 'tc' or 'v2', "
-                                   f"got {level0!r}")
+    check_choice(fn, "level0", level0, ("auto", "tc", "v2"))
     if prefix is None:
-        prefix = detect_shared_prefix(table, min_shared_pages=min_shared_pages,
-                                      min_members=min_members)
+        prefix = detect_with_reason(table, min_shared_pages=min_shared_pages,
+                                    min_members=min_members, fn=fn)[0]
         if prefix is None:
             return None
     elif not isinstance(prefix, CascadePlan) or not prefix.matches(table):
         raise InvalidArgumentError(f"{fn}: prefix must be a CascadePlan made for this table")
     if device is None:
         from .backends import get_backend
-        device = get_backend(backend).device_info()
+        device = get_backend(backend, fn=fn).device_info()
+    check_type(fn, "device", device, DeviceInfo, "a DeviceInfo or None")
     m = prefix.num_members
     tile_rows = device.prefix_tile_rows if level0 != "v2" else 0
     if level0 == "tc" and not tile_rows:
@@ -414,12 +429,16 @@ def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
     ``None``). Without a sharing group it runs flat v2 and records why
     (``last_outcome().reason``).
     """
-    from .decode import decode
-    return decode(q, k_pages, v_pages, table, path="v2", sm_scale=sm_scale, out=out, lse=lse,
-                  return_lse=return_lse, out_dtype=out_dtype, backend=backend,
-                  cascade=True if cascade_plan is None else cascade_plan)
+    from .decode import run_decode
+    fn = "cascade_decode"
+    if not (cascade_plan is None or isinstance(cascade_plan, (CascadePlan, CascadeDecodePlan))):
+        raise InvalidArgumentError(f"{fn}: cascade_plan must be None, a CascadePlan or a "
+                                   f"CascadeDecodePlan, got {type(cascade_plan).__name__}")
+    return run_decode(fn, q, k_pages, v_pages, table, path="v2", sm_scale=sm_scale, out=out,
+                      lse=lse, return_lse=return_lse, out_dtype=out_dtype, backend=backend,
+                      cascade=True if cascade_plan is None else cascade_plan)
 
 
 __all__ = ["TC_LEVEL0", "V2_LEVEL0", "CascadePlan", "CascadeDecodePlan",
-           "detect_shared_prefix", "plan_cascade", "tc_level0_applies",
+           "detect_shared_prefix", "detect_with_reason", "plan_cascade", "tc_level0_applies",
            "cascade_decode", "run_cascade", "DEFAULT_MIN_SHARED_TOKENS"]

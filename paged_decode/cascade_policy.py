@@ -12,7 +12,7 @@ import threading
 import weakref
 from typing import Any
 
-from .cascade import CascadeDecodePlan, CascadePlan, detect_shared_prefix, plan_cascade
+from .cascade import CascadeDecodePlan, CascadePlan, detect_with_reason, plan_cascade
 from .device import CHUNK_ENV, TARGET_ENV
 from .errors import InvalidArgumentError
 from .page_table import PageTable
@@ -123,9 +123,9 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
         return cascade, "requested plan"
     if isinstance(cascade, CascadePlan):
         return plan_cascade(table, *geo, prefix=cascade, device=device()), "requested plan"
-    prefix = _memoised(table, "detect", lambda: detect_shared_prefix(table))
+    prefix, none_why = _memoised(table, "detect", lambda: detect_with_reason(table))
     if prefix is None:
-        return None, "cascade: no shared prefix"
+        return None, f"cascade: {none_why}"
     if not forced:
         from .backends.launches import prefix_kernel_runs
         from .dtypes import itemsize

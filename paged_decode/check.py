@@ -13,11 +13,13 @@ with 2x slack), computes the float64 oracle once, then runs each path through
 - ``"v1"`` and ``"gather"``: the comparison and fallback arms.
 
 A result passes only when both errors are finite and within tolerance **and** the path
-that actually ran (``last_outcome()``) is the one asked for. Full matrix: head_dim {64,
-128} x GQA {1, 4, 8} x page {16, 32, 64} x context {512, 4096, 16384, 32768} x batch
-{1, 4, 8} = 216 configurations per dtype (4 KV heads). The quick matrix is a
-deterministic subset that covers every pair of axis values, every kernel specialization
-(head_dim x GQA x page) and both extreme corners.
+that actually ran (``last_outcome()``) is the one asked for. Errors are those of the
+**float32** output (the kernels' accumulation before any rounding to a 16-bit output
+dtype); a configuration's dtype is that of q and K/V, and every report labels it so.
+Full matrix: head_dim {64, 128} x GQA {1, 4, 8} x page {16, 32, 64} x context {512, 4096,
+16384, 32768} x batch {1, 4, 8} = 216 configurations per dtype (4 KV heads). The quick
+matrix is a deterministic subset that covers every pair of axis values, every kernel
+specialization (head_dim x GQA x page) and both extreme corners.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 from . import problems, reference
 from .backends import Backend, get_backend
 from .decode import decode
+from .errors import is_int
 from .outcome import last_outcome
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, plan_decode, smallest_chunk_size
@@ -198,8 +201,8 @@ def format_result(r: CheckResult) -> str:
     else:
         plan = (f"ppc={r.pages_per_chunk} chunks={r.num_chunks} ctas={r.num_ctas} "
                 f"{'merge' if r.merged else 'single'}")
-    line = (f"{r.config.label:<34} {r.path:<15} {plan:<40} rel={r.max_rel_error:.2e} "
-            f"lse={r.lse_error:.2e}  {'PASS' if r.passed else 'FAIL'}")
+    line = (f"{r.config.label:<34} {r.path:<15} {plan:<40} rel(f32 out)="
+            f"{r.max_rel_error:.2e} lse={r.lse_error:.2e}  {'PASS' if r.passed else 'FAIL'}")
     if not r.passed and r.error:
         line += f"  ({r.error})"
     return line
@@ -213,6 +216,8 @@ class CheckReport:
     dtypes: tuple[str, ...]
     paths: tuple[str, ...]
     results: list[CheckResult] = field(default_factory=list)
+    #: dtypes asked for that no selected configuration has (``max_configs`` cut them)
+    unreached: tuple[str, ...] = ()
     timings: dict[str, float] = field(default_factory=dict)  # build, oracle, per path, total
 
     @property
@@ -227,7 +232,11 @@ class CheckReport:
         n_cfg = len({(r.config.label) for r in self.results})
         lines = [f"paged-decode check on {self.backend} ({self.device}): "
                  f"{'full' if self.full else 'quick'} matrix, {n_cfg} configs x "
-                 f"{len(self.paths)} paths, dtypes {', '.join(self.dtypes)}",
+                 f"{len(self.paths)} paths, dtypes {', '.join(self.dtypes)}"
+                 + (f" ({', '.join(self.unreached)} not reached within the configs "
+                    "selected)" if self.unreached else ""),
+                 "errors of float32 outputs against the float64 oracle ('dtype': q and "
+                 "K/V)",
                  f"{'dtype':<9} {'path':<15} {'runs':>5} {'fail':>5} {'max rel err':>12} "
                  f"{'tol':>8} {'max lse err':>12} {'seconds':>8}"]
         for dt in self.dtypes:
@@ -255,6 +264,7 @@ class CheckReport:
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "device": self.device, "full": self.full,
                 "dtypes": list(self.dtypes), "paths": list(self.paths),
+                "unreached_dtypes": list(self.unreached), "output_dtype": "float32",
                 "tolerances": {**TOLERANCES, "lse": LSE_TOLERANCE},
                 "passed": self.passed, "num_failures": len(self.failures),
                 "timings": self.timings, "results": [r.to_dict() for r in self.results]}
@@ -353,22 +363,28 @@ def run_check(backend: str | Backend | None = None, *, full: bool = False,
     bad = [p for p in paths if p not in ALL_PATHS]
     if bad:
         raise ValueError(f"run_check: paths must be among {', '.join(ALL_PATHS)}, got {bad}")
+    dtypes = list(dict.fromkeys(dtypes))   # a dtype named twice runs once
     for dt in dtypes:
         if dt not in TOLERANCES:
             raise ValueError(f"run_check: dtypes must be among {', '.join(TOLERANCES)}, "
                              f"got {dt!r}")
-    be = get_backend(backend)
+    be = get_backend(backend, fn="run_check")
     info = be.device_info()
-    report = CheckReport(be.name, f"{info.name}; target {info.target_ctas()} CTAs", full,
-                         tuple(dtypes), tuple(paths))
     configs = matrix(full, list(dtypes))
     if max_configs is not None:
+        if not is_int(max_configs) or max_configs < 1:
+            raise ValueError(f"run_check: max_configs must be a positive integer, "
+                             f"got {max_configs!r}")
         configs = configs[:max_configs]
     if shard is not None:
         k, n = shard
         if not (n >= 1 and 0 <= k < n):
             raise ValueError(f"run_check: shard must be (k, n) with 0 <= k < n, got {shard}")
         configs = configs[k::n]
+    ran = tuple(dict.fromkeys(c.kv_dtype for c in configs))   # in the order asked
+    report = CheckReport(be.name, f"{info.name}; target {info.target_ctas()} CTAs", full,
+                         ran, tuple(paths),
+                         unreached=tuple(d for d in dict.fromkeys(dtypes) if d not in ran))
     t0 = time.perf_counter()
     for cfg in configs:
         for r in check_config(be, cfg, paths, report.timings):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -24,6 +26,35 @@ def _backend(name: str | None):  # type: ignore[no-untyped-def]
         from threadpoolctl import threadpool_limits
         threadpool_limits(limits=1, user_api="blas")
     return be
+
+
+class OutPath(click.Path):
+    """A file the command writes: refused before any work when its folder is missing or
+    not writable (a long run must not end in a traceback at the last step)."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        path = super().convert(value, param, ctx)
+        folder = os.path.dirname(os.path.abspath(os.fsdecode(path)))
+        if not os.path.isdir(folder):
+            self.fail(f"folder {folder!r} does not exist", param, ctx)
+        if not os.access(folder, os.W_OK):
+            self.fail(f"folder {folder!r} is not writable", param, ctx)
+        return path
+
+
+def _write(what: str, path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {what} {path}: {exc.strerror or exc}") \
+            from exc
+
+
+POSITIVE = click.IntRange(min=1)
 
 
 @click.group()
@@ -79,9 +110,11 @@ def info(backend: str | None, as_json: bool) -> None:
 @click.option("--dtype", "dtypes", multiple=True, default=["float16"], show_default=True,
               type=click.Choice(["float16", "bfloat16", "float32"]),
               help="KV and query dtype (repeat for several).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutPath(), default=None,
               help="Write every result as JSON here.")
-@click.option("--max-configs", type=int, default=None, help="Stop after this many configs.")
+@click.option("--max-configs", type=POSITIVE, default=None,
+              help="Stop after this many configs (the matrix is ordered by dtype, then "
+                   "cost, so a small number may not reach every --dtype).")
 @click.option("--path", "paths", multiple=True,
               type=click.Choice(["v2", "v2-forced-merge", "v2-single", "v1", "gather"]),
               help="Paths to check (repeat for several; default: all the backend runs).")
@@ -116,7 +149,7 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
     click.echo(report.summary())
     click.echo(f"elapsed {time.perf_counter() - t0:.1f} s")
     if json_path:
-        Path(json_path).write_text(report.to_json())
+        _write("--json", json_path, report.to_json())
     if not report.passed:
         sys.exit(1)
 
@@ -135,29 +168,32 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "(page 16, batch up to 128), variants (8 x 8K: bf16, head_dim, GQA, "
                    "page size), models, cpu (small); cascade and sparse select those "
                    "suites. Default: adr on a GPU backend, cpu on the others.")
-@click.option("--context", "contexts", multiple=True, type=int, help="Override contexts.")
-@click.option("--batch", "batches", multiple=True, type=int, help="Override batch sizes.")
-@click.option("--page", "pages", multiple=True, type=int, help="Override page sizes.")
+@click.option("--context", "contexts", multiple=True, type=POSITIVE,
+              help="Override contexts.")
+@click.option("--batch", "batches", multiple=True, type=POSITIVE, help="Override batch sizes.")
+@click.option("--page", "pages", multiple=True, type=POSITIVE, help="Override page sizes.")
 @click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]))
 @click.option("--arms", default="gather,v1,v2", show_default=True,
               help="Comma-separated arms: gather, v1, v2 (ours), sdpa (torch SDPA on "
                    "contiguous K/V), flashinfer, flashinfer-tc (FlashInfer batch decode, "
                    "CUDA cores / tensor cores, when importable).")
-@click.option("--reps", default=30, show_default=True, type=int)
-@click.option("--warmup", default=5, show_default=True, type=int)
+@click.option("--reps", default=30, show_default=True, type=POSITIVE,
+              help="Timed repetitions (CPU backends time max(3, reps // 6) synchronized "
+                   "calls).")
+@click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0))
 @click.option("--warm-l2", is_flag=True, help="Do not flush L2 between iterations.")
 @click.option("--no-graph", is_flag=True,
               help="GPU time from eager CUDA events instead of CUDA-graph replay.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Also write a PNG (GPU time against context, one line per arm; needs "
-                   "matplotlib).")
-@click.option("--write-crossover", "crossover_path", type=click.Path(dir_okay=False),
+@click.option("--plot", "plot_path", type=OutPath(), default=None,
+              help="Also write a PNG (GPU time against context, or per-call time on CPU "
+                   "backends; one line per arm; needs matplotlib).")
+@click.option("--write-crossover", "crossover_path", type=OutPath(),
               default=None, help="Write the measured crossover table (best of gather/v1/v2 "
                                  "per cell) that path='auto' reads; see "
                                  "paged_decode.crossover for where it is looked up.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None)
-@click.option("--markdown", "md_path", type=click.Path(dir_okay=False), default=None)
+@click.option("--json", "json_path", type=OutPath(), default=None)
+@click.option("--csv", "csv_path", type=OutPath(), default=None)
+@click.option("--markdown", "md_path", type=OutPath(), default=None)
 def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
           reps: int, warmup: int, warm_l2: bool, no_graph: bool, plot_path: str | None,
@@ -181,11 +217,11 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                              pages=list(pages), dtype=dtype)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
-    arm_list = tuple(a.strip() for a in arms.split(",") if a.strip())
+    arm_list = tuple(dict.fromkeys(a.strip() for a in arms.split(",") if a.strip()))
     bad = [a for a in arm_list if a not in ARMS]
-    if bad:
+    if bad or not arm_list:
         raise click.ClickException(f"bench: --arms must name some of {', '.join(ARMS)}, "
-                                   f"got {', '.join(bad)}")
+                                   f"got {', '.join(bad) or repr(arms)}")
     bw = measure_read_bandwidth() if be.name == "cuda" else None
     head = header(be, bandwidth=bw)
     click.echo(" ".join(f"{k}={v}" for k, v in head.items()))
@@ -205,24 +241,27 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                                 cold_l2=not warm_l2, graph=not no_graph,
                                 progress=lambda r: bar.update(1))
     click.echo(table(results, bandwidth=bw))
+    ran = [a for r in results for a in r.arms.values() if a.ran != "unavailable"]
+    if not ran:
+        notes = sorted({f"{a.arm}: {a.note}" for r in results for a in r.arms.values()})
+        raise click.ClickException("bench: no arm could run here (" + "; ".join(notes)[:300]
+                                   + ")")
+    # the files first: a failing plot must not lose them
     if json_path:
-        Path(json_path).write_text(to_json(results, head))
-    if plot_path:
-        from .bench.plot import plot_results
-        try:
-            plot_results(json.loads(to_json(results, head)), plot_path)
-        except ImportError as exc:
-            raise click.ClickException(f"bench: --plot needs matplotlib ({exc}); pip "
-                                       "install 'paged-decode[plot]'") from exc
+        _write("--json", json_path, to_json(results, head))
     if crossover_path:
         from .crossover import from_results
         xt = from_results(results, str(head.get("device", be.name)))
-        Path(crossover_path).write_text(json.dumps(xt, indent=1))
+        _write("--write-crossover", crossover_path, json.dumps(xt, indent=1))
         click.echo(f"crossover table: {len(xt['cells'])} cells -> {crossover_path}")
     if csv_path:
-        Path(csv_path).write_text(to_csv(results))
+        _write("--csv", csv_path, to_csv(results))
     if md_path:
-        Path(md_path).write_text(markdown(results, head, " ".join(sys.argv)))
+        _write("--markdown", md_path, markdown(results, head, " ".join(sys.argv)))
+    if plot_path:
+        from .bench.plot import plot_results
+        data = json.loads(to_json(results, head))
+        _plot(lambda: plot_results(data, plot_path), plot_path, "bench: --plot")
     if not all(a.verified for r in results for a in r.arms.values() if a.ran != "unavailable"):
         raise click.ClickException("some arm failed verification against the oracle ('!')")
     if any(a.fell_back for r in results for a in r.arms.values() if a.ran != "unavailable"):
@@ -232,20 +271,31 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
 
 @main.command()
 @click.argument("json_path", type=click.Path(exists=True, dir_okay=False))
-@click.argument("png_path", type=click.Path(dir_okay=False))
-@click.option("--metric", default="gpu", show_default=True,
-              type=click.Choice(["gpu", "call", "gbps"]))
+@click.argument("png_path", type=OutPath())
+@click.option("--metric", default="auto", show_default=True,
+              type=click.Choice(["auto", "gpu", "call", "gbps"]),
+              help="auto: GPU time when the run has it, else per-call time (CPU runs).")
 def plot(json_path: str, png_path: str, metric: str) -> None:
     """Plot a `bench --json` result file as a PNG (needs matplotlib)."""
     from .bench.plot import plot_file
+    _plot(lambda: plot_file(json_path, png_path, metric=metric), png_path,
+          f"plot: {json_path}")
+
+
+def _plot(draw: Any, png_path: str, what: str) -> Path:
+    """Run ``draw`` (``bench.plot``), turning each of its failures into one line."""
     try:
-        out = plot_file(json_path, png_path, metric=metric)
+        out: Path = draw()
     except ImportError as exc:
-        raise click.ClickException(f"plot: needs matplotlib ({exc}); pip install "
+        raise click.ClickException(f"{what}: needs matplotlib ({exc}); pip install "
                                    "'paged-decode[plot]'") from exc
-    except (ValueError, KeyError) as exc:
-        raise click.ClickException(f"plot: {json_path}: {exc}") from exc
+    except ValueError as exc:
+        raise click.ClickException(f"{what}: {exc}") from exc
+    except OSError as exc:
+        raise click.ClickException(f"{what}: cannot write {png_path}: "
+                                   f"{exc.strerror or exc}") from exc
     click.echo(f"wrote {out}")
+    return out
 
 
 if __name__ == "__main__":

@@ -21,10 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backends import Backend, Problem, backend_for
+from .backends import Backend, Problem, backend_for, c_contiguous
 from .cascade import CascadeDecodePlan, run_cascade
-from .dtypes import check_dtype
-from .errors import InvalidArgumentError, UnsupportedProblemError, check_ndim, check_shape
+from .dtypes import check_dtype, expect_dtype
+from .errors import (
+    UnsupportedProblemError,
+    check_bool,
+    check_choice,
+    check_ndim,
+    check_number,
+    check_shape,
+    check_type,
+    fail,
+)
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import DecodePlan, plan_decode
@@ -98,9 +107,20 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
     (``paged_decode.prepared.decode_cache``, 8 entries, least recently used first out)
     keeps the arrays of its entries alive; ``decode_cache.clear()`` releases them.
     """
-    fn = "decode"
-    be = backend_for(backend, q)
+    return run_decode("decode", q, k_pages, v_pages, table, plan, path=path,
+                      sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
+                      out_dtype=out_dtype, backend=backend, cascade=cascade)
+
+
+def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+               plan: DecodePlan | None = None, *, path: str, sm_scale: float | None,
+               out: Any, lse: Any, return_lse: bool, out_dtype: str | None,
+               backend: str | Backend | None, cascade: Any) -> Any:
+    """``decode`` for the public function ``fn`` (``decode``, ``cascade_decode``): its
+    errors name ``fn``."""
+    be = backend_for(backend, q, fn=fn)
     fast_key = None
+    arrays = (q, k_pages, v_pages, out, lse)
     if (out is not None and (lse is not None or not return_lse) and not be.functional_outputs
             and ((plan is not None and (cascade is None or cascade is False))
                  or isinstance(cascade, CascadeDecodePlan))):
@@ -110,24 +130,30 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
         fast_key = (id(q), id(k_pages), id(v_pages), id(table), id(plan), id(out), id(lse),
                     return_lse, path, sm_scale, out_dtype, cascade, id(be),
                     be.stream_key(q), *(os.environ.get(e) for e in _PATH_ENVS))
-        prepared = decode_cache.get(fast_key)
+        try:
+            prepared = decode_cache.get(fast_key, arrays)
+        except TypeError:   # an unhashable argument: never cached, the checks below say why
+            prepared = fast_key = None
         if prepared is not None:
             return prepared()
     a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
-                   out_dtype=out_dtype)
+                   out_dtype=out_dtype, return_lse=return_lse)
     single = be.auto_path() if path == "auto" else None  # no automatic cascade there
-    cc, why_cascade = cascade_call(fn, be, a, cascade, single[0] if single else path, q,
-                                   out, lse)
+    run_as = single[0] if single else path
+    cc, why_cascade = cascade_call(fn, be, a, cascade, run_as, q, out, lse)
     if cc is not None:
         with be.launch_context(q):
             run_cascade(be, a.q, a.k, a.v, cc.plan, a.scale, cc.out, cc.lse)
         record(cc.outcome)
         if fast_key is not None and cc.tensor_cores and be.merge_gathers:
             from .prepared import PreparedCascade, decode_cache
-            decode_cache.put(fast_key, (be, q, k_pages, v_pages, table, cascade, out, lse),
+            decode_cache.put(fast_key, (be, table, cascade), arrays,
                              PreparedCascade(be, a, cc, out, lse, return_lse, q))
         return _results(be, q, out, lse, cc.out, cc.lse, return_lse)
     want_lse = return_lse or lse is not None
+    if a.b == 0:
+        return _empty_batch(fn, be, a, plan, "v2" if run_as == "auto" else run_as, q, out,
+                            lse, want_lse, return_lse)
     plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
                                                    want_lse)
     with be.launch_context(q):
@@ -138,7 +164,7 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
                          plan.num_chunks if ran.startswith("v2") else a.b, reason))
     if fast_key is not None and chosen in ("v2", "v1"):
         from .prepared import PreparedDecode, decode_cache
-        decode_cache.put(fast_key, (be, q, k_pages, v_pages, table, plan, out, lse),
+        decode_cache.put(fast_key, (be, table, plan), arrays,
                          PreparedDecode(be, a, plan, chosen, reason, out,
                                         lse if want_lse else None, out_a, lse_a,
                                         return_lse, q))
@@ -165,40 +191,38 @@ class CallArgs:
 
 
 def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
-               path: str, sm_scale: float | None, out_dtype: str | None) -> CallArgs:
-    """Validate a decode call's arrays, table, path and scale (errors name ``fn``)."""
-    qa, ka, va = be.asarray(q), be.asarray(k_pages), be.asarray(v_pages)
-    if not isinstance(table, PageTable):
-        raise InvalidArgumentError(f"{fn}: table must be a PageTable, got {type(table).__name__}")
-    check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]")
-    check_ndim(fn, "k_pages", ka.shape, 4, "[num_pages, P, Hkv, D]")
+               path: str, sm_scale: float | None, out_dtype: str | None,
+               return_lse: bool) -> CallArgs:
+    """Validate a decode call's arrays, table, path, scale and flags (errors name ``fn``)."""
+    qa, ka, va = (be.array_arg(fn, n, x) for n, x in (("q", q), ("k_pages", k_pages),
+                                                        ("v_pages", v_pages)))
+    check_type(fn, "table", table, PageTable, "a PageTable")
+    check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
+    check_ndim(fn, "k_pages", ka.shape, 4, "[num_pages, P, Hkv, D]", "P Hkv D")
     b, hq, d = (int(x) for x in qa.shape)
     num_pages, p, hkv, dk = (int(x) for x in ka.shape)
     check_shape(fn, "q", qa.shape, (table.batch_size, hq, dk), "[B, Hq, D]")
     check_shape(fn, "v_pages", va.shape, ka.shape, "[num_pages, P, Hkv, D]")
     if p != table.page_size:
-        raise InvalidArgumentError(f"{fn}: k_pages page size (axis 1) must equal "
-                                   f"table.page_size = {table.page_size}, got {p}")
+        raise fail(fn, f"k_pages page size (axis 1) must equal table.page_size = "
+                       f"{table.page_size}, got {p}")
     if hq % hkv:
-        raise InvalidArgumentError(f"{fn}: q's heads must be a multiple of k_pages' KV heads, "
-                                   f"got Hq = {hq} and Hkv = {hkv}")
+        raise fail(fn, f"q's heads must be a multiple of k_pages' KV heads, got Hq = {hq} "
+                       f"and Hkv = {hkv}")
     if table.max_page_id >= num_pages:
-        raise InvalidArgumentError(f"{fn}: table references page {table.max_page_id}, but "
-                                   f"k_pages has only {num_pages} pages")
+        raise fail(fn, f"table references page {table.max_page_id}, but k_pages has only "
+                       f"{num_pages} pages")
     for name, arr in (("q", qa), ("k_pages", ka), ("v_pages", va)):
-        if not _is_contiguous(arr):
-            raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous (row-major)")
+        if not c_contiguous(arr):
+            raise fail(fn, f"{name} must be C-contiguous (row-major)")
     q_dt = check_dtype(fn, "q", be.dtype_of(qa))
     kv_dt = check_dtype(fn, "k_pages", be.dtype_of(ka))
     if check_dtype(fn, "v_pages", be.dtype_of(va)) != kv_dt:
-        raise InvalidArgumentError(f"{fn}: v_pages must have k_pages' dtype {kv_dt}, "
-                                   f"got {be.dtype_of(va)}")
-    o_dt = check_dtype(fn, "out_dtype", out_dtype or q_dt)
-    if path not in PATHS:
-        raise InvalidArgumentError(f"{fn}: path must be one of {', '.join(PATHS)}, got {path!r}")
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    if not math.isfinite(scale):
-        raise InvalidArgumentError(f"{fn}: sm_scale must be finite, got {sm_scale!r}")
+        raise fail(fn, f"v_pages must have k_pages' dtype {kv_dt}, got {be.dtype_of(va)}")
+    o_dt = check_dtype(fn, "out_dtype", q_dt if out_dtype is None else out_dtype)
+    check_choice(fn, "path", path, PATHS)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else check_number(fn, "sm_scale", sm_scale)
+    check_bool(fn, "return_lse", return_lse)
     return CallArgs(qa, ka, va, table, b, hq, hkv, d, p, q_dt, kv_dt, o_dt, scale)
 
 
@@ -208,8 +232,7 @@ def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
     if plan is None:
         with be.launch_context(like):  # the device of q, for its SM count
             return plan_decode(a.table, a.hq, a.hkv, a.d, device=be.device_info())
-    if not isinstance(plan, DecodePlan):
-        raise InvalidArgumentError(f"{fn}: plan must be a DecodePlan, got {type(plan).__name__}")
+    check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
     plan.check(fn, a.table, a.hq, a.hkv, a.d)
     return plan
 
@@ -221,6 +244,8 @@ def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: 
     the plan (checked or made), the path and why, the support check, and the output
     buffers ``out [B, Hq, D]`` and ``lse [B, Hq]`` float32 (``None`` when the gather path
     needs no LSE). Returns ``(plan, path, reason, out, lse)``."""
+    if a.b == 0:   # decode returns empty arrays (``_empty_batch``); no plan fits no requests
+        raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
     plan = resolve_plan(fn, be, a, plan, like)
     chosen, reason = choose_path(be, a.table, plan) if path == "auto" else (path, "requested")
     check_support(fn, be, a, chosen)
@@ -303,6 +328,20 @@ def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
     return "gather"
 
 
+def _empty_batch(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
+                 like: Any, out: Any, lse: Any, want_lse: bool, return_lse: bool) -> Any:
+    """A batch without requests: the checks a real call makes (a given plan, the path's
+    support, the output buffers), then empty results ``[0, Hq, D]`` and ``[0, Hq]``."""
+    if plan is not None:
+        resolve_plan(fn, be, a, plan, like)
+    check_support(fn, be, a, path)
+    with be.launch_context(like):
+        out_a = output_buffer(fn, be, "out", out, (0, a.hq, a.d), a.o_dt)
+        lse_a = output_buffer(fn, be, "lse", lse, (0, a.hq), "float32") if want_lse else None
+    record(DecodeOutcome("empty", be.name, 0, 0, 0, "empty batch (B = 0): nothing to run"))
+    return _results(be, like, out, lse, out_a, lse_a, return_lse)
+
+
 def _results(be: Backend, q: Any, out: Any, lse: Any, out_a: Any, lse_a: Any,
              return_lse: bool) -> Any:
     result = be.wrap_result(out_a, like=q) if out is None else out
@@ -317,26 +356,18 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     if given is None:
         return be.empty(shape, dtype)
     if be.functional_outputs and not be.owns(given):  # MLX: the result rebinds `given`
-        raise InvalidArgumentError(f"{fn}: {name} must be an array of backend {be.name!r} "
-                                   "(it receives the result by rebinding), got "
-                                   f"{type(given).__module__}.{type(given).__name__}")
-    arr = be.asarray(given)
+        raise fail(fn, f"{name} must be an array of backend {be.name!r} (it receives the "
+                       f"result by rebinding), got {type(given).__module__}."
+                       f"{type(given).__name__}")
+    arr = be.array_arg(fn, name, given)
     check_shape(fn, name, arr.shape, shape, "[B, Hq, D]" if len(shape) == 3 else "[B, Hq]")
-    got = check_dtype(fn, name, be.dtype_of(arr))
-    if got != dtype:
-        raise InvalidArgumentError(f"{fn}: {name} must have dtype {dtype}, got {got}")
-    if not _is_contiguous(arr):
-        raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous")
+    expect_dtype(fn, name, be.dtype_of(arr), dtype)
+    if not c_contiguous(arr):
+        raise fail(fn, f"{name} must be C-contiguous")
+    if not getattr(getattr(arr, "flags", None), "writeable", True):   # numpy read-only
+        raise fail(fn, f"{name} must be writable, got a read-only array")
     return arr
 
 
-def _is_contiguous(arr: Any) -> bool:
-    flags = getattr(arr, "flags", None)
-    if flags is None:
-        return True
-    c = flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous") else flags.c_contiguous
-    return bool(c)
-
-
-__all__ = ["decode", "choose_path", "PATHS", "CallArgs", "check_call", "resolve_plan",
+__all__ = ["decode", "run_decode", "choose_path", "PATHS", "CallArgs", "check_call", "resolve_plan",
            "check_support", "flat_call", "run_path", "output_buffer"]

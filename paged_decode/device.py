@@ -10,10 +10,9 @@ chunk a plan may cut resolves the same way (``min_chunk_tokens``,
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from .errors import InvalidArgumentError
+from .errors import check_int, check_type, env_positive_int
 
 TARGET_ENV = "PAGED_DECODE_TARGET_CTAS"
 CHUNK_ENV = "PAGED_DECODE_MIN_CHUNK_TOKENS"
@@ -44,35 +43,35 @@ class DeviceInfo:
     prefix_tile_rows: int = 0
     shared_mem_per_unit: int = 0
 
+    def __post_init__(self) -> None:
+        fn = "DeviceInfo"
+        for name in ("backend", "name", "detail"):
+            check_type(fn, name, getattr(self, name), str, "a str")
+        for name, least in (("compute_units", 1), ("ctas_per_unit", 1), ("index", 0),
+                            ("min_chunk_tokens", 1), ("prefix_tile_rows", 0),
+                            ("shared_mem_per_unit", 0)):
+            check_int(fn, name, getattr(self, name), least)
+
     @property
     def default_target_ctas(self) -> int:
         return max(1, self.compute_units * self.ctas_per_unit)
 
-    def target_ctas(self, override: int | None = None) -> int:
-        """The CTA count a plan aims for (argument > environment > device default)."""
-        return _setting("target_ctas", override, TARGET_ENV, self.default_target_ctas)
+    def target_ctas(self, override: int | None = None, *,
+                    fn: str = "DeviceInfo.target_ctas") -> int:
+        """The CTA count a plan aims for (argument > environment > device default);
+        errors name ``fn`` (``plan_decode`` passes its own name)."""
+        return _setting(fn, "target_ctas", override, TARGET_ENV, self.default_target_ctas)
 
-    def chunk_floor(self, override: int | None = None) -> int:
+    def chunk_floor(self, override: int | None = None, *,
+                    fn: str = "DeviceInfo.chunk_floor") -> int:
         """Shortest chunk, in tokens, a plan may cut (argument > environment > device)."""
-        return _setting("min_chunk_tokens", override, CHUNK_ENV, self.min_chunk_tokens)
+        return _setting(fn, "min_chunk_tokens", override, CHUNK_ENV, self.min_chunk_tokens)
 
 
-def _setting(name: str, override: int | None, env_name: str, default: int) -> int:
-    """A positive integer setting: the ``plan_decode`` argument, else the environment
-    variable, else the device default."""
+def _setting(fn: str, name: str, override: int | None, env_name: str, default: int) -> int:
+    """A positive integer setting: the argument, else the environment variable, else the
+    device default."""
     if override is not None:
-        return _positive("plan_decode", name, override)
-    env = os.environ.get(env_name)
-    if env:
-        try:
-            return _positive(env_name, "value", int(env))
-        except ValueError as exc:
-            raise InvalidArgumentError(
-                f"{env_name} must be a positive integer, got {env!r}") from exc
-    return default
-
-
-def _positive(fn: str, name: str, value: int) -> int:
-    if int(value) < 1:
-        raise InvalidArgumentError(f"{fn}: {name} must be a positive integer, got {value!r}")
-    return int(value)
+        return check_int(fn, name, override, note=" or None")
+    env = env_positive_int(env_name)
+    return default if env is None else env

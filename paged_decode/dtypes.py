@@ -12,7 +12,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .errors import InvalidDtypeError
+from .errors import InvalidArgumentError, InvalidDtypeError
 
 SUPPORTED = ("float16", "bfloat16", "float32")
 
@@ -60,16 +60,33 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+def _canonical(dtype: Any) -> str:
+    """Canonical name of ``dtype``, or its own spelling when the package does not know it."""
+    try:
+        return dtype_name(dtype)
+    except InvalidDtypeError:
+        return str(dtype)
+
+
 def check_dtype(fn: str, arg: str, dtype: Any, allowed: tuple[str, ...] = SUPPORTED) -> str:
     """Canonical name of ``dtype``; raise naming ``fn`` and ``arg`` unless it is allowed."""
-    try:
-        name = dtype_name(dtype)
-    except InvalidDtypeError:
-        name = str(dtype)
+    name = _canonical(dtype)
     if name not in allowed:
+        shown = repr(dtype) if isinstance(dtype, str) else dtype   # '' must show
         raise InvalidDtypeError(
-            f"{fn}: {arg} must have dtype in ({', '.join(allowed)}), got {dtype}"
+            f"{fn}: {arg} must have dtype in ({', '.join(allowed)}), got {shown}"
         )
+    return name
+
+
+def expect_dtype(fn: str, arg: str, dtype: Any, want: str) -> str:
+    """``want`` unless ``dtype`` is another one; the message names only ``want`` (never a
+    list of dtypes the argument refuses). Another supported dtype is an argument mismatch
+    (``InvalidArgumentError``), a dtype the package does not know an ``InvalidDtypeError``."""
+    name = _canonical(dtype)
+    if name != want:
+        cls = InvalidArgumentError if name in SUPPORTED else InvalidDtypeError
+        raise cls(f"{fn}: {arg} must have dtype {want}, got {name}")
     return name
 
 

@@ -6,7 +6,12 @@ Every message names the function, the argument, what was expected and what came,
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 
 class PagedDecodeError(Exception):
@@ -58,11 +63,93 @@ def check_shape(fn: str, name: str, actual: Sequence[int], expected: Sequence[in
         )
 
 
-def check_ndim(fn: str, name: str, actual: Sequence[int], ndim: int, dims: str) -> None:
+def check_ndim(fn: str, name: str, actual: Sequence[int], ndim: int, dims: str,
+               nonempty: str = "") -> None:
+    """Raise unless ``actual`` has ``ndim`` axes; the axes named in ``nonempty`` (symbols of
+    ``dims``, e.g. ``"Hq D"``) must also be >= 1 (a zero-size head axis is no geometry)."""
     if len(actual) != ndim:
         raise InvalidArgumentError(
             f"{fn}: {name} must be {ndim}-D {dims}, got shape {fmt_shape(actual)}"
         )
+    symbols = dims.strip("[]").split(", ")
+    for sym in nonempty.split():
+        if int(actual[symbols.index(sym)]) < 1:
+            raise InvalidArgumentError(
+                f"{fn}: {name} must have {sym} >= 1 in {dims}, got shape {fmt_shape(actual)}"
+            )
+
+
+def is_int(value: Any) -> bool:
+    """A Python or numpy integer, never a bool (``True`` is not a page size)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_int(fn: str, name: str, value: Any, minimum: int | None = 1,
+              maximum: int | None = None, note: str = "",
+              error: type[InvalidArgumentError] = InvalidArgumentError) -> int:
+    """``value`` as an ``int``, or ``error`` unless it is an integer (not a bool) in
+    ``[minimum, maximum]`` (either bound may be ``None``); ``note`` follows the
+    expectation in the message (e.g. ``" or None"``)."""
+    if is_int(value) and (minimum is None or value >= minimum) \
+            and (maximum is None or value <= maximum):
+        return int(value)
+    if maximum is not None:
+        want = f"an integer in [{minimum}, {maximum}]"
+    else:
+        want = {None: "an integer", 0: "a non-negative integer",
+                1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+    raise error(f"{fn}: {name} must be {want}{note}, got {value!r}")
+
+
+def env_positive_int(env_name: str) -> int | None:
+    """The positive integer in environment variable ``env_name`` (``None`` when unset or
+    empty); anything else raises ``InvalidArgumentError`` naming the variable."""
+    val = os.environ.get(env_name, "").strip()
+    if not val:
+        return None
+    try:
+        n = int(val)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise InvalidArgumentError(f"{env_name} must be a positive integer, got {val!r}")
+    return n
+
+
+def check_number(fn: str, name: str, value: Any, minimum: float | None = None) -> float:
+    """``value`` as a finite ``float``: an int or float (numpy's too), not a bool or a
+    string (``"0.1"`` is not a scale), and ``>= minimum`` when given."""
+    if not (isinstance(value, (int, float, np.integer, np.floating))
+            and not isinstance(value, bool)):
+        raise InvalidArgumentError(f"{fn}: {name} must be a real number, got "
+                                   f"{type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise InvalidArgumentError(f"{fn}: {name} must be finite, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidArgumentError(f"{fn}: {name} must be >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def check_bool(fn: str, name: str, value: Any) -> bool:
+    """``value`` unless it is not a bool (``"yes"`` and ``1`` are refused)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{fn}: {name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def check_choice(fn: str, name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` unless it is not one of the strings ``choices``."""
+    if not (isinstance(value, str) and value in choices):
+        raise InvalidArgumentError(f"{fn}: {name} must be one of {', '.join(choices)}, "
+                                   f"got {value!r}")
+    return value
+
+
+def check_type(fn: str, name: str, value: Any, cls: type | tuple[type, ...],
+               what: str) -> None:
+    """Raise unless ``value`` is an instance of ``cls`` (``what`` names it in words)."""
+    if not isinstance(value, cls):
+        raise InvalidArgumentError(f"{fn}: {name} must be {what}, got {type(value).__name__}")
 
 
 def fail(fn: str, message: str) -> InvalidArgumentError:

@@ -14,9 +14,24 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Backend, backend_for
-from .dtypes import check_dtype
+from .backends import Backend, backend_for, c_contiguous
+from .dtypes import check_dtype, expect_dtype
 from .errors import InvalidArgumentError, check_ndim, check_shape
+
+
+def _check_state(fn: str, be: Backend, names: tuple[str, str], v: Any, lse: Any, dims: str,
+                 shape: tuple[int, ...] | None = None) -> tuple[Any, Any, tuple[int, ...]]:
+    """Arguments ``names`` = (V, LSE) of ``fn`` as float32 arrays of ``be``: V of shape
+    ``dims`` (``shape`` when given, e.g. the other side of ``merge_state``), LSE its first
+    two axes. Returns ``(v, lse, v's shape)``."""
+    va, la = be.array_arg(fn, names[0], v), be.array_arg(fn, names[1], lse)
+    check_ndim(fn, names[0], va.shape, 3, dims, "H D")
+    shape = tuple(int(x) for x in va.shape) if shape is None else shape
+    check_shape(fn, names[0], va.shape, shape, dims)
+    check_shape(fn, names[1], la.shape, shape[:2], dims.rsplit(",", 1)[0] + "]")
+    for name, arr in zip(names, (va, la)):
+        expect_dtype(fn, name, be.dtype_of(arr), "float32")
+    return va, la, shape
 
 
 def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
@@ -34,15 +49,16 @@ def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
         ``(v_out [M, H, D], lse_out [M, H] float32, base 2)``.
     """
     fn = "merge_states"
-    be = backend_for(backend, v)
-    va, la = be.asarray(v), be.asarray(lse)
-    check_ndim(fn, "v", va.shape, 3, "[N, H, D]")
-    n, h, d = (int(x) for x in va.shape)
-    check_shape(fn, "lse", la.shape, (n, h), "[N, H]")
+    be = backend_for(backend, v, fn=fn)
+    va, la, (n, h, d) = _check_state(fn, be, ("v", "lse"), v, lse, "[N, H, D]")
     for name, arr in (("v", va), ("lse", la)):
-        if check_dtype(fn, name, be.dtype_of(arr)) != "float32":
-            raise InvalidArgumentError(f"{fn}: {name} must be float32, got {be.dtype_of(arr)}")
-    ip = np.asarray(indptr)
+        if not c_contiguous(arr):   # the merge kernels read rows through raw pointers
+            raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous (row-major)")
+    try:
+        ip = np.asarray(indptr)
+    except (ValueError, TypeError) as exc:   # ragged nested lists
+        raise InvalidArgumentError(f"{fn}: indptr must be a 1-D integer array [M+1], got a "
+                                   f"{type(indptr).__name__} that is not one") from exc
     if ip.ndim != 1 or ip.size < 1 or (ip.size and not np.issubdtype(ip.dtype, np.integer)):
         raise InvalidArgumentError(f"{fn}: indptr must be a 1-D integer array [M+1], got "
                                    f"shape {list(ip.shape)} dtype {ip.dtype}")
@@ -62,14 +78,12 @@ def merge_state(v_a: Any, lse_a: Any, v_b: Any, lse_b: Any, *, out_dtype: str = 
     """Merge two states row by row: ``v_a, v_b [n, H, D]`` f32, ``lse_a, lse_b [n, H]`` f32
     (base 2) -> ``(v [n, H, D], lse [n, H])``."""
     fn = "merge_state"
-    be = backend_for(backend, v_a)
-    arrays = [be.asarray(x) for x in (v_a, lse_a, v_b, lse_b)]
-    check_ndim(fn, "v_a", arrays[0].shape, 3, "[n, H, D]")
-    n, h, d = (int(x) for x in arrays[0].shape)
-    check_shape(fn, "v_b", arrays[2].shape, (n, h, d), "[n, H, D]")
-    check_shape(fn, "lse_a", arrays[1].shape, (n, h), "[n, H]")
-    check_shape(fn, "lse_b", arrays[3].shape, (n, h), "[n, H]")
+    be = backend_for(backend, v_a, fn=fn)
+    va, la, shape = _check_state(fn, be, ("v_a", "lse_a"), v_a, lse_a, "[n, H, D]")
+    vb, lb, _ = _check_state(fn, be, ("v_b", "lse_b"), v_b, lse_b, "[n, H, D]", shape)
+    check_dtype(fn, "out_dtype", out_dtype)
+    n, h, d = shape
     xp = be.array_module()
-    v = xp.stack([arrays[0], arrays[2]], axis=1).reshape(2 * n, h, d)
-    lse = xp.stack([arrays[1], arrays[3]], axis=1).reshape(2 * n, h)
+    v = xp.stack([va, vb], axis=1).reshape(2 * n, h, d)
+    lse = xp.stack([la, lb], axis=1).reshape(2 * n, h)
     return merge_states(v, lse, np.arange(0, 2 * n + 1, 2), out_dtype=out_dtype, backend=be)

@@ -16,8 +16,9 @@ class DecodeOutcome:
 
     ``path``: ``"v2"``, ``"v2+merge"``, ``"v1"``, ``"gather"``, ``"cascade"`` (shared
     prefix; ``detail`` names the members and shared pages), ``"sparse"`` (a selection
-    through a ``page_size = 1`` table on the v2 kernels) or ``"sparse-masked"`` (the dense
-    masked path the sparsity gate chose). ``num_chunks``: partial states computed.
+    through a ``page_size = 1`` table on the v2 kernels), ``"sparse-masked"`` (the dense
+    masked path the sparsity gate chose) or ``"empty"`` (a batch without requests: empty
+    results, nothing ran). ``num_chunks``: partial states computed.
     ``detail``: optional extra facts (empty for the flat paths).
     """
 

@@ -30,20 +30,39 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PageTableError
+from .errors import PageTableError, check_int
+
+_TABLE_ARRAYS = ("indices", "indptr", "last_page_len", "first_page_offset", "rope_positions")
+
+
+def frozen_int32(value: Any) -> np.ndarray:
+    """A read-only ``int32`` copy of ``value`` whose data a ``bytes`` object owns, so that
+    ``setflags(write=True)`` raises: tables and plans are validated once and their device
+    copies memoised by identity, so an edit after validation would be an out-of-bounds
+    read on a GPU. An array already held that way is returned as it is."""
+    if isinstance(value, np.ndarray) and value.dtype == np.int32:
+        root = value
+        while isinstance(root, np.ndarray) and root.base is not None:
+            root = root.base
+        if isinstance(root, bytes):
+            return value
+    arr = np.ascontiguousarray(value, dtype=np.int32)
+    return np.frombuffer(arr.tobytes(), np.int32).reshape(arr.shape)
 
 
 def _as_i32(fn: str, name: str, value: Any, ndim: int = 1) -> np.ndarray:
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:   # ragged nested lists
+        raise PageTableError(f"{fn}: {name} must be a {ndim}-D integer array, got "
+                             f"{type(value).__name__}") from exc
     if arr.ndim != ndim:
         raise PageTableError(f"{fn}: {name} must be {ndim}-D, got shape {list(arr.shape)}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise PageTableError(f"{fn}: {name} must hold integers, got dtype {arr.dtype}")
     if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
         raise PageTableError(f"{fn}: {name} has values outside int32")
-    out = np.ascontiguousarray(arr, dtype=np.int32).copy()
-    out.setflags(write=False)
-    return out
+    return frozen_int32(arr)
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,6 +86,8 @@ class PageTable:
     pages_per_request: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in _TABLE_ARRAYS:   # a table built directly owns read-only copies too
+            object.__setattr__(self, name, frozen_int32(getattr(self, name)))
         b = max(self.indptr.size - 1, 0)
         pages = np.diff(self.indptr.astype(np.int64)) if self.indptr.size else \
             np.zeros(0, np.int64)
@@ -76,9 +97,12 @@ class PageTable:
         else:  # malformed lengths: validate() reports them by name
             vis = np.zeros(b, np.int64)
         for name, arr in (("visible_lens", vis), ("pages_per_request", pages)):
-            a = np.ascontiguousarray(arr, dtype=np.int32)
-            a.setflags(write=False)
-            object.__setattr__(self, name, a)
+            object.__setattr__(self, name, frozen_int32(arr))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # copies and pickles are rebuilt (validated, read-only), never restored writable
+        return (_rebuild, (*(getattr(self, n) for n in _TABLE_ARRAYS), self.page_size,
+                           self.num_pages))
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -91,8 +115,9 @@ class PageTable:
         lengths; ``num_pages`` (the pool size) enables the page-id range check.
         """
         fn = "PageTable.build"
-        if not isinstance(page_size, (int, np.integer)) or page_size < 1:
-            raise PageTableError(f"{fn}: page_size must be a positive integer, got {page_size!r}")
+        check_int(fn, "page_size", page_size, error=PageTableError)
+        if num_pages is not None:
+            check_int(fn, "num_pages", num_pages, 0, note=" or None", error=PageTableError)
         ip = _as_i32(fn, "indptr", indptr)
         if ip.size == 0:
             raise PageTableError(f"{fn}: indptr must have B+1 >= 1 entries, got 0")
@@ -109,7 +134,7 @@ class PageTable:
             rope = rope_positions
         table = cls(idx, ip, lpl, fpo, _as_i32(fn, "rope_positions", rope), int(page_size),
                     None if num_pages is None else int(num_pages))
-        table.validate()
+        table._validate(fn, None)
         return table
 
     # ------------------------------------------------------------------ queries
@@ -131,11 +156,19 @@ class PageTable:
         return int(self.visible_lens.astype(np.int64).sum())
 
     def request_pages(self, r: int) -> np.ndarray:
+        """Physical page ids of request ``r``."""
+        r = check_int("PageTable.request_pages", "r", r, 0, self.batch_size - 1,
+                      error=PageTableError)
         return self.indices[self.indptr[r]:self.indptr[r + 1]]
 
     def subset(self, requests: Sequence[int]) -> PageTable:
         """A new table with only ``requests`` (in the given order)."""
-        reqs = [int(r) for r in requests]
+        fn = "PageTable.subset"
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
+            raise PageTableError(f"{fn}: requests must be a sequence of request indices, "
+                                 f"got {type(requests).__name__}")
+        reqs = [check_int(fn, "requests[i]", r, 0, self.batch_size - 1, error=PageTableError)
+                for r in requests]
         parts = [self.request_pages(r) for r in reqs]
         counts = [len(p) for p in parts]
         return PageTable.build(
@@ -156,7 +189,12 @@ class PageTable:
         geometry identity giving ``visible_len >= 0``, and ``rope_positions >=
         visible_len``.
         """
-        fn = "PageTable.validate"
+        self._validate("PageTable.validate", num_pages)
+
+    def _validate(self, fn: str, num_pages: int | None) -> None:
+        """``validate`` for the public function ``fn`` (``build`` names itself)."""
+        if num_pages is not None:
+            check_int(fn, "num_pages", num_pages, 0, note=" or None", error=PageTableError)
         p = self.page_size
         ip, lpl, fpo = self.indptr, self.last_page_len, self.first_page_offset
         b = ip.size - 1
@@ -214,3 +252,10 @@ class PageTable:
         return (f"PageTable(B={self.batch_size}, page_size={self.page_size}, "
                 f"pages={self.total_pages}, visible={self.visible_lens.tolist()[:8]}"
                 f"{'...' if self.batch_size > 8 else ''})")
+
+
+def _rebuild(indices: Any, indptr: Any, last_page_len: Any, first_page_offset: Any,
+             rope_positions: Any, page_size: int, num_pages: int | None) -> PageTable:
+    return PageTable.build(indices, indptr, last_page_len, page_size=page_size,
+                           first_page_offset=first_page_offset,
+                           rope_positions=rope_positions, num_pages=num_pages)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .device import DeviceInfo
-from .errors import InvalidArgumentError, PlanMismatchError
-from .page_table import PageTable
+from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type
+from .page_table import PageTable, frozen_int32
 
 MAX_CHUNKS = 65535
 MAX_HEADS_PER_CTA = 8
@@ -44,8 +44,7 @@ def heads_per_cta(num_qo_heads: int, num_kv_heads: int) -> int:
 def check_geometry(fn: str, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
     for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                       ("head_dim", head_dim)):
-        if not isinstance(val, (int, np.integer)) or val < 1:
-            raise InvalidArgumentError(f"{fn}: {name} must be a positive integer, got {val!r}")
+        check_int(fn, name, val)
     if num_qo_heads % num_kv_heads:
         raise InvalidArgumentError(
             f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got {num_qo_heads} "
@@ -137,6 +136,7 @@ class DecodePlan:
         A plan serves any table with the same batch size and page size whose requests
         keep the same chunk count at this ``pages_per_chunk``.
         """
+        check_type("DecodePlan.mismatch", "table", table, PageTable, "a PageTable")
         if table.batch_size != self.batch_size:
             return f"batch size {table.batch_size} != plan's {self.batch_size}"
         if table.page_size != self.page_size:
@@ -214,9 +214,9 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
             fills the device with that kernel's CTAs.
     """
     fn = "plan_decode"
-    if not isinstance(table, PageTable):
-        raise InvalidArgumentError(f"{fn}: table must be a PageTable, got {type(table).__name__}")
+    check_type(fn, "table", table, PageTable, "a PageTable")
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+    max_chunks = check_int(fn, "max_chunks", max_chunks, 1, MAX_CHUNKS)
     b = table.batch_size
     if b < 1:
         raise InvalidArgumentError(f"{fn}: table must have at least one request, got 0")
@@ -225,19 +225,19 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
                                    f"{max_chunks} chunks")
     if device is None:
         from .backends import get_backend
-        device = get_backend(backend).device_info()
-    target = device.target_ctas(target_ctas)
+        device = get_backend(backend, fn=fn).device_info()
+    check_type(fn, "device", device, DeviceInfo, "a DeviceInfo or None")
+    target = device.target_ctas(target_ctas, fn=fn)
     qh = heads_per_cta(num_qo_heads, num_kv_heads)
     q_groups = (num_qo_heads // num_kv_heads) // qh
     if ctas_per_chunk is None:
         ctas_per_chunk = num_kv_heads * q_groups
-    elif not isinstance(ctas_per_chunk, (int, np.integer)) or ctas_per_chunk < 1:
-        raise InvalidArgumentError(f"{fn}: ctas_per_chunk must be a positive integer, "
-                                   f"got {ctas_per_chunk!r}")
+    else:
+        ctas_per_chunk = check_int(fn, "ctas_per_chunk", ctas_per_chunk, note=" or None")
     pages = table.pages_per_request
     max_ppc = max(1, int(pages.max()))
     min_ppc = smallest_chunk_size(pages, max_chunks)
-    floor_tokens = device.chunk_floor(min_chunk_tokens)
+    floor_tokens = device.chunk_floor(min_chunk_tokens, fn=fn)
     grid_min_ppc = min_ppc
     min_ppc = min(max(min_ppc, -(-int(floor_tokens) // table.page_size)), max_ppc)
 
@@ -245,10 +245,7 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
         return int(chunk_counts(pages, ppc).sum()) * ctas_per_chunk >= target
 
     if pages_per_chunk is not None:
-        if not isinstance(pages_per_chunk, (int, np.integer)) or pages_per_chunk < 1:
-            raise InvalidArgumentError(f"{fn}: pages_per_chunk must be a positive integer, "
-                                       f"got {pages_per_chunk!r}")
-        ppc = int(pages_per_chunk)
+        ppc = check_int(fn, "pages_per_chunk", pages_per_chunk, note=" or None")
         if int(chunk_counts(pages, ppc).sum()) > max_chunks:
             raise InvalidArgumentError(
                 f"{fn}: pages_per_chunk = {ppc} gives "
@@ -277,11 +274,7 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
     req = np.repeat(np.arange(b, dtype=np.int64), counts)
     o_indptr = np.concatenate([[0], np.cumsum(counts)])
     tiles = np.arange(req.size, dtype=np.int64) - o_indptr[req]
-    arrays = []
-    for a in (counts, req, tiles, o_indptr):
-        a = np.ascontiguousarray(a, dtype=np.int32)
-        a.setflags(write=False)
-        arrays.append(a)
+    arrays = [frozen_int32(a) for a in (counts, req, tiles, o_indptr)]
     return DecodePlan(b, int(num_qo_heads), int(num_kv_heads), int(head_dim),
                       table.page_size, ppc, qh, q_groups, target,
                       pages_per_chunk is not None, int(ctas_per_chunk), *arrays)

@@ -20,7 +20,15 @@ import numpy as np
 
 from .backends import Backend, get_backend
 from .dtypes import check_dtype
-from .errors import InvalidArgumentError, PoolExhaustedError, check_shape, fmt_shape
+from .errors import (
+    InvalidArgumentError,
+    PoolExhaustedError,
+    check_int,
+    check_shape,
+    fail,
+    fmt_shape,
+    is_int,
+)
 from .page_table import PageTable
 
 
@@ -50,13 +58,10 @@ class PagePool:
         fn = "PagePool"
         for name, val in (("num_pages", num_pages), ("page_size", page_size),
                           ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(val, (int, np.integer)) or val < 1:
-                raise InvalidArgumentError(f"{fn}: {name} must be a positive integer, "
-                                           f"got {val!r}")
-        if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
-            raise InvalidArgumentError(f"{fn}: num_layers must be a positive integer or None, "
-                                       f"got {num_layers!r}")
-        self.backend = get_backend(backend)
+            check_int(fn, name, val)
+        if num_layers is not None:
+            num_layers = check_int(fn, "num_layers", num_layers, note=" or None")
+        self.backend = get_backend(backend, fn=fn)
         self.dtype = check_dtype(fn, "dtype", dtype)
         self.num_pages, self.page_size = int(num_pages), int(page_size)
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
@@ -76,7 +81,9 @@ class PagePool:
         return len(self._free)
 
     def refcount(self, page: int) -> int:
-        return int(self._ref[page])
+        """References to physical page ``page`` (0: free)."""
+        return int(self._ref[check_int("PagePool.refcount", "page", page, 0,
+                                       self.num_pages - 1)])
 
     def sequences(self) -> list[int]:
         return list(self._seqs)
@@ -92,13 +99,13 @@ class PagePool:
     def layer(self, i: int) -> tuple[Any, Any]:
         """``(k, v)`` pages of layer ``i``, each ``[num_pages, page_size, Hkv, D]``."""
         if self.num_layers is None:
-            if i != 0:
-                raise InvalidArgumentError(f"PagePool.layer: the pool has one layer, got {i}")
+            if not (is_int(i) and i == 0):
+                raise InvalidArgumentError(f"PagePool.layer: the pool has one layer, got {i!r}")
             return self.k, self.v
-        if not 0 <= i < self.num_layers:
+        if not (is_int(i) and 0 <= i < self.num_layers):
             raise InvalidArgumentError(f"PagePool.layer: i must be in [0, {self.num_layers}), "
-                                       f"got {i}")
-        return self.k[i], self.v[i]
+                                       f"got {i!r}")
+        return self.k[int(i)], self.v[int(i)]
 
     # ------------------------------------------------------------------ lifecycle
     def new_sequence(self) -> int:
@@ -130,7 +137,7 @@ class PagePool:
         """
         fn = "PagePool.append"
         s = self._get(fn, seq)
-        kb, vb = self.backend.asarray(k), self.backend.asarray(v)
+        kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
         kshape = tuple(kb.shape)
         lead = () if self.num_layers is None else (self.num_layers,)
         dims = "[T, Hkv, D]" if not lead else "[L, T, Hkv, D]"
@@ -180,11 +187,9 @@ class PagePool:
         fn = "PagePool.trim_front"
         s = self._get(fn, seq)
         vis = s.filled - s.start
-        if not isinstance(n, (int, np.integer)) or not 0 <= n <= vis:
-            raise InvalidArgumentError(f"{fn}: n must be an integer in [0, {vis}] (the "
-                                       f"visible length of sequence {seq}), got {n!r}")
-        s.start += int(n)
-        s.trimmed += int(n)
+        n = check_int(fn, "n", n, 0, vis, f" (the visible length of sequence {seq})")
+        s.start += n
+        s.trimmed += n
         p = self.page_size
         while s.start >= p:  # the first page holds no visible token
             self._release(s.pages.pop(0))
@@ -195,6 +200,9 @@ class PagePool:
     def page_table(self, seqs: Sequence[int]) -> PageTable:
         """The CSR page table of ``seqs``, in order (a sequence may appear twice)."""
         fn = "PagePool.page_table"
+        if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
+            raise fail(fn, f"seqs must be a sequence of sequence ids, got "
+                           f"{type(seqs).__name__} {seqs!r}")
         rows = [self._get(fn, q) for q in seqs]
         p = self.page_size
         counts = [len(s.pages) for s in rows]
@@ -208,9 +216,12 @@ class PagePool:
 
     # ------------------------------------------------------------------ internals
     def _get(self, fn: str, seq: int) -> _Seq:
+        if not is_int(seq):   # True would find sequence 1
+            raise fail(fn, f"seq must be a sequence id (an int), got {type(seq).__name__} "
+                           f"{seq!r}")
         try:
             return self._seqs[seq]
-        except (KeyError, TypeError):
+        except KeyError:
             raise InvalidArgumentError(f"{fn}: unknown sequence {seq!r}; live sequences: "
                                        f"{sorted(self._seqs)[:16]}") from None
 

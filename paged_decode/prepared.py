@@ -31,7 +31,6 @@ from .decode import (
     flat_call,
     run_path,
 )
-from .errors import InvalidArgumentError
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import DecodePlan
@@ -129,11 +128,9 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     place.
     """
     fn = "prepare_decode"
-    be = backend_for(backend, q)
+    be = backend_for(backend, q, fn=fn)
     a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
-                   out_dtype=out_dtype)
-    if not isinstance(return_lse, bool):
-        raise InvalidArgumentError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
+                   out_dtype=out_dtype, return_lse=return_lse)
     want_lse = return_lse or lse is not None
 
     def bound(out_a: Any, lse_a: Any) -> tuple[Any, Any]:
@@ -159,30 +156,55 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
 Prepared = PreparedDecode | PreparedCascade
 
 
+def layouts(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What a prepared call relies on of each array and that can change on the same
+    object (``q.shape = ...``, ``resize``): shape, dtype and strides (``None`` kept)."""
+    out: list[Any] = []
+    for x in arrays:
+        if x is None:
+            out.append(None)
+            continue
+        strides = getattr(x, "strides", None)
+        if strides is None and callable(getattr(x, "stride", None)):   # torch
+            strides = x.stride()
+        out.append((tuple(x.shape), x.dtype, strides))
+    return tuple(out)
+
+
 class CallCache:
     """The prepared calls behind ``decode``'s fast path: a small LRU keyed by the identity
     of every argument (and the settings that steer path choice). Each entry holds the
     keyed objects themselves, so an ``id`` can never be reused by another object while
-    its entry lives; arrays stay alive until the entry is evicted (``MAX`` entries)."""
+    its entry lives; arrays stay alive until the entry is evicted (``MAX`` entries). A hit
+    also compares the arrays' ``layouts`` with those the call was prepared for: an array
+    reshaped in place drops the entry, and the caller validates afresh."""
 
     MAX = 8
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Prepared]] \
+        self._entries: OrderedDict[tuple[Any, ...],
+                                   tuple[tuple[Any, ...], tuple[Any, ...], Prepared]] \
             = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[Any, ...]) -> Prepared | None:
+    def get(self, key: tuple[Any, ...], arrays: tuple[Any, ...]) -> Prepared | None:
+        """The prepared call under ``key`` when ``arrays`` still have its layouts."""
         with self._lock:
             hit = self._entries.get(key)
             if hit is None:
                 return None
+            if layouts(arrays) != hit[1]:
+                del self._entries[key]
+                return None
             self._entries.move_to_end(key)
-            return hit[1]
+            return hit[2]
 
-    def put(self, key: tuple[Any, ...], refs: tuple[Any, ...], prep: Prepared) -> None:
+    def put(self, key: tuple[Any, ...], refs: tuple[Any, ...], arrays: tuple[Any, ...],
+            prep: Prepared) -> None:
+        """Keep ``prep`` under ``key`` with ``refs`` and ``arrays`` alive (``arrays``'
+        layouts are what a hit compares)."""
         with self._lock:
-            self._entries[key] = (refs, prep)
+            self._entries[key] = ((refs, arrays), layouts(arrays), prep)
             self._entries.move_to_end(key)
             while len(self._entries) > self.MAX:
                 self._entries.popitem(last=False)
@@ -196,4 +218,5 @@ class CallCache:
 decode_cache = CallCache()
 
 
-__all__ = ["CallCache", "PreparedCascade", "PreparedDecode", "decode_cache", "prepare_decode"]
+__all__ = ["CallCache", "PreparedCascade", "PreparedDecode", "decode_cache", "layouts",
+           "prepare_decode"]

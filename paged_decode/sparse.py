@@ -37,11 +37,19 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Backend, Problem, backend_for
+from .backends import Backend, Problem, backend_for, c_contiguous
 from .dtypes import check_dtype
-from .errors import InvalidArgumentError, UnsupportedProblemError, check_ndim, check_shape
+from .errors import (
+    InvalidArgumentError,
+    UnsupportedProblemError,
+    check_bool,
+    check_int,
+    check_ndim,
+    check_number,
+    check_shape,
+)
 from .outcome import DecodeOutcome, record
-from .page_table import PageTable
+from .page_table import PageTable, frozen_int32
 from .plan import plan_decode
 from .softmax import RowSoftmax
 
@@ -76,23 +84,42 @@ class Selection:
 def make_selection(positions: Any, counts: Any = None) -> Selection:
     """A ``Selection`` from ``positions [B, Hkv, S]`` (host or device integers) and
     optional ``counts [B, Hkv]`` (default: all ``S`` entries valid)."""
-    fn = "make_selection"
-    pos = np.asarray(_host(positions))
-    if pos.ndim != 3 or (pos.size and not np.issubdtype(pos.dtype, np.integer)):
-        raise InvalidArgumentError(f"{fn}: positions must be an integer array [B, Hkv, S], got "
-                                   f"shape {list(pos.shape)} dtype {pos.dtype}")
+    return _make_selection("make_selection", positions, counts)
+
+
+def _make_selection(fn: str, positions: Any, counts: Any) -> Selection:
+    """``make_selection`` for ``fn`` (errors name it)."""
+    pos = _ints(fn, "positions", positions, "[B, Hkv, S]")
     b, h, s = pos.shape
-    cnt = np.full((b, h), s, np.int64) if counts is None else np.asarray(_host(counts))
-    check_shape(fn, "counts", cnt.shape, (b, h), "[B, Hkv]")
-    if cnt.size and (not np.issubdtype(cnt.dtype, np.integer) or cnt.min() < 0
-                     or cnt.max() > s):
-        raise InvalidArgumentError(f"{fn}: counts must be integers in [0, S = {s}]")
+    cnt = _counts(fn, "counts", counts, (b, h), s)
     if pos.size and (pos.min() < np.iinfo(np.int32).min or pos.max() > np.iinfo(np.int32).max):
         raise InvalidArgumentError(f"{fn}: positions has values outside int32")
-    p32, c32 = np.ascontiguousarray(pos, np.int32), np.ascontiguousarray(cnt, np.int32)
-    p32.setflags(write=False)
-    c32.setflags(write=False)
-    return Selection(p32, c32)
+    return Selection(frozen_int32(pos), frozen_int32(cnt))
+
+
+def _ints(fn: str, name: str, value: Any, dims: str) -> np.ndarray:
+    """Host integers of shape ``dims`` (rank = its symbol count)."""
+    ndim = dims.count(",") + 1
+    try:
+        arr = np.asarray(_host(value))
+    except (ValueError, TypeError) as exc:   # ragged nested lists
+        raise InvalidArgumentError(f"{fn}: {name} must be an integer array {dims}, got a "
+                                   f"{type(value).__name__} that is not one ({exc})") from exc
+    if arr.ndim != ndim or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidArgumentError(f"{fn}: {name} must be an integer array {dims}, got "
+                                   f"shape {list(arr.shape)} dtype {arr.dtype}")
+    return arr
+
+
+def _counts(fn: str, name: str, counts: Any, shape: tuple[int, int], most: int) -> np.ndarray:
+    """Valid entries per row: integers ``[B, Hkv]`` in ``[0, most]`` (default all)."""
+    if counts is None:
+        return np.full(shape, most, np.int64)
+    cnt = _ints(fn, name, counts, "[B, Hkv]")
+    check_shape(fn, name, cnt.shape, shape, "[B, Hkv]")
+    if cnt.size and (cnt.min() < 0 or cnt.max() > most):
+        raise InvalidArgumentError(f"{fn}: {name} must be integers in [0, {most}]")
+    return cnt
 
 
 def selection_from_blocks(block_ids: Any, *, block_size: int, live_lens: Any,
@@ -105,17 +132,12 @@ def selection_from_blocks(block_ids: Any, *, block_size: int, live_lens: Any,
     when it is not selected. A block starting at or past the live length is rejected.
     """
     fn = "selection_from_blocks"
-    ids = np.asarray(_host(block_ids))
-    if ids.ndim != 3 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-        raise InvalidArgumentError(f"{fn}: block_ids must be an integer array [B, Hkv, NB], "
-                                   f"got shape {list(ids.shape)} dtype {ids.dtype}")
-    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise InvalidArgumentError(f"{fn}: block_size must be a positive integer, "
-                                   f"got {block_size!r}")
+    ids = _ints(fn, "block_ids", block_ids, "[B, Hkv, NB]")
+    block_size = check_int(fn, "block_size", block_size)
+    check_bool(fn, "include_tail", include_tail)
     b, h, nb = ids.shape
     live = _live_lens(fn, live_lens, b)
-    cnt = np.full((b, h), nb) if block_counts is None else np.asarray(_host(block_counts))
-    check_shape(fn, "block_counts", cnt.shape, (b, h), "[B, Hkv]")
+    cnt = _counts(fn, "block_counts", block_counts, (b, h), nb)
     rows: list[list[np.ndarray]] = []
     for bi in range(b):
         n_blocks = -(-int(live[bi]) // block_size)
@@ -139,7 +161,7 @@ def selection_from_blocks(block_ids: Any, *, block_size: int, live_lens: Any,
         for hi, tok in enumerate(row):
             pos[bi, hi, :tok.size] = tok
             counts[bi, hi] = tok.size
-    return make_selection(pos, counts)
+    return _make_selection(fn, pos, counts)
 
 
 def sparse_table(selection: Selection, capacity: int) -> PageTable:
@@ -202,10 +224,11 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         ``return_outcome`` (a tuple when either is set).
     """
     fn = "sparse_decode"
-    be = backend_for(backend, q)
-    qa, ka, va = be.asarray(q), be.asarray(k_cache), be.asarray(v_cache)
-    check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]")
-    check_ndim(fn, "k_cache", ka.shape, 4, "[B, Hkv, capacity, D]")
+    be = backend_for(backend, q, fn=fn)
+    qa, ka, va = (be.array_arg(fn, n, x) for n, x in (("q", q), ("k_cache", k_cache),
+                                                        ("v_cache", v_cache)))
+    check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
+    check_ndim(fn, "k_cache", ka.shape, 4, "[B, Hkv, capacity, D]", "Hkv D")
     b, hkv, cap, d = (int(x) for x in ka.shape)
     hq = int(qa.shape[1])
     check_shape(fn, "q", qa.shape, (b, hq, d), "[B, Hq, D]")
@@ -214,15 +237,21 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         raise InvalidArgumentError(f"{fn}: q's heads must be a multiple of the caches' KV "
                                    f"heads, got Hq = {hq} and Hkv = {hkv}")
     for name, arr in (("q", qa), ("k_cache", ka), ("v_cache", va)):
-        if not _contiguous(arr):
+        if not c_contiguous(arr):
             raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous (the pool view "
                                        "and the head fold are reshapes, never copies)")
     q_dt = check_dtype(fn, "q", be.dtype_of(qa))
     kv_dt = check_dtype(fn, "k_cache", be.dtype_of(ka))
     if check_dtype(fn, "v_cache", be.dtype_of(va)) != kv_dt:
         raise InvalidArgumentError(f"{fn}: v_cache must have k_cache's dtype {kv_dt}")
-    o_dt = check_dtype(fn, "out_dtype", out_dtype or q_dt)
-    sel = selection if isinstance(selection, Selection) else make_selection(selection)
+    o_dt = check_dtype(fn, "out_dtype", q_dt if out_dtype is None else out_dtype)
+    for name, flag in (("return_lse", return_lse), ("check_duplicates", check_duplicates),
+                       ("return_outcome", return_outcome)):
+        check_bool(fn, name, flag)
+    min_sparsity = check_number(fn, "min_sparsity", min_sparsity, minimum=0)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else check_number(fn, "sm_scale", sm_scale)
+    sel = selection if isinstance(selection, Selection) else \
+        _make_selection(fn, selection, None)
     if sel.shape[:2] != (b, hkv):
         raise InvalidArgumentError(f"{fn}: selection must cover [B, Hkv] = [{b}, {hkv}], "
                                    f"got {list(sel.shape[:2])}")
@@ -232,16 +261,9 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
     if key not in memo:  # a Selection is immutable: check (and build its table) once
         check_selection(fn, sel, live, check_duplicates=check_duplicates)
         memo[key] = None
-    if not (isinstance(min_sparsity, (int, float)) and min_sparsity >= 0
-            and math.isfinite(min_sparsity)):
-        raise InvalidArgumentError(f"{fn}: min_sparsity must be a finite number >= 0, "
-                                   f"got {min_sparsity!r}")
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    if not math.isfinite(scale):
-        raise InvalidArgumentError(f"{fn}: sm_scale must be finite, got {sm_scale!r}")
     selected = sel.total_selected
     live_rows = int(live.astype(np.int64).sum()) * hkv
-    fused = live_rows >= min_sparsity * selected
+    fused = live_rows >= min_sparsity * selected and b > 0   # no plan fits no requests
     ratio = live_rows / selected if selected else math.inf
     g = hq // hkv
     sup = be.supports(Problem(q_dt, kv_dt, g, 1, d, 1, "v2"))
@@ -276,7 +298,8 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         else:
             masked_attention(be, qa, ka, va, sel, live, scale, out_a, lse_a)
             chunks = b * hkv
-            why = (f"declined: backend {be.name!r} cannot run the fused path "
+            why = ("empty batch (B = 0): nothing to run" if b == 0 else
+                   f"declined: backend {be.name!r} cannot run the fused path "
                    f"({sup.reason}); dense masked path" if unsupported else
                    f"declined: live/selected = {ratio:.2f} < min_sparsity {min_sparsity:g}; "
                    "dense masked path")
@@ -351,14 +374,6 @@ def _host(x: Any) -> Any:
             x = f()
             break
     return np.asarray(x)
-
-
-def _contiguous(arr: Any) -> bool:
-    flags = getattr(arr, "flags", None)
-    if flags is None:
-        return True
-    return bool(flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous")
-                else flags.c_contiguous)
 
 
 __all__ = ["Selection", "make_selection", "selection_from_blocks", "sparse_decode",

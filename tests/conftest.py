@@ -12,6 +12,7 @@ import pytest
 
 from paged_decode import get_backend
 from paged_decode.backends.emulated import EmulatedCudaBackend
+from paged_decode.backends.reference import ANY_GEOMETRY_ENV
 from paged_decode.reference import lse_error, max_rel_error
 
 # ---------------------------------------------------------------------------- tolerances
@@ -77,6 +78,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         terminalreporter.write_line(f"paged-decode worst errors vs oracle: {parts}")
 
 
+def require_mlx():
+    """``mlx.core``, or skip the calling test module with the reason: MLX missing, or
+    installed but not loadable (a Linux ``pip install '.[metal]'`` whose ``libmlx.so`` is
+    missing raises ``ImportError`` or ``OSError``, which ``importorskip`` lets through)."""
+    try:
+        import mlx.core as mx
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"mlx.core cannot be imported ({type(exc).__name__}: {exc})",
+                    allow_module_level=True)
+    return mx
+
+
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(autouse=True)
 def _poison_and_clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,6 +97,14 @@ def _poison_and_clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGED_DECODE_POISON", "1")
     monkeypatch.delenv("PAGED_DECODE_BACKEND", raising=False)
     monkeypatch.delenv("PAGED_DECODE_TARGET_CTAS", raising=False)
+    monkeypatch.delenv(ANY_GEOMETRY_ENV, raising=False)
+
+
+@pytest.fixture
+def any_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the reference backend run head dims and page sizes no kernel has (by default
+    it refuses them, as the kernel backends do), for tests that use it on small shapes."""
+    monkeypatch.setenv(ANY_GEOMETRY_ENV, "1")
 
 
 @pytest.fixture

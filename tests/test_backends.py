@@ -179,6 +179,7 @@ def test_array_kind():
     assert array_kind([1, 2]) == "other"
 
 
+@pytest.mark.usefixtures("any_geometry")   # head_dim 16
 def test_decode_accepts_a_backend_instance():
     pr = small_problem()
     out = decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend=ReferenceBackend())

@@ -21,6 +21,8 @@ from paged_decode.cascade_policy import CASCADE_ENV
 from paged_decode.device import DeviceInfo
 from paged_decode.reference import max_rel_error, oracle_decode
 
+#: small head dims on the reference backend, which refuses geometries no kernel has by default
+pytestmark = pytest.mark.usefixtures("any_geometry")
 
 # ---------------------------------------------------------------------------- batches
 def _tokens(rng, n, hkv, d):

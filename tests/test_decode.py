@@ -228,6 +228,7 @@ def geometries(draw):
     )
 
 
+@pytest.mark.usefixtures("any_geometry")   # head dims 8-32 on the reference backend
 @settings(max_examples=50, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(g=geometries())
@@ -299,6 +300,7 @@ def test_poison_is_active(backend):
 
 
 # ---------------------------------------------------------------------------- plans
+@pytest.mark.usefixtures("any_geometry")   # head_dim 32 on the reference backend
 def test_plan_reused_across_a_grown_table():
     rng = np.random.default_rng(23)
     hkv, d = 2, 32

@@ -211,9 +211,10 @@ def _states(n=4):
     (lambda v, l: (v[0], l, [0, 4]), r"merge_states: v must be 3-D \[N, H, D\]"),
     (lambda v, l: (v, l[:3], [0, 4]), r"merge_states: lse must have shape \[N, H\] = \[4, 3\], "
                                       r"got \[3, 3\]"),
-    (lambda v, l: (v.astype(np.float16), l, [0, 4]), r"merge_states: v must be float32, "
-                                                      r"got float16"),
-    (lambda v, l: (v, l.astype(np.float16), [0, 4]), r"merge_states: lse must be float32"),
+    (lambda v, l: (v.astype(np.float16), l, [0, 4]), r"merge_states: v must have dtype "
+                                                      r"float32, got float16"),
+    (lambda v, l: (v, l.astype(np.float16), [0, 4]), r"merge_states: lse must have dtype "
+                                                      r"float32"),
     (lambda v, l: (v, l, [1, 4]), r"merge_states: indptr must start at 0"),
     (lambda v, l: (v, l, [0, 3]), r"end at N = 4, got \[0, 3\]"),
     (lambda v, l: (v, l, [0, 3, 2, 4]), r"be non-decreasing"),

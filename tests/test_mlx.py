@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle
+from conftest import assert_matches_oracle, require_mlx
 
 import paged_decode as pd
 from paged_decode import backends
@@ -29,7 +29,7 @@ from paged_decode.errors import (
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import max_rel_error, oracle_decode
 
-mx = pytest.importorskip("mlx.core")
+mx = require_mlx()   # skips when mlx is missing or cannot load
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle
+from conftest import assert_matches_oracle, require_mlx
 
 import paged_decode as pd
 from paged_decode.backends import availability
@@ -46,7 +46,7 @@ from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import max_rel_error, oracle_decode
 from paged_decode.specs import UnexpectedCompileError
 
-mx = pytest.importorskip("mlx.core")
+mx = require_mlx()   # skips when mlx is missing or cannot load
 LOG2E = 1.4426950408889634
 SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 

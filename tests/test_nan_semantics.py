@@ -132,9 +132,11 @@ def test_non_finite_inputs_poison_their_heads_on_every_path(backend_name, dtype)
             res = pd.decode(q, k, v, pr.table, plan, path=path, return_lse=want_lse,
                             out_dtype="float32", backend=be)
             out, lse = res if want_lse else (res, None)
+            # clean elements: the inputs' dtype bounds the error (the torch/MLX SDPA of the
+            # gather arm computes in it); the pattern is the point here
             what = f"{backend_name} {pd.last_outcome().path} lse={want_lse}"
             check_pattern(be.to_numpy(out), None if lse is None else be.to_numpy(lse),
-                          ref, ref_lse, nan_out, nan_lse, OUT_RTOL["float32"] * 4, what)
+                          ref, ref_lse, nan_out, nan_lse, OUT_RTOL[dtype], what)
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -190,7 +192,8 @@ def test_cascade_poisons_members_of_a_poisoned_prefix(backend_name, level0):
     poisons its own head only; the solo request and the other group stay exact."""
     be = _backend(backend_name)
     q, pool, table, cp = _cascade_batch("float16")
-    k = np.array(pool.k)
+    k = np.array(pool.backend.to_numpy(pool.k))   # the pool lives on the default backend
+    vv = np.array(pool.backend.to_numpy(pool.v))
     first_group = list(range(3))               # requests 0-2 share the first prompt
     page, e = _visible_entry(table, 0, 10)     # inside the first shared prefix
     k[page, e, 1, 0] = np.nan
@@ -198,11 +201,11 @@ def test_cascade_poisons_members_of_a_poisoned_prefix(backend_name, level0):
     nan_out = np.zeros((table.batch_size, HQ), bool)
     nan_out[first_group, G:2 * G] = True
     nan_out[4, 2] = True
-    ref, ref_lse = oracle_decode(q, k, pool.v, table)
+    ref, ref_lse = oracle_decode(q, k, vv, table)
     assert np.array_equal(np.isnan(ref).any(-1), nan_out)
     cplan = pd.plan_cascade(table, HQ, HKV, D, prefix=cp, device=be.device_info(),
                             level0=level0)
-    out, lse = pd.cascade_decode(be.asarray(q), be.asarray(k), be.asarray(pool.v), table,
+    out, lse = pd.cascade_decode(be.asarray(q), be.asarray(k), be.asarray(vv), table,
                                  return_lse=True, out_dtype="float32", backend=be,
                                  cascade_plan=cplan)
     out, lse = be.to_numpy(out).astype(np.float64), be.to_numpy(lse).astype(np.float64)

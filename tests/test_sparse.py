@@ -19,6 +19,9 @@ from paged_decode.sparse import (
     sparse_table,
 )
 
+#: small head dims on the reference backend, which refuses geometries no kernel has by default
+pytestmark = pytest.mark.usefixtures("any_geometry")
+
 B, HKV, G, D, CAP = 3, 2, 4, 16, 96
 LIVE = np.array([96, 57, 80])
 

@@ -13,8 +13,8 @@ import importlib
 import os
 from dataclasses import dataclass
 
-from ..errors import BackendUnavailableError
-from .base import Backend, Problem, Support
+from ..errors import BackendUnavailableError, InvalidArgumentError
+from .base import Backend, Problem, Support, c_contiguous
 
 ENV = "PAGED_DECODE_BACKEND"
 
@@ -79,10 +79,14 @@ def register(entry: BackendEntry) -> None:
     _instances.pop(entry.name, None)
 
 
-def get_backend(name: str | Backend | None = None) -> Backend:
-    """The backend to run on (see the module docstring for the policy)."""
+def get_backend(name: str | Backend | None = None, *, fn: str = "get_backend") -> Backend:
+    """The backend to run on (see the module docstring for the policy); errors name
+    ``fn``, the public function that was asked for the backend."""
     if isinstance(name, Backend):
         return name
+    if name is not None and not isinstance(name, str):
+        raise InvalidArgumentError(f"{fn}: backend must be a backend name, a Backend or "
+                                   f"None, got {type(name).__name__} {name!r}")
     explicit = name if name not in (None, "auto") else os.environ.get(ENV) or None
     if explicit is not None and explicit != "auto":
         if explicit in _instances:
@@ -90,7 +94,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
         sup = availability(explicit)
         if not sup.ok:
             raise BackendUnavailableError(
-                f"backend {explicit!r} is not usable here ({sup.reason}); available: "
+                f"{fn}: backend {explicit!r} is not usable here ({sup.reason}); available: "
                 f"{', '.join(available_backends()) or 'none'}; known: {', '.join(REGISTRY)}")
         inst = REGISTRY[explicit].load()()
         _instances[explicit] = inst
@@ -107,7 +111,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
             _last_auto[:] = [cand, "; ".join(reasons) or "first available"]
             return inst
         reasons.append(f"{cand}: {sup.reason}")
-    raise BackendUnavailableError("no backend is available: " + "; ".join(reasons))
+    raise BackendUnavailableError(f"{fn}: no backend is available: " + "; ".join(reasons))
 
 
 def array_kind(x: object) -> str:
@@ -116,7 +120,7 @@ def array_kind(x: object) -> str:
     return mod if mod in ("numpy", "cupy", "torch", "mlx") else "other"
 
 
-def backend_for(name: str | Backend | None, x: object) -> Backend:
+def backend_for(name: str | Backend | None, x: object, *, fn: str = "get_backend") -> Backend:
     """The backend for a call on arrays like ``x``.
 
     An explicit ``name`` (or ``PAGED_DECODE_BACKEND``) wins, strictly. Otherwise the
@@ -127,16 +131,16 @@ def backend_for(name: str | Backend | None, x: object) -> Backend:
     if isinstance(name, Backend):
         return name
     if name not in (None, "auto") or os.environ.get(ENV, "auto") != "auto":
-        return get_backend(name)
+        return get_backend(name, fn=fn)
     kind = array_kind(x)
     if kind == "numpy":
-        return get_backend("reference")
+        return get_backend("reference", fn=fn)
     if kind == "cupy" or (kind == "torch" and getattr(x, "is_cuda", False)):
-        return get_backend("cuda")
+        return get_backend("cuda", fn=fn)
     if kind == "mlx":
         return get_backend("metal" if "metal" in _instances or availability("metal").ok
-                           else "mlx")
-    return get_backend(None)
+                           else "mlx", fn=fn)
+    return get_backend(None, fn=fn)
 
 
 def last_auto_choice() -> tuple[str, str] | None:
@@ -144,6 +148,6 @@ def last_auto_choice() -> tuple[str, str] | None:
     return (_last_auto[0], _last_auto[1]) if _last_auto else None
 
 
-__all__ = ["Backend", "BackendEntry", "Problem", "Support", "REGISTRY", "available_backends",
-           "availability", "get_backend", "backend_for", "array_kind", "register",
-           "last_auto_choice"]
+__all__ = ["Backend", "BackendEntry", "Problem", "Support", "c_contiguous", "REGISTRY",
+           "available_backends", "availability", "get_backend", "backend_for", "array_kind",
+           "register", "last_auto_choice"]

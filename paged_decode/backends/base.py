@@ -55,6 +55,16 @@ class Support:
         return self.ok
 
 
+def c_contiguous(arr: Any) -> bool:
+    """Whether a backend array is C-contiguous (row-major; arrays without ``flags``, e.g.
+    MLX's, count as contiguous): kernels read raw pointers, so strided inputs are refused."""
+    flags = getattr(arr, "flags", None)
+    if flags is None:
+        return True
+    return bool(flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous")
+                else flags.c_contiguous)
+
+
 def poison_enabled() -> bool:
     """``PAGED_DECODE_POISON=1`` fills every fresh output and workspace with NaN."""
     return os.environ.get(POISON_ENV, "") not in ("", "0")
@@ -106,6 +116,20 @@ class Backend(ABC):
     @abstractmethod
     def asarray(self, x: Any) -> Any:
         """``x`` as this backend's array (zero-copy where the kinds allow)."""
+
+    def array_arg(self, fn: str, name: str, x: Any) -> Any:
+        """Argument ``name`` of ``fn`` as this backend's array (``asarray``); anything that
+        is not an array this backend can use raises ``InvalidArgumentError`` naming both."""
+        from ..errors import InvalidArgumentError, PagedDecodeError
+        try:
+            arr = self.asarray(x)
+            arr.shape, arr.dtype  # noqa: B018 - what every caller reads first
+        except PagedDecodeError:
+            raise
+        except Exception as exc:
+            raise InvalidArgumentError(f"{fn}: {name} must be an array the {self.name} "
+                                       f"backend can use, got {type(x).__name__}") from exc
+        return arr
 
     @abstractmethod
     def to_numpy(self, x: Any) -> Any: ...

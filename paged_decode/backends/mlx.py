@@ -36,18 +36,24 @@ from .base import Backend, Problem, Support, poison_enabled
 from .mlx_gather import gather_attention, merge_ops
 from .mlx_kernels import KernelCache, check_launch, mlx_launch, mx_dtype
 
+INSTALL = "pip install 'paged-decode[metal]' on a Mac, or 'mlx[cpu]' on Linux"
+
 try:  # imported lazily by the registry; a failure here marks the backends unavailable
     import mlx.core as mx
-except Exception:  # pragma: no cover - exercised only where MLX is missing
+    _MISSING = ""
+except ModuleNotFoundError:  # pragma: no cover - exercised only where MLX is missing
     mx = None  # type: ignore[assignment]
-
-INSTALL = "pip install 'paged-decode[metal]' on a Mac, or 'mlx[cpu]' on Linux"
+    _MISSING = f"MLX is not installed ({INSTALL})"
+except Exception as exc:  # installed but not loadable, e.g. libmlx.so missing on Linux
+    mx = None  # type: ignore[assignment]
+    _MISSING = (f"MLX is installed but cannot be imported ({type(exc).__name__}: {exc}); "
+                f"reinstall it ({INSTALL})")
 
 
 def metal_status() -> Support:
     """Whether MLX can launch Metal kernels here, with the reason when not."""
     if mx is None:
-        return Support(False, f"MLX is not installed ({INSTALL})")
+        return Support(False, _MISSING)
     if not mx.metal.is_available():
         return Support(False, f"MLX {_version()} is installed but Metal is not available "
                               "(mx.metal.is_available() is False: Metal needs an Apple-"
@@ -89,8 +95,7 @@ class MlxBackend(Backend):
 
     @classmethod
     def available(cls) -> Support:
-        return Support(True) if mx is not None else Support(False, f"MLX is not installed "
-                                                                   f"({INSTALL})")
+        return Support(True) if mx is not None else Support(False, _MISSING)
 
     def device_info(self) -> DeviceInfo:
         # the gather arm uses no plan; a fixed target like the reference backend's

@@ -19,7 +19,8 @@ from ..errors import InvalidDtypeError
 from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
 from ..softmax import RowSoftmax, merge_partials
-from .base import Backend, Support, poison_enabled
+from . import launches
+from .base import Backend, Problem, Support, poison_enabled
 
 LOG2E = 1.4426950408889634
 V1_SPLITS = 8  # stripes of one v1 "CTA", combined like its warps are
@@ -62,12 +63,30 @@ def visible_kv(pages: np.ndarray, table: PageTable, r: int, t0: int, t1: int) ->
     return as_float32(rows).transpose(1, 0, 2)
 
 
+#: "1" lets the reference backend run any head_dim and page size (see ``ReferenceBackend``)
+ANY_GEOMETRY_ENV = "PAGED_DECODE_REFERENCE_ANY_GEOMETRY"
+
+
 class ReferenceBackend(Backend):
+    """The numpy backend. It refuses the head dims and page sizes the kernels refuse
+    (``launches.support``), so code written against it runs on a GPU; ``any_geometry=True``
+    (or ``PAGED_DECODE_REFERENCE_ANY_GEOMETRY=1`` when ``None``) lifts that, for use as
+    an oracle on geometries no kernel has."""
+
     name = "reference"
+
+    def __init__(self, *, any_geometry: bool | None = None) -> None:
+        self.any_geometry = any_geometry
 
     @classmethod
     def available(cls) -> Support:
         return Support(True)
+
+    def supports(self, problem: Problem) -> Support:
+        anything = self.any_geometry
+        if anything is None:
+            anything = os.environ.get(ANY_GEOMETRY_ENV, "") not in ("", "0")
+        return Support(True) if anything else launches.support(problem)
 
     def device_info(self) -> DeviceInfo:
         # A fixed target, so plans do not depend on the CPU the tests run on.

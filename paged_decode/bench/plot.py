@@ -10,28 +10,62 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from ..errors import is_int
+
 
 def _value(arm: dict[str, Any], metric: str) -> float | None:
     if not arm.get("verified") or arm.get("ran") == "unavailable":
         return None
-    if metric == "gbps":
-        return float(arm["gbps"]) or None
-    key = "gpu" if metric == "gpu" else "call"
-    med = arm.get(key, {}).get("median_us")
-    return float(med) if med else None
+    try:
+        if metric == "gbps":
+            return float(arm["gbps"]) or None
+        key = "gpu" if metric == "gpu" else "call"
+        med = arm.get(key, {}).get("median_us")
+        return float(med) if med else None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"a verified arm has no usable {metric} value ({exc!r})") from exc
 
 
-def plot_results(data: dict[str, Any], out: str | Path, *, metric: str = "gpu") -> Path:
+METRICS = ("auto", "gpu", "call", "gbps")
+CASE_KEYS = ("batch", "context", "page_size", "num_qo_heads", "num_kv_heads", "head_dim",
+             "dtype")
+
+
+def _results(data: Any) -> list[dict[str, Any]]:
+    """``data["results"]`` of a ``bench --json`` file, or a ``ValueError`` saying what is
+    missing (a cascade or sparse suite's file has no decode cases to plot)."""
+    res = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(res, list):
+        raise ValueError("not a 'paged-decode bench --json' result (no 'results' list)")
+    for i, r in enumerate(res):
+        case = r.get("case") if isinstance(r, dict) else None
+        if not (isinstance(case, dict)
+                and all(is_int(case.get(k)) and case[k] >= 1 for k in CASE_KEYS[:-1])
+                and isinstance(case.get("dtype"), str) and isinstance(case.get("model", ""), str)
+                and isinstance(r.get("arms"), dict)
+                and all(isinstance(a, dict) for a in r["arms"].values())):
+            raise ValueError(f"result {i} is not a decode-suite case with arms (needs "
+                             f"case fields {', '.join(CASE_KEYS)})")
+    return res
+
+
+def plot_results(data: dict[str, Any], out: str | Path, *, metric: str = "auto") -> Path:
     """Write the PNG; ``metric`` is ``"gpu"`` (median GPU us, graph replay), ``"call"``
-    (median per-call us) or ``"gbps"``. Returns the path."""
-    if metric not in ("gpu", "call", "gbps"):
-        raise ValueError(f"plot_results: metric must be gpu, call or gbps, got {metric!r}")
+    (median per-call us), ``"gbps"``, or ``"auto"``: ``gpu`` when the run has GPU times,
+    else ``call`` (CPU backends time per call only). Returns the path."""
+    if metric not in METRICS:
+        raise ValueError(f"plot_results: metric must be one of {', '.join(METRICS)}, "
+                         f"got {metric!r}")
+    results = _results(data)
+    if metric == "auto":
+        has_gpu = any(_value(a, "gpu") is not None for r in results for a in r["arms"].values())
+        metric = "gpu" if has_gpu else "call"
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels: dict[tuple[Any, ...], dict[str, list[tuple[int, float]]]] = defaultdict(
         lambda: defaultdict(list))
-    for r in data["results"]:
+    for r in results:
         c = r["case"]
         key = (c["batch"], c["page_size"], c.get("model", ""), c["num_qo_heads"],
                c["num_kv_heads"], c["head_dim"], c["dtype"])
@@ -40,7 +74,10 @@ def plot_results(data: dict[str, Any], out: str | Path, *, metric: str = "gpu") 
             if v is not None:
                 panels[key][name].append((c["context"], v))
     if not panels:
-        raise ValueError("plot_results: no verified arm results to plot")
+        why = (" (GPU times exist only for GPU runs: try --metric call)" if metric == "gpu"
+               else "")
+        raise ValueError(f"plot_results: no verified arm results to plot with metric "
+                         f"{metric}{why}")
     keys = sorted(panels)
     cols = min(3, len(keys))
     rows = math.ceil(len(keys) / cols)
@@ -72,8 +109,14 @@ def plot_results(data: dict[str, Any], out: str | Path, *, metric: str = "gpu") 
     return out
 
 
-def plot_file(json_path: str | Path, out: str | Path, *, metric: str = "gpu") -> Path:
-    return plot_results(json.loads(Path(json_path).read_text()), out, metric=metric)
+def plot_file(json_path: str | Path, out: str | Path, *, metric: str = "auto") -> Path:
+    """``plot_results`` of a ``bench --json`` file (a ``ValueError`` for anything else)."""
+    try:
+        data = json.loads(Path(json_path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a 'paged-decode bench --json' result (not JSON: {exc})") \
+            from exc
+    return plot_results(data, out, metric=metric)
 
 
-__all__ = ["plot_file", "plot_results"]
+__all__ = ["METRICS", "plot_file", "plot_results"]

@@ -27,18 +27,19 @@ def comparable(a: ArmResult, b: ArmResult) -> bool:
             and a.median_us == a.median_us and b.median_us == b.median_us)
 
 
-def _cell(x: ArmResult) -> str:
+def _cell(x: ArmResult, width: int = 19) -> str:
+    """An arm's cell: ``width - 1`` characters right-aligned, then its mark."""
     if x.ran == "unavailable":
-        return f"{'n/a':>19}"
+        return f"{'n/a':>{width - 1}} "
     mark = "!" if not x.verified else "*" if x.fell_back else " "
     if not x.verified:
-        return f"{'FAIL':>18}{mark}"
+        return f"{'FAIL':>{width - 1}}{mark}"
     gpu = x.gpu.get("median_us")
     call = x.call.get("median_us", float("nan"))
     txt = f"{gpu:.1f}/{call:.1f}" if gpu is not None else f"{call:.1f}"
     if x.gpu_mode == "events":
         txt += "e"
-    return f"{txt:>18}{mark}"
+    return f"{txt:>{width - 1}}{mark}"
 
 
 def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
@@ -54,21 +55,27 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
     main = _main_arm(arms)
     others = [a for a in arms if a != main]
     width = max(44, max(len(r.case.label) for r in results) + 1)
-    head = f"{'case':<{width}}" + "".join(f"{a[:13] + ' us':>19}" for a in arms)
-    head += f"{main + ' GB/s':>12}{'%bw':>6}" + "".join(f"{o[:8] + '/' + main:>13}"
-                                                         for o in others)
+    # every column as wide as its header (an arm's whole name, e.g. flashinfer-tc)
+    arm_w = {a: max(19, len(a) + 5) for a in arms}
+    gbps_h = main + " GB/s"
+    gbps_w = max(12, len(gbps_h) + 1)
+    ratio_w = {o: max(13, len(o) + len(main) + 3) for o in others}
+    head = f"{'case':<{width}}" + "".join(f"{a + ' us':>{arm_w[a] - 1}} " for a in arms)
+    head += f"{gbps_h:>{gbps_w}}{'%bw':>6}" + "".join(f"{o + '/' + main:>{ratio_w[o]}}"
+                                                      for o in others)
     head += f"{'chunks':>7}"
     lines = [head, "-" * len(head)]
     withheld = []
     for r in results:
-        row = f"{r.case.label:<{width}}" + "".join(_cell(r.arms[a]) for a in arms)
+        row = f"{r.case.label:<{width}}" + "".join(_cell(r.arms[a], arm_w[a]) for a in arms)
         m = r.arms[main]
         pct = f"{100 * m.gbps * 1e9 / bandwidth:>5.0f}%" if bandwidth and m.gbps else f"{'-':>6}"
-        row += f"{m.gbps:>12.1f}{pct}"
+        row += f"{m.gbps:>{gbps_w}.1f}{pct}"
         for o in others:
             x = r.arms[o]
             ok = comparable(m, x)
-            row += f"{x.median_us / m.median_us:>13.2f}" if ok else f"{'-':>13}"
+            row += (f"{x.median_us / m.median_us:>{ratio_w[o]}.2f}" if ok
+                    else f"{'-':>{ratio_w[o]}}")
             if not ok and x.ran != "unavailable":
                 withheld.append(f"{r.case.label}: {main} vs {o}")
         lines.append(row + f"{r.num_chunks:>7}")

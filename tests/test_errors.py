@@ -1,0 +1,371 @@
+"""Issue 18's bad inputs, one by one: each is this package's own error naming the function
+and the argument (never a raw Python or numpy exception, never a silent wrong answer)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+
+import paged_decode as pd
+from paged_decode.backends.emulated import EmulatedCudaBackend
+from paged_decode.backends.reference import ReferenceBackend
+from paged_decode.errors import (
+    InvalidArgumentError,
+    InvalidDtypeError,
+    PageTableError,
+    PlanMismatchError,
+    UnsupportedProblemError,
+)
+from paged_decode.problems import ProblemSpec, make_problem
+from paged_decode.reference import oracle_decode
+
+SPEC = ProblemSpec(2, 50, 8, 2, 64, 16, "float32", "float32", seed=5)
+
+
+@pytest.fixture
+def pr():
+    return make_problem(SPEC)
+
+
+def _pool(head_dim=64):
+    pool = pd.PagePool(16, 16, 2, head_dim, "float32")
+    s = pool.new_sequence()
+    kv = np.ones((20, 2, head_dim), np.float32)
+    pool.append(s, kv, kv)
+    return pool, s
+
+
+# ---------------------------------------------------------------------------- zero sizes
+@pytest.mark.parametrize("shape, pattern", [
+    ((4, 16, 0, 64), r"decode: k_pages must have Hkv >= 1 in \[num_pages, P, Hkv, D\], got "
+                     r"shape \[4, 16, 0, 64\]"),
+    ((4, 16, 2, 0), r"decode: k_pages must have D >= 1"),
+])
+def test_zero_kv_heads_or_head_dim(pr, shape, pattern):
+    k = np.zeros(shape, np.float32)
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        pd.decode(pr.q, k, k, pr.table)
+
+
+def test_zero_query_heads_is_a_decode_error(pr):
+    with pytest.raises(InvalidArgumentError, match=r"^decode: q must have Hq >= 1 in "
+                                                   r"\[B, Hq, D\], got shape \[2, 0, 64\]"):
+        pd.decode(pr.q[:, :0], pr.k_pages, pr.v_pages, pr.table)
+
+
+def test_sparse_decode_zero_kv_heads():
+    q = np.ones((1, 4, 64), np.float32)
+    k = np.zeros((1, 0, 8, 64), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"^sparse_decode: k_cache must have Hkv >= 1"):
+        pd.sparse_decode(q, k, k, np.zeros((1, 0, 1), np.int32), live_lens=[8])
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_empty_batch_returns_empty_arrays(pr, return_lse):
+    table = pd.PageTable.build([], [0], [], page_size=16)
+    q = np.ones((0, 8, 64), np.float16)
+    res = pd.decode(q, pr.k_pages, pr.v_pages, table, return_lse=return_lse)
+    out, lse = res if return_lse else (res, None)
+    assert out.shape == (0, 8, 64) and out.dtype == np.float16
+    assert lse is None or (lse.shape == (0, 8) and lse.dtype == np.float32)
+    assert pd.last_outcome().path == "empty"
+    given = np.empty((0, 8, 64), np.float32)
+    assert pd.decode(q, pr.k_pages, pr.v_pages, table, out=given, out_dtype="float32") is given
+    with pytest.raises(InvalidArgumentError, match=r"decode: out must have shape"):
+        pd.decode(q, pr.k_pages, pr.v_pages, table, out=np.empty((1, 8, 64), np.float16))
+    plan = pd.plan_decode(pr.table, 8, 2, 64)
+    with pytest.raises(PlanMismatchError, match=r"decode: plan does not match the table"):
+        pd.decode(q, pr.k_pages, pr.v_pages, table, plan)
+    with pytest.raises(InvalidArgumentError, match=r"prepare_decode: the table has no requests"):
+        pd.prepare_decode(q, pr.k_pages, pr.v_pages, table)
+
+
+def test_sparse_decode_empty_batch():
+    q = np.ones((0, 4, 64), np.float32)
+    k = np.zeros((0, 2, 8, 64), np.float32)
+    out, lse = pd.sparse_decode(q, k, k, np.zeros((0, 2, 1), np.int32),
+                                live_lens=np.zeros(0, np.int64), return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+    assert "empty batch" in pd.last_outcome().reason
+
+
+# ---------------------------------------------------------------------------- types
+def test_read_only_out_is_refused(pr):
+    out = np.empty((2, 8, 64), np.float32)
+    out.setflags(write=False)
+    with pytest.raises(InvalidArgumentError, match=r"^decode: out must be writable, got a "
+                                                   r"read-only array"):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, out=out)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(sm_scale="0.1"), r"decode: sm_scale must be a real number, got str '0.1'"),
+    (dict(sm_scale=True), r"decode: sm_scale must be a real number, got bool True"),
+    (dict(return_lse="yes"), r"decode: return_lse must be a bool, got 'yes'"),
+    (dict(return_lse=1), r"decode: return_lse must be a bool, got 1"),
+    (dict(path=["v2"]), r"decode: path must be one of auto, v2, v1, gather"),
+    (dict(backend=3), r"decode: backend must be a backend name, a Backend or None"),
+    (dict(cascade=1), r"decode: cascade must be None, a bool or a cascade plan, got int"),
+])
+def test_lenient_decode_arguments_are_refused(pr, kwargs, pattern):
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **kwargs)
+
+
+def test_out_dtype_is_never_defaulted_from_a_falsy_value(pr):
+    for bad in ("", 0, False):
+        with pytest.raises(InvalidDtypeError, match=r"decode: out_dtype must have dtype in "
+                                                    r"\(float16, bfloat16, float32\), got"):
+            pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, out_dtype=bad)
+
+
+def test_unhashable_arguments_on_the_fast_path_get_the_checks(pr):
+    plan = pd.plan_decode(pr.table, 8, 2, 64)
+    out = np.empty((2, 8, 64), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"decode: sm_scale must be a real number"):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, out=out, sm_scale=[1.0])
+
+
+def test_not_an_array_names_the_argument(pr):
+    with pytest.raises(InvalidArgumentError, match=r"^decode: k_pages must be an array the "
+                                                   r"reference backend can use, got str"):
+        pd.decode(pr.q, "pages", pr.v_pages, pr.table)
+    with pytest.raises(InvalidArgumentError, match=r"^decode: q must be an array"):
+        pd.decode([[[1.0], [2.0, 3.0]]], pr.k_pages, pr.v_pages, pr.table)
+
+
+def test_pool_refcount_and_ids():
+    pool, s = _pool()
+    assert pool.refcount(0) == 1 and pool.refcount(15) == 0
+    for page in (10**6, -1, 16, True, 1.0):
+        with pytest.raises(InvalidArgumentError, match=r"^PagePool.refcount: page must be an "
+                                                       r"integer in \[0, 15\], got"):
+            pool.refcount(page)
+    pool.new_sequence()                                  # sequence 1 exists: True must not
+    with pytest.raises(InvalidArgumentError, match=r"^PagePool.free: seq must be a sequence id "
+                                                   r"\(an int\), got bool True"):
+        pool.free(True)
+    assert pool.sequences() == [0, 1]
+    with pytest.raises(InvalidArgumentError, match=r"PagePool: page_size must be a positive "
+                                                   r"integer, got True"):
+        pd.PagePool(4, True, 2, 64)
+    with pytest.raises(InvalidArgumentError, match=r"PagePool.page_table: seqs must be a "
+                                                   r"sequence"):
+        pool.page_table(s)
+
+
+# ---------------------------------------------------------------------------- messages
+def test_merge_state_names_itself_and_its_arguments():
+    v = np.zeros((2, 4, 8), np.float32)
+    lse = np.zeros((2, 4), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"^merge_state: v_a must have dtype float32, "
+                                                   r"got float16"):
+        pd.merge_state(v.astype(np.float16), lse, v, lse)
+    with pytest.raises(InvalidDtypeError, match=r"^merge_state: lse_b must have dtype float32, "
+                                                r"got float64"):
+        pd.merge_state(v, lse, v, lse.astype(np.float64))
+    with pytest.raises(InvalidDtypeError, match=r"^merge_state: out_dtype must have dtype"):
+        pd.merge_state(v, lse, v, lse, out_dtype="int8")
+
+
+def test_dtype_messages_list_only_what_the_argument_takes(pr):
+    with pytest.raises(InvalidDtypeError, match=r"^merge_states: lse must have dtype float32, "
+                                                r"got float64$"):
+        pd.merge_states(np.zeros((1, 4, 8), np.float32), np.zeros((1, 4)), [0, 1])
+    with pytest.raises(InvalidDtypeError, match=r"^decode: lse must have dtype float32, got "
+                                                r"float64$"):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, lse=np.zeros((2, 8)),
+                  return_lse=True)
+
+
+def test_cascade_decode_names_itself(pr):
+    with pytest.raises(InvalidArgumentError, match=r"^cascade_decode: q must be 3-D"):
+        pd.cascade_decode(pr.q[0], pr.k_pages, pr.v_pages, pr.table)
+    with pytest.raises(InvalidArgumentError, match=r"^cascade_decode: cascade_plan must be "
+                                                   r"None, a CascadePlan"):
+        pd.cascade_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, cascade_plan=True)
+
+
+def test_quick_start_fork_reports_the_minimum_span():
+    """A fork shares every page, but 6 full pages are below the measured 1024-token span."""
+    pool = pd.PagePool(num_pages=32, page_size=16, num_kv_heads=8, head_dim=128,
+                       dtype="float16")
+    seq = pool.new_sequence()
+    k = np.random.default_rng(0).standard_normal((100, 8, 128)).astype(np.float16)
+    pool.append(seq, k, k)
+    table = pool.page_table([seq, pool.fork(seq)])
+    q = np.ones((2, 32, 128), np.float16)
+    pd.decode(q, pool.k, pool.v, table)
+    why = pd.last_outcome().reason
+    assert "no shared prefix" not in why
+    assert ("requests [0, 1] share 6 full pages (96 tokens; each keeps its last page), below "
+            "the minimum span of 64 pages (1024 tokens" in why), why
+    plan, reason = pd.cascade.detect_with_reason(table, min_shared_pages=7)
+    assert plan is None and "below min_shared_pages = 7" in reason
+
+
+# ---------------------------------------------------------------------------- geometry
+@pytest.mark.parametrize("head_dim, page_size", [(65, 16), (1024, 16), (64, 512)])
+def test_reference_refuses_what_the_kernels_refuse(head_dim, page_size):
+    table = pd.PageTable.build([0], [0, 1], [3], page_size=page_size)
+    q = np.ones((1, 2, head_dim), np.float32)
+    k = np.zeros((1, page_size, 1, head_dim), np.float32)
+    msgs = []
+    for be in (ReferenceBackend(), EmulatedCudaBackend()):
+        for path in ("v2", "v1", "gather"):
+            with pytest.raises(UnsupportedProblemError) as exc:
+                pd.decode(q, k, k, table, path=path, backend=be)
+            msgs.append(str(exc.value).replace(repr(be.name), "B"))
+    assert len(set(msgs[0::3])) == 1 and len(set(msgs[1::3])) == 1, msgs  # same per path
+    assert "must be one of (64, 96, 128, 256)" in msgs[0] or "in [1, 256]" in msgs[0]
+    out = pd.decode(q, k, k, table, backend=ReferenceBackend(any_geometry=True))
+    assert np.allclose(out, oracle_decode(q, k, k, table)[0])
+
+
+def test_any_geometry_setting(monkeypatch):
+    table = pd.PageTable.build([0], [0, 1], [3], page_size=4)
+    q = np.ones((1, 2, 8), np.float32)
+    k = np.zeros((1, 4, 1, 8), np.float32)
+    with pytest.raises(UnsupportedProblemError, match=r"head_dim must be one of"):
+        pd.decode(q, k, k, table)
+    monkeypatch.setenv("PAGED_DECODE_REFERENCE_ANY_GEOMETRY", "1")
+    assert pd.decode(q, k, k, table).shape == (1, 2, 8)
+
+
+# ---------------------------------------------------------------------------- immutability
+def test_table_arrays_cannot_be_made_writable(pr):
+    t = pr.table
+    fields = ("indices", "indptr", "last_page_len", "first_page_offset", "rope_positions",
+              "visible_lens", "pages_per_request")
+    for name in fields:
+        arr = getattr(t, name)
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            arr.setflags(write=True)
+        with pytest.raises(ValueError):
+            arr[...] = 0
+    direct = pd.PageTable(np.array([0]), np.array([0, 1]), np.array([3]), np.array([0]),
+                          np.array([3]), 4)
+    with pytest.raises(ValueError, match="WRITEABLE"):
+        direct.indices.setflags(write=True)
+    plan = pd.plan_decode(t, 8, 2, 64, pages_per_chunk=1)
+    with pytest.raises(ValueError, match="WRITEABLE"):
+        plan.request_indices.setflags(write=True)
+    sel = pd.make_selection(np.zeros((1, 1, 2), np.int64))
+    with pytest.raises(ValueError, match="WRITEABLE"):
+        sel.positions.setflags(write=True)
+
+
+def test_table_copies_are_rebuilt_read_only(pr):
+    for other in (copy.copy(pr.table), copy.deepcopy(pr.table),
+                  pickle.loads(pickle.dumps(pr.table))):
+        assert np.array_equal(other.indices, pr.table.indices)
+        assert other.num_pages == pr.table.num_pages
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            other.indices.setflags(write=True)
+
+
+def test_fast_path_revalidates_arrays_reshaped_in_place(pr):
+    plan = pd.plan_decode(pr.table, 8, 2, 64)
+    out = np.empty((2, 8, 64), np.float32)
+    q = pr.q.copy()
+    pd.decode(q, pr.k_pages, pr.v_pages, pr.table, plan, out=out)
+    pd.decode(q, pr.k_pages, pr.v_pages, pr.table, plan, out=out)
+    assert pd.last_outcome().reason.endswith("prepared call")       # the replay
+    q.shape = (2, 4, 128)
+    with pytest.raises(InvalidArgumentError, match=r"decode: q must have shape"):
+        pd.decode(q, pr.k_pages, pr.v_pages, pr.table, plan, out=out)
+    q.shape = (2, 8, 64)
+    out.shape = (2, 4, 128)
+    with pytest.raises(InvalidArgumentError, match=r"decode: out must have shape"):
+        pd.decode(q, pr.k_pages, pr.v_pages, pr.table, plan, out=out)
+    out.shape = (2, 8, 64)
+    got = pd.decode(q, pr.k_pages, pr.v_pages, pr.table, plan, out=out)
+    assert not pd.last_outcome().reason.endswith("prepared call")   # validated afresh
+    assert np.allclose(got, oracle_decode(q, pr.k_pages, pr.v_pages, pr.table)[0], atol=1e-5)
+
+
+def test_page_table_arguments(pr):
+    with pytest.raises(PageTableError, match=r"PageTable.build: page_size must be a positive "
+                                             r"integer, got True"):
+        pd.PageTable.build([0], [0, 1], [1], page_size=True)
+    with pytest.raises(PageTableError, match=r"PageTable.build: indices must be a 1-D integer"):
+        pd.PageTable.build([[0], [1, 2]], [0, 1], [1], page_size=4)
+    with pytest.raises(PageTableError, match=r"PageTable.request_pages: r must be an integer "
+                                             r"in \[0, 1\], got 2"):
+        pr.table.request_pages(2)
+    with pytest.raises(PageTableError, match=r"PageTable.subset: requests\[i\] must be"):
+        pr.table.subset([0, -1])
+
+
+# ---------------------------------------------------------------------------- command line
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from paged_decode.cli import main
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.output
+    assert "Traceback" not in res.output
+    return res
+
+
+@pytest.mark.parametrize("option, value", [("--page", 0), ("--batch", 0), ("--context", -5),
+                                           ("--reps", 0), ("--warmup", -1)])
+def test_bench_refuses_non_positive_sizes(option, value):
+    res = _cli("bench", "--backend", "reference", option, value)
+    assert res.exit_code == 2 and f"Invalid value for '{option}'" in res.output
+
+
+def test_bench_plot_on_cpu_results_keeps_every_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    files = {k: tmp_path / f"b.{k}" for k in ("json", "csv", "md", "png")}
+    res = _cli("bench", "--backend", "reference", "--context", 64, "--batch", 1, "--page", 16,
+               "--arms", "v2", "--reps", 3, "--warmup", 0, "--plot", files["png"],
+               "--json", files["json"], "--csv", files["csv"], "--markdown", files["md"])
+    assert res.exit_code == 0, res.output
+    assert all(f.stat().st_size > 0 for f in files.values())
+    res = _cli("plot", files["json"], tmp_path / "again.png")           # default metric
+    assert res.exit_code == 0 and (tmp_path / "again.png").exists(), res.output
+    res = _cli("plot", files["json"], tmp_path / "gpu.png", "--metric", "gpu")
+    assert res.exit_code == 1 and "try --metric call" in res.output
+    res = _cli("plot", files["csv"], tmp_path / "csv.png")
+    assert res.exit_code == 1
+    assert "not a 'paged-decode bench --json' result (not JSON" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_output_folder_must_exist(tmp_path):
+    missing = tmp_path / "no" / "x.json"
+    for cmd in (("check", "--json", missing), ("bench", "--csv", missing),
+                ("plot", __file__, missing)):
+        res = _cli(*cmd)
+        assert res.exit_code == 2 and "does not exist" in res.output, res.output
+
+
+def test_check_header_names_the_dtypes_that_ran():
+    res = _cli("check", "--backend", "reference", "--dtype", "float16", "--dtype", "bfloat16",
+               "--max-configs", 1)
+    assert res.exit_code == 0, res.output
+    assert ("dtypes float16 (bfloat16 not reached within the configs selected)"
+            in res.output)
+    assert "errors of float32 outputs" in res.output and "rel(f32 out)=" in res.output
+    assert _cli("check", "--backend", "reference", "--max-configs", 0).exit_code == 2
+
+
+def test_bench_table_columns_fit_long_arm_names():
+    from paged_decode.bench.report import table
+    from paged_decode.bench.runner import ArmResult, BenchResult
+    from paged_decode.bench.suites import CascadeCase
+    arms = {"flashinfer-tc": ArmResult("flashinfer-tc", "unavailable", float("nan"), False),
+            "v2": ArmResult("v2", "v2", 0.0, True, call={"median_us": 5.0}),
+            "flashinfer": ArmResult("flashinfer", "unavailable", float("nan"), False)}
+    for only in (["flashinfer"], list(arms)):
+        lines = table([BenchResult(CascadeCase(1, 16), 1, 1,
+                                   {a: arms[a] for a in only})]).splitlines()
+        assert len(lines[0]) == len(lines[1]) == len(lines[2]), lines[:3]
+        assert "flashinfer/v2" in lines[0] or only == ["flashinfer"]
+    res = _cli("bench", "--backend", "reference", "--context", 64, "--batch", 1,
+               "--arms", "flashinfer")
+    assert res.exit_code == 1 and "no arm could run here" in res.output
