@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Backend, backend_for, c_contiguous
+from .backends import Backend, Problem, backend_for, c_contiguous
 from .dtypes import check_dtype, expect_dtype
-from .errors import InvalidArgumentError, check_ndim, check_shape
+from .errors import InvalidArgumentError, UnsupportedProblemError, check_ndim, check_shape
 
 
 def _check_state(fn: str, be: Backend, names: tuple[str, str], v: Any, lse: Any, dims: str,
@@ -68,6 +68,9 @@ def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
                                    f"at N = {n}, got {ip.tolist()[:16]}")
     m = ip.size - 1
     o_dt = check_dtype(fn, "out_dtype", out_dtype)
+    sup = be.supports(Problem("float32", "float32", h, h, d, 1, "merge"))
+    if not sup:
+        raise UnsupportedProblemError(f"{fn}: {sup.reason} (backend {be.name!r})")
     v_out = be.empty((m, h, d), o_dt)
     lse_out = be.empty((m, h), "float32")
     be.merge(va, la, ip.astype(np.int32), v_out, lse_out)

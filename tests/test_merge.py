@@ -12,6 +12,8 @@ from paged_decode import InvalidArgumentError, InvalidDtypeError, merge_state, m
 
 H, D = 3, 5
 NEG_INF = -np.inf
+#: D = 5 is no kernel's head dim: the reference backend runs it as an oracle only
+pytestmark = pytest.mark.usefixtures("any_geometry")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -287,3 +289,16 @@ def test_merge_kernel_large_groups_nan_rows_and_gather(gather):
     else:
         be.merge(v, lse, indptr, v_out, lse_out, rows=rows)
     assert_close_to_ref(v_out, lse_out, ref_v, ref_lse, tol=5e-6)
+
+
+def test_merge_head_dim_the_kernels_cannot_take_is_refused(monkeypatch):
+    """Without ``any_geometry`` the reference backend refuses what the merge kernel
+    refuses (float4 slices: a multiple of 4), as the kernel backends do."""
+    from paged_decode import UnsupportedProblemError
+    monkeypatch.delenv("PAGED_DECODE_REFERENCE_ANY_GEOMETRY")
+    v, lse = np.zeros((2, H, 6), np.float32), np.zeros((2, H), np.float32)
+    with pytest.raises(UnsupportedProblemError, match=r"merge_states: head_dim must be a "
+                       r"positive multiple of 4 for the merge kernel, got 6"):
+        merge_states(v, lse, [0, 2])
+    out, _ = merge_states(np.zeros((2, H, 8), np.float32), lse, [0, 2])
+    assert out.shape == (1, H, 8)

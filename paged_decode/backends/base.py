@@ -43,7 +43,7 @@ class Problem:
     num_kv_heads: int
     head_dim: int
     page_size: int
-    path: str = "v2"
+    path: str = "v2"   # a decode path, or "merge" (a merge alone)
 
 
 @dataclass(frozen=True)

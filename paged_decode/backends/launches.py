@@ -62,7 +62,13 @@ class Launch:
 
 
 def support(problem: Problem) -> Support:
-    """Whether the CUDA kernels have a specialization for ``problem``."""
+    """Whether the CUDA kernels have a specialization for ``problem`` (``path="merge"``:
+    the merge alone, which reads float4 slices of any head dim that is a multiple of 4)."""
+    if problem.path == "merge":
+        if problem.head_dim < 4 or problem.head_dim % 4:
+            return Support(False, "head_dim must be a positive multiple of 4 for the merge "
+                                  f"kernel, got {problem.head_dim}")
+        return Support(True)
     if problem.head_dim not in SUPPORTED_HEAD_DIMS:
         return Support(False, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got "
                               f"{problem.head_dim}")

@@ -108,7 +108,7 @@ class MlxBackend(Backend):
                 "device": str(mx.default_device()), "metal": metal_status().reason or "yes"}
 
     def supports(self, problem: Problem) -> Support:
-        if problem.path == "gather":
+        if problem.path in ("gather", "merge"):     # both are MLX ops here
             return Support(True)
         return Support(False, f"the {problem.path} kernel needs Metal ({metal_status().reason}"
                               "); path='gather' or 'auto' runs the gather arm")
