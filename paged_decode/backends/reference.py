@@ -16,6 +16,7 @@ import numpy as np
 from ..device import DeviceInfo
 from ..dtypes import as_float32, dtype_name, numpy_dtype
 from ..errors import InvalidDtypeError
+from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
 from ..softmax import RowSoftmax, merge_partials
@@ -114,13 +115,20 @@ class ReferenceBackend(Backend):
         return np.zeros(shape, numpy_dtype(dtype))
 
     # ----------------------------------------------------------- pool writes
-    def write_tokens(self, pages: Any, page_ids: Any, slots: Any, values: Any) -> Any:
-        pages[..., page_ids, slots, :, :] = np.asarray(values).astype(pages.dtype)
-        return pages
-
-    def copy_page(self, pages: Any, src: int, dst: int) -> Any:
-        pages[..., dst, :, :, :] = pages[..., src, :, :, :]
-        return pages
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite) -> tuple[Any, Any]:
+        """Fancy-index copies on 5-D views of the pools (numpy writes through them)."""
+        page, slot, row = write.row_targets()
+        src, dst, cslot = write.cow_targets()
+        l0, nl = write.layer0, write.row_layers
+        for pages, rows in ((k_pages, k_rows), (v_pages, v_rows)):
+            assert pages.flags.c_contiguous      # so the reshape is a view
+            p5 = pages.reshape(-1, *pages.shape[-4:])
+            r4 = np.asarray(rows).reshape(nl, -1, *pages.shape[-2:])
+            if src.size:
+                p5[:, dst, cslot] = p5[:, src, cslot]
+            p5[l0:l0 + nl, page, slot] = r4[:, row].astype(pages.dtype, copy=False)
+        return k_pages, v_pages
 
     # ----------------------------------------------------------- kernels
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
