@@ -17,8 +17,8 @@ size, and its K/V writes are one launch of the append kernel (``kernels/append.p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,49 +30,80 @@ from .kernels.append import AppendWrite
 from .page_table import PageTable
 
 
-def _frozen(a: np.ndarray, dtype: Any = np.int32) -> np.ndarray:
-    out = np.ascontiguousarray(a, dtype=dtype)
-    out.setflags(write=False)
-    return out
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
 
 
-@dataclass(frozen=True, eq=False)
 class AppendedBatch:
     """What one ``PagePool.append_batch`` did, per sequence in the call's order (host
-    numpy arrays, read-only): enough for a page table kept elsewhere (e.g. on a device)
-    to follow the append without rebuilding.
+    numpy arrays, read-only, computed on first access): enough for a page table kept
+    elsewhere (e.g. on a device) to follow the append without rebuilding.
 
     - ``seqs`` int64 ``[B]``: the sequence ids; ``counts`` int64 ``[B]``: tokens appended.
-    - ``seq_lens`` int32 ``[B]``: visible tokens after the append; ``last_page_len`` int32
-      ``[B]``: entries in the last page after (0 without pages); ``num_pages`` int32
+    - ``seq_lens`` int64 ``[B]``: visible tokens after the append; ``last_page_len`` int64
+      ``[B]``: entries in the last page after (0 without pages); ``num_pages`` int64
       ``[B]``: pages after.
-    - ``first_changed`` int32 ``[B]``: position in the sequence's page list of the first
+    - ``first_changed`` int64 ``[B]``: position in the sequence's page list of the first
       page id that is new: the last page's when it was copied (copy-on-write), else the
       old page count. The ids from there to the end are ``changed_pages[changed_indptr[i]:
       changed_indptr[i + 1]]`` (int32, CSR with int64 ``changed_indptr [B+1]``).
     - ``copies`` int32 ``[C, 2]``: (shared page, its private copy) of every copy-on-write
       copy, made in every layer.
 
-    ``PagePool.write_layer`` writes another layer's rows to the same slots.
+    ``PagePool.write_layer`` writes another layer's rows to the same slots; ``write`` is
+    the launch's description (``kernels/append.py``).
     """
 
-    seqs: np.ndarray
-    counts: np.ndarray
-    seq_lens: np.ndarray
-    last_page_len: np.ndarray
-    num_pages: np.ndarray
-    first_changed: np.ndarray
-    changed_pages: np.ndarray
-    changed_indptr: np.ndarray
-    copies: np.ndarray
-    write: AppendWrite        # the launch's description (kernels/append.py)
-    pool: PagePool
-    version: int              # the pool's mutation count right after this append
+    def __init__(self, pool: PagePool, write: AppendWrite, seqs: np.ndarray,
+                 counts: np.ndarray | None, pages_before: np.ndarray, pages_after: np.ndarray,
+                 filled_after: np.ndarray, start: np.ndarray, cow: np.ndarray,
+                 last: np.ndarray, taken: np.ndarray, need: np.ndarray) -> None:
+        self.pool, self.write, self.version = pool, write, pool._version
+        self.seqs = _frozen(seqs)
+        self._counts = counts
+        self._raw = (pages_before, pages_after, filled_after, start, cow, last, taken, need)
 
     @property
     def num_rows(self) -> int:
         """N: the new rows per layer (``counts.sum()``)."""
         return self.write.num_rows
+
+    @functools.cached_property
+    def counts(self) -> np.ndarray:
+        c = self._counts
+        return _frozen(np.ones(self.seqs.size, np.int64) if c is None else c)
+
+    @functools.cached_property
+    def seq_lens(self) -> np.ndarray:
+        return _frozen(self._raw[2] - self._raw[3])
+
+    @functools.cached_property
+    def last_page_len(self) -> np.ndarray:
+        n, f = self._raw[1], self._raw[2]
+        return _frozen(np.where(n > 0, f - (n - 1) * self.pool.page_size, 0))
+
+    @functools.cached_property
+    def num_pages(self) -> np.ndarray:
+        return _frozen(self._raw[1])
+
+    @functools.cached_property
+    def first_changed(self) -> np.ndarray:
+        return _frozen(self._raw[0] - self._raw[4])
+
+    @functools.cached_property
+    def changed_pages(self) -> np.ndarray:
+        return _frozen(self._raw[6])
+
+    @functools.cached_property
+    def changed_indptr(self) -> np.ndarray:
+        return _frozen(np.concatenate([[0], np.cumsum(self._raw[7], dtype=np.int64)]))
+
+    @functools.cached_property
+    def copies(self) -> np.ndarray:
+        _, _, _, _, cow, last, taken, need = self._raw
+        at = (np.cumsum(need) - need)[cow]          # a copy is its sequence's first page
+        return _frozen(np.stack([last[cow], taken[at]], axis=1).astype(np.int32))
 
 
 class _Sequences:
@@ -90,7 +121,9 @@ class _Sequences:
 
     def __init__(self, rows: int = 16, width: int = 8) -> None:
         self.n = 0
-        self.ids = np.zeros(rows, np.int64)
+        # one more than rows: ids[n] is a sentinel above every id, so that a search
+        # result of n compares unequal without clipping
+        self.ids = np.full(rows + 1, np.iinfo(np.int64).max, np.int64)
         self.id_rows = np.zeros(rows, np.int64)
         for f in self.FIELDS:
             setattr(self, f, np.zeros(rows, np.int64))
@@ -107,12 +140,8 @@ class _Sequences:
 
     def find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(index into ``ids``, found) of each id in ``q``."""
-        live = self.ids[:self.n]
-        i = np.searchsorted(live, q)
-        if not self.n:
-            return i, np.zeros(q.shape, bool)
-        i = np.minimum(i, self.n - 1)
-        return i, live[i] == q
+        i = np.searchsorted(self.ids[:self.n], q)
+        return i, self.ids[i] == q
 
     def add(self, sid: int) -> int:
         if not self.free_rows:
@@ -120,13 +149,14 @@ class _Sequences:
         row = self.free_rows.pop()
         self.ids[self.n], self.id_rows[self.n] = sid, row
         self.n += 1
+        self.ids[self.n] = np.iinfo(np.int64).max
         for f in ("npages", "head", "start", "filled", "trimmed"):
             getattr(self, f)[row] = 0
         return row
 
     def remove(self, index: int) -> None:
         row = int(self.id_rows[index])
-        self.ids[index:self.n - 1] = self.ids[index + 1:self.n]
+        self.ids[index:self.n] = self.ids[index + 1:self.n + 1]     # (the sentinel too)
         self.id_rows[index:self.n - 1] = self.id_rows[index + 1:self.n]
         self.n -= 1
         self.free_rows.append(row)
@@ -135,11 +165,12 @@ class _Sequences:
         h = int(self.head[row])
         return self.pages[row, h:h + int(self.npages[row])]
 
-    def reserve(self, rows: np.ndarray, extra: np.ndarray) -> None:
-        """Room for ``extra`` more pages at the end of each row in ``rows``."""
-        need = self.head[rows] + self.npages[rows] + extra
-        if need.size and int(need.max()) > self.pages.shape[1]:
-            self._compact(max(int((self.npages[rows] + extra).max()), self.pages.shape[1]))
+    def reserve(self, ends: np.ndarray, sizes: np.ndarray) -> None:
+        """Room for rows about to hold ``sizes`` pages, up to column ``ends`` (head +
+        size): when one would overflow, every row moves to column 0 (and the table
+        widens if a size needs it)."""
+        if ends.size and int(ends.max()) > self.pages.shape[1]:
+            self._compact(int(sizes.max()))
 
     def _compact(self, need: int) -> None:
         """Move every row's pages to column 0; widen to at least ``need`` (doubling)."""
@@ -157,7 +188,8 @@ class _Sequences:
 
     def _grow_rows(self) -> None:
         old = self.pages.shape[0]
-        for f in ("ids", "id_rows", *self.FIELDS):
+        self.ids = np.concatenate([self.ids, np.full(old, np.iinfo(np.int64).max)])
+        for f in ("id_rows", *self.FIELDS):
             a = getattr(self, f)
             setattr(self, f, np.concatenate([a, np.zeros(old, a.dtype)]))
         self.pages = np.concatenate([self.pages, np.full_like(self.pages, -1)])
@@ -250,7 +282,7 @@ class PagePool:
         pages = S.row_pages(src).copy()
         sid = self.new_sequence()
         dst = self._row("PagePool.fork", sid)
-        S.reserve(np.array([dst]), np.array([pages.size]))
+        S.reserve(np.array([pages.size]), np.array([pages.size]))    # a new row: head 0
         S.pages[dst, :pages.size] = pages
         for f in ("npages", "start", "filled", "trimmed"):
             getattr(S, f)[dst] = getattr(S, f)[src]
@@ -329,7 +361,7 @@ class PagePool:
                                        + self._layer_hint(lead, layer))
         n = b if counts is None else int(kshape[len(lead)])
         self._check_rows(fn, kb, vb, (*lead, n, self.num_kv_heads, self.head_dim), dims)
-        t = np.ones(b, np.int64) if counts is None else self._counts(fn, counts, b, n)
+        t = None if counts is None else self._counts(fn, counts, b, n)
         return self._append(fn, ids, rows, t, kb, vb, layer0, row_layers)
 
     def write_layer(self, batch: AppendedBatch, k: Any, v: Any, *, layer: int) -> None:
@@ -404,82 +436,122 @@ class PagePool:
                                rope_positions=rope, num_pages=self.num_pages)
 
     # ------------------------------------------------------------------ the batched append
-    def _append(self, fn: str, ids: np.ndarray, rows: np.ndarray, t: np.ndarray, kb: Any,
-                vb: Any, layer0: int, row_layers: int) -> AppendedBatch:
-        """Append ``t[i]`` tokens to the sequence in row ``rows[i]`` (ids ``ids``), all
-        arguments checked; rows of ``kb``/``vb`` in sequence order. Plans everything,
-        launches the write, then commits the bookkeeping (a failing launch changes no
-        visible entry: it writes only fresh pages and slots past every sequence's end)."""
+    def _append(self, fn: str, ids: np.ndarray, rows: np.ndarray, t: np.ndarray | None,
+                kb: Any, vb: Any, layer0: int, row_layers: int) -> AppendedBatch:
+        """Append ``t[i]`` tokens (``t`` None: one each, the decode step) to the sequence
+        in row ``rows[i]`` (ids ``ids``), all arguments checked; rows of ``kb``/``vb`` in
+        sequence order. Plans everything, launches the write, then commits the
+        bookkeeping (a failing launch changes no visible entry: it writes only fresh pages
+        and slots past every sequence's end)."""
         S, P = self._seqs, self.page_size
-        b = rows.size
         npg, fil = S.npages[rows], S.filled[rows]
-        room = npg * P - fil
-        partial = (room > 0) & (t > 0)          # the run starts in the last page
-        last = S.pages[rows, np.maximum(S.head[rows] + npg - 1, 0)].astype(np.int64)
-        cow = self._copy_on_write(partial, last)
-        fresh = np.maximum(-(-(t - room) // P), 0)
-        need = fresh + cow
+        end = S.head[rows] + npg                # one past the last page's column
+        room = npg * P - fil                    # in [0, P): a last page is never empty
+        width = S.pages.shape[1]
+        last = S.pages.reshape(-1)[rows * width + end - 1]  # (garbage where npg == 0)
+        if t is None:
+            partial = room > 0
+            cow = self._copy_on_write(partial, last)
+            fresh = ~partial                    # bool; disjoint from cow
+            need = fresh | cow
+        else:
+            partial = (room > 0) & (t > 0)      # the run starts in the last page
+            cow = self._copy_on_write(partial, last)
+            fresh = np.maximum((t - room + P - 1) // P, 0)
+            need = fresh + cow
         total = int(need.sum())
         if total > self._nfree:
             raise self._exhausted(fn, ids, t, need, cow, total)
         # pages in the order append() would pop them: sequence by sequence, the copy first
-        taken = self._free[self._nfree - total:self._nfree][::-1].astype(np.int64)
-        off = np.cumsum(need) - need
-        # one desc column per touched page (kernels/append.py); j-th page of sequence i
-        # is its page-list entry k = npg - partial + j
+        taken = self._free[self._nfree - total:self._nfree][::-1].copy()
+        if t is None:
+            cols = self._one_each(rows, npg, fil, partial, cow, last, taken)
+        else:
+            cols = self._ragged(rows, npg, fil, t, partial, cow, fresh, need, last, taken)
+        desc, col_rows, k, from_taken = cols
+        write = AppendWrite(desc, rows.size if t is None else int(t.sum()), layer0,
+                            row_layers, True)
+        if desc.shape[1]:
+            self.k, self.v = self.backend.append_rows(self.k, self.v, kb, vb, write)
+        # commit
+        pages_after, filled_after = npg + fresh, fil + (1 if t is None else t)
+        S.reserve(end + fresh, pages_after)
+        r = col_rows[from_taken]
+        S.pages.reshape(-1)[r * S.pages.shape[1] + S.head[r] + k[from_taken]] = \
+            desc[0][from_taken]
+        if cow.any():
+            np.subtract.at(self._ref, last[cow], 1)
+        self._ref[taken] = 1
+        self._nfree -= total
+        S.npages[rows] = pages_after
+        S.filled[rows] = filled_after
+        self._version += 1
+        return AppendedBatch(self, write, ids, t, npg, pages_after, filled_after,
+                             S.start[rows], cow, last, taken, need)
+
+    def _one_each(self, rows: np.ndarray, npg: np.ndarray, fil: np.ndarray,
+                  partial: np.ndarray, cow: np.ndarray, last: np.ndarray,
+                  taken: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(desc, row of each column, page-list entry of each column, whether the
+        column's page is newly taken) for one token per sequence: column i is sequence
+        i, writing entry ``fil % P`` of its last page, a fresh page or the copy."""
+        P = self.page_size
+        from_taken = ~partial | cow
+        desc = np.empty((5, rows.size), np.int32)
+        desc[0] = last
+        desc[0][from_taken] = taken             # one page each, in batch order
+        desc[1] = np.where(cow, last, desc[0])
+        k = npg - partial
+        desc[3] = fil - k * P
+        desc[2] = np.arange(rows.size) - desc[3]
+        desc[4] = desc[3] + 1
+        return desc, rows, k, from_taken
+
+    def _ragged(self, rows: np.ndarray, npg: np.ndarray, fil: np.ndarray, t: np.ndarray,
+                partial: np.ndarray, cow: np.ndarray, fresh: np.ndarray, need: np.ndarray,
+                last: np.ndarray, taken: np.ndarray) -> tuple[np.ndarray, ...]:
+        """``_one_each`` for runs of ``t[i] >= 0`` tokens: one column per touched page;
+        the j-th page sequence i touches is its page-list entry ``npg - partial + j``."""
+        P = self.page_size
         touched = partial + fresh
-        seq_of = np.repeat(np.arange(b), touched)
+        seq_of = np.repeat(np.arange(rows.size), touched)
         j = np.arange(seq_of.size) - np.repeat(np.cumsum(touched) - touched, touched)
         first = partial[seq_of] & (j == 0)      # the old last page, or its copy
         copied = first & cow[seq_of]
         from_taken = ~first | copied
-        ti = np.where(copied, off[seq_of], off[seq_of] + cow[seq_of] + j - partial[seq_of])
-        page = last[seq_of]
-        page[from_taken] = taken[ti[from_taken]]
-        src = np.where(copied, last[seq_of], page)
+        off = (np.cumsum(need) - need)[seq_of]  # the sequence's first page in taken
+        # (-1 where first & ~copied: a valid index, and not used there)
+        ti = off + np.where(copied, 0, cow[seq_of] + j - partial[seq_of])
+        page = np.where(from_taken, taken[ti], last[seq_of]) if taken.size else last[seq_of]
         k = (npg - partial)[seq_of] + j
-        f_s, t_s = fil[seq_of], t[seq_of]
-        row0 = (np.cumsum(t) - t)[seq_of] - f_s + k * P
-        lo, hi = np.maximum(f_s - k * P, 0), np.minimum(f_s + t_s - k * P, P)
-        desc = np.ascontiguousarray(np.stack([page, src, row0, lo, hi]), dtype=np.int32)
-        write = AppendWrite(desc, int(t.sum()), layer0, row_layers, True)
-        if desc.shape[1]:
-            self.k, self.v = self.backend.append_rows(self.k, self.v, kb, vb, write)
-        # commit
-        S.reserve(rows, fresh)
-        r = rows[seq_of[from_taken]]
-        S.pages[r, S.head[r] + k[from_taken]] = page[from_taken]
-        np.subtract.at(self._ref, last[cow], 1)
-        self._ref[taken] = 1
-        self._nfree -= total
-        S.npages[rows] = npg + fresh
-        S.filled[rows] = fil + t
-        self._version += 1
-        n_after, f_after = npg + fresh, fil + t
-        return AppendedBatch(
-            _frozen(ids, np.int64), _frozen(t, np.int64), _frozen(f_after - S.start[rows]),
-            _frozen(np.where(n_after > 0, f_after - (n_after - 1) * P, 0)), _frozen(n_after),
-            _frozen(npg - cow), _frozen(taken), _frozen(np.r_[0, np.cumsum(need)], np.int64),
-            _frozen(np.stack([last[cow], taken[off[cow]]], axis=1).reshape(-1, 2)),
-            write, self, self._version)
+        f_s, kp = fil[seq_of], k * P
+        desc = np.empty((5, k.size), np.int32)
+        desc[0] = page
+        desc[1] = np.where(copied, last[seq_of], page)
+        desc[2] = (np.cumsum(t) - t)[seq_of] - f_s + kp
+        desc[3] = np.maximum(f_s - kp, 0)
+        desc[4] = np.minimum(f_s + t[seq_of] - kp, P)
+        return desc, rows[seq_of], k, from_taken
 
     def _copy_on_write(self, partial: np.ndarray, last: np.ndarray) -> np.ndarray:
         """Which sequences copy their shared partial last page: each that appends into a
         page with refcount > 1, except that when every holder of the page appends in
         this batch the last one (in batch order) writes it in place, as ``append`` one
         sequence at a time would (the refcount drops by one with each copy)."""
-        cand = np.flatnonzero(partial & (self._ref[last] > 1))
+        shared = partial & (self._ref[last] > 1)
+        if not shared.any():
+            return shared
+        cand = np.flatnonzero(shared)
         cow = np.zeros(partial.size, bool)
-        if cand.size:
-            order = cand[np.argsort(last[cand], kind="stable")]
-            pg = last[order]
-            new = np.r_[True, pg[1:] != pg[:-1]]
-            pos = np.arange(pg.size)
-            rank = pos - np.maximum.accumulate(np.where(new, pos, 0))
-            cow[order[rank < self._ref[pg] - 1]] = True
+        order = cand[np.argsort(last[cand], kind="stable")]
+        pg = last[order]
+        new = np.r_[True, pg[1:] != pg[:-1]]
+        pos = np.arange(pg.size)
+        rank = pos - np.maximum.accumulate(np.where(new, pos, 0))
+        cow[order[rank < self._ref[pg] - 1]] = True
         return cow
 
-    def _exhausted(self, fn: str, ids: np.ndarray, t: np.ndarray, need: np.ndarray,
+    def _exhausted(self, fn: str, ids: np.ndarray, t: Any, need: np.ndarray,
                    cow: np.ndarray, total: int) -> PoolExhaustedError:
         have = f"the pool has {self._nfree} of {self.num_pages}"
         if fn == "PagePool.append":
@@ -495,10 +567,13 @@ class PagePool:
 
     # ------------------------------------------------------------------ argument checks
     def _check_rows(self, fn: str, kb: Any, vb: Any, want: tuple[int, ...], dims: str) -> None:
-        check_shape(fn, "k", tuple(kb.shape), want, dims)
-        check_shape(fn, "v", tuple(vb.shape), want, dims)
-        check_dtype(fn, "k", self.backend.dtype_of(kb))
-        check_dtype(fn, "v", self.backend.dtype_of(vb))
+        if tuple(kb.shape) != want or tuple(vb.shape) != want:
+            check_shape(fn, "k", tuple(kb.shape), want, dims)
+            check_shape(fn, "v", tuple(vb.shape), want, dims)
+        native = self.k.dtype                   # rows in the pool's dtype need no lookup
+        if kb.dtype != native or vb.dtype != native:
+            check_dtype(fn, "k", self.backend.dtype_of(kb))
+            check_dtype(fn, "v", self.backend.dtype_of(vb))
 
     def _layer_arg(self, fn: str, layer: Any) -> tuple[int, int, tuple[int, ...]]:
         """(first layer written, layers written, the rows' leading shape) for ``layer``."""

@@ -647,3 +647,43 @@ def test_the_real_kernel_passes_the_scenario():
 def test_mutated_append_kernels_fail(old, new):
     why = _scenario(CudaMutant("append", lambda s: s.replace(old, new)))
     assert why, "the mutant passed"
+
+
+# ---------------------------------------------------------------------------- host state
+def test_one_token_each_equals_counts_of_one():
+    """The decode step's own descriptor builder and the ragged one agree (same launch
+    description, same pools), copy-on-write and fresh pages included."""
+    got = []
+    for counts in (None, [1, 1, 1]):
+        pool, model, rng, a, b = _forked("reference")
+        c = pool.new_sequence()
+        pool.append(c, rows(rng, pool, 4, False), rows(rng, pool, 4, False))  # full page
+        k, v = rows(rng, pool, 3, False), rows(rng, pool, 3, False)
+        batch = pool.append_batch([b, c, a], k, v, counts=counts)
+        got.append((batch.write.desc.tolist(), snapshot(pool), batch.copies.tolist()))
+    assert got[0][0] == got[1][0] and got[0][2] == got[1][2] == [[1, 3]]
+    assert_same(got[0][1], got[1][1])
+
+
+def test_sliding_windows_keep_the_page_lists_bounded():
+    """Many windows moving on (append, trim the front) for long: the per-sequence page
+    storage is compacted, not widened without end, and the pool stays the model's."""
+    rng = np.random.default_rng(11)
+    pool, model = make("reference", 64, page_size=2)
+    seqs = [pool.new_sequence() for _ in range(5)]
+    for s in seqs:
+        model.new()
+    for step in range(300):
+        counts = [int(x) for x in rng.integers(0, 4, 5)]
+        k, v = rows(rng, pool, sum(counts), False), rows(rng, pool, sum(counts), False)
+        pool.append_batch(seqs, k, v, counts=counts)
+        model.append_batch(seqs, k, v, counts)
+        for s in seqs:
+            over = pool.seq_len(s) - 12                 # windows of 12 tokens
+            if over > 0:
+                pool.trim_front(s, over)
+                model.trim(s, over)
+        if step % 50 == 0:
+            check(pool, model)
+    check(pool, model)
+    assert pool._seqs.pages.shape[1] <= 16              # 7 pages at most, one doubling
