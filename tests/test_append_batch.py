@@ -671,8 +671,7 @@ def test_sliding_windows_keep_the_page_lists_bounded():
     rng = np.random.default_rng(11)
     pool, model = make("reference", 64, page_size=2)
     seqs = [pool.new_sequence() for _ in range(5)]
-    for s in seqs:
-        model.new()
+    assert [model.new() for _ in range(5)] == seqs
     for step in range(300):
         counts = [int(x) for x in rng.integers(0, 4, 5)]
         k, v = rows(rng, pool, sum(counts), False), rows(rng, pool, sum(counts), False)
