@@ -578,6 +578,24 @@ def test_empty_batch_and_zero_counts_change_no_page():
     check(pool, model)
 
 
+@pytest.mark.skipif(not availability("emulated-metal").ok, reason="the CPU emulator is "
+                    "unavailable")
+@pytest.mark.parametrize("geom", [g[1] for g in GEOMETRIES[1:3]], ids=[g[0] for g in
+                                                                        GEOMETRIES[1:3]])
+def test_the_metal_backend_through_metal_kernel_on_the_emulator(geom):
+    """The ``metal`` backend's own path on MLX arrays (``append_rows``, ``metal_call``,
+    the ``metal_kernel`` call with NaN-initialized outputs, the rebound results), with
+    the CPU emulator standing in for the GPU (as in test_mlx_kernels.py)."""
+    pytest.importorskip("mlx.core")
+    from test_mlx_kernels import Spy, emulate
+
+    from paged_decode.backends.mlx import MetalBackend
+    spy = Spy(execute=emulate)
+    pool, model = make(MetalBackend(spy), **geom)
+    random_ops(pool, model, np.random.default_rng(8), 60)
+    assert spy.calls and all(kw["name"].startswith("pd_append") for kw, _ in spy.calls)
+
+
 # ---------------------------------------------------------------------------- one launch
 def test_one_token_for_128_sequences_and_32_layers_is_one_launch(monkeypatch):
     """The emulated backend's launch path sees exactly one launch, and it is the append
