@@ -96,24 +96,30 @@ class AppendWrite:
         """``desc`` with its columns sorted by page id (the Metal kernel searches it)."""
         return np.ascontiguousarray(self.desc[:, np.argsort(self.desc[0], kind="stable")])
 
-    def row_targets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(page, slot, row) of every new row, int64 ``[N]`` each: row ``row`` of every
-        written layer goes to ``(page, slot)``."""
-        page, _, row0, lo, hi = (f.astype(np.int64) for f in self.desc)
+    def flat_rows(self, num_layers: int, num_pages: int, page_size: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The contract as row copies, for array-op backends: with the pools viewed as
+        ``[num_layers * num_pages * page_size, Hkv * D]`` and the rows as ``[row_layers *
+        N, Hkv * D]``, int64 (copy destinations, copy sources) into the pools, then
+        (write destinations into the pools, write sources into the rows). The copies
+        read no row the writes write, so either order is right."""
+        page, src, row0, lo, hi = (f.astype(np.int64) for f in self.desc)
+        # every written slot: column c, slot s in [lo, hi)
         n = hi - lo
         col = np.repeat(np.arange(page.size), n)
         slot = lo[col] + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        return page[col], slot, row0[col] + slot
-
-    def cow_targets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(source page, destination page, slot) of every copied slot, int64 each (empty
-        without ``copy_cow``); the copies apply to every layer."""
-        page, src, _, lo, _ = (f.astype(np.int64) for f in self.desc)
+        layers = np.arange(self.layer0, self.layer0 + self.row_layers)[:, None]
+        w_dst = ((layers * num_pages + page[col]) * page_size + slot).reshape(-1)
+        w_src = ((layers - self.layer0) * self.num_rows + row0[col] + slot).reshape(-1)
+        # every copied slot: slots [0, lo) of the columns whose source is another page
         cols = np.flatnonzero(src != page) if self.copy_cow else np.zeros(0, np.int64)
-        n = lo[cols]
-        col = np.repeat(cols, n)
-        slot = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        return src[col], page[col], slot
+        m = lo[cols]
+        ccol = np.repeat(cols, m)
+        cslot = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+        every = np.arange(num_layers)[:, None] * num_pages
+        c_dst = ((every + page[ccol]) * page_size + cslot).reshape(-1)
+        c_src = ((every + src[ccol]) * page_size + cslot).reshape(-1)
+        return c_dst, c_src, w_dst, w_src
 
 
 # ---------------------------------------------------------------------------- CUDA

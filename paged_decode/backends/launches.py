@@ -178,7 +178,7 @@ def append_launch(write: append.AppendWrite, dtype: str, vector_bytes: int,
     num_layers = lead[0] if lead else 1
     row_words = hkv * d * itemsize(dtype) // vector_bytes
     spec = append_spec(dtype, vector_bytes)
-    all_layers = write.copy_cow and write.row_layers < num_layers and write.copies
+    all_layers = write.row_layers < num_layers and write.copies
     grid_layer0, grid_layers = (0, num_layers) if all_layers else (write.layer0,
                                                                      write.row_layers)
     pool_role = "out" if outs is None else "in"

@@ -185,20 +185,20 @@ class MlxBackend(Backend):
     # ----------------------------------------------------------- pool writes
     def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
                     write: AppendWrite) -> tuple[Any, Any]:
-        """New pool arrays with the rows scattered and the copies made (MLX scatters; the
-        given arrays are unchanged, and MLX reuses a buffer nothing else holds)."""
-        page, slot, row = (mx.array(a.astype(np.int32)) for a in write.row_targets())
-        src, dst, cslot = (mx.array(a.astype(np.int32)) for a in write.cow_targets())
-        l0, nl = write.layer0, write.row_layers
+        """New pool arrays with the copies made and the rows scattered (MLX scatters on
+        flat views; the given arrays are unchanged, and MLX reuses a buffer nothing else
+        holds)."""
+        shape = tuple(k_pages.shape)
+        *lead, num_pages, page_size, hkv, d = shape
+        c_dst, c_src, w_dst, w_src = (mx.array(a.astype(np.int32)) for a in write.flat_rows(
+            lead[0] if lead else 1, num_pages, page_size))
         out = []
         for pages, rows in ((k_pages, k_rows), (v_pages, v_rows)):
-            shape = tuple(pages.shape)
-            p5 = pages.reshape(-1, *shape[-4:])
-            r4 = self.asarray(rows).astype(pages.dtype).reshape(nl, -1, *shape[-2:])
-            if src.size:
-                p5[:, dst, cslot] = p5[:, src, cslot]
-            p5[l0:l0 + nl, page, slot] = r4[:, row]
-            out.append(p5.reshape(shape))
+            flat = pages.reshape(-1, hkv * d)
+            if c_dst.size:
+                flat[c_dst] = flat[c_src]
+            flat[w_dst] = self.asarray(rows).astype(pages.dtype).reshape(-1, hkv * d)[w_src]
+            out.append(flat.reshape(shape))
         return out[0], out[1]
 
     # ----------------------------------------------------------- arms

@@ -117,17 +117,17 @@ class ReferenceBackend(Backend):
     # ----------------------------------------------------------- pool writes
     def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
                     write: AppendWrite) -> tuple[Any, Any]:
-        """Fancy-index copies on 5-D views of the pools (numpy writes through them)."""
-        page, slot, row = write.row_targets()
-        src, dst, cslot = write.cow_targets()
-        l0, nl = write.layer0, write.row_layers
+        """Row copies on flat views of the pools (numpy writes through them)."""
+        *lead, num_pages, page_size, hkv, d = k_pages.shape
+        c_dst, c_src, w_dst, w_src = write.flat_rows(lead[0] if lead else 1, num_pages,
+                                                     page_size)
         for pages, rows in ((k_pages, k_rows), (v_pages, v_rows)):
             assert pages.flags.c_contiguous      # so the reshape is a view
-            p5 = pages.reshape(-1, *pages.shape[-4:])
-            r4 = np.asarray(rows).reshape(nl, -1, *pages.shape[-2:])
-            if src.size:
-                p5[:, dst, cslot] = p5[:, src, cslot]
-            p5[l0:l0 + nl, page, slot] = r4[:, row].astype(pages.dtype, copy=False)
+            flat = pages.reshape(-1, hkv * d)
+            if c_dst.size:
+                flat[c_dst] = flat[c_src]
+            flat[w_dst] = np.asarray(rows).reshape(-1, hkv * d)[w_src].astype(
+                pages.dtype, copy=False)
         return k_pages, v_pages
 
     # ----------------------------------------------------------- kernels
