@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import CudaMutant
+from conftest import CudaMutant, MetalMutant
 
 import paged_decode as pd
 from paged_decode import InvalidArgumentError, InvalidDtypeError, PoolExhaustedError
@@ -642,65 +642,35 @@ needs_emulator = pytest.mark.skipif(not availability("emulated-cuda").ok,
                                     reason=f"{availability('emulated-cuda').reason}")
 
 MUTANTS = [
-    # (id, old, new): each must make the scenario fail
-    ("slot-off-by-one", "const long long first = copy ? 0 : (long long)lo * row_words;",
+    # (id, dialect, old, new): each must make the scenario fail
+    ("slot-off-by-one", "cuda",
+     "const long long first = copy ? 0 : (long long)lo * row_words;",
      "const long long first = copy ? 0 : (long long)(lo + 1) * row_words;"),
-    ("no-cow-copy", "const bool copy = copy_cow != 0 && src != page;",
+    ("no-cow-copy", "cuda", "const bool copy = copy_cow != 0 && src != page;",
      "const bool copy = false;"),
-    ("cow-from-layer-0", "const long long src0 = layer_words + ",
+    ("cow-from-layer-0", "cuda", "const long long src0 = layer_words + ",
      "const long long src0 = 0 * layer_words + "),
-    ("row-of-the-wrong-layer",
+    ("row-of-the-wrong-layer", "cuda",
      "const long long row_base = ((long long)(l - layer0) * num_rows + row0) * row_words;",
      "const long long row_base = ((long long)0 * num_rows + row0) * row_words;"),
+    ("unchanged-slots-not-copied", "metal",
+     "      ok[dst0 + i] = ik[dst0 + i];\n      ov[dst0 + i] = iv[dst0 + i];\n", ""),
+    ("page-search-off-by-one", "metal", "if (desc[m] < page) a = m + 1;",
+     "if (desc[m] <= page) a = m + 1;"),
+    ("no-cow-source", "metal", "if (copy_cow != 0) src = desc[num_touched + a];", ""),
 ]
+MUTANT_BACKENDS = {"cuda": CudaMutant, "metal": MetalMutant}
 
 
 @needs_emulator
-def test_the_real_kernel_passes_the_scenario():
-    assert _scenario(CudaMutant("append", lambda s: s + "\n// unchanged\n")) == ""
+@pytest.mark.parametrize("dialect", list(MUTANT_BACKENDS))
+def test_the_real_kernel_passes_the_scenario(dialect):
+    assert _scenario(MUTANT_BACKENDS[dialect]("append", lambda s: s + "\n// unchanged\n")) == ""
 
 
 @needs_emulator
-@pytest.mark.parametrize("old, new", [m[1:] for m in MUTANTS], ids=[m[0] for m in MUTANTS])
-def test_mutated_append_kernels_fail(old, new):
-    why = _scenario(CudaMutant("append", lambda s: s.replace(old, new)))
+@pytest.mark.parametrize("dialect, old, new", [m[1:] for m in MUTANTS],
+                         ids=[m[0] for m in MUTANTS])
+def test_mutated_append_kernels_fail(dialect, old, new):
+    why = _scenario(MUTANT_BACKENDS[dialect]("append", lambda s: s.replace(old, new)))
     assert why, "the mutant passed"
-
-
-# ---------------------------------------------------------------------------- host state
-def test_one_token_each_equals_counts_of_one():
-    """The decode step's own descriptor builder and the ragged one agree (same launch
-    description, same pools), copy-on-write and fresh pages included."""
-    got = []
-    for counts in (None, [1, 1, 1]):
-        pool, model, rng, a, b = _forked("reference")
-        c = pool.new_sequence()
-        pool.append(c, rows(rng, pool, 4, False), rows(rng, pool, 4, False))  # full page
-        k, v = rows(rng, pool, 3, False), rows(rng, pool, 3, False)
-        batch = pool.append_batch([b, c, a], k, v, counts=counts)
-        got.append((batch.write.desc.tolist(), snapshot(pool), batch.copies.tolist()))
-    assert got[0][0] == got[1][0] and got[0][2] == got[1][2] == [[1, 3]]
-    assert_same(got[0][1], got[1][1])
-
-
-def test_sliding_windows_keep_the_page_lists_bounded():
-    """Many windows moving on (append, trim the front) for long: the per-sequence page
-    storage is compacted, not widened without end, and the pool stays the model's."""
-    rng = np.random.default_rng(11)
-    pool, model = make("reference", 64, page_size=2)
-    seqs = [pool.new_sequence() for _ in range(5)]
-    assert [model.new() for _ in range(5)] == seqs
-    for step in range(300):
-        counts = [int(x) for x in rng.integers(0, 4, 5)]
-        k, v = rows(rng, pool, sum(counts), False), rows(rng, pool, sum(counts), False)
-        pool.append_batch(seqs, k, v, counts=counts)
-        model.append_batch(seqs, k, v, counts)
-        for s in seqs:
-            over = pool.seq_len(s) - 12                 # windows of 12 tokens
-            if over > 0:
-                pool.trim_front(s, over)
-                model.trim(s, over)
-        if step % 50 == 0:
-            check(pool, model)
-    check(pool, model)
-    assert pool._seqs.pages.shape[1] <= 16              # 7 pages at most, one doubling
