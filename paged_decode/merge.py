@@ -4,8 +4,9 @@ For partials ``i`` of one group: ``m = max lse_i``, ``w_i = exp2(lse_i - m)``,
 ``v = sum w_i v_i / sum w_i``, ``lse = m + log2(sum w_i)``. A group of one is the
 identity, ``-inf`` partials contribute nothing, an all-empty group gives zeros and
 ``-inf`` (never NaN); a NaN or ``+inf`` partial LSE poisons its group (NaN output and
-LSE; ``docs/concepts.md``, "Non-finite inputs"). The operation is associative and commutative, so any regrouping of
-the same partials gives the same answer; cascade decode depends on it.
+LSE; ``docs/concepts.md``, "Non-finite inputs"). The operation is associative and
+commutative, so any regrouping of the same partials gives the same answer; cascade
+decode depends on it.
 """
 
 from __future__ import annotations
