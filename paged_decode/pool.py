@@ -110,11 +110,13 @@ class _Sequences:
     """Per-sequence state, one row per live sequence (rows of freed sequences are
     reused); every field is an array indexed by row, so a batch is a gather.
 
-    A row's pages are ``pages[row, head : head + npages]`` (``head`` moves on when a trim
-    releases the first pages; rows are compacted when one runs out of width).
-    ``start``: entries of the first page retired by trims; ``filled``: entries written,
-    counted from entry 0 of the first page; ``trimmed``: tokens trimmed so far. Live ids
-    are kept ascending (ids only grow) in ``ids[:n]``, with their rows in ``id_rows``.
+    Fields, int64 ``[rows]`` each: ``npages``, ``head`` (a row's page ids are ``pages[row,
+    head : head + npages]`` of the int32 ``[rows, width]`` table; ``head`` moves on when
+    a trim releases the first pages, and every row moves back to column 0 when one
+    would run out of width), ``start`` (entries of the first page retired by trims),
+    ``filled`` (entries written, counted from entry 0 of the first page), ``trimmed``
+    (tokens trimmed so far). Live ids are kept ascending (ids only grow) in ``ids[:n]``
+    (int64), with their rows in ``id_rows``.
     """
 
     FIELDS = ("npages", "head", "start", "filled", "trimmed", "mark")
@@ -159,6 +161,7 @@ class _Sequences:
         self.ids[index:self.n] = self.ids[index + 1:self.n + 1]     # (the sentinel too)
         self.id_rows[index:self.n - 1] = self.id_rows[index + 1:self.n]
         self.n -= 1
+        self.npages[row] = self.head[row] = 0     # compaction skips the row
         self.free_rows.append(row)
 
     def row_pages(self, row: int) -> np.ndarray:
@@ -336,6 +339,9 @@ class PagePool:
                 (``None``: one each).
             layer: on a pool with layers, ``None`` writes every layer and ``i`` layer
                 ``i`` only (``None`` or ``0`` without layers).
+
+        Returns:
+            ``AppendedBatch``: the new lengths and page ids per sequence, the copies made.
 
         The tokens take their places (page allocations, copy-on-write of shared partial
         last pages, in every layer) at this call; with ``layer=i`` the other layers' rows
