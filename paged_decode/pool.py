@@ -35,6 +35,15 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _host(fn: str, name: str, x: Any) -> np.ndarray:
+    """A host (numpy) copy of a small integer argument; device arrays are refused."""
+    try:
+        return np.asarray(x)
+    except TypeError as exc:          # CuPy refuses implicit device-to-host copies
+        raise InvalidArgumentError(f"{fn}: {name} must be host integers (a list or a numpy "
+                                   f"array), got a {type(x).__name__}") from exc
+
+
 class AppendedBatch:
     """What one ``PagePool.append_batch`` did, per sequence in the call's order (host
     numpy arrays, read-only, computed on first access): enough for a page table kept
@@ -605,7 +614,7 @@ class PagePool:
         return (" (every layer: layer=None)" if lead else f" (one layer: layer={layer})")
 
     def _counts(self, fn: str, counts: Any, b: int, n: int) -> np.ndarray:
-        c = np.asarray(counts)
+        c = _host(fn, "counts", counts)
         if c.ndim != 1 or c.size != b:
             raise InvalidArgumentError(f"{fn}: counts must have shape [B] = [{b}] (one count "
                                        f"per sequence), got {fmt_shape(c.shape)}")
@@ -626,7 +635,7 @@ class PagePool:
         if isinstance(seqs, (list, tuple)) and {bool, np.bool_} & set(map(type, seqs)):
             raise InvalidArgumentError(f"{fn}: seqs must hold sequence ids (integers), got "
                                        f"a bool in {list(seqs)[:16]}")
-        q = np.asarray(seqs)
+        q = _host(fn, "seqs", seqs)
         if q.ndim != 1:
             raise InvalidArgumentError(f"{fn}: seqs must be a 1-D sequence of sequence ids, "
                                        f"got shape {fmt_shape(q.shape)}")

@@ -482,9 +482,21 @@ def test_write_layer_refuses_a_stale_or_foreign_batch():
 
 
 # ---------------------------------------------------------------------------- bad input
+class _DeviceIds:
+    """Stands in for a CuPy array: no implicit copy to the host."""
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed")
+
+
 def _bad_cases(pool, seqs, freed):
     one = np.zeros((2, 2, 8), np.float32)
     return [
+        (dict(seqs=_DeviceIds(), k=one, v=one), InvalidArgumentError,
+         r"PagePool.append_batch: seqs must be host integers \(a list or a numpy array\), "
+         r"got a _DeviceIds"),
+        (dict(seqs=seqs, k=one, v=one, counts=_DeviceIds()), InvalidArgumentError,
+         r"PagePool.append_batch: counts must be host integers"),
         # (call kwargs, error type, message pattern)
         (dict(seqs=[seqs[0], freed], k=one, v=one), InvalidArgumentError,
          rf"PagePool.append_batch: seqs\[1\]: unknown sequence {freed}; live sequences: "
