@@ -72,7 +72,7 @@ def check_dtype(fn: str, arg: str, dtype: Any, allowed: tuple[str, ...] = SUPPOR
     """Canonical name of ``dtype``; raise naming ``fn`` and ``arg`` unless it is allowed."""
     name = _canonical(dtype)
     if name not in allowed:
-        shown = repr(dtype) if isinstance(dtype, str) else dtype   # '' must show
+        shown = repr(dtype) if dtype == "" else dtype   # an empty name must show
         raise InvalidDtypeError(
             f"{fn}: {arg} must have dtype in ({', '.join(allowed)}), got {shown}"
         )

@@ -8,12 +8,17 @@ shares every page of a sequence, and appending into a shared, partially filled l
 copies it first (copy-on-write). ``trim_front`` retires the oldest tokens of a sliding
 window, releasing the pages it empties. Every operation that could run out of pages
 checks first and raises ``PoolExhaustedError`` leaving the pool unchanged.
+
+``append_batch`` appends to many sequences at once: its host bookkeeping is a fixed
+number of numpy operations on per-sequence arrays (``_Sequences``), whatever the batch
+size, and its K/V writes are one launch of the append kernel (``kernels/append.py``).
+``append`` is a batch of one.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,15 +34,186 @@ from .errors import (
     fmt_shape,
     is_int,
 )
+from .kernels.append import AppendWrite
 from .page_table import PageTable
 
 
-@dataclass
-class _Seq:
-    pages: list[int] = field(default_factory=list)
-    start: int = 0     # entries of pages[0] retired by trims (first_page_offset)
-    filled: int = 0    # entries written, counted from entry 0 of pages[0]
-    trimmed: int = 0   # absolute tokens trimmed so far (for rope positions)
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+def _host(fn: str, name: str, x: Any) -> np.ndarray:
+    """A host (numpy) copy of a small integer argument; device arrays are refused."""
+    try:
+        return np.asarray(x)
+    except TypeError as exc:          # CuPy refuses implicit device-to-host copies
+        raise InvalidArgumentError(f"{fn}: {name} must be host integers (a list or a numpy "
+                                   f"array), got a {type(x).__name__}") from exc
+
+
+class AppendedBatch:
+    """What one ``PagePool.append_batch`` did, per sequence in the call's order (host
+    numpy arrays, read-only, computed on first access): enough for a page table kept
+    elsewhere (e.g. on a device) to follow the append without rebuilding.
+
+    - ``seqs`` int64 ``[B]``: the sequence ids; ``counts`` int64 ``[B]``: tokens appended.
+    - ``seq_lens`` int64 ``[B]``: visible tokens after the append; ``last_page_len`` int64
+      ``[B]``: entries in the last page after (0 without pages); ``num_pages`` int64
+      ``[B]``: pages after.
+    - ``first_changed`` int64 ``[B]``: position in the sequence's page list of the first
+      page id that is new: the last page's when it was copied (copy-on-write), else the
+      old page count. The ids from there to the end are ``changed_pages[changed_indptr[i]:
+      changed_indptr[i + 1]]`` (int32, CSR with int64 ``changed_indptr [B+1]``).
+    - ``copies`` int32 ``[C, 2]``: (shared page, its private copy) of every copy-on-write
+      copy, made in every layer.
+
+    ``PagePool.write_layer`` writes another layer's rows to the same slots; ``write`` is
+    the launch's description (``kernels/append.py``).
+    """
+
+    def __init__(self, pool: PagePool, write: AppendWrite, seqs: np.ndarray,
+                 counts: np.ndarray | None, pages_before: np.ndarray, pages_after: np.ndarray,
+                 filled_after: np.ndarray, start: np.ndarray, cow: np.ndarray,
+                 last: np.ndarray, taken: np.ndarray, need: np.ndarray) -> None:
+        self.pool, self.write, self.version = pool, write, pool._version
+        self.seqs = _frozen(seqs)
+        self._counts = counts
+        self._raw = (pages_before, pages_after, filled_after, start, cow, last, taken, need)
+
+    @property
+    def num_rows(self) -> int:
+        """N: the new rows per layer (``counts.sum()``)."""
+        return self.write.num_rows
+
+    @functools.cached_property
+    def counts(self) -> np.ndarray:
+        c = self._counts
+        return _frozen(np.ones(self.seqs.size, np.int64) if c is None else c)
+
+    @functools.cached_property
+    def seq_lens(self) -> np.ndarray:
+        return _frozen(self._raw[2] - self._raw[3])
+
+    @functools.cached_property
+    def last_page_len(self) -> np.ndarray:
+        n, f = self._raw[1], self._raw[2]
+        return _frozen(np.where(n > 0, f - (n - 1) * self.pool.page_size, 0))
+
+    @functools.cached_property
+    def num_pages(self) -> np.ndarray:
+        return _frozen(self._raw[1])
+
+    @functools.cached_property
+    def first_changed(self) -> np.ndarray:
+        return _frozen(self._raw[0] - self._raw[4])
+
+    @functools.cached_property
+    def changed_pages(self) -> np.ndarray:
+        return _frozen(self._raw[6])
+
+    @functools.cached_property
+    def changed_indptr(self) -> np.ndarray:
+        return _frozen(np.concatenate([[0], np.cumsum(self._raw[7], dtype=np.int64)]))
+
+    @functools.cached_property
+    def copies(self) -> np.ndarray:
+        _, _, _, _, cow, last, taken, need = self._raw
+        at = (np.cumsum(need) - need)[cow]          # a copy is its sequence's first page
+        return _frozen(np.stack([last[cow], taken[at]], axis=1).astype(np.int32))
+
+
+class _Sequences:
+    """Per-sequence state, one row per live sequence (rows of freed sequences are
+    reused); every field is an array indexed by row, so a batch is a gather.
+
+    Fields, int64 ``[rows]`` each: ``npages``, ``head`` (a row's page ids are ``pages[row,
+    head : head + npages]`` of the int32 ``[rows, width]`` table; ``head`` moves on when
+    a trim releases the first pages, and every row moves back to column 0 when one
+    would run out of width), ``start`` (entries of the first page retired by trims),
+    ``filled`` (entries written, counted from entry 0 of the first page), ``trimmed``
+    (tokens trimmed so far). Live ids are kept ascending (ids only grow) in ``ids[:n]``
+    (int64), with their rows in ``id_rows``.
+    """
+
+    FIELDS = ("npages", "head", "start", "filled", "trimmed", "mark")
+
+    def __init__(self, rows: int = 16, width: int = 8) -> None:
+        self.n = 0
+        # one more than rows: ids[n] is a sentinel above every id, so that a search
+        # result of n compares unequal without clipping
+        self.ids = np.full(rows + 1, np.iinfo(np.int64).max, np.int64)
+        self.id_rows = np.zeros(rows, np.int64)
+        for f in self.FIELDS:
+            setattr(self, f, np.zeros(rows, np.int64))
+        self.pages = np.full((rows, width), -1, np.int32)
+        self.free_rows = list(range(rows - 1, -1, -1))
+
+    # the row fields, for mypy (set in __init__ through FIELDS)
+    npages: np.ndarray
+    head: np.ndarray
+    start: np.ndarray
+    filled: np.ndarray
+    trimmed: np.ndarray
+    mark: np.ndarray         # scratch for the duplicate check of a batch
+
+    def find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(index into ``ids``, found) of each id in ``q``."""
+        i = np.searchsorted(self.ids[:self.n], q)
+        return i, self.ids[i] == q
+
+    def add(self, sid: int) -> int:
+        if not self.free_rows:
+            self._grow_rows()
+        row = self.free_rows.pop()
+        self.ids[self.n], self.id_rows[self.n] = sid, row
+        self.n += 1
+        self.ids[self.n] = np.iinfo(np.int64).max
+        for f in ("npages", "head", "start", "filled", "trimmed"):
+            getattr(self, f)[row] = 0
+        return row
+
+    def remove(self, index: int) -> None:
+        row = int(self.id_rows[index])
+        self.ids[index:self.n] = self.ids[index + 1:self.n + 1]     # (the sentinel too)
+        self.id_rows[index:self.n - 1] = self.id_rows[index + 1:self.n]
+        self.n -= 1
+        self.npages[row] = self.head[row] = 0     # compaction skips the row
+        self.free_rows.append(row)
+
+    def row_pages(self, row: int) -> np.ndarray:
+        h = int(self.head[row])
+        return self.pages[row, h:h + int(self.npages[row])]
+
+    def reserve(self, ends: np.ndarray, sizes: np.ndarray) -> None:
+        """Room for rows about to hold ``sizes`` pages, up to column ``ends`` (head +
+        size): when one would overflow, every row moves to column 0 (and the table
+        widens if a size needs it)."""
+        if ends.size and int(ends.max()) > self.pages.shape[1]:
+            self._compact(int(sizes.max()))
+
+    def _compact(self, need: int) -> None:
+        """Move every row's pages to column 0; widen to at least ``need`` (doubling)."""
+        width = self.pages.shape[1]
+        while width < need:
+            width *= 2
+        n = int(self.npages.max()) if self.npages.size else 0
+        cols = self.head[:, None] + np.arange(n)
+        keep = np.arange(n) < self.npages[:, None]
+        got = np.take_along_axis(self.pages, np.minimum(cols, self.pages.shape[1] - 1), 1)
+        new = np.full((self.pages.shape[0], width), -1, np.int32)
+        new[:, :n] = np.where(keep, got, -1)
+        self.pages = new
+        self.head[:] = 0
+
+    def _grow_rows(self) -> None:
+        old = self.pages.shape[0]
+        self.ids = np.concatenate([self.ids, np.full(old, np.iinfo(np.int64).max)])
+        for f in ("id_rows", *self.FIELDS):
+            a = getattr(self, f)
+            setattr(self, f, np.concatenate([a, np.zeros(old, a.dtype)]))
+        self.pages = np.concatenate([self.pages, np.full_like(self.pages, -1)])
+        self.free_rows = list(range(2 * old - 1, old - 1, -1))
 
 
 class PagePool:
@@ -71,14 +247,18 @@ class PagePool:
         self.k = self.backend.zeros(shape, self.dtype)
         self.v = self.backend.zeros(shape, self.dtype)
         self._ref = np.zeros(self.num_pages, np.int32)
-        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._seqs: dict[int, _Seq] = {}
+        # the free list as a stack: _free[:_nfree], handed out from the top (_nfree - 1
+        # first), released pages pushed on top; it starts as 0, 1, 2, ... from the top
+        self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
+        self._nfree = self.num_pages
+        self._seqs = _Sequences()
         self._next_id = 0
+        self._version = 0     # counts appends, forks, trims and frees (write_layer)
 
     # ------------------------------------------------------------------ inspection
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._nfree
 
     def refcount(self, page: int) -> int:
         """References to physical page ``page`` (0: free)."""
@@ -86,15 +266,15 @@ class PagePool:
                                        self.num_pages - 1)])
 
     def sequences(self) -> list[int]:
-        return list(self._seqs)
+        return self._seqs.ids[:self._seqs.n].tolist()  # type: ignore[no-any-return]
 
     def seq_pages(self, seq: int) -> list[int]:
-        return list(self._get("PagePool.seq_pages", seq).pages)
+        return self._seqs.row_pages(self._row("PagePool.seq_pages", seq)).tolist()  # type: ignore[no-any-return]
 
     def seq_len(self, seq: int) -> int:
         """Visible tokens of ``seq``."""
-        s = self._get("PagePool.seq_len", seq)
-        return s.filled - s.start
+        r = self._row("PagePool.seq_len", seq)
+        return int(self._seqs.filled[r] - self._seqs.start[r])
 
     def layer(self, i: int) -> tuple[Any, Any]:
         """``(k, v)`` pages of layer ``i``, each ``[num_pages, page_size, Hkv, D]``."""
@@ -111,32 +291,41 @@ class PagePool:
     def new_sequence(self) -> int:
         sid = self._next_id
         self._next_id += 1
-        self._seqs[sid] = _Seq()
+        self._seqs.add(sid)
         return sid
 
     def fork(self, seq: int) -> int:
         """A new sequence sharing every page of ``seq`` (refcounts go up, nothing copied)."""
-        src = self._get("PagePool.fork", seq)
+        src = self._row("PagePool.fork", seq)
+        S = self._seqs
+        pages = S.row_pages(src).copy()
         sid = self.new_sequence()
-        self._seqs[sid] = _Seq(list(src.pages), src.start, src.filled, src.trimmed)
-        for p in src.pages:
-            self._ref[p] += 1
+        dst = self._row("PagePool.fork", sid)
+        S.reserve(np.array([pages.size]), np.array([pages.size]))    # a new row: head 0
+        S.pages[dst, :pages.size] = pages
+        for f in ("npages", "start", "filled", "trimmed"):
+            getattr(S, f)[dst] = getattr(S, f)[src]
+        self._ref[pages] += 1
+        self._version += 1
         return sid
 
     def free(self, seq: int) -> None:
         """Drop ``seq``; pages whose refcount reaches zero return to the free list."""
-        s = self._get("PagePool.free", seq)
-        for p in s.pages:
-            self._release(p)
-        del self._seqs[seq]
+        fn = "PagePool.free"
+        i = self._index(fn, seq)
+        S = self._seqs
+        self._release(S.row_pages(int(S.id_rows[i])))
+        S.remove(i)
+        self._version += 1
 
     def append(self, seq: int, k: Any, v: Any) -> None:
         """Append ``T >= 0`` tokens: ``k, v [T, Hkv, D]`` (``[L, T, Hkv, D]`` with layers).
 
-        Crosses page boundaries as needed; copies a shared partial last page first.
+        Crosses page boundaries as needed; copies a shared partial last page first. A
+        batch of one (``append_batch``).
         """
         fn = "PagePool.append"
-        s = self._get(fn, seq)
+        row = self._row(fn, seq)
         kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
         kshape = tuple(kb.shape)
         lead = () if self.num_layers is None else (self.num_layers,)
@@ -144,39 +333,86 @@ class PagePool:
         if len(kshape) != len(lead) + 3:
             raise InvalidArgumentError(f"{fn}: k must be {dims}, got shape {fmt_shape(kshape)}")
         t = int(kshape[len(lead)])
-        want = (*lead, t, self.num_kv_heads, self.head_dim)
-        check_shape(fn, "k", kshape, want, dims)
-        check_shape(fn, "v", tuple(vb.shape), want, dims)
-        check_dtype(fn, "k", self.backend.dtype_of(kb))
-        check_dtype(fn, "v", self.backend.dtype_of(vb))
-        if t == 0:
-            return
-        p = self.page_size
-        room = len(s.pages) * p - s.filled
-        cow = room > 0 and self._ref[s.pages[-1]] > 1
-        need = -(-(t - room) // p) if t > room else 0
-        if need + cow > len(self._free):
-            raise PoolExhaustedError(
-                f"{fn}: need {need + cow} free pages for {t} tokens, the pool has "
-                f"{len(self._free)} of {self.num_pages}; nothing was changed")
-        if cow:
-            old = s.pages[-1]
-            new = self._free.pop()
-            self._ref[new] = 1
-            self.k = self.backend.copy_page(self.k, old, new)
-            self.v = self.backend.copy_page(self.v, old, new)
-            self._ref[old] -= 1
-            s.pages[-1] = new
-        for _ in range(need):
-            page = self._free.pop()
-            self._ref[page] = 1
-            s.pages.append(page)
-        pos = np.arange(s.filled, s.filled + t, dtype=np.int64)
-        ids = np.asarray(s.pages, dtype=np.int64)[pos // p]
-        slots = pos % p
-        self.k = self.backend.write_tokens(self.k, ids, slots, kb)
-        self.v = self.backend.write_tokens(self.v, ids, slots, vb)
-        s.filled += t
+        self._check_rows(fn, kb, vb, (*lead, t, self.num_kv_heads, self.head_dim), dims)
+        self._append(fn, np.array([seq], np.int64), np.array([row], np.int64),
+                     np.array([t], np.int64), kb, vb, 0, self.num_layers or 1)
+
+    def append_batch(self, seqs: Sequence[int] | np.ndarray, k: Any, v: Any, *,
+                     counts: Sequence[int] | np.ndarray | None = None,
+                     layer: int | None = None) -> AppendedBatch:
+        """Append to many sequences at once: one token each, or a ragged run each.
+
+        Args:
+            seqs: ``B`` distinct live sequence ids (a list, or an integer array: the
+                fastest).
+            k, v: the new rows, in sequence order (sequence ``i``'s rows follow those of
+                ``i - 1``): ``[B, Hkv, D]`` (one token each) or ``[N, Hkv, D]`` with
+                ``counts``; with a leading ``[L, ...]`` axis for every layer of a pool
+                with ``num_layers = L``, without it for one layer (``layer=i``) or a pool
+                without layers. Any supported float dtype (converted to the pool's;
+                passing the pool's dtype avoids the conversion).
+            counts: ``[B]`` non-negative integers adding up to ``N``: tokens per sequence
+                (``None``: one each).
+            layer: on a pool with layers, ``None`` writes every layer and ``i`` layer
+                ``i`` only (``None`` or ``0`` without layers).
+
+        Returns:
+            ``AppendedBatch``: the new lengths and page ids per sequence, the copies made.
+
+        The tokens take their places (page allocations, copy-on-write of shared partial
+        last pages, in every layer) at this call; with ``layer=i`` the other layers' rows
+        at the new positions hold stale data until ``write_layer`` writes them. The same
+        result as ``append`` for each sequence in order, including which pages are handed
+        out. All-or-nothing: if the pool cannot hold every sequence's tokens,
+        ``PoolExhaustedError`` says which sequences needed how many pages and nothing
+        changes; bad input raises ``InvalidArgumentError`` / ``InvalidDtypeError``, also
+        before any change. The writes are one kernel launch on the CUDA, metal and
+        emulated backends (array ops on reference and mlx).
+        """
+        fn = "PagePool.append_batch"
+        ids, rows = self._batch_rows(fn, seqs)
+        b = ids.size
+        layer0, row_layers, lead = self._layer_arg(fn, layer)
+        kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
+        kshape = tuple(kb.shape)
+        dims = "[L, B, Hkv, D]" if lead else "[B, Hkv, D]"
+        if counts is not None:
+            dims = dims.replace("B", "N")
+        if len(kshape) != len(lead) + 3:
+            raise InvalidArgumentError(f"{fn}: k must be {dims}, got shape {fmt_shape(kshape)}"
+                                       + self._layer_hint(lead, layer))
+        n = b if counts is None else int(kshape[len(lead)])
+        self._check_rows(fn, kb, vb, (*lead, n, self.num_kv_heads, self.head_dim), dims)
+        t = None if counts is None else self._counts(fn, counts, b, n)
+        return self._append(fn, ids, rows, t, kb, vb, layer0, row_layers)
+
+    def write_layer(self, batch: AppendedBatch, k: Any, v: Any, *, layer: int) -> None:
+        """Write layer ``layer``'s rows of the tokens ``batch`` appended: ``k, v [N, Hkv,
+        D]`` as ``append_batch`` took them, to the same slots (one launch; no
+        allocation, no copy). ``batch`` must be this pool's latest change: any append,
+        fork, trim or free since makes its slots stale and is refused."""
+        fn = "PagePool.write_layer"
+        if not isinstance(batch, AppendedBatch) or batch.pool is not self:
+            raise InvalidArgumentError(f"{fn}: batch must be what this pool's append_batch "
+                                       f"returned, got {type(batch).__name__}")
+        if batch.version != self._version:
+            raise InvalidArgumentError(
+                f"{fn}: batch is stale: the pool changed since that append_batch (an "
+                "append, fork, trim_front or free), so its slots may be wrong")
+        if self.num_layers is None:
+            raise InvalidArgumentError(f"{fn}: the pool has no layer axis (append_batch "
+                                       "wrote its only layer)")
+        if layer is None:
+            raise InvalidArgumentError(f"{fn}: layer must be an integer in [0, "
+                                       f"{self.num_layers}), got None")
+        layer0, _, _ = self._layer_arg(fn, layer)
+        kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
+        self._check_rows(fn, kb, vb, (batch.num_rows, self.num_kv_heads, self.head_dim),
+                         "[N, Hkv, D]")
+        w = batch.write
+        if w.num_touched:
+            self.k, self.v = self.backend.append_rows(
+                self.k, self.v, kb, vb, AppendWrite(w.desc, w.num_rows, layer0, 1, False))
 
     def trim_front(self, seq: int, n: int) -> None:
         """Retire the ``n`` oldest visible tokens (a sliding window moving on).
@@ -185,47 +421,282 @@ class PagePool:
         always holds the sequence's end, so later appends continue in it.
         """
         fn = "PagePool.trim_front"
-        s = self._get(fn, seq)
-        vis = s.filled - s.start
+        r = self._row(fn, seq)
+        S, p = self._seqs, self.page_size
+        vis = int(S.filled[r] - S.start[r])
         n = check_int(fn, "n", n, 0, vis, f" (the visible length of sequence {seq})")
-        s.start += n
-        s.trimmed += n
-        p = self.page_size
-        while s.start >= p:  # the first page holds no visible token
-            self._release(s.pages.pop(0))
-            s.start -= p
-            s.filled -= p
+        S.trimmed[r] += int(n)
+        start = int(S.start[r]) + int(n)
+        gone = start // p                  # leading pages holding no visible token
+        pages = S.row_pages(r)
+        self._release(pages[:gone])
+        S.head[r] += gone
+        S.npages[r] -= gone
+        S.start[r] = start - gone * p
+        S.filled[r] -= gone * p
+        self._version += 1
 
     # ------------------------------------------------------------------ tables
     def page_table(self, seqs: Sequence[int]) -> PageTable:
         """The CSR page table of ``seqs``, in order (a sequence may appear twice)."""
         fn = "PagePool.page_table"
-        if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
+        rows = self._lookup(fn, self._ids_array(fn, seqs))
+        S, p = self._seqs, self.page_size
+        n = S.npages[rows]
+        indptr = np.zeros(rows.size + 1, np.int64)
+        np.cumsum(n, out=indptr[1:])
+        rep = np.repeat(rows, n)
+        within = np.arange(int(indptr[-1])) - np.repeat(indptr[:-1], n)
+        indices = S.pages[rep, S.head[rep] + within]
+        filled, start = S.filled[rows], S.start[rows]
+        lpl = np.where(n > 0, filled - (n - 1) * p, 0)
+        fpo = np.where(n > 0, start, 0)
+        rope = S.trimmed[rows] + filled - start
+        return PageTable.build(indices, indptr, lpl, page_size=p, first_page_offset=fpo,
+                               rope_positions=rope, num_pages=self.num_pages)
+
+    # ------------------------------------------------------------------ the batched append
+    def _append(self, fn: str, ids: np.ndarray, rows: np.ndarray, t: np.ndarray | None,
+                kb: Any, vb: Any, layer0: int, row_layers: int) -> AppendedBatch:
+        """Append ``t[i]`` tokens (``t`` None: one each, the decode step) to the sequence
+        in row ``rows[i]`` (ids ``ids``), all arguments checked; rows of ``kb``/``vb`` in
+        sequence order. Plans everything, launches the write, then commits the
+        bookkeeping (a failing launch changes no visible entry: it writes only fresh pages
+        and slots past every sequence's end)."""
+        S, P = self._seqs, self.page_size
+        npg, fil = S.npages[rows], S.filled[rows]
+        end = S.head[rows] + npg                # one past the last page's column
+        room = npg * P - fil                    # in [0, P): a last page is never empty
+        width = S.pages.shape[1]
+        last = S.pages.reshape(-1)[rows * width + end - 1]  # (garbage where npg == 0)
+        if t is None:
+            partial = room > 0
+            cow = self._copy_on_write(partial, last)
+            fresh = ~partial                    # bool; disjoint from cow
+            need = fresh | cow
+        else:
+            partial = (room > 0) & (t > 0)      # the run starts in the last page
+            cow = self._copy_on_write(partial, last)
+            fresh = np.maximum((t - room + P - 1) // P, 0)
+            need = fresh + cow
+        total = int(need.sum())
+        if total > self._nfree:
+            raise self._exhausted(fn, ids, t, need, cow, total)
+        # pages in the order append() would pop them: sequence by sequence, the copy first
+        taken = self._free[self._nfree - total:self._nfree][::-1].copy()
+        if t is None:
+            cols = self._one_each(rows, npg, fil, partial, cow, last, taken)
+        else:
+            cols = self._ragged(rows, npg, fil, t, partial, cow, fresh, need, last, taken)
+        desc, col_rows, k, from_taken = cols
+        write = AppendWrite(desc, rows.size if t is None else int(t.sum()), layer0,
+                            row_layers, True)
+        if desc.shape[1]:
+            self.k, self.v = self.backend.append_rows(self.k, self.v, kb, vb, write)
+        # commit
+        pages_after, filled_after = npg + fresh, fil + (1 if t is None else t)
+        S.reserve(end + fresh, pages_after)
+        r = col_rows[from_taken]
+        S.pages.reshape(-1)[r * S.pages.shape[1] + S.head[r] + k[from_taken]] = \
+            desc[0][from_taken]
+        if cow.any():
+            np.subtract.at(self._ref, last[cow], 1)
+        self._ref[taken] = 1
+        self._nfree -= total
+        S.npages[rows] = pages_after
+        S.filled[rows] = filled_after
+        self._version += 1
+        return AppendedBatch(self, write, ids, t, npg, pages_after, filled_after,
+                             S.start[rows], cow, last, taken, need)
+
+    def _one_each(self, rows: np.ndarray, npg: np.ndarray, fil: np.ndarray,
+                  partial: np.ndarray, cow: np.ndarray, last: np.ndarray,
+                  taken: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(desc, row of each column, page-list entry of each column, whether the
+        column's page is newly taken) for one token per sequence: column i is sequence
+        i, writing entry ``fil % P`` of its last page, a fresh page or the copy."""
+        P = self.page_size
+        from_taken = ~partial | cow
+        desc = np.empty((5, rows.size), np.int32)
+        desc[0] = last
+        desc[0][from_taken] = taken             # one page each, in batch order
+        desc[1] = np.where(cow, last, desc[0])
+        k = npg - partial
+        desc[3] = fil - k * P
+        desc[2] = np.arange(rows.size) - desc[3]
+        desc[4] = desc[3] + 1
+        return desc, rows, k, from_taken
+
+    def _ragged(self, rows: np.ndarray, npg: np.ndarray, fil: np.ndarray, t: np.ndarray,
+                partial: np.ndarray, cow: np.ndarray, fresh: np.ndarray, need: np.ndarray,
+                last: np.ndarray, taken: np.ndarray) -> tuple[np.ndarray, ...]:
+        """``_one_each`` for runs of ``t[i] >= 0`` tokens: one column per touched page;
+        the j-th page sequence i touches is its page-list entry ``npg - partial + j``."""
+        P = self.page_size
+        touched = partial + fresh
+        seq_of = np.repeat(np.arange(rows.size), touched)
+        j = np.arange(seq_of.size) - np.repeat(np.cumsum(touched) - touched, touched)
+        first = partial[seq_of] & (j == 0)      # the old last page, or its copy
+        copied = first & cow[seq_of]
+        from_taken = ~first | copied
+        off = (np.cumsum(need) - need)[seq_of]  # the sequence's first page in taken
+        # (-1 where first & ~copied: a valid index, and not used there)
+        ti = off + np.where(copied, 0, cow[seq_of] + j - partial[seq_of])
+        page = np.where(from_taken, taken[ti], last[seq_of]) if taken.size else last[seq_of]
+        k = (npg - partial)[seq_of] + j
+        f_s, kp = fil[seq_of], k * P
+        desc = np.empty((5, k.size), np.int32)
+        desc[0] = page
+        desc[1] = np.where(copied, last[seq_of], page)
+        desc[2] = (np.cumsum(t) - t)[seq_of] - f_s + kp
+        desc[3] = np.maximum(f_s - kp, 0)
+        desc[4] = np.minimum(f_s + t[seq_of] - kp, P)
+        return desc, rows[seq_of], k, from_taken
+
+    def _copy_on_write(self, partial: np.ndarray, last: np.ndarray) -> np.ndarray:
+        """Which sequences copy their shared partial last page: each that appends into a
+        page with refcount > 1, except that when every holder of the page appends in
+        this batch the last one (in batch order) writes it in place, as ``append`` one
+        sequence at a time would (the refcount drops by one with each copy)."""
+        shared = partial & (self._ref[last] > 1)
+        if not shared.any():
+            return shared
+        cand = np.flatnonzero(shared)
+        cow = np.zeros(partial.size, bool)
+        order = cand[np.argsort(last[cand], kind="stable")]
+        pg = last[order]
+        new = np.r_[True, pg[1:] != pg[:-1]]
+        pos = np.arange(pg.size)
+        rank = pos - np.maximum.accumulate(np.where(new, pos, 0))
+        cow[order[rank < self._ref[pg] - 1]] = True
+        return cow
+
+    def _exhausted(self, fn: str, ids: np.ndarray, t: Any, need: np.ndarray,
+                   cow: np.ndarray, total: int) -> PoolExhaustedError:
+        have = f"the pool has {self._nfree} of {self.num_pages}"
+        if fn == "PagePool.append":
+            return PoolExhaustedError(f"{fn}: need {total} free pages for {int(t[0])} tokens, "
+                                      f"{have}; nothing was changed")
+        who = np.flatnonzero(need)
+        parts = [f"seq {int(ids[i])}: {int(need[i])}" + (" (1 copy-on-write)" if cow[i] else "")
+                 for i in who[:16]]
+        more = f", and {who.size - 16} more" if who.size > 16 else ""
+        return PoolExhaustedError(
+            f"{fn}: need {total} free pages for {who.size} of the {ids.size} sequences "
+            f"({', '.join(parts)}{more}), {have} free; nothing was changed")
+
+    # ------------------------------------------------------------------ argument checks
+    def _check_rows(self, fn: str, kb: Any, vb: Any, want: tuple[int, ...], dims: str) -> None:
+        if tuple(kb.shape) != want or tuple(vb.shape) != want:
+            check_shape(fn, "k", tuple(kb.shape), want, dims)
+            check_shape(fn, "v", tuple(vb.shape), want, dims)
+        native = self.k.dtype                   # rows in the pool's dtype need no lookup
+        if kb.dtype != native or vb.dtype != native:
+            check_dtype(fn, "k", self.backend.dtype_of(kb))
+            check_dtype(fn, "v", self.backend.dtype_of(vb))
+
+    def _layer_arg(self, fn: str, layer: Any) -> tuple[int, int, tuple[int, ...]]:
+        """(first layer written, layers written, the rows' leading shape) for ``layer``."""
+        if layer is not None and (isinstance(layer, (bool, np.bool_))
+                                  or not isinstance(layer, (int, np.integer))):
+            raise InvalidArgumentError(f"{fn}: layer must be an integer or None, got "
+                                       f"{layer!r}")
+        if self.num_layers is None:
+            if layer not in (None, 0):
+                raise InvalidArgumentError(f"{fn}: layer must be None or 0 (the pool has no "
+                                           f"layer axis), got {layer}")
+            return 0, 1, ()
+        if layer is None:
+            return 0, self.num_layers, (self.num_layers,)
+        if not 0 <= layer < self.num_layers:
+            raise InvalidArgumentError(f"{fn}: layer must be in [0, {self.num_layers}) or "
+                                       f"None, got {layer}")
+        return int(layer), 1, ()
+
+    def _layer_hint(self, lead: tuple[int, ...], layer: Any) -> str:
+        if self.num_layers is None:
+            return ""
+        return (" (every layer: layer=None)" if lead else f" (one layer: layer={layer})")
+
+    def _counts(self, fn: str, counts: Any, b: int, n: int) -> np.ndarray:
+        c = _host(fn, "counts", counts)
+        if c.ndim != 1 or c.size != b:
+            raise InvalidArgumentError(f"{fn}: counts must have shape [B] = [{b}] (one count "
+                                       f"per sequence), got {fmt_shape(c.shape)}")
+        if b and (c.dtype.kind not in "iu" or c.dtype == np.bool_):
+            raise InvalidArgumentError(f"{fn}: counts must hold integers, got dtype {c.dtype}")
+        c = c.astype(np.int64)
+        if b and int(c.min()) < 0:
+            i = int(np.argmin(c))
+            raise InvalidArgumentError(f"{fn}: counts must be >= 0, got counts[{i}] = "
+                                       f"{int(c[i])}")
+        if int(c.sum()) != n:
+            raise InvalidArgumentError(f"{fn}: counts must add up to the rows of k and v "
+                                       f"(N = {n}), got a sum of {int(c.sum())}")
+        return c
+
+    def _ids_array(self, fn: str, seqs: Any) -> np.ndarray:
+        """``seqs`` as int64 ``[B]``; bools and non-integers are refused."""
+        if isinstance(seqs, (str, bytes)) or not (hasattr(seqs, "__iter__")
+                                                  or hasattr(seqs, "__array__")):
             raise fail(fn, f"seqs must be a sequence of sequence ids, got "
                            f"{type(seqs).__name__} {seqs!r}")
-        rows = [self._get(fn, q) for q in seqs]
-        p = self.page_size
-        counts = [len(s.pages) for s in rows]
-        indices = np.asarray([pg for s in rows for pg in s.pages], dtype=np.int64)
-        lpl = [s.filled - (len(s.pages) - 1) * p if s.pages else 0 for s in rows]
-        fpo = [s.start if s.pages else 0 for s in rows]
-        rope = [s.trimmed + s.filled - s.start for s in rows]
-        return PageTable.build(indices, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-                               lpl, page_size=p, first_page_offset=fpo, rope_positions=rope,
-                               num_pages=self.num_pages)
+        if isinstance(seqs, (list, tuple)) and {bool, np.bool_} & set(map(type, seqs)):
+            raise InvalidArgumentError(f"{fn}: seqs must hold sequence ids (integers), got "
+                                       f"a bool in {list(seqs)[:16]}")
+        q = _host(fn, "seqs", seqs)
+        if q.ndim != 1:
+            raise InvalidArgumentError(f"{fn}: seqs must be a 1-D sequence of sequence ids, "
+                                       f"got shape {fmt_shape(q.shape)}")
+        if q.size and (q.dtype.kind not in "iu" or q.dtype == np.bool_):
+            raise InvalidArgumentError(f"{fn}: seqs must hold sequence ids (integers), got "
+                                       f"dtype {q.dtype}")
+        return q.astype(np.int64, copy=False)
 
-    # ------------------------------------------------------------------ internals
-    def _get(self, fn: str, seq: int) -> _Seq:
+    def _lookup(self, fn: str, q: np.ndarray) -> np.ndarray:
+        """Rows of the live ids ``q`` (int64)."""
+        i, found = self._seqs.find(q)
+        if not found.all():
+            bad = int(np.argmin(found))
+            where = f"seqs[{bad}]: " if q.size > 1 else ""
+            raise self._unknown(fn, int(q[bad]), where)
+        return self._seqs.id_rows[i]  # type: ignore[no-any-return]
+
+    def _batch_rows(self, fn: str, seqs: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of a batch of distinct live sequences."""
+        q = self._ids_array(fn, seqs)
+        rows = self._lookup(fn, q)
+        pos = np.arange(rows.size)
+        mark = self._seqs.mark
+        mark[rows] = pos                        # the last position of each row wins
+        dup = mark[rows] != pos
+        if dup.any():
+            i = int(np.argmax(dup))
+            raise InvalidArgumentError(f"{fn}: seqs must not repeat a sequence, got "
+                                       f"{int(q[i])} at seqs[{i}] and seqs[{int(mark[rows[i]])}]")
+        return q, rows
+
+    def _index(self, fn: str, seq: Any) -> int:
+        """Position of live sequence ``seq`` in the id list."""
         if not is_int(seq):   # True would find sequence 1
             raise fail(fn, f"seq must be a sequence id (an int), got {type(seq).__name__} "
                            f"{seq!r}")
-        try:
-            return self._seqs[seq]
-        except KeyError:
-            raise InvalidArgumentError(f"{fn}: unknown sequence {seq!r}; live sequences: "
-                                       f"{sorted(self._seqs)[:16]}") from None
+        i, found = self._seqs.find(np.array([seq], np.int64))
+        if not found[0]:
+            raise self._unknown(fn, seq)
+        return int(i[0])
 
-    def _release(self, page: int) -> None:
-        self._ref[page] -= 1
-        if self._ref[page] == 0:
-            self._free.append(page)
+    def _row(self, fn: str, seq: Any) -> int:
+        return int(self._seqs.id_rows[self._index(fn, seq)])
+
+    def _unknown(self, fn: str, seq: Any, where: str = "") -> InvalidArgumentError:
+        return InvalidArgumentError(f"{fn}: {where}unknown sequence {seq!r}; live sequences: "
+                                    f"{self.sequences()[:16]}")
+
+    def _release(self, pages: np.ndarray) -> None:
+        """Drop one reference to each of ``pages`` (distinct); pages reaching zero are
+        pushed on the free list in order."""
+        self._ref[pages] -= 1
+        gone = pages[self._ref[pages] == 0]
+        self._free[self._nfree:self._nfree + gone.size] = gone
+        self._nfree += gone.size

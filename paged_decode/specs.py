@@ -30,9 +30,10 @@ class UnexpectedCompileError(PagedDecodeError, RuntimeError):
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One specialization. ``kernel`` is ``"v2"``, ``"v1"``, ``"merge"`` or ``"prefix"`` (the
-    tensor-core level 0 of cascade decode: ``kv_dtype`` is its q/K/V dtype); parameters a
-    kernel does not use are left at 0 / ``""``."""
+    """One specialization. ``kernel`` is ``"v2"``, ``"v1"``, ``"merge"``, ``"prefix"`` (the
+    tensor-core level 0 of cascade decode: ``kv_dtype`` is its q/K/V dtype) or ``"append"``
+    (the pool write: ``out_dtype`` is the pools' dtype); parameters a kernel does not use
+    are left at 0 / ``""``."""
 
     kernel: str
     out_dtype: str
@@ -46,6 +47,7 @@ class KernelSpec:
     row_loads: int = 0           # v2: 16-byte loads per lane per K/V row (CUDA only)
     gather: bool = False         # merge: inputs read through a row index (CUDA only)
     tile_tokens: int = 0         # prefix: K/V tokens per shared-memory tile
+    vector_bytes: int = 0        # append: bytes per access (kernels/append.py)
 
     @property
     def uri(self) -> str:
@@ -55,7 +57,8 @@ class KernelSpec:
         if self.kv_dtype:
             parts.append(f"kv-{SHORT[self.kv_dtype]}")
         parts.append(f"o-{SHORT[self.out_dtype]}")
-        parts.append(f"hd-{self.head_dim}")
+        if self.head_dim:
+            parts.append(f"hd-{self.head_dim}")
         if self.page_size:
             parts.append(f"ps-{self.page_size}")
         if self.heads_per_cta:
@@ -70,6 +73,8 @@ class KernelSpec:
             parts.append("gather")
         if self.tile_tokens:
             parts.append(f"kt-{self.tile_tokens}")
+        if self.vector_bytes:
+            parts.append(f"vb-{self.vector_bytes}")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -91,6 +96,8 @@ class KernelSpec:
             args = [t[self.kv_dtype], self.head_dim, self.page_size, self.num_warps,
                     self.tile_tokens]
             name = "pd_prefix_tc"
+        elif self.kernel == "append":
+            args, name = [self.vector_bytes], "pd_append"
         else:
             raise ValueError(f"unknown kernel {self.kernel!r}")
         return f"{name}<{', '.join(str(a) for a in args)}>"
@@ -197,11 +204,18 @@ def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
                v1_spec(q_dtype, kv_dtype, out_dtype, head_dim, page_size)])
 
 
+def append_spec(dtype: str, vector_bytes: int) -> KernelSpec:
+    """The pool-append kernel (``kernels/append.py``) for pools of ``dtype``, moving words
+    of ``vector_bytes``."""
+    return KernelSpec("append", dtype, 0, vector_bytes=vector_bytes)
+
+
 def cuda_source(kernel: str) -> str:
     """The complete CUDA source holding ``kernel``'s template."""
-    from .kernels import decode_v1, decode_v2, merge, prefix_tc
+    from .kernels import append, decode_v1, decode_v2, merge, prefix_tc
     return {"v2": decode_v2.CUDA_SOURCE, "v1": decode_v1.CUDA_SOURCE,
-            "merge": merge.CUDA_SOURCE, "prefix": prefix_tc.CUDA_SOURCE}[kernel]
+            "merge": merge.CUDA_SOURCE, "prefix": prefix_tc.CUDA_SOURCE,
+            "append": append.CUDA_SOURCE}[kernel]
 
 
 def assert_compile_allowed(spec: KernelSpec) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from paged_decode import get_backend
-from paged_decode.backends.emulated import EmulatedCudaBackend
+from paged_decode.backends.emulated import EmulatedCudaBackend, EmulatedMetalBackend
 from paged_decode.backends.reference import ANY_GEOMETRY_ENV
 from paged_decode.reference import lse_error, max_rel_error
 
@@ -136,6 +136,26 @@ class CudaMutant(EmulatedCudaBackend):
         if bad == src:
             raise RuntimeError(f"mutation of {self._kernel} did not apply")
         return bad
+
+
+class MetalMutant(EmulatedMetalBackend):
+    """The ``emulated-metal`` backend running ``mutate`` over the Metal header and body of
+    kernel ``kernel`` and the real ones otherwise; raises ``RuntimeError`` when the
+    mutation changes neither (as ``CudaMutant``)."""
+
+    def __init__(self, kernel, mutate):
+        super().__init__()
+        self._kernel, self._mutate = kernel, mutate
+
+    def metal_kernel(self, spec):
+        import dataclasses
+        mk = super().metal_kernel(spec)
+        if spec.kernel != self._kernel:
+            return mk
+        header, source = self._mutate(mk.header), self._mutate(mk.source)
+        if (header, source) == (mk.header, mk.source):
+            raise RuntimeError(f"mutation of {self._kernel} did not apply")
+        return dataclasses.replace(mk, header=header, source=source)
 
 
 def mutant_fails(be, spec, path: str = "v2", ppc: int | None = None) -> str:

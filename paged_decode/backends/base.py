@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..device import DeviceInfo
+from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan
 
@@ -187,16 +188,17 @@ class Backend(ABC):
 
     # ----------------------------------------------------------- pool writes
     @abstractmethod
-    def write_tokens(self, pages: Any, page_ids: Any, slots: Any, values: Any) -> Any:
-        """``pages[..., page_ids[i], slots[i], :, :] = values[..., i, :, :]``; returns pages.
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite) -> tuple[Any, Any]:
+        """The K/V writes of a pool append, as ``kernels/append.py`` states them: new rows
+        into their (page, slot) destinations and the copy-on-write copies; returns the
+        pools (``k_pages``, ``v_pages`` written in place; new arrays on MLX).
 
-        ``pages [..., num_pages, P, Hkv, D]``; ``values [..., T, Hkv, D]``; ids and slots
-        host ``int64 [T]``. Backends with immutable arrays return a new array.
+        ``k_pages, v_pages [L?, num_pages, P, Hkv, D]`` C-contiguous (the pool's);
+        ``k_rows, v_rows [row_layers, N, Hkv, D]``, or ``[N, Hkv, D]`` for one layer, of
+        any supported float dtype (converted to the pools'). The pool calls it only when
+        the write touches at least one page.
         """
-
-    @abstractmethod
-    def copy_page(self, pages: Any, src: int, dst: int) -> Any:
-        """``pages[..., dst, :, :, :] = pages[..., src, :, :, :]``; returns pages."""
 
     # ----------------------------------------------------------- kernels
     @abstractmethod

@@ -27,6 +27,8 @@ import numpy as np
 from ..device import DeviceInfo
 from ..dtypes import dtype_name, numpy_dtype
 from ..errors import InvalidArgumentError, InvalidDtypeError
+from ..kernels import append as append_kernel
+from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..specs import KernelSpec, assert_compile_allowed, cuda_source
@@ -163,16 +165,21 @@ class CudaBackend(Backend):
             yield
 
     # ----------------------------------------------------------- pool writes
-    def write_tokens(self, pages: Any, page_ids: Any, slots: Any, values: Any) -> Any:
-        vals = self.asarray(values)
-        ids = cp.asarray(np.asarray(page_ids, dtype=np.int64))
-        sl = cp.asarray(np.asarray(slots, dtype=np.int64))
-        pages[..., ids, sl, :, :] = vals.astype(pages.dtype, copy=False)
-        return pages
-
-    def copy_page(self, pages: Any, src: int, dst: int) -> Any:
-        pages[..., dst, :, :, :] = pages[..., src, :, :, :]
-        return pages
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite) -> tuple[Any, Any]:
+        """One launch of the append kernel, in place, on the pools' device and the
+        current stream; ``write.desc`` is the one host-to-device copy. Words are 16 bytes
+        where the row size and the four arrays' addresses allow (``vector_bytes``)."""
+        with self.launch_context(k_pages):
+            kr, vr = (cp.ascontiguousarray(self.asarray(r).astype(k_pages.dtype, copy=False))
+                      for r in (k_rows, v_rows))
+            shape = tuple(k_pages.shape)
+            vec = append_kernel.vector_bytes(
+                shape[-2] * shape[-1] * k_pages.itemsize,
+                tuple(a.data.ptr for a in (k_pages, v_pages, kr, vr)))
+            self._run(launches.append_launch(write, self.dtype_of(k_pages), vec, shape, kr,
+                                             vr, cp.asarray(write.desc), k_pages, v_pages))
+        return k_pages, v_pages
 
     # ----------------------------------------------------------- device copies of host data
     def upload(self, arr: np.ndarray) -> Any:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..device import DeviceInfo
+from ..kernels import append as append_kernel
+from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..specs import KernelSpec, cuda_source
@@ -103,6 +105,14 @@ class EmulatedCudaBackend(ReferenceBackend):
             int(k_pages.shape[2]), table.page_size, sm_scale, q, k_pages, v_pages,
             _table(table), out, lse_out))
 
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite) -> tuple[Any, Any]:
+        kr, vr = _rows(k_pages, k_rows, v_rows)
+        self._run(launches.append_launch(write, self.dtype_of(k_pages), _vec(k_pages),
+                                         k_pages.shape, kr, vr, write.desc, k_pages,
+                                         v_pages))
+        return k_pages, v_pages
+
     def run_prefix(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
                    plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
                    v_out: Any, lse_out: Any) -> None:
@@ -117,6 +127,17 @@ def _host(a: Any) -> np.ndarray:
     """An input as a C-contiguous numpy array (index arrays as int32)."""
     arr = np.ascontiguousarray(a)
     return arr.astype(np.int32) if arr.dtype.kind in "iu" else arr
+
+
+def _rows(pages: np.ndarray, *rows: Any) -> list[np.ndarray]:
+    """New K/V rows in the pools' dtype, C-contiguous."""
+    return [np.ascontiguousarray(np.asarray(r).astype(pages.dtype, copy=False)) for r in rows]
+
+
+def _vec(pages: np.ndarray) -> int:
+    """Bytes per access of the append kernel (the emulator's buffers are aligned to the
+    largest power of two <= 16 dividing their size, a multiple of the row)."""
+    return append_kernel.vector_bytes(pages.shape[-2] * pages.shape[-1] * pages.itemsize)
 
 
 def _table(table: PageTable) -> tuple[Any, ...]:
@@ -165,6 +186,21 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
         """The Metal header and body run for ``spec`` (a hook tests override with mutants)."""
         from .metal_launches import metal_kernel
         return metal_kernel(spec.kernel)
+
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite) -> tuple[Any, Any]:
+        """The Metal kernel writes whole new pools (as MLX returns fresh outputs: NaN under
+        ``PAGED_DECODE_POISON``), copied back into the pool arrays; inputs too small for
+        the kernel's word accesses take the reference path (as ``metal`` takes MLX ops)."""
+        kr, vr = _rows(k_pages, k_rows, v_rows)
+        if min(kr.size, k_pages.size) < append_kernel.METAL_MIN_ELEMENTS:
+            return ReferenceBackend.append_rows(self, k_pages, v_pages, kr, vr, write)
+        dtype = self.dtype_of(k_pages)
+        outs = (self.empty(k_pages.shape, dtype), self.empty(k_pages.shape, dtype))
+        self._run(launches.append_launch(write, dtype, _vec(k_pages), k_pages.shape, kr, vr,
+                                         write.by_page(), k_pages, v_pages, outs))
+        k_pages[...], v_pages[...] = outs
+        return k_pages, v_pages
 
     def _run(self, lc: launches.Launch) -> None:
         import dataclasses

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels import prefix_tc
+from ..dtypes import itemsize
+from ..kernels import append, prefix_tc
 from ..plan import DecodePlan
 from ..specs import (
     MAX_PAGE_SIZE,
@@ -24,6 +25,7 @@ from ..specs import (
     V1_NUM_WARPS,
     V2_NUM_WARPS,
     KernelSpec,
+    append_spec,
     merge_spec,
     prefix_spec,
     v1_spec,
@@ -165,3 +167,35 @@ def prefix_launch(kv_dtype: str, plan0: DecodePlan, num_members: int, shared_pag
             Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
     return Launch(spec, (plan0.num_chunks * row_tiles, plan0.num_kv_heads),
                   spec.num_warps * 32, spec.dynamic_smem_bytes, tuple(args))
+
+
+def append_launch(write: append.AppendWrite, dtype: str, vector_bytes: int,
+                  pool_shape: tuple[int, ...], k_rows: Any, v_rows: Any, desc: Any,
+                  k_pages: Any, v_pages: Any, outs: tuple[Any, Any] | None = None) -> Launch:
+    """The pool append (``kernels/append.py``). ``pool_shape`` is the pools' ``[L?,
+    num_pages, P, Hkv, D]``; ``k_rows``, ``v_rows`` are the new rows in the pools' dtype
+    ``dtype``, C-contiguous; ``desc`` is ``write.desc`` as the backend's int32 array.
+
+    CUDA (``outs`` None): the pools are read and written in place; grid (T, layers): every
+    layer when the call copies a shared page but writes rows to one layer only, else the
+    layers written. Metal (``outs`` = the new pools): ``desc`` sorted by page
+    (``write.by_page()``), grid one threadgroup per (page, layer)."""
+    *lead, num_pages, page_size, hkv, d = (int(x) for x in pool_shape)
+    num_layers = lead[0] if lead else 1
+    row_words = hkv * d * itemsize(dtype) // vector_bytes
+    spec = append_spec(dtype, vector_bytes)
+    all_layers = write.row_layers < num_layers and write.copies
+    grid_layer0, grid_layers = (0, num_layers) if all_layers else (write.layer0,
+                                                                     write.row_layers)
+    pool_role = "out" if outs is None else "in"
+    args = [*_ins(("k_rows", "v_rows", "desc"), (k_rows, v_rows, desc)),
+            Arg("k_pages", k_pages, pool_role), Arg("v_pages", v_pages, pool_role)]
+    scalars = [("num_touched", write.num_touched), ("num_rows", write.num_rows),
+               ("row_words", row_words), ("page_size", page_size), ("num_pages", num_pages),
+               ("grid_layer0", grid_layer0), ("layer0", write.layer0),
+               ("row_layers", write.row_layers), ("copy_cow", int(write.copy_cow))]
+    args += [Arg(n, np.int32(v), "scalar") for n, v in scalars]
+    if outs is None:
+        return Launch(spec, (write.num_touched, grid_layers), append.THREADS, 0, tuple(args))
+    args += [Arg("k_out", outs[0], "out"), Arg("v_out", outs[1], "out")]
+    return Launch(spec, (num_pages, num_layers), append.THREADS, 0, tuple(args))

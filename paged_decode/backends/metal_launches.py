@@ -38,9 +38,10 @@ class MetalKernel:
 
 
 def metal_kernel(kernel: str) -> MetalKernel:
-    """The Metal header, body and interface of ``kernel`` (``"v2"``, ``"v1"``, ``"merge"``)."""
-    from ..kernels import decode_v1, decode_v2, merge
-    mod = {"v2": decode_v2, "v1": decode_v1, "merge": merge}[kernel]
+    """The Metal header, body and interface of ``kernel`` (``"v2"``, ``"v1"``, ``"merge"``,
+    ``"append"``)."""
+    from ..kernels import append, decode_v1, decode_v2, merge
+    mod = {"v2": decode_v2, "v1": decode_v1, "merge": merge, "append": append}[kernel]
     return MetalKernel(mod.METAL_HEADER, mod.METAL_SOURCE, tuple(mod.METAL_INPUTS),
                        tuple(mod.METAL_OUTPUTS), tuple(mod.METAL_TEMPLATE))
 
@@ -64,6 +65,8 @@ def metal_template(spec: KernelSpec) -> list[tuple[str, Any]]:
                 spec.head_dim, spec.page_size, spec.num_warps]
     elif spec.kernel == "merge":
         vals = [Dtype(spec.out_dtype), spec.head_dim]
+    elif spec.kernel == "append":
+        vals = [spec.vector_bytes]
     else:
         raise ValueError(f"unknown kernel {spec.kernel!r}")
     names = metal_kernel(spec.kernel).template

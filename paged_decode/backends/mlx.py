@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from ..device import DeviceInfo
-from ..dtypes import dtype_name, numpy_dtype
+from ..dtypes import dtype_name, itemsize, numpy_dtype
 from ..errors import InvalidArgumentError, InvalidDtypeError, UnsupportedProblemError
+from ..kernels import append as append_kernel
+from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..specs import assert_compile_allowed
@@ -186,20 +188,23 @@ class MlxBackend(Backend):
         return got
 
     # ----------------------------------------------------------- pool writes
-    def write_tokens(self, pages: Any, page_ids: Any, slots: Any, values: Any) -> Any:
-        """A new pool array with the tokens written (``pages`` itself is unchanged)."""
-        lead = (slice(None),) * (pages.ndim - 4)
-        ids = mx.array(np.asarray(page_ids, dtype=np.int32))
-        sl = mx.array(np.asarray(slots, dtype=np.int32))
-        new = pages[...]        # a second handle: item assignment rebinds only this one
-        new[lead + (ids, sl)] = self.asarray(values).astype(pages.dtype)
-        return new
-
-    def copy_page(self, pages: Any, src: int, dst: int) -> Any:
-        lead = (slice(None),) * (pages.ndim - 4)
-        new = pages[...]
-        new[lead + (int(dst),)] = pages[lead + (int(src),)]
-        return new
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite) -> tuple[Any, Any]:
+        """New pool arrays with the copies made and the rows scattered (MLX scatters on
+        flat views; the given arrays are unchanged, and MLX reuses a buffer nothing else
+        holds)."""
+        shape = tuple(k_pages.shape)
+        *lead, num_pages, page_size, hkv, d = shape
+        c_dst, c_src, w_dst, w_src = (mx.array(a.astype(np.int32)) for a in write.flat_rows(
+            lead[0] if lead else 1, num_pages, page_size))
+        out = []
+        for pages, rows in ((k_pages, k_rows), (v_pages, v_rows)):
+            flat = pages.reshape(-1, hkv * d)
+            if c_dst.size:
+                flat[c_dst] = flat[c_src]
+            flat[w_dst] = self.asarray(rows).astype(pages.dtype).reshape(-1, hkv * d)[w_src]
+            out.append(flat.reshape(shape))
+        return out[0], out[1]
 
     # ----------------------------------------------------------- arms
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
@@ -279,6 +284,23 @@ class MetalBackend(MlxBackend):
             (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)), tuple(q.shape),
             int(k_pages.shape[2]), table.page_size, sm_scale, q, k_pages, v_pages,
             self._table(table), out, lse_out))
+
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite) -> tuple[Any, Any]:
+        """The Metal append kernel, which returns whole new pools (``kernels/append.py``);
+        K/V inputs of fewer than 8 elements (MLX would pass them in the constant space,
+        which the kernel's word accesses cannot read) take the MLX-ops path instead."""
+        kr, vr = (self.asarray(r).astype(k_pages.dtype) for r in (k_rows, v_rows))
+        if min(kr.size, k_pages.size) < append_kernel.METAL_MIN_ELEMENTS:
+            return super().append_rows(k_pages, v_pages, kr, vr, write)
+        dtype = self.dtype_of(k_pages)
+        shape = tuple(k_pages.shape)
+        outs = (self.empty(shape, dtype), self.empty(shape, dtype))
+        vec = append_kernel.vector_bytes(int(np.prod(shape[-2:])) * itemsize(dtype))
+        self._run(launches.append_launch(write, dtype, vec, shape, kr, vr,
+                                         self.upload(write.by_page()), k_pages, v_pages,
+                                         outs))
+        return outs
 
     def _index(self, arr: np.ndarray) -> Any:
         """A kernel's index input: int32, at least one element (an empty CSR array still

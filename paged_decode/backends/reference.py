@@ -16,6 +16,7 @@ import numpy as np
 from ..device import DeviceInfo
 from ..dtypes import as_float32, dtype_name, numpy_dtype
 from ..errors import InvalidDtypeError
+from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
 from ..softmax import RowSoftmax, merge_partials
@@ -133,13 +134,20 @@ class ReferenceBackend(Backend):
         return np.zeros(shape, numpy_dtype(dtype))
 
     # ----------------------------------------------------------- pool writes
-    def write_tokens(self, pages: Any, page_ids: Any, slots: Any, values: Any) -> Any:
-        pages[..., page_ids, slots, :, :] = np.asarray(values).astype(pages.dtype)
-        return pages
-
-    def copy_page(self, pages: Any, src: int, dst: int) -> Any:
-        pages[..., dst, :, :, :] = pages[..., src, :, :, :]
-        return pages
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite) -> tuple[Any, Any]:
+        """Row copies on flat views of the pools (numpy writes through them)."""
+        *lead, num_pages, page_size, hkv, d = k_pages.shape
+        c_dst, c_src, w_dst, w_src = write.flat_rows(lead[0] if lead else 1, num_pages,
+                                                     page_size)
+        for pages, rows in ((k_pages, k_rows), (v_pages, v_rows)):
+            assert pages.flags.c_contiguous      # so the reshape is a view
+            flat = pages.reshape(-1, hkv * d)
+            if c_dst.size:
+                flat[c_dst] = flat[c_src]
+            flat[w_dst] = np.asarray(rows).reshape(-1, hkv * d)[w_src].astype(
+                pages.dtype, copy=False)
+        return k_pages, v_pages
 
     # ----------------------------------------------------------- kernels
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
