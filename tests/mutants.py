@@ -1,0 +1,307 @@
+"""Planted kernel bugs: the one mechanism that runs a kernel with a single-point change,
+the fixed list behind ``make mutants``, and its runner.
+
+A ``Mutation`` replaces the one occurrence of a string in the kernel sources of one
+dialect: ``"cuda"`` (``specs.cuda_source(kernel)``, what the CUDA and emulated-cuda
+backends compile) or ``"metal"`` (the MLX header and body of
+``metal_launches.metal_kernel(kernel)``). It names every kernel whose source holds the
+changed text (v1 compiles v2's ``attend_range``): it must occur exactly once in each, or
+``StaleMutation`` is raised (a ``RuntimeError``, never an ``AssertionError``, so a
+mutation that no longer applies can never count as detected). ``backend(mutation)`` is an
+emulated backend running it; ``install(mutations)`` makes every emulated backend of the
+process run them (the runner's subprocesses, through ``conftest.py``).
+
+``MUTANTS`` pairs each named, realistic mutation with the pytest node ids that must kill
+it. The runner (``python tests/mutants.py``, ``make mutants``) first checks that every
+mutation applies, then runs each mutant's tests in a subprocess with
+``PAGED_DECODE_MUTANT=<name>`` and fails listing any survivor; a test that fails because
+the mutated kernel does not compile is not a kill. An unmutated control (every kernel
+source with a comment appended, through the same hook) runs the union of the selections
+and must pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+if __package__ in (None, ""):      # run as a script: the repository's package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paged_decode.backends.emulated import EmulatedCudaBackend, EmulatedMetalBackend
+from paged_decode.specs import KernelSpec
+
+MUTANT_ENV = "PAGED_DECODE_MUTANT"            # the mutant a test process runs
+REPORT_ENV = "PAGED_DECODE_MUTANT_REPORT"     # where conftest.py writes test outcomes
+CONTROL = "control"                           # the unmutated control's name
+KERNELS = ("v2", "v1", "merge", "prefix")
+METAL_KERNELS = ("v2", "v1", "merge")
+#: exception types whose failure says nothing about the kernel's behaviour
+NOT_A_KILL = ("CompileError", "StaleMutation")
+
+
+class StaleMutation(RuntimeError):
+    """A mutation whose text does not occur exactly once in a kernel it names."""
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """Replace ``old`` by ``new`` in the ``dialect`` sources of ``kernels``. ``control``:
+    change nothing but append a comment (the kernels compile from the mutated path)."""
+
+    dialect: str
+    kernels: tuple[str, ...]
+    old: str = ""
+    new: str = ""
+    control: bool = False
+
+    def apply(self, text: str, where: str) -> str:
+        if self.control:
+            return text + "\n// unmutated control\n"
+        n = text.count(self.old)
+        if n != 1:
+            raise StaleMutation(f"{where}: the mutated text occurs {n} times (exactly once "
+                                f"expected): {self.old!r}")
+        return text.replace(self.old, self.new)
+
+    def check(self) -> None:
+        """Raise ``StaleMutation`` unless the mutation applies to every kernel it names."""
+        for k in self.kernels:
+            if self.dialect == "cuda":
+                from paged_decode.specs import cuda_source
+                self.apply(cuda_source(k), f"cuda {k}")
+            else:
+                from paged_decode.backends.metal_launches import metal_kernel
+                mk = metal_kernel(k)
+                self.apply(mk.header + mk.source, f"metal {k}")
+
+
+def control(dialect: str, kernels: Sequence[str] | None = None) -> Mutation:
+    """The identity mutation of ``kernels`` (default: every kernel of the dialect)."""
+    ks = tuple(kernels) if kernels else (KERNELS if dialect == "cuda" else METAL_KERNELS)
+    return Mutation(dialect, ks, control=True)
+
+
+def mutate_cuda(mutations: Sequence[Mutation], spec: KernelSpec, src: str) -> str:
+    """``src`` (the CUDA source of ``spec``) with every cuda mutation naming its kernel."""
+    for m in mutations:
+        if m.dialect == "cuda" and spec.kernel in m.kernels:
+            src = m.apply(src, f"cuda {spec.kernel}")
+    return src
+
+
+def mutate_metal(mutations: Sequence[Mutation], spec: KernelSpec, mk):  # type: ignore[no-untyped-def]
+    """``mk`` (a ``MetalKernel``) with every metal mutation naming ``spec``'s kernel applied
+    to whichever of its header and body holds the text."""
+    for m in mutations:
+        if m.dialect != "metal" or spec.kernel not in m.kernels:
+            continue
+        where = f"metal {spec.kernel}"
+        if m.control:
+            mk = replace(mk, header=m.apply(mk.header, where))
+            continue
+        m.apply(mk.header + mk.source, where)          # exactly once in the two
+        if m.old in mk.header:
+            mk = replace(mk, header=m.apply(mk.header, where))
+        else:
+            mk = replace(mk, source=m.apply(mk.source, where))
+    return mk
+
+
+class _MutatedCuda(EmulatedCudaBackend):
+    def __init__(self, mutations: Sequence[Mutation], **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kw)
+        self.mutations = tuple(mutations)
+
+    def kernel_source(self, spec: KernelSpec) -> str:
+        return mutate_cuda(self.mutations, spec, super().kernel_source(spec))
+
+
+class _MutatedMetal(EmulatedMetalBackend):
+    def __init__(self, mutations: Sequence[Mutation], **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kw)
+        self.mutations = tuple(mutations)
+
+    def metal_kernel(self, spec: KernelSpec):  # type: ignore[no-untyped-def]
+        return mutate_metal(self.mutations, spec, super().metal_kernel(spec))
+
+
+def backend(mutation: Mutation, **kw) -> EmulatedCudaBackend:  # type: ignore[no-untyped-def]
+    """An emulated backend of ``mutation``'s dialect running it (the real sources
+    otherwise); ``kw`` as for ``EmulatedCudaBackend`` (``check_races``, ``schedules``,
+    ``cp_async``). Raises ``StaleMutation`` at once when the mutation does not apply."""
+    mutation.check()
+    cls = _MutatedMetal if mutation.dialect == "metal" else _MutatedCuda
+    return cls([mutation], **kw)
+
+
+def install(mutations: Sequence[Mutation]) -> None:
+    """Make every emulated backend of this process run ``mutations`` (test subprocesses of
+    the runner): the same ``mutate_cuda`` / ``mutate_metal`` as ``backend``."""
+    for m in mutations:
+        m.check()
+    cuda_src, metal_mk = EmulatedCudaBackend.kernel_source, EmulatedMetalBackend.metal_kernel
+    muts = tuple(mutations)
+    EmulatedCudaBackend.kernel_source = (  # type: ignore[method-assign]
+        lambda self, spec: mutate_cuda(muts, spec, cuda_src(self, spec)))
+    EmulatedMetalBackend.metal_kernel = (  # type: ignore[method-assign]
+        lambda self, spec: mutate_metal(muts, spec, metal_mk(self, spec)))
+
+
+# ---------------------------------------------------------------------------- the list
+@dataclass(frozen=True)
+class Mutant:
+    """A named mutation, why it is a realistic bug, and the node ids that must kill it."""
+
+    name: str
+    mutation: Mutation
+    tests: tuple[str, ...]
+    why: str
+
+
+def _m(name: str, dialect: str, kernels: tuple[str, ...], old: str, new: str,
+       tests: Sequence[str], why: str) -> Mutant:
+    return Mutant(name, Mutation(dialect, kernels, old, new), tuple(tests), why)
+
+
+PREFIX_LONG = "tests/test_prefix_tc.py::test_prefix_kernel_long_chunk_every_schedule"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # ------------------------------------------------------------ prefix_tc (CUDA)
+    _m("prefix-no-barrier-before-refill", "cuda", ("prefix",),
+       "    __syncthreads();                              // buffer `buf` is refilled next round\n",
+       "", [PREFIX_LONG + "[64]"],
+       "the K/V double buffer refilled (next round's issue) while other warps still read it"),
+    _m("prefix-no-cp-async-wait", "cuda", ("prefix",),
+       "      cp_async_wait<1>();\n", "", [PREFIX_LONG + "[64]"],
+       "a tile read before its cp.async group landed"),
+)
+
+
+def mutant(name: str) -> Mutant:
+    for mt in MUTANTS:
+        if mt.name == name:
+            return mt
+    raise KeyError(f"no mutant named {name!r}")
+
+
+def by_name(name: str) -> list[Mutation]:
+    """The mutations a test process installs for ``$PAGED_DECODE_MUTANT``."""
+    if name == CONTROL:
+        return [control("cuda"), control("metal")]
+    try:
+        return [mutant(name).mutation]
+    except KeyError:
+        raise KeyError(f"{MUTANT_ENV}={name!r}: no such mutant") from None
+
+
+# ---------------------------------------------------------------------------- runner
+@dataclass
+class Result:
+    name: str
+    status: str          # "killed", "SURVIVED", "INVALID" (passed for the control)
+    detail: str
+    seconds: float
+
+
+def _run(name: str, tests: Sequence[str], env_extra: dict[str, str]) -> Result:
+    """Run ``tests`` with mutant ``name`` installed; classify from the per-test report."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="pd-mutant-") as tmp:
+        report = Path(tmp) / "report.jsonl"
+        env = {**os.environ, MUTANT_ENV: name, REPORT_ENV: str(report), **env_extra}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "-x", *tests], cwd=root, env=env, capture_output=True,
+                              text=True)
+        secs = time.perf_counter() - t0
+        rows = [json.loads(line) for line in report.read_text().splitlines()] \
+            if report.exists() else []
+    calls = [r for r in rows if r["when"] == "call"]
+    invalid = [r for r in rows if r["outcome"] == "failed" and r["exc"] in NOT_A_KILL]
+    kills = [r for r in calls if r["outcome"] == "failed" and r["exc"] not in NOT_A_KILL]
+    if invalid:
+        r = invalid[0]
+        first = (r["msg"].splitlines() or [""])[0]
+        return Result(name, "INVALID", f"{r['nodeid']}: {r['exc']}: {first}", secs)
+    if kills:
+        r = kills[0]
+        return Result(name, "killed", f"{r['nodeid']} ({r['exc']})", secs)
+    ran = {r["nodeid"] for r in calls if r["outcome"] == "passed"}
+    missing = [t for t in tests if not any(n == t or n.startswith(t + "[") for n in ran)]
+    if proc.returncode not in (0, 1) or missing:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        return Result(name, "INVALID", f"selection did not run: {missing or tests} "
+                      f"(pytest exit {proc.returncode}: {' / '.join(tail)})", secs)
+    return Result(name, "passed", f"{len(ran)} tests passed", secs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run only these mutants (repeatable; no control)")
+    ap.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--legacy", action="store_true",
+                    help="run under the emulator's old model (forward and reverse "
+                         "schedules, synchronous cp.async): shows what it misses; "
+                         "survivors are reported, not failed")
+    args = ap.parse_args(argv)
+    if args.list:
+        for mt in MUTANTS:
+            print(f"{mt.name:<36} {mt.mutation.dialect:<5} {','.join(mt.mutation.kernels):<8} "
+                  f"{mt.why}")
+        return 0
+    names = {mt.name for mt in MUTANTS}
+    unknown = [n for n in args.only if n not in names]
+    if unknown:
+        print(f"unknown mutants: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    chosen = [mt for mt in MUTANTS if not args.only or mt.name in args.only]
+    stale = []
+    for mt in chosen:                       # before any test runs: no stale mutant counts
+        try:
+            mt.mutation.check()
+        except StaleMutation as exc:
+            stale.append(f"{mt.name}: {exc}")
+    if stale:
+        print("STALE mutations (update tests/mutants.py):\n  " + "\n  ".join(stale))
+        return 1
+    extra = ({"PAGED_DECODE_EMULATOR_SCHEDULES": "forward,reverse",
+              "PAGED_DECODE_EMULATOR_CP_ASYNC": "sync"} if args.legacy else {})
+    jobs = [(mt.name, mt.tests) for mt in chosen]
+    if not args.only:
+        union = list(dict.fromkeys(t for mt in chosen for t in mt.tests))
+        jobs.insert(0, (CONTROL, tuple(union)))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda j: _run(j[0], j[1], extra), jobs))
+    bad = []
+    for r in results:
+        want = "passed" if r.name == CONTROL else "killed"
+        ok = r.status == want or (args.legacy and r.status == "passed")
+        shown = "SURVIVED" if r.name != CONTROL and r.status == "passed" else r.status
+        print(f"{r.name:<36} {shown:<9} {r.seconds:6.1f} s  {r.detail}")
+        if not ok:
+            bad.append(r.name)
+    print(f"{len(results)} runs in {time.perf_counter() - t0:.0f} s"
+          + (" (legacy emulator model)" if args.legacy else ""))
+    if bad:
+        print(f"FAIL: {', '.join(bad)}")
+        return 1
+    print("PASS: every mutant killed, control passed" if not args.legacy else "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
