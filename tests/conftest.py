@@ -8,6 +8,7 @@ backend allocates is NaN-filled, so an element a kernel forgets to write shows u
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -40,6 +41,15 @@ PREFIX_RTOL = {
 #: max absolute error of the base-2 LSE (float32, so it scales with |LSE|: ~1e-5 at
 #: |LSE| ~ 100 with sm_scale = 2 in the fuzz; ~2e-6 at the default scale).
 LSE_ATOL = 5e-5
+
+
+def f32_accumulation_tol(tokens: int) -> float:
+    """Max-rel bound on a float32 output accumulated in float32 over ``tokens`` tokens,
+    whatever the K/V dtype (the oracle reads the same rounded inputs in float64): a
+    random walk of 2^-24 per addition, 4 sigma (3.1e-5 at 16K tokens; measured 2-4e-7 on
+    the emulated kernels). An accumulator held in a 16-bit type errs by 2^-11 (float16)
+    or 2^-8 (bfloat16) per addition instead: 5e-4 and more at 16K."""
+    return 4 * 2.0 ** -24 * math.sqrt(tokens)
 
 
 def out_tol(dtype: str) -> float:
