@@ -173,9 +173,138 @@ def _m(name: str, dialect: str, kernels: tuple[str, ...], old: str, new: str,
     return Mutant(name, Mutation(dialect, kernels, old, new), tuple(tests), why)
 
 
-PREFIX_LONG = "tests/test_prefix_tc.py::test_prefix_kernel_long_chunk_every_schedule"
+# the killing tests, by node id (parametrizations of tests/test_emulated_oracle.py etc.)
+ORACLE = "tests/test_emulated_oracle.py::"
+LANES = ORACLE + "test_every_lane_geometry"
+LONG = ORACLE + "test_long_context_accumulates_in_float32"
+CASE = ORACLE + "test_kernels_match_oracle"
+MERGE = ORACLE + "test_merge_large_groups_wide_lse_range"
+PREFIX = "tests/test_prefix_tc.py::"
+PREFIX_LONG = PREFIX + "test_prefix_kernel_long_chunk_every_schedule"
 
 MUTANTS: tuple[Mutant, ...] = (
+    # ------------------------------------------------------------ v2 / v1, CUDA
+    _m("cuda-acc-rounded-to-kv-type", "cuda", ("v2", "v1"),
+       "acc[g][i] = fmaf(p, vf[i], acc[g][i]);",
+       "acc[g][i] = to_float(from_float<TKV>(fmaf(p, vf[i], acc[g][i])));",
+       [LONG + "[emulated-cuda-float16-v2]"],
+       "the output accumulated in the K/V element type instead of float32"),
+    _m("cuda-no-cp-async-wait", "cuda", ("v2", "v1"),
+       "    cp_async_wait<STAGES - 1>();                 // this thread's copies of `step`",
+       "    // (wait removed)", [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
+       "a ring slot read before its cp.async group landed"),
+    _m("cuda-wait-one-group-short", "cuda", ("v2", "v1"),
+       "cp_async_wait<STAGES - 1>();", "cp_async_wait<STAGES>();",
+       [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
+       "wait_group leaves the group about to be read in flight"),
+    _m("cuda-butterfly-half-width", "cuda", ("v2", "v1"),
+       "const float x = group_sum<TPR>(s[g][u]);", "const float x = group_sum<TPR / 2>(s[g][u]);",
+       [LANES + "[emulated-cuda-float16-d64-qh3]"],
+       "per-head dot products summed over half a row (QH 3, 5, 6, 7)"),
+    _m("cuda-transpose-keep-give", "cuda", ("v2", "v1"),
+       "const float keep = up ? s[h + half][u] : s[h][u];",
+       "const float keep = up ? s[h][u] : s[h + half][u];",
+       [LANES + "[emulated-cuda-float16-d64-qh4]"],
+       "a head transposition level keeps the half it should hand over"),
+    _m("cuda-transpose-p-lane", "cuda", ("v2", "v1"),
+       "const float p = __shfl_sync(0xffffffffu, s[0][u], sub0 + g * HLANES);",
+       "const float p = __shfl_sync(0xffffffffu, s[0][u], sub0);",
+       [LANES + "[emulated-cuda-float16-d64-qh4]"],
+       "every head takes head 0's softmax weights"),
+    _m("cuda-subwarp-combine-short", "cuda", ("v2", "v1"),
+       "  for (int off = TPR; off < 32; off <<= 1) {",
+       "  for (int off = TPR; off < 16; off <<= 1) {",
+       [LANES + "[emulated-cuda-float16-d64-qh1]"],
+       "the sub-warp states of a warp combined one level short"),
+    _m("cuda-q-group-offset-dropped", "cuda", ("v2", "v1"),
+       "const int h0 = kvh * (num_qo_heads / num_kv_heads) + qg * QH;",
+       "const int h0 = kvh * (num_qo_heads / num_kv_heads);",
+       [CASE + "[emulated-cuda-d64-g16-ps16-f16]"],
+       "both CTAs of a KV head with more than 8 query heads serve the first 8"),
+    _m("cuda-first-page-offset-dropped", "cuda", ("v2", "v1"),
+       "const int a_begin = (int)(fpo + t_begin), n_tok",
+       "const int a_begin = (int)t_begin, n_tok",
+       [ORACLE + "test_one_page_requests[emulated-cuda]"],
+       "tokens read from the page start of a request that starts mid-page"),
+    _m("cuda-chunk-start-ignores-offset", "cuda", ("v2", "v1"),
+       "long long t_begin = page_begin * PAGE_SIZE - fpo;",
+       "long long t_begin = page_begin * PAGE_SIZE;",
+       [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
+       "chunks after the first shifted by the first page's offset"),
+    _m("cuda-v1-kv-head", "cuda", ("v1",),
+       "  const int kvh = h / (num_qo_heads / num_kv_heads);\n  const long long pb",
+       "  const int kvh = h % num_kv_heads;\n  const long long pb",
+       [CASE + "[emulated-cuda-d128-g4-ps16-bf16]"],
+       "v1 maps query heads to KV heads round-robin instead of in groups"),
+    _m("cuda-v1-last-token-dropped", "cuda", ("v1",),
+       "fpo, 0, seq, r, kvh, h, num_qo_heads, num_kv_heads,",
+       "fpo, 0, seq - 1, r, kvh, h, num_qo_heads, num_kv_heads,",
+       [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
+       "v1 stops one token early"),
+    # ------------------------------------------------------------ v2 / v1, Metal
+    _m("metal-acc-in-kv-type", "metal", ("v2", "v1"),
+       "  float m[QH], l[QH], acc[QH][VEC];\n",
+       "  float m[QH], l[QH];\n  TKV acc[QH][VEC];\n",
+       [LONG + "[emulated-metal-float16-v2]"],
+       "the output accumulated in the K/V element type instead of float32"),
+    _m("metal-k-stride-d256-f32", "metal", ("v2", "v1"),
+       "load4(k_pages + kv_off[u] + 4 * j)",
+       "load4(k_pages + kv_off[u] + 4 * j * (VEC / M::PER16))",
+       [LANES + "[emulated-metal-float32-d256-qh1]"],
+       "a K vector load strided by 16-byte pieces (wrong only with two pieces per lane: "
+       "head_dim 256, float32)"),
+    _m("metal-group-sum-16-as-simd-sum", "metal", ("v2", "v1", "merge"),
+       "  if (WIDTH == 32) return simd_sum(x);", "  if (WIDTH >= 16) return simd_sum(x);",
+       [LANES + "[emulated-metal-float16-d128-qh3]"],
+       "16-lane group sums taken over the whole SIMD group (head_dim 128 f16/bf16 or 64 "
+       "f32 at 3, 5, 6, 7 heads per threadgroup)"),
+    _m("metal-transpose-alpha-lane", "metal", ("v2", "v1"),
+       "simd_shuffle(alpha, ushort(sub0 + g * HLANES))", "simd_shuffle(alpha, ushort(sub0))",
+       [LANES + "[emulated-metal-float16-d64-qh4]"],
+       "every head rescaled by head 0's correction"),
+    _m("metal-subgroup-combine-short", "metal", ("v2", "v1"),
+       "  for (ushort off = TPR; off < 32; off <<= 1) {",
+       "  for (ushort off = TPR; off < 16; off <<= 1) {",
+       [LANES + "[emulated-metal-float16-d64-qh1]"],
+       "the sub-group states of a SIMD group combined one level short"),
+    _m("metal-token-past-the-end", "metal", ("v2", "v1"),
+       "      ok[u] = t < t_end;", "      ok[u] = t <= t_end;",
+       [LANES + "[emulated-metal-float16-d64-qh2]"],
+       "one token past the visible range attended"),
+    _m("metal-query-unscaled", "metal", ("v2", "v1"),
+       "to_float(q[(long(r) * num_qo_heads + h0 + g) * HEAD_DIM + d0 + i]) * scale_log2",
+       "to_float(q[(long(r) * num_qo_heads + h0 + g) * HEAD_DIM + d0 + i])",
+       [LANES + "[emulated-metal-float16-d64-qh2]"],
+       "scores without the softmax scale"),
+    _m("metal-v1-kv-head", "metal", ("v1",),
+       "  const int kvh = h / (num_qo_heads / num_kv_heads);\n  const long pb",
+       "  const int kvh = h % num_kv_heads;\n  const long pb",
+       [CASE + "[emulated-metal-d128-g4-ps16-bf16]"],
+       "v1 maps query heads to KV heads round-robin instead of in groups"),
+    # ------------------------------------------------------------ merge
+    _m("cuda-merge-no-32-row-cap", "cuda", ("merge",),
+       "const int count = end - base < 32 ? (int)(end - base) : 32;",
+       "const int count = (int)(end - base);",
+       [MERGE + "[emulated-cuda]"],
+       "a pass over more than 32 rows: row weights shuffled in from lanes that wrap"),
+    _m("cuda-merge-gather-max-wrong-row", "cuda", ("merge",),
+       "lse[(GATHER ? (long long)rows[i] : i) * num_heads + h]", "lse[i * num_heads + h]",
+       [ORACLE + "test_gathering_merge_large_groups_wide_lse_range"],
+       "the gathering merge's running max taken from the rows in storage order"),
+    _m("cuda-merge-row-stride", "cuda", ("merge",),
+       "reinterpret_cast<const float4*>(v + (ru * num_heads + h) * HEAD_DIM)",
+       "reinterpret_cast<const float4*>(v + (ru + h) * HEAD_DIM)",
+       [MERGE + "[emulated-cuda]"],
+       "a partial's row addressed without the head stride"),
+    _m("cuda-merge-lane-columns", "cuda", ("merge",),
+       "            const int c = lane + 32 * k;",
+       "            const int c = lane * PER_LANE + k;",
+       [CASE + "[emulated-cuda-d256-g8-ps16-f16]"],
+       "lanes read blocked columns but write strided ones (two float4 per lane: head_dim 256)"),
+    _m("metal-merge-lane-local-max", "metal", ("merge",),
+       "  mx = simd_max(mx);\n", "",
+       [MERGE + "[emulated-metal]"],
+       "each lane weighs every row against its own rows' max (exact until exp2 overflows)"),
     # ------------------------------------------------------------ prefix_tc (CUDA)
     _m("prefix-no-barrier-before-refill", "cuda", ("prefix",),
        "    __syncthreads();                              // buffer `buf` is refilled next round\n",
@@ -184,6 +313,28 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("prefix-no-cp-async-wait", "cuda", ("prefix",),
        "      cp_async_wait<1>();\n", "", [PREFIX_LONG + "[64]"],
        "a tile read before its cp.async group landed"),
+    _m("prefix-wait-one-group-short", "cuda", ("prefix",),
+       "      cp_async_wait<1>();\n", "      cp_async_wait<2>();\n", [PREFIX_LONG + "[64]"],
+       "wait_group leaves the tile about to be read in flight"),
+    _m("prefix-issue-other-buffer", "cuda", ("prefix",),
+       "// with the ids fetched for this tile\n    const int buf = tile & 1;",
+       "// with the ids fetched for this tile\n    const int buf = (tile + 1) & 1;",
+       [PREFIX_LONG + "[64]"],
+       "a tile copied into the buffer that is being read"),
+    _m("prefix-row-sum-one-level", "cuda", ("prefix",),
+       "    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);\n", "",
+       [PREFIX + "test_prefix_kernel_matches_oracle[64-float16]"],
+       "a row's softmax sum collected from two of its four lanes"),
+    _m("prefix-rescale-wrong-row", "cuda", ("prefix",),
+       "      o[j][2] *= alpha[1]; o[j][3] *= alpha[1];",
+       "      o[j][2] *= alpha[0]; o[j][3] *= alpha[0];",
+       [PREFIX + "test_prefix_kernel_matches_oracle[64-float16]"],
+       "rows grp + 8 rescaled by row grp's correction"),
+    _m("prefix-chunk-and-row-tile-swapped", "cuda", ("prefix",),
+       "const int c = blockIdx.x / row_tiles, rt = blockIdx.x % row_tiles;",
+       "const int c = blockIdx.x % row_tiles, rt = blockIdx.x / row_tiles;",
+       [PREFIX + "test_prefix_kernel_row_tiles[24-3-1]"],
+       "the grid's chunk and row-tile coordinates swapped"),
 )
 
 
@@ -237,7 +388,8 @@ def _run(name: str, tests: Sequence[str], env_extra: dict[str, str]) -> Result:
         r = kills[0]
         return Result(name, "killed", f"{r['nodeid']} ({r['exc']})", secs)
     ran = {r["nodeid"] for r in calls if r["outcome"] == "passed"}
-    missing = [t for t in tests if not any(n == t or n.startswith(t + "[") for n in ran)]
+    missing = [t for t in tests
+               if not any(n == t or n.startswith((t + "[", t + "::")) for n in ran)]
     if proc.returncode not in (0, 1) or missing:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
         return Result(name, "INVALID", f"selection did not run: {missing or tests} "
@@ -262,6 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{mt.name:<36} {mt.mutation.dialect:<5} {','.join(mt.mutation.kernels):<8} "
                   f"{mt.why}")
         return 0
+    from paged_decode import emulator
+    ok, why = emulator.available()
+    if not ok:
+        print(f"mutants need the CPU kernel emulator: {why}", file=sys.stderr)
+        return 1
     names = {mt.name for mt in MUTANTS}
     unknown = [n for n in args.only if n not in names]
     if unknown:

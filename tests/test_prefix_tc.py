@@ -98,8 +98,9 @@ def test_prefix_kernel_matches_oracle(emu, dtype, head_dim):
 @needs_emulator
 @pytest.mark.parametrize("members,group,hkv", [(24, 3, 1), (1, 1, 2), (70, 1, 1)])
 def test_prefix_kernel_row_tiles(emu, members, group, hkv):
-    # 72 and 70 stacked rows: two row tiles, the second partial; one row: 63 rows padded
-    prefix_case(emu, np, members=members, group=group, hkv=hkv, shared_pages=4, ppc=3,
+    # 72 and 70 stacked rows: two row tiles, the second partial; one row: 63 rows padded;
+    # three chunks (not two, as many as row tiles: a swapped grid mapping would pass)
+    prefix_case(emu, np, members=members, group=group, hkv=hkv, shared_pages=6, ppc=2,
                 extra_requests=1, seed=members)
 
 
