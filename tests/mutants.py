@@ -33,11 +33,23 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):      # run as a script: the repository's package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from paged_decode.backends.emulated import EmulatedCudaBackend, EmulatedMetalBackend
+from paged_decode.backends.emulated import (
+    RACES_ENV,
+    EmulatedCudaBackend,
+    EmulatedMetalBackend,
+)
+from paged_decode.backends.metal_launches import MetalKernel
+from paged_decode.emulator.launch import (
+    CP_ASYNC_ENV,
+    DEFAULT_SCHEDULES,
+    LEGACY_SCHEDULES,
+    SCHEDULES_ENV,
+)
 from paged_decode.specs import KernelSpec
 
 MUTANT_ENV = "PAGED_DECODE_MUTANT"            # the mutant a test process runs
@@ -99,7 +111,8 @@ def mutate_cuda(mutations: Sequence[Mutation], spec: KernelSpec, src: str) -> st
     return src
 
 
-def mutate_metal(mutations: Sequence[Mutation], spec: KernelSpec, mk):  # type: ignore[no-untyped-def]
+def mutate_metal(mutations: Sequence[Mutation], spec: KernelSpec,
+                 mk: MetalKernel) -> MetalKernel:
     """``mk`` (a ``MetalKernel``) with every metal mutation naming ``spec``'s kernel applied
     to whichever of its header and body holds the text."""
     for m in mutations:
@@ -117,25 +130,23 @@ def mutate_metal(mutations: Sequence[Mutation], spec: KernelSpec, mk):  # type: 
     return mk
 
 
-class _MutatedCuda(EmulatedCudaBackend):
-    def __init__(self, mutations: Sequence[Mutation], **kw) -> None:  # type: ignore[no-untyped-def]
+class _Mutated:
+    def __init__(self, mutations: Sequence[Mutation], **kw: Any) -> None:
         super().__init__(**kw)
         self.mutations = tuple(mutations)
 
+
+class _MutatedCuda(_Mutated, EmulatedCudaBackend):
     def kernel_source(self, spec: KernelSpec) -> str:
         return mutate_cuda(self.mutations, spec, super().kernel_source(spec))
 
 
-class _MutatedMetal(EmulatedMetalBackend):
-    def __init__(self, mutations: Sequence[Mutation], **kw) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(**kw)
-        self.mutations = tuple(mutations)
-
-    def metal_kernel(self, spec: KernelSpec):  # type: ignore[no-untyped-def]
+class _MutatedMetal(_Mutated, EmulatedMetalBackend):
+    def metal_kernel(self, spec: KernelSpec) -> MetalKernel:
         return mutate_metal(self.mutations, spec, super().metal_kernel(spec))
 
 
-def backend(mutation: Mutation, **kw) -> EmulatedCudaBackend:  # type: ignore[no-untyped-def]
+def backend(mutation: Mutation, **kw: Any) -> EmulatedCudaBackend:
     """An emulated backend of ``mutation``'s dialect running it (the real sources
     otherwise); ``kw`` as for ``EmulatedCudaBackend`` (``check_races``, ``schedules``,
     ``cp_async``). Raises ``StaleMutation`` at once when the mutation does not apply."""
@@ -434,8 +445,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if stale:
         print("STALE mutations (update tests/mutants.py):\n  " + "\n  ".join(stale))
         return 1
-    extra = ({"PAGED_DECODE_EMULATOR_SCHEDULES": "forward,reverse",
-              "PAGED_DECODE_EMULATOR_CP_ASYNC": "sync"} if args.legacy else {})
+    # the emulator model is pinned: a caller's narrower schedules must not let one survive
+    schedules = LEGACY_SCHEDULES if args.legacy else DEFAULT_SCHEDULES
+    extra = {SCHEDULES_ENV: ",".join(schedules), RACES_ENV: "1",
+             CP_ASYNC_ENV: "sync" if args.legacy else "deferred"}
     jobs = [(mt.name, mt.tests) for mt in chosen]
     if not args.only:
         union = list(dict.fromkeys(t for mt in chosen for t in mt.tests))

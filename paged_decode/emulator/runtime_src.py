@@ -92,7 +92,7 @@ struct LaunchDesc {
   std::uint64_t dyn_smem;
   int schedule;              // a Schedule
   int cp_async_deferred;     // cp.async lands at its wait (1) or at once (0)
-  std::uint64_t seed;        // S_RANDOM's permutations, S_RUNAHEAD's first leader
+  std::uint64_t seed;        // S_RANDOM's permutations; shifts S_RUNAHEAD's leaders
   int threads;               // OS threads
   int nbuffers;
   const BufferDesc* buffers;
