@@ -1,13 +1,16 @@
 PYTHON ?= python3
 BACKEND ?=
 
-.PHONY: install test test-gpu lint check check-full bench plot info clean
+.PHONY: install test test-gpu mutants lint check check-full bench plot info clean
 
 install:            ## editable install with the test tools
 	$(PYTHON) -m pip install -e '.[dev]'
 
 test:               ## the CPU suite (GPU tests skip without a GPU)
 	$(PYTHON) -m pytest -q
+
+mutants:            ## planted kernel bugs, each must fail its tests (emulator; ~1-2 min)
+	$(PYTHON) tests/mutants.py
 
 test-gpu:           ## the CUDA test modules (need a GPU and CuPy)
 	$(PYTHON) -m pytest -q tests/test_cuda_gpu.py tests/test_cuda_graphs.py -rs

@@ -73,12 +73,16 @@ __device__ __forceinline__ float warp_max(float x) {
 
 // Asynchronous 16-byte global->shared copies (sm_80+). With pred false the 16 bytes are
 // zero-filled and global memory is not read. Each thread waits for its own groups only.
-// Without __CUDA_ARCH__ (a host compiler, e.g. the CPU emulator) the copy is synchronous:
-// the same result as an asynchronous copy that has landed by the matching wait.
+// Without __CUDA_ARCH__: the CPU emulator (PD_EMU_CP_ASYNC) keeps each copy in flight
+// until the wait that lands its group, its destination poisoned meanwhile, so reading a
+// slot too early or refilling one another thread still reads shows up; any other host
+// compiler copies synchronously (a copy that landed at once).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
 #if defined(__CUDA_ARCH__)
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
+#elif defined(PD_EMU_CP_ASYNC)
+  pd_emu::cp_async16(smem, gmem, pred);
 #else
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if (pred) v = *reinterpret_cast<const uint4*>(gmem);
@@ -88,12 +92,16 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.commit_group;\n" ::);
+#elif defined(PD_EMU_CP_ASYNC)
+  pd_emu::cp_async_commit();
 #endif
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#elif defined(PD_EMU_CP_ASYNC)
+  pd_emu::cp_async_wait(N);
 #endif
 }
 

@@ -16,8 +16,10 @@ A result passes only when both errors are finite and within tolerance **and** th
 that actually ran (``last_outcome()``) is the one asked for. Errors are those of the
 **float32** output (the kernels' accumulation before any rounding to a 16-bit output
 dtype); a configuration's dtype is that of q and K/V, and every report labels it so.
-Full matrix: head_dim {64, 128} x GQA {1, 4, 8} x page {16, 32, 64} x context {512, 4096,
-16384, 32768} x batch {1, 4, 8} = 216 configurations per dtype (4 KV heads). The quick
+Full matrix: head_dim {64, 128} x GQA {1, 4, 7, 8, 16} x page {16, 32, 64} x context
+{512, 4096, 16384, 32768} x batch {1, 4, 8} = 360 configurations per dtype (4 KV heads).
+The GQA axis holds every reduction path of the v2 partial: head transposition (1, 4, 8
+heads per CTA), one butterfly per head (7) and two CTAs per KV head (16). The quick
 matrix is a deterministic subset that covers every pair of axis values, every kernel
 specialization (head_dim x GQA x page) and both extreme corners.
 """
@@ -44,7 +46,7 @@ from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, plan_decode, smallest_chunk_size
 
 HEAD_DIMS = (64, 128)
-GQAS = (1, 4, 8)
+GQAS = (1, 4, 7, 8, 16)
 PAGE_SIZES = (16, 32, 64)
 CONTEXTS = (512, 4096, 16384, 32768)
 BATCHES = (1, 4, 8)
@@ -152,8 +154,8 @@ def _quick_points() -> list[tuple[int, ...]]:
 
 
 def matrix(full: bool, dtypes: Iterable[str] = ("float16",)) -> list[CheckConfig]:
-    """The configurations to check: ``full`` gives all 216 per dtype, otherwise the quick
-    subset (about 24 per dtype). Ordered by dtype, then cheapest first (context, batch,
+    """The configurations to check: ``full`` gives all 360 per dtype, otherwise the quick
+    subset (about 30 per dtype). Ordered by dtype, then cheapest first (context, batch,
     ...), so ``max_configs`` and early progress lines take the small ones."""
     points = list(itertools.product(*AXES.values())) if full else _quick_points()
     names = list(AXES)

@@ -106,7 +106,7 @@ def info(backend: str | None, as_json: bool) -> None:
 
 @main.command()
 @click.option("--backend", default=None, help="Backend to check (default: automatic).")
-@click.option("--full", is_flag=True, help="The whole 216-configuration matrix per dtype.")
+@click.option("--full", is_flag=True, help="The whole 360-configuration matrix per dtype.")
 @click.option("--dtype", "dtypes", multiple=True, default=["float16"], show_default=True,
               type=click.Choice(["float16", "bfloat16", "float32"]),
               help="KV and query dtype (repeat for several).")
@@ -137,7 +137,7 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
         part = (k, n)
     be = _backend(backend)
     click.echo(f"checking backend {be.name} on {be.device_info().name}"
-               f"{' (full matrix)' if full else ' (quick matrix; --full for all 216)'}")
+               f"{' (full matrix)' if full else ' (quick matrix; --full for all 360)'}")
     single = be.auto_path()
     if not paths and single is not None:  # a backend with one arm (MLX without Metal)
         click.echo(f"paths: {single[0]} only ({single[1]})")

@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import CudaMutant, MetalMutant
+from mutants import Mutation, backend, control
 
 import paged_decode as pd
 from paged_decode import InvalidArgumentError, InvalidDtypeError, PoolExhaustedError
@@ -671,18 +671,17 @@ MUTANTS = [
      "if (desc[m] <= page) a = m + 1;"),
     ("no-cow-source", "metal", "if (copy_cow != 0) src = desc[num_touched + a];", ""),
 ]
-MUTANT_BACKENDS = {"cuda": CudaMutant, "metal": MetalMutant}
 
 
 @needs_emulator
-@pytest.mark.parametrize("dialect", list(MUTANT_BACKENDS))
+@pytest.mark.parametrize("dialect", ["cuda", "metal"])
 def test_the_real_kernel_passes_the_scenario(dialect):
-    assert _scenario(MUTANT_BACKENDS[dialect]("append", lambda s: s + "\n// unchanged\n")) == ""
+    assert _scenario(backend(control(dialect, ["append"]))) == ""
 
 
 @needs_emulator
 @pytest.mark.parametrize("dialect, old, new", [m[1:] for m in MUTANTS],
                          ids=[m[0] for m in MUTANTS])
 def test_mutated_append_kernels_fail(dialect, old, new):
-    why = _scenario(MUTANT_BACKENDS[dialect]("append", lambda s: s.replace(old, new)))
+    why = _scenario(backend(Mutation(dialect, ("append",), old, new)))
     assert why, "the mutant passed"

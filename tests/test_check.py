@@ -113,18 +113,21 @@ def test_nan_output_fails():
 def test_full_matrix_axes():
     for dtypes in (["float16"], ["float16", "bfloat16", "float32"]):
         cfgs = matrix(True, dtypes)
-        assert len(cfgs) == 216 * len(dtypes)
+        assert len(cfgs) == 360 * len(dtypes)
         assert len({c.label for c in cfgs}) == len(cfgs)
         for name, values in AXES.items():
             assert {getattr(c, name) for c in cfgs} == set(values)
         assert {c.kv_dtype for c in cfgs} == set(dtypes)
         assert all(c.q_dtype == c.kv_dtype and c.num_kv_heads == 4 for c in cfgs)
-    assert [len(AXES[a]) for a in AXES] == [2, 3, 3, 4, 3]
+    assert [len(AXES[a]) for a in AXES] == [2, 5, 3, 4, 3]
+    # every reduction path of the v2 partial: transposed heads (1, 4, 8 per CTA), one
+    # butterfly per head (7), two CTAs per KV head (16)
+    assert set(AXES["gqa"]) == {1, 4, 7, 8, 16}
 
 
 def test_quick_matrix_covers_every_value():
     cfgs = matrix(False, ["float16"])
-    assert 18 <= len(cfgs) <= 30
+    assert 30 <= len(cfgs) <= 36
     assert cfgs == matrix(False, ["float16"])                      # deterministic
     assert len({c.label for c in cfgs}) == len(cfgs)
     names = list(AXES)
@@ -133,7 +136,7 @@ def test_quick_matrix_covers_every_value():
             got = {(getattr(c, a), getattr(c, b)) for c in cfgs}
             assert len(got) == len(AXES[a]) * len(AXES[b]), (a, b)
     specs = {(c.head_dim, c.gqa, c.page_size) for c in cfgs}       # every specialization
-    assert len(specs) == 2 * 3 * 3
+    assert len(specs) == 2 * 5 * 3
     pairs = {(c.context, c.batch) for c in cfgs}
     assert (32768, 8) in pairs and (512, 1) in pairs
     assert len(matrix(False, ["float16", "float32"])) == 2 * len(cfgs)

@@ -22,9 +22,11 @@ DTYPES = ("float16", "bfloat16", "float32")
 
 
 def check_matrix_specs():
-    """The check matrix (D {64,128} x GQA {1,4,8} x page {16,32,64}) for every dtype."""
+    """The check matrix (head_dim x GQA x page, ``check.AXES``) for every dtype."""
+    from paged_decode.check import AXES
     specs = set()
-    for d, g, p, dt in itertools.product((64, 128), (1, 4, 8), (16, 32, 64), DTYPES):
+    for d, g, p, dt in itertools.product(AXES["head_dim"], AXES["gqa"], AXES["page_size"],
+                                         DTYPES):
         specs.update(decode_specs(dt, dt, "float32", 4 * g, 4, d, p))
         specs.update(decode_specs(dt, dt, dt, 4 * g, 4, d, p))
     return specs

@@ -9,7 +9,8 @@ import types
 
 import numpy as np
 import pytest
-from conftest import CudaMutant, mutant_fails
+from conftest import mutant_fails
+from mutants import Mutation, backend, control
 
 import paged_decode as pd
 from paged_decode.backends import availability
@@ -34,46 +35,46 @@ SPEC_NEG = ProblemSpec(3, 60, 8, 2, 64, 16, seed=30)
 
 
 def test_off_by_one_page_index_fails():
-    bad = CudaMutant("v2", lambda s: s.replace("page_ids[a / PAGE_SIZE]",
-                                            "page_ids[a / PAGE_SIZE + 1]"))
+    bad = backend(Mutation("cuda", ("v2",), "page_ids[a / PAGE_SIZE]",
+                           "page_ids[a / PAGE_SIZE + 1]"))
     with pytest.raises(OutOfBoundsError, match=r"pd_decode_v2_partial<.*'indices'"):
         pd.decode(*_problem_args(SPEC_NEG), path="v2", backend=bad)
 
 
 def test_off_by_one_page_offset_fails():
-    bad = CudaMutant("v2", lambda s: s.replace("const int a = a_begin + i;",
-                                            "const int a = a_begin + i + 1;"))
+    bad = backend(Mutation("cuda", ("v2",), "const int a = a_begin + i;",
+                           "const int a = a_begin + i + 1;"))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
 def test_removed_syncthreads_fails():
-    bad = CudaMutant("v2", lambda s: s.replace("  __syncthreads();\n", "", 1))
+    bad = backend(Mutation("cuda", ("v2",), "  __syncthreads();\n", ""))
     why = mutant_fails(bad, SPEC_NEG)
     assert "differs between the forward and the reverse fiber schedule" in why, why
 
 
 def test_merge_without_rescale_fails():
-    bad = CudaMutant("merge", lambda s: s.replace("if (s > -PD_INF) w = exp2f(s - mx);",
-                                               "if (s > -PD_INF) w = 1.f;"))
+    bad = backend(Mutation("cuda", ("merge",), "if (s > -PD_INF) w = exp2f(s - mx);",
+                           "if (s > -PD_INF) w = 1.f;"))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
 def test_merge_reading_the_wrong_row_fails():
     # the batched row reads: lane u's row taken for all UNROLL rows of a batch
-    bad = CudaMutant("merge", lambda s: s.replace(
-        "const long long ru = __shfl_sync(0xffffffffu, src, j + u);",
-        "const long long ru = __shfl_sync(0xffffffffu, src, j);"))
+    bad = backend(Mutation("cuda", ("merge",),
+                           "const long long ru = __shfl_sync(0xffffffffu, src, j + u);",
+                           "const long long ru = __shfl_sync(0xffffffffu, src, j);"))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
 def test_merge_with_a_lane_local_denominator_fails():
-    bad = CudaMutant("merge", lambda s: s.replace("  den = pd::group_sum<32>(den);\n", ""))
+    bad = backend(Mutation("cuda", ("merge",), "  den = pd::group_sum<32>(den);\n", ""))
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
 def test_reference_mutant_control_passes():
     # the harness itself: an identity "mutation" must pass
-    ok = CudaMutant("v2", lambda s: s + "\n// unchanged\n")
+    ok = backend(control("cuda", ["v2"]))
     assert mutant_fails(ok, SPEC_NEG, ppc=1) == ""
 
 

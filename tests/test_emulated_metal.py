@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import MetalMutant, mutant_fails
+from conftest import mutant_fails
+from mutants import Mutation, backend, control
 
 import paged_decode as pd
 from paged_decode.backends import availability, launches
@@ -143,22 +144,22 @@ SPEC_NEG = ProblemSpec(3, 60, 8, 2, 64, 16, seed=30)
 
 
 def test_metal_off_by_one_page_index_fails():
-    bad = MetalMutant("v2", lambda s: s.replace("page_ids[a / PAGE_SIZE]",
-                                            "page_ids[a / PAGE_SIZE + 1]"))
+    bad = backend(Mutation("metal", ("v2",), "page_ids[a / PAGE_SIZE]",
+                           "page_ids[a / PAGE_SIZE + 1]"))
     assert "out-of-bounds read of buffer 'indices'" in mutant_fails(bad, SPEC_NEG)
 
 
 def test_metal_removed_threadgroup_barrier_fails():
-    bad = MetalMutant("v2", lambda s: s.replace(
-        "    threadgroup_barrier(mem_flags::mem_threadgroup);\n", "", 1))
+    bad = backend(Mutation("metal", ("v2",),
+                           "    threadgroup_barrier(mem_flags::mem_threadgroup);\n", ""))
     why = mutant_fails(bad, SPEC_NEG)
     assert "differs between the forward and the reverse fiber schedule" in why, why
 
 
 def test_metal_removed_round_barrier_fails():
     """The barrier between combine rounds (head_dim 256, 8 heads per threadgroup)."""
-    bad = MetalMutant("v2", lambda s: s.replace(
-        "    if (g0 > 0) threadgroup_barrier(mem_flags::mem_threadgroup);", "", 1))
+    bad = backend(Mutation("metal", ("v2",),
+                           "    if (g0 > 0) threadgroup_barrier(mem_flags::mem_threadgroup);", ""))
     why = mutant_fails(bad, ProblemSpec(1, 40, 8, 1, 256, 16, seed=33))
     assert "differs between the forward and the reverse fiber schedule" in why, why
 
@@ -188,17 +189,17 @@ REDUCTION_MUTANTS = [
 @pytest.mark.parametrize("spec,old,new", [m[1:] for m in REDUCTION_MUTANTS],
                          ids=[m[0] for m in REDUCTION_MUTANTS])
 def test_metal_reduction_mutants_fail(spec, old, new):
-    bad = MetalMutant("v2", lambda s: s.replace(old, new))
+    bad = backend(Mutation("metal", ("v2",), old, new))
     assert mutant_fails(bad, spec, ppc=8)
 
 
 def test_metal_reduction_identity_passes():
-    ok = MetalMutant("v2", lambda s: s + "\n// unchanged\n")
+    ok = backend(control("metal", ["v2"]))
     assert mutant_fails(ok, SPEC_RED, ppc=8) == ""
 
 
 def test_metal_identity_mutant_passes():
-    ok = MetalMutant("v2", lambda s: s + "\n// unchanged\n")
+    ok = backend(control("metal", ["v2"]))
     assert mutant_fails(ok, SPEC_NEG, ppc=1) == ""
 
 

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle
+from conftest import LSE_ATOL, assert_matches_oracle, f32_accumulation_tol
+from test_merge import ref_merge, run_merge_kernel
 
 import paged_decode as pd
 from paged_decode.backends import availability
 from paged_decode.backends.reference import combine_f32
+from paged_decode.plan import MAX_HEADS_PER_CTA
 from paged_decode.problems import ProblemSpec, make_problem
-from paged_decode.reference import oracle_decode
+from paged_decode.reference import lse_error, max_rel_error, oracle_decode
+from paged_decode.specs import SUPPORTED_HEAD_DIMS
 
 EMULATED = [pytest.param(name, marks=pytest.mark.skipif(
     not availability(name).ok, reason=f"emulator unavailable: {availability(name).reason}"))
@@ -52,6 +55,11 @@ CASES = [
     ("d64-g7-ps16-f16", ProblemSpec(2, 50, 7, 1, 64, 16, seed=35), [("v2", 1)]),
     # head_dim 256 at 8 heads per threadgroup: the combine runs in 8 rounds (32 KB limit)
     ("d256-g8-ps16-f16", ProblemSpec(1, 40, 8, 1, 256, 16, seed=32), [("v2", 1), ("v1", None)]),
+    # GQA 16 and 12: two CTAs (q-groups) of 8 / 6 heads per KV head
+    ("d64-g16-ps16-f16", ProblemSpec(2, 90, 32, 2, 64, 16, seed=36),
+     [("v2", None), ("v2", 2), ("v1", None)]),
+    ("d128-g12-ps16-bf16", ProblemSpec(2, 70, 12, 1, 128, 16, "bfloat16", "bfloat16", seed=37),
+     [("v2", 1)]),
 ]
 
 
@@ -74,6 +82,52 @@ def test_kernels_match_oracle(emu, spec, paths):
     _run(emu, spec, paths)
 
 
+# Every K/V dtype x head_dim x query heads per CTA the kernels take, on one chunk of 150
+# tokens from a mid-page start: each sub-warp (lane group) takes several tokens per step
+# over several steps, so lane strides, vector loads, reduction widths and the broadcast
+# of per-token weights all show. QH 3, 5, 6, 7 run the per-head butterfly, the powers of
+# two the head transposition (both at 8, 16 and 32 lanes per row). The partial writes the
+# float32 output itself (no merge).
+LANE_CASES = [(dt, d, qh) for dt in ("float16", "bfloat16", "float32")
+              for d in SUPPORTED_HEAD_DIMS for qh in range(1, MAX_HEADS_PER_CTA + 1)]
+LANE_TOKENS = 150
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim,qh", LANE_CASES,
+                         ids=[f"{dt}-d{d}-qh{qh}" for dt, d, qh in LANE_CASES])
+def test_every_lane_geometry(emu, kv_dtype, head_dim, qh):
+    spec = ProblemSpec(1, LANE_TOKENS, qh, 1, head_dim, 16, kv_dtype, kv_dtype,
+                       seed=head_dim * 10 + qh)
+    pr = make_problem(spec, lengths=[LANE_TOKENS], offsets=[5])
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    plan = pd.plan_decode(pr.table, qh, 1, head_dim, device=emu.device_info(),
+                          pages_per_chunk=int(pr.table.pages_per_request.max()))
+    assert plan.heads_per_cta == qh and not plan.needs_merge
+    out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2",
+                         return_lse=True, out_dtype="float32", backend=emu)
+    assert_matches_oracle(out, lse, ref, ref_lse, "float32", f"{emu.name} {spec.label}")
+
+
+# Accumulation precision: 16K tokens and more of 16-bit K/V on the float32-output path,
+# held to a float32-accumulation bound, not the K/V dtype's: an output accumulated in
+# the K/V type stays within the float16 / bfloat16 output tolerances at this length.
+LONG_TOKENS = 16384 + 37
+
+
+@pytest.mark.parametrize("path", ["v2", "v1"])
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_long_context_accumulates_in_float32(emu, kv_dtype, path):
+    spec = ProblemSpec(1, LONG_TOKENS, 4, 1, 64, 16, kv_dtype, kv_dtype, seed=40)
+    pr = make_problem(spec, lengths=[LONG_TOKENS], offsets=[3])
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path=path, return_lse=True,
+                         out_dtype="float32", backend=emu)
+    assert pd.last_outcome().path == ("v2+merge" if path == "v2" else "v1")
+    err, tol = max_rel_error(out, ref), f32_accumulation_tol(LONG_TOKENS)
+    assert err <= tol, f"{emu.name} {kv_dtype} {path}: max-rel {err:.2e} > {tol:.2e}"
+    assert lse_error(lse, ref_lse) <= LSE_ATOL
+
+
 def test_output_in_query_dtype_without_merge(emu):
     spec = ProblemSpec(2, 60, 8, 2, 128, 16, seed=27)
     pr = make_problem(spec)
@@ -93,6 +147,13 @@ def test_empty_requests_give_zeros_and_neg_inf(emu):
         out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path=path,
                              return_lse=True, backend=emu)
         assert (out == 0).all() and np.isneginf(lse).all(), path
+
+
+def test_one_page_requests(emu):
+    # one token; a full page; a page entered mid-way; one beside a longer request
+    spec = ProblemSpec(4, 40, 8, 2, 64, 16, seed=38)
+    _run(emu, spec, [("v2", None), ("v2", 1), ("v1", None)], lengths=[1, 16, 9, 40],
+         offsets=[0, 0, 5, 2])
 
 
 def test_merge_kernel_against_combine(emu):
@@ -117,3 +178,37 @@ def test_merge_kernel_against_combine(emu):
     assert np.isnan(out[5, 0]).all() and np.isnan(lse_out[5, 0])
     assert np.isfinite(out[[0, 2]]).all() and np.isfinite(lse_out[[0, 2]]).all()
     assert np.isfinite(out[3, 0]).all() and np.isfinite(out[5, 1:]).all()
+
+
+def test_merge_large_groups_wide_lse_range(emu):
+    """Groups of 12, 33, 65 and 100 partials (the CUDA kernel takes 32 rows per pass and
+    reads 4 at a time) with LSEs spread over ~400 log2 units: +-80 inside a group around
+    group levels +-120 apart. A running max taken from the wrong rows, or left lane-local,
+    is then off by more than exp2's range and overflows (or underflows every weight)."""
+    _merge_case(emu, gather=False)
+
+
+@pytest.mark.skipif(not availability("emulated-cuda").ok, reason="emulator unavailable")
+def test_gathering_merge_large_groups_wide_lse_range():
+    """The same partials stored permuted, merged through the row index (CUDA only): the
+    rows a group's max is taken from are not its neighbours in storage."""
+    _merge_case(pd.get_backend("emulated-cuda"), gather=True)
+
+
+def _merge_case(emu, gather):
+    rng = np.random.default_rng(51)
+    sizes = [33, 1, 0, 65, 12, 100, 2]
+    levels = [120.0, -40.0, 0.0, -120.0, 60.0, 0.0, -90.0]
+    indptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    n, h, d = int(indptr[-1]), 2, 64
+    v = rng.standard_normal((n, h, d)).astype(np.float32)
+    lse = np.concatenate([lv + rng.uniform(-80, 80, (sz, h)) for sz, lv in zip(sizes, levels)])
+    lse = lse.astype(np.float32)
+    lse[rng.random((n, h)) < 0.1] = -np.inf                  # empty chunks
+    lse[indptr[4]:indptr[5], 1] = -np.inf                    # a group empty for one head
+    ref_v, ref_lse = ref_merge(v, lse, indptr)
+    v_out, lse_out = run_merge_kernel(emu, v, lse, indptr, rng, gather)
+    np.testing.assert_allclose(v_out, ref_v, rtol=0, atol=5e-6)
+    assert np.array_equal(np.isneginf(lse_out), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse_out[fin], ref_lse[fin], rtol=1e-6, atol=1e-5)

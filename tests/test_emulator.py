@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from paged_decode.kernels.common import CUDA_COMMON
 
 from paged_decode import emulator
 from paged_decode.emulator import (
     Buffer,
     CompileError,
     DivergenceError,
+    EmulatorError,
     OutOfBoundsError,
     RaceError,
     launch,
+)
+from paged_decode.emulator.launch import (
+    DEFAULT_SCHEDULES,
+    LEGACY_SCHEDULES,
+    SCHEDULES,
+    default_schedules,
 )
 
 pytestmark = pytest.mark.skipif(not emulator.available()[0],
@@ -113,6 +121,49 @@ __global__ void split_shuffles(float* __restrict__ y) {
   y[threadIdx.x] = v;
 }
 
+// Prefetching one tile ahead into a double buffer: the refill of buffer (i + 1) & 1 needs
+// a barrier after the reads of iteration i - 1 (SYNC). The shuffles keep a warp's lanes
+// in step, as an mma loop does, so forward and reverse order cannot see the race.
+template <bool SYNC>
+__global__ void ring(const float* __restrict__ x, float* __restrict__ y, int n_tiles) {
+  __shared__ float buf[2][64];
+  const int t = threadIdx.x;
+  float acc = 0.f;
+  buf[0][t] = x[t];
+  for (int i = 0; i < n_tiles; ++i) {
+    if (i + 1 < n_tiles) buf[(i + 1) & 1][t] = x[(i + 1) * 64 + t];
+    __syncthreads();                                   // tile i is complete
+    const int src = __shfl_xor_sync(0xffffffffu, 63 - t, 0);
+    acc += buf[i & 1][src] * (float)(i + 1);           // another warp's element
+    acc += __shfl_xor_sync(0xffffffffu, 0.f, 1);
+    if (SYNC) __syncthreads();                         // buffer i & 1 is refilled next
+  }
+  y[t] = acc;
+}
+
+// Two cp.async groups per thread; WAIT groups may still be in flight at the first read.
+template <int WAIT>
+__global__ void staged(const float* __restrict__ x, float* __restrict__ y) {
+  __shared__ __align__(16) float s[2][128];
+  const int t = threadIdx.x;
+  pd::cp_async16(&s[0][4 * t], x + 4 * t, true);
+  pd::cp_async_commit();
+  pd::cp_async16(&s[1][4 * t], x + 128 + 4 * t, t % 2 == 0);   // odd lanes: zero-fill
+  pd::cp_async_commit();
+  pd::cp_async_wait<WAIT>();
+  y[t] = s[0][4 * t + 1];
+  pd::cp_async_wait<0>();
+  y[32 + t] = s[1][4 * t + 2];
+}
+
+// The order in which threads pass one point (non-atomic: fibers never interleave).
+__global__ void tickets(int* __restrict__ out) {
+  __shared__ int next[1];
+  if (threadIdx.x == 0) next[0] = 0;
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = next[0]++;
+}
+
 __global__ void grid_ids(int* __restrict__ out) {
   const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   const int t = threadIdx.x + blockDim.x * threadIdx.y;
@@ -122,7 +173,9 @@ __global__ void grid_ids(int* __restrict__ out) {
 
 # a non-atomic increment is correct here: fibers never interleave inside a segment
 PRELUDE = "template <typename T> __device__ void atomicAddEmu(T* p, T v) { *p += v; }\n"
-SOURCE = SRC.replace("#include <cuda_bf16.h>\n", "#include <cuda_bf16.h>\n" + PRELUDE)
+SOURCE = CUDA_COMMON + SRC.replace("#include <cuda_bf16.h>\n",
+                                   "#include <cuda_bf16.h>\n" + PRELUDE)
+LEGACY = {"schedules": LEGACY_SCHEDULES, "cp_async": "sync"}   # the emulator before #18
 
 
 def run(name, grid, block, args, smem=0, **kw):
@@ -242,3 +295,76 @@ def test_compile_error_carries_compiler_output():
     with pytest.raises(CompileError, match="no_such_identifier"):
         launch("__global__ void bad(float* y) { y[0] = no_such_identifier; }", "bad", 1, 32,
                [Buffer("y", np.zeros(1, np.float32), True)])
+
+
+# ---------------------------------------------------------------------------- schedules
+def _ring(sync, **kw):
+    x = np.random.default_rng(2).standard_normal(5 * 64).astype(np.float32)
+    y = np.full(64, np.nan, np.float32)
+    run(f"ring<{'true' if sync else 'false'}>", 1, 64,
+        [Buffer("x", x), Buffer("y", y, True), np.int32(5)], **kw)
+    want = sum(x.reshape(5, 64)[i, ::-1].astype(np.float64) * (i + 1) for i in range(5))
+    return y, want
+
+
+def test_runahead_catches_a_refill_without_barrier_that_lockstep_orders_miss():
+    y, want = _ring(True)                          # correct: every schedule agrees
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+    y, want = _ring(False, **LEGACY)               # forward and reverse keep warps in step
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+    for name in ("forward", "reverse", "random"):
+        _ring(False, schedules=("forward", name))
+    with pytest.raises(RaceError, match=r"ring<false>.*'y' differs between the forward and "
+                                        r"the runahead fiber schedule"):
+        _ring(False)
+
+
+def _staged(wait, **kw):
+    x = np.arange(256, dtype=np.float32)
+    y = np.full(64, -1.0, np.float32)
+    run(f"staged<{wait}>", 1, 32, [Buffer("x", x), Buffer("y", y, True)], **kw)
+    return y, x
+
+
+def test_deferred_cp_async_lands_at_the_matching_wait():
+    y, x = _staged(1)                              # group 0 landed at wait_group 1
+    np.testing.assert_array_equal(y[:32], x[1:128:4])
+    np.testing.assert_array_equal(y[32:], np.where(np.arange(32) % 2 == 0, x[130::4], 0))
+    y, x = _staged(2, **LEGACY)                    # synchronous copies hide the early read
+    np.testing.assert_array_equal(y[:32], x[1:128:4])
+    y, _ = _staged(2, check_races=False)           # in flight: the destination is poison
+    assert np.isnan(y[:32]).all() and not np.isnan(y[32:]).any()
+
+
+def test_schedule_orders():
+    def order(name, blocks=1):
+        out = np.full(64 * blocks, -1, np.int32)
+        run("tickets", blocks, 64, [Buffer("out", out, True)], schedules=(name,))
+        return out.reshape(blocks, 64)
+    np.testing.assert_array_equal(order("forward")[0], np.arange(64))
+    np.testing.assert_array_equal(order("reverse")[0], np.arange(64)[::-1])
+    r3 = order("random:3")[0]
+    assert sorted(r3) == list(range(64)) and (r3 != np.arange(64)).any()
+    np.testing.assert_array_equal(order("random:3")[0], r3)          # seeded
+    assert (order("random:4")[0] != r3).any()
+    ra = order("runahead", blocks=2)               # one warp takes tickets 0..31 first
+    leaders = [int(np.argmin(blk.reshape(2, 32).max(axis=1))) for blk in ra]
+    for blk, lead in zip(ra, leaders):
+        np.testing.assert_array_equal(blk.reshape(2, 32)[lead], np.arange(32))
+    assert leaders[0] != leaders[1]                # the leader differs between blocks
+    with pytest.raises(RaceError):                 # the default runs every schedule
+        run("tickets", 1, 64, [Buffer("out", np.zeros(64, np.int32), True)])
+    assert set(DEFAULT_SCHEDULES) == set(SCHEDULES)
+
+
+def test_bad_schedule_names_are_refused(monkeypatch):
+    args = [Buffer("out", np.zeros(64, np.int32), True)]
+    with pytest.raises(EmulatorError, match="unknown schedule 'sideways'"):
+        run("tickets", 1, 64, args, schedules=("sideways",))
+    with pytest.raises(EmulatorError, match="seed must be an integer"):
+        run("tickets", 1, 64, args, schedules=("random:x",))
+    monkeypatch.setenv("PAGED_DECODE_EMULATOR_SCHEDULES", "forward, runahead:2")
+    assert default_schedules() == ("forward", "runahead:2")
+    monkeypatch.setenv("PAGED_DECODE_EMULATOR_CP_ASYNC", "eventually")
+    with pytest.raises(EmulatorError, match="CP_ASYNC must be one of"):
+        run("tickets", 1, 64, args, schedules=("forward",))

@@ -276,19 +276,25 @@ def test_merge_kernel_large_groups_nan_rows_and_gather(gather):
     lse[indptr[6] + 3, 1] = np.inf             # one +inf in the group of 31
     ref_v, ref_lse = ref_merge(np.where(empty[..., None], 0, v), lse, indptr)
     assert np.isnan(ref_lse).any() and np.isfinite(ref_lse).any()   # both kinds of group
-    rows = None
-    if gather:                              # store the states permuted, merge through rows
-        perm = rng.permutation(n).astype(np.int32)
+    v_out, lse_out = run_merge_kernel(be, v, lse, indptr, rng, gather)
+    assert_close_to_ref(v_out, lse_out, ref_v, ref_lse, tol=5e-6)
+
+
+def run_merge_kernel(be, v, lse, indptr, rng, gather):
+    """``be.merge`` of states ``v [n, H, D]`` / ``lse [n, H]`` (float32, log2) over
+    ``indptr`` into NaN-poisoned float32 outputs ``[M, H, D]`` / ``[M, H]``; with ``gather``
+    the states are stored permuted and merged through the row index."""
+    m, h, d = len(indptr) - 1, v.shape[1], v.shape[2]
+    kw = {}
+    if gather:
+        perm = rng.permutation(v.shape[0]).astype(np.int32)
         stored_v, stored_l = np.empty_like(v), np.empty_like(lse)
         stored_v[perm], stored_l[perm] = v, lse
-        v, lse, rows = stored_v, stored_l, perm
-    v_out = np.full((len(sizes), h, d), np.nan, np.float32)
-    lse_out = np.full((len(sizes), h), np.nan, np.float32)
-    if rows is None:
-        be.merge(v, lse, indptr, v_out, lse_out)
-    else:
-        be.merge(v, lse, indptr, v_out, lse_out, rows=rows)
-    assert_close_to_ref(v_out, lse_out, ref_v, ref_lse, tol=5e-6)
+        v, lse, kw = stored_v, stored_l, {"rows": perm}
+    v_out = np.full((m, h, d), np.nan, np.float32)
+    lse_out = np.full((m, h), np.nan, np.float32)
+    be.merge(v, lse, indptr, v_out, lse_out, **kw)
+    return v_out, lse_out
 
 
 def test_merge_head_dim_the_kernels_cannot_take_is_refused(monkeypatch):

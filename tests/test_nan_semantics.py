@@ -68,8 +68,9 @@ def poisoned_problem(dtype: str):
     r0: NaN in q (head 1: the whole row) and NaN in element 3 of a visible V row (KV head
     1: element 3 of heads 4-7, LSE finite); r1: empty, with an all-NaN query; r2: +inf in
     q (head 4); NaN in a visible K row (KV head 0: heads 0-3); r3: -inf in q (head 6);
-    r4: clean. Every pool entry outside the visible windows already holds NaN
-    (``make_problem``)."""
+    r4: one score of -inf (+inf in a K row of KV head 1 against negative q elements of
+    heads 4-7: a -inf that is not a masked token). Every pool entry outside the visible
+    windows already holds NaN (``make_problem``)."""
     pr = make_problem(ProblemSpec(len(LENGTHS), 64, HQ, HKV, D, P, dtype, dtype, seed=3),
                       lengths=LENGTHS, offsets=[5, 0, 0, 9, 15])
     q, k, v, t = pr.q, pr.k_pages, pr.v_pages, pr.table
@@ -84,6 +85,11 @@ def poisoned_problem(dtype: str):
     nan_lse[2, 0:4] = True
     q[3, 6, 63] = -np.inf
     nan_lse[3, 6] = True
+    # a single -inf score (+inf in K against negative q elements) is not a masked token
+    q[4, G:2 * G, 20] = -1.0
+    page, e = _visible_entry(t, 4, 7)
+    k[page, e, 1, 20] = np.inf
+    nan_lse[4, G:2 * G] = True
     nan_out = np.repeat(nan_lse[..., None], D, axis=-1)
     page, e = _visible_entry(t, 0, 50)
     v[page, e, 1, 3] = np.nan

@@ -10,7 +10,8 @@ import math
 
 import numpy as np
 import pytest
-from conftest import PREFIX_RTOL, CudaMutant
+from conftest import PREFIX_RTOL
+from mutants import Mutation, backend, control, mutant
 
 import paged_decode as pd
 from paged_decode import InvalidArgumentError, PageTable
@@ -18,6 +19,7 @@ from paged_decode.backends import availability
 from paged_decode.cascade import plan_cascade
 from paged_decode.device import DeviceInfo
 from paged_decode.dtypes import numpy_dtype
+from paged_decode.emulator.launch import LEGACY_SCHEDULES
 from paged_decode.plan import plan_decode
 from paged_decode.reference import attention_f64, lse_error, max_rel_error
 
@@ -96,8 +98,9 @@ def test_prefix_kernel_matches_oracle(emu, dtype, head_dim):
 @needs_emulator
 @pytest.mark.parametrize("members,group,hkv", [(24, 3, 1), (1, 1, 2), (70, 1, 1)])
 def test_prefix_kernel_row_tiles(emu, members, group, hkv):
-    # 72 and 70 stacked rows: two row tiles, the second partial; one row: 63 rows padded
-    prefix_case(emu, np, members=members, group=group, hkv=hkv, shared_pages=4, ppc=3,
+    # 72 and 70 stacked rows: two row tiles, the second partial; one row: 63 rows padded;
+    # three chunks (not two, as many as row tiles: a swapped grid mapping would pass)
+    prefix_case(emu, np, members=members, group=group, hkv=hkv, shared_pages=6, ppc=2,
                 extra_requests=1, seed=members)
 
 
@@ -108,13 +111,36 @@ def test_prefix_kernel_page_sizes(emu, page_size):
                 ppc=max(1, 40 // page_size), seed=page_size)
 
 
+@needs_emulator
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_prefix_kernel_long_chunk_every_schedule(emu, head_dim):
+    # chunks of 13 pages of 16: 208 tokens, 4 tiles of 64 (7 of 32 at head_dim 256), so
+    # each K/V buffer is refilled after it was read: the barrier before the refill and the
+    # cp.async waits matter; every schedule (one warp a tile ahead included), copies
+    # in flight until their wait
+    prefix_case(emu, np, head_dim=head_dim, shared_pages=26, ppc=13, seed=head_dim + 1)
+
+
 # ---------------------------------------------------------------------------- controls
 def _fails(be, **kw) -> bool:
+    from paged_decode.emulator import KernelFault, RaceError
     try:
         out_err, lse_err = prefix_case(be, np, check=False, **kw)
-    except AssertionError:          # unwritten (NaN) rows
+    except (AssertionError, KernelFault, RaceError):   # unwritten (NaN) rows, a race
         return True
     return out_err > 0.1 or lse_err > 1e-3
+
+
+@needs_emulator
+@pytest.mark.parametrize("name", ["prefix-no-barrier-before-refill", "prefix-no-cp-async-wait"])
+def test_barrier_and_wait_mutants_need_the_new_schedules(name):
+    """The emulator before issue #18 (forward and reverse sweeps, synchronous cp.async)
+    passes both; one warp running ahead, and copies in flight until their wait, fail
+    them."""
+    mutation = mutant(name).mutation
+    legacy = backend(mutation, schedules=LEGACY_SCHEDULES, cp_async="sync")
+    assert not _fails(legacy, shared_pages=26, ppc=13)
+    assert _fails(backend(mutation), shared_pages=26, ppc=13)
 
 
 @needs_emulator
@@ -141,14 +167,14 @@ def _fails(be, **kw) -> bool:
 ])
 def test_prefix_kernel_mutants_fail(old, new):
     # chunks of 13 pages of 16: 208 tokens = three full tiles of 64 and a partial one
-    assert _fails(CudaMutant("prefix", lambda s: s.replace(old, new), check_races=False),
+    assert _fails(backend(Mutation("cuda", ("prefix",), old, new), check_races=False),
                   shared_pages=26, ppc=13)
 
 
 @needs_emulator
 def test_prefix_kernel_unmutated_control_passes():
-    assert not _fails(CudaMutant("prefix", lambda s: s + "\n// unchanged\n",
-                                 check_races=False), shared_pages=26, ppc=13)
+    assert not _fails(backend(control("cuda", ["prefix"]), check_races=False),
+                      shared_pages=26, ppc=13)
 
 
 # ---------------------------------------------------------------------------- cascade

@@ -33,16 +33,24 @@ from .reference import ReferenceBackend
 if TYPE_CHECKING:
     from .metal_launches import MetalKernel
 
-RACES_ENV = "PAGED_DECODE_EMULATOR_RACES"   # "0" skips the second (reverse) schedule
+RACES_ENV = "PAGED_DECODE_EMULATOR_RACES"   # "0" runs the first schedule only
 
 
 class EmulatedCudaBackend(ReferenceBackend):
+    """``schedules`` (fiber schedule names, ``emulator.launch.SCHEDULES``) and ``cp_async``
+    (``"deferred"`` / ``"sync"``) default to the emulator's environment settings;
+    ``check_races`` to ``$PAGED_DECODE_EMULATOR_RACES`` (``"0"``: the first schedule
+    only)."""
+
     name = "emulated-cuda"
     merge_gathers = True
 
-    def __init__(self, *, check_races: bool | None = None) -> None:
+    def __init__(self, *, check_races: bool | None = None,
+                 schedules: tuple[str, ...] | None = None, cp_async: str | None = None
+                 ) -> None:
         self.check_races = (os.environ.get(RACES_ENV, "1") not in ("", "0")
                             if check_races is None else check_races)
+        self.schedules, self.cp_async = schedules, cp_async
 
     @classmethod
     def available(cls) -> Support:
@@ -58,8 +66,11 @@ class EmulatedCudaBackend(ReferenceBackend):
 
     def describe(self) -> dict[str, Any]:
         from ..emulator import cache_dir
+        from ..emulator.launch import default_cp_async, default_schedules
         return {"backend": self.name, "numpy": np.__version__, "device": "CPU (emulated CUDA)",
-                "cache": str(cache_dir()), "race_check": self.check_races}
+                "cache": str(cache_dir()), "race_check": self.check_races,
+                "schedules": list(self.schedules or default_schedules()),
+                "cp_async": self.cp_async or default_cp_async()}
 
     def supports(self, problem: Problem) -> Support:
         return launches.support(problem)
@@ -84,7 +95,8 @@ class EmulatedCudaBackend(ReferenceBackend):
                     for a in lc.args]
             launch(self.kernel_source(lc.spec), lc.spec.cuda_name_expression(),
                    (lc.grid[0], lc.grid[1], 1), lc.block, args, lc.smem,
-                   check_races=self.check_races)
+                   check_races=self.check_races, schedules=self.schedules,
+                   cp_async=self.cp_async)
 
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
                 sm_scale: float, v_out: Any, lse_out: Any) -> None:
@@ -216,7 +228,8 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
             ins = [np.asarray(x) if np.ndim(x) == 0 else _host(x) for x in call.inputs]
             launch_metal(call.name, mk.inputs, mk.outputs, mk.source, mk.header, ins, tmp,
                          call.grid, call.threadgroup, call.template,
-                         output_dtypes=call.output_dtypes, check_races=self.check_races)
+                         output_dtypes=call.output_dtypes, check_races=self.check_races,
+                         schedules=self.schedules)
 
 
 __all__ = ["EmulatedCudaBackend", "EmulatedMetalBackend"]

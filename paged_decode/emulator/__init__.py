@@ -3,8 +3,9 @@ bodies on the CPU with GPU semantics (``metal.py`` for the Metal dialect).
 
 Every thread of a block is a cooperative fiber (a hand-written x86_64 context switch);
 warps of 32 lanes meet in shuffles, blocks in ``__syncthreads``; buffers sit between
-guard pages; each launch runs under two fiber schedules whose outputs must agree. See
-docs/emulator.md for what is and is not modeled.
+guard pages; each launch runs under several fiber schedules (forward, reverse, random,
+one warp running ahead) whose outputs must agree, with ``cp.async`` copies in flight until
+their wait. See docs/emulator.md for what is and is not modeled.
 """
 
 from __future__ import annotations

@@ -119,6 +119,8 @@ inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_s
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 // ------------------------------------------------------------------ memory
+// kernels/common.py's cp.async helpers call the runtime's (deferred) copies under this
+#define PD_EMU_CP_ASYNC 1
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
 inline std::size_t __cvta_generic_to_shared(const void* p) { return (std::size_t)p; }

@@ -28,5 +28,6 @@ class DivergenceError(KernelFault):
 
 
 class RaceError(EmulatorError):
-    """The forward and the reverse fiber schedules produced different outputs: the kernel
-    communicates through shared memory without a barrier in between."""
+    """Two fiber schedules produced different outputs: the kernel communicates through
+    shared memory without a barrier in between, or reads a ``cp.async`` destination
+    before the wait that lands it."""

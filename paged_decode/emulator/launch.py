@@ -1,16 +1,24 @@
-"""Run a kernel launch on the CPU: guarded buffers, two fiber schedules, results back.
+"""Run a kernel launch on the CPU: guarded buffers, several fiber schedules, results back.
 
 Every buffer argument is copied into its own mapping between guard regions (PROT_NONE),
 so an access past either end faults; the runtime's SIGSEGV handler turns the fault into a
-report naming the kernel, block, thread, buffer and element. The launch runs twice:
+report naming the kernel, block, thread, buffer and element. The launch runs once per
+schedule (``SCHEDULES``; all four by default), each from the same input bytes:
 
-1. lanes in forward order between synchronization points, each buffer *ending* at its
-   upper guard (an overrun faults on its first byte);
-2. lanes in reverse order, each buffer *starting* at its lower guard (underruns fault).
+- ``forward``: fibers in thread order between synchronization points, each buffer
+  *ending* at its upper guard (an overrun faults on its first byte);
+- ``reverse``: fibers in reverse order, each buffer *starting* at its lower guard
+  (underruns fault);
+- ``random``: a fresh seeded permutation of the fibers at every sweep (``random:SEED``);
+- ``runahead``: one warp runs alone until it waits at a block barrier (or exits) before
+  the others move; the leader changes at every barrier and differs between blocks
+  (``runahead:SEED`` shifts it). Warps drift a whole barrier interval apart.
 
-Both runs start from the same input bytes; any difference in any buffer afterwards means
-the result depends on the schedule (a race through shared memory: a missing barrier), and
-raises ``RaceError``. The first run's buffers are copied back into the output arrays.
+``cp.async`` copies are deferred (``cp_async="deferred"``): each lands at the wait that
+completes its group, its destination poisoned until then; ``"sync"`` lands them at the
+issue. Any difference between the runs' buffers means the result depends on the
+schedule (a race through shared memory: a missing barrier or wait) and raises
+``RaceError``. The first run's buffers are copied back into the output arrays.
 """
 
 from __future__ import annotations
@@ -28,7 +36,17 @@ from .errors import DivergenceError, EmulatorError, KernelFault, OutOfBoundsErro
 from .rewrite import wrap_cuda
 
 THREADS_ENV = "PAGED_DECODE_EMULATOR_THREADS"
+SCHEDULES_ENV = "PAGED_DECODE_EMULATOR_SCHEDULES"   # comma-separated schedule names
+CP_ASYNC_ENV = "PAGED_DECODE_EMULATOR_CP_ASYNC"     # "deferred" or "sync"
 GUARD_BYTES = 4 << 20     # per side; PROT_NONE, costs address space only
+#: schedule name -> (runtime enum, buffers end at their upper guard)
+SCHEDULES = {"forward": (0, True), "reverse": (1, False), "random": (2, True),
+             "runahead": (3, False)}
+DEFAULT_SCHEDULES = ("forward", "reverse", "random", "runahead")
+#: the emulator before schedules and deferred copies: what ``LEGACY`` reproduces
+LEGACY_SCHEDULES = ("forward", "reverse")
+CP_ASYNC_MODES = ("deferred", "sync")
+DEFAULT_SEED = 1
 
 
 @dataclass
@@ -51,7 +69,8 @@ class _BufferDesc(ctypes.Structure):
 class _LaunchDesc(ctypes.Structure):
     _fields_ = [("kernel", ctypes.c_char_p), ("grid", ctypes.c_uint * 3),
                 ("block", ctypes.c_uint * 3), ("dyn_smem", ctypes.c_uint64),
-                ("reverse", ctypes.c_int), ("threads", ctypes.c_int),
+                ("schedule", ctypes.c_int), ("cp_async_deferred", ctypes.c_int),
+                ("seed", ctypes.c_uint64), ("threads", ctypes.c_int),
                 ("nbuffers", ctypes.c_int), ("buffers", ctypes.POINTER(_BufferDesc))]
 
 
@@ -63,6 +82,37 @@ _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_ui
 def default_threads() -> int:
     env = os.environ.get(THREADS_ENV)
     return max(1, int(env)) if env else max(1, min(2, os.cpu_count() or 1))
+
+
+def parse_schedule(name: str) -> tuple[str, int]:
+    """``"random:7"`` -> ``("random", 7)``; a bare name takes ``DEFAULT_SEED``."""
+    base, _, seed = name.strip().partition(":")
+    if base not in SCHEDULES:
+        raise EmulatorError(f"emulator: unknown schedule {name!r} (one of "
+                            f"{', '.join(SCHEDULES)}, optionally ':SEED')")
+    try:
+        return base, int(seed) if seed else DEFAULT_SEED
+    except ValueError:
+        raise EmulatorError(f"emulator: schedule {name!r}: the seed must be an integer") \
+            from None
+
+
+def default_schedules() -> tuple[str, ...]:
+    """``$PAGED_DECODE_EMULATOR_SCHEDULES`` (comma-separated), else ``DEFAULT_SCHEDULES``."""
+    env = os.environ.get(SCHEDULES_ENV, "")
+    names = tuple(n.strip() for n in env.split(",") if n.strip())
+    for n in names:
+        parse_schedule(n)
+    return names or DEFAULT_SCHEDULES
+
+
+def default_cp_async() -> str:
+    """``$PAGED_DECODE_EMULATOR_CP_ASYNC``, else ``"deferred"``."""
+    mode = os.environ.get(CP_ASYNC_ENV, "") or "deferred"
+    if mode not in CP_ASYNC_MODES:
+        raise EmulatorError(f"emulator: {CP_ASYNC_ENV} must be one of "
+                            f"{', '.join(CP_ASYNC_MODES)}, got {mode!r}")
+    return mode
 
 
 def _dim3(x: int | Sequence[int]) -> tuple[int, int, int]:
@@ -124,19 +174,25 @@ def _classify(msg: str) -> type[KernelFault]:
 
 def launch(source: str, name_expression: str, grid: int | Sequence[int],
            block: int | Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
-           check_races: bool = True, threads: int | None = None) -> None:
+           check_races: bool = True, threads: int | None = None,
+           schedules: Sequence[str] | None = None, cp_async: str | None = None) -> None:
     """Run ``name_expression`` (a ``__global__`` template instantiation in the CUDA
     ``source``) over ``grid`` x ``block`` with ``shared_mem`` bytes of dynamic shared
     memory. ``args`` in the kernel's parameter order: ``Buffer`` for pointers, numpy
     scalars (``np.int32``, ``np.float32``, ...) of the parameter's exact type for values.
-    Raises ``KernelFault`` subclasses and ``RaceError``; outputs land in their arrays."""
+    ``schedules`` (default ``default_schedules()``) run in order and must agree;
+    ``check_races=False`` runs only the first. ``cp_async``: ``"deferred"`` or ``"sync"``
+    (default ``default_cp_async()``). Raises ``KernelFault`` subclasses and
+    ``RaceError``; outputs land in their arrays."""
     run_wrapped(wrap_cuda(source, name_expression), name_expression, grid, block, args,
-                shared_mem, check_races=check_races, threads=threads)
+                shared_mem, check_races=check_races, threads=threads, schedules=schedules,
+                cp_async=cp_async)
 
 
 def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
                 block: int | Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
-                check_races: bool = True, threads: int | None = None) -> None:
+                check_races: bool = True, threads: int | None = None,
+                schedules: Sequence[str] | None = None, cp_async: str | None = None) -> None:
     """Run a wrapped translation unit (one that defines ``pd_emu_launch``) over ``grid``
     blocks of ``block`` threads; ``kernel`` names it in reports. See ``launch``."""
     name_expression = kernel
@@ -150,9 +206,18 @@ def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
     g, bl = _dim3(grid), _dim3(block)
     if 0 in g:
         return
-    runs = [(0, True)] + ([(1, False)] if check_races else [])
+    names = tuple(schedules) if schedules is not None else default_schedules()
+    if not names:
+        raise EmulatorError("emulator: no schedule to run")
+    names = names if check_races else names[:1]
+    runs = [(n.strip(), *parse_schedule(n)) for n in names]
+    mode = cp_async or default_cp_async()
+    if mode not in CP_ASYNC_MODES:
+        raise EmulatorError(f"emulator: cp_async must be one of {', '.join(CP_ASYNC_MODES)}, "
+                            f"got {mode!r}")
     results: list[list[np.ndarray]] = []
-    for reverse, end_aligned in runs:
+    for label, name, seed in runs:
+        sched, end_aligned = SCHEDULES[name]
         mem = _Guarded(buffers, end_aligned)
         try:
             ptrs: list[Any] = []
@@ -170,26 +235,26 @@ def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
             argv = (ctypes.c_void_p * max(1, len(ptrs)))(
                 *[ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in ptrs])
             desc = _LaunchDesc(name_expression.encode(), (ctypes.c_uint * 3)(*g),
-                               (ctypes.c_uint * 3)(*bl), int(shared_mem), reverse,
-                               threads or default_threads(), len(buffers), mem.descs)
+                               (ctypes.c_uint * 3)(*bl), int(shared_mem), sched,
+                               int(mode == "deferred"), seed, threads or default_threads(),
+                               len(buffers), mem.descs)
             err = ctypes.create_string_buffer(4096)
             rc = fn(ctypes.byref(desc), argv, err, ctypes.c_size_t(len(err)))
             if rc != 0:
                 msg = err.value.decode(errors="replace")
-                sched = "reverse" if reverse else "forward"
-                raise _classify(msg)(f"{msg} [{sched} schedule]")
+                raise _classify(msg)(f"{msg} [{label} schedule]")
             results.append([v.copy() for v in mem.views])
         finally:
             mem.free()
-    if len(results) == 2:
-        _compare(name_expression, buffers, results[0], results[1])
+    for (label, _, _), res in zip(runs[1:], results[1:]):
+        _compare(name_expression, buffers, results[0], res, runs[0][0], label)
     for b, data in zip(buffers, results[0]):
         if b.output:
             b.array.reshape(-1).view(np.uint8)[:] = data
 
 
 def _compare(kernel: str, buffers: list[Buffer], a: list[np.ndarray],
-             b: list[np.ndarray]) -> None:
+             b: list[np.ndarray], a_name: str, b_name: str) -> None:
     for buf, x, y in zip(buffers, a, b):
         if np.array_equal(x, y):
             continue
@@ -198,7 +263,8 @@ def _compare(kernel: str, buffers: list[Buffer], a: list[np.ndarray],
         bad = np.flatnonzero((x.reshape(-1, isz) != y.reshape(-1, isz)).any(axis=1))
         i = int(bad[0])
         raise RaceError(
-            f"{kernel}: buffer '{buf.name}' differs between the forward and the reverse "
+            f"{kernel}: buffer '{buf.name}' differs between the {a_name} and the {b_name} "
             f"fiber schedule at element {i} ({ex[i]!r} vs {ey[i]!r}; {bad.size} elements "
             "differ): the kernel reads shared memory another thread writes without a "
-            "barrier in between (or otherwise depends on thread scheduling)")
+            "barrier in between, or a cp.async destination before its wait (or otherwise "
+            "depends on thread scheduling)")

@@ -295,11 +295,12 @@ def launch_metal(name: str, input_names: Sequence[str], output_names: Sequence[s
                  grid: Sequence[int], threadgroup: Sequence[int],
                  template: Sequence[tuple[str, TemplateValue]] = (), *,
                  output_dtypes: Sequence[str] | None = None, check_races: bool = True,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, schedules: Sequence[str] | None = None) -> None:
     """Run an MLX ``metal_kernel`` call on the emulator. ``inputs``: numpy arrays (a 0-d
     array or numpy scalar is a 0-d input); ``outputs``: C-contiguous numpy arrays the
     kernel writes (like MLX's fresh outputs they start uninitialized: their contents on
-    entry are whatever the caller left). ``grid`` counts threads, as in MLX."""
+    entry are whatever the caller left). ``grid`` counts threads, as in MLX.
+    ``schedules`` / ``check_races``: as in ``launch.launch``."""
     if len(input_names) != len(inputs) or len(output_names) != len(outputs):
         raise EmulatorError("emulator: input/output names and values differ in number")
     if len(outputs) == 0:
@@ -348,7 +349,7 @@ def launch_metal(name: str, input_names: Sequence[str], output_names: Sequence[s
         return
     wrapped = wrap_metal(name, descs, output_names, odt, source, header, template)
     run_wrapped(wrapped, kernel_name(name, descs, odt, template), g, t, args, 0,
-                check_races=check_races, threads=threads)
+                check_races=check_races, threads=threads, schedules=schedules)
 
 
 __all__ = ["ATTRIBUTES", "Dtype", "InputDesc", "groups", "kernel_name", "launch_metal",

@@ -38,6 +38,11 @@ struct bfloat {
     std::memcpy(&f, &u, 4);
     return f;
   }
+  // compound assignment in float, rounded back (Metal's bfloat arithmetic)
+  bfloat& operator+=(float x) { return *this = bfloat(float(*this) + x); }
+  bfloat& operator-=(float x) { return *this = bfloat(float(*this) - x); }
+  bfloat& operator*=(float x) { return *this = bfloat(float(*this) * x); }
+  bfloat& operator/=(float x) { return *this = bfloat(float(*this) / x); }
 };
 typedef half float16_t;
 typedef bfloat bfloat16_t;

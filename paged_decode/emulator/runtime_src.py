@@ -24,6 +24,8 @@ constexpr std::size_t STATIC_SMEM_CAP = 48 * 1024;   // CUDA's static __shared__
 constexpr int WARP = 32;
 
 enum State : int { RUNNABLE = 0, WAIT_COLLECTIVE = 1, WAIT_BARRIER = 2, DONE = 3 };
+// Fiber orders between synchronization points (launch.py names them).
+enum Schedule : int { S_FORWARD = 0, S_REVERSE = 1, S_RANDOM = 2, S_RUNAHEAD = 3 };
 enum Collective : int { C_SHFL_XOR = 1, C_SHFL_IDX = 2, C_SHFL_DOWN = 3, C_SHFL_UP = 4,
                         C_SYNCWARP = 5,
                         // reductions over every lane of the warp (Metal simd_sum & co.),
@@ -69,6 +71,7 @@ struct Block {
   int nthreads;
   int arrived;           // threads waiting at the block barrier
   int exited;
+  unsigned phase;        // block barriers released so far
 };
 
 // Launch description, filled by the Python driver (ctypes mirrors these layouts).
@@ -87,7 +90,9 @@ struct LaunchDesc {
   unsigned grid[3];
   unsigned block[3];
   std::uint64_t dyn_smem;
-  int reverse;               // run lanes in reverse order between synchronization points
+  int schedule;              // a Schedule
+  int cp_async_deferred;     // cp.async lands at its wait (1) or at once (0)
+  std::uint64_t seed;        // S_RANDOM's permutations; shifts S_RUNAHEAD's leaders
   int threads;               // OS threads
   int nbuffers;
   const BufferDesc* buffers;
@@ -104,6 +109,13 @@ inline Fiber* self() {
 // Out of line, in the runtime library.
 void collective_arrive(Fiber* f);
 void barrier_arrive(Fiber* f);
+// cp.async (the host branch of kernels/common.py): a 16-byte copy (zeros when !pred), the
+// commit of the copies issued since the last one as a group, and wait_group n (every
+// group but the newest n has landed). Deferred, a copy reads its source at the issue,
+// its destination holds poison (0xff) until a wait lands it, in issue order.
+void cp_async16(void* dst, const void* src, bool pred);
+void cp_async_commit();
+void cp_async_wait(int n);
 [[noreturn]] void fail(const char* fmt, ...);
 int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
                const std::atomic<std::size_t>* static_used, char* err, std::size_t errlen);
@@ -173,6 +185,8 @@ struct DynamicShared {
 RUNTIME_CPP = r"""
 #include "pd_emu_rt.h"
 
+#include <algorithm>
+#include <climits>
 #include <csetjmp>
 #include <csignal>
 #include <cstdarg>
@@ -225,11 +239,24 @@ pd_emu_fiber_entry:
 namespace pd_emu {
 namespace {
 
+// A deferred cp.async: the 16 bytes read at the issue, landed by a later wait.
+struct Pending {
+  unsigned char* dst;
+  unsigned char data[16];
+  unsigned group;        // the commit group it belongs to (== committed: not committed yet)
+};
+struct CpQueue {
+  std::vector<Pending> items;   // in issue order
+  unsigned committed = 0;
+};
+
 struct Worker {
   sigjmp_buf jb;
   Block block{};
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
+  std::vector<CpQueue> cpq;             // per fiber
+  std::vector<int> order;               // the sweep order of the current schedule
   unsigned char* stacks = nullptr;      // aligned pool
   unsigned char* stacks_map = nullptr;
   std::size_t stacks_map_len = 0;
@@ -301,9 +328,21 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
   siglongjmp(w->jb, 1);
 }
 
+// Land the copies of ``q`` whose group is below ``upto``, in issue order.
+void land(CpQueue& q, unsigned upto) {
+  std::size_t keep = 0;
+  for (std::size_t i = 0; i < q.items.size(); ++i) {
+    Pending& p = q.items[i];
+    if (p.group < upto) std::memcpy(p.dst, p.data, sizeof p.data);
+    else q.items[keep++] = p;
+  }
+  q.items.resize(keep);
+}
+
 void fiber_main(Fiber* f) {
   Block* b = f->block;
   b->thunk(b->args);
+  land(t_worker->cpq[f->linear], UINT_MAX);   // the hardware completes what is in flight
   f->state = DONE;
   b->exited++;
   pd_emu_switch(&f->sp, b->sched_sp);
@@ -315,6 +354,8 @@ void setup_worker(Worker* w, const LaunchDesc* d) {
   const std::size_t pg = page_size();
   w->fibers.assign(n, Fiber{});
   w->warps.assign((n + WARP - 1) / WARP, Warp{});
+  w->cpq.assign(n, CpQueue{});
+  w->order.assign(n, 0);
   w->stacks_map_len = (std::size_t)(n + 1) * STACK_SIZE;
   w->stacks_map = (unsigned char*)mmap(nullptr, w->stacks_map_len, PROT_READ | PROT_WRITE,
                                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -334,6 +375,14 @@ void teardown_worker(Worker* w) {
   if (w->stacks_map) munmap(w->stacks_map, w->stacks_map_len);
   if (w->arena) munmap(w->arena, w->arena_len);
   w->stacks_map = w->stacks = w->arena = nullptr;
+}
+
+// splitmix64: the random schedule's permutations, reproducible per (seed, block)
+std::uint64_t splitmix(std::uint64_t& x) {
+  std::uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
 }
 
 void diagnose_deadlock(Worker* w) {
@@ -364,6 +413,7 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
   b.bid = U3{bx, by, bz};
   b.arrived = 0;
   b.exited = 0;
+  b.phase = 0;
   std::memset(w->arena, 0xff, w->dyn_aligned + b.static_used->load());
   const int n = b.nthreads;
   for (int i = 0; i < n; ++i) {
@@ -387,6 +437,8 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
     sp[5] = nullptr;                                   // rbp
     sp[6] = reinterpret_cast<void*>(&pd_emu_fiber_entry);
     f.sp = sp;
+    w->cpq[i].items.clear();
+    w->cpq[i].committed = 0;
   }
   for (std::size_t k = 0; k < w->warps.size(); ++k) {
     Warp& wp = w->warps[k];
@@ -394,16 +446,44 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
     wp.index = (int)k;
     wp.nlanes = n - (int)k * WARP < WARP ? n - (int)k * WARP : WARP;
   }
-  const bool rev = d->reverse != 0;
+  const int sched = d->schedule;
+  const std::uint64_t blin = bx + (std::uint64_t)d->grid[0] * (by + (std::uint64_t)d->grid[1] * bz);
+  std::uint64_t rng = d->seed * 0x2545f4914f6cdd1dull + blin;   // per (seed, block)
+  std::vector<int>& order = w->order;
+  for (int i = 0; i < n; ++i) order[i] = sched == S_REVERSE ? n - 1 - i : i;
+  const std::uint64_t nw = w->warps.size();
+  auto run = [&](Fiber& f) {
+    w->cur = &f;
+    pd_emu_switch(&b.sched_sp, f.sp);
+    w->cur = nullptr;
+  };
   for (;;) {
     bool progressed = false;
-    for (int k = 0; k < n; ++k) {
-      Fiber& f = w->fibers[rev ? n - 1 - k : k];
-      if (f.state != RUNNABLE) continue;
-      w->cur = &f;
-      pd_emu_switch(&b.sched_sp, f.sp);
-      w->cur = nullptr;
-      progressed = true;
+    if (sched == S_RUNAHEAD) {
+      // The leader's lanes run until each waits at a block barrier (or exited); only then
+      // do the others move, until the barrier releases and the next warp leads.
+      const int lead = (int)((b.phase + blin + d->seed) % nw);
+      const int hi = std::min(n, (lead + 1) * WARP);
+      for (int i = lead * WARP; i < hi; ++i)
+        if (w->fibers[i].state == RUNNABLE) { run(w->fibers[i]); progressed = true; }
+      if (!progressed) {
+        const unsigned ph = b.phase;
+        for (int i = 0; i < n; ++i) {
+          if (w->fibers[i].state != RUNNABLE) continue;
+          run(w->fibers[i]);
+          progressed = true;
+          if (b.phase != ph) break;          // released: the next leader goes first
+        }
+      }
+    } else {
+      if (sched == S_RANDOM)
+        for (int i = n - 1; i > 0; --i) std::swap(order[i], order[(int)(splitmix(rng) % (i + 1))]);
+      for (int k = 0; k < n; ++k) {
+        Fiber& f = w->fibers[order[k]];
+        if (f.state != RUNNABLE) continue;
+        run(f);
+        progressed = true;
+      }
     }
     if (b.exited == n) return;
     if (!progressed) diagnose_deadlock(w);
@@ -538,11 +618,41 @@ void barrier_arrive(Fiber* f) {
   Block* b = f->block;
   if (++b->arrived == b->nthreads) {
     b->arrived = 0;
+    b->phase++;
     for (int i = 0; i < b->nthreads; ++i) b->fibers[i].state = RUNNABLE;
   } else {
     f->state = WAIT_BARRIER;
   }
   pd_emu_switch(&f->sp, b->sched_sp);
+}
+
+void cp_async16(void* dst, const void* src, bool pred) {
+  Worker* w = t_worker;
+  Pending p;
+  if (pred) std::memcpy(p.data, src, sizeof p.data);
+  else std::memset(p.data, 0, sizeof p.data);
+  if (!w->launch->cp_async_deferred) {
+    std::memcpy(dst, p.data, sizeof p.data);
+    return;
+  }
+  CpQueue& q = w->cpq[w->cur->linear];
+  p.dst = static_cast<unsigned char*>(dst);
+  p.group = q.committed;
+  std::memset(dst, 0xff, sizeof p.data);   // undefined until it lands: NaN to a reader
+  q.items.push_back(p);
+}
+
+void cp_async_commit() {
+  Worker* w = t_worker;
+  if (w->launch->cp_async_deferred) w->cpq[w->cur->linear].committed++;
+}
+
+void cp_async_wait(int n) {
+  Worker* w = t_worker;
+  if (!w->launch->cp_async_deferred) return;
+  CpQueue& q = w->cpq[w->cur->linear];
+  if (n < 0) n = 0;
+  if (q.committed > (unsigned)n) land(q, q.committed - (unsigned)n);
 }
 
 int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,

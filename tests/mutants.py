@@ -1,0 +1,526 @@
+"""Planted kernel bugs: the one mechanism that runs a kernel with a single-point change,
+the fixed list behind ``make mutants``, and its runner.
+
+A ``Mutation`` replaces the one occurrence of a string in the kernel sources of one
+dialect: ``"cuda"`` (``specs.cuda_source(kernel)``, what the CUDA and emulated-cuda
+backends compile) or ``"metal"`` (the MLX header and body of
+``metal_launches.metal_kernel(kernel)``). It names every kernel whose source holds the
+changed text (v1 compiles v2's ``attend_range``): it must occur exactly once in each, or
+``StaleMutation`` is raised (a ``RuntimeError``, never an ``AssertionError``, so a
+mutation that no longer applies can never count as detected). ``backend(mutation)`` is an
+emulated backend running it; ``install(mutations)`` makes every emulated backend of the
+process run them (the runner's subprocesses, through ``conftest.py``).
+
+``MUTANTS`` pairs each named, realistic mutation with the pytest node ids that must kill
+it. The runner (``python tests/mutants.py``, ``make mutants``) first checks that every
+mutation applies, then runs each mutant's tests in a subprocess with
+``PAGED_DECODE_MUTANT=<name>`` and fails listing any survivor; a test that fails because
+the mutated kernel does not compile is not a kill. An unmutated control (every kernel
+source with a comment appended, through the same hook) runs the union of the selections
+and must pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):      # run as a script: the repository's package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from paged_decode.backends.emulated import (
+    RACES_ENV,
+    EmulatedCudaBackend,
+    EmulatedMetalBackend,
+)
+from paged_decode.backends.metal_launches import MetalKernel
+from paged_decode.emulator.launch import (
+    CP_ASYNC_ENV,
+    DEFAULT_SCHEDULES,
+    LEGACY_SCHEDULES,
+    SCHEDULES_ENV,
+)
+from paged_decode.specs import KernelSpec
+
+MUTANT_ENV = "PAGED_DECODE_MUTANT"            # the mutant a test process runs
+REPORT_ENV = "PAGED_DECODE_MUTANT_REPORT"     # where conftest.py writes test outcomes
+CONTROL = "control"                           # the unmutated control's name
+KERNELS = ("v2", "v1", "merge", "prefix", "append")
+METAL_KERNELS = ("v2", "v1", "merge", "append")
+#: exception types whose failure says nothing about the kernel's behaviour
+NOT_A_KILL = ("CompileError", "StaleMutation")
+
+
+class StaleMutation(RuntimeError):
+    """A mutation whose text does not occur exactly once in a kernel it names."""
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """Replace ``old`` by ``new`` in the ``dialect`` sources of ``kernels``. ``control``:
+    change nothing but append a comment (the kernels compile from the mutated path)."""
+
+    dialect: str
+    kernels: tuple[str, ...]
+    old: str = ""
+    new: str = ""
+    control: bool = False
+
+    def apply(self, text: str, where: str) -> str:
+        if self.control:
+            return text + "\n// unmutated control\n"
+        n = text.count(self.old)
+        if n != 1:
+            raise StaleMutation(f"{where}: the mutated text occurs {n} times (exactly once "
+                                f"expected): {self.old!r}")
+        return text.replace(self.old, self.new)
+
+    def check(self) -> None:
+        """Raise ``StaleMutation`` unless the mutation applies to every kernel it names."""
+        for k in self.kernels:
+            if self.dialect == "cuda":
+                from paged_decode.specs import cuda_source
+                self.apply(cuda_source(k), f"cuda {k}")
+            else:
+                from paged_decode.backends.metal_launches import metal_kernel
+                mk = metal_kernel(k)
+                self.apply(mk.header + mk.source, f"metal {k}")
+
+
+def control(dialect: str, kernels: Sequence[str] | None = None) -> Mutation:
+    """The identity mutation of ``kernels`` (default: every kernel of the dialect)."""
+    ks = tuple(kernels) if kernels else (KERNELS if dialect == "cuda" else METAL_KERNELS)
+    return Mutation(dialect, ks, control=True)
+
+
+def mutate_cuda(mutations: Sequence[Mutation], spec: KernelSpec, src: str) -> str:
+    """``src`` (the CUDA source of ``spec``) with every cuda mutation naming its kernel."""
+    for m in mutations:
+        if m.dialect == "cuda" and spec.kernel in m.kernels:
+            src = m.apply(src, f"cuda {spec.kernel}")
+    return src
+
+
+def mutate_metal(mutations: Sequence[Mutation], spec: KernelSpec,
+                 mk: MetalKernel) -> MetalKernel:
+    """``mk`` (a ``MetalKernel``) with every metal mutation naming ``spec``'s kernel applied
+    to whichever of its header and body holds the text."""
+    for m in mutations:
+        if m.dialect != "metal" or spec.kernel not in m.kernels:
+            continue
+        where = f"metal {spec.kernel}"
+        if m.control:
+            mk = replace(mk, header=m.apply(mk.header, where))
+            continue
+        m.apply(mk.header + mk.source, where)          # exactly once in the two
+        if m.old in mk.header:
+            mk = replace(mk, header=m.apply(mk.header, where))
+        else:
+            mk = replace(mk, source=m.apply(mk.source, where))
+    return mk
+
+
+class _Mutated:
+    def __init__(self, mutations: Sequence[Mutation], **kw: Any) -> None:
+        super().__init__(**kw)
+        self.mutations = tuple(mutations)
+
+
+class _MutatedCuda(_Mutated, EmulatedCudaBackend):
+    def kernel_source(self, spec: KernelSpec) -> str:
+        return mutate_cuda(self.mutations, spec, super().kernel_source(spec))
+
+
+class _MutatedMetal(_Mutated, EmulatedMetalBackend):
+    def metal_kernel(self, spec: KernelSpec) -> MetalKernel:
+        return mutate_metal(self.mutations, spec, super().metal_kernel(spec))
+
+
+def backend(mutation: Mutation, **kw: Any) -> EmulatedCudaBackend:
+    """An emulated backend of ``mutation``'s dialect running it (the real sources
+    otherwise); ``kw`` as for ``EmulatedCudaBackend`` (``check_races``, ``schedules``,
+    ``cp_async``). Raises ``StaleMutation`` at once when the mutation does not apply."""
+    mutation.check()
+    cls = _MutatedMetal if mutation.dialect == "metal" else _MutatedCuda
+    return cls([mutation], **kw)
+
+
+def install(mutations: Sequence[Mutation]) -> None:
+    """Make every emulated backend of this process run ``mutations`` (test subprocesses of
+    the runner): the same ``mutate_cuda`` / ``mutate_metal`` as ``backend``."""
+    for m in mutations:
+        m.check()
+    cuda_src, metal_mk = EmulatedCudaBackend.kernel_source, EmulatedMetalBackend.metal_kernel
+    muts = tuple(mutations)
+    EmulatedCudaBackend.kernel_source = (  # type: ignore[method-assign]
+        lambda self, spec: mutate_cuda(muts, spec, cuda_src(self, spec)))
+    EmulatedMetalBackend.metal_kernel = (  # type: ignore[method-assign]
+        lambda self, spec: mutate_metal(muts, spec, metal_mk(self, spec)))
+
+
+# ---------------------------------------------------------------------------- the list
+@dataclass(frozen=True)
+class Mutant:
+    """A named mutation, why it is a realistic bug, and the node ids that must kill it."""
+
+    name: str
+    mutation: Mutation
+    tests: tuple[str, ...]
+    why: str
+
+
+def _m(name: str, dialect: str, kernels: tuple[str, ...], old: str, new: str,
+       tests: Sequence[str], why: str) -> Mutant:
+    return Mutant(name, Mutation(dialect, kernels, old, new), tuple(tests), why)
+
+
+# the killing tests, by node id (parametrizations of tests/test_emulated_oracle.py etc.)
+ORACLE = "tests/test_emulated_oracle.py::"
+LANES = ORACLE + "test_every_lane_geometry"
+LONG = ORACLE + "test_long_context_accumulates_in_float32"
+CASE = ORACLE + "test_kernels_match_oracle"
+MERGE = ORACLE + "test_merge_large_groups_wide_lse_range"
+PREFIX = "tests/test_prefix_tc.py::"
+PREFIX_LONG = PREFIX + "test_prefix_kernel_long_chunk_every_schedule"
+APPEND = "tests/test_append_batch.py::"
+NAN = "tests/test_nan_semantics.py::"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # ------------------------------------------------------------ v2 / v1, CUDA
+    _m("cuda-acc-rounded-to-kv-type", "cuda", ("v2", "v1"),
+       "acc[g][i] = fmaf(p, vf[i], acc[g][i]);",
+       "acc[g][i] = to_float(from_float<TKV>(fmaf(p, vf[i], acc[g][i])));",
+       [LONG + "[emulated-cuda-float16-v2]"],
+       "the output accumulated in the K/V element type instead of float32"),
+    _m("cuda-no-cp-async-wait", "cuda", ("v2", "v1"),
+       "    cp_async_wait<STAGES - 1>();                 // this thread's copies of `step`",
+       "    // (wait removed)", [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
+       "a ring slot read before its cp.async group landed"),
+    _m("cuda-wait-one-group-short", "cuda", ("v2", "v1"),
+       "cp_async_wait<STAGES - 1>();", "cp_async_wait<STAGES>();",
+       [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
+       "wait_group leaves the group about to be read in flight"),
+    _m("cuda-butterfly-half-width", "cuda", ("v2", "v1"),
+       "const float x = group_sum<TPR>(s[g][u]);", "const float x = group_sum<TPR / 2>(s[g][u]);",
+       [LANES + "[emulated-cuda-float16-d64-qh3]"],
+       "per-head dot products summed over half a row (QH 3, 5, 6, 7)"),
+    _m("cuda-transpose-keep-give", "cuda", ("v2", "v1"),
+       "const float keep = up ? s[h + half][u] : s[h][u];",
+       "const float keep = up ? s[h][u] : s[h + half][u];",
+       [LANES + "[emulated-cuda-float16-d64-qh4]"],
+       "a head transposition level keeps the half it should hand over"),
+    _m("cuda-transpose-p-lane", "cuda", ("v2", "v1"),
+       "const float p = __shfl_sync(0xffffffffu, s[0][u], sub0 + g * HLANES);",
+       "const float p = __shfl_sync(0xffffffffu, s[0][u], sub0);",
+       [LANES + "[emulated-cuda-float16-d64-qh4]"],
+       "every head takes head 0's softmax weights"),
+    _m("cuda-subwarp-combine-short", "cuda", ("v2", "v1"),
+       "  for (int off = TPR; off < 32; off <<= 1) {",
+       "  for (int off = TPR; off < 16; off <<= 1) {",
+       [LANES + "[emulated-cuda-float16-d64-qh1]"],
+       "the sub-warp states of a warp combined one level short"),
+    _m("cuda-q-group-offset-dropped", "cuda", ("v2", "v1"),
+       "const int h0 = kvh * (num_qo_heads / num_kv_heads) + qg * QH;",
+       "const int h0 = kvh * (num_qo_heads / num_kv_heads);",
+       [CASE + "[emulated-cuda-d64-g16-ps16-f16]"],
+       "both CTAs of a KV head with more than 8 query heads serve the first 8"),
+    _m("cuda-first-page-offset-dropped", "cuda", ("v2", "v1"),
+       "const int a_begin = (int)(fpo + t_begin), n_tok",
+       "const int a_begin = (int)t_begin, n_tok",
+       [ORACLE + "test_one_page_requests[emulated-cuda]"],
+       "tokens read from the page start of a request that starts mid-page"),
+    _m("cuda-chunk-start-ignores-offset", "cuda", ("v2", "v1"),
+       "long long t_begin = page_begin * PAGE_SIZE - fpo;",
+       "long long t_begin = page_begin * PAGE_SIZE;",
+       [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
+       "chunks after the first shifted by the first page's offset"),
+    _m("cuda-v1-kv-head", "cuda", ("v1",),
+       "  const int kvh = h / (num_qo_heads / num_kv_heads);\n  const long long pb",
+       "  const int kvh = h % num_kv_heads;\n  const long long pb",
+       [CASE + "[emulated-cuda-d128-g4-ps16-bf16]"],
+       "v1 maps query heads to KV heads round-robin instead of in groups"),
+    _m("cuda-v1-last-token-dropped", "cuda", ("v1",),
+       "fpo, 0, seq, r, kvh, h, num_qo_heads, num_kv_heads,",
+       "fpo, 0, seq - 1, r, kvh, h, num_qo_heads, num_kv_heads,",
+       [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
+       "v1 stops one token early"),
+    # ------------------------------------------------------------ v2 / v1, Metal
+    _m("metal-acc-in-kv-type", "metal", ("v2", "v1"),
+       "  float m[QH], l[QH], acc[QH][VEC];\n",
+       "  float m[QH], l[QH];\n  TKV acc[QH][VEC];\n",
+       [LONG + "[emulated-metal-float16-v2]"],
+       "the output accumulated in the K/V element type instead of float32"),
+    _m("metal-k-stride-d256-f32", "metal", ("v2", "v1"),
+       "load4(k_pages + kv_off[u] + 4 * j)",
+       "load4(k_pages + kv_off[u] + 4 * j * (VEC / M::PER16))",
+       [LANES + "[emulated-metal-float32-d256-qh1]"],
+       "a K vector load strided by 16-byte pieces (wrong only with two pieces per lane: "
+       "head_dim 256, float32)"),
+    _m("metal-group-sum-16-as-simd-sum", "metal", ("v2", "v1", "merge"),
+       "  if (WIDTH == 32) return simd_sum(x);", "  if (WIDTH >= 16) return simd_sum(x);",
+       [LANES + "[emulated-metal-float16-d128-qh3]"],
+       "16-lane group sums taken over the whole SIMD group (head_dim 128 f16/bf16 or 64 "
+       "f32 at 3, 5, 6, 7 heads per threadgroup)"),
+    _m("metal-transpose-alpha-lane", "metal", ("v2", "v1"),
+       "simd_shuffle(alpha, ushort(sub0 + g * HLANES))", "simd_shuffle(alpha, ushort(sub0))",
+       [LANES + "[emulated-metal-float16-d64-qh4]"],
+       "every head rescaled by head 0's correction"),
+    _m("metal-subgroup-combine-short", "metal", ("v2", "v1"),
+       "  for (ushort off = TPR; off < 32; off <<= 1) {",
+       "  for (ushort off = TPR; off < 16; off <<= 1) {",
+       [LANES + "[emulated-metal-float16-d64-qh1]"],
+       "the sub-group states of a SIMD group combined one level short"),
+    _m("metal-token-past-the-end", "metal", ("v2", "v1"),
+       "      ok[u] = t < t_end;", "      ok[u] = t <= t_end;",
+       [LANES + "[emulated-metal-float16-d64-qh2]"],
+       "one token past the visible range attended"),
+    _m("metal-query-unscaled", "metal", ("v2", "v1"),
+       "to_float(q[(long(r) * num_qo_heads + h0 + g) * HEAD_DIM + d0 + i]) * scale_log2",
+       "to_float(q[(long(r) * num_qo_heads + h0 + g) * HEAD_DIM + d0 + i])",
+       [LANES + "[emulated-metal-float16-d64-qh2]"],
+       "scores without the softmax scale"),
+    _m("metal-v1-kv-head", "metal", ("v1",),
+       "  const int kvh = h / (num_qo_heads / num_kv_heads);\n  const long pb",
+       "  const int kvh = h % num_kv_heads;\n  const long pb",
+       [CASE + "[emulated-metal-d128-g4-ps16-bf16]"],
+       "v1 maps query heads to KV heads round-robin instead of in groups"),
+    # ------------------------------------------------------------ merge
+    _m("cuda-merge-no-32-row-cap", "cuda", ("merge",),
+       "const int count = end - base < 32 ? (int)(end - base) : 32;",
+       "const int count = (int)(end - base);",
+       [MERGE + "[emulated-cuda]"],
+       "a pass over more than 32 rows: row weights shuffled in from lanes that wrap"),
+    _m("cuda-merge-gather-max-wrong-row", "cuda", ("merge",),
+       "lse[(GATHER ? (long long)rows[i] : i) * num_heads + h]", "lse[i * num_heads + h]",
+       [ORACLE + "test_gathering_merge_large_groups_wide_lse_range"],
+       "the gathering merge's running max taken from the rows in storage order"),
+    _m("cuda-merge-row-stride", "cuda", ("merge",),
+       "reinterpret_cast<const float4*>(v + (ru * num_heads + h) * HEAD_DIM)",
+       "reinterpret_cast<const float4*>(v + (ru + h) * HEAD_DIM)",
+       [MERGE + "[emulated-cuda]"],
+       "a partial's row addressed without the head stride"),
+    _m("cuda-merge-lane-columns", "cuda", ("merge",),
+       "            const int c = lane + 32 * k;",
+       "            const int c = lane * PER_LANE + k;",
+       [CASE + "[emulated-cuda-d256-g8-ps16-f16]"],
+       "lanes read blocked columns but write strided ones (two float4 per lane: head_dim 256)"),
+    _m("metal-merge-lane-local-max", "metal", ("merge",),
+       "  mx = simd_max(mx);\n", "",
+       [MERGE + "[emulated-metal]"],
+       "each lane weighs every row against its own rows' max (exact until exp2 overflows)"),
+    # ------------------------------------------------------------ prefix_tc (CUDA)
+    _m("prefix-no-barrier-before-refill", "cuda", ("prefix",),
+       "    __syncthreads();                              // buffer `buf` is refilled next round\n",
+       "", [PREFIX_LONG + "[64]"],
+       "the K/V double buffer refilled (next round's issue) while other warps still read it"),
+    _m("prefix-no-cp-async-wait", "cuda", ("prefix",),
+       "      cp_async_wait<1>();\n", "", [PREFIX_LONG + "[64]"],
+       "a tile read before its cp.async group landed"),
+    _m("prefix-wait-one-group-short", "cuda", ("prefix",),
+       "      cp_async_wait<1>();\n", "      cp_async_wait<2>();\n", [PREFIX_LONG + "[64]"],
+       "wait_group leaves the tile about to be read in flight"),
+    _m("prefix-issue-other-buffer", "cuda", ("prefix",),
+       "// with the ids fetched for this tile\n    const int buf = tile & 1;",
+       "// with the ids fetched for this tile\n    const int buf = (tile + 1) & 1;",
+       [PREFIX_LONG + "[64]"],
+       "a tile copied into the buffer that is being read"),
+    _m("prefix-row-sum-one-level", "cuda", ("prefix",),
+       "    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);\n", "",
+       [PREFIX + "test_prefix_kernel_matches_oracle[64-float16]"],
+       "a row's softmax sum collected from two of its four lanes"),
+    _m("prefix-rescale-wrong-row", "cuda", ("prefix",),
+       "      o[j][2] *= alpha[1]; o[j][3] *= alpha[1];",
+       "      o[j][2] *= alpha[0]; o[j][3] *= alpha[0];",
+       [PREFIX + "test_prefix_kernel_matches_oracle[64-float16]"],
+       "rows grp + 8 rescaled by row grp's correction"),
+    _m("prefix-chunk-and-row-tile-swapped", "cuda", ("prefix",),
+       "const int c = blockIdx.x / row_tiles, rt = blockIdx.x % row_tiles;",
+       "const int c = blockIdx.x % row_tiles, rt = blockIdx.x / row_tiles;",
+       [PREFIX + "test_prefix_kernel_row_tiles[24-3-1]"],
+       "the grid's chunk and row-tile coordinates swapped"),
+    # ------------------------------------------------------------ non-finite semantics
+    _m("cuda-nonfinite-score-kept", "cuda", ("v2", "v1"),
+       "        s[0][u] = ok ? finite_or_nan(s[0][u]) : -PD_INF;",
+       "        s[0][u] = ok ? s[0][u] : -PD_INF;",
+       [NAN + "test_non_finite_inputs_poison_their_heads_on_every_path[float16-emulated-cuda]"],
+       "a -inf score (+inf in K against a negative q) passes for a masked token"),
+    _m("cuda-poisoned-sum-taken-for-empty", "cuda", ("v2", "v1"),
+       "    const bool live = !(den <= 0.f);", "    const bool live = den > 0.f;",
+       [NAN + "test_non_finite_inputs_poison_their_heads_on_every_path[float16-emulated-cuda]"],
+       "a NaN row sum written as the empty answer (zeros, -inf)"),
+    _m("cuda-merge-nan-partial-dropped", "cuda", ("merge",),
+       "  if (mx > -PD_INF && bad == 0.f) {", "  bad = 0.f;\n  if (mx > -PD_INF) {",
+       [NAN + "test_merge_poisons_on_nan_and_plus_inf_lse[emulated-cuda]"],
+       "a NaN partial LSE given no weight instead of poisoning its group"),
+    _m("metal-nonfinite-score-kept", "metal", ("v2", "v1"),
+       "        s[0][u] = ok[u] ? finite_or_nan(s[0][u]) : -INFINITY;",
+       "        s[0][u] = ok[u] ? s[0][u] : -INFINITY;",
+       [NAN + "test_non_finite_inputs_poison_their_heads_on_every_path[float16-emulated-metal]"],
+       "a -inf score (+inf in K against a negative q) passes for a masked token"),
+    _m("metal-poisoned-sum-taken-for-empty", "metal", ("v2", "v1"),
+       "      const bool live = !(den <= 0.0f);", "      const bool live = den > 0.0f;",
+       [NAN + "test_non_finite_inputs_poison_their_heads_on_every_path[float16-emulated-metal]"],
+       "a NaN row sum written as the empty answer (zeros, -inf)"),
+    _m("prefix-poisoned-sum-taken-for-empty", "cuda", ("prefix",),
+       "    const bool live = !(l_run[h] <= 0.f);", "    const bool live = l_run[h] > 0.f;",
+       [NAN + "test_cascade_poisons_members_of_a_poisoned_prefix[auto-emulated-cuda]"],
+       "a poisoned prefix row written as the empty answer"),
+    # ------------------------------------------------------------ append (both dialects)
+    _m("cuda-append-slot-off-by-one", "cuda", ("append",),
+       "const long long first = copy ? 0 : (long long)lo * row_words;",
+       "const long long first = copy ? 0 : (long long)(lo + 1) * row_words;",
+       [APPEND + "test_random_operations_match_the_model[f16-w16-layers3-emulated-cuda]"],
+       "new rows land one slot late"),
+    _m("cuda-append-no-cow-copy", "cuda", ("append",),
+       "const bool copy = copy_cow != 0 && src != page;", "const bool copy = false;",
+       [APPEND + "test_both_children_append_to_the_shared_partial_page_in_one_batch"
+                 "[None-emulated-cuda]"],
+       "a shared partial page's private copy is never filled"),
+    _m("metal-append-page-search-off-by-one", "metal", ("append",),
+       "if (desc[m] < page) a = m + 1;", "if (desc[m] <= page) a = m + 1;",
+       [APPEND + "test_random_operations_match_the_model[f16-w16-layers3-emulated-metal]"],
+       "a threadgroup finds the touched page after its own"),
+    _m("metal-append-no-cow-source", "metal", ("append",),
+       "if (copy_cow != 0) src = desc[num_touched + a];", "",
+       [APPEND + "test_both_children_append_to_the_shared_partial_page_in_one_batch"
+                 "[None-emulated-metal]"],
+       "a copy-on-write page copied from itself (its old slots lost)"),
+)
+
+
+def mutant(name: str) -> Mutant:
+    for mt in MUTANTS:
+        if mt.name == name:
+            return mt
+    raise KeyError(f"no mutant named {name!r}")
+
+
+def by_name(name: str) -> list[Mutation]:
+    """The mutations a test process installs for ``$PAGED_DECODE_MUTANT``."""
+    if name == CONTROL:
+        return [control("cuda"), control("metal")]
+    try:
+        return [mutant(name).mutation]
+    except KeyError:
+        raise KeyError(f"{MUTANT_ENV}={name!r}: no such mutant") from None
+
+
+# ---------------------------------------------------------------------------- runner
+@dataclass
+class Result:
+    name: str
+    status: str          # "killed", "SURVIVED", "INVALID" (passed for the control)
+    detail: str
+    seconds: float
+
+
+def _run(name: str, tests: Sequence[str], env_extra: dict[str, str]) -> Result:
+    """Run ``tests`` with mutant ``name`` installed; classify from the per-test report."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="pd-mutant-") as tmp:
+        report = Path(tmp) / "report.jsonl"
+        env = {**os.environ, MUTANT_ENV: name, REPORT_ENV: str(report), **env_extra}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "-x", *tests], cwd=root, env=env, capture_output=True,
+                              text=True)
+        secs = time.perf_counter() - t0
+        rows = [json.loads(line) for line in report.read_text().splitlines()] \
+            if report.exists() else []
+    calls = [r for r in rows if r["when"] == "call"]
+    invalid = [r for r in rows if r["outcome"] == "failed" and r["exc"] in NOT_A_KILL]
+    kills = [r for r in calls if r["outcome"] == "failed" and r["exc"] not in NOT_A_KILL]
+    if invalid:
+        r = invalid[0]
+        first = (r["msg"].splitlines() or [""])[0]
+        return Result(name, "INVALID", f"{r['nodeid']}: {r['exc']}: {first}", secs)
+    if kills:
+        r = kills[0]
+        return Result(name, "killed", f"{r['nodeid']} ({r['exc']})", secs)
+    ran = {r["nodeid"] for r in calls if r["outcome"] == "passed"}
+    missing = [t for t in tests
+               if not any(n == t or n.startswith((t + "[", t + "::")) for n in ran)]
+    if proc.returncode not in (0, 1) or missing:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        return Result(name, "INVALID", f"selection did not run: {missing or tests} "
+                      f"(pytest exit {proc.returncode}: {' / '.join(tail)})", secs)
+    return Result(name, "passed", f"{len(ran)} tests passed", secs)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run only these mutants (repeatable; no control)")
+    ap.add_argument("--jobs", "-j", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--legacy", action="store_true",
+                    help="run under the emulator's old model (forward and reverse "
+                         "schedules, synchronous cp.async): shows what it misses; "
+                         "survivors are reported, not failed")
+    args = ap.parse_args(argv)
+    if args.list:
+        for mt in MUTANTS:
+            print(f"{mt.name:<36} {mt.mutation.dialect:<5} {','.join(mt.mutation.kernels):<8} "
+                  f"{mt.why}")
+        return 0
+    from paged_decode import emulator
+    ok, why = emulator.available()
+    if not ok:
+        print(f"mutants need the CPU kernel emulator: {why}", file=sys.stderr)
+        return 1
+    names = {mt.name for mt in MUTANTS}
+    unknown = [n for n in args.only if n not in names]
+    if unknown:
+        print(f"unknown mutants: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    chosen = [mt for mt in MUTANTS if not args.only or mt.name in args.only]
+    stale = []
+    for mt in chosen:                       # before any test runs: no stale mutant counts
+        try:
+            mt.mutation.check()
+        except StaleMutation as exc:
+            stale.append(f"{mt.name}: {exc}")
+    if stale:
+        print("STALE mutations (update tests/mutants.py):\n  " + "\n  ".join(stale))
+        return 1
+    # the emulator model is pinned: a caller's narrower schedules must not let one survive
+    schedules = LEGACY_SCHEDULES if args.legacy else DEFAULT_SCHEDULES
+    extra = {SCHEDULES_ENV: ",".join(schedules), RACES_ENV: "1",
+             CP_ASYNC_ENV: "sync" if args.legacy else "deferred"}
+    jobs = [(mt.name, mt.tests) for mt in chosen]
+    if not args.only:
+        union = list(dict.fromkeys(t for mt in chosen for t in mt.tests))
+        jobs.insert(0, (CONTROL, tuple(union)))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda j: _run(j[0], j[1], extra), jobs))
+    bad = []
+    for r in results:
+        want = "passed" if r.name == CONTROL else "killed"
+        ok = r.status == want or (args.legacy and r.status == "passed")
+        shown = "SURVIVED" if r.name != CONTROL and r.status == "passed" else r.status
+        print(f"{r.name:<36} {shown:<9} {r.seconds:6.1f} s  {r.detail}")
+        if not ok:
+            bad.append(r.name)
+    print(f"{len(results)} runs in {time.perf_counter() - t0:.0f} s"
+          + (" (legacy emulator model)" if args.legacy else ""))
+    if bad:
+        print(f"FAIL: {', '.join(bad)}")
+        return 1
+    print("PASS: every mutant killed, control passed" if not args.legacy else "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
