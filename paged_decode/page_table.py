@@ -24,6 +24,7 @@ with a ``-inf`` log-sum-exp.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ import numpy as np
 from .errors import PageTableError, check_int
 
 _TABLE_ARRAYS = ("indices", "indptr", "last_page_len", "first_page_offset", "rope_positions")
+#: the public function constructing a table on this thread (its errors name it)
+_constructing = threading.local()
 
 
 def frozen_int32(value: Any) -> np.ndarray:
@@ -86,8 +89,12 @@ class PageTable:
     pages_per_request: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        fn = getattr(_constructing, "fn", "PageTable")
+        check_int(fn, "page_size", self.page_size, error=PageTableError)
+        if self.num_pages is not None:
+            check_int(fn, "num_pages", self.num_pages, 0, note=" or None", error=PageTableError)
         for name in _TABLE_ARRAYS:   # a table built directly owns read-only copies too
-            object.__setattr__(self, name, frozen_int32(getattr(self, name)))
+            object.__setattr__(self, name, _as_i32(fn, name, getattr(self, name)))
         b = max(self.indptr.size - 1, 0)
         pages = np.diff(self.indptr.astype(np.int64)) if self.indptr.size else \
             np.zeros(0, np.int64)
@@ -98,6 +105,8 @@ class PageTable:
             vis = np.zeros(b, np.int64)
         for name, arr in (("visible_lens", vis), ("pages_per_request", pages)):
             object.__setattr__(self, name, frozen_int32(arr))
+        # a table built directly is validated too (kernels trust every table they get)
+        self._validate(fn, None)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # copies and pickles are rebuilt (validated, read-only), never restored writable
@@ -132,10 +141,12 @@ class PageTable:
                 if lpl.size == b and fpo.size == b else np.zeros(b, np.int64)
         else:
             rope = rope_positions
-        table = cls(idx, ip, lpl, fpo, _as_i32(fn, "rope_positions", rope), int(page_size),
-                    None if num_pages is None else int(num_pages))
-        table._validate(fn, None)
-        return table
+        _constructing.fn = fn                     # errors name build, not PageTable
+        try:
+            return cls(idx, ip, lpl, fpo, _as_i32(fn, "rope_positions", rope), int(page_size),
+                       None if num_pages is None else int(num_pages))
+        finally:
+            del _constructing.fn
 
     # ------------------------------------------------------------------ queries
     @property
@@ -195,8 +206,10 @@ class PageTable:
         """``validate`` for the public function ``fn`` (``build`` names itself)."""
         if num_pages is not None:
             check_int(fn, "num_pages", num_pages, 0, note=" or None", error=PageTableError)
-        p = self.page_size
+        p = check_int(fn, "page_size", self.page_size, error=PageTableError)
         ip, lpl, fpo = self.indptr, self.last_page_len, self.first_page_offset
+        if ip.size == 0:
+            raise PageTableError(f"{fn}: indptr must have B+1 >= 1 entries, got 0")
         b = ip.size - 1
         if ip[0] != 0:
             raise PageTableError(f"{fn}: indptr[0] must be 0, got {int(ip[0])}")
@@ -223,30 +236,29 @@ class PageTable:
                 rng = "[0, num_pages)" if bound is None else f"[0, {bound})"
                 raise PageTableError(f"{fn}: request {r}: indices[{j}] = {int(self.indices[j])} "
                                      f"is not a page id in {rng}")
+        # vectorized (an engine builds a table every step); the first bad request is named
         has = steps > 0
-        for r in range(b):
-            if has[r]:
-                if not 0 < lpl[r] <= p:
-                    raise PageTableError(f"{fn}: request {r}: last_page_len must be in "
-                                         f"[1, page_size = {p}], got {int(lpl[r])}")
-                if not 0 <= fpo[r] < p:
-                    raise PageTableError(f"{fn}: request {r}: first_page_offset must be in "
-                                         f"[0, page_size = {p}), got {int(fpo[r])}")
-                vis = (int(steps[r]) - 1) * p + int(lpl[r]) - int(fpo[r])
-                if vis < 0:
-                    raise PageTableError(
-                        f"{fn}: request {r}: geometry gives a negative visible length "
-                        f"(pages {int(steps[r])}, last_page_len {int(lpl[r])}, "
-                        f"first_page_offset {int(fpo[r])}): {vis}")
-            else:
-                if lpl[r] != 0 or fpo[r] != 0:
-                    raise PageTableError(
-                        f"{fn}: request {r}: has no pages, so last_page_len and "
-                        f"first_page_offset must be 0, got {int(lpl[r])} and {int(fpo[r])}")
-            if self.rope_positions[r] < self.visible_lens[r]:
-                raise PageTableError(
-                    f"{fn}: request {r}: rope_positions must be >= the visible length "
-                    f"{int(self.visible_lens[r])}, got {int(self.rope_positions[r])}")
+        vis = (steps - 1) * p + lpl.astype(np.int64) - fpo
+        checks = (
+            (has & ~((lpl > 0) & (lpl <= p)), lambda r: (
+                f"last_page_len must be in [1, page_size = {p}], got {int(lpl[r])}")),
+            (has & ~((fpo >= 0) & (fpo < p)), lambda r: (
+                f"first_page_offset must be in [0, page_size = {p}), got {int(fpo[r])}")),
+            (has & (vis < 0), lambda r: (
+                f"geometry gives a negative visible length (pages {int(steps[r])}, "
+                f"last_page_len {int(lpl[r])}, first_page_offset {int(fpo[r])}): "
+                f"{int(vis[r])}")),
+            (~has & ((lpl != 0) | (fpo != 0)), lambda r: (
+                f"has no pages, so last_page_len and first_page_offset must be 0, got "
+                f"{int(lpl[r])} and {int(fpo[r])}")),
+            (self.rope_positions < self.visible_lens, lambda r: (
+                f"rope_positions must be >= the visible length "
+                f"{int(self.visible_lens[r])}, got {int(self.rope_positions[r])}")),
+        )
+        first = [(int(np.argmax(bad)), msg) for bad, msg in checks if bad.any()]
+        if first:
+            r, msg = min(first, key=lambda x: x[0])   # the loop's order: request, then rule
+            raise PageTableError(f"{fn}: request {r}: {msg(r)}")
 
     def __repr__(self) -> str:
         return (f"PageTable(B={self.batch_size}, page_size={self.page_size}, "

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .device import DeviceInfo
-from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type
+from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
 from .page_table import PageTable, frozen_int32
 
 MAX_CHUNKS = 65535
@@ -104,6 +104,35 @@ class DecodePlan:
     #: tables this plan was checked against (weak: tables are dropped with their step)
     _served: weakref.WeakKeyDictionary[PageTable, bool] = field(
         init=False, repr=False, default_factory=weakref.WeakKeyDictionary)
+
+    def __post_init__(self) -> None:
+        # A plan built by hand must be one plan_decode could make: the kernels index the
+        # table with request_indices / kv_tile_indices and trust them.
+        fn = "DecodePlan"
+        for name in ("batch_size", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
+                     "pages_per_chunk", "heads_per_cta", "q_groups", "cta_count_per_chunk"):
+            check_int(fn, name, getattr(self, name))
+        check_geometry(fn, self.num_qo_heads, self.num_kv_heads, self.head_dim)
+        g = self.num_qo_heads // self.num_kv_heads
+        if self.heads_per_cta * self.q_groups != g or self.heads_per_cta > MAX_HEADS_PER_CTA:
+            raise fail(fn, f"heads_per_cta x q_groups must be the GQA group {g} with at most "
+                           f"{MAX_HEADS_PER_CTA} heads per CTA, got {self.heads_per_cta} x "
+                           f"{self.q_groups}")
+        counts = np.asarray(self.chunks_per_request)
+        if counts.shape != (self.batch_size,) or (counts.size and counts.min() < 1):
+            raise fail(fn, f"chunks_per_request must be [B = {self.batch_size}] positive "
+                           f"counts, got shape {list(counts.shape)}")
+        o_indptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        req = np.repeat(np.arange(self.batch_size, dtype=np.int64), counts)
+        tiles = np.arange(req.size, dtype=np.int64) - o_indptr[req]
+        for name, want in (("request_indices", req), ("kv_tile_indices", tiles),
+                           ("o_indptr", o_indptr)):
+            got = np.asarray(getattr(self, name))
+            if got.shape != want.shape or not np.array_equal(got, want):
+                raise fail(fn, f"{name} does not follow from chunks_per_request (make plans "
+                               "with plan_decode)")
+            object.__setattr__(self, name, frozen_int32(got))
+        object.__setattr__(self, "chunks_per_request", frozen_int32(counts))
 
     @property
     def num_chunks(self) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .backends import Backend, get_backend
-from .dtypes import check_dtype
+from .dtypes import check_dtype, itemsize
 from .errors import (
     InvalidArgumentError,
     PoolExhaustedError,
@@ -244,9 +244,15 @@ class PagePool:
         self.num_layers = num_layers
         lead = () if num_layers is None else (num_layers,)
         shape = (*lead, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-        self.k = self.backend.zeros(shape, self.dtype)
-        self.v = self.backend.zeros(shape, self.dtype)
-        self._ref = np.zeros(self.num_pages, np.int32)
+        try:
+            self.k = self.backend.zeros(shape, self.dtype)
+            self.v = self.backend.zeros(shape, self.dtype)
+            self._ref = np.zeros(self.num_pages, np.int32)
+        except (MemoryError, ValueError) as exc:   # cupy's OutOfMemoryError is a MemoryError
+            nbytes = 2 * int(np.prod(shape, dtype=np.float64)) * itemsize(self.dtype)
+            raise fail(fn, f"k and v pages of shape {fmt_shape(shape)} ({self.dtype}) need "
+                           f"{nbytes / 2 ** 30:.3g} GiB, which backend {self.backend.name!r} "
+                           f"could not allocate ({type(exc).__name__})") from exc
         # the free list as a stack: _free[:_nfree], handed out from the top (_nfree - 1
         # first), released pages pushed on top; it starts as 0, 1, 2, ... from the top
         self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)

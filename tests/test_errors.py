@@ -369,3 +369,46 @@ def test_bench_table_columns_fit_long_arm_names():
     res = _cli("bench", "--backend", "reference", "--context", 64, "--batch", 1,
                "--arms", "flashinfer")
     assert res.exit_code == 1 and "no arm could run here" in res.output
+
+
+# ---------------------------------------------------------------------------- direct construction
+def test_a_table_built_directly_is_validated_like_build():
+    from paged_decode import PageTable, PageTableError
+    ok = dict(indices=[0], indptr=[0, 1], last_page_len=[1], first_page_offset=[0],
+              rope_positions=[1], page_size=16)
+    assert PageTable(**ok).visible_lens.tolist() == [1]
+    for change, pattern in [
+        (dict(indptr=[0, 5]), r"PageTable: len\(indices\) must equal indptr\[-1\] = 5, got 1"),
+        (dict(indptr=[]), r"PageTable: indptr must have B\+1 >= 1 entries, got 0"),
+        (dict(indices=[[0]]), r"PageTable: indices must be 1-D, got shape \[1, 1\]"),
+        (dict(indices=["a"]), r"PageTable: indices must hold integers"),
+        (dict(page_size="x"), r"PageTable: page_size must be a positive integer, got 'x'"),
+        (dict(last_page_len=[17]), r"PageTable: request 0: last_page_len must be in \[1, "
+                                   r"page_size = 16\], got 17"),
+        (dict(indices=[-1]), r"PageTable: request 0: indices\[0\] = -1 is not a page id"),
+    ]:
+        with pytest.raises(PageTableError, match=pattern):
+            PageTable(**{**ok, **change})
+
+
+def test_a_plan_built_by_hand_must_follow_its_chunk_counts():
+    import dataclasses
+
+    from paged_decode.problems import make_table
+    table, _ = make_table([40, 70], 16)
+    plan = pd.plan_decode(table, 8, 2, 64, pages_per_chunk=2)
+    with pytest.raises(InvalidArgumentError, match=r"DecodePlan: request_indices does not "
+                                                   r"follow from chunks_per_request"):
+        dataclasses.replace(plan, request_indices=np.array([0, 0, 5, 1, 1, 1, 1]))
+    with pytest.raises(InvalidArgumentError, match=r"DecodePlan: heads_per_cta x q_groups"):
+        dataclasses.replace(plan, q_groups=3)
+    with pytest.raises(InvalidArgumentError, match=r"DecodePlan: batch_size must be a "
+                                                   r"positive integer, got True"):
+        dataclasses.replace(plan, batch_size=True)
+
+
+def test_a_pool_too_large_to_allocate_is_a_clear_error():
+    with pytest.raises(InvalidArgumentError, match=r"PagePool: k and v pages of shape "
+                       r"\[1000000000000, 16, 8, 128\] \(float16\) need .* GiB, which "
+                       r"backend 'reference' could not allocate"):
+        pd.PagePool(10 ** 12, 16, 8, 128)
