@@ -48,7 +48,7 @@ step_check_full() {
 step_memcheck() {
   PAGED_DECODE_PLAIN_MALLOC=1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     python3 -m pytest -q $GPU_FILES -m gpu \
-    -k "llama or g7 or g8 or g16 or ps1 or d256 or ps256 or empty or merge or capturable or poison" \
+    -k "llama or g7 or g8 or g16 or ps1 or d256 or ps256 or empty or merge or capturable or poison or append" \
     > "$L/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$L/memcheck.log" | tail -3
 }
