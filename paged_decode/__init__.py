@@ -13,14 +13,14 @@ LSEs are base 2 everywhere.
 """
 
 from .backends import available_backends, get_backend
+from .call import plan_decode
 from .cascade import (
     CascadeDecodePlan,
     CascadePlan,
-    cascade_decode,
     detect_shared_prefix,
     plan_cascade,
 )
-from .decode import decode
+from .decode import cascade_decode, decode
 from .device import DeviceInfo
 from .errors import (
     BackendUnavailableError,
@@ -35,7 +35,7 @@ from .errors import (
 from .merge import merge_state, merge_states
 from .outcome import DecodeOutcome, counters, last_outcome, reset_counters
 from .page_table import PageTable
-from .plan import DecodePlan, plan_decode
+from .plan import DecodePlan
 from .pool import PagePool
 from .prepared import PreparedDecode, prepare_decode
 from .sparse import Selection, make_selection, selection_from_blocks, sparse_decode

@@ -36,10 +36,13 @@ from typing import Any
 
 import numpy as np
 
+from .backends import get_backend
+from .backends.launches import prefix_kernel_runs
 from .device import DeviceInfo
 from .errors import InvalidArgumentError, check_choice, check_int, check_type
+from .kernels import prefix_tc
 from .page_table import PageTable, frozen_int32
-from .plan import DecodePlan, check_geometry, plan_decode
+from .plan import DecodePlan, check_geometry, make_plan
 
 #: Shortest shared span detection considers. Measured on an H200 (2026-11-30,
 #: bench/results/h200/bench_cascade-rule{,_run8}_2026-11-30.json, shared 128-2048 x batch 2-128,
@@ -282,7 +285,6 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
     elif not isinstance(prefix, CascadePlan) or not prefix.matches(table):
         raise InvalidArgumentError(f"{fn}: prefix must be a CascadePlan made for this table")
     if device is None:
-        from .backends import get_backend
         device = get_backend(backend, fn=fn).device_info()
     check_type(fn, "device", device, DeviceInfo, "a DeviceInfo or None")
     m = prefix.num_members
@@ -293,14 +295,14 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
                                    f"({device.backend}) has none")
     row_tiles = -(-m * (num_qo_heads // num_kv_heads) // tile_rows) if tile_rows else 0
     if row_tiles:
-        plan0 = plan_decode(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim,
+        plan0 = make_plan(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim,
                             device=device, ctas_per_chunk=num_kv_heads * row_tiles,
                             pages_per_chunk=_prefix_pages_per_chunk(
                                 prefix, device, head_dim, num_kv_heads * row_tiles))
     else:
-        plan0 = plan_decode(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim,
+        plan0 = make_plan(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim,
                             device=device)
-    plan1 = plan_decode(prefix.level1, num_qo_heads, num_kv_heads, head_dim, device=device)
+    plan1 = make_plan(prefix.level1, num_qo_heads, num_kv_heads, head_dim, device=device)
     c0, c1, b = plan0.num_chunks, plan1.num_chunks, prefix.batch_size
     chunks1 = plan1.chunks_per_request.astype(np.int64)
     slot = np.full(b, -1, np.int64)
@@ -323,7 +325,6 @@ def _prefix_pages_per_chunk(prefix: CascadePlan, device: DeviceInfo, head_dim: i
     wave of resident CTAs (``ctas_per_sm`` by shared memory, 2 when unknown; a CTA
     more would start a second wave that doubles the kernel's time), no chunk shorter
     than the device's chunk floor."""
-    from .kernels import prefix_tc
     per_sm = (prefix_tc.ctas_per_sm(head_dim, device.shared_mem_per_unit)
               if device.shared_mem_per_unit else 2)
     wave = max(1, device.compute_units * per_sm)
@@ -370,7 +371,6 @@ V2_LEVEL0 = "v2 on stacked queries"
 def tc_level0_applies(be: Any, cplan: CascadeDecodePlan, q_dtype: str, kv_dtype: str) -> bool:
     """Whether ``run_cascade`` runs level 0 on the tensor-core prefix kernel: the plan was
     made for it, the backend has it and the dtypes fit (16-bit pools, ``q`` alike)."""
-    from .backends.launches import prefix_kernel_runs
     return bool(cplan.prefix_row_tiles) and prefix_kernel_runs(be.device_info(), q_dtype,
                                                                 kv_dtype)
 
@@ -416,29 +416,6 @@ def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecod
                  out, lse_out)
 
 
-def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
-                   sm_scale: float | None = None, out: Any = None, lse: Any = None,
-                   return_lse: bool = False, out_dtype: str | None = None,
-                   backend: Any = None,
-                   cascade_plan: CascadePlan | CascadeDecodePlan | None = None) -> Any:
-    """Decode with a shared prefix read once per group (see the module docstring).
-
-    Same arrays and results as ``decode`` (``q [B, Hq, D]``, pools ``[num_pages, P, Hkv,
-    D]``, ``out [B, Hq, D]``, ``lse [B, Hq]`` float32 **base 2**). ``cascade_plan``: a
-    ``detect_shared_prefix`` or ``plan_cascade`` result for this table (detected here when
-    ``None``). Without a sharing group it runs flat v2 and records why
-    (``last_outcome().reason``).
-    """
-    from .decode import run_decode
-    fn = "cascade_decode"
-    if not (cascade_plan is None or isinstance(cascade_plan, (CascadePlan, CascadeDecodePlan))):
-        raise InvalidArgumentError(f"{fn}: cascade_plan must be None, a CascadePlan or a "
-                                   f"CascadeDecodePlan, got {type(cascade_plan).__name__}")
-    return run_decode(fn, q, k_pages, v_pages, table, path="v2", sm_scale=sm_scale, out=out,
-                      lse=lse, return_lse=return_lse, out_dtype=out_dtype, backend=backend,
-                      cascade=True if cascade_plan is None else cascade_plan)
-
-
 __all__ = ["TC_LEVEL0", "V2_LEVEL0", "CascadePlan", "CascadeDecodePlan",
            "detect_shared_prefix", "detect_with_reason", "plan_cascade", "tc_level0_applies",
-           "cascade_decode", "run_cascade", "DEFAULT_MIN_SHARED_TOKENS"]
+           "run_cascade", "DEFAULT_MIN_SHARED_TOKENS"]

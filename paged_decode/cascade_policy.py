@@ -7,13 +7,15 @@ Detection and planning are memoised per table object, so the layers of one step 
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from typing import Any
 
+from . import settings
+from .backends.launches import prefix_kernel_runs
 from .cascade import CascadeDecodePlan, CascadePlan, detect_with_reason, plan_cascade
 from .device import CHUNK_ENV, TARGET_ENV
+from .dtypes import itemsize
 from .errors import InvalidArgumentError
 from .page_table import PageTable
 
@@ -75,7 +77,7 @@ def cascade_pays(prefix: CascadePlan, token_bytes: int, tensor_cores: bool
 
 def env_cascade(fn: str) -> bool | None:
     """``PAGED_DECODE_CASCADE``: ``"1"`` forces cascade on, ``"0"`` off, unset/empty auto."""
-    val = os.environ.get(CASCADE_ENV, "").strip()
+    val = (settings.get(CASCADE_ENV) or "").strip()
     if val == "":
         return None
     if val not in ("0", "1"):
@@ -127,8 +129,6 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
     if prefix is None:
         return None, f"cascade: {none_why}"
     if not forced:
-        from .backends.launches import prefix_kernel_runs
-        from .dtypes import itemsize
         tc = prefix_kernel_runs(device(), *dtypes)
         pays, why = cascade_pays(prefix, 2 * num_kv_heads * head_dim * itemsize(dtypes[1]), tc)
         if not pays:
@@ -136,6 +136,6 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
     else:
         why = "forced " + ("(argument)" if cascade else f"({CASCADE_ENV}=1)")
     dev = device()
-    key = ("plan", geo, dev, os.environ.get(TARGET_ENV), os.environ.get(CHUNK_ENV))
+    key = ("plan", geo, dev, settings.get(TARGET_ENV), settings.get(CHUNK_ENV))
     cplan = _memoised(table, key, lambda: plan_cascade(table, *geo, prefix=prefix, device=dev))
     return cplan, why

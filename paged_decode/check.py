@@ -39,11 +39,12 @@ import numpy as np
 
 from . import problems, reference
 from .backends import Backend, get_backend
+from .call import plan_decode
 from .decode import decode
 from .errors import is_int
 from .outcome import last_outcome
 from .page_table import PageTable
-from .plan import MAX_CHUNKS, DecodePlan, plan_decode, smallest_chunk_size
+from .plan import MAX_CHUNKS, DecodePlan, smallest_chunk_size
 
 HEAD_DIMS = (64, 128)
 GQAS = (1, 4, 7, 8, 16)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import settings
 from .errors import InvalidArgumentError
 
 ENV = "PAGED_DECODE_CROSSOVER"
@@ -99,7 +100,7 @@ def _load(path: str, mtime: float) -> CrossoverTable:
 
 def table_for(device_name: str) -> CrossoverTable | None:
     """The crossover table for ``device_name`` (see the module doc for the lookup)."""
-    env = os.environ.get(ENV)
+    env = settings.get(ENV)
     candidates = [Path(env)] if env else []
     slug = device_slug(device_name)
     candidates += [USER / f"{slug}.json", SHIPPED / f"{slug}.json"]

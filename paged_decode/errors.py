@@ -7,11 +7,12 @@ Every message names the function, the argument, what was expected and what came,
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from . import settings
 
 
 class PagedDecodeError(Exception):
@@ -104,7 +105,7 @@ def check_int(fn: str, name: str, value: Any, minimum: int | None = 1,
 def env_positive_int(env_name: str) -> int | None:
     """The positive integer in environment variable ``env_name`` (``None`` when unset or
     empty); anything else raises ``InvalidArgumentError`` naming the variable."""
-    val = os.environ.get(env_name, "").strip()
+    val = (settings.get(env_name) or "").strip()
     if not val:
         return None
     try:

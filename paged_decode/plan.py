@@ -220,18 +220,18 @@ def chunk_token_ranges(table: PageTable, plan: DecodePlan) -> tuple[np.ndarray, 
     return np.minimum(t_begin, seq), np.minimum(t_end, seq)
 
 
-def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
-                device: DeviceInfo | None = None, backend: str | None = None,
-                target_ctas: int | None = None, pages_per_chunk: int | None = None,
-                min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
-                ctas_per_chunk: int | None = None) -> DecodePlan:
-    """Plan a split-KV decode of ``table``.
+def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+              device: DeviceInfo, target_ctas: int | None = None,
+              pages_per_chunk: int | None = None, min_chunk_tokens: int | None = None,
+              max_chunks: int = MAX_CHUNKS, ctas_per_chunk: int | None = None,
+              fn: str = "make_plan") -> DecodePlan:
+    """Plan a split-KV decode of ``table`` on ``device`` (``paged_decode.plan_decode``
+    finds the device of a backend first; errors name ``fn``).
 
     Args:
         table: the batch's page table.
         num_qo_heads, num_kv_heads, head_dim: attention geometry (``Hq % Hkv == 0``).
-        device: the device to fill; defaults to the selected backend's ``device_info()``.
-        backend: backend name used to look up ``device`` (see ``backends.get_backend``).
+        device: the device to fill (a ``DeviceInfo``: facts as data, no backend lookup).
         target_ctas: CTA count to reach (overrides env and device default).
         pages_per_chunk: force a chunk size instead of searching (e.g. 1 to force the
             finest split and exercise the merge).
@@ -242,7 +242,6 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
             the v2 partial's ``Hkv * q_groups`` (cascade's tensor-core level 0); the search
             fills the device with that kernel's CTAs.
     """
-    fn = "plan_decode"
     check_type(fn, "table", table, PageTable, "a PageTable")
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
     max_chunks = check_int(fn, "max_chunks", max_chunks, 1, MAX_CHUNKS)
@@ -252,9 +251,6 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
     if b > max_chunks:
         raise InvalidArgumentError(f"{fn}: batch size {b} exceeds the grid bound of "
                                    f"{max_chunks} chunks")
-    if device is None:
-        from .backends import get_backend
-        device = get_backend(backend, fn=fn).device_info()
     check_type(fn, "device", device, DeviceInfo, "a DeviceInfo or None")
     target = device.target_ctas(target_ctas, fn=fn)
     qh = heads_per_cta(num_qo_heads, num_kv_heads)

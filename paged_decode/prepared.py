@@ -22,8 +22,9 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from . import settings
 from .backends import Backend, backend_for
-from .decode import (
+from .call import (
     CallArgs,
     CascadeCall,
     cascade_call,
@@ -31,6 +32,7 @@ from .decode import (
     flat_call,
     run_path,
 )
+from .cascade import run_cascade
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import DecodePlan
@@ -69,9 +71,12 @@ class PreparedDecode(_PreparedCall):
     float32, base 2, or ``None``), ``outcome`` (recorded on every call).
     """
 
-    def __init__(self, be: Backend, args: CallArgs, plan: DecodePlan, path: str,
+    def __init__(self, be: Backend, args: CallArgs, plan: DecodePlan, *, path: str,
                  reason: str, out: Any, lse: Any, out_a: Any, lse_a: Any,
                  return_lse: bool, like: Any) -> None:
+        """``out``/``lse``: what every call returns (the caller's arrays or the allocated
+        ones, ``lse`` ``None`` without an LSE); ``out_a``/``lse_a``: the backend arrays
+        the launches write; ``like``: the array whose device and stream calls use."""
         self.backend, self.plan, self.args = be, plan, args
         self.out, self.lse = out, lse
         self._return_lse, self._like = return_lse, like
@@ -94,9 +99,8 @@ class PreparedCascade(_PreparedCall):
     Three recorded launches (level 1, the tensor-core level 0, the gathering merge) where
     ``compiled``; otherwise every call runs ``run_cascade`` on the host path."""
 
-    def __init__(self, be: Backend, args: CallArgs, call: CascadeCall, out: Any, lse: Any,
-                 return_lse: bool, like: Any) -> None:
-        from .cascade import run_cascade
+    def __init__(self, be: Backend, args: CallArgs, call: CascadeCall, *, out: Any,
+                 lse: Any, return_lse: bool, like: Any) -> None:
         self.backend, self.plan, self.args = be, call.plan, args
         self.out, self.lse, self.path = out, lse, "cascade"
         self._return_lse, self._like = return_lse, like
@@ -128,29 +132,30 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     place.
     """
     fn = "prepare_decode"
-    be = backend_for(backend, q, fn=fn)
-    a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
-                   out_dtype=out_dtype, return_lse=return_lse)
-    want_lse = return_lse or lse is not None
+    with settings.bound(settings.snapshot()):
+        be = backend_for(backend, q, fn=fn)
+        a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
+                       out_dtype=out_dtype, return_lse=return_lse)
+        want_lse = return_lse or lse is not None
 
-    def bound(out_a: Any, lse_a: Any) -> tuple[Any, Any]:
-        """What every call returns: the caller's arrays, or the allocated ones."""
-        out_r = be.wrap_result(out_a, like=q) if out is None else out
-        if not want_lse:
-            return out_r, None
-        return out_r, be.wrap_result(lse_a, like=q) if lse is None else lse
+        def bound(out_a: Any, lse_a: Any) -> dict[str, Any]:
+            """What every call returns: the caller's arrays, or the allocated ones."""
+            out_r = be.wrap_result(out_a, like=q) if out is None else out
+            lse_r = (be.wrap_result(lse_a, like=q) if lse is None else lse) if want_lse \
+                else None
+            return {"out": out_r, "lse": lse_r, "return_lse": return_lse, "like": q}
 
-    if cascade is not None and cascade is not False:
-        cc, _ = cascade_call(fn, be, a, cascade, path, q, out, lse)
-        if cc is not None:
-            return PreparedCascade(be, a, cc, *bound(cc.out, cc.lse), return_lse, q)
-    plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
-                                                   want_lse)
-    if chosen == "v2" and plan.needs_merge:
-        with be.launch_context(q):
-            be.workspace(plan)   # allocated now, on the caller's current stream
-    return PreparedDecode(be, a, plan, chosen, reason, *bound(out_a, lse_a), out_a, lse_a,
-                          return_lse, q)
+        if cascade is not None and cascade is not False:
+            cc, _ = cascade_call(fn, be, a, cascade, path, q, out, lse)
+            if cc is not None:
+                return PreparedCascade(be, a, cc, **bound(cc.out, cc.lse))
+        plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
+                                                       want_lse)
+        if chosen == "v2" and plan.needs_merge:
+            with be.launch_context(q):
+                be.workspace(plan)   # allocated now, on the caller's current stream
+        return PreparedDecode(be, a, plan, path=chosen, reason=reason, out_a=out_a,
+                              lse_a=lse_a, **bound(out_a, lse_a))
 
 
 Prepared = PreparedDecode | PreparedCascade

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from .backends import Backend, Problem, backend_for, c_contiguous
+from .call import plan_decode
 from .dtypes import check_dtype
 from .errors import (
     InvalidArgumentError,
@@ -50,7 +51,6 @@ from .errors import (
 )
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable, frozen_int32
-from .plan import plan_decode
 from .softmax import RowSoftmax
 
 DEFAULT_MIN_SPARSITY = 2.0   # measured: see the module docstring

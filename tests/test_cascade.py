@@ -13,11 +13,11 @@ import paged_decode.cascade as cascade_mod
 from paged_decode import InvalidArgumentError, PagePool, PageTable, decode
 from paged_decode.backends.reference import ReferenceBackend
 from paged_decode.cascade import (
-    cascade_decode,
     detect_shared_prefix,
     plan_cascade,
 )
 from paged_decode.cascade_policy import CASCADE_ENV
+from paged_decode.decode import cascade_decode
 from paged_decode.device import DeviceInfo
 from paged_decode.reference import max_rel_error, oracle_decode
 

@@ -14,13 +14,12 @@ from conftest import PREFIX_RTOL
 from mutants import Mutation, backend, control, mutant
 
 import paged_decode as pd
-from paged_decode import InvalidArgumentError, PageTable
+from paged_decode import InvalidArgumentError, PageTable, plan_decode
 from paged_decode.backends import availability
 from paged_decode.cascade import plan_cascade
 from paged_decode.device import DeviceInfo
 from paged_decode.dtypes import numpy_dtype
 from paged_decode.emulator.launch import LEGACY_SCHEDULES
-from paged_decode.plan import plan_decode
 from paged_decode.reference import attention_f64, lse_error, max_rel_error
 
 needs_emulator = pytest.mark.skipif(not availability("emulated-cuda").ok,

@@ -136,3 +136,25 @@ def test_decode_fast_path_keys_on_the_backend_instance():
     pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, out=out, backend=Zeroing())
     assert not np.array_equal(out, good)             # the other backend really ran
     decode_cache.clear()
+
+
+@pytest.mark.parametrize("name", sorted(__import__("paged_decode.settings",
+                                                    fromlist=["x"]).VARIABLES))
+def test_decode_fast_path_keys_on_every_setting(monkeypatch, name):
+    """A prepared call is replayed only under the settings it was prepared with: every
+    PAGED_DECODE_* variable is part of the key (the PREFIX_TILE one once was not), so a
+    change of any of them prepares afresh instead of replaying stale launches."""
+    from paged_decode.prepared import decode_cache
+    decode_cache.clear()
+    pr = make_problem(SPEC)
+    plan = pd.plan_decode(pr.table, 8, 2, 64, backend="reference", pages_per_chunk=2)
+    out = np.empty(pr.q.shape, np.float16)
+    args = (pr.q, pr.k_pages, pr.v_pages, pr.table, plan)
+    pd.decode(*args, out=out, backend="reference")
+    pd.decode(*args, out=out, backend="reference")
+    assert len(decode_cache._entries) == 1
+    # a value that keeps the call valid, so only the key can tell the calls apart
+    monkeypatch.setenv(name, "" if name != "PAGED_DECODE_POISON" else "0")   # tests set 1
+    pd.decode(*args, out=out, backend="reference")
+    assert len(decode_cache._entries) == 2
+    decode_cache.clear()

@@ -23,10 +23,10 @@ import numpy as np
 
 from .. import __version__
 from ..backends import Backend, get_backend
+from ..call import plan_decode
 from ..dtypes import numpy_dtype
 from ..outcome import last_outcome
 from ..page_table import PageTable
-from ..plan import plan_decode
 from ..problems import make_table
 from ..reference import attention_f64, max_rel_error
 from . import timing

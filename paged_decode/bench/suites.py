@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from ..backends import Backend
+from ..call import plan_decode
 from ..cascade import plan_cascade
 from ..decode import decode
 from ..dtypes import numpy_dtype
 from ..page_table import PageTable
-from ..plan import plan_decode
 from ..reference import attention_f64, max_rel_error
 from ..sparse import make_selection, sparse_decode
 from .runner import TOLERANCE, BenchResult, _verify, time_arm

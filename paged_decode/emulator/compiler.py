@@ -21,6 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from .. import settings
 from .cuda_prelude import CUDA_PRELUDE, STUB_HEADERS
 from .errors import CompileError
 from .metal_prelude import METAL_PRELUDE
@@ -38,13 +39,13 @@ _lock = threading.Lock()
 
 
 def cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV)
+    env = settings.get(CACHE_ENV)
     return Path(env) if env else Path.home() / ".cache" / "paged-decode-emulator"
 
 
 def compiler() -> str | None:
     """The C++ compiler to use (``$PAGED_DECODE_EMULATOR_CXX``, else g++), or ``None``."""
-    return os.environ.get(CXX_ENV) or shutil.which("g++")
+    return settings.get(CXX_ENV) or shutil.which("g++")
 
 
 def _key(*parts: str) -> str:

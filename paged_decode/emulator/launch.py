@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from .compiler import kernel_library, runtime
 from .errors import DivergenceError, EmulatorError, KernelFault, OutOfBoundsError, RaceError
 from .rewrite import wrap_cuda
@@ -80,7 +81,7 @@ _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_ui
 
 
 def default_threads() -> int:
-    env = os.environ.get(THREADS_ENV)
+    env = settings.get(THREADS_ENV)
     return max(1, int(env)) if env else max(1, min(2, os.cpu_count() or 1))
 
 
@@ -99,7 +100,7 @@ def parse_schedule(name: str) -> tuple[str, int]:
 
 def default_schedules() -> tuple[str, ...]:
     """``$PAGED_DECODE_EMULATOR_SCHEDULES`` (comma-separated), else ``DEFAULT_SCHEDULES``."""
-    env = os.environ.get(SCHEDULES_ENV, "")
+    env = settings.get(SCHEDULES_ENV) or ""
     names = tuple(n.strip() for n in env.split(",") if n.strip())
     for n in names:
         parse_schedule(n)
@@ -108,7 +109,7 @@ def default_schedules() -> tuple[str, ...]:
 
 def default_cp_async() -> str:
     """``$PAGED_DECODE_EMULATOR_CP_ASYNC``, else ``"deferred"``."""
-    mode = os.environ.get(CP_ASYNC_ENV, "") or "deferred"
+    mode = settings.get(CP_ASYNC_ENV) or "deferred"
     if mode not in CP_ASYNC_MODES:
         raise EmulatorError(f"emulator: {CP_ASYNC_ENV} must be one of "
                             f"{', '.join(CP_ASYNC_MODES)}, got {mode!r}")

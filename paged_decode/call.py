@@ -1,0 +1,282 @@
+"""The call layer: one validated decode call, from arguments to launches.
+
+``decode``, ``prepare_decode`` and ``cascade_decode`` sit on top of this module; it sits
+on top of the planner, the cascade levels and the backends, and imports none of the
+entry points (no cycles). What a call goes through, in order:
+
+1. ``check_call``: the arrays, table, path, scale and flags (errors name the public
+   function) -> ``CallArgs``;
+2. the plan: ``resolve_plan`` (a given plan checked against the table, or a fresh one for
+   the arrays' device through ``plan_decode``);
+3. the path: ``choose_path`` (``path="auto"``: the device's measured crossover table) or
+   the cascade decision (``cascade_call``: ``cascade_policy.resolve_cascade``);
+4. buffers: ``output_buffer`` (the caller's, checked, or fresh);
+5. launches: ``run_path`` (v2 + merge, v1, gather) or ``cascade.run_cascade``.
+
+``plan_decode`` (public) is here too: it resolves the device from a backend when none is
+given, then runs the planner (``plan.make_plan``), which takes device facts as data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .backends import Backend, Problem, c_contiguous, get_backend
+from .cascade import TC_LEVEL0, V2_LEVEL0, tc_level0_applies
+from .cascade_policy import resolve_cascade
+from .crossover import table_for
+from .device import DeviceInfo
+from .dtypes import check_dtype, expect_dtype
+from .errors import (
+    UnsupportedProblemError,
+    check_bool,
+    check_choice,
+    check_ndim,
+    check_number,
+    check_shape,
+    check_type,
+    fail,
+)
+from .outcome import DecodeOutcome, record
+from .page_table import PageTable
+from .plan import MAX_CHUNKS, DecodePlan, make_plan
+
+PATHS = ("auto", "v2", "v1", "gather")
+
+
+def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+                device: DeviceInfo | None = None, backend: str | None = None,
+                target_ctas: int | None = None, pages_per_chunk: int | None = None,
+                min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
+                ctas_per_chunk: int | None = None) -> DecodePlan:
+    """Plan a split-KV decode of ``table`` (``plan.make_plan`` documents every argument);
+    ``device`` defaults to the ``DeviceInfo`` of ``backend`` (see
+    ``backends.get_backend``)."""
+    if device is None:
+        device = get_backend(backend, fn="plan_decode").device_info()
+    return make_plan(table, num_qo_heads, num_kv_heads, head_dim, device=device,
+                     target_ctas=target_ctas, pages_per_chunk=pages_per_chunk,
+                     min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
+                     ctas_per_chunk=ctas_per_chunk, fn="plan_decode")
+
+
+def choose_path(backend: Backend, table: PageTable, plan: DecodePlan) -> tuple[str, str]:
+    """The path ``path="auto"`` takes, and why (one place for the policy): the best path
+    of the nearest cell of the device's measured crossover table
+    (``paged_decode.crossover``), v2 when the device has no table."""
+    single = backend.auto_path()  # a backend with one arm (MLX without Metal: gather)
+    if single is not None:
+        return single
+    name = backend.device_info().name
+    xt = table_for(name)
+    if xt is None:
+        return "v2", f"auto: v2 (no crossover table for {name!r})"
+    ctx = table.total_visible / max(1, table.batch_size)
+    best, cell = xt.choose(table.batch_size, ctx, table.page_size,
+                           plan.num_qo_heads // plan.num_kv_heads)
+    return best, (f"auto: {best} was fastest at the nearest measured cell (B{cell.batch} "
+                  f"ctx{cell.context} ps{cell.page_size} G{cell.group}) of "
+                  f"{Path(xt.source).name}")
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """A validated decode call: backend arrays, geometry, dtypes and the scale."""
+
+    q: Any
+    k: Any
+    v: Any
+    table: PageTable
+    b: int
+    hq: int
+    hkv: int
+    d: int
+    p: int
+    q_dt: str
+    kv_dt: str
+    o_dt: str
+    scale: float
+
+
+def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
+               path: str, sm_scale: float | None, out_dtype: str | None,
+               return_lse: bool) -> CallArgs:
+    """Validate a decode call's arrays, table, path, scale and flags (errors name ``fn``)."""
+    qa, ka, va = (be.array_arg(fn, n, x) for n, x in (("q", q), ("k_pages", k_pages),
+                                                        ("v_pages", v_pages)))
+    check_type(fn, "table", table, PageTable, "a PageTable")
+    check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
+    check_ndim(fn, "k_pages", ka.shape, 4, "[num_pages, P, Hkv, D]", "P Hkv D")
+    b, hq, d = (int(x) for x in qa.shape)
+    num_pages, p, hkv, dk = (int(x) for x in ka.shape)
+    check_shape(fn, "q", qa.shape, (table.batch_size, hq, dk), "[B, Hq, D]")
+    check_shape(fn, "v_pages", va.shape, ka.shape, "[num_pages, P, Hkv, D]")
+    if p != table.page_size:
+        raise fail(fn, f"k_pages page size (axis 1) must equal table.page_size = "
+                       f"{table.page_size}, got {p}")
+    if hq % hkv:
+        raise fail(fn, f"q's heads must be a multiple of k_pages' KV heads, got Hq = {hq} "
+                       f"and Hkv = {hkv}")
+    if table.max_page_id >= num_pages:
+        raise fail(fn, f"table references page {table.max_page_id}, but k_pages has only "
+                       f"{num_pages} pages")
+    for name, arr in (("q", qa), ("k_pages", ka), ("v_pages", va)):
+        if not c_contiguous(arr):
+            raise fail(fn, f"{name} must be C-contiguous (row-major)")
+    q_dt = check_dtype(fn, "q", be.dtype_of(qa))
+    kv_dt = check_dtype(fn, "k_pages", be.dtype_of(ka))
+    if check_dtype(fn, "v_pages", be.dtype_of(va)) != kv_dt:
+        raise fail(fn, f"v_pages must have k_pages' dtype {kv_dt}, got {be.dtype_of(va)}")
+    o_dt = check_dtype(fn, "out_dtype", q_dt if out_dtype is None else out_dtype)
+    check_choice(fn, "path", path, PATHS)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else check_number(fn, "sm_scale", sm_scale)
+    check_bool(fn, "return_lse", return_lse)
+    return CallArgs(qa, ka, va, table, b, hq, hkv, d, p, q_dt, kv_dt, o_dt, scale)
+
+
+def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
+                 like: Any) -> DecodePlan:
+    """``plan`` checked against the call, or a fresh plan for ``like``'s device."""
+    if plan is None:
+        with be.launch_context(like):  # the device of q, for its SM count
+            return plan_decode(a.table, a.hq, a.hkv, a.d, device=be.device_info())
+    check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
+    plan.check(fn, a.table, a.hq, a.hkv, a.d)
+    return plan
+
+
+def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
+              like: Any, out: Any, lse: Any, want_lse: bool
+              ) -> tuple[DecodePlan, str, str, Any, Any]:
+    """The set-up of a flat (non-cascade) call, shared by ``decode`` and ``prepare_decode``:
+    the plan (checked or made), the path and why, the support check, and the output
+    buffers ``out [B, Hq, D]`` and ``lse [B, Hq]`` float32 (``None`` when the gather path
+    needs no LSE). Returns ``(plan, path, reason, out, lse)``."""
+    if a.b == 0:   # decode returns empty arrays (``_empty_batch``); no plan fits no requests
+        raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
+    plan = resolve_plan(fn, be, a, plan, like)
+    chosen, reason = choose_path(be, a.table, plan) if path == "auto" else (path, "requested")
+    check_support(fn, be, a, chosen)
+    with be.launch_context(like):
+        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
+            if want_lse or chosen != "gather" else None
+    return plan, chosen, reason, out_a, lse_a
+
+
+@dataclass(frozen=True)
+class CascadeCall:
+    """A cascade call set up for running: the ``CascadeDecodePlan``, the output buffers
+    ``out [B, Hq, D]`` and ``lse [B, Hq]`` float32 (base 2), whether level 0 runs on the
+    tensor-core prefix kernel, and the outcome a run records."""
+
+    plan: Any
+    out: Any
+    lse: Any
+    tensor_cores: bool
+    outcome: DecodeOutcome
+
+
+def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str, like: Any,
+                 out: Any, lse: Any) -> tuple[CascadeCall | None, str | None]:
+    """The set-up of a cascade call, shared by ``decode`` and ``prepare_decode``: whether
+    to run cascade (``cascade_policy.resolve_cascade``), the support check of its level 0,
+    the output buffers and the outcome. Returns ``(call or None, reason or None)``; with
+    ``None`` the caller runs the flat decode and appends the reason to its own."""
+    def device() -> Any:
+        with be.launch_context(like):
+            return be.device_info()
+
+    cplan, why = resolve_cascade(fn, cascade, path, a.table, a.hq, a.hkv, a.d, device,
+                                 (a.q_dt, a.kv_dt))
+    if cplan is None:
+        return None, why
+    sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members, a.hkv, a.d,
+                              a.p, "v2"))
+    if not sup:
+        raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the cascade's "
+                                      f"level 0: {sup.reason}")
+    with be.launch_context(like):
+        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
+    tc = tc_level0_applies(be, cplan, a.q_dt, a.kv_dt)
+    outcome = DecodeOutcome("cascade", be.name, a.b, a.table.total_visible,
+                            cplan.num_partials, f"cascade: {why}",
+                            f"{cplan.prefix.describe()}; level 0: "
+                            f"{TC_LEVEL0 if tc else V2_LEVEL0}")
+    return CascadeCall(cplan, out_a, lse_a, tc, outcome), why
+
+
+def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:
+    sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq, a.hkv, a.d, a.p, path))
+    if not sup:
+        raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run path {path!r}: "
+                                      f"{sup.reason}")
+
+
+def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
+             lse_a: Any) -> str:
+    """Launch ``path`` (``"v2"``, ``"v1"`` or ``"gather"``) into ``out_a`` / ``lse_a``
+    (inside the backend's launch context); returns the path that ran."""
+    if path == "v2":
+        if plan.needs_merge:
+            v_part, lse_part = be.workspace(plan)
+            be.partial(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part)
+            be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a)
+            return "v2+merge"
+        be.partial(a.q, a.k, a.v, a.table, plan, a.scale, out_a, lse_a)
+        return "v2"
+    if path == "v1":
+        be.decode_v1(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a)
+        return "v1"
+    be.gather_sdpa(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a)
+    return "gather"
+
+
+def empty_batch(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
+                 like: Any, out: Any, lse: Any, want_lse: bool, return_lse: bool) -> Any:
+    """A batch without requests: the checks a real call makes (a given plan, the path's
+    support, the output buffers), then empty results ``[0, Hq, D]`` and ``[0, Hq]``."""
+    if plan is not None:
+        resolve_plan(fn, be, a, plan, like)
+    check_support(fn, be, a, path)
+    with be.launch_context(like):
+        out_a = output_buffer(fn, be, "out", out, (0, a.hq, a.d), a.o_dt)
+        lse_a = output_buffer(fn, be, "lse", lse, (0, a.hq), "float32") if want_lse else None
+    record(DecodeOutcome("empty", be.name, 0, 0, 0, "empty batch (B = 0): nothing to run"))
+    return results(be, like, out, lse, out_a, lse_a, return_lse)
+
+
+def results(be: Backend, q: Any, out: Any, lse: Any, out_a: Any, lse_a: Any,
+             return_lse: bool) -> Any:
+    result = be.wrap_result(out_a, like=q) if out is None else out
+    if not return_lse:
+        return result
+    return result, (be.wrap_result(lse_a, like=q) if lse is None else lse)
+
+
+def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int, ...],
+                  dtype: str) -> Any:
+    """``given`` checked (shape, dtype, contiguity) as the backend's array, or a fresh one."""
+    if given is None:
+        return be.empty(shape, dtype)
+    if be.functional_outputs and not be.owns(given):  # MLX: the result rebinds `given`
+        raise fail(fn, f"{name} must be an array of backend {be.name!r} (it receives the "
+                       f"result by rebinding), got {type(given).__module__}."
+                       f"{type(given).__name__}")
+    arr = be.array_arg(fn, name, given)
+    check_shape(fn, name, arr.shape, shape, "[B, Hq, D]" if len(shape) == 3 else "[B, Hq]")
+    expect_dtype(fn, name, be.dtype_of(arr), dtype)
+    if not c_contiguous(arr):
+        raise fail(fn, f"{name} must be C-contiguous")
+    if not getattr(getattr(arr, "flags", None), "writeable", True):   # numpy read-only
+        raise fail(fn, f"{name} must be writable, got a read-only array")
+    return arr
+
+
+__all__ = ["PATHS", "CallArgs", "CascadeCall", "cascade_call", "check_call", "check_support",
+           "choose_path", "empty_batch", "flat_call", "output_buffer", "plan_decode",
+           "resolve_plan", "results", "run_path"]

@@ -1,0 +1,98 @@
+"""Every ``PAGED_DECODE_*`` setting, and the one place that reads them.
+
+A call resolves the settings once (``snapshot()``, one read of each variable) and binds
+that value for its duration (``bound(s)``): every module that asks ``get(NAME)`` during
+the call sees the same snapshot, and the snapshot is part of ``decode``'s fast-path key,
+so a prepared call can never replay launches made under other settings. Outside a bound
+call ``get`` reads the environment directly (module-level tools, tests).
+
+The variables (see the README for what each does):
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+#: name -> what it steers; the module docstring's table is built from this
+VARIABLES: dict[str, str] = {
+    "PAGED_DECODE_BACKEND": "backend chosen when none is passed",
+    "PAGED_DECODE_TARGET_CTAS": "the plan's CTA target",
+    "PAGED_DECODE_MIN_CHUNK_TOKENS": "the plan's shortest chunk",
+    "PAGED_DECODE_CASCADE": "cascade forced on (1) / off (0)",
+    "PAGED_DECODE_CROSSOVER": "crossover table file for path='auto'",
+    "PAGED_DECODE_STAGES": "CUDA v2/v1 pipeline depth (experiments)",
+    "PAGED_DECODE_V2_ROW_LOADS": "CUDA v2 loads per lane per row (experiments)",
+    "PAGED_DECODE_PREFIX_TILE": "cascade prefix-kernel tile (experiments)",
+    "PAGED_DECODE_PREFIX_CTAS_PER_SM": "cascade prefix-kernel residency (experiments)",
+    "PAGED_DECODE_ASSERT_NO_COMPILE": "any kernel compile raises (benchmarks)",
+    "PAGED_DECODE_POISON": "NaN-fill fresh outputs and workspaces (tests)",
+    "PAGED_DECODE_REFERENCE_ANY_GEOMETRY": "reference backend runs any geometry (oracle use)",
+    "PAGED_DECODE_GPU_CORES": "Apple GPU core count when the IORegistry is not read",
+    "PAGED_DECODE_EMULATOR_CACHE": "emulator build cache folder",
+    "PAGED_DECODE_EMULATOR_CXX": "emulator C++ compiler",
+    "PAGED_DECODE_EMULATOR_THREADS": "emulator OS threads",
+    "PAGED_DECODE_EMULATOR_RACES": "emulator schedule comparison on (1) / off (0)",
+    "PAGED_DECODE_EMULATOR_SCHEDULES": "emulator fiber schedules",
+    "PAGED_DECODE_EMULATOR_CP_ASYNC": "emulator cp.async model",
+}
+__doc__ = (__doc__ or "") + "\n".join(f"- ``{k}``: {v}" for k, v in VARIABLES.items()) + "\n"
+_NAMES = tuple(VARIABLES)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The values of every variable in ``VARIABLES`` (``None``: unset), hashable."""
+
+    values: tuple[str | None, ...]
+
+    def get(self, name: str) -> str | None:
+        return self.values[_INDEX[name]]
+
+
+_INDEX = {n: i for i, n in enumerate(_NAMES)}
+_bound: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
+    "paged_decode_settings", default=None)
+
+
+def snapshot() -> Settings:
+    """The current settings (one read of each variable; the bound ones inside a call)."""
+    s = _bound.get()
+    if s is not None:
+        return s
+    env = os.environ
+    return Settings(tuple(env.get(n) for n in _NAMES))
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """The value of ``name`` for the running call (``default`` when unset)."""
+    if name not in _INDEX:
+        raise KeyError(f"{name} is not a paged-decode setting (see settings.VARIABLES)")
+    s = _bound.get()
+    val = s.get(name) if s is not None else os.environ.get(name)
+    return default if val is None else val
+
+
+def flag(name: str, default: bool = False) -> bool:
+    """A 0/1 setting: unset or empty gives ``default``; ``"0"`` is off, anything else on."""
+    val = get(name)
+    return default if val in (None, "") else val != "0"
+
+
+@contextlib.contextmanager
+def bound(s: Settings) -> Iterator[Settings]:
+    """Run the body under ``s`` (nested calls keep the outer snapshot)."""
+    if _bound.get() is not None:
+        yield s
+        return
+    token = _bound.set(s)
+    try:
+        yield s
+    finally:
+        _bound.reset(token)
+
+
+__all__ = ["VARIABLES", "Settings", "bound", "flag", "get", "snapshot"]
