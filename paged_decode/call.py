@@ -13,6 +13,9 @@ entry points (no cycles). What a call goes through, in order:
 4. buffers: ``output_buffer`` (the caller's, checked, or fresh);
 5. launches: ``run_path`` (v2 + merge, v1, gather) or ``cascade.run_cascade``.
 
+Steps 1-5 run inside the backend's launch context for the call's arrays (the device and
+stream of ``q``), which the entry points enter once per call.
+
 ``plan_decode`` (public) is here too: it resolves the device from a backend when none is
 given, then runs the planner (``plan.make_plan``), which takes device facts as data.
 """
@@ -137,33 +140,29 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     return CallArgs(qa, ka, va, table, b, hq, hkv, d, p, q_dt, kv_dt, o_dt, scale)
 
 
-def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
-                 like: Any) -> DecodePlan:
-    """``plan`` checked against the call, or a fresh plan for ``like``'s device."""
+def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None) -> DecodePlan:
+    """``plan`` checked against the call, or a fresh plan for the call's device."""
     if plan is None:
-        with be.launch_context(like):  # the device of q, for its SM count
-            return plan_decode(a.table, a.hq, a.hkv, a.d, device=be.device_info())
+        return plan_decode(a.table, a.hq, a.hkv, a.d, device=be.device_info())
     check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
     plan.check(fn, a.table, a.hq, a.hkv, a.d)
     return plan
 
 
 def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
-              like: Any, out: Any, lse: Any, want_lse: bool
-              ) -> tuple[DecodePlan, str, str, Any, Any]:
+              out: Any, lse: Any, want_lse: bool) -> tuple[DecodePlan, str, str, Any, Any]:
     """The set-up of a flat (non-cascade) call, shared by ``decode`` and ``prepare_decode``:
     the plan (checked or made), the path and why, the support check, and the output
     buffers ``out [B, Hq, D]`` and ``lse [B, Hq]`` float32 (``None`` when the gather path
     needs no LSE). Returns ``(plan, path, reason, out, lse)``."""
     if a.b == 0:   # decode returns empty arrays (``_empty_batch``); no plan fits no requests
         raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
-    plan = resolve_plan(fn, be, a, plan, like)
+    plan = resolve_plan(fn, be, a, plan)
     chosen, reason = choose_path(be, a.table, plan) if path == "auto" else (path, "requested")
     check_support(fn, be, a, chosen)
-    with be.launch_context(like):
-        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
-        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
-            if want_lse or chosen != "gather" else None
+    out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+    lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
+        if want_lse or chosen != "gather" else None
     return plan, chosen, reason, out_a, lse_a
 
 
@@ -180,18 +179,14 @@ class CascadeCall:
     outcome: DecodeOutcome
 
 
-def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str, like: Any,
+def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str,
                  out: Any, lse: Any) -> tuple[CascadeCall | None, str | None]:
     """The set-up of a cascade call, shared by ``decode`` and ``prepare_decode``: whether
     to run cascade (``cascade_policy.resolve_cascade``), the support check of its level 0,
     the output buffers and the outcome. Returns ``(call or None, reason or None)``; with
     ``None`` the caller runs the flat decode and appends the reason to its own."""
-    def device() -> Any:
-        with be.launch_context(like):
-            return be.device_info()
-
-    cplan, why = resolve_cascade(fn, cascade, path, a.table, a.hq, a.hkv, a.d, device,
-                                 (a.q_dt, a.kv_dt))
+    cplan, why = resolve_cascade(fn, cascade, path, a.table, a.hq, a.hkv, a.d,
+                                 be.device_info, (a.q_dt, a.kv_dt))
     if cplan is None:
         return None, why
     sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members, a.hkv, a.d,
@@ -199,9 +194,8 @@ def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str, lik
     if not sup:
         raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the cascade's "
                                       f"level 0: {sup.reason}")
-    with be.launch_context(like):
-        out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
-        lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
+    out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
+    lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
     tc = tc_level0_applies(be, cplan, a.q_dt, a.kv_dt)
     outcome = DecodeOutcome("cascade", be.name, a.b, a.table.total_visible,
                             cplan.num_partials, f"cascade: {why}",
@@ -241,11 +235,10 @@ def empty_batch(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path
     """A batch without requests: the checks a real call makes (a given plan, the path's
     support, the output buffers), then empty results ``[0, Hq, D]`` and ``[0, Hq]``."""
     if plan is not None:
-        resolve_plan(fn, be, a, plan, like)
+        resolve_plan(fn, be, a, plan)
     check_support(fn, be, a, path)
-    with be.launch_context(like):
-        out_a = output_buffer(fn, be, "out", out, (0, a.hq, a.d), a.o_dt)
-        lse_a = output_buffer(fn, be, "lse", lse, (0, a.hq), "float32") if want_lse else None
+    out_a = output_buffer(fn, be, "out", out, (0, a.hq, a.d), a.o_dt)
+    lse_a = output_buffer(fn, be, "lse", lse, (0, a.hq), "float32") if want_lse else None
     record(DecodeOutcome("empty", be.name, 0, 0, 0, "empty batch (B = 0): nothing to run"))
     return results(be, like, out, lse, out_a, lse_a, return_lse)
 

@@ -119,35 +119,36 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
             prepared = fast_key = None
         if prepared is not None:
             return prepared()
-    a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
-                   out_dtype=out_dtype, return_lse=return_lse)
-    single = be.auto_path() if path == "auto" else None  # no automatic cascade there
-    run_as = single[0] if single else path
-    cc, why_cascade = cascade_call(fn, be, a, cascade, run_as, q, out, lse)
-    if cc is not None:
-        with be.launch_context(q):
+    want_lse = return_lse or lse is not None
+    with be.launch_context(q):        # the device and stream of q, entered once
+        a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
+                       out_dtype=out_dtype, return_lse=return_lse)
+        single = be.auto_path() if path == "auto" else None  # no automatic cascade there
+        run_as = single[0] if single else path
+        cc, why_cascade = cascade_call(fn, be, a, cascade, run_as, out, lse)
+        if cc is not None:
             run_cascade(be, a.q, a.k, a.v, cc.plan, a.scale, cc.out, cc.lse)
+        elif a.b == 0:
+            return empty_batch(fn, be, a, plan, "v2" if run_as == "auto" else run_as, q,
+                               out, lse, want_lse, return_lse)
+        else:
+            fplan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, out, lse,
+                                                            want_lse)
+            ran = run_path(be, a, fplan, chosen, out_a, lse_a)
+    if cc is not None:
         record(cc.outcome)
         if fast_key is not None and cc.tensor_cores and be.merge_gathers:
             decode_cache.put(fast_key, (be, table, cascade), arrays,
                              PreparedCascade(be, a, cc, out=out, lse=lse,
                                              return_lse=return_lse, like=q))
         return results(be, q, out, lse, cc.out, cc.lse, return_lse)
-    want_lse = return_lse or lse is not None
-    if a.b == 0:
-        return empty_batch(fn, be, a, plan, "v2" if run_as == "auto" else run_as, q, out,
-                            lse, want_lse, return_lse)
-    plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
-                                                   want_lse)
-    with be.launch_context(q):
-        ran = run_path(be, a, plan, chosen, out_a, lse_a)
     if why_cascade:
         reason = f"{reason}; {why_cascade}"
     record(DecodeOutcome(ran, be.name, a.b, table.total_visible,
-                         plan.num_chunks if ran.startswith("v2") else a.b, reason))
+                         fplan.num_chunks if ran.startswith("v2") else a.b, reason))
     if fast_key is not None and chosen in ("v2", "v1"):
-        decode_cache.put(fast_key, (be, table, plan), arrays,
-                         PreparedDecode(be, a, plan, path=chosen, reason=reason, out=out,
+        decode_cache.put(fast_key, (be, table, fplan), arrays,
+                         PreparedDecode(be, a, fplan, path=chosen, reason=reason, out=out,
                                         lse=lse if want_lse else None, out_a=out_a,
                                         lse_a=lse_a, return_lse=return_lse, like=q))
     return results(be, q, out, lse, out_a, lse_a, return_lse)

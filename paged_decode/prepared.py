@@ -134,28 +134,43 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     fn = "prepare_decode"
     with settings.bound(settings.snapshot()):
         be = backend_for(backend, q, fn=fn)
-        a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
-                       out_dtype=out_dtype, return_lse=return_lse)
-        want_lse = return_lse or lse is not None
-
-        def bound(out_a: Any, lse_a: Any) -> dict[str, Any]:
-            """What every call returns: the caller's arrays, or the allocated ones."""
-            out_r = be.wrap_result(out_a, like=q) if out is None else out
-            lse_r = (be.wrap_result(lse_a, like=q) if lse is None else lse) if want_lse \
-                else None
-            return {"out": out_r, "lse": lse_r, "return_lse": return_lse, "like": q}
-
-        if cascade is not None and cascade is not False:
-            cc, _ = cascade_call(fn, be, a, cascade, path, q, out, lse)
-            if cc is not None:
-                return PreparedCascade(be, a, cc, **bound(cc.out, cc.lse))
-        plan, chosen, reason, out_a, lse_a = flat_call(fn, be, a, plan, path, q, out, lse,
-                                                       want_lse)
-        if chosen == "v2" and plan.needs_merge:
-            with be.launch_context(q):
-                be.workspace(plan)   # allocated now, on the caller's current stream
+        with be.launch_context(q):    # the device and stream of q, entered once
+            made = _prepare(fn, be, q, k_pages, v_pages, table, plan, path=path,
+                            sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
+                            out_dtype=out_dtype, cascade=cascade)
+        kind, a, setup, bound = made
+        if kind == "cascade":
+            return PreparedCascade(be, a, setup, **bound)
+        plan, chosen, reason, out_a, lse_a = setup
         return PreparedDecode(be, a, plan, path=chosen, reason=reason, out_a=out_a,
-                              lse_a=lse_a, **bound(out_a, lse_a))
+                              lse_a=lse_a, **bound)
+
+
+def _prepare(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+             plan: DecodePlan | None, *, path: str, sm_scale: float | None, out: Any,
+             lse: Any, return_lse: bool, out_dtype: str | None, cascade: Any
+             ) -> tuple[str, CallArgs, Any, dict[str, Any]]:
+    """The host work of ``prepare_decode`` inside the launch context: ``(kind, args,
+    set-up, returned arrays)``, ``kind`` ``"cascade"`` (a ``CascadeCall``) or ``"flat"``
+    (``flat_call``'s tuple); the prepared call is made outside (it records launches)."""
+    a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
+                   out_dtype=out_dtype, return_lse=return_lse)
+    want_lse = return_lse or lse is not None
+
+    def bound(out_a: Any, lse_a: Any) -> dict[str, Any]:
+        """What every call returns: the caller's arrays, or the allocated ones."""
+        out_r = be.wrap_result(out_a, like=q) if out is None else out
+        lse_r = (be.wrap_result(lse_a, like=q) if lse is None else lse) if want_lse else None
+        return {"out": out_r, "lse": lse_r, "return_lse": return_lse, "like": q}
+
+    if cascade is not None and cascade is not False:
+        cc, _ = cascade_call(fn, be, a, cascade, path, out, lse)
+        if cc is not None:
+            return "cascade", a, cc, bound(cc.out, cc.lse)
+    flat = flat_call(fn, be, a, plan, path, out, lse, want_lse)
+    if flat[1] == "v2" and flat[0].needs_merge:
+        be.workspace(flat[0])   # allocated now, on the caller's current stream
+    return "flat", a, flat, bound(flat[3], flat[4])
 
 
 Prepared = PreparedDecode | PreparedCascade
