@@ -1,6 +1,6 @@
 """The v2 partial kernel: split-KV paged decode, one CTA per (chunk, KV head, q-group).
 
-CUDA dialect, and a Metal (MLX ``metal_kernel``) body below. Contract (../DESIGN.md):
+CUDA dialect, and a Metal (MLX ``metal_kernel``) body below. Contract (``Backend.partial``):
 ``q [B, Hq, D]``, ``k_pages, v_pages [num_pages, P, Hkv, D]``, CSR arrays, the plan's
 ``request_indices [C]`` / ``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each row
 normalized by its own softmax denominator; float32 for the merge, or the output dtype
