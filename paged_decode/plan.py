@@ -26,19 +26,9 @@ import numpy as np
 from .device import DeviceInfo
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
 from .page_table import PageTable, frozen_int32
+from .specs import MAX_HEADS_PER_CTA, heads_per_cta
 
 MAX_CHUNKS = 65535
-MAX_HEADS_PER_CTA = 8
-
-
-def heads_per_cta(num_qo_heads: int, num_kv_heads: int) -> int:
-    """Query heads one CTA serves: the largest divisor of the GQA group that is <= 8.
-
-    All of them share each K/V load; groups above 8 are split over ``q_groups`` CTAs
-    (register budget: 8 heads x 8 accumulators per lane).
-    """
-    g = num_qo_heads // num_kv_heads
-    return max(d for d in range(1, min(g, MAX_HEADS_PER_CTA) + 1) if g % d == 0)
 
 
 def check_geometry(fn: str, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:

@@ -11,17 +11,31 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .device import DeviceInfo
 from .errors import PagedDecodeError
+from .kernels import prefix_tc
+from .kernels.decode_v2 import row_loads, stage_bytes_per_thread
+from .kernels.registry import kernel_def
 
 ASSERT_NO_COMPILE_ENV = "PAGED_DECODE_ASSERT_NO_COMPILE"
 
-CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 V2_NUM_WARPS = 4
 V1_NUM_WARPS = 8
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
 MAX_PAGE_SIZE = 256
+MAX_HEADS_PER_CTA = 8
+
+
+def heads_per_cta(num_qo_heads: int, num_kv_heads: int) -> int:
+    """Query heads one CTA serves: the largest divisor of the GQA group that is <= 8.
+
+    All of them share each K/V load; groups above 8 are split over ``q_groups`` CTAs
+    (register budget: 8 heads x 8 accumulators per lane).
+    """
+    g = num_qo_heads // num_kv_heads
+    return max(d for d in range(1, min(g, MAX_HEADS_PER_CTA) + 1) if g % d == 0)
 
 
 class UnexpectedCompileError(PagedDecodeError, RuntimeError):
@@ -48,6 +62,9 @@ class KernelSpec:
     gather: bool = False         # merge: inputs read through a row index (CUDA only)
     tile_tokens: int = 0         # prefix: K/V tokens per shared-memory tile
     vector_bytes: int = 0        # append: bytes per access (kernels/append.py)
+
+    # the kernels' template parameters are read off these fields by name in
+    # ``kernels/<name>.py`` (``KernelDef.arguments``)
 
     @property
     def uri(self) -> str:
@@ -78,60 +95,16 @@ class KernelSpec:
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
-        """The template instantiation CuPy compiles (the kernels' parameter order)."""
-        t = CUDA_TYPES
-        if self.kernel == "v2":
-            args = [t[self.q_dtype], t[self.kv_dtype], t[self.out_dtype], self.head_dim,
-                    self.page_size, self.heads_per_cta, self.num_warps, self.stages,
-                    max(1, self.row_loads)]
-            name = "pd_decode_v2_partial"
-        elif self.kernel == "v1":
-            args = [t[self.q_dtype], t[self.kv_dtype], t[self.out_dtype], self.head_dim,
-                    self.page_size, self.num_warps, self.stages]
-            name = "pd_decode_v1"
-        elif self.kernel == "merge":
-            args = [t[self.out_dtype], self.head_dim, "true" if self.gather else "false"]
-            name = "pd_merge_states"
-        elif self.kernel == "prefix":
-            args = [t[self.kv_dtype], self.head_dim, self.page_size, self.num_warps,
-                    self.tile_tokens]
-            name = "pd_prefix_tc"
-        elif self.kernel == "append":
-            args, name = [self.vector_bytes], "pd_append"
-        else:
-            raise ValueError(f"unknown kernel {self.kernel!r}")
-        return f"{name}<{', '.join(str(a) for a in args)}>"
-
+        """The template instantiation CuPy compiles (the kernel's parameter order)."""
+        return kernel_def(self.kernel).cuda_name_expression(self)
 
     @property
     def dynamic_smem_bytes(self) -> int:
-        """Bytes of the K/V staging ring (v2 and v1): per thread, STAGES x 4 tokens x
-        (K, V) x the 16-byte pieces of its slice of a row."""
-        if self.kernel == "prefix":
-            from .kernels import prefix_tc
-            return prefix_tc.dynamic_smem_bytes(self.head_dim, self.num_warps,
-                                                self.tile_tokens)
-        if self.kernel not in ("v2", "v1"):
-            return 0
-        return self.num_warps * 32 * self.stages * stage_bytes_per_thread(
-            self.kv_dtype, self.head_dim, max(1, self.row_loads))
+        """Dynamic shared memory bytes of a launch of this specialization."""
+        return kernel_def(self.kernel).dynamic_smem(self)
 
 
-TOKENS_PER_STAGE = 4          # U in the kernels
 RING_BUDGET = 96 * 1024       # staging bytes one CTA may take
-
-
-def row_loads(kv_dtype: str, head_dim: int, requested: int = 1) -> int:
-    """16-byte loads a lane makes per K/V row (the kernels' RowMap): enough for the row
-    to fit in one warp, at least ``requested``."""
-    per16 = 16 // {"float16": 2, "bfloat16": 2, "float32": 4}[kv_dtype]
-    min_vec = -(-head_dim // 32)
-    return max(-(-min_vec // per16), requested)
-
-
-def stage_bytes_per_thread(kv_dtype: str, head_dim: int, requested_loads: int = 1) -> int:
-    """Ring bytes per thread and stage: 16-byte loads per row x tokens x (K, V)."""
-    return TOKENS_PER_STAGE * 2 * row_loads(kv_dtype, head_dim, requested_loads) * 16
 
 
 def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int,
@@ -184,10 +157,26 @@ def merge_spec(out_dtype: str, head_dim: int, gather: bool = False) -> KernelSpe
 PREFIX_DTYPES = ("float16", "bfloat16")
 
 
+#: query rows per CTA of the prefix kernel (``DeviceInfo.prefix_tile_rows`` where it runs)
+PREFIX_TILE_ROWS = prefix_tc.ROWS_PER_WARP * prefix_tc.NUM_WARPS
+
+
+def prefix_fits(q_dtype: str, kv_dtype: str) -> bool:
+    """Whether the tensor-core prefix kernel takes these dtypes (q and pools both float16
+    or both bfloat16; float32 pools run level 0 on the v2 partial)."""
+    return kv_dtype in PREFIX_DTYPES and q_dtype == kv_dtype
+
+
+def prefix_kernel_runs(device: DeviceInfo, q_dtype: str, kv_dtype: str) -> bool:
+    """Whether cascade's level 0 runs on the tensor-core prefix kernel on ``device`` (one
+    with ``prefix_tile_rows > 0``) for these dtypes: the one place this is decided (the
+    backends' ``prefix_partial``, the plan's level-0 choice, the cost rule)."""
+    return bool(device.prefix_tile_rows) and prefix_fits(q_dtype, kv_dtype)
+
+
 def prefix_spec(kv_dtype: str, head_dim: int, page_size: int) -> KernelSpec:
     """The tensor-core level 0 of cascade decode (``kernels/prefix_tc.py``); it writes
     float32 partials."""
-    from .kernels import prefix_tc
     return KernelSpec("prefix", "float32", head_dim, kv_dtype, kv_dtype, page_size, 0,
                       prefix_tc.NUM_WARPS, tile_tokens=prefix_tc.tokens_per_tile(head_dim))
 
@@ -196,7 +185,6 @@ def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int) -> list[KernelSpec]:
     """Every specialization a decode of this problem can compile, over all paths: the v2
     partial writing float32 partials or the output directly, the merge, and v1."""
-    from .plan import heads_per_cta
     qh = heads_per_cta(num_qo_heads, num_kv_heads)
     outs = sorted({"float32", out_dtype})
     return ([v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh) for o in outs]
@@ -212,10 +200,7 @@ def append_spec(dtype: str, vector_bytes: int) -> KernelSpec:
 
 def cuda_source(kernel: str) -> str:
     """The complete CUDA source holding ``kernel``'s template."""
-    from .kernels import append, decode_v1, decode_v2, merge, prefix_tc
-    return {"v2": decode_v2.CUDA_SOURCE, "v1": decode_v1.CUDA_SOURCE,
-            "merge": merge.CUDA_SOURCE, "prefix": prefix_tc.CUDA_SOURCE,
-            "append": append.CUDA_SOURCE}[kernel]
+    return kernel_def(kernel).cuda_source
 
 
 def assert_compile_allowed(spec: KernelSpec) -> None:

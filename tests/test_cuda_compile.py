@@ -99,7 +99,6 @@ def test_cascade_specializations_compile():
 def test_append_specializations_compile():
     """The pool-append kernel for every pool dtype and word width (16/8/4/2 bytes)."""
     from paged_decode.kernels.append import WORD_BYTES
-
     from paged_decode.specs import append_spec
     cuda_compile.compile_specs({append_spec(dt, w) for dt, w in itertools.product(
         DTYPES, WORD_BYTES)})

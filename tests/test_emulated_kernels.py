@@ -90,8 +90,8 @@ def test_launch_packing_matches_cuda_backend(monkeypatch):
     from paged_decode.backends import cuda as cuda_mod
     calls = {"cuda": [], "emu": []}
     monkeypatch.setattr(cuda_mod, "cp", types.SimpleNamespace(ndarray=np.ndarray))
-    monkeypatch.setattr(cuda_mod, "_check_aligned", lambda *a: None)
     cb = cuda_mod.CudaBackend()
+    monkeypatch.setattr(cb, "check_pools", lambda *a: None)
     monkeypatch.setattr(cb, "upload", lambda a: a)
     monkeypatch.setattr(cb, "dtype_of", ReferenceBackend().dtype_of)
     monkeypatch.setattr(cb, "_run", lambda launch: calls["cuda"].append(launch))

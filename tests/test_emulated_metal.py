@@ -16,7 +16,6 @@ from mutants import Mutation, backend, control
 
 import paged_decode as pd
 from paged_decode.backends import availability, launches
-from paged_decode.backends.emulated import _table
 from paged_decode.backends.metal_launches import (
     metal_call,
     metal_kernel,
@@ -256,18 +255,23 @@ def _calls():
     plan = pd.plan_decode(pr.table, 8, 2, 64, pages_per_chunk=1)
     vo = np.zeros((plan.num_chunks, 8, 64), np.float32)
     lo = np.zeros((plan.num_chunks, 8), np.float32)
-    tab = tuple(np.asarray(t, np.int32) for t in _table(pr.table))
+    tab = tuple(np.asarray(getattr(pr.table, n), np.int32) for n in launches.TABLE_FIELDS)
     lcs = [
-        launches.partial_launch(("float16", "float16", "float32"), plan, 0.125, pr.q,
-                                pr.k_pages, pr.v_pages, tab,
-                                np.asarray(plan.request_indices, np.int32),
-                                np.asarray(plan.kv_tile_indices, np.int32), vo, lo),
-        launches.merge_launch("bfloat16", (3, 8, 64), vo, lo,
-                              np.asarray(plan.o_indptr, np.int32),
-                              np.zeros((3, 8, 64), np.float32), np.zeros((3, 8), np.float32)),
-        launches.v1_launch(("float16", "float16", "float32"), (3, 8, 64), 2, 16, 0.125, pr.q,
-                           pr.k_pages, pr.v_pages, tab, np.zeros((3, 8, 64), np.float32),
-                           np.zeros((3, 8), np.float32)),
+        launches.partial_launch(dtypes=("float16", "float16", "float32"), plan=plan,
+                                sm_scale=0.125, q=pr.q, k_pages=pr.k_pages,
+                                v_pages=pr.v_pages, table=tab,
+                                request_indices=np.asarray(plan.request_indices, np.int32),
+                                kv_tile_indices=np.asarray(plan.kv_tile_indices, np.int32),
+                                v_out=vo, lse_out=lo),
+        launches.merge_launch(out_dtype="bfloat16", shape=(3, 8, 64), v=vo, lse=lo,
+                              o_indptr=np.asarray(plan.o_indptr, np.int32),
+                              v_out=np.zeros((3, 8, 64), np.float32),
+                              lse_out=np.zeros((3, 8), np.float32)),
+        launches.v1_launch(dtypes=("float16", "float16", "float32"), shape=(3, 8, 64),
+                           num_kv_heads=2, page_size=16, sm_scale=0.125, q=pr.q,
+                           k_pages=pr.k_pages, v_pages=pr.v_pages, table=tab,
+                           out=np.zeros((3, 8, 64), np.float32),
+                           lse_out=np.zeros((3, 8), np.float32)),
     ]
     return [metal_call(lc, rb.dtype_of) for lc in lcs], rb
 

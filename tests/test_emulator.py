@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from paged_decode.kernels.common import CUDA_COMMON
 
 from paged_decode import emulator
 from paged_decode.emulator import (
@@ -24,6 +23,7 @@ from paged_decode.emulator.launch import (
     SCHEDULES,
     default_schedules,
 )
+from paged_decode.kernels.common import CUDA_COMMON
 
 pytestmark = pytest.mark.skipif(not emulator.available()[0],
                                 reason=f"emulator unavailable: {emulator.available()[1]}")

@@ -236,21 +236,11 @@ class Backend(ABC):
         and ``plan0`` its plan (``M * Hq`` heads, ``C0`` chunks); ``members`` a device
         ``int32 [M]``; ``v_out [M * C0, Hq, D]`` float32 and ``lse_out [M * C0, Hq]``
         float32 (log2), member-major (row ``m * C0 + c``).
-        """
-        from .launches import prefix_kernel_runs
-        if not prefix_kernel_runs(self.device_info(), self.dtype_of(q), self.dtype_of(k_pages)):
-            return False
-        self.run_prefix(q, k_pages, v_pages, level0, plan0, members, row_tiles, sm_scale,
-                        v_out, lse_out)
-        return True
 
-    def run_prefix(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
-                   plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
-                   v_out: Any, lse_out: Any) -> None:
-        """Launch the prefix kernel (arguments of ``prefix_partial``, already checked);
-        backends whose ``device_info`` reports ``prefix_tile_rows > 0`` implement it."""
-        from ..errors import UnsupportedProblemError
-        raise UnsupportedProblemError(f"{self.name} backend has no tensor-core prefix kernel")
+        This default has no prefix kernel; ``LaunchingBackend`` runs it where the device
+        reports one.
+        """
+        return False
 
     @abstractmethod
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,

@@ -1,10 +1,11 @@
 """The ``emulated-cuda`` backend: the real CUDA kernel strings, run on the CPU emulator.
 
-Arrays are numpy and pool writes are the reference backend's; ``partial``, ``merge`` and
-``decode_v1`` compile ``specs.cuda_source(kind)`` with the spec's name expression through
-``paged_decode.emulator`` and launch it with the CUDA backend's grid, block, dynamic
-shared memory and argument order: both backends build their launches with
-``backends/launches.py``. ``gather_sdpa`` is the reference backend's (it is not a kernel of ours).
+Arrays are numpy; the kernel entry points (``partial``, ``merge``, ``decode_v1``, the
+prefix kernel, the append) are ``LaunchingBackend``'s, the CUDA backend's own: each
+``Launch`` compiles ``specs.cuda_source(kind)`` with the spec's name expression through
+``paged_decode.emulator`` and runs with the CUDA backend's grid, block, dynamic shared
+memory and argument order. ``gather_sdpa`` is the reference backend's (it is not a
+kernel of ours).
 
 ``EmulatedMetalBackend`` (``emulated-metal``) runs the Metal bodies the same way, wrapped
 in the signature MLX's ``metal_kernel`` generates (``paged_decode.emulator.metal``).
@@ -15,28 +16,27 @@ Explicit choice only (``backend="emulated-cuda"``, ``PAGED_DECODE_BACKEND`` or
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..device import DeviceInfo
 from ..kernels import append as append_kernel
 from ..kernels.append import AppendWrite
-from ..page_table import PageTable
-from ..plan import DecodePlan
-from ..specs import KernelSpec, cuda_source
+from ..kernels.kernel_def import MetalKernel
+from ..specs import PREFIX_TILE_ROWS, KernelSpec, cuda_source
 from . import launches
-from .base import Problem, Support
+from .base import Support
+from .launching import LaunchingBackend
+from .metal_launches import metal_call, metal_kernel
 from .reference import ReferenceBackend
-
-if TYPE_CHECKING:
-    from .metal_launches import MetalKernel
 
 RACES_ENV = "PAGED_DECODE_EMULATOR_RACES"   # "0" runs the first schedule only
 
 
-class EmulatedCudaBackend(ReferenceBackend):
+class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
     """``schedules`` (fiber schedule names, ``emulator.launch.SCHEDULES``) and ``cp_async``
     (``"deferred"`` / ``"sync"``) default to the emulator's environment settings;
     ``check_races`` to ``$PAGED_DECODE_EMULATOR_RACES`` (``"0"``: the first schedule
@@ -62,7 +62,7 @@ class EmulatedCudaBackend(ReferenceBackend):
         # the reference backend's fixed target, so plans do not depend on this machine
         return DeviceInfo("emulated-cuda", "CUDA kernels on the CPU emulator", compute_units=8,
                           ctas_per_unit=4, detail="fibers on up to 2 OS threads; fixed "
-                          "target 32 CTAs", prefix_tile_rows=launches.PREFIX_TILE_ROWS)
+                          "target 32 CTAs", prefix_tile_rows=PREFIX_TILE_ROWS)
 
     def describe(self) -> dict[str, Any]:
         from ..emulator import cache_dir
@@ -71,9 +71,6 @@ class EmulatedCudaBackend(ReferenceBackend):
                 "cache": str(cache_dir()), "race_check": self.check_races,
                 "schedules": list(self.schedules or default_schedules()),
                 "cp_async": self.cp_async or default_cp_async()}
-
-    def supports(self, problem: Problem) -> Support:
-        return launches.support(problem)
 
     # ----------------------------------------------------------- kernels
     def kernel_source(self, spec: KernelSpec) -> str:
@@ -98,41 +95,20 @@ class EmulatedCudaBackend(ReferenceBackend):
                    check_races=self.check_races, schedules=self.schedules,
                    cp_async=self.cp_async)
 
-    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
-                sm_scale: float, v_out: Any, lse_out: Any) -> None:
-        self._run(launches.partial_launch(
-            (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out)), plan, sm_scale,
-            q, k_pages, v_pages, _table(table), plan.request_indices, plan.kv_tile_indices,
-            v_out, lse_out))
+    # ----------------------------------------------------------- launching hooks
+    def index_array(self, arr: Any) -> Any:
+        return arr          # the emulator's buffers copy it (``_host``)
 
-    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
-              rows: Any = None) -> None:
-        self._run(launches.merge_launch(self.dtype_of(v_out), tuple(v_out.shape), v, lse,
-                                        o_indptr, v_out, lse_out, rows))
-
-    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                  sm_scale: float, out: Any, lse_out: Any) -> None:
-        self._run(launches.v1_launch(
-            (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)), tuple(q.shape),
-            int(k_pages.shape[2]), table.page_size, sm_scale, q, k_pages, v_pages,
-            _table(table), out, lse_out))
-
-    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-                    write: AppendWrite) -> tuple[Any, Any]:
+    def append_row_arrays(self, k_pages: Any, k_rows: Any, v_rows: Any) -> tuple[Any, Any]:
         kr, vr = _rows(k_pages, k_rows, v_rows)
-        self._run(launches.append_launch(write, self.dtype_of(k_pages), _vec(k_pages),
-                                         k_pages.shape, kr, vr, write.desc, k_pages,
-                                         v_pages))
-        return k_pages, v_pages
+        return kr, vr
 
-    def run_prefix(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
-                   plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
-                   v_out: Any, lse_out: Any) -> None:
-        # emulated-metal reports no prefix kernel (prefix_tile_rows 0): never called there
-        self._run(launches.prefix_launch(
-            self.dtype_of(k_pages), plan0, int(members.shape[0]), level0.total_pages,
-            row_tiles, sm_scale, q, k_pages, v_pages, level0.indices, members, v_out,
-            lse_out))
+    def append_vector_bytes(self, k_pages: Any, v_pages: Any, k_rows: Any,
+                            v_rows: Any) -> int:
+        # the emulator's buffers are aligned to the largest power of two <= 16 dividing
+        # their size, a multiple of the row
+        return append_kernel.vector_bytes(
+            k_pages.shape[-2] * k_pages.shape[-1] * k_pages.itemsize)
 
 
 def _host(a: Any) -> np.ndarray:
@@ -144,16 +120,6 @@ def _host(a: Any) -> np.ndarray:
 def _rows(pages: np.ndarray, *rows: Any) -> list[np.ndarray]:
     """New K/V rows in the pools' dtype, C-contiguous."""
     return [np.ascontiguousarray(np.asarray(r).astype(pages.dtype, copy=False)) for r in rows]
-
-
-def _vec(pages: np.ndarray) -> int:
-    """Bytes per access of the append kernel (the emulator's buffers are aligned to the
-    largest power of two <= 16 dividing their size, a multiple of the row)."""
-    return append_kernel.vector_bytes(pages.shape[-2] * pages.shape[-1] * pages.itemsize)
-
-
-def _table(table: PageTable) -> tuple[Any, ...]:
-    return tuple(getattr(table, n) for n in launches.TABLE_FIELDS)
 
 
 class _Outputs:
@@ -183,6 +149,7 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
 
     name = "emulated-metal"
     merge_gathers = False      # the Metal merge has no row index
+    in_place_append = False
 
     def device_info(self) -> DeviceInfo:
         return DeviceInfo("emulated-metal", "Metal kernels on the CPU emulator",
@@ -196,29 +163,23 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
 
     def metal_kernel(self, spec: KernelSpec) -> MetalKernel:
         """The Metal header and body run for ``spec`` (a hook tests override with mutants)."""
-        from .metal_launches import metal_kernel
         return metal_kernel(spec.kernel)
 
-    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-                    write: AppendWrite) -> tuple[Any, Any]:
+    def append_fallback(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                        write: AppendWrite) -> tuple[Any, Any]:
+        """Inputs too small for the kernel's word accesses take the reference path (as
+        ``metal`` takes MLX ops)."""
+        return ReferenceBackend.append_rows(self, k_pages, v_pages, k_rows, v_rows, write)
+
+    def adopt_pools(self, k_pages: Any, v_pages: Any, outs: tuple[Any, Any]
+                    ) -> tuple[Any, Any]:
         """The Metal kernel writes whole new pools (as MLX returns fresh outputs: NaN under
-        ``PAGED_DECODE_POISON``), copied back into the pool arrays; inputs too small for
-        the kernel's word accesses take the reference path (as ``metal`` takes MLX ops)."""
-        kr, vr = _rows(k_pages, k_rows, v_rows)
-        if min(kr.size, k_pages.size) < append_kernel.METAL_MIN_ELEMENTS:
-            return ReferenceBackend.append_rows(self, k_pages, v_pages, kr, vr, write)
-        dtype = self.dtype_of(k_pages)
-        outs = (self.empty(k_pages.shape, dtype), self.empty(k_pages.shape, dtype))
-        self._run(launches.append_launch(write, dtype, _vec(k_pages), k_pages.shape, kr, vr,
-                                         write.by_page(), k_pages, v_pages, outs))
+        ``PAGED_DECODE_POISON``), copied back into the pool arrays."""
         k_pages[...], v_pages[...] = outs
         return k_pages, v_pages
 
     def _run(self, lc: launches.Launch) -> None:
-        import dataclasses
-
         from ..emulator.metal import launch_metal
-        from .metal_launches import metal_call
         if lc.empty:
             return
         call = metal_call(lc, self.dtype_of)

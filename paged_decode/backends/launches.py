@@ -1,11 +1,16 @@
-"""How the CUDA kernels are launched, in one place for every backend that runs them.
+"""How the kernels are launched, in one place for every backend that runs them.
 
 Each function turns a call into a ``Launch``: the specialization, the grid in blocks, the
-threads per block, the dynamic shared memory and the argument list in the kernels'
-parameter order, each argument tagged as an input buffer, an output buffer or a scalar
-(scalars are packed as numpy ``int32`` / ``float32``, never Python numbers). The CUDA
-backend passes the values to CuPy; the emulated backend wraps the buffers for the CPU
-emulator. Arrays are whatever the calling backend uses.
+threads per block and the dynamic shared memory (both from the kernel's ``KernelDef``,
+``kernels/<name>.py``) and the argument list in the CUDA kernel's parameter order, each
+argument tagged as an input buffer, an output buffer or a scalar (scalars are packed as
+numpy ``int32`` / ``float32``, never Python numbers; the Metal dialect picks its inputs
+from the same list by name). Arrays are whatever the calling backend uses
+(``launching.LaunchingBackend`` calls these).
+
+The builders stay host-side rather than in the kernel files: a grid is derived from host
+objects (``DecodePlan``, ``AppendWrite``) and a spec from settings, while kernel modules
+import nothing of the package but ``kernel_def``, which keeps the registry cycle-free.
 """
 
 from __future__ import annotations
@@ -16,17 +21,19 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import itemsize
-from ..kernels import append, prefix_tc
+from ..kernels import append
+from ..kernels.merge import WARPS_PER_BLOCK as MERGE_ITEMS_PER_BLOCK
+from ..kernels.registry import kernel_def
 from ..plan import DecodePlan
-from ..specs import (
+from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported for callers
     MAX_PAGE_SIZE,
-    PREFIX_DTYPES,
+    PREFIX_TILE_ROWS,
     SUPPORTED_HEAD_DIMS,
-    V1_NUM_WARPS,
-    V2_NUM_WARPS,
     KernelSpec,
     append_spec,
     merge_spec,
+    prefix_fits,
+    prefix_kernel_runs,
     prefix_spec,
     v1_spec,
     v2_spec,
@@ -34,10 +41,7 @@ from ..specs import (
 from .base import Problem, Support
 
 LOG2E = 1.4426950408889634
-MERGE_ITEMS_PER_BLOCK = 4      # one warp per (output row, head)
 TABLE_FIELDS = ("indices", "indptr", "last_page_len", "first_page_offset")
-#: query rows per CTA of the prefix kernel (``DeviceInfo.prefix_tile_rows`` where it runs)
-PREFIX_TILE_ROWS = prefix_tc.ROWS_PER_WARP * prefix_tc.NUM_WARPS
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,16 @@ def _ins(names: tuple[str, ...], values: tuple[Any, ...]) -> list[Arg]:
     return [Arg(n, v, "in") for n, v in zip(names, values)]
 
 
-def partial_launch(dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: float, q: Any,
-                   k_pages: Any, v_pages: Any, table: tuple[Any, ...], request_indices: Any,
-                   kv_tile_indices: Any, v_out: Any, lse_out: Any) -> Launch:
+def _launch(spec: KernelSpec, grid: tuple[int, int], args: list[Arg]) -> Launch:
+    """A launch of ``spec`` with the block and shared memory its kernel definition gives."""
+    kdef = kernel_def(spec.kernel)
+    return Launch(spec, grid, kdef.threads(spec), kdef.dynamic_smem(spec), tuple(args))
+
+
+def partial_launch(*, dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: float,
+                   q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
+                   request_indices: Any, kv_tile_indices: Any, v_out: Any,
+                   lse_out: Any) -> Launch:
     """The v2 partial: grid (C chunks, Hkv * q_groups). ``dtypes`` = (q, kv, out);
     ``table`` = the four CSR arrays in ``TABLE_FIELDS`` order."""
     spec = v2_spec(*dtypes, plan.head_dim, plan.page_size, plan.heads_per_cta)
@@ -99,11 +110,10 @@ def partial_launch(dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: flo
             Arg("q_groups", np.int32(plan.q_groups), "scalar"),
             Arg("pages_per_chunk", np.int32(plan.pages_per_chunk), "scalar"),
             Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
-    return Launch(spec, (plan.num_chunks, plan.num_kv_heads * plan.q_groups), V2_NUM_WARPS * 32,
-                  spec.dynamic_smem_bytes, tuple(args))
+    return _launch(spec, (plan.num_chunks, plan.num_kv_heads * plan.q_groups), args)
 
 
-def merge_launch(out_dtype: str, shape: tuple[int, int, int], v: Any, lse: Any,
+def merge_launch(*, out_dtype: str, shape: tuple[int, int, int], v: Any, lse: Any,
                  o_indptr: Any, v_out: Any, lse_out: Any, rows: Any = None) -> Launch:
     """The merge: ``shape`` = (M, H, D) of ``v_out``; one warp per (row, head). With
     ``rows`` (int32 ``[o_indptr[M]]``) merge input ``i`` is row ``rows[i]`` of ``v``/``lse``
@@ -114,13 +124,12 @@ def merge_launch(out_dtype: str, shape: tuple[int, int, int], v: Any, lse: Any,
                   (v, lse, o_indptr, o_indptr if rows is None else rows)),
             Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
             Arg("num_heads", np.int32(h), "scalar"), Arg("num_out", np.int32(m), "scalar")]
-    return Launch(spec, (-(-m * h // MERGE_ITEMS_PER_BLOCK), 1), 32 * MERGE_ITEMS_PER_BLOCK,
-                  0, tuple(args))
+    return _launch(spec, (-(-m * h // MERGE_ITEMS_PER_BLOCK), 1), args)
 
 
-def v1_launch(dtypes: tuple[str, str, str], shape: tuple[int, int, int], num_kv_heads: int,
-              page_size: int, sm_scale: float, q: Any, k_pages: Any, v_pages: Any,
-              table: tuple[Any, ...], out: Any, lse_out: Any) -> Launch:
+def v1_launch(*, dtypes: tuple[str, str, str], shape: tuple[int, int, int],
+              num_kv_heads: int, page_size: int, sm_scale: float, q: Any, k_pages: Any,
+              v_pages: Any, table: tuple[Any, ...], out: Any, lse_out: Any) -> Launch:
     """v1: one block per (request, query head); ``shape`` = (B, Hq, D) of ``q``."""
     b, hq, d = shape
     spec = v1_spec(*dtypes, d, page_size)
@@ -130,23 +139,10 @@ def v1_launch(dtypes: tuple[str, str, str], shape: tuple[int, int, int], num_kv_
             Arg("num_qo_heads", np.int32(hq), "scalar"),
             Arg("num_kv_heads", np.int32(num_kv_heads), "scalar"),
             Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
-    return Launch(spec, (b * hq, 1), V1_NUM_WARPS * 32, spec.dynamic_smem_bytes, tuple(args))
+    return _launch(spec, (b * hq, 1), args)
 
 
-def prefix_fits(q_dtype: str, kv_dtype: str) -> bool:
-    """Whether the tensor-core prefix kernel takes these dtypes (q and pools both float16
-    or both bfloat16; float32 pools run level 0 on the v2 partial)."""
-    return kv_dtype in PREFIX_DTYPES and q_dtype == kv_dtype
-
-
-def prefix_kernel_runs(device: Any, q_dtype: str, kv_dtype: str) -> bool:
-    """Whether cascade's level 0 runs on the tensor-core prefix kernel on ``device`` (a
-    ``DeviceInfo`` with ``prefix_tile_rows > 0``) for these dtypes: the one place this is
-    decided (the backends' ``prefix_partial``, the plan's level-0 choice, the cost rule)."""
-    return bool(device.prefix_tile_rows) and prefix_fits(q_dtype, kv_dtype)
-
-
-def prefix_launch(kv_dtype: str, plan0: DecodePlan, num_members: int, shared_pages: int,
+def prefix_launch(*, kv_dtype: str, plan0: DecodePlan, num_members: int, shared_pages: int,
                   row_tiles: int, sm_scale: float, q: Any, k_pages: Any, v_pages: Any,
                   page_ids: Any, members: Any, v_out: Any, lse_out: Any) -> Launch:
     """Cascade level 0 on tensor cores (``kernels/prefix_tc.py``): grid (C0 * row_tiles,
@@ -165,11 +161,10 @@ def prefix_launch(kv_dtype: str, plan0: DecodePlan, num_members: int, shared_pag
             Arg("num_kv_heads", np.int32(plan0.num_kv_heads), "scalar"),
             Arg("row_tiles", np.int32(row_tiles), "scalar"),
             Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
-    return Launch(spec, (plan0.num_chunks * row_tiles, plan0.num_kv_heads),
-                  spec.num_warps * 32, spec.dynamic_smem_bytes, tuple(args))
+    return _launch(spec, (plan0.num_chunks * row_tiles, plan0.num_kv_heads), args)
 
 
-def append_launch(write: append.AppendWrite, dtype: str, vector_bytes: int,
+def append_launch(*, write: append.AppendWrite, dtype: str, vector_bytes: int,
                   pool_shape: tuple[int, ...], k_rows: Any, v_rows: Any, desc: Any,
                   k_pages: Any, v_pages: Any, outs: tuple[Any, Any] | None = None) -> Launch:
     """The pool append (``kernels/append.py``). ``pool_shape`` is the pools' ``[L?,
@@ -196,6 +191,6 @@ def append_launch(write: append.AppendWrite, dtype: str, vector_bytes: int,
                ("row_layers", write.row_layers), ("copy_cow", int(write.copy_cow))]
     args += [Arg(n, np.int32(v), "scalar") for n, v in scalars]
     if outs is None:
-        return Launch(spec, (write.num_touched, grid_layers), append.THREADS, 0, tuple(args))
+        return _launch(spec, (write.num_touched, grid_layers), args)
     args += [Arg("k_out", outs[0], "out"), Arg("v_out", outs[1], "out")]
-    return Launch(spec, (num_pages, num_layers), append.THREADS, 0, tuple(args))
+    return _launch(spec, (num_pages, num_layers), args)

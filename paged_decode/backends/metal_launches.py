@@ -21,29 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from ..emulator.metal import Dtype
+from ..kernels.kernel_def import MetalKernel
+from ..kernels.registry import kernel_def
 from ..specs import KernelSpec
 from .launches import Launch
 
 
-@dataclass(frozen=True)
-class MetalKernel:
-    """A kernel's Metal text and interface (from ``kernels/<kernel>.py``)."""
-
-    header: str
-    source: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    template: tuple[str, ...]
-
-
 def metal_kernel(kernel: str) -> MetalKernel:
-    """The Metal header, body and interface of ``kernel`` (``"v2"``, ``"v1"``, ``"merge"``,
-    ``"append"``)."""
-    from ..kernels import append, decode_v1, decode_v2, merge
-    mod = {"v2": decode_v2, "v1": decode_v1, "merge": merge, "append": append}[kernel]
-    return MetalKernel(mod.METAL_HEADER, mod.METAL_SOURCE, tuple(mod.METAL_INPUTS),
-                       tuple(mod.METAL_OUTPUTS), tuple(mod.METAL_TEMPLATE))
+    """The Metal header, body and interface of ``kernel`` (``kernels/<name>.py``)."""
+    return kernel_def(kernel).metal_kernel
 
 
 def metal_name(spec: KernelSpec) -> str:
@@ -57,21 +43,7 @@ def metal_name(spec: KernelSpec) -> str:
 def metal_template(spec: KernelSpec) -> list[tuple[str, Any]]:
     """MLX template arguments as (name, value): dtypes as ``Dtype`` (a canonical name; a
     real MLX call maps it to ``mx.Dtype``), geometry as ints."""
-    if spec.kernel == "v2":
-        vals: list[Any] = [Dtype(spec.q_dtype), Dtype(spec.kv_dtype), Dtype(spec.out_dtype),
-                           spec.head_dim, spec.page_size, spec.heads_per_cta, spec.num_warps]
-    elif spec.kernel == "v1":
-        vals = [Dtype(spec.q_dtype), Dtype(spec.kv_dtype), Dtype(spec.out_dtype),
-                spec.head_dim, spec.page_size, spec.num_warps]
-    elif spec.kernel == "merge":
-        vals = [Dtype(spec.out_dtype), spec.head_dim]
-    elif spec.kernel == "append":
-        vals = [spec.vector_bytes]
-    else:
-        raise ValueError(f"unknown kernel {spec.kernel!r}")
-    names = metal_kernel(spec.kernel).template
-    assert len(names) == len(vals)
-    return list(zip(names, vals))
+    return kernel_def(spec.kernel).metal_template(spec)
 
 
 def mlx_geometry(grid_blocks: tuple[int, int], threads: int) -> tuple[tuple[int, int, int],

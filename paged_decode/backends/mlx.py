@@ -35,6 +35,8 @@ from ..plan import DecodePlan
 from ..specs import assert_compile_allowed
 from . import launches
 from .base import Backend, Problem, Support, poison_enabled
+from .launching import LaunchingBackend
+from .metal_launches import metal_call
 from .mlx_gather import gather_attention, merge_ops
 from .mlx_kernels import KernelCache, check_launch, mlx_launch, mx_dtype
 
@@ -235,12 +237,14 @@ class MlxBackend(Backend):
                                       f"({metal_status().reason})")
 
 
-class MetalBackend(MlxBackend):
-    """``metal``: the Metal kernels (``kernels/*.py`` ``METAL_SOURCE``) launched through
-    ``mx.fast.metal_kernel``; launch descriptions from ``launches.py``, converted by
-    ``metal_launches`` and ``mlx_kernels``. Not yet run on Apple hardware."""
+class MetalBackend(LaunchingBackend, MlxBackend):
+    """``metal``: the Metal kernels (``kernels/<name>.py``) launched through
+    ``mx.fast.metal_kernel``; entry points from ``LaunchingBackend``, launch descriptions
+    converted by ``metal_launches`` and ``mlx_kernels``; the append returns new pools.
+    Not yet run on Apple hardware."""
 
     name = "metal"
+    in_place_append = False
 
     def __init__(self, kernel_factory: Any = None) -> None:
         super().__init__()
@@ -265,55 +269,34 @@ class MetalBackend(MlxBackend):
     def auto_path(self) -> tuple[str, str] | None:
         return None
 
-    # ----------------------------------------------------------- kernels
-    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
-                sm_scale: float, v_out: Any, lse_out: Any) -> None:
-        self._run(launches.partial_launch(
-            (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out)), plan, sm_scale,
-            q, k_pages, v_pages, self._table(table), self._index(plan.request_indices),
-            self._index(plan.kv_tile_indices), v_out, lse_out))
-
-    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
-        ip = o_indptr if isinstance(o_indptr, mx.array) else self._index(np.asarray(o_indptr))
-        self._run(launches.merge_launch(self.dtype_of(v_out), tuple(v_out.shape), v, lse, ip,
-                                        v_out, lse_out))
-
-    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                  sm_scale: float, out: Any, lse_out: Any) -> None:
-        self._run(launches.v1_launch(
-            (self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)), tuple(q.shape),
-            int(k_pages.shape[2]), table.page_size, sm_scale, q, k_pages, v_pages,
-            self._table(table), out, lse_out))
-
-    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-                    write: AppendWrite) -> tuple[Any, Any]:
-        """The Metal append kernel, which returns whole new pools (``kernels/append.py``);
-        K/V inputs of fewer than 8 elements (MLX would pass them in the constant space,
-        which the kernel's word accesses cannot read) take the MLX-ops path instead."""
-        kr, vr = (self.asarray(r).astype(k_pages.dtype) for r in (k_rows, v_rows))
-        if min(kr.size, k_pages.size) < append_kernel.METAL_MIN_ELEMENTS:
-            return super().append_rows(k_pages, v_pages, kr, vr, write)
-        dtype = self.dtype_of(k_pages)
-        shape = tuple(k_pages.shape)
-        outs = (self.empty(shape, dtype), self.empty(shape, dtype))
-        vec = append_kernel.vector_bytes(int(np.prod(shape[-2:])) * itemsize(dtype))
-        self._run(launches.append_launch(write, dtype, vec, shape, kr, vr,
-                                         self.upload(write.by_page()), k_pages, v_pages,
-                                         outs))
-        return outs
-
-    def _index(self, arr: np.ndarray) -> Any:
+    # ----------------------------------------------------------- launching hooks
+    def index_array(self, arr: Any) -> Any:
         """A kernel's index input: int32, at least one element (an empty CSR array still
         binds a buffer)."""
+        if isinstance(arr, mx.array):
+            return arr
+        arr = np.asarray(arr)
         return self.upload(arr) if arr.size else mx.zeros((1,), mx.int32)
 
-    def _table(self, table: PageTable) -> tuple[Any, ...]:
-        return tuple(self._index(getattr(table, n)) for n in launches.TABLE_FIELDS)
+    def append_row_arrays(self, k_pages: Any, k_rows: Any, v_rows: Any) -> tuple[Any, Any]:
+        kr, vr = (self.asarray(r).astype(k_pages.dtype) for r in (k_rows, v_rows))
+        return kr, vr
+
+    def append_vector_bytes(self, k_pages: Any, v_pages: Any, k_rows: Any,
+                            v_rows: Any) -> int:
+        shape = tuple(k_pages.shape)
+        return append_kernel.vector_bytes(int(np.prod(shape[-2:]))
+                                          * itemsize(self.dtype_of(k_pages)))
+
+    def append_fallback(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                        write: AppendWrite) -> tuple[Any, Any]:
+        """K/V inputs of fewer than 8 elements (MLX would pass them in the constant space,
+        which the kernel's word accesses cannot read) take the MLX-ops path."""
+        return MlxBackend.append_rows(self, k_pages, v_pages, k_rows, v_rows, write)
 
     def _run(self, lc: launches.Launch) -> None:
         """The one place a launch becomes a ``metal_kernel`` call; the fresh outputs are
         delivered by rebinding the given output arrays (``out[...] = result``)."""
-        from .metal_launches import metal_call
         if lc.empty:
             return
         call = metal_call(lc, self.dtype_of)

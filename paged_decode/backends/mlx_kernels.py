@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import dtype_name
-from ..emulator.metal import Dtype, InputDesc, parameters
 from ..errors import UnsupportedProblemError
 from .metal_launches import MetalCall
+from .metal_signature import Dtype, InputDesc, parameters
 
 #: Metal math mode: "safe" keeps IEEE specials, so exp2(-inf) == 0 (masked logits) and
 #: comparisons with -INFINITY hold; MLX 0.32 defaults to it, we pass it explicitly
@@ -112,7 +112,7 @@ def mlx_launch(call: MetalCall, *, poison: bool) -> MlxLaunch:
 def buffer_count(launch: MlxLaunch) -> int:
     """Buffer slots of the generated kernel: inputs, their ``_shape`` / ``_strides`` /
     ``_ndim`` arrays where the body names them, outputs (MLX's rule; see
-    ``emulator.metal.parameters``)."""
+    ``metal_signature.parameters``)."""
     descs = [InputDesc(n, canonical(a.dtype), tuple(a.shape))
              for n, a in zip(launch.input_names, launch.inputs)]
     params = parameters(launch.source, descs, launch.output_names,

@@ -12,10 +12,17 @@ group gives zeros and -inf.
 Knows nothing of pages or GQA; cascade decode reuses it unchanged.
 """
 
-from .common import CUDA_COMMON, METAL_COMMON
+from __future__ import annotations
 
-# Template parameters, in order: TO, HEAD_DIM, GATHER (CUDA; Metal: TO, HEAD_DIM)
-KERNEL_NAME = "pd_merge_states"
+from typing import TYPE_CHECKING
+
+from .common import CUDA_COMMON, METAL_COMMON
+from .kernel_def import Dtype, KernelDef, MetalKernel, TemplateValue
+
+if TYPE_CHECKING:
+    from ..specs import KernelSpec
+
+#: one warp per (output row, head); the CUDA body's __launch_bounds__(128) says the same
 WARPS_PER_BLOCK = 4
 
 CUDA_BODY = r"""
@@ -119,7 +126,6 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
 # Launch: grid (ceil(M * H / 4) * 128, 1, 1) threads, threadgroup (128, 1, 1).
 METAL_INPUTS = ("v", "lse", "o_indptr", "num_heads", "num_out")
 METAL_OUTPUTS = ("v_out", "lse_out")
-METAL_TEMPLATE = ("TO", "HEAD_DIM")
 METAL_HEADER = METAL_COMMON
 
 METAL_SOURCE = r"""
@@ -171,3 +177,15 @@ METAL_SOURCE = r"""
   }
   if (lane == 0) lse_out[o * num_heads + h] = bad != 0.0f ? NAN : (live ? mx + log2(den) : -INFINITY);
 """
+
+
+def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
+    return {"TO": Dtype(spec.out_dtype), "HEAD_DIM": spec.head_dim, "GATHER": spec.gather}
+
+
+KERNEL = KernelDef(
+    kernel="merge", cuda_name="pd_merge_states", cuda_source=CUDA_SOURCE,
+    template=("TO", "HEAD_DIM", "GATHER"), arguments=_arguments,
+    threads=lambda spec: 32 * WARPS_PER_BLOCK,
+    metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),
+    cuda_only=("GATHER",))     # the Metal merge has no row index

@@ -1,6 +1,6 @@
 """The v2 partial kernel: split-KV paged decode, one CTA per (chunk, KV head, q-group).
 
-CUDA dialect, and a Metal (MLX ``metal_kernel``) body below. Contract (../DESIGN.md):
+CUDA dialect, and a Metal (MLX ``metal_kernel``) body below. Contract (``Backend.partial``):
 ``q [B, Hq, D]``, ``k_pages, v_pages [num_pages, P, Hkv, D]``, CSR arrays, the plan's
 ``request_indices [C]`` / ``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each row
 normalized by its own softmax denominator; float32 for the merge, or the output dtype
@@ -18,12 +18,42 @@ states are combined with shuffles inside the warp and through shared memory acro
 warps. Offsets into the pools are 64-bit.
 """
 
-from .common import CUDA_COMMON, METAL_COMMON
+from __future__ import annotations
 
-# Template parameters, in order: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, STAGES,
-# ROW_LOADS. Dynamic shared memory: STAGES * 4 tokens * 2 (K, V) * NLOAD * 16 bytes per thread
-# (``specs.v2_dynamic_smem``).
-KERNEL_NAME = "pd_decode_v2_partial"
+from typing import TYPE_CHECKING
+
+from .common import CUDA_COMMON, METAL_COMMON
+from .kernel_def import Dtype, KernelDef, MetalKernel, TemplateValue
+
+if TYPE_CHECKING:
+    from ..specs import KernelSpec
+
+TOKENS_PER_STAGE = 4          # U in the kernels
+
+
+def row_loads(kv_dtype: str, head_dim: int, requested: int = 1) -> int:
+    """16-byte loads a lane makes per K/V row (the kernels' RowMap): enough for the row
+    to fit in one warp, at least ``requested``."""
+    per16 = 16 // {"float16": 2, "bfloat16": 2, "float32": 4}[kv_dtype]
+    min_vec = -(-head_dim // 32)
+    return max(-(-min_vec // per16), requested)
+
+
+def stage_bytes_per_thread(kv_dtype: str, head_dim: int, requested_loads: int = 1) -> int:
+    """Ring bytes per thread and stage: 16-byte loads per row x tokens x (K, V)."""
+    return TOKENS_PER_STAGE * 2 * row_loads(kv_dtype, head_dim, requested_loads) * 16
+
+
+def ring_smem_bytes(spec: KernelSpec) -> int:
+    """Dynamic shared memory of v2 and v1, the K/V staging ring: per thread, STAGES x 4
+    tokens x (K, V) x the 16-byte pieces of its slice of a row."""
+    return spec.num_warps * 32 * spec.stages * stage_bytes_per_thread(
+        spec.kv_dtype, spec.head_dim, max(1, spec.row_loads))
+
+
+def warp_threads(spec: KernelSpec) -> int:
+    """Threads per block of the kernels whose block is ``NUM_WARPS`` warps."""
+    return spec.num_warps * 32
 
 CUDA_BODY = r"""
 namespace pd {
@@ -374,7 +404,6 @@ METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
                 "first_page_offset", "request_indices", "kv_tile_indices", "num_qo_heads",
                 "num_kv_heads", "q_groups", "pages_per_chunk", "scale_log2")
 METAL_OUTPUTS = ("v_out", "lse_out")
-METAL_TEMPLATE = ("TQ", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "QH", "NUM_WARPS")
 
 METAL_ATTEND = r"""
 namespace pd {
@@ -650,3 +679,20 @@ METAL_SOURCE = r"""
       long(c) * num_qo_heads + h0, sm_m, sm_l, sm_acc, thread_position_in_threadgroup.x,
       thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
 """
+
+
+def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
+    return {"TQ": Dtype(spec.q_dtype), "TKV": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype),
+            "HEAD_DIM": spec.head_dim, "PAGE_SIZE": spec.page_size, "QH": spec.heads_per_cta,
+            "NUM_WARPS": spec.num_warps, "STAGES": spec.stages,
+            "ROW_LOADS": max(1, spec.row_loads)}
+
+
+KERNEL = KernelDef(
+    kernel="v2", cuda_name="pd_decode_v2_partial", cuda_source=CUDA_SOURCE,
+    template=("TQ", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "QH", "NUM_WARPS", "STAGES",
+              "ROW_LOADS"),
+    arguments=_arguments, threads=warp_threads, dynamic_smem=ring_smem_bytes,
+    metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),
+    # Metal has no staging ring and one row mapping
+    cuda_only=("STAGES", "ROW_LOADS"))

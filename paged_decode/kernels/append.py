@@ -48,8 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .common import CUDA_COMMON, METAL_COMMON
+from .kernel_def import KernelDef, MetalKernel
 
-KERNEL_NAME = "pd_append"
 THREADS = 128                      # per block / threadgroup, both dialects
 DESC_FIELDS = ("page", "src", "row0", "lo", "hi")
 WORD_BYTES = (16, 8, 4, 2)         # VEC values the kernels are specialized on
@@ -183,7 +183,6 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
 METAL_INPUTS = ("k_rows", "v_rows", "desc", "k_pages", "v_pages", "num_touched", "num_rows",
                 "row_words", "page_size", "num_pages", "layer0", "row_layers", "copy_cow")
 METAL_OUTPUTS = ("k_out", "v_out")
-METAL_TEMPLATE = ("VEC",)
 METAL_HEADER = METAL_COMMON + r"""
 namespace pd {
 template <int BYTES> struct Word;
@@ -236,3 +235,9 @@ METAL_SOURCE = r"""
     }
   }
 """
+
+
+KERNEL = KernelDef(
+    kernel="append", cuda_name="pd_append", cuda_source=CUDA_SOURCE, template=("VEC",),
+    arguments=lambda spec: {"VEC": spec.vector_bytes}, threads=lambda spec: THREADS,
+    metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS))

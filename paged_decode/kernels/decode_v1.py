@@ -7,11 +7,17 @@ reads each K/V element once per *query* head and never splits a request across C
 Output ``out [B, Hq, D]`` (output dtype) and ``lse [B, Hq]`` float32, log2.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from .decode_v2 import CUDA_SOURCE as _V2_SOURCE
 from .decode_v2 import METAL_HEADER as _V2_METAL_HEADER
+from .decode_v2 import ring_smem_bytes, warp_threads
+from .kernel_def import Dtype, KernelDef, MetalKernel, TemplateValue
 
-# Template parameters, in order: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, NUM_WARPS, STAGES
-KERNEL_NAME = "pd_decode_v1"
+if TYPE_CHECKING:
+    from ..specs import KernelSpec
 
 CUDA_BODY = r"""
 // grid: (B * Hq); block: NUM_WARPS * 32 threads.
@@ -51,7 +57,6 @@ CUDA_SOURCE = _V2_SOURCE + CUDA_BODY
 METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
                 "first_page_offset", "num_qo_heads", "num_kv_heads", "scale_log2")
 METAL_OUTPUTS = ("out", "lse_out")
-METAL_TEMPLATE = ("TQ", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS")
 METAL_HEADER = _V2_METAL_HEADER
 
 METAL_SOURCE = r"""
@@ -74,3 +79,17 @@ METAL_SOURCE = r"""
       long(r) * num_qo_heads + h, sm_m, sm_l, sm_acc, thread_position_in_threadgroup.x,
       thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
 """
+
+
+def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
+    return {"TQ": Dtype(spec.q_dtype), "TKV": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype),
+            "HEAD_DIM": spec.head_dim, "PAGE_SIZE": spec.page_size,
+            "NUM_WARPS": spec.num_warps, "STAGES": spec.stages}
+
+
+KERNEL = KernelDef(
+    kernel="v1", cuda_name="pd_decode_v1", cuda_source=CUDA_SOURCE,
+    template=("TQ", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS", "STAGES"),
+    arguments=_arguments, threads=warp_threads, dynamic_smem=ring_smem_bytes,
+    metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),
+    cuda_only=("STAGES",))

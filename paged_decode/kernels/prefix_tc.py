@@ -30,10 +30,16 @@ Q and K fragments come from shared memory through ``ldmatrix``, V fragments thro
 fragments and row addresses with warp shuffles.
 """
 
-from .common import CUDA_COMMON
+from __future__ import annotations
 
-# Template parameters, in order: T, HEAD_DIM, PAGE_SIZE, NUM_WARPS, KT (tokens per tile)
-KERNEL_NAME = "pd_prefix_tc"
+from typing import TYPE_CHECKING
+
+from .common import CUDA_COMMON
+from .kernel_def import Dtype, KernelDef, TemplateValue
+
+if TYPE_CHECKING:
+    from ..specs import KernelSpec
+
 NUM_WARPS = 4
 ROWS_PER_WARP = 16
 SMEM_PAD = 8                  # elements of padding per smem row (bank-conflict-free frags)
@@ -395,3 +401,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
 """
 
 CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
+
+
+def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
+    return {"T": Dtype(spec.kv_dtype), "HEAD_DIM": spec.head_dim, "PAGE_SIZE": spec.page_size,
+            "NUM_WARPS": spec.num_warps, "KT": spec.tile_tokens}
+
+
+KERNEL = KernelDef(
+    kernel="prefix", cuda_name="pd_prefix_tc", cuda_source=CUDA_SOURCE,
+    template=("T", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS", "KT"), arguments=_arguments,
+    threads=lambda spec: spec.num_warps * 32,
+    dynamic_smem=lambda spec: dynamic_smem_bytes(spec.head_dim, spec.num_warps,
+                                                 spec.tile_tokens))

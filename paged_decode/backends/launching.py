@@ -1,0 +1,158 @@
+"""``LaunchingBackend``: the kernel entry points of every backend that runs our kernels
+(``cuda``, ``metal``, ``emulated-cuda``, ``emulated-metal``), written once.
+
+Each entry point builds a ``Launch`` (``launches.py``) and hands it to the backend's
+``_run``; a backend supplies only small hooks: ``index_array`` (a host index array of a
+table or plan, or ``write.desc``, as the array its kernels read), ``check_pools`` (what
+its loads need of the K/V pools), ``append_row_arrays`` / ``append_vector_bytes`` (the
+append's rows and word width) and ``_run`` itself. ``in_place_append`` says which
+dialect's append it launches: CUDA writes the pools in place, Metal returns new pools.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, UnsupportedProblemError
+from ..kernels.append import METAL_MIN_ELEMENTS, AppendWrite
+from ..page_table import PageTable
+from ..plan import DecodePlan
+from ..specs import prefix_kernel_runs
+from . import launches
+from .base import Backend, Problem, Support
+
+
+class LaunchingBackend(Backend):
+    #: the append kernel writes the pools in place (CUDA dialect); else it returns new
+    #: pools (Metal dialect, MLX outputs), which ``adopt_pools`` delivers
+    in_place_append: bool = True
+
+    def supports(self, problem: Problem) -> Support:
+        return launches.support(problem)
+
+    # ----------------------------------------------------------- hooks
+    @abstractmethod
+    def index_array(self, arr: Any) -> Any:
+        """A host int32 index array (a table's or plan's, ``o_indptr``, the append
+        descriptor) as the array the kernels read; this backend's arrays pass through."""
+
+    @abstractmethod
+    def _run(self, launch: launches.Launch) -> None:
+        """Run one launch (nothing when it is empty)."""
+
+    def check_pools(self, fn: str, k_pages: Any, v_pages: Any) -> None:
+        """Raise when the kernels cannot read these pools (nothing by default)."""
+        return None
+
+    def append_row_arrays(self, k_pages: Any, k_rows: Any, v_rows: Any) -> tuple[Any, Any]:
+        """The append's new rows in the pools' dtype, C-contiguous."""
+        return k_rows, v_rows
+
+    @abstractmethod
+    def append_vector_bytes(self, k_pages: Any, v_pages: Any, k_rows: Any,
+                            v_rows: Any) -> int:
+        """Bytes per access of the append kernel for these arrays."""
+
+    def append_fallback(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                        write: AppendWrite) -> tuple[Any, Any]:
+        """The append of inputs too small for the Metal kernel's word accesses."""
+        raise NotImplementedError
+
+    def adopt_pools(self, k_pages: Any, v_pages: Any, outs: tuple[Any, Any]
+                    ) -> tuple[Any, Any]:
+        """The pools after a Metal-dialect append wrote ``outs`` (default: ``outs``)."""
+        return outs
+
+    def table_arrays(self, table: PageTable) -> tuple[Any, ...]:
+        """The four CSR arrays of ``table``, in ``launches.TABLE_FIELDS`` order."""
+        return tuple(self.index_array(getattr(table, n)) for n in launches.TABLE_FIELDS)
+
+    def plan_arrays(self, plan: DecodePlan) -> tuple[Any, Any]:
+        """``request_indices [C]`` and ``kv_tile_indices [C]`` of ``plan``."""
+        return self.index_array(plan.request_indices), self.index_array(plan.kv_tile_indices)
+
+    # ----------------------------------------------------------- kernels
+    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
+                sm_scale: float, v_out: Any, lse_out: Any) -> None:
+        self.check_pools("decode", k_pages, v_pages)
+        request_indices, kv_tile_indices = self.plan_arrays(plan)
+        self._run(launches.partial_launch(
+            dtypes=(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out)), plan=plan,
+            sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
+            table=self.table_arrays(table), request_indices=request_indices,
+            kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out))
+
+    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
+              rows: Any = None) -> None:
+        if rows is not None and not self.merge_gathers:
+            raise InvalidArgumentError(f"{self.name} backend: the merge takes no row index")
+        self._run(launches.merge_launch(
+            out_dtype=self.dtype_of(v_out), shape=tuple(v_out.shape), v=v, lse=lse,
+            o_indptr=self.index_array(o_indptr), v_out=v_out, lse_out=lse_out, rows=rows))
+
+    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                  sm_scale: float, out: Any, lse_out: Any) -> None:
+        self.check_pools("decode", k_pages, v_pages)
+        self._run(launches.v1_launch(
+            dtypes=(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)),
+            shape=tuple(q.shape), num_kv_heads=int(k_pages.shape[2]),
+            page_size=table.page_size, sm_scale=sm_scale, q=q, k_pages=k_pages,
+            v_pages=v_pages, table=self.table_arrays(table), out=out, lse_out=lse_out))
+
+    def prefix_partial(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
+                       plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
+                       v_out: Any, lse_out: Any) -> bool:
+        if not prefix_kernel_runs(self.device_info(), self.dtype_of(q), self.dtype_of(k_pages)):
+            return False
+        self.run_prefix(q, k_pages, v_pages, level0, plan0, members, row_tiles, sm_scale,
+                        v_out, lse_out)
+        return True
+
+    def run_prefix(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
+                   plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
+                   v_out: Any, lse_out: Any) -> None:
+        """Launch the prefix kernel (arguments of ``prefix_partial``, already checked)."""
+        if not self.device_info().prefix_tile_rows:
+            raise UnsupportedProblemError(f"{self.name} backend has no tensor-core prefix "
+                                          "kernel")
+        self.check_pools("cascade_decode", k_pages, v_pages)
+        self._run(launches.prefix_launch(
+            kv_dtype=self.dtype_of(k_pages), plan0=plan0, num_members=int(members.shape[0]),
+            shared_pages=level0.total_pages, row_tiles=row_tiles, sm_scale=sm_scale, q=q,
+            k_pages=k_pages, v_pages=v_pages, page_ids=self.index_array(level0.indices),
+            members=members, v_out=v_out, lse_out=lse_out))
+
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite) -> tuple[Any, Any]:
+        """One launch of the append kernel on the pools' device and current stream (see
+        ``Backend.append_rows``); ``write.desc`` is the one host-to-device copy."""
+        with self.launch_context(k_pages):
+            kr, vr = self.append_row_arrays(k_pages, k_rows, v_rows)
+            if not self.in_place_append and min(kr.size, k_pages.size) < METAL_MIN_ELEMENTS:
+                return self.append_fallback(k_pages, v_pages, kr, vr, write)
+            dtype = self.dtype_of(k_pages)
+            shape = tuple(int(x) for x in k_pages.shape)
+            vec = self.append_vector_bytes(k_pages, v_pages, kr, vr)
+            if self.in_place_append:
+                self._run(launches.append_launch(
+                    write=write, dtype=dtype, vector_bytes=vec, pool_shape=shape, k_rows=kr,
+                    v_rows=vr, desc=self.index_array(write.desc), k_pages=k_pages,
+                    v_pages=v_pages))
+                return k_pages, v_pages
+            outs = (self.empty(shape, dtype), self.empty(shape, dtype))
+            self._run(launches.append_launch(
+                write=write, dtype=dtype, vector_bytes=vec, pool_shape=shape, k_rows=kr,
+                v_rows=vr, desc=self.index_array(write.by_page()), k_pages=k_pages,
+                v_pages=v_pages, outs=outs))
+            return self.adopt_pools(k_pages, v_pages, outs)
+
+
+def host_index(arr: Any) -> np.ndarray:
+    """An index array as numpy (for backends whose kernels read host memory)."""
+    return np.asarray(arr)
+
+
+__all__ = ["LaunchingBackend", "host_index"]

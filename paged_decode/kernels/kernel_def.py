@@ -1,0 +1,105 @@
+"""What one kernel is: ``KernelDef``, the single object each ``kernels/<name>.py`` exports.
+
+A definition holds both dialects' sources, the template parameters by name (in the CUDA
+declaration's order, written once), how a ``KernelSpec`` becomes a named mapping of
+template arguments (the CUDA name expression and the Metal template list both read it),
+the threads per block and the dynamic shared memory. Kernel modules import only this
+module and ``common``, so the registry over them can be imported from anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..specs import KernelSpec
+
+#: CUDA spelling of a dtype template argument
+CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+@dataclass(frozen=True)
+class Dtype:
+    """A dtype template argument, by canonical name (``"float16"``, ``"bfloat16"``, ...)."""
+
+    name: str
+
+
+TemplateValue = bool | int | Dtype
+
+
+@dataclass(frozen=True)
+class MetalKernel:
+    """A kernel's MLX ``metal_kernel`` text and interface: ``header`` and body
+    (``source``), input and output names in call order, template parameter names."""
+
+    header: str
+    source: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    template: tuple[str, ...] = ()
+
+
+def _no_smem(spec: KernelSpec) -> int:
+    return 0
+
+
+def cuda_template_value(v: TemplateValue) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, Dtype):
+        return CUDA_TYPES[v.name]
+    return str(int(v))
+
+
+@dataclass(frozen=True)
+class KernelDef:
+    """One kernel. ``kernel`` is its ``KernelSpec.kernel`` key; ``cuda_name`` the
+    ``__global__`` template's name in ``cuda_source``; ``template`` its template
+    parameters in declaration order; ``arguments(spec)`` the value of each (a ``Dtype``
+    for a ``typename``); ``threads(spec)`` the threads per block (threadgroup on Metal);
+    ``dynamic_smem(spec)`` the dynamic shared memory bytes (CUDA). ``metal`` is the Metal
+    dialect (its ``template`` left empty: it is ``template`` less ``cuda_only``, the
+    parameters only the CUDA dialect has), ``None`` where there is none."""
+
+    kernel: str
+    cuda_name: str
+    cuda_source: str
+    template: tuple[str, ...]
+    arguments: Callable[[KernelSpec], Mapping[str, TemplateValue]]
+    threads: Callable[[KernelSpec], int]
+    dynamic_smem: Callable[[KernelSpec], int] = _no_smem
+    metal: MetalKernel | None = None
+    cuda_only: tuple[str, ...] = ()
+
+    def template_arguments(self, spec: KernelSpec) -> list[tuple[str, TemplateValue]]:
+        """(name, value) in declaration order; the mapping must name every parameter."""
+        named = self.arguments(spec)
+        if set(named) != set(self.template):
+            raise ValueError(f"{self.kernel}: template arguments {sorted(named)} do not match "
+                             f"the parameters {list(self.template)}")
+        return [(n, named[n]) for n in self.template]
+
+    def cuda_name_expression(self, spec: KernelSpec) -> str:
+        """The template instantiation CuPy / NVRTC compile, e.g. ``pd_merge_states<float,
+        128, false>``."""
+        args = ", ".join(cuda_template_value(v) for _, v in self.template_arguments(spec))
+        return f"{self.cuda_name}<{args}>"
+
+    @property
+    def metal_kernel(self) -> MetalKernel:
+        """The Metal dialect with its template parameter names."""
+        if self.metal is None:
+            raise ValueError(f"kernel {self.kernel!r} has no Metal dialect")
+        names = tuple(n for n in self.template if n not in self.cuda_only)
+        return MetalKernel(self.metal.header, self.metal.source, self.metal.inputs,
+                           self.metal.outputs, names)
+
+    def metal_template(self, spec: KernelSpec) -> list[tuple[str, TemplateValue]]:
+        """MLX template arguments as (name, value), in the Metal dialect's order."""
+        return [(n, v) for n, v in self.template_arguments(spec) if n not in self.cuda_only]
+
+
+__all__ = ["CUDA_TYPES", "Dtype", "KernelDef", "MetalKernel", "TemplateValue"]
