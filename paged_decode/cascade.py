@@ -37,12 +37,12 @@ from typing import Any
 import numpy as np
 
 from .backends import get_backend
-from .backends.launches import prefix_kernel_runs
 from .device import DeviceInfo
 from .errors import InvalidArgumentError, check_choice, check_int, check_type
 from .kernels import prefix_tc
 from .page_table import PageTable, frozen_int32
 from .plan import DecodePlan, check_geometry, make_plan
+from .specs import prefix_kernel_runs
 
 #: Shortest shared span detection considers. Measured on an H200 (2026-11-30,
 #: bench/results/h200/bench_cascade-rule{,_run8}_2026-11-30.json, shared 128-2048 x batch 2-128,

@@ -12,12 +12,12 @@ import weakref
 from typing import Any
 
 from . import settings
-from .backends.launches import prefix_kernel_runs
 from .cascade import CascadeDecodePlan, CascadePlan, detect_with_reason, plan_cascade
 from .device import CHUNK_ENV, TARGET_ENV
 from .dtypes import itemsize
 from .errors import InvalidArgumentError
 from .page_table import PageTable
+from .specs import prefix_kernel_runs
 
 CASCADE_ENV = "PAGED_DECODE_CASCADE"
 #: Cost rule of the automatic choice: cascade must remove at least this fraction of the

@@ -9,15 +9,10 @@ Output ``out [B, Hq, D]`` (output dtype) and ``lse [B, Hq]`` float32, log2.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .decode_v2 import CUDA_SOURCE as _V2_SOURCE
 from .decode_v2 import METAL_HEADER as _V2_METAL_HEADER
 from .decode_v2 import ring_smem_bytes, warp_threads
-from .kernel_def import Dtype, KernelDef, MetalKernel, TemplateValue
-
-if TYPE_CHECKING:
-    from ..specs import KernelSpec
+from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue
 
 CUDA_BODY = r"""
 // grid: (B * Hq); block: NUM_WARPS * 32 threads.

@@ -20,13 +20,8 @@ warps. Offsets into the pools are 64-bit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .common import CUDA_COMMON, METAL_COMMON
-from .kernel_def import Dtype, KernelDef, MetalKernel, TemplateValue
-
-if TYPE_CHECKING:
-    from ..specs import KernelSpec
+from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue
 
 TOKENS_PER_STAGE = 4          # U in the kernels
 

@@ -14,13 +14,8 @@ Knows nothing of pages or GQA; cascade decode reuses it unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .common import CUDA_COMMON, METAL_COMMON
-from .kernel_def import Dtype, KernelDef, MetalKernel, TemplateValue
-
-if TYPE_CHECKING:
-    from ..specs import KernelSpec
+from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue
 
 #: one warp per (output row, head); the CUDA body's __launch_bounds__(128) says the same
 WARPS_PER_BLOCK = 4

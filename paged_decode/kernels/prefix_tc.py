@@ -32,13 +32,8 @@ fragments and row addresses with warp shuffles.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .common import CUDA_COMMON
-from .kernel_def import Dtype, KernelDef, TemplateValue
-
-if TYPE_CHECKING:
-    from ..specs import KernelSpec
+from .kernel_def import Dtype, KernelDef, KernelSpec, TemplateValue
 
 NUM_WARPS = 4
 ROWS_PER_WARP = 16
