@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..device import DeviceInfo
+from ..errors import InvalidArgumentError, PagedDecodeError
 from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan
@@ -121,7 +122,6 @@ class Backend(ABC):
     def array_arg(self, fn: str, name: str, x: Any) -> Any:
         """Argument ``name`` of ``fn`` as this backend's array (``asarray``); anything that
         is not an array this backend can use raises ``InvalidArgumentError`` naming both."""
-        from ..errors import InvalidArgumentError, PagedDecodeError
         try:
             arr = self.asarray(x)
             arr.shape, arr.dtype  # noqa: B018 - what every caller reads first
