@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, out_tol
+from helpers import PREFIX_RTOL, assert_matches_oracle, out_tol
 
 import paged_decode as pd
 import paged_decode.cascade as cascade_mod
@@ -351,8 +351,6 @@ def test_decode_auto_takes_cascade_with_tensor_cores_when_it_pays(monkeypatch):
                       out_dtype="float32")
     o = pd.last_outcome()
     assert o.path == "cascade" and "saves" in o.reason and "tensor-core prefix" in o.detail
-    from conftest import PREFIX_RTOL
-
     from paged_decode.reference import lse_error
     assert max_rel_error(out, ref_out) <= PREFIX_RTOL["float16"]
     assert lse_error(lse, ref_lse) <= 5e-5

@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not availability("cuda").ok,
                                  reason=f"CUDA backend unavailable: {availability('cuda').reason}")]
 
-from conftest import LSE_ATOL as LSE_TOL  # noqa: E402  (one place for tolerances)
-from conftest import OUT_RTOL as TOL  # noqa: E402  (keyed by the output dtype)
-from conftest import PREFIX_RTOL  # noqa: E402
+from helpers import LSE_ATOL as LSE_TOL  # noqa: E402  (one place for tolerances)
+from helpers import OUT_RTOL as TOL  # noqa: E402  (keyed by the output dtype)
+from helpers import PREFIX_RTOL  # noqa: E402
 
 PATHS = [("v2", None), ("v2", 1), ("v1", None), ("gather", None)]
 
@@ -310,7 +310,7 @@ def test_cascade_on_cuda_matches_flat_and_oracle(cuda):
                          out_dtype="float32")
     oc = pd.last_outcome()
     assert oc.path == "cascade" and "level 0: tensor-core prefix" in oc.detail
-    # level 0 rounds P to float16 for the tensor cores (conftest.PREFIX_RTOL)
+    # level 0 rounds P to float16 for the tensor cores (helpers.PREFIX_RTOL)
     assert max_rel_error(out.get(), ref) <= PREFIX_RTOL["float16"]
     assert lse_error(lse.get(), ref_lse) <= LSE_TOL
     flat = pd.decode(cp.asarray(q), pool.k, pool.v, table, cascade=False, out_dtype="float32")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, out_tol
+from helpers import assert_matches_oracle, out_tol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import PREFIX_RTOL
+from helpers import PREFIX_RTOL
 from mutants import Mutation, backend, control, mutant
 
 import paged_decode as pd

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, out_tol
+from helpers import assert_matches_oracle, out_tol
 
 import paged_decode as pd
 from paged_decode import InvalidArgumentError
