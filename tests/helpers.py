@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import paged_decode as pd
+from paged_decode import PageTable
+from paged_decode.backends.reference import ReferenceBackend
 from paged_decode.emulator import KernelFault, RaceError
 from paged_decode.problems import make_problem
 from paged_decode.reference import lse_error, max_rel_error, oracle_decode
@@ -80,6 +82,61 @@ WORST: dict[str, float] = {}
 
 def _note(key: str, err: float) -> None:
     WORST[key] = max(WORST.get(key, 0.0), err)
+
+
+# ---------------------------------------------------------------------------- tables
+def table_of(pages=None, page_size: int = 16, *, lengths=None, ids=None, lpl=None, fpo=None,
+             rope=None, num_pages=None, spare_pages: int | None = None) -> PageTable:
+    """The tests' one hand-built page table (``problems.make_table`` builds random ones).
+
+    ``pages[r]`` is request r's list of page ids, or a page count: the next that many of
+    ``ids`` (default ``0, 1, 2, ...``, pages in logical order). With ``lengths`` instead,
+    request r holds ``lengths[r]`` visible tokens after ``fpo[r]`` retired ones, in as many
+    pages as that takes. ``lpl`` defaults to full last pages (or what ``lengths`` leaves);
+    ``fpo``, ``rope`` and ``num_pages`` (or listed pages + ``spare_pages``) go to
+    ``PageTable.build`` as given, so invalid values reach its validation.
+    """
+    p = page_size
+    if lengths is not None:
+        off = [0] * len(lengths) if fpo is None else [int(f) for f in fpo]
+        pages = [-(-(n + f) // p) if n + f else 0 for n, f in zip(lengths, off)]
+        lpl = [(n + f) - (c - 1) * p if c else 0 for n, f, c in zip(lengths, off, pages)]
+    counts = [int(x) if isinstance(x, (int, np.integer)) else len(x) for x in pages]
+    pool = np.arange(sum(counts)) if ids is None else np.asarray(ids)
+    lists, taken = [], 0
+    for x, c in zip(pages, counts):
+        if isinstance(x, (int, np.integer)):
+            lists.append(pool[taken:taken + c])
+            taken += c
+        else:
+            lists.append(np.asarray(x, np.int64))
+    indices = np.concatenate(lists).astype(np.int64) if lists else np.zeros(0, np.int64)
+    if lpl is None:
+        lpl = [p if c else 0 for c in counts]
+    if spare_pages is not None:
+        num_pages = len(indices) + spare_pages
+    return PageTable.build(indices, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                           lpl, page_size=p, first_page_offset=fpo, rope_positions=rope,
+                           num_pages=num_pages)
+
+
+def relabel(table: PageTable, ids=None, num_pages: int | None = None) -> PageTable:
+    """``table``'s requests over other page ids (default ``0, 1, 2, ...``: each request's
+    pages read in logical order, the broken read of the negative controls) in a pool of
+    ``num_pages`` (default unknown: the old bound need not hold for the new ids)."""
+    return table_of(table.pages_per_request.tolist(), table.page_size, ids=ids,
+                    lpl=table.last_page_len, fpo=table.first_page_offset,
+                    rope=table.rope_positions, num_pages=num_pages)
+
+
+class IgnoresIndices(ReferenceBackend):
+    """A broken partial (the negative control of the paging tests): reads each request's
+    pages in logical order, as if ``indices`` were ``arange``."""
+
+    name = "ignores-indices"
+
+    def partial(self, q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out):
+        super().partial(q, k_pages, v_pages, relabel(table), plan, sm_scale, v_out, lse_out)
 
 
 def require_mlx():
