@@ -109,7 +109,7 @@ step_prefix_tile_ab() {
   for v in "64 2" "32 3" "32 4"; do
     read -r kt c <<< "$v"
     PAGED_DECODE_PREFIX_TILE=$kt PAGED_DECODE_PREFIX_CTAS_PER_SM=$c run_bench "ab_kt${kt}_c$c" \
-      --suite cascade > /dev/null
+      --suite cascade | grep " rc="
     echo "kt=$kt ctas/sm=$c"; grep -E "^cascade" "$OUT/bench_ab_kt${kt}_c$c.txt" | awk '{print $2, $3, $6, $7}'
   done
 }
