@@ -1,4 +1,4 @@
-"""Shared fixtures and the one place that defines numerical tolerances.
+"""Pytest hooks and fixtures only; what tests share otherwise is in ``helpers.py``.
 
 Every test runs with ``PAGED_DECODE_POISON=1``: each fresh output and workspace the
 backend allocates is NaN-filled, so an element a kernel forgets to write shows up as NaN
@@ -8,98 +8,22 @@ backend allocates is NaN-filled, so an element a kernel forgets to write shows u
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
 import pytest
+from helpers import WORST
 
 from paged_decode import get_backend
 from paged_decode.backends.reference import ANY_GEOMETRY_ENV
-from paged_decode.reference import lse_error, max_rel_error
-
-# ---------------------------------------------------------------------------- tolerances
-#: max relative error of the output (``max|got - ref| / max|ref|``) against the float64
-#: oracle, keyed by the *output* dtype: the reference backend accumulates in float32 and
-#: the oracle sees the same (already rounded) inputs, so the error is float32 arithmetic
-#: plus rounding the result to the output dtype (half an ulp: 4.9e-4 for float16, 3.9e-3
-#: for bfloat16). Worst measured over the curated cases, the fuzz and a context <= 1000
-#: sweep: float32 2.6e-6, float16 4.6e-4, bfloat16 3.8e-3. Bounds keep ~2.5-4x above
-#: those (run with ``-v`` to print this session's worst errors).
-OUT_RTOL = {
-    "float32": 1e-5,
-    "float16": 2e-3,
-    "bfloat16": 1e-2,
-}
-#: the tensor-core prefix kernel (cascade's level 0) rounds the softmax weights to the
-#: pools' 16-bit dtype before P V (mma operands are 16-bit; the row sums and the LSE stay
-#: float32), so even a float32 output carries an error of that dtype's rounding.
-#: Keyed by the pool dtype; worst measured (emulator and H200): see test_prefix_tc.py.
-PREFIX_RTOL = {
-    "float16": 2e-3,
-    "bfloat16": 1e-2,
-}
-#: max absolute error of the base-2 LSE (float32, so it scales with |LSE|: ~1e-5 at
-#: |LSE| ~ 100 with sm_scale = 2 in the fuzz; ~2e-6 at the default scale).
-LSE_ATOL = 5e-5
 
 
-def f32_accumulation_tol(tokens: int) -> float:
-    """Max-rel bound on a float32 output accumulated in float32 over ``tokens`` tokens,
-    whatever the K/V dtype (the oracle reads the same rounded inputs in float64): a
-    random walk of 2^-24 per addition, 4 sigma (3.1e-5 at 16K tokens; measured 2-4e-7 on
-    the emulated kernels). An accumulator held in a 16-bit type errs by 2^-11 (float16)
-    or 2^-8 (bfloat16) per addition instead: 5e-4 and more at 16K."""
-    return 4 * 2.0 ** -24 * math.sqrt(tokens)
-
-
-def out_tol(dtype: str) -> float:
-    """Output max-rel tolerance for an output of ``dtype`` (canonical name)."""
-    return OUT_RTOL[dtype]
-
-
-def assert_matches_oracle(out, lse, ref_out, ref_lse, out_dtype: str, what: str = "") -> None:
-    """Output and (optionally) LSE agree with the float64 oracle within tolerance.
-
-    ``lse=None`` skips the LSE comparison (for calls made without ``return_lse``).
-    Empty requests must be exactly 0 / ``-inf`` (``lse_error`` is ``inf`` otherwise).
-    """
-    out = np.asarray(out)
-    assert np.isfinite(out.astype(np.float64)).all(), f"{what}: non-finite output"
-    err = max_rel_error(out, ref_out)
-    _note(out_dtype, err)
-    assert err <= out_tol(out_dtype), f"{what}: out max-rel error {err:.3e} > {out_tol(out_dtype)}"
-    if lse is not None:
-        lerr = lse_error(lse, ref_lse)
-        _note("lse", lerr)
-        assert lerr <= LSE_ATOL, f"{what}: lse abs error {lerr:.3e} > {LSE_ATOL}"
-
-
-#: worst errors seen this session (printed at the end with ``-rA`` or on ``-v``), so the
-#: tolerances above can be re-measured whenever the arithmetic changes
-WORST: dict[str, float] = {}
-
-
-def _note(key: str, err: float) -> None:
-    WORST[key] = max(WORST.get(key, 0.0), err)
-
-
+# ---------------------------------------------------------------------------- reporting
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """With ``-v``: the worst errors against the oracle this session (``helpers.WORST``)."""
     if WORST and config.getoption("verbose") > 0:
         parts = ", ".join(f"{k} {v:.2e}" for k, v in sorted(WORST.items()))
         terminalreporter.write_line(f"paged-decode worst errors vs oracle: {parts}")
-
-
-def require_mlx():
-    """``mlx.core``, or skip the calling test module with the reason: MLX missing, or
-    installed but not loadable (a Linux ``pip install '.[metal]'`` whose ``libmlx.so`` is
-    missing raises ``ImportError`` or ``OSError``, which ``importorskip`` lets through)."""
-    try:
-        import mlx.core as mx
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"mlx.core cannot be imported ({type(exc).__name__}: {exc})",
-                    allow_module_level=True)
-    return mx
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -154,26 +78,3 @@ def pytest_runtest_makereport(item, call):
     with open(path, "a") as f:
         f.write(json.dumps({"nodeid": item.nodeid, "when": rep.when, "outcome": rep.outcome,
                             "exc": exc, "msg": msg}) + "\n")
-
-
-def mutant_fails(be, spec, path: str = "v2", ppc: int | None = None) -> str:
-    """Why a decode of a fresh ``spec`` problem on ``be`` (a backend running a mutated
-    kernel) fails: the emulator's fault or race report, or the error off the float64
-    oracle when above 0.1; ``""`` when it passes. A compile error is not a detection and
-    propagates."""
-    import paged_decode as pd
-    from paged_decode.emulator import KernelFault, RaceError
-    from paged_decode.problems import make_problem
-    from paged_decode.reference import oracle_decode
-
-    pr = make_problem(spec)
-    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
-    plan = pd.plan_decode(pr.table, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
-                          device=be.device_info(), pages_per_chunk=ppc)
-    try:
-        out = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path=path,
-                        out_dtype="float32", backend=be)
-    except (KernelFault, RaceError) as exc:
-        return str(exc)
-    err = max_rel_error(out, ref)
-    return f"error {err:.3g}" if err > 0.1 else ""

@@ -6,11 +6,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, out_tol
+from helpers import PREFIX_RTOL, assert_matches_oracle, out_tol, table_of
 
 import paged_decode as pd
 import paged_decode.cascade as cascade_mod
-from paged_decode import InvalidArgumentError, PagePool, PageTable, decode
+from paged_decode import InvalidArgumentError, PagePool, decode
 from paged_decode.backends.reference import ReferenceBackend
 from paged_decode.cascade import (
     detect_shared_prefix,
@@ -181,18 +181,9 @@ def test_negative_control_natural_log_lse_in_merge():
 
 
 # ---------------------------------------------------------------------------- planning
-def synthetic(lists, page_size=16, lpl=None, fpo=None):
-    """A table from explicit page-id lists (full last pages unless ``lpl`` says)."""
-    counts = [len(x) for x in lists]
-    ids = np.concatenate([np.asarray(x, np.int64) for x in lists]) if lists else []
-    lpl = lpl or [page_size if c else 0 for c in counts]
-    return PageTable.build(ids, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), lpl,
-                           page_size=page_size, first_page_offset=fpo)
-
-
 def test_64_shared_pages_by_4_members_save_192():
     shared = list(range(64))
-    t = synthetic([shared + [100 + i, 200 + i] for i in range(4)])
+    t = table_of([shared + [100 + i, 200 + i] for i in range(4)])
     cp = detect_shared_prefix(t, min_shared_pages=1)
     assert cp.shared_pages == 64 and cp.members.tolist() == [0, 1, 2, 3]
     assert cp.saved_page_reads == 192
@@ -201,27 +192,27 @@ def test_64_shared_pages_by_4_members_save_192():
 def test_three_by_30_beats_two_by_40_and_members_can_be_dropped():
     a = list(range(40))
     b = list(range(1000, 1030))
-    t = synthetic([a + [90], b + [91], a + [92], b + [93], b + [94]])
+    t = table_of([a + [90], b + [91], a + [92], b + [93], b + [94]])
     cp = detect_shared_prefix(t, min_shared_pages=1)
     assert cp.members.tolist() == [1, 3, 4] and cp.shared_pages == 30
     assert cp.saved_page_reads == 60
     # nested: {0,1,2} share 30 pages, {0,1} share 70: 70 * 1 > 30 * 2 drops member 2
-    t2 = synthetic([b + list(range(40)) + [90], b + list(range(40)) + [91], b + [92]])
+    t2 = table_of([b + list(range(40)) + [90], b + list(range(40)) + [91], b + [92]])
     cp2 = detect_shared_prefix(t2, min_shared_pages=1)
     assert cp2.members.tolist() == [0, 1] and cp2.shared_pages == 70
-    t3 = synthetic([b + list(range(20)) + [90], b + list(range(20)) + [91], b + [92]])
+    t3 = table_of([b + list(range(20)) + [90], b + list(range(20)) + [91], b + [92]])
     cp3 = detect_shared_prefix(t3, min_shared_pages=1)   # 3 x 30 (60) beats 2 x 50 (50)
     assert cp3.members.tolist() == [0, 1, 2] and cp3.shared_pages == 30
 
 
 def test_span_cap_keeps_a_private_last_page():
     pages = list(range(10))
-    t = synthetic([pages, pages, pages[:6]], lpl=[3, 3, 16])  # identical lists share all
+    t = table_of([pages, pages, pages[:6]], lpl=[3, 3, 16])  # identical lists share all
     cp = detect_shared_prefix(t, min_shared_pages=1)
     assert cp.shared_pages == 5 and cp.members.tolist() == [0, 1, 2]
     assert (cp.level1.pages_per_request >= 1).all()
     assert (cp.level1.visible_lens > 0).all()
-    t2 = synthetic([pages, pages], lpl=[3, 3])
+    t2 = table_of([pages, pages], lpl=[3, 3])
     assert detect_shared_prefix(t2, min_shared_pages=1).shared_pages == 9
 
 
@@ -246,7 +237,7 @@ def test_conservation_and_level_tables():
 
 def test_merge_order_matches_the_original_example():
     shared = list(range(8))
-    t = synthetic([shared + [50], [60, 61], shared + [70]])
+    t = table_of([shared + [50], [60, 61], shared + [70]])
     one_cta = DeviceInfo("test", "one CTA", compute_units=1, ctas_per_unit=1)
     cp = plan_cascade(t, 4, 2, 16, device=one_cta,
                       prefix=detect_shared_prefix(t, min_shared_pages=1))
@@ -258,35 +249,35 @@ def test_merge_order_matches_the_original_example():
 def test_rejections():
     shared = list(range(8))
     # look-alikes: same lengths, different pages
-    assert detect_shared_prefix(synthetic([list(range(i * 9, i * 9 + 9)) for i in range(4)]),
+    assert detect_shared_prefix(table_of([list(range(i * 9, i * 9 + 9)) for i in range(4)]),
                                 min_shared_pages=1) is None
     # empty batch, single request, all-empty requests
-    assert detect_shared_prefix(synthetic([]), min_shared_pages=1) is None
-    assert detect_shared_prefix(synthetic([shared + [9]]), min_shared_pages=1) is None
-    assert detect_shared_prefix(synthetic([[], []]), min_shared_pages=1) is None
+    assert detect_shared_prefix(table_of([]), min_shared_pages=1) is None
+    assert detect_shared_prefix(table_of([shared + [9]]), min_shared_pages=1) is None
+    assert detect_shared_prefix(table_of([[], []]), min_shared_pages=1) is None
     # mid-page start: the fpo != 0 request is excluded
     lists = [shared + [20], shared + [21], shared + [22]]
-    assert detect_shared_prefix(synthetic(lists[:2], fpo=[0, 3]), min_shared_pages=1) is None
-    cp = detect_shared_prefix(synthetic(lists, fpo=[0, 5, 0]), min_shared_pages=1)
+    assert detect_shared_prefix(table_of(lists[:2], fpo=[0, 3]), min_shared_pages=1) is None
+    cp = detect_shared_prefix(table_of(lists, fpo=[0, 5, 0]), min_shared_pages=1)
     assert cp.members.tolist() == [0, 2]
     # a one-page request has no page to share; a fully trimmed window has nothing visible
-    assert detect_shared_prefix(synthetic([[1], [1]]), min_shared_pages=1) is None
-    t = synthetic([shared + [20], shared + [21]], lpl=[16, 4], fpo=[0, 0])
+    assert detect_shared_prefix(table_of([[1], [1]]), min_shared_pages=1) is None
+    t = table_of([shared + [20], shared + [21]], lpl=[16, 4], fpo=[0, 0])
     assert detect_shared_prefix(t, min_shared_pages=1).num_members == 2
     # thresholds
-    assert detect_shared_prefix(synthetic(lists), min_shared_pages=9) is None
-    assert detect_shared_prefix(synthetic(lists), min_shared_pages=8).shared_pages == 8
-    assert detect_shared_prefix(synthetic(lists), min_shared_pages=1, min_members=4) is None
+    assert detect_shared_prefix(table_of(lists), min_shared_pages=9) is None
+    assert detect_shared_prefix(table_of(lists), min_shared_pages=8).shared_pages == 8
+    assert detect_shared_prefix(table_of(lists), min_shared_pages=1, min_members=4) is None
     # default threshold: 1024 tokens (64 pages of 16)
-    assert detect_shared_prefix(synthetic(lists)) is None
-    assert detect_shared_prefix(synthetic([list(range(63)) + [90], list(range(63)) + [91]])) \
+    assert detect_shared_prefix(table_of(lists)) is None
+    assert detect_shared_prefix(table_of([list(range(63)) + [90], list(range(63)) + [91]])) \
         is None
     long = list(range(64))
-    assert detect_shared_prefix(synthetic([long + [90], long + [91]])).shared_pages == 64
+    assert detect_shared_prefix(table_of([long + [90], long + [91]])).shared_pages == 64
     with pytest.raises(InvalidArgumentError, match="detect_shared_prefix: min_members"):
-        detect_shared_prefix(synthetic(lists), min_members=1)
+        detect_shared_prefix(table_of(lists), min_members=1)
     with pytest.raises(InvalidArgumentError, match="detect_shared_prefix: min_shared_pages"):
-        detect_shared_prefix(synthetic(lists), min_shared_pages=0)
+        detect_shared_prefix(table_of(lists), min_shared_pages=0)
     with pytest.raises(InvalidArgumentError, match="detect_shared_prefix: table"):
         detect_shared_prefix([1, 2])
 
@@ -351,8 +342,6 @@ def test_decode_auto_takes_cascade_with_tensor_cores_when_it_pays(monkeypatch):
                       out_dtype="float32")
     o = pd.last_outcome()
     assert o.path == "cascade" and "saves" in o.reason and "tensor-core prefix" in o.detail
-    from conftest import PREFIX_RTOL
-
     from paged_decode.reference import lse_error
     assert max_rel_error(out, ref_out) <= PREFIX_RTOL["float16"]
     assert lse_error(lse, ref_lse) <= 5e-5

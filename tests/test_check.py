@@ -7,8 +7,9 @@ import math
 
 import numpy as np
 import pytest
+from helpers import IgnoresIndices
 
-from paged_decode import DecodeOutcome, PageTable, check, problems, reference
+from paged_decode import DecodeOutcome, check, problems, reference
 from paged_decode.backends.reference import ReferenceBackend
 from paged_decode.check import (
     ALL_PATHS,
@@ -20,21 +21,6 @@ from paged_decode.check import (
 )
 from paged_decode.plan import MAX_CHUNKS, chunk_counts
 from paged_decode.problems import make_table
-
-
-class IgnoresIndices(ReferenceBackend):
-    """A partial that reads pages in logical order, as if ``indices`` were ``arange``."""
-
-    name = "ignores-indices"
-
-    def partial(self, q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out):
-        pages = table.pages_per_request.astype(np.int64)
-        starts = np.concatenate([[0], np.cumsum(pages)])
-        idx = np.concatenate([np.arange(s, s + n) for s, n in zip(starts[:-1], pages)])
-        wrong = PageTable.build(idx, table.indptr, table.last_page_len,
-                                page_size=table.page_size,
-                                first_page_offset=table.first_page_offset)
-        super().partial(q, k_pages, v_pages, wrong, plan, sm_scale, v_out, lse_out)
 
 
 def test_small_run_passes_on_reference():

@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not availability("cuda").ok,
                                  reason=f"CUDA backend unavailable: {availability('cuda').reason}")]
 
-from conftest import LSE_ATOL as LSE_TOL  # noqa: E402  (one place for tolerances)
-from conftest import OUT_RTOL as TOL  # noqa: E402  (keyed by the output dtype)
-from conftest import PREFIX_RTOL  # noqa: E402
+from helpers import LSE_ATOL as LSE_TOL  # noqa: E402  (one place for tolerances)
+from helpers import OUT_RTOL as TOL  # noqa: E402  (keyed by the output dtype)
+from helpers import PREFIX_RTOL, relabel, table_of  # noqa: E402
 
 PATHS = [("v2", None), ("v2", 1), ("v1", None), ("gather", None)]
 
@@ -159,17 +159,13 @@ def test_pool_beyond_2_pow_31_elements(cuda):
     rng = np.random.default_rng(17)
     ids = num_pages - 1 - rng.permutation(64)          # pages at the far end of the pool
     lengths = [600, 380]
-    counts = [-(-n // p) for n in lengths]
-    indptr = np.concatenate([[0], np.cumsum(counts)])
-    lpl = [n - (c - 1) * p for n, c in zip(lengths, counts)]
-    table = pd.PageTable.build(ids[: indptr[-1]], indptr, lpl, page_size=p,
-                               num_pages=num_pages)
-    used = cp.asarray(ids[: indptr[-1]])
+    table = table_of(lengths=lengths, page_size=p, ids=ids, num_pages=num_pages)
+    used = cp.asarray(table.indices)
     k[used] = cp.random.standard_normal((used.size, p, hkv, d), dtype=cp.float32).astype(cp.float16)
     v[used] = cp.random.standard_normal((used.size, p, hkv, d), dtype=cp.float32).astype(cp.float16)
     q = cp.random.standard_normal((2, 32, d), dtype=cp.float32).astype(cp.float16)
     # oracle on a compact host copy of the used pages
-    small = pd.PageTable.build(np.arange(indptr[-1]), indptr, lpl, page_size=p)
+    small = relabel(table)
     ref, _ = oracle_decode(q.get(), k[used].get(), v[used].get(), small)
     for path, ppc in PATHS:
         plan = pd.plan_decode(table, 32, hkv, d, pages_per_chunk=ppc)
@@ -310,7 +306,7 @@ def test_cascade_on_cuda_matches_flat_and_oracle(cuda):
                          out_dtype="float32")
     oc = pd.last_outcome()
     assert oc.path == "cascade" and "level 0: tensor-core prefix" in oc.detail
-    # level 0 rounds P to float16 for the tensor cores (conftest.PREFIX_RTOL)
+    # level 0 rounds P to float16 for the tensor cores (helpers.PREFIX_RTOL)
     assert max_rel_error(out.get(), ref) <= PREFIX_RTOL["float16"]
     assert lse_error(lse.get(), ref_lse) <= LSE_TOL
     flat = pd.decode(cp.asarray(q), pool.k, pool.v, table, cascade=False, out_dtype="float32")

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not availability("cuda").ok,
                                  reason=f"CUDA backend unavailable: {availability('cuda').reason}")]
 
-from conftest import LSE_ATOL, OUT_RTOL  # noqa: E402
+from helpers import LSE_ATOL, OUT_RTOL, PREFIX_RTOL  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,6 @@ def test_cascade_with_plan_and_out_is_capturable(cuda, how):
     """Cascade with the tensor-core level 0: three launches, capturable in global mode;
     the replay equals the eager call and the oracle, and reads the current queries."""
     import cupy as cp
-    from conftest import PREFIX_RTOL
     rng = np.random.default_rng(31)
     hkv, g, d, p, b, shared = 8, 4, 128, 16, 12, 70   # 70 pages: above detection's 1024 tokens
     pool = pd.PagePool(shared + 4 * b + 8, p, hkv, d, "float16", backend="cuda")

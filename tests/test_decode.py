@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, out_tol
+from helpers import IgnoresIndices, assert_matches_oracle, out_tol, relabel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -364,19 +364,6 @@ def test_outcome_recording():
 
 
 # ---------------------------------------------------------------------------- controls
-class IgnoresIndices(ReferenceBackend):
-    """A broken partial: reads request pages as if ``indices`` were ``arange``."""
-
-    name = "ignores-indices"
-
-    def partial(self, q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out):
-        fake = PageTable.build(np.arange(table.total_pages), table.indptr,
-                               table.last_page_len, page_size=table.page_size,
-                               first_page_offset=table.first_page_offset,
-                               rope_positions=table.rope_positions)
-        super().partial(q, k_pages, v_pages, fake, plan, sm_scale, v_out, lse_out)
-
-
 class SkipsLastChunk(ReferenceBackend):
     """A broken partial that leaves the last chunk's outputs unwritten."""
 
@@ -386,12 +373,6 @@ class SkipsLastChunk(ReferenceBackend):
         full_v, full_lse = np.zeros_like(v_out), np.zeros_like(lse_out)
         super().partial(q, k_pages, v_pages, table, plan, sm_scale, full_v, full_lse)
         v_out[:-1], lse_out[:-1] = full_v[:-1], full_lse[:-1]
-
-
-def arange_table(table: PageTable) -> PageTable:
-    return PageTable.build(np.arange(table.total_pages), table.indptr, table.last_page_len,
-                           page_size=table.page_size,
-                           first_page_offset=table.first_page_offset)
 
 
 @pytest.mark.parametrize("ppc", [None, 1])
@@ -404,7 +385,7 @@ def test_negative_control_decode_ignoring_indices_fails(ppc):
     assert max_rel_error(bad, ref_out) > 50 * out_tol("float16")
     # the same backend is right when the pages really sit in table order (a compacted
     # pool read through an arange table): only `indices` differs
-    straight = arange_table(pr.table)
+    straight = relabel(pr.table)
     k2, v2 = pr.k_pages[pr.table.indices], pr.v_pages[pr.table.indices]
     ok = decode(pr.q, k2, v2, straight, plan, path="v2", backend=IgnoresIndices())
     assert max_rel_error(ok, ref_out) <= out_tol("float16")

@@ -9,7 +9,7 @@ import types
 
 import numpy as np
 import pytest
-from conftest import mutant_fails
+from helpers import assert_matches_oracle, mutant_fails
 from mutants import Mutation, backend, control
 
 import paged_decode as pd
@@ -133,8 +133,6 @@ ROW_LOAD_CASES = [
 @pytest.mark.parametrize("spec", [c[1] for c in ROW_LOAD_CASES],
                          ids=[c[0] for c in ROW_LOAD_CASES])
 def test_v2_with_two_row_loads_matches_oracle(spec, monkeypatch):
-    from conftest import assert_matches_oracle
-
     from paged_decode.reference import oracle_decode
     monkeypatch.setenv("PAGED_DECODE_V2_ROW_LOADS", "2")
     be = pd.get_backend("emulated-cuda")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import mutant_fails
+from helpers import mutant_fails
 from mutants import Mutation, backend, control
 
 import paged_decode as pd

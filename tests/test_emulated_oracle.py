@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import LSE_ATOL, assert_matches_oracle, f32_accumulation_tol
+from helpers import LSE_ATOL, assert_matches_oracle, f32_accumulation_tol
 from test_merge import ref_merge, run_merge_kernel
 
 import paged_decode as pd

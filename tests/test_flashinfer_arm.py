@@ -12,24 +12,10 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import relabel, table_of
 
 from paged_decode.bench import flashinfer_arm as fa
 from paged_decode.bench import sdpa_arm as sa
-from paged_decode.page_table import PageTable
-
-
-def _table(lengths, page_size=16, first_page_offset=None, spare_pages=2):
-    """Pages in order, request ``r`` holding ``lengths[r]`` visible tokens after
-    ``first_page_offset[r]`` retired ones."""
-    fpo = np.zeros(len(lengths), np.int32) if first_page_offset is None \
-        else np.asarray(first_page_offset, np.int32)
-    pages = [-(-(n + f) // page_size) if n + f else 0 for n, f in zip(lengths, fpo)]
-    last = [(n + f) - (c - 1) * page_size if c else 0 for n, f, c in zip(lengths, fpo, pages)]
-    total = int(sum(pages))
-    indptr = np.concatenate([[0], np.cumsum(pages, dtype=np.int64)]).astype(np.int64)
-    return PageTable.build(np.arange(total), indptr, np.asarray(last, np.int64),
-                           page_size=page_size, first_page_offset=fpo,
-                           num_pages=total + spare_pages)
 
 
 def _arrays(table, hq=8, hkv=2, d=16):
@@ -60,14 +46,14 @@ def test_available_reports_a_reason_without_a_gpu():
 
 # ---------------------------------------------------------------------------- validation
 def test_first_page_offset_is_refused():
-    table = _table([40, 40, 40], first_page_offset=[0, 5, 0])
+    table = table_of(lengths=[40, 40, 40], fpo=[0, 5, 0], spare_pages=2)
     with pytest.raises(ValueError, match="first-page offset.*request 1.*5"):
         fa.check_table_for_flashinfer(table)
-    fa.check_table_for_flashinfer(_table([40, 17, 1]))          # zero offsets pass
+    fa.check_table_for_flashinfer(table_of(lengths=[40, 17, 1], spare_pages=2))  # zero offsets pass
 
 
 def test_make_flashinfer_decode_refuses_offsets_before_importing_anything():
-    table = _table([33, 33], first_page_offset=[3, 0])
+    table = table_of(lengths=[33, 33], fpo=[3, 0], spare_pages=2)
     q, k, v = _arrays(table)
     with pytest.raises(ValueError, match="first-page offset"):
         fa.make_flashinfer_decode(q, k, v, table, sm_scale=0.25, use_tensor_cores=True)
@@ -75,9 +61,9 @@ def test_make_flashinfer_decode_refuses_offsets_before_importing_anything():
 
 def test_empty_requests_are_refused():
     with pytest.raises(ValueError, match="request 1 has none"):
-        fa.check_table_for_flashinfer(_table([5, 0, 7]))
+        fa.check_table_for_flashinfer(table_of(lengths=[5, 0, 7], spare_pages=2))
     with pytest.raises(ValueError, match="at least one request"):
-        fa.check_table_for_flashinfer(_table([]))
+        fa.check_table_for_flashinfer(table_of(lengths=[], spare_pages=2))
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
@@ -99,7 +85,7 @@ def test_dtypes():
     fa.check_dtypes("torch.bfloat16", "torch.bfloat16")
     with pytest.raises(ValueError, match="no float32 kernels"):
         fa.check_dtypes("float32", "float32")
-    table = _table([9])
+    table = table_of(lengths=[9], spare_pages=2)
     q, k, v = _arrays(table)
     with pytest.raises(ValueError, match="no float32 kernels"):
         fa.make_flashinfer_decode(q.astype(np.float32), k.astype(np.float32),
@@ -115,7 +101,7 @@ def test_version_tuple():
 
 
 def test_check_shapes():
-    table = _table([20, 9], page_size=8)
+    table = table_of(lengths=[20, 9], page_size=8, spare_pages=2)
     q, k, v = _arrays(table, hq=8, hkv=2, d=16)
     assert sa.check_shapes(q.shape, k.shape, v.shape, table) == (2, 8, 2, 16, 8)
     n = k.shape[0]
@@ -134,13 +120,13 @@ def test_check_shapes():
 
 
 def test_contiguous_sdpa_needs_equal_lengths():
-    assert sa.equal_visible_length(_table([30, 30, 30])) == 30
-    assert sa.equal_visible_length(_table([30, 30], first_page_offset=[0, 9])) == 30
+    assert sa.equal_visible_length(table_of(lengths=[30, 30, 30], spare_pages=2)) == 30
+    assert sa.equal_visible_length(table_of(lengths=[30, 30], fpo=[0, 9], spare_pages=2)) == 30
     with pytest.raises(ValueError, match="equal request lengths"):
-        sa.equal_visible_length(_table([30, 31]))
+        sa.equal_visible_length(table_of(lengths=[30, 31], spare_pages=2))
     with pytest.raises(ValueError, match=">= 1 visible"):
-        sa.equal_visible_length(_table([0, 0]))
-    table = _table([12, 40])
+        sa.equal_visible_length(table_of(lengths=[0, 0], spare_pages=2))
+    table = table_of(lengths=[12, 40], spare_pages=2)
     q, k, v = _arrays(table)
     with pytest.raises(ValueError, match="equal request lengths"):
         sa.make_contiguous_sdpa(q, k, v, table, sm_scale=0.25)
@@ -153,10 +139,9 @@ def test_contiguous_sdpa_on_cpu_matches_a_numpy_oracle():
     rng = np.random.default_rng(3)
     hq, hkv, d, p, length = 12, 4, 32, 8, 21
     fpo = [0, 3, 7]
-    table = _table([length] * 3, page_size=p, first_page_offset=fpo, spare_pages=3)
-    perm = rng.permutation(table.num_pages)[: table.total_pages]
-    table = PageTable.build(perm, table.indptr, table.last_page_len, page_size=p,
-                            first_page_offset=fpo, num_pages=table.num_pages)
+    table = table_of(lengths=[length] * 3, page_size=p, fpo=fpo, spare_pages=3)
+    table = relabel(table, rng.permutation(table.num_pages)[: table.total_pages],
+                    num_pages=table.num_pages)
     q = torch.from_numpy(rng.standard_normal((3, hq, d)).astype(np.float32))
     k = torch.from_numpy(rng.standard_normal((table.num_pages, p, hkv, d)).astype(np.float32))
     v = torch.from_numpy(rng.standard_normal((table.num_pages, p, hkv, d)).astype(np.float32))

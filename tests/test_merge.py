@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import out_tol
+from helpers import out_tol
 
 from paged_decode import InvalidArgumentError, InvalidDtypeError, merge_state, merge_states
 

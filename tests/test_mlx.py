@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, require_mlx
+from helpers import assert_matches_oracle, require_mlx
 
 import paged_decode as pd
 from paged_decode import backends

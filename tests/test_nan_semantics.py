@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import LSE_ATOL, OUT_RTOL, PREFIX_RTOL
+from helpers import LSE_ATOL, OUT_RTOL, PREFIX_RTOL
 
 import paged_decode as pd
 from paged_decode.backends import availability

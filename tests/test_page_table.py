@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import table_of
 
 from paged_decode import PagePool, PageTable, PageTableError
 from paged_decode.backends.reference import visible_kv
@@ -61,14 +62,6 @@ def decoded_slots(values: np.ndarray, page_size: int) -> list[tuple[int, int]]:
     return [(int(c) // page_size, int(c) % page_size) for c in np.asarray(values).ravel()]
 
 
-def table_of(page_lists, lpl, page_size, fpo=None, rope=None, num_pages=None) -> PageTable:
-    counts = [len(p) for p in page_lists]
-    return PageTable.build([p for pl in page_lists for p in pl],
-                           np.concatenate([[0], np.cumsum(counts)]), lpl,
-                           page_size=page_size, first_page_offset=fpo,
-                           rope_positions=rope, num_pages=num_pages)
-
-
 def assert_geometry(table: PageTable, r: int, *, pages, visible, lpl, fpo, rope) -> None:
     assert table.request_pages(r).tolist() == pages
     assert int(table.visible_lens[r]) == visible
@@ -81,7 +74,7 @@ def assert_geometry(table: PageTable, r: int, *, pages, visible, lpl, fpo, rope)
 # ---------------------------------------------------------------------------- layouts
 def test_full_and_partial_last_pages():
     # request 0: 8 tokens in 2 full pages; request 1: 10 tokens, last page holds 2
-    t = table_of([[5, 2], [0, 7, 3]], [4, 2], page_size=4, num_pages=8)
+    t = table_of([[5, 2], [0, 7, 3]], 4, lpl=[4, 2], num_pages=8)
     assert_geometry(t, 0, pages=[5, 2], visible=8, lpl=4, fpo=0, rope=8)
     assert_geometry(t, 1, pages=[0, 7, 3], visible=10, lpl=2, fpo=0, rope=10)
     assert t.batch_size == 2 and t.total_pages == 5 and t.total_visible == 18
@@ -100,7 +93,7 @@ def test_exactly_full_last_page_via_pool():
 def test_front_trimmed_window():
     # a length-13 sequence, P = 4: tokens 0-3 | 4-7 | 8-11 | 12. Keep the window [11, 13):
     # pages 0 and 1 are retired, page 2 keeps entry 3 (token 11) -> fpo 3, lpl 1.
-    t = table_of([[2, 3]], [1], page_size=4, fpo=[3], rope=[13])
+    t = table_of([[2, 3]], 4, lpl=[1], fpo=[3], rope=[13])
     assert_geometry(t, 0, pages=[2, 3], visible=2, lpl=1, fpo=3, rope=13)
     # and the pool produces the same geometry from the same history
     pool = PagePool(8, 4, 1, 1, "float32")
@@ -120,7 +113,7 @@ def test_front_trimmed_window():
 
 def test_front_trim_landing_on_page_boundary():
     # fpo + visible ending exactly at a page end: lpl == P with fpo > 0
-    t = table_of([[4, 1, 6]], [4], page_size=4, fpo=[1], rope=[20])
+    t = table_of([[4, 1, 6]], 4, lpl=[4], fpo=[1], rope=[20])
     assert_geometry(t, 0, pages=[4, 1, 6], visible=11, lpl=4, fpo=1, rope=20)
 
 
@@ -146,11 +139,11 @@ def test_shared_pages_through_pool_with_refcounts():
 
 
 def test_empty_requests():
-    t = table_of([[], [1], []], [0, 3, 0], page_size=4, num_pages=4)
+    t = table_of([[], [1], []], 4, lpl=[0, 3, 0], num_pages=4)
     assert_geometry(t, 0, pages=[], visible=0, lpl=0, fpo=0, rope=0)
     assert_geometry(t, 1, pages=[1], visible=3, lpl=3, fpo=0, rope=3)
     assert_geometry(t, 2, pages=[], visible=0, lpl=0, fpo=0, rope=0)
-    all_empty = table_of([[], []], [0, 0], page_size=4)
+    all_empty = table_of([[], []], 4, lpl=[0, 0])
     assert all_empty.total_visible == 0 and all_empty.max_page_id == -1
     assert all_empty.indices.size == 0
 
@@ -172,11 +165,11 @@ def test_fully_trimmed_requests():
 
 
 def test_rope_positions_exceed_visible_after_trim():
-    t = table_of([[0, 1], [2]], [3, 4], page_size=4, fpo=[2, 1], rope=[105, 3])
+    t = table_of([[0, 1], [2]], 4, lpl=[3, 4], fpo=[2, 1], rope=[105, 3])
     assert t.visible_lens.tolist() == [5, 3]
     assert t.rope_positions.tolist() == [105, 3]
     # default rope positions are the visible lengths
-    assert table_of([[0, 1], [2]], [3, 4], page_size=4, fpo=[2, 1]).rope_positions.tolist() \
+    assert table_of([[0, 1], [2]], 4, lpl=[3, 4], fpo=[2, 1]).rope_positions.tolist() \
         == [5, 3]
 
 
@@ -193,7 +186,7 @@ def test_table_is_an_immutable_copy():
 
 
 def test_subset_keeps_rows_in_order():
-    t = table_of([[0, 1], [], [2, 3, 4]], [3, 0, 1], page_size=4, fpo=[1, 0, 2],
+    t = table_of([[0, 1], [], [2, 3, 4]], 4, lpl=[3, 0, 1], fpo=[1, 0, 2],
                  rope=[9, 0, 20], num_pages=5)
     s = t.subset([2, 0])
     assert_geometry(s, 0, pages=[2, 3, 4], visible=7, lpl=1, fpo=2, rope=20)
@@ -315,7 +308,7 @@ def test_random_sweep_lengths_and_token_map():
     rng = np.random.default_rng(7)
     for _ in range(300):
         page_lists, lpl, fpo, rope, p, num_pages = random_table_arrays(rng)
-        t = table_of(page_lists, lpl, p, fpo=fpo, rope=rope, num_pages=num_pages)
+        t = table_of(page_lists, p, lpl=lpl, fpo=fpo, rope=rope, num_pages=num_pages)
         pages = id_pages(num_pages, p)
         for r, ids in enumerate(page_lists):
             want = ref_token_slots(ids, p, lpl[r], fpo[r])
@@ -353,8 +346,8 @@ def test_random_sweep_accepts_exactly_the_valid_tables():
                              p, num_pages)
         seen[valid] += 1
         if valid:
-            table_of(page_lists, lpl, p, fpo=fpo, rope=rope, num_pages=num_pages)
+            table_of(page_lists, p, lpl=lpl, fpo=fpo, rope=rope, num_pages=num_pages)
         else:
             with pytest.raises(PageTableError, match=r"request \d+: "):
-                table_of(page_lists, lpl, p, fpo=fpo, rope=rope, num_pages=num_pages)
+                table_of(page_lists, p, lpl=lpl, fpo=fpo, rope=rope, num_pages=num_pages)
     assert seen[True] > 50 and seen[False] > 50  # both sides were exercised

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from helpers import table_of
 
 from paged_decode import (
     DecodePlan,
@@ -19,15 +20,6 @@ from paged_decode.plan import MAX_CHUNKS, chunk_token_ranges, heads_per_cta
 
 
 # ---------------------------------------------------------------------------- helpers
-def table_with_pages(pages, page_size: int = 4, *, fpo=None, lpl=None) -> PageTable:
-    """A table whose requests hold ``pages[r]`` pages (page ids need not be distinct)."""
-    pages = [int(n) for n in pages]
-    lpl = lpl if lpl is not None else [page_size if n else 0 for n in pages]
-    fpo = fpo if fpo is not None else [0] * len(pages)
-    return PageTable.build(np.arange(sum(pages)), np.concatenate([[0], np.cumsum(pages)]),
-                           lpl, page_size=page_size, first_page_offset=fpo)
-
-
 def ref_chunks(pages, ppc: int) -> int:
     """Total chunks at ``ppc`` pages per chunk: at least one per request, by counting."""
     total = 0
@@ -103,7 +95,7 @@ def test_binary_search_is_maximal_brute_force():
         pages = rng.integers(0, int(rng.choice([3, 12, 50])), b).tolist()
         hq, hkv = GEOMETRIES[int(rng.integers(0, len(GEOMETRIES)))]
         target = int(rng.integers(1, 3000))
-        table = table_with_pages(pages)
+        table = table_of(pages, 4)
         plan = plan_decode(table, hq, hkv, 64, target_ctas=target)
         cpc = hkv * (hq // hkv) // ref_heads_per_cta(hq, hkv)
         want = ref_best_ppc(pages, cpc, target)
@@ -132,7 +124,7 @@ def test_binary_search_is_maximal_under_a_small_grid_bound(max_chunks):
         b = int(rng.integers(1, min(max_chunks, 6) + 1))
         pages = rng.integers(0, 30, b).tolist()
         target = int(rng.integers(1, 10 * max_chunks))
-        plan = plan_decode(table_with_pages(pages), 8, 8, 64, target_ctas=target,
+        plan = plan_decode(table_of(pages, 4), 8, 8, 64, target_ctas=target,
                            max_chunks=max_chunks)
         want = ref_best_ppc(pages, 8, target, max_chunks)
         assert plan.num_chunks <= max_chunks
@@ -141,7 +133,7 @@ def test_binary_search_is_maximal_under_a_small_grid_bound(max_chunks):
 
 def test_grid_bound_finest_split_is_the_smallest_allowed():
     # two requests of 9 pages, at most 10 chunks: 2 pages per chunk gives 5 + 5 = 10
-    table = table_with_pages([9, 9])
+    table = table_of([9, 9], 4)
     plan = plan_decode(table, 1, 1, 8, target_ctas=10, max_chunks=10)
     assert plan.num_chunks == 10 and plan.pages_per_chunk == 2
     forced = plan_decode(table, 1, 1, 8, pages_per_chunk=2, max_chunks=10)
@@ -154,7 +146,7 @@ def test_chunk_count_non_increasing_in_pages_per_chunk():
     rng = np.random.default_rng(1)
     for _ in range(100):
         pages = rng.integers(0, 40, int(rng.integers(1, 8))).tolist()
-        table = table_with_pages(pages)
+        table = table_of(pages, 4)
         counts = [plan_decode(table, 4, 4, 32, pages_per_chunk=ppc).num_chunks
                   for ppc in range(1, max(pages) + 3)]
         assert all(a >= b for a, b in zip(counts, counts[1:]))
@@ -163,7 +155,7 @@ def test_chunk_count_non_increasing_in_pages_per_chunk():
 
 
 def test_example_lengths_in_pages():
-    plan = plan_decode(table_with_pages([10, 3, 0]), 8, 8, 64, pages_per_chunk=4)
+    plan = plan_decode(table_of([10, 3, 0], 4), 8, 8, 64, pages_per_chunk=4)
     assert plan.request_indices.tolist() == [0, 0, 0, 1, 2]
     assert plan.kv_tile_indices.tolist() == [0, 1, 2, 0, 0]
     assert plan.o_indptr.tolist() == [0, 3, 4, 5]
@@ -172,7 +164,7 @@ def test_example_lengths_in_pages():
 
 
 def test_every_request_gets_a_chunk_even_empty_ones():
-    table = table_with_pages([0, 0, 0])
+    table = table_of([0, 0, 0], 4)
     for target in (1, 10_000):
         plan = plan_decode(table, 4, 2, 16, target_ctas=target)
         assert plan.chunks_per_request.tolist() == [1, 1, 1]
@@ -181,34 +173,34 @@ def test_every_request_gets_a_chunk_even_empty_ones():
 
 # ---------------------------------------------------------------------------- matches
 def test_matches_same_chunk_structure():
-    plan = plan_decode(table_with_pages([8, 8]), 8, 8, 64, pages_per_chunk=4)
-    assert plan.matches(table_with_pages([8, 8]))
-    assert plan.matches(table_with_pages([8, 7]))
-    assert plan.matches(table_with_pages([5, 6]))
-    assert not plan.matches(table_with_pages([9, 8]))
+    plan = plan_decode(table_of([8, 8], 4), 8, 8, 64, pages_per_chunk=4)
+    assert plan.matches(table_of([8, 8], 4))
+    assert plan.matches(table_of([8, 7], 4))
+    assert plan.matches(table_of([5, 6], 4))
+    assert not plan.matches(table_of([9, 8], 4))
     assert "request 0 needs 3 chunks of 4 pages, plan has 2" in plan.mismatch(
-        table_with_pages([9, 8]))
-    assert not plan.matches(table_with_pages([8, 8, 8]))
-    assert "batch size 3 != plan's 2" in plan.mismatch(table_with_pages([8, 8, 8]))
-    assert not plan.matches(table_with_pages([8, 8], page_size=8))
-    assert "page_size 8 != plan's 4" in plan.mismatch(table_with_pages([8, 8], page_size=8))
+        table_of([9, 8], 4))
+    assert not plan.matches(table_of([8, 8, 8], 4))
+    assert "batch size 3 != plan's 2" in plan.mismatch(table_of([8, 8, 8], 4))
+    assert not plan.matches(table_of([8, 8], 8))
+    assert "page_size 8 != plan's 4" in plan.mismatch(table_of([8, 8], 8))
 
 
 def test_check_raises_plan_mismatch():
-    table = table_with_pages([8, 8])
+    table = table_of([8, 8], 4)
     plan = plan_decode(table, 8, 2, 64, pages_per_chunk=4)
-    plan.check("f", table_with_pages([7, 5]), 8, 2, 64)
+    plan.check("f", table_of([7, 5], 4), 8, 2, 64)
     with pytest.raises(PlanMismatchError, match=r"f: plan was made for \(Hq, Hkv, D\) = "
                                                 r"\(8, 2, 64\), got \(8, 4, 64\)"):
         plan.check("f", table, 8, 4, 64)
     with pytest.raises(PlanMismatchError, match=r"f: plan does not match the table: "
                                                 r"request 1 needs 3 chunks"):
-        plan.check("f", table_with_pages([8, 9]), 8, 2, 64)
+        plan.check("f", table_of([8, 9], 4), 8, 2, 64)
 
 
 # ---------------------------------------------------------------------------- grid bound
 def test_grid_bound_with_more_than_65535_pages():
-    table = table_with_pages([70_000], page_size=1)
+    table = table_of([70_000], 1)
     plan = plan_decode(table, 8, 8, 64, target_ctas=10**9)
     assert plan.num_chunks <= MAX_CHUNKS
     assert plan.pages_per_chunk == ref_best_ppc([70_000], 8, 10**9)   # 2: 35000 chunks
@@ -219,7 +211,7 @@ def test_grid_bound_with_more_than_65535_pages():
 
 def test_grid_bound_finest_split_many_requests():
     # 30000 requests of 3 pages: 2 pages per chunk gives 60000 <= 65535 chunks
-    table = table_with_pages([3] * 30_000, page_size=1)
+    table = table_of([3] * 30_000, 1)
     plan = plan_decode(table, 8, 8, 64, target_ctas=10**9)
     assert plan.num_chunks <= MAX_CHUNKS
     assert plan.pages_per_chunk == 2 and plan.num_chunks == 60_000
@@ -228,7 +220,7 @@ def test_grid_bound_finest_split_many_requests():
 def test_batch_above_grid_bound_is_rejected():
     with pytest.raises(InvalidArgumentError, match=r"batch size 6 exceeds the grid bound of "
                                                    r"5 chunks"):
-        plan_decode(table_with_pages([1] * 6), 4, 4, 8, max_chunks=5)
+        plan_decode(table_of([1] * 6, 4), 4, 4, 8, max_chunks=5)
 
 
 # ---------------------------------------------------------------------------- heads
@@ -238,13 +230,13 @@ def test_heads_per_cta_divides_group_and_is_at_most_8(hq, hkv):
     g = hq // hkv
     h = heads_per_cta(hq, hkv)
     assert g % h == 0 and 1 <= h <= 8 and h == ref_heads_per_cta(hq, hkv)
-    plan = plan_decode(table_with_pages([3]), hq, hkv, 64)
+    plan = plan_decode(table_of([3], 4), hq, hkv, 64)
     assert plan.heads_per_cta == h and plan.q_groups * h == g
 
 
 # ---------------------------------------------------------------------------- target
 def test_target_default_argument_and_env(monkeypatch):
-    table = table_with_pages([40, 40])
+    table = table_of([40, 40], 4)
     assert plan_decode(table, 8, 8, 64).target_ctas == 32   # the reference's fixed target
     monkeypatch.setenv("PAGED_DECODE_TARGET_CTAS", "100")
     plan = plan_decode(table, 8, 8, 64)
@@ -261,12 +253,12 @@ def test_target_default_argument_and_env(monkeypatch):
 def test_bad_target_env_raises(monkeypatch, value):
     monkeypatch.setenv("PAGED_DECODE_TARGET_CTAS", value)
     with pytest.raises(InvalidArgumentError, match=r"PAGED_DECODE_TARGET_CTAS"):
-        plan_decode(table_with_pages([4]), 8, 8, 64)
+        plan_decode(table_of([4], 4), 8, 8, 64)
 
 
 def test_bad_target_argument_raises():
     with pytest.raises(InvalidArgumentError, match=r"target_ctas must be a positive integer"):
-        plan_decode(table_with_pages([4]), 8, 8, 64, target_ctas=0)
+        plan_decode(table_of([4], 4), 8, 8, 64, target_ctas=0)
 
 
 # ---------------------------------------------------------------------------- token ranges
@@ -278,7 +270,7 @@ def random_table(rng: np.random.Generator) -> PageTable:
         last = int(rng.integers(1, p + 1)) if n else 0
         first = 0 if not n else int(rng.integers(0, (min(last, p - 1) if n == 1 else p - 1) + 1))
         lpl.append(last), fpo.append(first)
-    return table_with_pages(pages, p, fpo=fpo, lpl=lpl)
+    return table_of(pages, p, fpo=fpo, lpl=lpl)
 
 
 def test_chunk_token_ranges_match_ref_and_tile_the_visible_range():
@@ -299,7 +291,7 @@ def test_chunk_token_ranges_match_ref_and_tile_the_visible_range():
 
 # ---------------------------------------------------------------------------- merge / ws
 def test_needs_merge_and_workspace_bytes():
-    table = table_with_pages([5, 2, 0])
+    table = table_of([5, 2, 0], 4)
     single = plan_decode(table, 8, 2, 64, pages_per_chunk=5)
     assert single.chunks_per_request.tolist() == [1, 1, 1]
     assert not single.needs_merge and single.workspace_bytes == 0
@@ -312,7 +304,7 @@ def test_needs_merge_and_workspace_bytes():
 
 # ---------------------------------------------------------------------------- plain data
 def test_plan_is_frozen_plain_data():
-    table = table_with_pages([6, 1])
+    table = table_of([6, 1], 4)
     plan = plan_decode(table, 8, 2, 64, pages_per_chunk=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.pages_per_chunk = 3
@@ -334,7 +326,7 @@ def test_plan_is_frozen_plain_data():
 ])
 def test_plan_rejects(args, kwargs, pattern):
     if args[0] is None:
-        args = (table_with_pages([4]), *args[1:])
+        args = (table_of([4], 4), *args[1:])
     with pytest.raises(InvalidArgumentError, match=pattern):
         plan_decode(*args, **kwargs)
 

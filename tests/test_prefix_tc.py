@@ -10,11 +10,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import PREFIX_RTOL
+from helpers import PREFIX_RTOL, table_of
 from mutants import Mutation, backend, control, mutant
 
 import paged_decode as pd
-from paged_decode import InvalidArgumentError, PageTable, plan_decode
+from paged_decode import InvalidArgumentError, plan_decode
 from paged_decode.backends import availability
 from paged_decode.cascade import plan_cascade
 from paged_decode.device import DeviceInfo
@@ -49,8 +49,7 @@ def prefix_case(be, xp, *, dtype="float16", head_dim=64, page_size=16, hkv=2, gr
     q = (rng.standard_normal((b, hq, head_dim), dtype=np.float32) * 1.5).astype(npd)
     mem = np.sort(rng.choice(b, members, replace=False)).astype(np.int32)
     ids = rng.permutation(num_pages)[:shared_pages].astype(np.int32)
-    level0 = PageTable.build(ids, [0, shared_pages], [page_size], page_size=page_size,
-                             num_pages=num_pages)
+    level0 = table_of([ids], page_size, num_pages=num_pages)
     plan0 = plan_decode(level0, members * hq, hkv, head_dim, pages_per_chunk=ppc,
                         device=be.device_info())
     c0 = plan0.num_chunks
@@ -216,9 +215,8 @@ def test_cascade_runs_tensor_core_level0(emu, dtype):
 
 # ---------------------------------------------------------------------------- planning
 def _table_with_group(members=40, shared=64, page=16):
-    ids = [np.concatenate([np.arange(shared), [shared + r]]) for r in range(members)]
-    return PageTable.build(np.concatenate(ids), np.arange(members + 1) * (shared + 1),
-                           [page] * members, page_size=page, num_pages=shared + members)
+    return table_of([[*range(shared), shared + r] for r in range(members)], page,
+                    num_pages=shared + members)
 
 
 def test_level0_plan_fills_device_with_prefix_ctas():

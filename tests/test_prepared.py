@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle
+from helpers import assert_matches_oracle
 
 import paged_decode as pd
 from paged_decode.errors import InvalidArgumentError, PlanMismatchError

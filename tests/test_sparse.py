@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_matches_oracle, out_tol
+from helpers import IgnoresIndices, assert_matches_oracle, out_tol
 
 import paged_decode as pd
 from paged_decode import InvalidArgumentError
-from paged_decode.backends.reference import ReferenceBackend
 from paged_decode.reference import attention_f64, max_rel_error
 from paged_decode.sparse import (
     make_selection,
@@ -110,17 +109,6 @@ def test_changing_one_selected_position_changes_the_output():
     assert diff[2, G:2 * G].min() > 1e-4          # request 2, KV head 1's query heads
     diff[2, G:2 * G] = 0
     assert (diff == 0).all()                      # nothing else moved
-
-
-class IgnoresIndices(ReferenceBackend):
-    """A broken partial that reads each request's first rows instead of its list."""
-
-    name = "ignores-indices"
-
-    def partial(self, q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out):
-        fake = pd.PageTable.build(np.arange(table.total_pages), table.indptr,
-                                  table.last_page_len, page_size=table.page_size)
-        super().partial(q, k_pages, v_pages, fake, plan, sm_scale, v_out, lse_out)
 
 
 def test_negative_control_kernel_ignoring_the_selection_fails():

@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
 # One parametrized runner for a device run: bench/device/run.sh STEP [STEP ...]
+# (the per-run scripts of past device runs are folded into these steps; docs/benchmarks
+# says which steps reproduce each report).
 #
 # Steps (each logs under a scratch folder that is packed into $OUT/logs.tgz at the end;
 # bench tables and JSON go to $OUT directly):
+#   info        `paged-decode info` into $OUT/info.txt
 #   fi          FlashInfer 0.3.1 laid out offline from .carry (carry it), no smoke test
 #   gpu-tests   every test marked gpu (run fi first for the FlashInfer arm's test), -rs
 #   check-full  `paged-decode check --full` in float16, bfloat16, float32 (5 shards each,
 #               all at once), merged per dtype
-#   memcheck    compute-sanitizer memcheck over a representative GPU subset
+#   memcheck    compute-sanitizer memcheck over a representative GPU subset (MEMCHECK_K)
 #   racecheck   compute-sanitizer racecheck over the prefix-kernel GPU tests
+#   regs        registers / local memory of the prefix and merge kernels (at PREFIX_TILE)
 #   targets     bench --preset targets with v1, v2, sdpa, flashinfer, flashinfer-tc
+#   adr         bench --preset adr with gather, v1, v2 (+ csv, and the crossover table
+#               path='auto' reads, written to $OUT/nvidia-h200.json)
+#   variants    bench --preset variants with v2 and sdpa (bf16, head_dim, GQA, page size)
+#   models      bench --preset models with v2, sdpa, flashinfer, flashinfer-tc (run fi first)
 #   cascade     bench --suite cascade
-# Knobs: GPU_TEST_K (a -k expression for gpu-tests), BENCH_REPS (15), BENCH_TIMEOUT (260).
+#   cascade-rule  bench --suite cascade-rule (short prefixes: where cascade starts to pay)
+#   sparse      bench --suite sparse
+#   prefix-tile-ab  the cascade suite at prefix tile 64/32 x resident CTAs per SM 2/3/4,
+#               with each tile's register use
+#   tune-v2     bench/device/tune_v2.py: the v2 row-loads x CTA-target sweep
+#   ncu-v2      an ncu profile of the v2 partial at 64 x 4K, one and two row loads
+# Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
+# BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
 set -o pipefail
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -48,7 +63,7 @@ step_check_full() {
 step_memcheck() {
   PAGED_DECODE_PLAIN_MALLOC=1 timeout 300 compute-sanitizer --tool memcheck --error-exitcode 3 \
     python3 -m pytest -q $GPU_FILES -m gpu \
-    -k "llama or g7 or g8 or g16 or ps1 or d256 or ps256 or empty or merge or capturable or poison or append" \
+    -k "${MEMCHECK_K:-llama or g7 or g8 or g16 or ps1 or d256 or ps256 or empty or merge or capturable or poison or append}" \
     > "$L/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$L/memcheck.log" | tail -3
 }
@@ -58,17 +73,59 @@ step_racecheck() {
     > "$L/racecheck.log" 2>&1
   echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$L/racecheck.log" | tail -3
 }
-step_targets() {
-  timeout ${BENCH_TIMEOUT:-260} paged-decode bench --backend cuda --preset targets \
-    --arms v1,v2,sdpa,flashinfer,flashinfer-tc --reps $REPS --warmup 3 \
-    --json "$OUT/bench_targets.json" 2>"$L/bench_targets.err" | tee "$OUT/bench_targets.txt" | tail -40
-  echo "targets rc=$?"; tail -3 "$L/bench_targets.err"
+# run_bench NAME ARGS...: one bench run into $OUT/bench_NAME.{json,md,txt}, stderr logged
+run_bench() {
+  local name=$1; shift
+  timeout ${BENCH_TIMEOUT:-260} paged-decode bench --backend cuda --reps $REPS --warmup 3 "$@" \
+    --json "$OUT/bench_$name.json" --markdown "$OUT/bench_$name.md" 2>"$L/bench_$name.err" \
+    | tee "$OUT/bench_$name.txt" | tail -40
+  echo "$name rc=$?"; tail -3 "$L/bench_$name.err"
 }
-step_cascade() {
-  timeout ${BENCH_TIMEOUT:-260} paged-decode bench --backend cuda --suite cascade \
-    --reps $REPS --warmup 3 --json "$OUT/bench_cascade.json" 2>"$L/bench_cascade.err" \
-    | tee "$OUT/bench_cascade.txt" | tail -20
-  echo "cascade rc=$?"; tail -3 "$L/bench_cascade.err"
+step_info() { paged-decode info > "$OUT/info.txt" 2>&1; echo "info rc=$?"; }
+step_targets() { run_bench targets --preset targets --arms ${BENCH_ARMS:-v1,v2,sdpa,flashinfer,flashinfer-tc}; }
+step_adr() {
+  run_bench adr --preset adr --arms ${BENCH_ARMS:-gather,v1,v2} --csv "$OUT/bench_adr.csv" \
+    --write-crossover "$OUT/nvidia-h200.json"
+}
+step_variants() { run_bench variants --preset variants --arms ${BENCH_ARMS:-v2,sdpa}; }
+step_models() { run_bench models --preset models --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc}; }
+step_cascade() { run_bench cascade --suite cascade; }
+step_cascade_rule() { run_bench cascade-rule --suite cascade-rule; }
+step_sparse() { run_bench sparse --suite sparse; }
+step_regs() {
+  python3 - <<'PY' 2>&1 | tee -a "$L/regs.txt"
+from paged_decode.backends.cuda import compiled
+from paged_decode.specs import merge_spec, prefix_spec
+for spec in [prefix_spec(dt, d, 16) for dt in ("float16", "bfloat16") for d in (64, 96, 128, 256)] \
+        + [merge_spec("float16", d, g) for d in (128, 256) for g in (False, True)]:
+    a = compiled(spec).attributes
+    print(f"{spec.uri}: regs {a['num_regs']} local {a['local_size_bytes']} B"
+          f" smem {spec.dynamic_smem_bytes}")
+PY
+}
+step_prefix_tile_ab() {
+  local kt c
+  for kt in 64 32; do PAGED_DECODE_PREFIX_TILE=$kt step_regs; done
+  for v in "64 2" "32 3" "32 4"; do
+    read -r kt c <<< "$v"
+    PAGED_DECODE_PREFIX_TILE=$kt PAGED_DECODE_PREFIX_CTAS_PER_SM=$c run_bench "ab_kt${kt}_c$c" \
+      --suite cascade | grep " rc="
+    echo "kt=$kt ctas/sm=$c"; grep -E "^cascade" "$OUT/bench_ab_kt${kt}_c$c.txt" | awk '{print $2, $3, $6, $7}'
+  done
+}
+step_tune_v2() {
+  timeout 300 python3 bench/device/tune_v2.py "$OUT/tune_v2.json" > "$OUT/tune_v2.txt" 2>&1
+  echo "tune-v2 rc=$?"; tail -40 "$OUT/tune_v2.txt"
+}
+step_ncu_v2() {
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return; }
+  local ld
+  for ld in 1 2; do
+    timeout 100 ncu -k regex:pd_decode_v2 -c 1 --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      python3 bench/device/profile_v2.py 64 4096 $ld >> "$OUT/ncu_v2.txt" 2>&1
+  done
+  grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued|Eligible|Stall|Warp Cycles" "$OUT/ncu_v2.txt" | head -80
 }
 
 for s in "$@"; do

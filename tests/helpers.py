@@ -1,0 +1,169 @@
+"""What the test modules share that is not a fixture: the one place that defines
+numerical tolerances, the oracle comparison, the one hand-built table, the MLX guard and
+the mutant check. Test modules import from here rather than from ``conftest.py``, which
+keeps only pytest hooks and fixtures (pytest loads it as a plugin, not as a module of ours).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import paged_decode as pd
+from paged_decode import PageTable
+from paged_decode.backends.reference import ReferenceBackend
+from paged_decode.emulator import KernelFault, RaceError
+from paged_decode.problems import make_problem
+from paged_decode.reference import lse_error, max_rel_error, oracle_decode
+
+# ---------------------------------------------------------------------------- tolerances
+#: max relative error of the output (``max|got - ref| / max|ref|``) against the float64
+#: oracle, keyed by the *output* dtype: the reference backend accumulates in float32 and
+#: the oracle sees the same (already rounded) inputs, so the error is float32 arithmetic
+#: plus rounding the result to the output dtype (half an ulp: 4.9e-4 for float16, 3.9e-3
+#: for bfloat16). Worst measured over the curated cases, the fuzz and a context <= 1000
+#: sweep: float32 2.6e-6, float16 4.6e-4, bfloat16 3.8e-3. Bounds keep ~2.5-4x above
+#: those (run with ``-v`` to print this session's worst errors).
+OUT_RTOL = {
+    "float32": 1e-5,
+    "float16": 2e-3,
+    "bfloat16": 1e-2,
+}
+#: the tensor-core prefix kernel (cascade's level 0) rounds the softmax weights to the
+#: pools' 16-bit dtype before P V (mma operands are 16-bit; the row sums and the LSE stay
+#: float32), so even a float32 output carries an error of that dtype's rounding.
+#: Keyed by the pool dtype; worst measured (emulator and H200): see test_prefix_tc.py.
+PREFIX_RTOL = {
+    "float16": 2e-3,
+    "bfloat16": 1e-2,
+}
+#: max absolute error of the base-2 LSE (float32, so it scales with |LSE|: ~1e-5 at
+#: |LSE| ~ 100 with sm_scale = 2 in the fuzz; ~2e-6 at the default scale).
+LSE_ATOL = 5e-5
+
+
+def f32_accumulation_tol(tokens: int) -> float:
+    """Max-rel bound on a float32 output accumulated in float32 over ``tokens`` tokens,
+    whatever the K/V dtype (the oracle reads the same rounded inputs in float64): a
+    random walk of 2^-24 per addition, 4 sigma (3.1e-5 at 16K tokens; measured 2-4e-7 on
+    the emulated kernels). An accumulator held in a 16-bit type errs by 2^-11 (float16)
+    or 2^-8 (bfloat16) per addition instead: 5e-4 and more at 16K."""
+    return 4 * 2.0 ** -24 * math.sqrt(tokens)
+
+
+def out_tol(dtype: str) -> float:
+    """Output max-rel tolerance for an output of ``dtype`` (canonical name)."""
+    return OUT_RTOL[dtype]
+
+
+def assert_matches_oracle(out, lse, ref_out, ref_lse, out_dtype: str, what: str = "") -> None:
+    """Output and (optionally) LSE agree with the float64 oracle within tolerance.
+
+    ``lse=None`` skips the LSE comparison (for calls made without ``return_lse``).
+    Empty requests must be exactly 0 / ``-inf`` (``lse_error`` is ``inf`` otherwise).
+    """
+    out = np.asarray(out)
+    assert np.isfinite(out.astype(np.float64)).all(), f"{what}: non-finite output"
+    err = max_rel_error(out, ref_out)
+    _note(out_dtype, err)
+    assert err <= out_tol(out_dtype), f"{what}: out max-rel error {err:.3e} > {out_tol(out_dtype)}"
+    if lse is not None:
+        lerr = lse_error(lse, ref_lse)
+        _note("lse", lerr)
+        assert lerr <= LSE_ATOL, f"{what}: lse abs error {lerr:.3e} > {LSE_ATOL}"
+
+
+#: worst errors seen this session (printed at the end with ``-rA`` or on ``-v``), so the
+#: tolerances above can be re-measured whenever the arithmetic changes
+WORST: dict[str, float] = {}
+
+
+def _note(key: str, err: float) -> None:
+    WORST[key] = max(WORST.get(key, 0.0), err)
+
+
+# ---------------------------------------------------------------------------- tables
+def table_of(pages=None, page_size: int = 16, *, lengths=None, ids=None, lpl=None, fpo=None,
+             rope=None, num_pages=None, spare_pages: int | None = None) -> PageTable:
+    """The tests' one hand-built page table (``problems.make_table`` builds random ones).
+
+    ``pages[r]`` is request r's list of page ids, or a page count: the next that many of
+    ``ids`` (default ``0, 1, 2, ...``, pages in logical order). With ``lengths`` instead,
+    request r holds ``lengths[r]`` visible tokens after ``fpo[r]`` retired ones, in as many
+    pages as that takes. ``lpl`` defaults to full last pages (or what ``lengths`` leaves);
+    ``fpo``, ``rope`` and ``num_pages`` (or listed pages + ``spare_pages``) go to
+    ``PageTable.build`` as given, so invalid values reach its validation.
+    """
+    p = page_size
+    if lengths is not None:
+        off = [0] * len(lengths) if fpo is None else [int(f) for f in fpo]
+        pages = [-(-(n + f) // p) if n + f else 0 for n, f in zip(lengths, off)]
+        lpl = [(n + f) - (c - 1) * p if c else 0 for n, f, c in zip(lengths, off, pages)]
+    counts = [int(x) if isinstance(x, (int, np.integer)) else len(x) for x in pages]
+    pool = np.arange(sum(counts)) if ids is None else np.asarray(ids)
+    lists, taken = [], 0
+    for x, c in zip(pages, counts):
+        if isinstance(x, (int, np.integer)):
+            lists.append(pool[taken:taken + c])
+            taken += c
+        else:
+            lists.append(np.asarray(x, np.int64))
+    indices = np.concatenate(lists).astype(np.int64) if lists else np.zeros(0, np.int64)
+    if lpl is None:
+        lpl = [p if c else 0 for c in counts]
+    if spare_pages is not None:
+        num_pages = len(indices) + spare_pages
+    return PageTable.build(indices, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                           lpl, page_size=p, first_page_offset=fpo, rope_positions=rope,
+                           num_pages=num_pages)
+
+
+def relabel(table: PageTable, ids=None, num_pages: int | None = None) -> PageTable:
+    """``table``'s requests over other page ids (default ``0, 1, 2, ...``: each request's
+    pages read in logical order, the broken read of the negative controls) in a pool of
+    ``num_pages`` (default unknown: the old bound need not hold for the new ids)."""
+    return table_of(table.pages_per_request.tolist(), table.page_size, ids=ids,
+                    lpl=table.last_page_len, fpo=table.first_page_offset,
+                    rope=table.rope_positions, num_pages=num_pages)
+
+
+class IgnoresIndices(ReferenceBackend):
+    """A broken partial (the negative control of the paging tests): reads each request's
+    pages in logical order, as if ``indices`` were ``arange``."""
+
+    name = "ignores-indices"
+
+    def partial(self, q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out):
+        super().partial(q, k_pages, v_pages, relabel(table), plan, sm_scale, v_out, lse_out)
+
+
+def require_mlx():
+    """``mlx.core``, or skip the calling test module with the reason: MLX missing, or
+    installed but not loadable (a Linux ``pip install '.[metal]'`` whose ``libmlx.so`` is
+    missing raises ``ImportError`` or ``OSError``, which ``importorskip`` lets through)."""
+    try:
+        import mlx.core as mx
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"mlx.core cannot be imported ({type(exc).__name__}: {exc})",
+                    allow_module_level=True)
+    return mx
+
+
+def mutant_fails(be, spec, path: str = "v2", ppc: int | None = None) -> str:
+    """Why a decode of a fresh ``spec`` problem on ``be`` (a backend running a mutated
+    kernel) fails: the emulator's fault or race report, or the error off the float64
+    oracle when above 0.1; ``""`` when it passes. A compile error is not a detection and
+    propagates."""
+    pr = make_problem(spec)
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    plan = pd.plan_decode(pr.table, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                          device=be.device_info(), pages_per_chunk=ppc)
+    try:
+        out = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path=path,
+                        out_dtype="float32", backend=be)
+    except (KernelFault, RaceError) as exc:
+        return str(exc)
+    err = max_rel_error(out, ref)
+    return f"error {err:.3g}" if err > 0.1 else ""
