@@ -16,7 +16,7 @@ from paged_decode.backends import get_backend  # noqa: E402
 from paged_decode.bench.arms import make_arm  # noqa: E402
 from paged_decode.bench.cases import BenchCase  # noqa: E402
 from paged_decode.bench.runner import _problem  # noqa: E402
-from paged_decode.plan import plan_decode  # noqa: E402
+from paged_decode import plan_decode  # noqa: E402
 
 be = get_backend("cuda")
 q, k, v, table = _problem(be, BenchCase(b, ctx, 16), 0)
