@@ -8,9 +8,9 @@ returned garbage). It names the compiled object, keys the in-process cache and i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from . import settings
 from .device import DeviceInfo
 from .errors import PagedDecodeError
 from .kernels import prefix_tc
@@ -111,7 +111,7 @@ def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int
                     requested_loads: int = 1) -> int:
     """Deepest ring <= ``preferred`` (env ``PAGED_DECODE_STAGES`` overrides it) that fits
     ``RING_BUDGET``; at least 2."""
-    env = os.environ.get(STAGES_ENV)
+    env = settings.get(STAGES_ENV)
     want = int(env) if env else preferred
     per_stage = num_warps * 32 * stage_bytes_per_thread(kv_dtype, head_dim, requested_loads)
     return max(2, min(want, RING_BUDGET // per_stage))
@@ -120,7 +120,7 @@ def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int
 def v2_row_loads(kv_dtype: str, head_dim: int, heads_per_cta: int) -> int:
     """Loads per lane per row of the v2 partial: ``PAGED_DECODE_V2_ROW_LOADS`` when set,
     else ``V2_ROW_LOADS`` (the minimum, 1, unless measured otherwise)."""
-    env = os.environ.get(ROW_LOADS_ENV)
+    env = settings.get(ROW_LOADS_ENV)
     want = int(env) if env else V2_ROW_LOADS
     if want < 1:
         raise ValueError(f"{ROW_LOADS_ENV} must be a positive integer, got {env!r}")
@@ -204,7 +204,7 @@ def cuda_source(kernel: str) -> str:
 
 
 def assert_compile_allowed(spec: KernelSpec) -> None:
-    if os.environ.get(ASSERT_NO_COMPILE_ENV, "") not in ("", "0"):
+    if settings.flag(ASSERT_NO_COMPILE_ENV):
         raise UnexpectedCompileError(
             f"kernel {spec.uri} needs compiling but {ASSERT_NO_COMPILE_ENV} is set "
             "(warm the kernels up before the measured region)")

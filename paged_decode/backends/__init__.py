@@ -10,9 +10,9 @@ Backends are imported lazily, so importing the package never imports CuPy or MLX
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 
+from .. import settings
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from .base import Backend, Problem, Support, c_contiguous
 
@@ -87,7 +87,7 @@ def get_backend(name: str | Backend | None = None, *, fn: str = "get_backend") -
     if name is not None and not isinstance(name, str):
         raise InvalidArgumentError(f"{fn}: backend must be a backend name, a Backend or "
                                    f"None, got {type(name).__name__} {name!r}")
-    explicit = name if name not in (None, "auto") else os.environ.get(ENV) or None
+    explicit = name if name not in (None, "auto") else settings.get(ENV) or None
     if explicit is not None and explicit != "auto":
         if explicit in _instances:
             return _instances[explicit]
@@ -130,7 +130,7 @@ def backend_for(name: str | Backend | None, x: object, *, fn: str = "get_backend
     """
     if isinstance(name, Backend):
         return name
-    if name not in (None, "auto") or os.environ.get(ENV, "auto") != "auto":
+    if name not in (None, "auto") or (settings.get(ENV) or "auto") != "auto":
         return get_backend(name, fn=fn)
     kind = array_kind(x)
     if kind == "numpy":

@@ -20,12 +20,12 @@ passed (``cascade.run_cascade``, ``sparse_decode``).
 from __future__ import annotations
 
 import contextlib
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import settings
 from ..device import DeviceInfo
 from ..errors import InvalidArgumentError, PagedDecodeError
 from ..kernels.append import AppendWrite
@@ -69,7 +69,7 @@ def c_contiguous(arr: Any) -> bool:
 
 def poison_enabled() -> bool:
     """``PAGED_DECODE_POISON=1`` fills every fresh output and workspace with NaN."""
-    return os.environ.get(POISON_ENV, "") not in ("", "0")
+    return settings.flag(POISON_ENV)
 
 
 class Backend(ABC):

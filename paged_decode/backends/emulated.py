@@ -17,11 +17,11 @@ Explicit choice only (``backend="emulated-cuda"``, ``PAGED_DECODE_BACKEND`` or
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..device import DeviceInfo
 from ..kernels import append as append_kernel
 from ..kernels.append import AppendWrite
@@ -48,7 +48,7 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
     def __init__(self, *, check_races: bool | None = None,
                  schedules: tuple[str, ...] | None = None, cp_async: str | None = None
                  ) -> None:
-        self.check_races = (os.environ.get(RACES_ENV, "1") not in ("", "0")
+        self.check_races = (settings.flag(RACES_ENV, True)
                             if check_races is None else check_races)
         self.schedules, self.cp_async = schedules, cp_async
 

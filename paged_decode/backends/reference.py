@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..device import DeviceInfo
 from ..dtypes import as_float32, dtype_name, numpy_dtype
 from ..errors import InvalidDtypeError
@@ -86,7 +87,7 @@ class ReferenceBackend(Backend):
     def supports(self, problem: Problem) -> Support:
         anything = self.any_geometry
         if anything is None:
-            anything = os.environ.get(ANY_GEOMETRY_ENV, "") not in ("", "0")
+            anything = settings.flag(ANY_GEOMETRY_ENV)
         return Support(True) if anything else launches.support(problem)
 
     def device_info(self) -> DeviceInfo:

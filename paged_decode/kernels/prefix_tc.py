@@ -32,6 +32,7 @@ fragments and row addresses with warp shuffles.
 
 from __future__ import annotations
 
+from .. import settings
 from .common import CUDA_COMMON
 from .kernel_def import Dtype, KernelDef, KernelSpec, TemplateValue
 
@@ -46,8 +47,7 @@ TILE_ENV = "PAGED_DECODE_PREFIX_TILE"
 def tokens_per_tile(head_dim: int) -> int:
     """K/V tokens per shared-memory tile (``KT`` in the kernel): 64, 32 at head_dim 256
     (registers and shared memory); ``PAGED_DECODE_PREFIX_TILE`` (32 or 64) overrides."""
-    import os
-    env = os.environ.get(TILE_ENV)
+    env = settings.get(TILE_ENV)
     if env:
         if env not in ("32", "64"):
             raise ValueError(f"{TILE_ENV} must be 32 or 64, got {env!r}")
@@ -71,8 +71,7 @@ def ctas_per_sm(head_dim: int, smem_per_sm: int) -> int:
     registers at head_dim 64; measured 181 registers at 128, 241 at 256 on sm_90, which
     allow 2);
     ``PAGED_DECODE_PREFIX_CTAS_PER_SM`` overrides (tuning)."""
-    import os
-    env = os.environ.get(CTAS_ENV)
+    env = settings.get(CTAS_ENV)
     if env:
         return max(1, int(env))
     fit = smem_per_sm // (dynamic_smem_bytes(head_dim) + 1024)
