@@ -1,31 +1,17 @@
-"""Every kernel, by its ``KernelSpec.kernel`` key: each module of this package that
-exports a ``KERNEL`` (a ``KernelDef``) is one, so adding a kernel is adding its module."""
+"""Every kernel, by its ``KernelSpec.kernel`` key: each module of this package exports one
+``KERNEL`` (a ``KernelDef``); adding a kernel is adding its module and its line below."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
-from . import __path__ as _package_path
+from . import append, decode_v1, decode_v2, merge, prefix_tc
 from .kernel_def import KernelDef
 
-_NOT_KERNELS = ("common", "kernel_def", "registry")
-
-
-def _discover() -> dict[str, KernelDef]:
-    found: dict[str, KernelDef] = {}
-    for info in sorted(pkgutil.iter_modules(_package_path), key=lambda m: m.name):
-        if info.name in _NOT_KERNELS:
-            continue
-        kdef = getattr(importlib.import_module(f"{__package__}.{info.name}"), "KERNEL", None)
-        if isinstance(kdef, KernelDef):
-            if kdef.kernel in found:
-                raise RuntimeError(f"two kernel modules define kernel {kdef.kernel!r}")
-            found[kdef.kernel] = kdef
-    return found
-
-
-KERNELS: dict[str, KernelDef] = _discover()
+#: listed by hand rather than discovered: "go to definition" follows every entry, and a
+#: kernel module is registered by the one line that names it
+_ALL = (decode_v2.KERNEL, decode_v1.KERNEL, merge.KERNEL, prefix_tc.KERNEL, append.KERNEL)
+KERNELS: dict[str, KernelDef] = {k.kernel: k for k in _ALL}
+if len(KERNELS) != len(_ALL):
+    raise RuntimeError("two kernel modules define the same kernel key")
 
 
 def kernel_def(kernel: str) -> KernelDef:
