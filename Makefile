@@ -19,7 +19,7 @@ plot:               ## PNG of a saved bench JSON: make plot JSON=run.json PNG=ru
 	paged-decode plot $(JSON) $(PNG)
 
 lint:
-	ruff check paged_decode kernels tests
+	ruff check paged_decode tests
 	mypy paged_decode
 
 check:              ## quick correctness matrix on the default backend
