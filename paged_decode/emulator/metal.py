@@ -49,15 +49,16 @@ _TG_ARRAY = re.compile(
     r"(?P<dims>(?:\[[^\];]+\]\s*)+);")
 _QUALIFIER = re.compile(
     rf"(?<![\w.])(?:device|constant|threadgroup|thread)\s+(?=(?:const\s+)?{_TYPE}\s*"
-    r"(?:const\s*)?[*&])")
+    r"(?:const\s*)?\(?\s*[*&])")
 _CONSTANT_VAR = re.compile(
     rf"(?<![\w.])constant\s+(?=(?:const\s+)?{_TYPE}\s+[A-Za-z_]\w*\s*(?:=|\[|\{{))")
 
 
 def rewrite_metal(src: str, site_prefix: str = "s") -> str:
     """``src`` with address-space qualifiers removed where they qualify a pointer or
-    reference declaration, ``constant`` variables made ``static const`` and each
-    ``threadgroup T name[N]...;`` turned into arena storage."""
+    reference declaration (a reference to an array, ``thread float (&a)[N]``, too),
+    ``constant`` variables made ``static const`` and each ``threadgroup T name[N]...;``
+    turned into arena storage."""
     out: list[str] = []
     last = 0
     for i, m in enumerate(_TG_ARRAY.finditer(src)):

@@ -74,221 +74,182 @@ struct RowMap {
 // Dynamic shared memory: the per-thread staging ring of the K/V pipeline.
 extern __shared__ __align__(16) uint4 pd_stage_ring[];
 
-// Attend the QH query heads h0 .. h0+QH-1 of request r to its visible tokens
-// [t_begin, t_end) under KV head kvh; write normalized rows to out_v[out_row + g*D] and
-// log2 LSEs to out_lse[out_lse_idx + g]. Every thread of the CTA must call it.
-// K/V rows stream through a STAGES-deep cp.async ring in shared memory: each thread
-// copies exactly the 16-byte pieces it later reads, so only its own cp.async groups are
-// waited for and no barrier is needed inside the loop.
-template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES, int ROW_LOADS>
-__device__ __forceinline__ void attend_range(
-    const TQ* __restrict__ q, const TKV* __restrict__ k_pages, const TKV* __restrict__ v_pages,
-    const int* __restrict__ page_ids, long long fpo, long long t_begin, long long t_end,
-    int r, int kvh, int h0, int num_qo_heads, int num_kv_heads, float scale_log2,
-    TO* __restrict__ out_v, float* __restrict__ out_lse, long long out_row, long long out_lse_idx) {
-  using M = RowMap<TKV, HEAD_DIM, ROW_LOADS>;
-  constexpr int VEC = M::VEC, NLOAD = M::NLOAD, TPR = M::TPR, RPW = M::RPW;
-  constexpr int NSW = NUM_WARPS * RPW;           // sub-warps per CTA
-  // tokens per sub-warp per stage: 4, or 2 at 8 heads per CTA (register budget: the QH x U
-  // logits and QH x VEC accumulators per lane; measured on the H200, 2026-11-30: 1.8x
-  // faster at QH 8, 5% slower at QH 7); the ring is sized for 4
-  constexpr int U = QH >= 8 ? 2 : 4;
-  constexpr int THREADS = NUM_WARPS * 32;
-  static_assert(STAGES >= 2, "the pipeline needs at least two stages");
-  __shared__ float sm_m[NUM_WARPS][QH];
-  __shared__ float sm_l[NUM_WARPS][QH];
-  __shared__ float sm_acc[NUM_WARPS][QH][HEAD_DIM];
+// Ring slot (stage, u, kv, j) of this thread.
+template <int U, int NLOAD, int THREADS>
+__device__ __forceinline__ uint4* ring_slot(int stage, int u, int kv, int j) {
+  return pd_stage_ring + (((stage * U + u) * 2 + kv) * NLOAD + j) * THREADS + threadIdx.x;
+}
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane / TPR, col = lane % TPR;
-  const bool active = col < M::LANES;
-  const int d0 = col * VEC;
-  const int sw = warp * RPW + sub;
-
-  float qf[QH][VEC];
-#pragma unroll
-  for (int g = 0; g < QH; ++g)
-#pragma unroll
-    for (int i = 0; i < VEC; ++i)
-      qf[g][i] = (active && d0 + i < HEAD_DIM)
-                     ? to_float(q[((long long)r * num_qo_heads + h0 + g) * HEAD_DIM + d0 + i]) * scale_log2
-                     : 0.f;
-  float m[QH], l[QH], acc[QH][VEC];
-#pragma unroll
-  for (int g = 0; g < QH; ++g) {
-    m[g] = -PD_INF; l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
-  }
-
-  const long long row_stride = (long long)num_kv_heads * HEAD_DIM;   // elements per token
-  const long long head_off = (long long)kvh * HEAD_DIM + d0;
+// Phase: the ring fill. Start the copies of this thread's pieces of the K and V rows of
+// step `step`'s U tokens into ring stage step % STAGES, and commit them as one group (a
+// step past the range copies nothing but still commits: one group per step keeps the
+// wait counts of the loop exact).
+template <typename TKV, int PAGE_SIZE, int STAGES, int U, int NSW, int NLOAD, int THREADS>
+__device__ __forceinline__ void issue_stage(
+    int step, int n_steps, int n_tok, int a_begin, int sw, bool active,
+    const TKV* __restrict__ k_pages, const TKV* __restrict__ v_pages,
+    const int* __restrict__ page_ids, long long page_stride, long long row_stride,
+    long long head_off) {
   constexpr long long STEP = (long long)NSW * U;                      // tokens per stage
-  const int n_steps = t_end > t_begin ? (int)((t_end - t_begin + STEP - 1) / STEP) : 0;
-  // ring slot (stage, u, kv, j) of this thread
-  auto slot = [&](int stage, int u, int kv, int j) -> uint4* {
-    return pd_stage_ring + (((stage * U + u) * 2 + kv) * NLOAD + j) * THREADS + threadIdx.x;
-  };
-  // Token positions relative to the first page of the request fit in 32 bits (a request
-  // holds fewer than 2^31 tokens); only the pool offset needs 64 bits.
-  const int a_begin = (int)(fpo + t_begin), n_tok = (int)(t_end - t_begin);
-  const long long page_stride = (long long)PAGE_SIZE * row_stride;
-  auto issue = [&](int step) {
-    const int stage = step % STAGES;
+  const int stage = step % STAGES;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = step * (int)STEP + u * NSW + sw;       // token index within the range
-      const bool ok = step < n_steps && i < n_tok;
-      const TKV* kp = k_pages;
-      const TKV* vp = v_pages;
-      if (ok) {
-        const int a = a_begin + i;
-        const long long off = (long long)page_ids[a / PAGE_SIZE] * page_stride
-                              + (long long)((a % PAGE_SIZE) * row_stride) + head_off;
-        kp += off;
-        vp += off;
-      }
-#pragma unroll
-      for (int j = 0; j < NLOAD; ++j) {
-        cp_async16(slot(stage, u, 0, j), reinterpret_cast<const uint4*>(kp) + j, ok && active);
-        cp_async16(slot(stage, u, 1, j), reinterpret_cast<const uint4*>(vp) + j, ok && active);
-      }
+  for (int u = 0; u < U; ++u) {
+    const int i = step * (int)STEP + u * NSW + sw;       // token index within the range
+    const bool ok = step < n_steps && i < n_tok;
+    const TKV* kp = k_pages;
+    const TKV* vp = v_pages;
+    if (ok) {
+      const int a = a_begin + i;
+      const long long off = (long long)page_ids[a / PAGE_SIZE] * page_stride
+                            + (long long)((a % PAGE_SIZE) * row_stride) + head_off;
+      kp += off;
+      vp += off;
     }
-    cp_async_commit();
-  };
-
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue(s);
-  // With a power-of-two QH the per-token head sums are reduced by transposition: each
-  // shuffle level hands half of a lane's head partials to its partner, so after log2(QH)
-  // levels lane `col` holds head HL = col / (TPR / QH) alone and finishes with a butterfly
-  // over its TPR / QH lanes; the softmax of that head runs once per lane (not once per
-  // head in every lane), and alpha / p reach every lane by indexed shuffles. Other QH
-  // (3, 5, 6, 7) keep one full butterfly per (token, head).
-  constexpr bool TRANSPOSE = (QH & (QH - 1)) == 0 && QH <= TPR;
-  constexpr int HLANES = TRANSPOSE ? TPR / QH : TPR;   // lanes sharing one head's sums
-  const int sub0 = lane - col;                         // first lane of this sub-warp
-  float m_h = -PD_INF, l_h = 0.f;   // TRANSPOSE: the state of head col / HLANES
-
-  for (int step = 0; step < n_steps; ++step) {
-    issue(step + STAGES - 1);
-    cp_async_wait<STAGES - 1>();                 // this thread's copies of `step` landed
-    const int stage = step % STAGES;
-    float s[QH][U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[VEC];
-#pragma unroll
-      for (int j = 0; j < NLOAD; ++j) KV<TKV>::widen(*slot(stage, u, 0, j), kf + j * M::PER16);
-#pragma unroll
-      for (int g = 0; g < QH; ++g) {
-        float x = 0.f;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) x = fmaf(qf[g][i], kf[i], x);
-        s[g][u] = x;
-      }
-    }
-    if constexpr (TRANSPOSE) {
-#pragma unroll
-      for (int half = QH / 2, off = TPR / 2; half >= 1; half >>= 1, off >>= 1) {
-        const bool up = (col & off) != 0;        // keep heads [half, 2 half) of the range
-#pragma unroll
-        for (int h = 0; h < half; ++h)
-#pragma unroll
-          for (int u = 0; u < U; ++u) {
-            const float give = up ? s[h][u] : s[h + half][u];
-            const float keep = up ? s[h + half][u] : s[h][u];
-            s[h][u] = keep + __shfl_xor_sync(0xffffffffu, give, off);
-          }
-      }
-#pragma unroll
-      for (int off = HLANES / 2; off >= 1; off >>= 1)
-#pragma unroll
-        for (int u = 0; u < U; ++u) s[0][u] += __shfl_xor_sync(0xffffffffu, s[0][u], off);
-      float mx = m_h;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool ok = step * (int)STEP + u * NSW + sw < n_tok;
-        s[0][u] = ok ? finite_or_nan(s[0][u]) : -PD_INF;
-        mx = fmaxf(mx, s[0][u]);
-      }
-      const float ref = mx == -PD_INF ? 0.f : mx;   // avoids (-inf) - (-inf)
-      const float alpha = exp2f(m_h - ref);
-      l_h *= alpha;
-      m_h = mx;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        s[0][u] = exp2f(s[0][u] - ref);
-        l_h += s[0][u];
-      }
-#pragma unroll
-      for (int g = 0; g < QH; ++g) {
-        const float a = __shfl_sync(0xffffffffu, alpha, sub0 + g * HLANES);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[g][i] *= a;
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        float vf[VEC];
-#pragma unroll
-        for (int j = 0; j < NLOAD; ++j) KV<TKV>::widen(*slot(stage, u, 1, j), vf + j * M::PER16);
-#pragma unroll
-        for (int g = 0; g < QH; ++g) {
-          const float p = __shfl_sync(0xffffffffu, s[0][u], sub0 + g * HLANES);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool ok = step * (int)STEP + u * NSW + sw < n_tok;
-#pragma unroll
-        for (int g = 0; g < QH; ++g) {
-          const float x = group_sum<TPR>(s[g][u]);
-          s[g][u] = ok ? finite_or_nan(x) : -PD_INF;
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < QH; ++g) {
-        float mx = m[g];
-#pragma unroll
-        for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[g][u]);
-        const float ref = mx == -PD_INF ? 0.f : mx;   // avoids (-inf) - (-inf)
-        const float alpha = exp2f(m[g] - ref);
-        l[g] *= alpha;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[g][i] *= alpha;
-        m[g] = mx;
-#pragma unroll
-        for (int u = 0; u < U; ++u) s[g][u] = exp2f(s[g][u] - ref);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        float vf[VEC];
-#pragma unroll
-        for (int j = 0; j < NLOAD; ++j) KV<TKV>::widen(*slot(stage, u, 1, j), vf + j * M::PER16);
-#pragma unroll
-        for (int g = 0; g < QH; ++g) {
-          l[g] += s[g][u];
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(s[g][u], vf[i], acc[g][i]);
-        }
-      }
+    for (int j = 0; j < NLOAD; ++j) {
+      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), reinterpret_cast<const uint4*>(kp) + j, ok && active);
+      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), reinterpret_cast<const uint4*>(vp) + j, ok && active);
     }
   }
-  if constexpr (TRANSPOSE) {
-    // every lane of a sub-warp takes each head's state from a lane that reduced it (the
-    // sub-warp's lanes of head g saw the same tokens: their states are equal)
+  cp_async_commit();
+}
+
+// Phase: this lane's partial q.k logits s[g][u] (over its VEC elements) of the QH heads
+// for the U tokens in ring stage `stage`; the softmax phases reduce them across the row.
+template <typename TKV, int QH, int U, int VEC, int NLOAD, int THREADS>
+__device__ __forceinline__ void scores(const float (&qf)[QH][VEC], int stage, float (&s)[QH][U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float kf[VEC];
+#pragma unroll
+    for (int j = 0; j < NLOAD; ++j)
+      KV<TKV>::widen(*ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), kf + j * KV<TKV>::PER16);
 #pragma unroll
     for (int g = 0; g < QH; ++g) {
-      m[g] = __shfl_sync(0xffffffffu, m_h, sub0 + g * HLANES);
-      l[g] = __shfl_sync(0xffffffffu, l_h, sub0 + g * HLANES);
+      float x = 0.f;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) x = fmaf(qf[g][i], kf[i], x);
+      s[g][u] = x;
     }
   }
-  cp_async_wait<0>();                              // no copy may outlive the loop
+}
 
-  // Combine the RPW sub-warp states of this warp (lanes TPR, 2*TPR, ... apart).
+// Phase (TRANSPOSE): reduce the partial logits by head transposition, run the online
+// softmax of head col / HLANES (state m_h, l_h) over the step's tokens and rescale every
+// head's accumulators by its alpha (shuffled in from a lane of that head). Leaves p of
+// this lane's head in s[0][u].
+template <int QH, int U, int VEC, int TPR, int HLANES, int NSW>
+__device__ __forceinline__ void softmax_transposed(
+    float (&s)[QH][U], float& m_h, float& l_h, float (&acc)[QH][VEC],
+    int step, int sw, int n_tok, int col, int sub0) {
+  constexpr long long STEP = (long long)NSW * U;
+#pragma unroll
+  for (int half = QH / 2, off = TPR / 2; half >= 1; half >>= 1, off >>= 1) {
+    const bool up = (col & off) != 0;        // keep heads [half, 2 half) of the range
+#pragma unroll
+    for (int h = 0; h < half; ++h)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float give = up ? s[h][u] : s[h + half][u];
+        const float keep = up ? s[h + half][u] : s[h][u];
+        s[h][u] = keep + __shfl_xor_sync(0xffffffffu, give, off);
+      }
+  }
+#pragma unroll
+  for (int off = HLANES / 2; off >= 1; off >>= 1)
+#pragma unroll
+    for (int u = 0; u < U; ++u) s[0][u] += __shfl_xor_sync(0xffffffffu, s[0][u], off);
+  float mx = m_h;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const bool ok = step * (int)STEP + u * NSW + sw < n_tok;
+    s[0][u] = ok ? finite_or_nan(s[0][u]) : -PD_INF;
+    mx = fmaxf(mx, s[0][u]);
+  }
+  const float ref = mx == -PD_INF ? 0.f : mx;   // avoids (-inf) - (-inf)
+  const float alpha = exp2f(m_h - ref);
+  l_h *= alpha;
+  m_h = mx;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    s[0][u] = exp2f(s[0][u] - ref);
+    l_h += s[0][u];
+  }
+#pragma unroll
+  for (int g = 0; g < QH; ++g) {
+    const float a = __shfl_sync(0xffffffffu, alpha, sub0 + g * HLANES);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[g][i] *= a;
+  }
+}
+
+// Phase (other QH): reduce each (token, head) logit by a butterfly over the row's lanes,
+// run the online softmax of every head (state m[g], l[g]) and rescale its accumulators.
+// Leaves p in s[g][u].
+template <int QH, int U, int VEC, int TPR, int NSW>
+__device__ __forceinline__ void softmax_per_head(
+    float (&s)[QH][U], float (&m)[QH], float (&l)[QH], float (&acc)[QH][VEC],
+    int step, int sw, int n_tok) {
+  constexpr long long STEP = (long long)NSW * U;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const bool ok = step * (int)STEP + u * NSW + sw < n_tok;
+#pragma unroll
+    for (int g = 0; g < QH; ++g) {
+      const float x = group_sum<TPR>(s[g][u]);
+      s[g][u] = ok ? finite_or_nan(x) : -PD_INF;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < QH; ++g) {
+    float mx = m[g];
+#pragma unroll
+    for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[g][u]);
+    const float ref = mx == -PD_INF ? 0.f : mx;   // avoids (-inf) - (-inf)
+    const float alpha = exp2f(m[g] - ref);
+    l[g] *= alpha;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[g][i] *= alpha;
+    m[g] = mx;
+    // l[g] takes the p in token order, as the transposed l_h does
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      s[g][u] = exp2f(s[g][u] - ref);
+      l[g] += s[g][u];
+    }
+  }
+}
+
+// The softmax weight of head g for token u: shuffled in from a lane of head g under
+// TRANSPOSE (its p was computed once, there), else this lane's own.
+template <bool TRANSPOSE, int QH, int U, int HLANES>
+__device__ __forceinline__ float v_weight(const float (&s)[QH][U], int g, int u, int sub0) {
+  if constexpr (TRANSPOSE) return __shfl_sync(0xffffffffu, s[0][u], sub0 + g * HLANES);
+  else return s[g][u];
+}
+
+// Phase: acc[g] += p(g, u) * v_u over the U tokens in ring stage `stage`, in token order.
+template <typename TKV, bool TRANSPOSE, int QH, int U, int VEC, int NLOAD, int THREADS, int HLANES>
+__device__ __forceinline__ void accumulate_v(float (&acc)[QH][VEC], const float (&s)[QH][U],
+                                             int stage, int sub0) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float vf[VEC];
+#pragma unroll
+    for (int j = 0; j < NLOAD; ++j)
+      KV<TKV>::widen(*ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), vf + j * KV<TKV>::PER16);
+#pragma unroll
+    for (int g = 0; g < QH; ++g) {
+      const float p = v_weight<TRANSPOSE, QH, U, HLANES>(s, g, u, sub0);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+    }
+  }
+}
+
+// Phase: combine the RPW sub-warp states of this warp (lanes TPR, 2*TPR, ... apart).
+template <int QH, int VEC, int TPR>
+__device__ __forceinline__ void combine_subwarps(float (&m)[QH], float (&l)[QH], float (&acc)[QH][VEC]) {
 #pragma unroll
   for (int off = TPR; off < 32; off <<= 1) {
 #pragma unroll
@@ -307,6 +268,18 @@ __device__ __forceinline__ void attend_range(
       m[g] = mx;
     }
   }
+}
+
+// Phase: combine the warps' states through shared memory and write the normalized rows
+// and log2 LSEs. Every thread of the CTA must call it (it holds a barrier).
+template <typename TO, int HEAD_DIM, int QH, int VEC, int NUM_WARPS>
+__device__ __forceinline__ void combine_warps_and_store(
+    const float (&m)[QH], const float (&l)[QH], const float (&acc)[QH][VEC],
+    int warp, int sub, int col, bool active, int d0,
+    TO* __restrict__ out_v, float* __restrict__ out_lse, long long out_row, long long out_lse_idx) {
+  __shared__ float sm_m[NUM_WARPS][QH];
+  __shared__ float sm_l[NUM_WARPS][QH];
+  __shared__ float sm_acc[NUM_WARPS][QH][HEAD_DIM];
   if (sub == 0) {
 #pragma unroll
     for (int g = 0; g < QH; ++g) {
@@ -337,6 +310,105 @@ __device__ __forceinline__ void attend_range(
     out_v[out_row + (long long)g * HEAD_DIM + d] = from_float<TO>(live ? num / den : 0.f);
     if (d == 0) out_lse[out_lse_idx + g] = live ? mx + log2f(den) : -PD_INF;
   }
+}
+
+// Attend the QH query heads h0 .. h0+QH-1 of request r to its visible tokens
+// [t_begin, t_end) under KV head kvh; write normalized rows to out_v[out_row + g*D] and
+// log2 LSEs to out_lse[out_lse_idx + g]. Every thread of the CTA must call it.
+// K/V rows stream through a STAGES-deep cp.async ring in shared memory: each thread
+// copies exactly the 16-byte pieces it later reads, so only its own cp.async groups are
+// waited for and no barrier is needed inside the loop.
+template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES, int ROW_LOADS>
+__device__ __forceinline__ void attend_range(
+    const TQ* __restrict__ q, const TKV* __restrict__ k_pages, const TKV* __restrict__ v_pages,
+    const int* __restrict__ page_ids, long long fpo, long long t_begin, long long t_end,
+    int r, int kvh, int h0, int num_qo_heads, int num_kv_heads, float scale_log2,
+    TO* __restrict__ out_v, float* __restrict__ out_lse, long long out_row, long long out_lse_idx) {
+  using M = RowMap<TKV, HEAD_DIM, ROW_LOADS>;
+  constexpr int VEC = M::VEC, NLOAD = M::NLOAD, TPR = M::TPR, RPW = M::RPW;
+  constexpr int NSW = NUM_WARPS * RPW;           // sub-warps per CTA
+  // tokens per sub-warp per stage: 4, or 2 at 8 heads per CTA (register budget: the QH x U
+  // logits and QH x VEC accumulators per lane; measured on the H200, 2026-11-30: 1.8x
+  // faster at QH 8, 5% slower at QH 7); the ring is sized for 4
+  constexpr int U = QH >= 8 ? 2 : 4;
+  constexpr int THREADS = NUM_WARPS * 32;
+  static_assert(STAGES >= 2, "the pipeline needs at least two stages");
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane / TPR, col = lane % TPR;
+  const bool active = col < M::LANES;
+  const int d0 = col * VEC;
+  const int sw = warp * RPW + sub;
+
+  float qf[QH][VEC];
+#pragma unroll
+  for (int g = 0; g < QH; ++g)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i)
+      qf[g][i] = (active && d0 + i < HEAD_DIM)
+                     ? to_float(q[((long long)r * num_qo_heads + h0 + g) * HEAD_DIM + d0 + i]) * scale_log2
+                     : 0.f;
+  float m[QH], l[QH], acc[QH][VEC];
+#pragma unroll
+  for (int g = 0; g < QH; ++g) {
+    m[g] = -PD_INF; l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[g][i] = 0.f;
+  }
+
+  const long long row_stride = (long long)num_kv_heads * HEAD_DIM;   // elements per token
+  const long long head_off = (long long)kvh * HEAD_DIM + d0;
+  constexpr long long STEP = (long long)NSW * U;                      // tokens per stage
+  const int n_steps = t_end > t_begin ? (int)((t_end - t_begin + STEP - 1) / STEP) : 0;
+  // Token positions relative to the first page of the request fit in 32 bits (a request
+  // holds fewer than 2^31 tokens); only the pool offset needs 64 bits.
+  const int a_begin = (int)(fpo + t_begin), n_tok = (int)(t_end - t_begin);
+  const long long page_stride = (long long)PAGE_SIZE * row_stride;
+  auto issue = [&](int step) {
+    issue_stage<TKV, PAGE_SIZE, STAGES, U, NSW, NLOAD, THREADS>(
+        step, n_steps, n_tok, a_begin, sw, active, k_pages, v_pages, page_ids, page_stride,
+        row_stride, head_off);
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  // With a power-of-two QH the per-token head sums are reduced by transposition: each
+  // shuffle level hands half of a lane's head partials to its partner, so after log2(QH)
+  // levels lane `col` holds head HL = col / (TPR / QH) alone and finishes with a butterfly
+  // over its TPR / QH lanes; the softmax of that head runs once per lane (not once per
+  // head in every lane), and alpha / p reach every lane by indexed shuffles. Other QH
+  // (3, 5, 6, 7) keep one full butterfly per (token, head).
+  constexpr bool TRANSPOSE = (QH & (QH - 1)) == 0 && QH <= TPR;
+  constexpr int HLANES = TRANSPOSE ? TPR / QH : TPR;   // lanes sharing one head's sums
+  const int sub0 = lane - col;                         // first lane of this sub-warp
+  float m_h = -PD_INF, l_h = 0.f;   // TRANSPOSE: the state of head col / HLANES
+
+  for (int step = 0; step < n_steps; ++step) {
+    issue(step + STAGES - 1);
+    cp_async_wait<STAGES - 1>();                 // this thread's copies of `step` landed
+    const int stage = step % STAGES;
+    float s[QH][U];
+    scores<TKV, QH, U, VEC, NLOAD, THREADS>(qf, stage, s);
+    if constexpr (TRANSPOSE)
+      softmax_transposed<QH, U, VEC, TPR, HLANES, NSW>(s, m_h, l_h, acc, step, sw, n_tok, col, sub0);
+    else
+      softmax_per_head<QH, U, VEC, TPR, NSW>(s, m, l, acc, step, sw, n_tok);
+    accumulate_v<TKV, TRANSPOSE, QH, U, VEC, NLOAD, THREADS, HLANES>(acc, s, stage, sub0);
+  }
+  if constexpr (TRANSPOSE) {
+    // every lane of a sub-warp takes each head's state from a lane that reduced it (the
+    // sub-warp's lanes of head g saw the same tokens: their states are equal)
+#pragma unroll
+    for (int g = 0; g < QH; ++g) {
+      m[g] = __shfl_sync(0xffffffffu, m_h, sub0 + g * HLANES);
+      l[g] = __shfl_sync(0xffffffffu, l_h, sub0 + g * HLANES);
+    }
+  }
+  cp_async_wait<0>();                              // no copy may outlive the loop
+
+  combine_subwarps<QH, VEC, TPR>(m, l, acc);
+  combine_warps_and_store<TO, HEAD_DIM, QH, VEC, NUM_WARPS>(
+      m, l, acc, warp, sub, col, active, d0, out_v, out_lse, out_row, out_lse_idx);
 }
 
 }  // namespace pd
@@ -427,6 +499,206 @@ struct Combine {
   static constexpr int ACC = NUM_WARPS * HPR * HEAD_DIM;
 };
 
+// The phases below take the accumulators' element type A from the caller (float; a
+// deduced type rather than a fixed one, so that attend_range's declaration alone decides
+// it).
+
+// Phase: the pool offset of this thread's piece of each of the step's U tokens and whether
+// the token is in the range (the K/V loads are predicated on it; no staging ring).
+template <int PAGE_SIZE, int U, int NSW, typename IP>
+inline void token_offsets(IP page_ids, long fpo, long t_begin, long t_end, long step, int sw,
+                          long row_stride, long head_off, thread long (&kv_off)[U],
+                          thread bool (&ok)[U]) {
+  constexpr long STEP = long(NSW) * U;                      // tokens per step
+  for (int u = 0; u < U; ++u) {
+    const long t = t_begin + step * STEP + long(u) * NSW + sw;
+    ok[u] = t < t_end;
+    kv_off[u] = 0;
+    if (ok[u]) {
+      const long a = fpo + t;
+      const long page = page_ids[a / PAGE_SIZE];
+      kv_off[u] = (page * PAGE_SIZE + a % PAGE_SIZE) * row_stride + head_off;
+    }
+  }
+}
+
+// Phase: this lane's partial q.k logits s[g][u] (over its VEC elements) of the QH heads
+// for the step's U tokens; the softmax phases reduce them across the row.
+template <int QH, int U, int VEC, typename KP>
+inline void scores(const thread float (&qf)[QH][VEC], KP k_pages, const thread long (&kv_off)[U],
+                   const thread bool (&ok)[U], bool active, thread float (&s)[QH][U]) {
+  for (int u = 0; u < U; ++u) {
+    float kf[VEC];
+    for (int j = 0; j < VEC / 4; ++j) {
+      const float4 x = (ok[u] && active) ? load4(k_pages + kv_off[u] + 4 * j) : float4(0.0f);
+      kf[4 * j] = x.x; kf[4 * j + 1] = x.y; kf[4 * j + 2] = x.z; kf[4 * j + 3] = x.w;
+    }
+    for (int g = 0; g < QH; ++g) {
+      float x = 0.0f;
+      for (int i = 0; i < VEC; ++i) x = fma(qf[g][i], kf[i], x);
+      s[g][u] = x;
+    }
+  }
+}
+
+// Phase (TRANSPOSE): reduce the partial logits by head transposition, run the online
+// softmax of head col / HLANES (state m_h, l_h) over the step's tokens and rescale every
+// head's accumulators by its alpha (shuffled in from a lane of that head). Leaves p of
+// this lane's head in s[0][u].
+template <int QH, int U, int VEC, int TPR, int HLANES, typename A>
+inline void softmax_transposed(thread float (&s)[QH][U], thread float& m_h, thread float& l_h,
+                               thread A (&acc)[QH][VEC], const thread bool (&ok)[U], int col,
+                               int sub0) {
+  // hn: the number of heads kept per level (`half` in CUDA, a type name in Metal)
+  for (int hn = QH / 2, off = TPR / 2; hn >= 1; hn >>= 1, off >>= 1) {
+    const bool up = (col & off) != 0;        // keep heads [hn, 2 hn) of the range
+    for (int h = 0; h < hn; ++h)
+      for (int u = 0; u < U; ++u) {
+        const float give = up ? s[h][u] : s[h + hn][u];
+        const float keep = up ? s[h + hn][u] : s[h][u];
+        s[h][u] = keep + simd_shuffle_xor(give, ushort(off));
+      }
+  }
+  for (int off = HLANES / 2; off >= 1; off >>= 1)
+    for (int u = 0; u < U; ++u) s[0][u] += simd_shuffle_xor(s[0][u], ushort(off));
+  float mx = m_h;
+  for (int u = 0; u < U; ++u) {
+    s[0][u] = ok[u] ? finite_or_nan(s[0][u]) : -INFINITY;
+    mx = fmax(mx, s[0][u]);
+  }
+  const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
+  const float alpha = exp2(m_h - ref);
+  l_h *= alpha;
+  m_h = mx;
+  for (int u = 0; u < U; ++u) {
+    s[0][u] = exp2(s[0][u] - ref);
+    l_h += s[0][u];
+  }
+  for (int g = 0; g < QH; ++g) {
+    const float a = simd_shuffle(alpha, ushort(sub0 + g * HLANES));
+    for (int i = 0; i < VEC; ++i) acc[g][i] *= a;
+  }
+}
+
+// Phase (other QH): reduce each (token, head) logit by a butterfly over the row's lanes,
+// run the online softmax of every head (state m[g], l[g]) and rescale its accumulators.
+// Leaves p in s[g][u].
+template <int QH, int U, int VEC, int TPR, typename A>
+inline void softmax_per_head(thread float (&s)[QH][U], thread float (&m)[QH], thread float (&l)[QH],
+                             thread A (&acc)[QH][VEC], const thread bool (&ok)[U]) {
+  for (int u = 0; u < U; ++u) {
+    for (int g = 0; g < QH; ++g) {
+      const float x = group_sum<TPR>(s[g][u]);
+      s[g][u] = ok[u] ? finite_or_nan(x) : -INFINITY;
+    }
+  }
+  for (int g = 0; g < QH; ++g) {
+    float mx = m[g];
+    for (int u = 0; u < U; ++u) mx = fmax(mx, s[g][u]);
+    const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
+    const float alpha = exp2(m[g] - ref);
+    l[g] *= alpha;
+    for (int i = 0; i < VEC; ++i) acc[g][i] *= alpha;
+    m[g] = mx;
+    // l[g] takes the p in token order, as the transposed l_h does
+    for (int u = 0; u < U; ++u) {
+      s[g][u] = exp2(s[g][u] - ref);
+      l[g] += s[g][u];
+    }
+  }
+}
+
+// The softmax weight of head g for token u: shuffled in from a lane of head g under
+// TRANSPOSE (its p was computed once, there), else this lane's own. A plain `if` on the
+// constant, folded (see TRANSPOSE in attend_range).
+template <bool TRANSPOSE, int QH, int U, int HLANES>
+inline float v_weight(const thread float (&s)[QH][U], int g, int u, int sub0) {
+  if (TRANSPOSE) return simd_shuffle(s[0][u], ushort(sub0 + g * HLANES));
+  return s[g][u];
+}
+
+// Phase: acc[g] += p(g, u) * v_u over the step's U tokens, in token order.
+template <bool TRANSPOSE, int QH, int U, int VEC, int HLANES, typename KP, typename A>
+inline void accumulate_v(thread A (&acc)[QH][VEC], const thread float (&s)[QH][U], KP v_pages,
+                         const thread long (&kv_off)[U], const thread bool (&ok)[U], bool active,
+                         int sub0) {
+  for (int u = 0; u < U; ++u) {
+    float vf[VEC];
+    for (int j = 0; j < VEC / 4; ++j) {
+      const float4 x = (ok[u] && active) ? load4(v_pages + kv_off[u] + 4 * j) : float4(0.0f);
+      vf[4 * j] = x.x; vf[4 * j + 1] = x.y; vf[4 * j + 2] = x.z; vf[4 * j + 3] = x.w;
+    }
+    for (int g = 0; g < QH; ++g) {
+      const float p = v_weight<TRANSPOSE, QH, U, HLANES>(s, g, u, sub0);
+      for (int i = 0; i < VEC; ++i) acc[g][i] = fma(p, vf[i], acc[g][i]);
+    }
+  }
+}
+
+// Phase: combine the RPW sub-group states of this SIMD group (lanes TPR, 2*TPR, ... apart).
+template <int QH, int VEC, int TPR, typename A>
+inline void combine_subwarps(thread float (&m)[QH], thread float (&l)[QH], thread A (&acc)[QH][VEC]) {
+  for (ushort off = TPR; off < 32; off <<= 1) {
+    for (int g = 0; g < QH; ++g) {
+      const float mo = simd_shuffle_xor(m[g], off);
+      const float lo = simd_shuffle_xor(l[g], off);
+      const float mx = fmax(m[g], mo);
+      const float ref = mx == -INFINITY ? 0.0f : mx;
+      const float a = exp2(m[g] - ref), b = exp2(mo - ref);
+      l[g] = l[g] * a + lo * b;
+      for (int i = 0; i < VEC; ++i) {
+        const float ao = simd_shuffle_xor(acc[g][i], off);
+        acc[g][i] = acc[g][i] * a + ao * b;
+      }
+      m[g] = mx;
+    }
+  }
+}
+
+// Phase: combine the SIMD groups' states through threadgroup memory, CB::HPR heads per
+// round, and write the normalized rows and log2 LSEs. Every thread of the threadgroup
+// must call it (it holds barriers).
+template <typename TO, int HEAD_DIM, int QH, int VEC, int NUM_WARPS, typename A>
+inline void combine_warps_and_store(
+    const thread float (&m)[QH], const thread float (&l)[QH], const thread A (&acc)[QH][VEC],
+    threadgroup float* sm_m, threadgroup float* sm_l, threadgroup float* sm_acc,
+    uint tid, uint warp, int sub, int col, bool active, int d0,
+    device TO* out_v, device float* out_lse, long out_row, long out_lse_idx) {
+  typedef Combine<HEAD_DIM, QH, NUM_WARPS> CB;
+  constexpr int THREADS = NUM_WARPS * 32;
+  if (sub == 0 && col == 0) {
+    for (int g = 0; g < QH; ++g) {
+      sm_m[warp * QH + g] = m[g];
+      sm_l[warp * QH + g] = l[g];
+    }
+  }
+  for (int g0 = 0; g0 < QH; g0 += CB::HPR) {
+    if (g0 > 0) threadgroup_barrier(mem_flags::mem_threadgroup);   // previous round read
+    if (sub == 0 && active) {
+      for (int gg = 0; gg < CB::HPR; ++gg)
+        for (int i = 0; i < VEC; ++i)
+          if (d0 + i < HEAD_DIM) sm_acc[(warp * CB::HPR + gg) * HEAD_DIM + d0 + i] = acc[g0 + gg][i];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int e = int(tid); e < CB::HPR * HEAD_DIM; e += THREADS) {
+      const int gg = e / HEAD_DIM, d = e % HEAD_DIM, g = g0 + gg;
+      float mx = -INFINITY;
+      for (int w = 0; w < NUM_WARPS; ++w) mx = fmax(mx, sm_m[w * QH + g]);
+      const float ref = mx == -INFINITY ? 0.0f : mx;
+      float num = 0.0f, den = 0.0f;
+      for (int w = 0; w < NUM_WARPS; ++w) {
+        const float wt = exp2(sm_m[w * QH + g] - ref);
+        num = fma(wt, sm_acc[(w * CB::HPR + gg) * HEAD_DIM + d], num);
+        den = fma(wt, sm_l[w * QH + g], den);
+      }
+      // den is 0 for an empty range and NaN when a score was not finite (as in CUDA)
+      const bool live = !(den <= 0.0f);
+      out_v[out_row + long(g) * HEAD_DIM + d] = from_float<TO>(live ? num / den : 0.0f);
+      if (d == 0) out_lse[out_lse_idx + g] = live ? mx + log2(den) : -INFINITY;
+    }
+  }
+}
+
 // Attend the QH query heads h0 .. h0+QH-1 of request r to its visible tokens
 // [t_begin, t_end) under KV head kvh; write normalized rows to out_v[out_row + g*D] and
 // log2 LSEs to out_lse[out_lse_idx + g]. Every thread of the threadgroup must call it.
@@ -439,14 +711,12 @@ inline void attend_range(
     threadgroup float* sm_m, threadgroup float* sm_l, threadgroup float* sm_acc,
     uint tid, uint lane, uint warp) {
   typedef RowMap<TKV, HEAD_DIM> M;
-  typedef Combine<HEAD_DIM, QH, NUM_WARPS> CB;
   constexpr int VEC = M::VEC, TPR = M::TPR, RPW = M::RPW;
   constexpr int NSW = NUM_WARPS * RPW;           // sub-groups per threadgroup
   // tokens per sub-group per step: 4, or 2 at 8 heads per threadgroup (register budget:
   // the QH x U logits and QH x VEC accumulators per lane), as in CUDA (the rule was
   // measured there, not on an Apple GPU)
   constexpr int U = QH >= 8 ? 2 : 4;
-  constexpr int THREADS = NUM_WARPS * 32;
 
   const int sub = int(lane) / TPR, col = int(lane) % TPR;
   const bool active = col < M::LANES;
@@ -486,99 +756,15 @@ inline void attend_range(
   for (long step = 0; step < n_steps; ++step) {
     long kv_off[U];                              // pool offset of token u's piece
     bool ok[U];
-    for (int u = 0; u < U; ++u) {
-      const long t = t_begin + step * STEP + long(u) * NSW + sw;
-      ok[u] = t < t_end;
-      kv_off[u] = 0;
-      if (ok[u]) {
-        const long a = fpo + t;
-        const long page = page_ids[a / PAGE_SIZE];
-        kv_off[u] = (page * PAGE_SIZE + a % PAGE_SIZE) * row_stride + head_off;
-      }
-    }
+    token_offsets<PAGE_SIZE, U, NSW>(page_ids, fpo, t_begin, t_end, step, sw, row_stride,
+                                     head_off, kv_off, ok);
     float s[QH][U];
-    for (int u = 0; u < U; ++u) {
-      float kf[VEC];
-      for (int j = 0; j < VEC / 4; ++j) {
-        const float4 x = (ok[u] && active) ? load4(k_pages + kv_off[u] + 4 * j) : float4(0.0f);
-        kf[4 * j] = x.x; kf[4 * j + 1] = x.y; kf[4 * j + 2] = x.z; kf[4 * j + 3] = x.w;
-      }
-      for (int g = 0; g < QH; ++g) {
-        float x = 0.0f;
-        for (int i = 0; i < VEC; ++i) x = fma(qf[g][i], kf[i], x);
-        s[g][u] = x;
-      }
-    }
-    if (TRANSPOSE) {
-      // hn: the number of heads kept per level (`half` in CUDA, a type name in Metal)
-      for (int hn = QH / 2, off = TPR / 2; hn >= 1; hn >>= 1, off >>= 1) {
-        const bool up = (col & off) != 0;        // keep heads [hn, 2 hn) of the range
-        for (int h = 0; h < hn; ++h)
-          for (int u = 0; u < U; ++u) {
-            const float give = up ? s[h][u] : s[h + hn][u];
-            const float keep = up ? s[h + hn][u] : s[h][u];
-            s[h][u] = keep + simd_shuffle_xor(give, ushort(off));
-          }
-      }
-      for (int off = HLANES / 2; off >= 1; off >>= 1)
-        for (int u = 0; u < U; ++u) s[0][u] += simd_shuffle_xor(s[0][u], ushort(off));
-      float mx = m_h;
-      for (int u = 0; u < U; ++u) {
-        s[0][u] = ok[u] ? finite_or_nan(s[0][u]) : -INFINITY;
-        mx = fmax(mx, s[0][u]);
-      }
-      const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
-      const float alpha = exp2(m_h - ref);
-      l_h *= alpha;
-      m_h = mx;
-      for (int u = 0; u < U; ++u) {
-        s[0][u] = exp2(s[0][u] - ref);
-        l_h += s[0][u];
-      }
-      for (int g = 0; g < QH; ++g) {
-        const float a = simd_shuffle(alpha, ushort(sub0 + g * HLANES));
-        for (int i = 0; i < VEC; ++i) acc[g][i] *= a;
-      }
-      for (int u = 0; u < U; ++u) {
-        float vf[VEC];
-        for (int j = 0; j < VEC / 4; ++j) {
-          const float4 x = (ok[u] && active) ? load4(v_pages + kv_off[u] + 4 * j) : float4(0.0f);
-          vf[4 * j] = x.x; vf[4 * j + 1] = x.y; vf[4 * j + 2] = x.z; vf[4 * j + 3] = x.w;
-        }
-        for (int g = 0; g < QH; ++g) {
-          const float p = simd_shuffle(s[0][u], ushort(sub0 + g * HLANES));
-          for (int i = 0; i < VEC; ++i) acc[g][i] = fma(p, vf[i], acc[g][i]);
-        }
-      }
-    } else {
-      for (int u = 0; u < U; ++u) {
-        for (int g = 0; g < QH; ++g) {
-          const float x = group_sum<TPR>(s[g][u]);
-          s[g][u] = ok[u] ? finite_or_nan(x) : -INFINITY;
-        }
-      }
-      for (int g = 0; g < QH; ++g) {
-        float mx = m[g];
-        for (int u = 0; u < U; ++u) mx = fmax(mx, s[g][u]);
-        const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
-        const float alpha = exp2(m[g] - ref);
-        l[g] *= alpha;
-        for (int i = 0; i < VEC; ++i) acc[g][i] *= alpha;
-        m[g] = mx;
-        for (int u = 0; u < U; ++u) s[g][u] = exp2(s[g][u] - ref);
-      }
-      for (int u = 0; u < U; ++u) {
-        float vf[VEC];
-        for (int j = 0; j < VEC / 4; ++j) {
-          const float4 x = (ok[u] && active) ? load4(v_pages + kv_off[u] + 4 * j) : float4(0.0f);
-          vf[4 * j] = x.x; vf[4 * j + 1] = x.y; vf[4 * j + 2] = x.z; vf[4 * j + 3] = x.w;
-        }
-        for (int g = 0; g < QH; ++g) {
-          l[g] += s[g][u];
-          for (int i = 0; i < VEC; ++i) acc[g][i] = fma(s[g][u], vf[i], acc[g][i]);
-        }
-      }
-    }
+    scores<QH, U, VEC>(qf, k_pages, kv_off, ok, active, s);
+    if (TRANSPOSE)
+      softmax_transposed<QH, U, VEC, TPR, HLANES>(s, m_h, l_h, acc, ok, col, sub0);
+    else
+      softmax_per_head<QH, U, VEC, TPR>(s, m, l, acc, ok);
+    accumulate_v<TRANSPOSE, QH, U, VEC, HLANES>(acc, s, v_pages, kv_off, ok, active, sub0);
   }
   if (TRANSPOSE) {
     // every lane of a sub-group takes each head's state from a lane that reduced it (the
@@ -589,54 +775,10 @@ inline void attend_range(
     }
   }
 
-  // Combine the RPW sub-group states of this SIMD group (lanes TPR, 2*TPR, ... apart).
-  for (ushort off = TPR; off < 32; off <<= 1) {
-    for (int g = 0; g < QH; ++g) {
-      const float mo = simd_shuffle_xor(m[g], off);
-      const float lo = simd_shuffle_xor(l[g], off);
-      const float mx = fmax(m[g], mo);
-      const float ref = mx == -INFINITY ? 0.0f : mx;
-      const float a = exp2(m[g] - ref), b = exp2(mo - ref);
-      l[g] = l[g] * a + lo * b;
-      for (int i = 0; i < VEC; ++i) {
-        const float ao = simd_shuffle_xor(acc[g][i], off);
-        acc[g][i] = acc[g][i] * a + ao * b;
-      }
-      m[g] = mx;
-    }
-  }
-  // Across SIMD groups, through threadgroup memory, CB::HPR heads per round.
-  if (sub == 0 && col == 0) {
-    for (int g = 0; g < QH; ++g) {
-      sm_m[warp * QH + g] = m[g];
-      sm_l[warp * QH + g] = l[g];
-    }
-  }
-  for (int g0 = 0; g0 < QH; g0 += CB::HPR) {
-    if (g0 > 0) threadgroup_barrier(mem_flags::mem_threadgroup);   // previous round read
-    if (sub == 0 && active) {
-      for (int gg = 0; gg < CB::HPR; ++gg)
-        for (int i = 0; i < VEC; ++i)
-          if (d0 + i < HEAD_DIM) sm_acc[(warp * CB::HPR + gg) * HEAD_DIM + d0 + i] = acc[g0 + gg][i];
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int e = int(tid); e < CB::HPR * HEAD_DIM; e += THREADS) {
-      const int gg = e / HEAD_DIM, d = e % HEAD_DIM, g = g0 + gg;
-      float mx = -INFINITY;
-      for (int w = 0; w < NUM_WARPS; ++w) mx = fmax(mx, sm_m[w * QH + g]);
-      const float ref = mx == -INFINITY ? 0.0f : mx;
-      float num = 0.0f, den = 0.0f;
-      for (int w = 0; w < NUM_WARPS; ++w) {
-        const float wt = exp2(sm_m[w * QH + g] - ref);
-        num = fma(wt, sm_acc[(w * CB::HPR + gg) * HEAD_DIM + d], num);
-        den = fma(wt, sm_l[w * QH + g], den);
-      }
-      // den is 0 for an empty range and NaN when a score was not finite (as in CUDA)
-      const bool live = !(den <= 0.0f);
-      out_v[out_row + long(g) * HEAD_DIM + d] = from_float<TO>(live ? num / den : 0.0f);
-      if (d == 0) out_lse[out_lse_idx + g] = live ? mx + log2(den) : -INFINITY;
-    }
-  }
+  combine_subwarps<QH, VEC, TPR>(m, l, acc);
+  combine_warps_and_store<TO, HEAD_DIM, QH, VEC, NUM_WARPS>(
+      m, l, acc, sm_m, sm_l, sm_acc, tid, warp, sub, col, active, d0, out_v, out_lse, out_row,
+      out_lse_idx);
 }
 
 }  // namespace pd
