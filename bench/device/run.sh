@@ -25,6 +25,7 @@
 #               with each tile's register use
 #   tune-v2     bench/device/tune_v2.py: the v2 row-loads x CTA-target sweep
 #   ncu-v2      an ncu profile of the v2 partial at 64 x 4K, one and two row loads
+#   append-host host time of one PagePool.append_batch, 128 sequences x 1 token x 32 layers
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
@@ -126,6 +127,11 @@ step_ncu_v2() {
       python3 bench/device/profile_v2.py 64 4096 $ld >> "$OUT/ncu_v2.txt" 2>&1
   done
   grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Block Limit|Issued|Eligible|Stall|Warp Cycles" "$OUT/ncu_v2.txt" | head -80
+}
+
+step_append_host() {
+  timeout 240 python3 bench/device/append_host.py "$OUT/append_host.json" 2>&1 | tee "$L/append_host.txt"
+  echo "append-host rc=$?"
 }
 
 for s in "$@"; do

@@ -1,0 +1,68 @@
+"""Host time of one batched append (``PagePool.append_batch``) on the CUDA backend.
+
+B sequences x 1 token x L layers (float16, Hkv 8, D 128, page 16), sequences prefilled
+to ragged lengths so page boundaries fall at different steps. Per step: the host time of
+the call (enqueue only: the clock stops when the call returns), then a synchronize; and
+the CUDA-event time across the call (host work, the descriptor upload and the launch).
+Prints medians over the steps and writes JSON.
+
+    python3 bench/device/append_host.py OUT.json [--batch 128] [--layers 32] [--steps 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import cupy as cp
+import numpy as np
+
+import paged_decode as pd
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=64)
+    a = ap.parse_args()
+    b, layers, hkv, d, p = a.batch, a.layers, 8, 128, 16
+    rng = np.random.default_rng(0)
+    lens = rng.integers(100, 2000, b)
+    pages = int(sum(-(-(n + a.steps) // p) for n in lens)) + 64
+    pool = pd.PagePool(pages, p, hkv, d, "float16", num_layers=layers, backend="cuda")
+    seqs = [pool.new_sequence() for _ in range(b)]
+    for s, n in zip(seqs, lens):
+        kv = cp.asarray(rng.standard_normal((layers, int(n), hkv, d)).astype(np.float16))
+        pool.append(s, kv, kv)
+    ids = np.asarray(seqs, np.int64)
+    k = cp.asarray(rng.standard_normal((layers, b, hkv, d)).astype(np.float16))
+    v = cp.asarray(rng.standard_normal((layers, b, hkv, d)).astype(np.float16))
+    cp.cuda.Device().synchronize()
+    host, gpu = [], []
+    for step in range(a.steps + 4):
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record()
+        t0 = time.perf_counter()
+        pool.append_batch(ids, k, v)
+        t1 = time.perf_counter()
+        e1.record()
+        e1.synchronize()
+        if step >= 4:                          # warm-up: compile, first uploads
+            host.append((t1 - t0) * 1e6)
+            gpu.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    res = {"batch": b, "layers": layers, "steps": a.steps, "device": name,
+           "host_us_median": statistics.median(host),
+           "host_us_p80": float(np.percentile(host, 80)),
+           "event_us_median": statistics.median(gpu)}
+    print(json.dumps(res))
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
