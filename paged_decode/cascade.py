@@ -184,7 +184,7 @@ def detect_with_reason(table: PageTable, *, min_shared_pages: int | None = None,
     caps = pages[cand] - 1
     group, span = _best_group(table, cand, caps, msp, min_members)
     if group is not None:
-        return _make_plan(table, group, span), ""
+        return _group_plan(table, group, span), ""
     group, span = _best_group(table, cand, caps, 1, min_members)
     if group is None:
         return None, none
@@ -239,7 +239,7 @@ def _best_group(table: PageTable, cand: np.ndarray, caps: np.ndarray, min_span: 
     return np.sort(cand[order[lo:hi + 1]]), best[1]
 
 
-def _make_plan(table: PageTable, members: np.ndarray, span: int) -> CascadePlan:
+def _group_plan(table: PageTable, members: np.ndarray, span: int) -> CascadePlan:
     p, b = table.page_size, table.batch_size
     ip = table.indptr.astype(np.int64)
     shared = table.indices[ip[members[0]]:ip[members[0]] + span]
