@@ -245,10 +245,14 @@ def empty_batch(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path
 
 def results(be: Backend, q: Any, out: Any, lse: Any, out_a: Any, lse_a: Any,
              return_lse: bool) -> Any:
-    result = be.wrap_result(out_a, like=q) if out is None else out
-    if not return_lse:
-        return result
-    return result, (be.wrap_result(lse_a, like=q) if lse is None else lse)
+    result = returned(be, q, out, out_a)
+    return (result, returned(be, q, lse, lse_a)) if return_lse else result
+
+
+def returned(be: Backend, like: Any, given: Any, made: Any) -> Any:
+    """What a call hands back for one output: the caller's ``given`` array, else the
+    backend array ``made`` in the caller's array kind (``like``'s)."""
+    return be.wrap_result(made, like=like) if given is None else given
 
 
 def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int, ...],
@@ -272,4 +276,4 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
 
 __all__ = ["PATHS", "CallArgs", "CascadeCall", "cascade_call", "check_call", "check_support",
            "choose_path", "empty_batch", "flat_call", "output_buffer", "plan_decode",
-           "resolve_plan", "results", "run_path"]
+           "resolve_plan", "results", "returned", "run_path"]

@@ -30,6 +30,7 @@ from .call import (
     cascade_call,
     check_call,
     flat_call,
+    returned,
     run_path,
 )
 from .cascade import run_cascade
@@ -159,9 +160,9 @@ def _prepare(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Pa
 
     def bound(out_a: Any, lse_a: Any) -> dict[str, Any]:
         """What every call returns: the caller's arrays, or the allocated ones."""
-        out_r = be.wrap_result(out_a, like=q) if out is None else out
-        lse_r = (be.wrap_result(lse_a, like=q) if lse is None else lse) if want_lse else None
-        return {"out": out_r, "lse": lse_r, "return_lse": return_lse, "like": q}
+        return {"out": returned(be, q, out, out_a),
+                "lse": returned(be, q, lse, lse_a) if want_lse else None,
+                "return_lse": return_lse, "like": q}
 
     if cascade is not None and cascade is not False:
         cc, _ = cascade_call(fn, be, a, cascade, path, out, lse)

@@ -97,4 +97,15 @@ def merge_partials(xp: Any, v: Any, lse: Any, valid: Any = None, axis: int = 0
     return o, lse_out
 
 
-__all__ = ["LN2", "RowSoftmax", "merge_partials"]
+def nonfinite_heads(xp: Any, q: Any, kf: Any, valid: Any, empty: Any, group: int) -> Any:
+    """``bool [B, Hq]``: heads whose inputs could give a non-finite score, for paths that
+    call a fused SDPA without seeing the scores (it takes a -inf score for a masked one):
+    a non-finite element of ``q [B, Hq, D]``, or of a visible row of the gathered K
+    ``kf [B, Hkv, T, D]`` (``valid [B, T]``) of the head's KV head (``group`` query heads
+    each). An ``empty [B]`` request stays empty."""
+    bad_k = ~xp.all(xp.isfinite(kf) | ~valid[:, None, :, None], axis=(2, 3))   # [B, Hkv]
+    bad = ~xp.all(xp.isfinite(q), axis=-1) | xp.repeat(bad_k, group, axis=1)
+    return bad & ~empty[:, None]
+
+
+__all__ = ["LN2", "RowSoftmax", "merge_partials", "nonfinite_heads"]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..page_table import PageTable
-from ..softmax import RowSoftmax
+from ..softmax import RowSoftmax, nonfinite_heads
 
 _rows_cache: weakref.WeakKeyDictionary[PageTable, np.ndarray] = weakref.WeakKeyDictionary()
 
@@ -71,11 +71,7 @@ def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTab
             enable_gqa=g > 1)
         res = cp.from_dlpack(o.squeeze(2).contiguous())
         res = cp.where(empty[:, None, None], 0, res)
-        # SDPA takes a -inf score for a masked one: poison heads whose inputs could give a
-        # non-finite score (a non-finite q element, or one in a visible K row)
-        bad_k = ~(cp.isfinite(kf) | ~valid[:, None, :, None]).all(axis=(2, 3))  # [B, Hkv]
-        bad = ~cp.isfinite(q).all(axis=-1) | cp.repeat(bad_k, g, axis=1)      # [B, Hq]
-        bad &= ~empty[:, None]                        # an empty request stays empty
+        bad = nonfinite_heads(cp, q, kf, valid, empty, g)                  # [B, Hq]
         out[...] = cp.where(bad[..., None], cp.nan, res).astype(out.dtype)
         return
     qf = q.astype(cp.float32).reshape(b, hkv, g, d)

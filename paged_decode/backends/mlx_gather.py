@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..page_table import PageTable
-from ..softmax import RowSoftmax, merge_partials
+from ..softmax import RowSoftmax, merge_partials, nonfinite_heads
 from .cuda_gather import gather_rows
 
 _index_cache: weakref.WeakKeyDictionary[PageTable, tuple[Any, Any, Any]] = \
@@ -72,11 +72,7 @@ def gather_attention(q: Any, k_pages: Any, v_pages: Any, table: PageTable, sm_sc
     out = mx.where(empty[:, None, None], mx.zeros((), o.dtype), o)
     g = hq // hkv
     if not want_lse:
-        # SDPA takes a -inf score for a masked one: poison heads whose inputs could give a
-        # non-finite score (a non-finite q element, or one in a visible K row)
-        bad_k = ~mx.all(mx.isfinite(kf) | ~mask[:, :, 0, :, None], axis=(2, 3))  # [B, Hkv]
-        bad = ~mx.all(mx.isfinite(q), axis=-1) | mx.repeat(bad_k, g, axis=1)     # [B, Hq]
-        bad = bad & ~empty[:, None]                   # an empty request stays empty
+        bad = nonfinite_heads(mx, q, kf, valid, empty, g)                  # [B, Hq]
         return mx.where(bad[..., None], mx.array(float("nan"), o.dtype), out), None
     qf = q.astype(mx.float32).reshape(b, hkv, g, d)
     s = mx.matmul(qf, kf.astype(mx.float32).transpose(0, 1, 3, 2)) * float(sm_scale)

@@ -142,7 +142,9 @@ class ReferenceBackend(Backend):
         c_dst, c_src, w_dst, w_src = write.flat_rows(lead[0] if lead else 1, num_pages,
                                                      page_size)
         for pages, rows in ((k_pages, k_rows), (v_pages, v_rows)):
-            assert pages.flags.c_contiguous      # so the reshape is a view
+            if not pages.flags.c_contiguous:     # the pool's own arrays always are
+                raise RuntimeError("reference append_rows: pools must be C-contiguous (the "
+                                   "flat view must write through)")
             flat = pages.reshape(-1, hkv * d)
             if c_dst.size:
                 flat[c_dst] = flat[c_src]
