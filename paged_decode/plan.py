@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,7 @@ from .device import DeviceInfo
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
 from .page_table import PageTable, frozen_int32
 from .specs import MAX_HEADS_PER_CTA, heads_per_cta
+from .step_table import StepTable
 
 MAX_CHUNKS = 65535
 
@@ -91,8 +93,10 @@ class DecodePlan:
     request_indices: np.ndarray = field(repr=False)
     kv_tile_indices: np.ndarray = field(repr=False)
     o_indptr: np.ndarray = field(repr=False)
+    #: tokens per request the plan was made to grow by (``make_plan(headroom=...)``)
+    headroom: int = 0
     #: tables this plan was checked against (weak: tables are dropped with their step)
-    _served: weakref.WeakKeyDictionary[PageTable, bool] = field(
+    _served: weakref.WeakKeyDictionary[Any, int] = field(
         init=False, repr=False, default_factory=weakref.WeakKeyDictionary)
 
     def __post_init__(self) -> None:
@@ -102,6 +106,7 @@ class DecodePlan:
         for name in ("batch_size", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
                      "pages_per_chunk", "heads_per_cta", "q_groups", "cta_count_per_chunk"):
             check_int(fn, name, getattr(self, name))
+        check_int(fn, "headroom", self.headroom, 0)
         check_geometry(fn, self.num_qo_heads, self.num_kv_heads, self.head_dim)
         g = self.num_qo_heads // self.num_kv_heads
         if self.heads_per_cta * self.q_groups != g or self.heads_per_cta > MAX_HEADS_PER_CTA:
@@ -149,19 +154,23 @@ class DecodePlan:
             return 0
         return self.num_chunks * self.num_qo_heads * (self.head_dim + 1) * 4
 
-    def mismatch(self, table: PageTable) -> str | None:
+    def mismatch(self, table: PageTable | StepTable) -> str | None:
         """Why this plan cannot serve ``table`` (``None`` when it can).
 
         A plan serves any table with the same batch size and page size whose requests
-        keep the same chunk count at this ``pages_per_chunk``.
+        need at most the plan's chunk count at this ``pages_per_chunk`` (the kernels
+        derive every chunk's token range from the table; a chunk past a request's pages
+        is empty and weighs nothing in the merge). A plan made with ``headroom`` has
+        chunks for that many more tokens per request.
         """
-        check_type("DecodePlan.mismatch", "table", table, PageTable, "a PageTable")
+        check_type("DecodePlan.mismatch", "table", table, (PageTable, StepTable),
+                   "a PageTable or StepTable")
         if table.batch_size != self.batch_size:
             return f"batch size {table.batch_size} != plan's {self.batch_size}"
         if table.page_size != self.page_size:
             return f"page_size {table.page_size} != plan's {self.page_size}"
         counts = chunk_counts(table.pages_per_request, self.pages_per_chunk)
-        diff = np.nonzero(counts != self.chunks_per_request)[0]
+        diff = np.nonzero(counts > self.chunks_per_request)[0]
         if diff.size:
             r = int(diff[0])
             return (f"request {r} needs {int(counts[r])} chunks of {self.pages_per_chunk} "
@@ -171,19 +180,22 @@ class DecodePlan:
     def matches(self, table: PageTable) -> bool:
         return self.mismatch(table) is None
 
-    def check(self, fn: str, table: PageTable, num_qo_heads: int, num_kv_heads: int,
-              head_dim: int) -> None:
+    def check(self, fn: str, table: PageTable | StepTable, num_qo_heads: int,
+              num_kv_heads: int, head_dim: int) -> None:
         """Raise ``PlanMismatchError`` unless the plan fits this table and geometry."""
         geo = (num_qo_heads, num_kv_heads, head_dim)
         mine = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
         if geo != mine:
             raise PlanMismatchError(f"{fn}: plan was made for (Hq, Hkv, D) = {mine}, "
                                     f"got {geo}")
-        if table in self._served:  # both are immutable: one check per (plan, table)
+        # one check per (plan, table): a PageTable never changes, a StepTable is checked
+        # once per version (its flushes)
+        token = table.version if isinstance(table, StepTable) else -1
+        if self._served.get(table) == token:
             return
         why = self.mismatch(table)
         if why is None:
-            self._served[table] = True
+            self._served[table] = token
         if why:
             raise PlanMismatchError(f"{fn}: plan does not match the table: {why}; "
                                     "make a new plan with plan_decode")
@@ -210,11 +222,11 @@ def chunk_token_ranges(table: PageTable, plan: DecodePlan) -> tuple[np.ndarray, 
     return np.minimum(t_begin, seq), np.minimum(t_end, seq)
 
 
-def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
-              device: DeviceInfo, target_ctas: int | None = None,
+def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int,
+              head_dim: int, *, device: DeviceInfo, target_ctas: int | None = None,
               pages_per_chunk: int | None = None, min_chunk_tokens: int | None = None,
               max_chunks: int = MAX_CHUNKS, ctas_per_chunk: int | None = None,
-              fn: str = "make_plan") -> DecodePlan:
+              headroom: int = 0, fn: str = "make_plan") -> DecodePlan:
     """Plan a split-KV decode of ``table`` on ``device`` (``paged_decode.plan_decode``
     finds the device of a backend first; errors name ``fn``).
 
@@ -231,8 +243,12 @@ def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: 
         ctas_per_chunk: CTAs one chunk launches, for a kernel whose CTA geometry is not
             the v2 partial's ``Hkv * q_groups`` (cascade's tensor-core level 0); the search
             fills the device with that kernel's CTAs.
+        headroom: tokens every request may still grow by with this plan (a decode loop
+            appends one per step): chunks are planned for the lengths plus ``headroom``,
+            so the plan keeps matching (``mismatch``) until a request outgrows it.
     """
-    check_type(fn, "table", table, PageTable, "a PageTable")
+    check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
+    headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
     max_chunks = check_int(fn, "max_chunks", max_chunks, 1, MAX_CHUNKS)
     b = table.batch_size
@@ -250,6 +266,11 @@ def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: 
     else:
         ctas_per_chunk = check_int(fn, "ctas_per_chunk", ctas_per_chunk, note=" or None")
     pages = table.pages_per_request
+    if headroom:
+        p = table.page_size
+        have = pages.astype(np.int64)
+        filled = np.where(have > 0, (have - 1) * p + table.last_page_len, 0)
+        pages = -(-(filled + headroom) // p)
     max_ppc = max(1, int(pages.max()))
     min_ppc = smallest_chunk_size(pages, max_chunks)
     floor_tokens = device.chunk_floor(min_chunk_tokens, fn=fn)
@@ -289,7 +310,8 @@ def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: 
     req = np.repeat(np.arange(b, dtype=np.int64), counts)
     o_indptr = np.concatenate([[0], np.cumsum(counts)])
     tiles = np.arange(req.size, dtype=np.int64) - o_indptr[req]
-    arrays = [frozen_int32(a) for a in (counts, req, tiles, o_indptr)]
     return DecodePlan(b, int(num_qo_heads), int(num_kv_heads), int(head_dim),
                       table.page_size, ppc, qh, q_groups, target,
-                      pages_per_chunk is not None, int(ctas_per_chunk), *arrays)
+                      pages_per_chunk is not None, int(ctas_per_chunk), frozen_int32(counts),
+                      frozen_int32(req), frozen_int32(tiles), frozen_int32(o_indptr),
+                      headroom=headroom)
