@@ -417,7 +417,8 @@ class PagePool:
         every later append, trim and free reaches it, and ``decode`` brings its device
         copy up to date with one small copy (``paged_decode.step_table``). ``capacity``:
         rows (``>= len(seqs)``; the rest are empty padding rows); ``page_capacity``: page
-        ids the device buffer holds before it grows."""
+        ids the device buffer holds before it grows (default: twice the batch's pages,
+        at least 64)."""
         return StepTable(self, seqs, capacity=capacity, page_capacity=page_capacity)
 
     def write_layer(self, batch: AppendedBatch, k: Any, v: Any, *, layer: int) -> None:

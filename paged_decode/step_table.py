@@ -74,7 +74,9 @@ class StepTable:
             raise InvalidArgumentError(f"{fn}: seqs must name at least one sequence when no "
                                        "capacity is given")
         need = int(pool._seqs.npages[rows].sum())
-        pcap = max(need, 1) if page_capacity is None else check_int(
+        # default: room to double (a reallocation re-uploads every page and makes
+        # captured graphs stale)
+        pcap = max(64, 2 * need) if page_capacity is None else check_int(
             fn, "page_capacity", page_capacity, 1, note=" or None")
         if pcap < need:
             raise InvalidArgumentError(f"{fn}: page_capacity must hold the batch's {need} "
