@@ -214,7 +214,8 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     from .bench.timing import measure_read_bandwidth
     be = _backend(backend)
     if suite == "engine":
-        _bench_engine(be, contexts, batches, pages, dtype, arms, layers, steps, json_path)
+        _bench_engine(be, contexts, batches, pages, dtype, arms, layers, steps, json_path,
+                      plot_path)
         return
     if preset in ("cascade", "cascade-rule", "sparse"):   # the suites are presets too
         if suite not in ("decode", preset):
@@ -281,9 +282,9 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
 
 def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
                   pages: tuple[int, ...], dtype: str | None, arms: str, layers: int,
-                  steps: int, json_path: str | None) -> None:
+                  steps: int, json_path: str | None, plot_path: str | None) -> None:
     """``bench --suite engine`` (``paged_decode.bench.engine``)."""
-    from .bench.engine import ENGINE_ARMS, EngineCase, report, run_engine, to_dict
+    from .bench.engine import ENGINE_ARMS, EngineCase, plot, report, run_engine, to_dict
     from .bench.runner import header
     arm_list = ENGINE_ARMS if arms == "gather,v1,v2" else tuple(
         a.strip() for a in arms.split(",") if a.strip())
@@ -306,6 +307,8 @@ def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
     if json_path:
         _write("--json", json_path, json.dumps({"head": head, "suite": "engine",
                                                 "results": to_dict(results)}, indent=1))
+    if plot_path:
+        _plot(lambda: Path(plot(results, plot_path)), plot_path, "bench --suite engine")
     bad_arms = [f"{c.label} {n}" for c, a in results for n, r in a.items()
                 if r.ran and not r.verified]
     if bad_arms:

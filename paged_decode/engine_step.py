@@ -34,11 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from .call import plan_decode
 from .decode import decode
 from .errors import InvalidArgumentError, PagedDecodeError, check_int
 from .kernels.append import AppendWrite
-from .plan import DecodePlan
+from .plan import DecodePlan, make_plan
 from .pool import AppendedBatch, PagePool
 from .prepared import prepare_decode
 
@@ -189,14 +188,14 @@ class DecodeStep:
         return CapturedStep(self, body)
 
     # ------------------------------------------------------------------ internals
-    def _plan(self) -> DecodePlan:
-        return plan_decode(self.table, self.num_qo_heads, self.pool.num_kv_heads,
-                           self.pool.head_dim, device=self.backend.device_info(),
-                           headroom=self.headroom)
+    def _plan(self, hint: int | None = None) -> DecodePlan:
+        return make_plan(self.table, self.num_qo_heads, self.pool.num_kv_heads,
+                         self.pool.head_dim, device=self.backend.device_info(),
+                         headroom=self.headroom, hint=hint, fn="DecodeStep")
 
     def _replan_if_needed(self) -> None:
         if self.plan.mismatch(self.table) is not None:
-            self.plan = self._plan()
+            self.plan = self._plan(hint=self.plan.pages_per_chunk)
             self.replans += 1
             self._restart()
 

@@ -12,7 +12,8 @@ token in every layer and every layer decodes the whole batch. Arms:
   layer, one ``plan`` and ``run`` per layer, on FlashInfer's own cache of the same shape,
   with the page table kept on the host as an engine keeps it.
 
-Reported per arm: median step time (host wall time of a synchronized step), host time
+Reported per arm (the first step is a warm-up, left out): median and mean step time
+(host wall time of a synchronized step; the mean carries replans and recaptures), host time
 per step (the Python calls until the last launch is queued), GPU time per step (CUDA
 events around the step, ``cuda`` only), replans and recaptures. Every arm's outputs are
 checked against the float64 oracle at the first and the last step (layer 0 and L-1).
@@ -31,7 +32,7 @@ from ..dtypes import numpy_dtype
 from ..engine_step import DecodeStep
 from ..pool import PagePool
 from ..reference import max_rel_error, oracle_decode
-from .engine_case import EngineArm, EngineCase, median_us, prompts
+from .engine_case import EngineArm, EngineCase, mean_us, median_us, prompts
 from .engine_flashinfer import run_flashinfer
 
 ENGINE_ARMS = ("eager", "captured", "flashinfer")
@@ -113,8 +114,9 @@ def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> Engin
         if i in (0, case.steps - 1):
             errors += [_check(be, pool, step, layer, qs[layer], outs[layer])
                        for layer in (0, case.layers - 1)]
-    res = EngineArm(arm, True, case.dtype, step_us=median_us(walls), host_us=median_us(hosts),
-                    gpu_us=median_us(gpus), errors=errors, replans=step.replans,
+    res = EngineArm(arm, True, case.dtype, step_us=median_us(walls), mean_us=mean_us(walls),
+                    host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
+                    replans=step.replans,
                     recaptures=max(0, recaptures - 1))
     return res
 
@@ -172,8 +174,8 @@ def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = 
 def report(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> str:
     """A text table: per case and arm, step / host / GPU microseconds, the step time
     against FlashInfer's where it ran, the oracle errors, replans."""
-    lines = [f"{'case':44} {'arm':10} {'step us':>10} {'host us':>10} {'gpu us':>10} "
-             f"{'vs FI':>7} {'max err':>9} replans"]
+    lines = [f"{'case':44} {'arm':10} {'step us':>10} {'mean us':>10} {'host us':>10} "
+             f"{'gpu us':>10} {'vs FI':>7} {'max err':>9} replans"]
     for case, arms in results:
         fi = arms.get("flashinfer")
         for name, a in arms.items():
@@ -183,9 +185,36 @@ def report(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> str:
             ratio = (a.step_us / fi.step_us if fi is not None and fi.ran
                      and name != "flashinfer" else float("nan"))
             err = max(a.errors) if a.errors else float("nan")
-            lines.append(f"{case.label:44} {name:10} {a.step_us:10.1f} {a.host_us:10.1f} "
-                         f"{a.gpu_us:10.1f} {ratio:7.2f} {err:9.2e} {a.replans}")
+            lines.append(f"{case.label:44} {name:10} {a.step_us:10.1f} {a.mean_us:10.1f} "
+                         f"{a.host_us:10.1f} {a.gpu_us:10.1f} {ratio:7.2f} {err:9.2e} "
+                         f"{a.replans}")
     return "\n".join(lines)
+
+
+def plot(results: list[tuple[EngineCase, dict[str, EngineArm]]], path: str) -> str:
+    """A PNG of step time against batch size, one line per arm and context (needs
+    matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    lines: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for case, arms in results:
+        for name, a in arms.items():
+            if a.ran:
+                lines.setdefault((name, case.context), []).append((case.batch, a.step_us))
+    for (name, ctx), pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                label=f"{name} (ctx {ctx})")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("step time (us, median)")
+    ax.set_title("engine step: append + decode of every layer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def to_dict(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> list[dict[str, Any]]:
@@ -195,5 +224,5 @@ def to_dict(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> list[dict
             for c, arms in results]
 
 
-__all__ = ["ENGINE_ARMS", "EngineArm", "EngineCase", "report", "run_engine", "run_ours",
-           "to_dict"]
+__all__ = ["ENGINE_ARMS", "EngineArm", "EngineCase", "plot", "report", "run_engine",
+           "run_ours", "to_dict"]

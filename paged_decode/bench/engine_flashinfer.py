@@ -20,7 +20,7 @@ import numpy as np
 
 from ..backends import Backend
 from ..reference import max_rel_error, oracle_decode
-from .engine_case import EngineArm, EngineCase, median_us, prompts
+from .engine_case import EngineArm, EngineCase, mean_us, median_us, prompts
 from .flashinfer_arm import _import_flashinfer, available
 
 
@@ -125,7 +125,7 @@ def run_flashinfer(be: Backend, case: EngineCase, *, seed: int = 0) -> EngineArm
                        for layer in (0, nl - 1)]
     version = getattr(fi, "__version__", "?")
     return EngineArm("flashinfer", True, case.dtype, f"flashinfer {version} tensor-core "
-                     "decode", step_us=median_us(walls),
+                     "decode", step_us=median_us(walls), mean_us=mean_us(walls),
                      host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors)
 
 
