@@ -69,9 +69,12 @@ class DecodeStep:
         if not isinstance(pool, PagePool):
             raise InvalidArgumentError(f"{fn}: pool must be a PagePool, got "
                                        f"{type(pool).__name__}")
-        if path not in ("v2", "v1"):
-            raise InvalidArgumentError(f"{fn}: path must be 'v2' or 'v1', got {path!r}")
         self.pool, self.backend = pool, pool.backend
+        single = self.backend.auto_path()       # mlx without Metal: the gather arm only
+        if path not in ("v2", "v1") and not (single and path == single[0]):
+            raise InvalidArgumentError(f"{fn}: path must be 'v2' or 'v1', got {path!r}")
+        if single and path in ("v2", "v1"):
+            path = single[0]
         self.num_qo_heads = check_int(fn, "num_qo_heads", num_qo_heads)
         self.headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
         self.sm_scale, self.path, self.out_dtype = sm_scale, path, out_dtype
@@ -81,7 +84,12 @@ class DecodeStep:
         self.replans = 0
         self.steps = 0
         self._batch: AppendedBatch | None = None
-        self._desc = self.backend.table_buffer(np.zeros((5, self.capacity), np.int32))
+        #: the CUDA-dialect append reads its descriptor from a fixed device buffer (a
+        #: captured graph keeps its address); the others take the host array per call
+        self._device_desc = bool(getattr(self.backend, "in_place_append", False)
+                                 and self.backend.reads_step_tables)
+        self._desc: Any = (self.backend.table_buffer(np.zeros((5, self.capacity), np.int32))
+                           if self._device_desc else np.zeros((5, self.capacity), np.int32))
         self._prepared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
         self._layers = [pool.layer(i) for i in range(self.num_layers)]
         self._plan_token = 0
@@ -122,7 +130,10 @@ class DecodeStep:
         desc[2, :w.shape[1]] = rows - w[3]       # slot lo takes row (table row)
         with self.backend.launch_context(self.pool.k if like is None else like):
             self.table.update_device()
-            self._desc = self.backend.load_int32(self._desc, desc)
+            if self._device_desc:
+                self._desc = self.backend.load_int32(self._desc, desc)
+            else:      # array ops and the Metal dialect read the host descriptor
+                self._desc = desc
         self._replan_if_needed()
         self._batch = batch
         self.steps += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle
+from helpers import assert_matches_oracle, require_mlx
 
 import paged_decode as pd
 from paged_decode.errors import InvalidArgumentError
@@ -130,3 +130,26 @@ def test_bad_use_is_refused_clearly():
     with pytest.raises(InvalidArgumentError, match=r"DecodeStep: path must be 'v2' or "
                                                    r"'v1', got 'gather'"):
         pd.DecodeStep(pool, [0], num_qo_heads=HQ, path="gather")
+
+
+def test_the_same_step_code_runs_on_mlx():
+    """MLX arrays are functional: the pool, the table buffer and the outputs rebind."""
+    require_mlx()
+    import mlx.core as mx
+    rng = np.random.default_rng(8)
+    pool, step = _setup("mlx", rng)
+    cap = step.capacity
+    q = mx.array(rng.standard_normal((cap, HQ, D)).astype(np.float32))
+    k = mx.array(rng.standard_normal((cap, HKV, D)).astype(np.float32))
+    out = mx.zeros((cap, HQ, D))
+    graph = None
+    for it in range(6):
+        step.begin()
+        if graph is None or graph.stale:
+            graph = step.capture(lambda st: [(st.append(i, k, k), st.decode(i, q, out=out))
+                                             for i in range(L)])
+        else:
+            graph.replay()
+        want, _ = _oracle(pool, step, L - 1, np.array(q))
+        assert_matches_oracle(np.array(out), None, want, None, "float32", f"step {it}")
+    assert step.path == "gather" and step.steps == 6
