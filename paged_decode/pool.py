@@ -262,8 +262,9 @@ class PagePool:
         self._seqs = _Sequences()
         self._next_id = 0
         self._version = 0     # counts appends, forks, trims and frees (write_layer)
-        #: step tables following this pool's sequences (``step_table``)
-        self._tables: weakref.WeakSet[StepTable] = weakref.WeakSet()
+        #: step tables following this pool's sequences (``step_table``), weakly held (a
+        #: list of references: iterated at every append, cheaper than a WeakSet)
+        self._table_refs: list[weakref.ReferenceType[StepTable]] = []
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -327,7 +328,7 @@ class PagePool:
         self._release(S.row_pages(int(S.id_rows[i])))
         S.remove(i)
         self._version += 1
-        for table in self._tables:
+        for table in self._tables():
             table._on_free(int(seq))
 
     def append(self, seq: int, k: Any, v: Any) -> None:
@@ -411,6 +412,22 @@ class PagePool:
         t = None if counts is None else self._counts(fn, counts, ids.size, None)
         return self._append(fn, ids, rows, t, None, None, 0, 0)
 
+    def _follow(self, table: StepTable) -> None:
+        """Tell ``table`` about every later change (``step_table`` registers its tables)."""
+        self._table_refs.append(weakref.ref(table))
+
+    def _tables(self) -> list[StepTable]:
+        """The live step tables following this pool (dead references dropped)."""
+        live = [t for t in (r() for r in self._table_refs) if t is not None]
+        if len(live) != len(self._table_refs):
+            self._table_refs = [weakref.ref(t) for t in live]
+        return live
+
+    def _reserve_rows(self, ids: np.ndarray, rows: np.ndarray) -> AppendedBatch:
+        """``reserve_batch`` of distinct live sequences ``ids`` in pool rows ``rows``,
+        already checked (a step table's own sequences; the table follows every free)."""
+        return self._append("PagePool.reserve_batch", ids, rows, None, None, None, 0, 0)
+
     def step_table(self, seqs: Sequence[int] | np.ndarray, *, capacity: int | None = None,
                    page_capacity: int | None = None) -> StepTable:
         """A device-resident page table of ``seqs`` (in order) that follows this pool:
@@ -471,7 +488,7 @@ class PagePool:
         S.start[r] = start - gone * p
         S.filled[r] -= gone * p
         self._version += 1
-        for table in self._tables:
+        for table in self._tables():
             table._on_trim(int(seq), gone)
 
     # ------------------------------------------------------------------ tables
@@ -548,9 +565,9 @@ class PagePool:
         S.npages[rows] = pages_after
         S.filled[rows] = filled_after
         self._version += 1
-        if self._tables:
+        if self._table_refs:
             first_changed = npg - cow
-            for table in self._tables:
+            for table in self._tables():
                 table._on_append(ids, first_changed)
         return AppendedBatch(self, write, ids, t, npg, pages_after, filled_after,
                              S.start[rows], cow, last, taken, need)

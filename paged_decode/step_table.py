@@ -30,7 +30,7 @@ import numpy as np
 
 from .errors import InvalidArgumentError, check_int
 from .kernels.table_update import delta_header_words, table_views, table_words
-from .page_table import PageTable, frozen_int32
+from .page_table import PageTable
 
 if TYPE_CHECKING:
     from .pool import PagePool
@@ -57,6 +57,11 @@ class StepTable:
     _buf: Any                    # the device buffer (int32, TABLE_SECTIONS)
     _scratch: Any                # the old table during a CUDA-dialect update
     _view: tuple[int, PageTable] | None
+    _live: np.ndarray            # bool: rows holding a sequence
+    _pr: np.ndarray              # pool row of each table row (0 for padding)
+    _rows: np.ndarray            # arange(capacity)
+    _all_live: bool
+    _simple: bool                # pending changes are appends only, rows in place
 
     def __init__(self, pool: PagePool, seqs: Sequence[int] | np.ndarray, *,
                  capacity: int | None = None, page_capacity: int | None = None,
@@ -87,7 +92,7 @@ class StepTable:
         self._set_rows(np.concatenate([ids, np.full(cap - b, -1, np.int64)]),
                        np.concatenate([rows, np.full(cap - b, -1, np.int64)]),
                        np.full(cap, -1, np.int64))
-        pool._tables.add(self)
+        pool._follow(self)
         self.flush()
 
     # ------------------------------------------------------------------ inspection
@@ -111,7 +116,12 @@ class StepTable:
 
     @property
     def num_live(self) -> int:
-        return int((self._ids >= 0).sum())
+        return self._n_live
+
+    def live_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(table rows, sequence ids, pool rows)`` of the live rows, int64 (read-only:
+        cached until the batch changes)."""
+        return self._live_rows
 
     @property
     def pages_per_request(self) -> np.ndarray:
@@ -186,6 +196,7 @@ class StepTable:
         kept = self._src >= 0
         self._front[kept] = old_front[self._src[kept]]
         self._dirty_from[kept] = old_dirty[self._src[kept]]
+        self._simple = self._simple and not self._front.any()
         self._dirty = True
 
     # ------------------------------------------------------------------ the pool's events
@@ -207,6 +218,8 @@ class StepTable:
         if not found[0]:
             return
         t = int(pos[0])
+        if gone:
+            self._simple = False
         self._front[t] += gone
         self._dirty_from[t] = max(0, int(self._dirty_from[t]) - gone)
         self._dirty = True
@@ -222,6 +235,7 @@ class StepTable:
         front, dirty = self._front, self._dirty_from
         self._set_rows(ids, rows, src)
         self._front, self._dirty_from = front, dirty
+        self._simple = self._simple and not front.any()
         self._dirty = True
 
     # ------------------------------------------------------------------ the device update
@@ -241,52 +255,71 @@ class StepTable:
         if not self._dirty:
             return False
         S, P, cap = self.pool._seqs, self.page_size, self._cap
-        live = self._ids >= 0
-        pr = np.where(live, self._pool_rows, 0)
-        npages = np.where(live, S.npages[pr], 0)
-        filled, start = S.filled[pr], S.start[pr]
+        pr = self._pr
+        npages = S.npages[pr]
+        if not self._all_live:
+            npages[~self._live] = 0
         total = int(npages.sum())
         if total > self._pcap:
             self._grow("StepTable.flush", cap, max(total, 2 * self._pcap))
-        src = self._src
-        old_pages = np.where(src >= 0, self._npages[np.maximum(src, 0)], 0)
-        keep = np.where(src >= 0, np.minimum(np.minimum(self._dirty_from, old_pages
-                                                        - self._front), npages), 0)
-        keep = np.maximum(keep, 0)
+        # the page positions each row keeps: the engine's case (rows continue their own
+        # rows, no trims) needs no gather of the old counts
+        if self._simple:
+            keep = np.minimum(self._dirty_from, npages)
+        else:
+            src = self._src
+            old = np.where(src >= 0, self._npages[np.maximum(src, 0)], 0)
+            keep = np.minimum(np.minimum(self._dirty_from, old - self._front), npages)
+            keep = np.maximum(np.where(src >= 0, keep, 0), 0)
         changed = npages - keep
         m = int(changed.sum())
         h = delta_header_words(cap)
         delta = np.empty(h + m, np.int32)
-        indptr = delta[:cap + 1]
-        indptr[0] = 0
-        np.cumsum(npages, out=indptr[1:])
-        delta[cap + 1:2 * cap + 1] = np.where(npages > 0, filled - (npages - 1) * P, 0)
-        delta[2 * cap + 1:3 * cap + 1] = np.where(npages > 0, start, 0)
-        delta[3 * cap + 1:4 * cap + 1] = src
-        delta[4 * cap + 1:5 * cap + 1] = np.where(src >= 0, self._front, 0)
+        delta[0] = 0
+        np.cumsum(npages, out=delta[1:cap + 1])
+        filled, start = S.filled[pr], S.start[pr]
+        empty = npages == 0
+        lpl = delta[cap + 1:2 * cap + 1]
+        np.subtract(filled, (npages - 1) * P, out=lpl, casting="unsafe")
+        fpo = delta[2 * cap + 1:3 * cap + 1]
+        fpo[:] = start
+        if empty.any():
+            lpl[empty] = 0
+            fpo[empty] = 0
+        delta[3 * cap + 1:4 * cap + 1] = self._src
+        delta[4 * cap + 1:5 * cap + 1] = self._front
         delta[5 * cap + 1:6 * cap + 1] = keep
         cind = delta[6 * cap + 1:7 * cap + 2]
         cind[0] = 0
         np.cumsum(changed, out=cind[1:])
         if m:
-            rep = np.repeat(np.arange(cap), changed)
-            within = np.arange(m) - np.repeat(cind[:-1].astype(np.int64), changed)
-            cols = S.head[pr[rep]] + keep[rep] + within
-            delta[h:] = S.pages[pr[rep], cols]
-        self._buf = self.backend.update_table(self._buf, delta, cap, self._pcap,
+            rows = np.flatnonzero(changed)
+            if m == rows.size:                  # one new page id per changed row
+                delta[h:] = S.pages[pr[rows], S.head[pr[rows]] + keep[rows]]
+            else:
+                rep = np.repeat(rows, changed[rows])
+                within = np.arange(m) - np.repeat(cind[rows].astype(np.int64), changed[rows])
+                delta[h:] = S.pages[pr[rep], S.head[pr[rep]] + keep[rep] + within]
+        buf = self._buf
+        self._buf = self.backend.update_table(buf, delta, cap, self._pcap,
                                               scratch=self._scratch)
-        self._npages = npages.astype(np.int64)
-        vis = np.where(npages > 0, filled - start, 0)
-        self._pages_view = frozen_int32(npages)
-        self._visible_view = frozen_int32(vis)
-        self._lpl_view = frozen_int32(delta[cap + 1:2 * cap + 1])
-        self._fpo_view = frozen_int32(delta[2 * cap + 1:3 * cap + 1])
-        self._src = np.where(live, np.arange(cap, dtype=np.int64), -1)
-        self._front = np.zeros(cap, np.int64)
+        # host mirrors: fresh arrays, never written again, handed out read-only
+        self._npages = npages
+        vis = np.where(empty, 0, filled - start)
+        host = delta[cap + 1:3 * cap + 1].copy()
+        for a in (npages, vis, host):
+            a.flags.writeable = False
+        self._pages_view, self._visible_view = npages, vis
+        self._lpl_view, self._fpo_view = host[:cap], host[cap:]
+        if not self._simple:
+            self._src = np.where(self._live, self._rows, -1)
+            self._front = np.zeros(cap, np.int64)
+            self._simple = True
         self._dirty_from = np.full(cap, _CLEAN, np.int64)
         self._dirty = False
         self.version += 1
-        self._views = self._make_views()
+        if self._buf is not buf:                # a new buffer (Metal): new views
+            self._views = self._make_views()
         return True
 
     # ------------------------------------------------------------------ internals
@@ -319,7 +352,16 @@ class StepTable:
         self._front = np.zeros(cap, np.int64)
         self._dirty_from = np.full(cap, _CLEAN, np.int64)
         live = self._ids >= 0
+        self._live, self._all_live = live, bool(live.all())
+        self._pr = np.where(live, self._pool_rows, 0)
+        self._rows = np.arange(cap, dtype=np.int64)
+        # rows continue their own rows with nothing trimmed (update_device's fast case)
+        self._simple = bool(np.array_equal(self._src, np.where(live, self._rows, -1)))
         self._n_live = int(live.sum())
+        at = np.flatnonzero(live)
+        self._live_rows = (at, self._ids[at], self._pool_rows[at])
+        for a in self._live_rows:
+            a.flags.writeable = False
         order = np.argsort(np.where(live, self._ids, np.iinfo(np.int64).max), kind="stable")
         self._sorted_ids = self._ids[order][:self._n_live]
         self._sorted_rows = order[:self._n_live]
