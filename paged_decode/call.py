@@ -46,15 +46,19 @@ from .errors import (
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, make_plan
+from .step_table import StepTable
+
+#: a decode's table: the immutable host table, or a pool's device-resident step table
+Table = PageTable | StepTable
 
 PATHS = ("auto", "v2", "v1", "gather")
 
 
-def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                 device: DeviceInfo | None = None, backend: str | None = None,
                 target_ctas: int | None = None, pages_per_chunk: int | None = None,
                 min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
-                ctas_per_chunk: int | None = None) -> DecodePlan:
+                ctas_per_chunk: int | None = None, headroom: int = 0) -> DecodePlan:
     """Plan a split-KV decode of ``table`` (``plan.make_plan`` documents every argument);
     ``device`` defaults to the ``DeviceInfo`` of ``backend`` (see
     ``backends.get_backend``)."""
@@ -63,10 +67,10 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
     return make_plan(table, num_qo_heads, num_kv_heads, head_dim, device=device,
                      target_ctas=target_ctas, pages_per_chunk=pages_per_chunk,
                      min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
-                     ctas_per_chunk=ctas_per_chunk, fn="plan_decode")
+                     ctas_per_chunk=ctas_per_chunk, headroom=headroom, fn="plan_decode")
 
 
-def choose_path(backend: Backend, table: PageTable, plan: DecodePlan) -> tuple[str, str]:
+def choose_path(backend: Backend, table: Table, plan: DecodePlan) -> tuple[str, str]:
     """The path ``path="auto"`` takes, and why (one place for the policy): the best path
     of the nearest cell of the device's measured crossover table
     (``paged_decode.crossover``), v2 when the device has no table."""
@@ -92,7 +96,7 @@ class CallArgs:
     q: Any
     k: Any
     v: Any
-    table: PageTable
+    table: Table      # a StepTable only for backends that launch our kernels
     b: int
     hq: int
     hkv: int
@@ -104,13 +108,17 @@ class CallArgs:
     scale: float
 
 
-def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
+def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Table, *,
                path: str, sm_scale: float | None, out_dtype: str | None,
                return_lse: bool) -> CallArgs:
-    """Validate a decode call's arrays, table, path, scale and flags (errors name ``fn``)."""
+    """Validate a decode call's arrays, table, path, scale and flags (errors name ``fn``).
+    A ``StepTable`` is brought up to date here (on the call's stream); backends whose
+    kernels do not read device tables get its host ``PageTable``."""
     qa, ka, va = (be.array_arg(fn, n, x) for n, x in (("q", q), ("k_pages", k_pages),
                                                         ("v_pages", v_pages)))
-    check_type(fn, "table", table, PageTable, "a PageTable")
+    check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
+    if isinstance(table, StepTable):
+        table = step_table_arg(fn, be, table, ka)
     check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
     check_ndim(fn, "k_pages", ka.shape, 4, "[num_pages, P, Hkv, D]", "P Hkv D")
     b, hq, d = (int(x) for x in qa.shape)
@@ -138,6 +146,21 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     scale = 1.0 / math.sqrt(d) if sm_scale is None else check_number(fn, "sm_scale", sm_scale)
     check_bool(fn, "return_lse", return_lse)
     return CallArgs(qa, ka, va, table, b, hq, hkv, d, p, q_dt, kv_dt, o_dt, scale)
+
+
+def step_table_arg(fn: str, be: Backend, table: StepTable, k_pages: Any) -> Table:
+    """A step table as a call uses it: flushed, on this call's backend, as the table the
+    backend's kernels read (its host view where they do not read device buffers)."""
+    if table.backend is not be:
+        raise fail(fn, f"table is a step table of a {table.backend.name!r} pool, but the "
+                       f"call runs on backend {be.name!r}")
+    table.update_device()
+    return table if be.reads_step_tables else table.page_table()
+
+
+def host_table(table: Table) -> PageTable:
+    """The host ``PageTable`` of a call's table (a step table's view)."""
+    return table.page_table() if isinstance(table, StepTable) else table
 
 
 def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None) -> DecodePlan:
@@ -185,7 +208,9 @@ def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str,
     to run cascade (``cascade_policy.resolve_cascade``), the support check of its level 0,
     the output buffers and the outcome. Returns ``(call or None, reason or None)``; with
     ``None`` the caller runs the flat decode and appends the reason to its own."""
-    cplan, why = resolve_cascade(fn, cascade, path, a.table, a.hq, a.hkv, a.d,
+    if isinstance(a.table, StepTable) and cascade is None:
+        return None, "step table: cascade runs only when asked for (cascade=True)"
+    cplan, why = resolve_cascade(fn, cascade, path, host_table(a.table), a.hq, a.hkv, a.d,
                                  be.device_info, (a.q_dt, a.kv_dt))
     if cplan is None:
         return None, why
@@ -226,7 +251,7 @@ def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
     if path == "v1":
         be.decode_v1(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a)
         return "v1"
-    be.gather_sdpa(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a)
+    be.gather_sdpa(a.q, a.k, a.v, host_table(a.table), a.scale, out_a, lse_a)
     return "gather"
 
 
@@ -274,6 +299,7 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     return arr
 
 
-__all__ = ["PATHS", "CallArgs", "CascadeCall", "cascade_call", "check_call", "check_support",
-           "choose_path", "empty_batch", "flat_call", "output_buffer", "plan_decode",
-           "resolve_plan", "results", "returned", "run_path"]
+__all__ = ["PATHS", "CallArgs", "CascadeCall", "Table", "cascade_call", "check_call",
+           "check_support", "choose_path", "empty_batch", "flat_call", "host_table",
+           "output_buffer", "plan_decode", "resolve_plan", "results", "returned", "run_path",
+           "step_table_arg"]

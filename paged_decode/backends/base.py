@@ -25,12 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .. import settings
 from ..device import DeviceInfo
 from ..errors import InvalidArgumentError, PagedDecodeError
 from ..kernels.append import AppendWrite
+from ..kernels.table_update import apply_delta
 from ..page_table import PageTable
 from ..plan import DecodePlan
+from ..step_table import StepTable
 
 POISON_ENV = "PAGED_DECODE_POISON"
 
@@ -81,6 +85,8 @@ class Backend(ABC):
     functional_outputs: bool = False
     #: ``merge`` reads its inputs through a row index itself (``rows=``), without a copy
     merge_gathers: bool = False
+    #: the v2 / v1 kernels read a ``StepTable``'s device buffers (else: its host view)
+    reads_step_tables: bool = False
 
     # ----------------------------------------------------------- availability
     @classmethod
@@ -200,10 +206,38 @@ class Backend(ABC):
         the write touches at least one page.
         """
 
+    # ----------------------------------------------------------- step tables
+    def table_buffer(self, host: np.ndarray) -> Any:
+        """A writable int32 array of this backend holding a copy of ``host`` (a step
+        table's buffer, ``kernels/table_update.py``). Default: a numpy copy."""
+        return np.array(host, np.int32)
+
+    def load_int32(self, dst: Any, host: np.ndarray) -> Any:
+        """``host`` (int32) copied into the fixed buffer ``dst`` on the current stream;
+        returns the buffer holding it (``dst``, or a new array on MLX)."""
+        dst[...] = host
+        return dst
+
+    def capture_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
+        """``(graph, stream)`` replaying the launches ``run`` makes (a CUDA graph on the
+        ``cuda`` backend, after one eager run); ``(None, None)`` where there are no
+        graphs: the caller then runs ``run`` again to replay."""
+        run()
+        return None, None
+
+    def update_table(self, buf: Any, delta: np.ndarray, cap: int, page_cap: int, *,
+                     scratch: Any) -> Any:
+        """Apply a step-table ``delta`` (host int32, ``kernels/table_update.py``) to the
+        table buffer ``buf`` on the current stream; returns the buffer holding the new
+        table (``buf`` itself where it is updated in place). ``scratch`` is a buffer like
+        ``buf`` the update may overwrite. Default: the array-op contract, in place."""
+        buf[...] = apply_delta(np.asarray(buf), delta, cap)
+        return buf
+
     # ----------------------------------------------------------- kernels
     @abstractmethod
-    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
-                sm_scale: float, v_out: Any, lse_out: Any) -> None:
+    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
         """The v2 partial: one normalized (V, LSE) state per (chunk, query head).
 
         ``q [B, Hq, D]``; ``k_pages, v_pages [num_pages, P, Hkv, D]``;
@@ -220,7 +254,7 @@ class Backend(ABC):
         [o_indptr[M]]``): merge input ``i`` is then row ``rows[i]`` of ``v`` / ``lse``."""
 
     @abstractmethod
-    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                   sm_scale: float, out: Any, lse_out: Any) -> None:
         """The v1 arm: one CTA per (request, query head) over the whole KV range."""
 
