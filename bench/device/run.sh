@@ -26,6 +26,9 @@
 #   tune-v2     bench/device/tune_v2.py: the v2 row-loads x CTA-target sweep
 #   ncu-v2      an ncu profile of the v2 partial at 64 x 4K, one and two row loads
 #   append-host host time of one PagePool.append_batch, 128 sequences x 1 token x 32 layers
+#   fi-compat   tests/test_fi_gpu.py: the FlashInfer shim side by side with FlashInfer 0.3.1
+#               over its decode-test geometries, graph replay after a re-plan, merges and
+#               append (run fi first; -v prints the worst gaps), log in $OUT/fi_compat.log
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
@@ -132,6 +135,11 @@ step_ncu_v2() {
 step_append_host() {
   timeout 240 python3 bench/device/append_host.py "$OUT/append_host.json" 2>&1 | tee "$L/append_host.txt"
   echo "append-host rc=$?"
+}
+
+step_fi_compat() {
+  timeout 560 python3 -m pytest -q tests/test_fi_gpu.py -m gpu -rs -v > "$OUT/fi_compat.log" 2>&1
+  echo "fi-compat rc=$?"; grep -E "FAILED|passed|failed|worst errors" "$OUT/fi_compat.log" | tail -12
 }
 
 for s in "$@"; do

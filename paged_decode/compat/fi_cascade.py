@@ -37,10 +37,11 @@ def merge_state(v_a: Any, s_a: Any, v_b: Any, s_b: Any, *, backend: str | Backen
     segments. ``backend`` (not FlashInfer's) picks a paged-decode backend."""
     fn = "merge_state"
     be = backend_for(backend, v_a, fn=fn)
-    va, sa, dt = _state(fn, be, ("v_a", "s_a"), v_a, s_a)
-    vb, sb, _ = _state(fn, be, ("v_b", "s_b"), v_b, s_b)
-    v, s = pd_merge.merge_state(va, sa, vb, sb, out_dtype=dt, backend=be)
-    return in_kind(be, v, v_a), in_kind(be, s, v_a)
+    with be.launch_context(v_a):      # conversions and launches on v_a's device and stream
+        va, sa, dt = _state(fn, be, ("v_a", "s_a"), v_a, s_a)
+        vb, sb, _ = _state(fn, be, ("v_b", "s_b"), v_b, s_b)
+        v, s = pd_merge.merge_state(va, sa, vb, sb, out_dtype=dt, backend=be)
+        return in_kind(be, v, v_a), in_kind(be, s, v_a)
 
 
 def merge_state_in_place(v: Any, s: Any, v_other: Any, s_other: Any, mask: Any = None, *,
@@ -49,6 +50,12 @@ def merge_state_in_place(v: Any, s: Any, v_other: Any, s_other: Any, mask: Any =
     (bool or uint8 ``[n]``, default all) is set; ``s`` must be float32 (it is written)."""
     fn = "merge_state_in_place"
     be = backend_for(backend, v, fn=fn)
+    with be.launch_context(v):
+        _merge_in_place(fn, be, v, s, v_other, s_other, mask)
+
+
+def _merge_in_place(fn: str, be: Backend, v: Any, s: Any, v_other: Any, s_other: Any,
+                    mask: Any) -> None:
     vt, st = as_backend(fn, "v", be, v), as_backend(fn, "s", be, s)
     if check_dtype(fn, "s", be.dtype_of(st)) != "float32":
         raise InvalidArgumentError(f"{fn}: s must be float32 (it receives the merged LSE), "
@@ -72,6 +79,11 @@ def merge_states(v: Any, s: Any, *, backend: str | Backend | None = None) -> tup
     ``-inf``."""
     fn = "merge_states"
     be = backend_for(backend, v, fn=fn)
+    with be.launch_context(v):
+        return _merge_states(fn, be, v, s)
+
+
+def _merge_states(fn: str, be: Backend, v: Any, s: Any) -> tuple[Any, Any]:
     va, sa, dt = _state(fn, be, ("v", "s"), v, s)
     check_ndim(fn, "v", shape_of(va), 4, "[n, S, H, D]", "H D")
     n, k, h, d = shape_of(va)

@@ -252,7 +252,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
         check_bool(fn, "return_lse", return_lse)
         if self._planned is None:
             raise InvalidArgumentError(f"{fn}: call plan() before run()")
-        st, be = self._planned, self._be
+        # every conversion inside q's launch context: a torch tensor is viewed through
+        # DLPack on torch's current stream itself (no cross-stream event, which a CUDA
+        # graph capture would refuse)
+        with self._be.launch_context(q):
+            out, lse = self._run(fn, q, paged_kv_cache, out, lse, return_lse)
+        return (out, lse) if return_lse else out
+
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, fn: str, q: Any, paged_kv_cache: Any, out: Any, lse: Any,
+             return_lse: bool) -> tuple[Any, Any]:
+        """``run`` after its argument refusals: the checks, the outputs (``(out, lse)`` in
+        the caller's kind, ``lse`` ``None`` when not wanted) and the launches."""
+        st = self._planned
+        assert st is not None
+        be = self._be
         hq, hkv, d, p = st["geometry"]
         q_dt, kv_dt = st["dtypes"]
         pools = decode_pools(fn, be, paged_kv_cache)
@@ -281,16 +297,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         out_a = as_backend(fn, "out", be, out)
         lse_a = as_backend(fn, "lse", be, lse) if want_lse else None
         if self._use_cuda_graph:
-            self._run_graph(fn, q, qa, pools, out_a, lse_a)
+            self._run_graph(fn, qa, pools, out_a, lse_a)
         else:
             table = self._table(pools.interleaved)
             decode(qa, pools.k, pools.v, table, st["plan"], sm_scale=st["scale"], out=out_a,
                    lse=lse_a, return_lse=want_lse, backend=be)
-        return (out, lse) if return_lse else out
+        return out, lse
 
-    run_return_lse = functools.partialmethod(run, return_lse=True)
-
-    # ------------------------------------------------------------------ internals
     def _output(self, fn: str, name: str, like: Any, given: Any, shape: tuple[int, ...],
                 dtype: str) -> Any:
         """``given`` checked (shape, dtype; FlashInfer's rules), or a fresh one of
@@ -320,8 +333,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                            t.last_page_len, page_size=t.page_size)
         return cast(PageTable, st["table2"])
 
-    def _run_graph(self, fn: str, q: Any, qa: Any, pools: KVPools, out_a: Any,
-                   lse_a: Any) -> None:
+    def _run_graph(self, fn: str, qa: Any, pools: KVPools, out_a: Any, lse_a: Any) -> None:
         """Graph mode: the fixed partial and merge launches over the buffers (or, on the
         reference backend, a table rebuilt from them), partials in the workspace."""
         g, st, be = self._graph, self._planned, self._be
@@ -331,11 +343,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         lse_out = spare if lse_a is None else lse_a
         table: Any = g.table(pools.interleaved) if g.kernels_read_buffers else \
             g.host_table(p, pools.interleaved)
-        with be.launch_context(q):
-            # the launch hooks read only the fields GraphPlan and BufferTable carry
-            be.partial(qa, pools.k, pools.v, table, cast(DecodePlan, g.plan), st["scale"],
-                       v_part, lse_part)
-            be.merge(v_part, lse_part, g.plan.o_indptr, out_a, lse_out)
+        # (inside run's launch context) the launch hooks read only the fields GraphPlan
+        # and BufferTable carry
+        be.partial(qa, pools.k, pools.v, table, cast(DecodePlan, g.plan), st["scale"],
+                   v_part, lse_part)
+        be.merge(v_part, lse_part, g.plan.o_indptr, out_a, lse_out)
 
 
 def _same_geometry(gp: Any, plan: DecodePlan) -> bool:

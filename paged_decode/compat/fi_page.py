@@ -121,6 +121,15 @@ def append_paged_kv_cache(append_key: Any, append_value: Any, batch_indices: Any
     check_layout(fn, kv_layout)
     first = paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list)) else paged_kv_cache
     be = backend_for(backend, first, fn=fn)
+    with be.launch_context(first):   # views and writes on the cache's device and stream
+        _append(fn, be, append_key, append_value, batch_indices, positions, paged_kv_cache,
+                kv_indices, kv_indptr, kv_last_page_len)
+
+
+def _append(fn: str, be: Any, append_key: Any, append_value: Any, batch_indices: Any,
+            positions: Any, paged_kv_cache: Any, kv_indices: Any, kv_indptr: Any,
+            kv_last_page_len: Any) -> None:
+    """``append_paged_kv_cache`` on backend ``be``, inside the cache's launch context."""
     k, v = write_views(fn, be, paged_kv_cache)
     num_pages, p, hkv, d = shape_of(k)
     dt = check_dtype(fn, "paged_kv_cache", be.dtype_of(k))
@@ -146,10 +155,9 @@ def append_paged_kv_cache(append_key: Any, append_value: Any, batch_indices: Any
     if nnz == 0:
         return
     xp = be.array_module()
-    with be.launch_context(first):
-        pg, en = xp.asarray(page), xp.asarray(entry)
-        k[pg, en] = rows[0]
-        v[pg, en] = rows[1]
+    pg, en = xp.asarray(page), xp.asarray(entry)
+    k[pg, en] = rows[0]
+    v[pg, en] = rows[1]
 
 
 __all__ = ["append_destinations", "append_paged_kv_cache", "get_batch_indices_positions",
