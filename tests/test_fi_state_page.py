@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fi_cases import fi_arrays
-from helpers import LSE_ATOL, assert_matches_oracle
+from helpers import LSE_ATOL, assert_import_adds_none_of, assert_matches_oracle
 
 import paged_decode.compat.flashinfer as fi
 from paged_decode import PageTable
@@ -249,3 +249,7 @@ def test_append_refuses_bad_input():
     with pytest.raises(UnsupportedProblemError, match="kv_layout='HND'"):
         fi.append_paged_kv_cache(key, value, batch, pos, cache, indices, indptr, lpl, "HND")
     np.testing.assert_array_equal(cache, before)     # nothing written by a refused call
+
+
+def test_import_pulls_in_neither_torch_nor_flashinfer():
+    assert_import_adds_none_of("paged_decode.compat.flashinfer", {"torch", "flashinfer", "cupy"})
