@@ -287,3 +287,18 @@ def test_cuda_graph_subclass_takes_the_buffers_positionally():
     replan(w, pr)
     out, lse = w.run(pr.q, pr.cache, return_lse=True)
     assert_matches_oracle(out, lse, *pr.oracle(), "float16", "CUDAGraph subclass")
+
+
+def test_graph_mode_with_torch_cpu_buffers():
+    torch = pytest.importorskip("torch")
+    pr = make_fi_problem(FiCase(12, 54, 8, 8, 4, 128, spare_pages=30), seed=12)
+    bufs = (torch.zeros(13, dtype=torch.int32), torch.zeros(pr.cache.shape[0], dtype=torch.int32),
+            torch.zeros(12, dtype=torch.int32))
+    w = fi.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(torch.zeros(WS, dtype=torch.uint8), *bufs)
+    c = pr.case
+    w.plan(torch.from_numpy(pr.indptr), torch.from_numpy(pr.indices),
+           torch.from_numpy(pr.last_page_len), 8, 4, 128, 8)
+    assert torch.equal(bufs[0], torch.from_numpy(pr.indptr))
+    out, lse = w.run(torch.from_numpy(pr.q), torch.from_numpy(pr.cache), return_lse=True)
+    assert isinstance(out, torch.Tensor)
+    assert_matches_oracle(out.numpy(), lse.numpy(), *pr.oracle(), c.dtype, "torch graph")

@@ -184,3 +184,21 @@ def test_run_checks_its_arrays(w, pr):
         with pytest.raises(PagedDecodeError, match=match) as e:
             w.run(*args, **kw)
         assert str(e.value).startswith(f"{CLS}.run: "), str(e.value)
+
+
+def test_strided_q_is_copied_but_refused_in_graph_mode(pr):
+    from helpers import assert_matches_oracle
+    w = plan(fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="reference"), pr)
+    wide = np.zeros((12, 8, 256), np.float16)
+    wide[..., :128] = pr.q
+    q = wide[..., :128]
+    out, lse = w.run(q, pr.cache, return_lse=True)
+    assert_matches_oracle(out, lse, *pr.oracle(), "float16", "strided q")
+    bufs = (np.zeros(13, np.int32), np.zeros(pr.indices.size, np.int32), np.zeros(12, np.int32))
+    g = plan(fi.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 22, np.uint8), *bufs),
+             pr)
+    with pytest.raises(InvalidArgumentError, match="q must be C-contiguous in graph mode"):
+        g.run(q, pr.cache)
+    out = np.zeros((12, 8, 256), np.float16)[..., :128]
+    with pytest.raises(InvalidArgumentError, match="out must be C-contiguous in graph mode"):
+        g.run(pr.q, pr.cache, out=out)

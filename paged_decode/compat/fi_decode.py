@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..backends import Backend, Problem, backend_for
+from ..backends import Backend, Problem, backend_for, c_contiguous
 from ..call import plan_decode
 from ..decode import decode
 from ..dtypes import check_dtype
@@ -229,7 +229,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """Decode attention of ``q`` over the planned pages of ``paged_kv_cache``.
 
         Args:
-            q: ``[B, Hq, D]`` in the planned ``q_data_type``.
+            q: ``[B, Hq, D]`` in the planned ``q_data_type`` (a strided ``q`` is copied; in
+                graph mode it must be C-contiguous, as ``out`` and ``lse`` must).
             paged_kv_cache: ``(k_cache, v_cache)``, each ``[num_pages, P, Hkv, D]``, or one
                 ``[num_pages, 2, P, Hkv, D]`` array, in ``kv_data_type``, NHD. Read
                 zero-copy when C-contiguous; strided views are refused (``fi_cache``).
@@ -290,18 +291,28 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_got != q_dt:
             raise InvalidArgumentError(f"{fn}: q has dtype {q_got}, but plan's q_data_type is "
                                        f"{q_dt}")
+        if not c_contiguous(qa):
+            if self._use_cuda_graph:    # a copy inside a capture would allocate
+                raise InvalidArgumentError(f"{fn}: q must be C-contiguous in graph mode")
+            qa = be.array_module().ascontiguousarray(qa)   # [B, Hq, D]: a small copy
         out = self._output(fn, "out", q, out, (b, hq, d), q_dt)
         want_lse = return_lse or lse is not None
         if want_lse:
             lse = self._output(fn, "lse", q, lse, (b, hq), "float32")
         out_a = as_backend(fn, "out", be, out)
-        lse_a = as_backend(fn, "lse", be, lse) if want_lse else None
+        lse_a: Any = as_backend(fn, "lse", be, lse) if want_lse else None
         if self._use_cuda_graph:
             self._run_graph(fn, qa, pools, out_a, lse_a)
         else:
-            table = self._table(pools.interleaved)
-            decode(qa, pools.k, pools.v, table, st["plan"], sm_scale=st["scale"], out=out_a,
-                   lse=lse_a, return_lse=want_lse, backend=be)
+            # decode's own outputs, then one copy into the caller's: given outputs would
+            # make every run a new entry of decode's prepared-call cache (the backend views
+            # are new objects on every run), which would only churn it
+            got = decode(qa, pools.k, pools.v, self._table(pools.interleaved), st["plan"],
+                         sm_scale=st["scale"], return_lse=want_lse, backend=be)
+            if want_lse:
+                out_a[...], lse_a[...] = got
+            else:
+                out_a[...] = got
         return out, lse
 
     def _output(self, fn: str, name: str, like: Any, given: Any, shape: tuple[int, ...],
@@ -338,6 +349,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         reference backend, a table rebuilt from them), partials in the workspace."""
         g, st, be = self._graph, self._planned, self._be
         assert g is not None and st is not None
+        for name, arr in (("out", out_a), ("lse", lse_a)):
+            if arr is not None and not c_contiguous(arr):
+                raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous in graph mode "
+                                           "(the merge kernel writes it directly)")
         hq, _, d, p = st["geometry"]
         v_part, lse_part, spare = g.workspace(fn, self._float_workspace_buffer, hq, d)
         lse_out = spare if lse_a is None else lse_a
