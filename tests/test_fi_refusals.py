@@ -132,6 +132,9 @@ def test_graph_mode_plan_keeps_the_batch_size_and_the_buffer_bound(pr):
     longer = make_fi_problem(FiCase(12, 97, 8, 8, 4, 128))
     with pytest.raises(InvalidArgumentError, match="do not fit paged_kv_indices_buffer"):
         plan(w, longer)
+    plan(w, pr)
+    with pytest.raises(InvalidArgumentError, match="graph mode fixes \\(Hq, Hkv, D, P\\)"):
+        plan(w, pr, num_qo_heads=16)
     small = fi.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(np.zeros(64, np.uint8), *bufs)
     plan(small, pr)
     with pytest.raises(InvalidArgumentError, match="float_workspace_buffer holds 64 bytes"):

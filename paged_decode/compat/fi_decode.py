@@ -212,8 +212,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if idx.size > cap:
                 raise InvalidArgumentError(f"{fn}: {idx.size} page ids do not fit "
                                            f"paged_kv_indices_buffer of {cap}")
-            if self._graph is None or not _same_geometry(self._graph.plan, dplan):
+            if self._graph is None:
                 self._graph = GraphState(fn, self._be, self._buffers, dplan)
+            elif not _same_geometry(self._graph.plan, dplan):
+                # a capture holds the launch shape and the wrapper's own buffers: a new
+                # shape would leave it reading freed memory
+                raise InvalidArgumentError(
+                    f"{fn}: graph mode fixes (Hq, Hkv, D, P) at the first plan, "
+                    f"{_geometry(self._graph.plan)}; got {_geometry(dplan)} (make a new "
+                    "wrapper and capture again)")
             self._graph.load(ip, idx, lpl, table.pages_per_request)
         self._planned = {"table": table, "plan": dplan, "geometry": (num_qo_heads,
                          num_kv_heads, head_dim, page_size), "dtypes": (q_dt, kv_dt),
@@ -365,10 +372,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
         be.merge(v_part, lse_part, g.plan.o_indptr, out_a, lse_out)
 
 
+def _geometry(plan: Any) -> tuple[int, int, int, int]:
+    """``(Hq, Hkv, D, P)`` of a ``DecodePlan`` or ``GraphPlan``."""
+    return plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size
+
+
 def _same_geometry(gp: Any, plan: DecodePlan) -> bool:
     """Whether a graph state made for ``gp`` serves ``plan`` (same launch geometry)."""
-    return (gp.num_qo_heads, gp.num_kv_heads, gp.head_dim, gp.page_size) == \
-        (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size)
+    return _geometry(gp) == _geometry(plan)
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
