@@ -121,13 +121,13 @@ class GraphState:
         self.user = buffers              # caller's (indptr, indices, last_page_len)
         names = ("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
                  "paged_kv_last_page_len_buffer")
-        self.views = tuple(as_backend(fn, n, be, x) for n, x in zip(names, buffers))
         b = plan0.batch_size
         max_pages = int(buffers[1].shape[0])
         target = be.device_info().target_ctas(None, fn=fn)
         ppc, c = fixed_chunking(plan0, max_pages, -(-target // plan0.cta_count_per_chunk))
         xp = be.array_module()
-        with be.launch_context(buffers[0]):
+        with be.launch_context(buffers[0]):   # views and buffers on the caller's stream
+            self.views = tuple(as_backend(fn, n, be, x) for n, x in zip(names, buffers))
             own = [xp.zeros((n,), dtype=np.int32) for n in (c, c, b + 1, b, max(1, max_pages))]
         self.plan = GraphPlan(b, plan0.num_qo_heads, plan0.num_kv_heads, plan0.head_dim,
                               plan0.page_size, ppc, plan0.heads_per_cta, plan0.q_groups, c,
