@@ -28,6 +28,9 @@
 #   append-host host time of one PagePool.append_batch, 128 sequences x 1 token x 32 layers
 #   engine      the step-table / engine-step GPU tests, then bench --suite engine (eager,
 #               captured, flashinfer; batch 8/64/128, 32 layers; run fi first) + its plot
+#   fi-compat   tests/test_fi_gpu.py: the FlashInfer shim side by side with FlashInfer 0.3.1
+#               over its decode-test geometries, graph replay after a re-plan, merges and
+#               append (run fi first; -v prints the worst gaps), log in $OUT/fi_compat.log
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
@@ -141,6 +144,11 @@ step_engine() {
   timeout 500 paged-decode bench --backend cuda --suite engine --json "$OUT/engine.json" \
     --plot "$OUT/engine.png" > "$OUT/engine.txt" 2>&1
   echo "engine bench rc=$?"; tail -16 "$OUT/engine.txt"
+}
+
+step_fi_compat() {
+  timeout 560 python3 -m pytest -q tests/test_fi_gpu.py -m gpu -rs -v > "$OUT/fi_compat.log" 2>&1
+  echo "fi-compat rc=$?"; grep -E "FAILED|passed|failed|worst errors" "$OUT/fi_compat.log" | tail -12
 }
 
 for s in "$@"; do
