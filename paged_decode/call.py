@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backends import Backend, Problem, c_contiguous, get_backend
+from .backends import Backend, Problem, c_contiguous, check_same_device, get_backend
 from .cascade import TC_LEVEL0, V2_LEVEL0, tc_level0_applies
 from .cascade_policy import resolve_cascade
 from .crossover import table_for
@@ -117,8 +117,9 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     qa, ka, va = (be.array_arg(fn, n, x) for n, x in (("q", q), ("k_pages", k_pages),
                                                         ("v_pages", v_pages)))
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
+    check_same_device(fn, be, (("q", qa), ("k_pages", ka), ("v_pages", va)))
     if isinstance(table, StepTable):
-        table = step_table_arg(fn, be, table, ka)
+        table = step_table_arg(fn, be, table, qa)
     check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
     check_ndim(fn, "k_pages", ka.shape, 4, "[num_pages, P, Hkv, D]", "P Hkv D")
     b, hq, d = (int(x) for x in qa.shape)
@@ -148,12 +149,14 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     return CallArgs(qa, ka, va, table, b, hq, hkv, d, p, q_dt, kv_dt, o_dt, scale)
 
 
-def step_table_arg(fn: str, be: Backend, table: StepTable, k_pages: Any) -> Table:
-    """A step table as a call uses it: flushed, on this call's backend, as the table the
-    backend's kernels read (its host view where they do not read device buffers)."""
+def step_table_arg(fn: str, be: Backend, table: StepTable, q: Any) -> Table:
+    """A step table as a call uses it: flushed, on this call's backend and device, as the
+    table the backend's kernels read (its host view where they do not read device
+    buffers)."""
     if table.backend is not be:
         raise fail(fn, f"table is a step table of a {table.backend.name!r} pool, but the "
                        f"call runs on backend {be.name!r}")
+    check_same_device(fn, be, (("q", q), ("table (its device buffer)", table.buffer)))
     table.update_device()
     return table if be.reads_step_tables else table.page_table()
 
@@ -290,6 +293,10 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
                        f"result by rebinding), got {type(given).__module__}."
                        f"{type(given).__name__}")
     arr = be.array_arg(fn, name, given)
+    here = be.current_device()          # inside the call's launch context: q's device
+    if here is not None and be.device_of(arr) not in (None, here):
+        raise fail(fn, f"{name} is on device {be.device_of(arr)}, but q is on device {here}: "
+                       "every array of a call must be on one device")
     check_shape(fn, name, arr.shape, shape, "[B, Hq, D]" if len(shape) == 3 else "[B, Hq]")
     expect_dtype(fn, name, be.dtype_of(arr), dtype)
     if not c_contiguous(arr):

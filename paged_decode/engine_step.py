@@ -89,8 +89,9 @@ class DecodeStep:
         #: captured graph keeps its address); the others take the host array per call
         self._device_desc = bool(getattr(self.backend, "in_place_append", False)
                                  and self.backend.reads_step_tables)
-        self._desc: Any = (self.backend.table_buffer(np.zeros((5, self.capacity), np.int32))
-                           if self._device_desc else np.zeros((5, self.capacity), np.int32))
+        host = np.zeros((5, self.capacity), np.int32)
+        with self.backend.launch_context(pool.k):           # on the pool's device
+            self._desc: Any = self.backend.table_buffer(host) if self._device_desc else host
         self._prepared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
         self._layers = [pool.layer(i) for i in range(self.num_layers)]
         self._plan_token = 0

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Backend, get_backend
+from .backends import Backend, check_same_device, get_backend
 from .dtypes import check_dtype, itemsize
 from .errors import (
     InvalidArgumentError,
@@ -650,6 +650,7 @@ class PagePool:
 
     # ------------------------------------------------------------------ argument checks
     def _check_rows(self, fn: str, kb: Any, vb: Any, want: tuple[int, ...], dims: str) -> None:
+        check_same_device(fn, self.backend, (("the pool", self.k), ("k", kb), ("v", vb)))
         if tuple(kb.shape) != want or tuple(vb.shape) != want:
             check_shape(fn, "k", tuple(kb.shape), want, dims)
             check_shape(fn, "v", tuple(vb.shape), want, dims)

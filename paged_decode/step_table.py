@@ -161,6 +161,11 @@ class StepTable:
         """Whether the pool changed the batch since the last ``flush``."""
         return self._dirty
 
+    @property
+    def buffer(self) -> Any:
+        """The device buffer (int32, ``kernels/table_update.TABLE_SECTIONS``)."""
+        return self._buf
+
     def device_arrays(self) -> tuple[Any, Any, Any, Any]:
         """``indices, indptr, last_page_len, first_page_offset`` as views of the device
         buffer (``launches.TABLE_FIELDS`` order), current after ``flush``."""
@@ -327,8 +332,9 @@ class StepTable:
         self._cap, self._pcap = int(cap), int(pcap)
         host = np.full(table_words(self._cap, self._pcap), -1, np.int32)
         host[:self._cap + 1] = 0
-        self._buf = self.backend.table_buffer(host)
-        self._scratch = self.backend.table_buffer(host)
+        with self.backend.launch_context(self.pool.k):   # on the pool's device
+            self._buf = self.backend.table_buffer(host)
+            self._scratch = self.backend.table_buffer(host)
         self._npages = np.zeros(self._cap, np.int64)
         self._views = self._make_views()
         self._view = None

@@ -138,6 +138,15 @@ class Backend(ABC):
                                        f"backend can use, got {type(x).__name__}") from exc
         return arr
 
+    def device_of(self, x: Any) -> int | None:
+        """The device ordinal holding array ``x`` (``None``: a backend with one device,
+        or not an array of this backend)."""
+        return None
+
+    def current_device(self) -> int | None:
+        """The device launches go to now (inside a launch context: the call's)."""
+        return None
+
     @abstractmethod
     def to_numpy(self, x: Any) -> Any: ...
 
@@ -282,3 +291,17 @@ class Backend(ABC):
         """The gather arm: gather visible K/V contiguously, then dense attention.
 
         ``lse_out`` may be ``None`` (the caller does not want the LSE)."""
+
+
+def check_same_device(fn: str, be: Backend, named: tuple[tuple[str, Any], ...]) -> None:
+    """Raise unless every array of ``named`` ((name, array) pairs) is on one device (a
+    kernel launched on one device must not be handed another's memory)."""
+    devs = [(n, be.device_of(x)) for n, x in named]
+    first = next(((n, d) for n, d in devs if d is not None), None)
+    if first is None:
+        return
+    for n, d in devs:
+        if d is not None and d != first[1]:
+            raise InvalidArgumentError(f"{fn}: {n} is on device {d}, but {first[0]} is on "
+                                       f"device {first[1]}: every array of a call must be "
+                                       "on one device")

@@ -161,6 +161,17 @@ class CudaBackend(LaunchingBackend):
     def index_array(self, arr: Any) -> Any:
         return arr if isinstance(arr, cp.ndarray) else self.upload(arr)
 
+    def device_of(self, x: Any) -> int | None:
+        dev = getattr(x, "device", None)
+        if isinstance(x, cp.ndarray):
+            return int(x.device.id)
+        index = getattr(dev, "index", None)          # a CUDA torch tensor
+        return int(index) if index is not None and getattr(dev, "type", "") == "cuda" \
+            else None
+
+    def current_device(self) -> int | None:
+        return int(cp.cuda.runtime.getDevice())
+
     def check_pools(self, fn: str, k_pages: Any, v_pages: Any) -> None:
         for a in (k_pages, v_pages):
             if a.data.ptr % 16:
