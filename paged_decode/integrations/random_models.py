@@ -70,7 +70,8 @@ def transformers_model(name: str, *, seed: int = 0, dtype: str = "float32",
 
 def mlx_lm_model(name: str, *, seed: int = 0, dtype: str = "float32",
                  layers: int | None = None) -> Any:
-    """A random mlx-lm model of geometry ``name`` (weights ``N(0, INIT_STD)``)."""
+    """A random mlx-lm model of geometry ``name``: matrices (embeddings, projections)
+    ``N(0, INIT_STD)`` as transformers draws them; norms and biases keep mlx-lm's init."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_unflatten
@@ -85,8 +86,8 @@ def mlx_lm_model(name: str, *, seed: int = 0, dtype: str = "float32",
         args["tie_word_embeddings"] = True
     model = module.Model(module.ModelArgs.from_dict(args))
     mx.random.seed(seed)
-    params = [(k, INIT_STD * mx.random.normal(v.shape)) for k, v in
-              tree_flatten(model.parameters())]
+    params = [(k, INIT_STD * mx.random.normal(v.shape) if v.ndim >= 2 else v)
+              for k, v in tree_flatten(model.parameters())]
     model.update(tree_unflatten(params))
     model.set_dtype(getattr(mx, dtype))
     nn.Module.eval(model)
