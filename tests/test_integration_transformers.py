@@ -6,7 +6,6 @@ installs both through the ``ci`` extra)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from helpers import assert_same_greedy, ragged_prompts
 

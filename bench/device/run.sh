@@ -26,6 +26,11 @@
 #   tune-v2     bench/device/tune_v2.py: the v2 row-loads x CTA-target sweep
 #   ncu-v2      an ncu profile of the v2 partial at 64 x 4K, one and two row loads
 #   append-host host time of one PagePool.append_batch, 128 sequences x 1 token x 32 layers
+#   generate    transformers integration (the machine's transformers, 5.17 when written):
+#               its gpu tests (cuda backend, torch CUDA tensors, float32 token equality),
+#               then examples/generate_transformers.py at Llama-3-8B heads x 16 layers,
+#               float16, batch 32, 1K-token prompts (512 shared), 64 new tokens, against
+#               transformers' dynamic and static caches -> $OUT/generate_*.json
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
@@ -132,6 +137,16 @@ step_ncu_v2() {
 step_append_host() {
   timeout 240 python3 bench/device/append_host.py "$OUT/append_host.json" 2>&1 | tee "$L/append_host.txt"
   echo "append-host rc=$?"
+}
+
+step_generate() {
+  timeout 600 python3 -m pytest -q -rs -m gpu tests/test_integration_transformers.py \
+    2>&1 | tee "$L/generate_tests.txt" | tail -15
+  echo "generate tests rc=$?"
+  timeout 900 python3 examples/generate_transformers.py --model-config llama3-8b-16l \
+    --dtype float16 --batch 32 --prefix-len 512 --prompt-len 512 --new 64 --repeats 2 \
+    --json "$OUT/generate_llama3_8b_16l.json" 2>&1 | tee "$L/generate_bench.txt" | tail -12
+  echo "generate bench rc=$?"
 }
 
 for s in "$@"; do

@@ -146,7 +146,8 @@ def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:
     heads = args.num_attention_heads
     kv = getattr(args, "num_key_value_heads", None) or heads
     d = getattr(args, "head_dim", None) or args.hidden_size // heads
-    dtype = tree_flatten(model.parameters())[0][1].dtype
+    flat: Any = tree_flatten(model.parameters())
+    dtype = flat[0][1].dtype
     name = _MX_DTYPES.get(dtype, str(dtype).removeprefix("mlx.core."))
     check_attention(fn, num_heads=heads, num_kv_heads=kv, head_dim=d, dtype=name,
                     page_size=page_size)

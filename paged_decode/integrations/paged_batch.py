@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from ..call import plan_decode
+from ..cascade import CascadePlan, detect_shared_prefix
 from ..decode import decode
 from ..errors import InvalidArgumentError, check_int
 from ..page_table import PageTable
 from ..plan import DecodePlan
-from ..call import plan_decode
-from ..cascade import CascadePlan, detect_shared_prefix
 from ..pool import AppendedBatch, PagePool
 
 
@@ -149,7 +149,7 @@ class PagedBatch:
         table = self.table
         if self._plan is None or not self._plan.matches(table):
             self._plan = plan_decode(table, self.num_qo_heads, self.pool.num_kv_heads,
-                                     self.pool.head_dim, backend=self.pool.backend)
+                                     self.pool.head_dim, backend=self.pool.backend.name)
         k, v = self.pool.layer(layer)
         return decode(q, k, v, table, self._plan, sm_scale=sm_scale,
                       cascade=self._cascade_arg(table), backend=self.pool.backend)

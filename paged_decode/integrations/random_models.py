@@ -55,13 +55,14 @@ def transformers_model(name: str, *, seed: int = 0, dtype: str = "float32",
     arch = g.pop("arch")
     common = dict(max_position_embeddings=4096, initializer_range=INIT_STD,
                   bos_token_id=None, eos_token_id=None, pad_token_id=0, **g)
+    config: Any
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, use_sliding_window=False,
                                           tie_word_embeddings=True)
     else:
-        config = transformers.GemmaConfig(**common, hidden_activation="gelu_pytorch_tanh")
+        config = transformers.GemmaConfig(**common, hidden_act="gelu_pytorch_tanh")
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
@@ -86,8 +87,9 @@ def mlx_lm_model(name: str, *, seed: int = 0, dtype: str = "float32",
         args["tie_word_embeddings"] = True
     model = module.Model(module.ModelArgs.from_dict(args))
     mx.random.seed(seed)
+    flat: Any = tree_flatten(model.parameters())
     params = [(k, INIT_STD * mx.random.normal(v.shape) if v.ndim >= 2 else v)
-              for k, v in tree_flatten(model.parameters())]
+              for k, v in flat]
     model.update(tree_unflatten(params))
     model.set_dtype(getattr(mx, dtype))
     nn.Module.eval(model)
