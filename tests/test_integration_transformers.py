@@ -6,6 +6,8 @@ installs both through the ``ci`` extra)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from helpers import assert_same_greedy, ragged_prompts
 
@@ -24,9 +26,12 @@ NEW = 32
 MODELS = ("llama", "qwen2", "gemma")
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def model(request):
-    return transformers_model(request.param, seed=0)
+@functools.cache
+def reference(name: str):
+    """(model, prompts, transformers' dynamic-cache run) of geometry ``name``, seed 0."""
+    model = transformers_model(name, seed=0)
+    prompts = ragged_prompts(model.config.vocab_size, seed=1)
+    return model, prompts, pt.framework_generate(model, prompts, NEW)
 
 
 def _calls(model):
@@ -36,9 +41,9 @@ def _calls(model):
     return n
 
 
-def test_greedy_tokens_equal_the_dynamic_cache(model):
-    prompts = ragged_prompts(model.config.vocab_size, seed=1)
-    ref = pt.framework_generate(model, prompts, NEW)
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_tokens_equal_the_dynamic_cache(name):
+    model, prompts, ref = reference(name)
     got = pt.generate(model, prompts, NEW, cascade=True, return_logits=True)
     assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
     assert pd.last_outcome().path == "cascade"     # the two shared pages read once a step
@@ -46,9 +51,7 @@ def test_greedy_tokens_equal_the_dynamic_cache(model):
 
 def test_the_automatic_rule_decodes_flat_and_equal():
     """cascade=None: the measured rule's 1024-token floor keeps a 40-token prefix flat."""
-    model = transformers_model("llama", seed=0)
-    prompts = ragged_prompts(model.config.vocab_size, seed=1)
-    ref = pt.framework_generate(model, prompts, NEW)
+    model, prompts, ref = reference("llama")
     got = pt.generate(model, prompts, NEW, return_logits=True)
     assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
     assert pd.last_outcome().path != "cascade"
@@ -66,9 +69,7 @@ def test_greedy_tokens_equal_the_static_cache_without_sharing():
 def test_a_stale_layer_changes_the_tokens(monkeypatch):
     """Negative control: an adapter that forgets write_layer (every layer past 0 keeps
     stale pages) must not pass the equality check."""
-    model = transformers_model("llama", seed=0)
-    prompts = ragged_prompts(model.config.vocab_size, seed=1)
-    ref = pt.framework_generate(model, prompts, NEW)
+    model, prompts, ref = reference("llama")
     real = PagedBatch.append
 
     def first_layer_only(self, layer, k, v):
@@ -78,6 +79,17 @@ def test_a_stale_layer_changes_the_tokens(monkeypatch):
 
     monkeypatch.setattr(PagedBatch, "append", first_layer_only)
     assert pt.generate(model, prompts, NEW).tokens != ref.tokens
+
+
+@pytest.mark.parametrize("backend", ["emulated-cuda", "emulated-metal"])
+def test_the_kernel_sources_choose_the_same_tokens(backend):
+    """The CUDA and Metal kernel sources (v2 partial, merge, append; cascade) on the CPU
+    emulator, 8 new tokens (the emulator is slow)."""
+    model, prompts, _ = reference("llama")
+    ref = pt.framework_generate(model, prompts, 8)
+    got = pt.generate(model, prompts, 8, backend=backend, cascade=True, return_logits=True)
+    assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits, min_distinct=8)
+    assert pd.last_outcome().backend == backend
 
 
 def test_the_pool_holds_the_shared_prefix_once(monkeypatch):
@@ -177,7 +189,7 @@ def test_unsupported_attention_arguments_are_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with a CUDA GPU")
 @pytest.mark.skipif(not pd.backends.availability("cuda").ok,
                     reason=f"CUDA backend unavailable: {pd.backends.availability('cuda').reason}")
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [*MODELS, "llama3-8b-16l"])
 def test_greedy_tokens_equal_the_dynamic_cache_on_cuda(name):
     model = transformers_model(name, seed=0, device="cuda")
     prompts = ragged_prompts(model.config.vocab_size, seed=1)
