@@ -43,12 +43,16 @@ class PromptBatch:
     def pages_needed(self, page_size: int) -> int:
         """Pages that hold the whole run: the prefix's pages once, then each sequence's
         own pages up to its final length (its copy of a shared partial last page
-        included)."""
+        included; the last copy may write in place, so one page can stay free)."""
         full = self.prefix_len // page_size
         shared = -(-self.prefix_len // page_size)
-        own = sum(-(-(len(p) + self.max_new_tokens) // page_size) - full
-                  for p in self.prompts)
+        own = sum(-(-self.tokens_held(i) // page_size) - full for i in range(self.size))
         return shared + own
+
+    def tokens_held(self, i: int) -> int:
+        """K/V rows prompt ``i``'s sequence ends with: the prompt and every new token but
+        the last (chosen, never fed back)."""
+        return len(self.prompts[i]) + self.max_new_tokens - 1
 
 
 def _token_ids(fn: str, i: int, prompt: Any, vocab_size: int) -> tuple[int, ...]:
@@ -98,8 +102,8 @@ def prompt_batch(fn: str, prompts: Sequence[Any], max_new_tokens: int, *, vocab_
 
 def pool_pages(fn: str, batch: PromptBatch, page_size: int, num_pages: int | None) -> int:
     """The pool size for ``batch``: ``num_pages`` when it holds the whole run (else
-    ``InvalidArgumentError`` before anything runs, with the pages each prompt needs), or
-    exactly what the run needs when ``num_pages`` is ``None``."""
+    ``InvalidArgumentError`` before anything runs, naming the pages needed), or
+    ``pages_needed`` (what the run uses, or one more) when ``num_pages`` is ``None``."""
     need = batch.pages_needed(page_size)
     if num_pages is None:
         return need
@@ -111,5 +115,5 @@ def pool_pages(fn: str, batch: PromptBatch, page_size: int, num_pages: int | Non
                        f"(shared prefix {batch.prefix_len}) plus max_new_tokens="
                        f"{batch.max_new_tokens} need {need} pages (the longest, prompts"
                        f"[{longest}], alone needs "
-                       f"{-(-(len(batch.prompts[longest]) + batch.max_new_tokens) // page_size)})")
+                       f"{-(-batch.tokens_held(longest) // page_size)})")
     return have

@@ -249,7 +249,7 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
         prompts: ``B`` token-id sequences of any lengths.
         backend: the pool's backend (default: ``"cuda"`` for a CUDA model, else
             ``"reference"``).
-        page_size, num_pages: the pool (``num_pages=None``: exactly what the run needs;
+        page_size, num_pages: the pool (``num_pages=None``: what the run needs, ``pages_needed``;
             too few raises before the model runs).
         cascade: passed to ``decode`` (``True`` reads the forked prefix once per step).
         share_prefix: prefill the prompts' common prefix once and fork it.
