@@ -20,11 +20,14 @@ from paged_decode.integrations.paged_batch import PagedBatch  # noqa: E402
 from paged_decode.integrations.random_models import mlx_lm_model  # noqa: E402
 
 NEW = 32
+#: model seeds; Llama's seed 0 has a top-2 gap of 1.5e-5 at one step (its tokens still
+#: match: both runs' logits are bitwise equal here), seed 1 a gap of 3.8e-3
+SEEDS = {"llama": 1, "qwen2": 0, "gemma": 0}
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma"])
 def test_greedy_tokens_equal_the_batch_cache(name):
-    model = mlx_lm_model(name, seed=0)
+    model = mlx_lm_model(name, seed=SEEDS[name])
     prompts = ragged_prompts(model.args.vocab_size, seed=1)
     ref = pm.framework_generate(model, prompts, NEW)
     got = pm.generate(model, prompts, NEW, backend="mlx", return_logits=True)
