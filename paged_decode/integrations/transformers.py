@@ -231,7 +231,7 @@ def _cache_kwarg(model: Any) -> str:
 @dataclass(frozen=True)
 class Generation:
     """``tokens[i]``: the new token ids of prompt ``i``; ``logits``: ``[steps, B, V]``
-    float32 (the logits each token was chosen from; empty unless asked for)."""
+    float32 (the logits each token was chosen from; ``None`` unless asked for)."""
 
     tokens: list[list[int]]
     logits: torch.Tensor | None
