@@ -180,3 +180,30 @@ def mutant_fails(be, spec, path: str = "v2", ppc: int | None = None) -> str:
         return str(exc)
     err = max_rel_error(out, ref)
     return f"error {err:.3g}" if err > 0.1 else ""
+
+
+# ---------------------------------------------------------------------------- generation
+def ragged_prompts(vocab: int, seed: int, prefix: int = 40,
+                   tails: tuple[int, ...] = (5, 17, 1, 30)) -> list[list[int]]:
+    """A batch of ragged prompts sharing a ``prefix``-token system prompt (its first two
+    pages at page size 16 are shared after the fork), one tail length each."""
+    g = np.random.default_rng(seed)
+    head = g.integers(0, vocab, prefix).tolist()
+    return [head + g.integers(0, vocab, n).tolist() for n in tails]
+
+
+def assert_same_greedy(ref_tokens, ref_logits, got_tokens, got_logits,
+                       min_distinct: int = 16) -> None:
+    """Greedy generation through paged-decode chose exactly the framework's tokens, and
+    no tie could have decided it: at every step the two runs' logits (``[steps, B, V]``)
+    differ by less than half the framework's smallest top-1 / top-2 gap, so each argmax
+    is the same whatever the rounding (a near tie fails here, loudly: pick another seed,
+    never a looser check). The run must also be non-degenerate (many distinct tokens)."""
+    ref_logits, got_logits = np.asarray(ref_logits), np.asarray(got_logits)
+    assert got_tokens == ref_tokens
+    top = np.sort(ref_logits, axis=-1)[..., -2:]
+    margin = float((top[..., 1] - top[..., 0]).min())
+    dev = float(np.abs(ref_logits - got_logits).max())
+    assert dev < margin / 2, f"logits differ by {dev:.3g}, smallest top-2 gap {margin:.3g}"
+    distinct = len({t for row in ref_tokens for t in row})
+    assert distinct >= min_distinct, f"{distinct} distinct tokens: a degenerate run proves little"

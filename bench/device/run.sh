@@ -31,6 +31,11 @@
 #   fi-compat   tests/test_fi_gpu.py: the FlashInfer shim side by side with FlashInfer 0.3.1
 #               over its decode-test geometries, graph replay after a re-plan, merges and
 #               append (run fi first; -v prints the worst gaps), log in $OUT/fi_compat.log
+#   generate    transformers integration (the machine's transformers, 5.17 when written):
+#               its gpu tests (cuda backend, torch CUDA tensors, float32 token equality),
+#               then examples/generate_transformers.py at Llama-3-8B heads x 16 layers,
+#               float16, batch 32, 1K-token prompts (512 shared), 64 new tokens, against
+#               transformers' dynamic and static caches -> $OUT/generate_*.json
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
@@ -149,6 +154,16 @@ step_engine() {
 step_fi_compat() {
   timeout 560 python3 -m pytest -q tests/test_fi_gpu.py -m gpu -rs -v > "$OUT/fi_compat.log" 2>&1
   echo "fi-compat rc=$?"; grep -E "FAILED|passed|failed|worst errors" "$OUT/fi_compat.log" | tail -12
+}
+
+step_generate() {
+  timeout 240 python3 -m pytest -q -rs -m gpu tests/test_integration_transformers.py \
+    2>&1 | tee "$L/generate_tests.txt" | tail -15
+  echo "generate tests rc=$?"
+  timeout 300 python3 examples/generate_transformers.py --model-config llama3-8b-16l \
+    --dtype float16 --batch 32 --prefix-len 512 --prompt-len 512 --new 64 --repeats 2 \
+    --json "$OUT/generate_llama3_8b_16l.json" 2>&1 | tee "$L/generate_bench.txt" | tail -12
+  echo "generate bench rc=$?"
 }
 
 for s in "$@"; do

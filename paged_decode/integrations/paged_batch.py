@@ -1,0 +1,202 @@
+"""The one adapter between a model's attention layers and paged-decode.
+
+A model forward appends the new K/V of every sequence in its batch, layer by layer, then
+attends. ``PagedBatch`` turns that into today's public calls on one ``PagePool`` with a
+layer axis: ``append_batch(..., layer=0)`` places the step's tokens (pages, copy-on-write
+of a shared partial last page) and writes layer 0, ``write_layer`` writes every later
+layer into the same slots, ``page_table`` is built once per step, the plan is reused
+while ``plan.matches`` the table, and ``decode(..., plan, cascade=...)`` runs each
+layer's decode. The framework integrations call nothing else of paged-decode, so moving
+them to the engine step object (issue #13) changes this class only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..call import plan_decode
+from ..cascade import CascadePlan, detect_shared_prefix
+from ..decode import decode
+from ..errors import InvalidArgumentError, check_int
+from ..page_table import PageTable
+from ..plan import DecodePlan
+from ..pool import AppendedBatch, PagePool
+
+
+class PagedBatch:
+    """The K/V of a batch of sequences, ``L`` layers, in one ``PagePool``.
+
+    Args:
+        num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, backend: the
+            pool (``PagePool(..., num_layers=num_layers)``); pages ``[L, num_pages,
+            page_size, Hkv, D]``.
+        num_qo_heads: query heads ``Hq`` of the model (a multiple of ``Hkv``).
+        cascade: ``None``: ``decode``'s automatic rule (a measured cost rule with a
+            1024-token floor); ``True``: every step whose forks share at least one full
+            page decodes as a cascade (``detect_shared_prefix(min_shared_pages=1)``),
+            the shared pages read once per group; ``False``: flat.
+
+    A forward is ``begin(counts)``, then ``append(layer, k, v)`` for layers ``0 .. L-1``
+    in order, each followed by that layer's ``decode`` or ``gather``.
+    """
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int,
+                 num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
+                 backend: Any = None, cascade: Any = None) -> None:
+        fn = "PagedBatch"
+        self.num_layers = check_int(fn, "num_layers", num_layers)
+        self.num_qo_heads = check_int(fn, "num_qo_heads", num_qo_heads)
+        if self.num_qo_heads % check_int(fn, "num_kv_heads", num_kv_heads):
+            raise InvalidArgumentError(f"{fn}: num_qo_heads ({num_qo_heads}) must be a "
+                                       f"multiple of num_kv_heads ({num_kv_heads})")
+        self.pool = PagePool(num_pages, page_size, num_kv_heads, head_dim, dtype,
+                             num_layers=self.num_layers, backend=backend)
+        self.cascade = cascade
+        self.seqs: list[int] = []
+        self._counts: np.ndarray | None = None
+        self._appended: AppendedBatch | None = None
+        self._table: PageTable | None = None
+        self._plan: DecodePlan | None = None
+        self._shared: tuple[PageTable, CascadePlan | None] | None = None
+        self._next_layer = 0
+
+    # ------------------------------------------------------------------ sequences
+    def start(self, n: int) -> None:
+        """``n`` new, empty sequences become the batch (any earlier ones are freed)."""
+        self._check_between("PagedBatch.start")
+        self._drop()
+        self.seqs = [self.pool.new_sequence() for _ in range(check_int(
+            "PagedBatch.start", "n", n))]
+
+    def fork(self, n: int) -> None:
+        """The batch of one becomes ``n`` sequences sharing its pages (``PagePool.fork``);
+        the original is freed, so the shared pages are held by the forks alone."""
+        fn = "PagedBatch.fork"
+        self._check_between(fn)
+        if len(self.seqs) != 1:
+            raise InvalidArgumentError(f"{fn}: the batch must hold one sequence to fork, "
+                                       f"it holds {len(self.seqs)}")
+        src = self.seqs[0]
+        self.seqs = [self.pool.fork(src) for _ in range(check_int(fn, "n", n))]
+        self.pool.free(src)
+        self._table = None
+
+    def _drop(self) -> None:
+        for s in self.seqs:
+            self.pool.free(s)
+        self.seqs, self._table, self._plan = [], None, None
+
+    def close(self) -> None:
+        """Free every sequence (the pages return to the pool)."""
+        self._drop()
+
+    # ------------------------------------------------------------------ one forward
+    def begin(self, counts: Sequence[int] | np.ndarray | None) -> None:
+        """A forward starts: sequence ``i`` gets ``counts[i]`` new tokens (``None``: one
+        each, a decode step)."""
+        fn = "PagedBatch.begin"
+        self._check_between(fn)
+        if counts is not None:
+            c = np.asarray(counts, np.int64)
+            if c.shape != (len(self.seqs),) or (c < 0).any():
+                raise InvalidArgumentError(f"{fn}: counts must be {len(self.seqs)} "
+                                           f"non-negative integers, got {c.tolist()}")
+            counts = c
+        self._counts, self._next_layer = counts, 0
+
+    def append(self, layer: int, k: Any, v: Any) -> None:
+        """Append layer ``layer``'s new rows ``k, v [N, Hkv, D]`` (the sequences' rows in
+        batch order, ``N = sum(counts)``); layers come in order ``0 .. L-1``."""
+        fn = "PagedBatch.append"
+        if layer != self._next_layer:
+            raise InvalidArgumentError(f"{fn}: layer must be {self._next_layer} (layers are "
+                                       f"appended in order, once per forward), got {layer!r}")
+        if layer == 0:
+            self._appended = self.pool.append_batch(self.seqs, k, v, counts=self._counts,
+                                                    layer=0)
+            self._table = self.pool.page_table(self.seqs)
+        else:
+            assert self._appended is not None
+            self.pool.write_layer(self._appended, k, v, layer=layer)
+        self._next_layer += 1
+
+    @property
+    def counts(self) -> np.ndarray | None:
+        """This forward's new tokens per sequence (int64 ``[B]``), ``None`` in a decode
+        step (one each)."""
+        return self._counts
+
+    @property
+    def table(self) -> PageTable:
+        """The batch's page table after this forward's append (built once per forward)."""
+        if self._table is None:
+            self._table = self.pool.page_table(self.seqs)
+        return self._table
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Visible tokens per sequence, int32 ``[B]``."""
+        return self.table.visible_lens
+
+    def decode(self, layer: int, q: Any, sm_scale: float) -> Any:
+        """Decode attention of layer ``layer`` (appended this forward): ``q [B, Hq, D]``
+        (one query per sequence) over every visible token -> ``[B, Hq, D]`` in ``q``'s
+        dtype, the kind ``decode`` returns for the pool's backend."""
+        self._check_appended("PagedBatch.decode", layer)
+        table = self.table
+        if self._plan is None or not self._plan.matches(table):
+            self._plan = plan_decode(table, self.num_qo_heads, self.pool.num_kv_heads,
+                                     self.pool.head_dim, backend=self.pool.backend.name)
+        k, v = self.pool.layer(layer)
+        return decode(q, k, v, table, self._plan, sm_scale=sm_scale,
+                      cascade=self._cascade_arg(table), backend=self.pool.backend)
+
+    def _cascade_arg(self, table: PageTable) -> Any:
+        if self.cascade is not True:
+            return self.cascade
+        if self._shared is None or self._shared[0] is not table:   # once per forward
+            self._shared = (table, detect_shared_prefix(table, min_shared_pages=1))
+        return self._shared[1] if self._shared[1] is not None else True
+
+    def gather(self, layer: int, rows: Sequence[int] | None = None,
+               width: int | None = None) -> tuple[Any, Any]:
+        """Layer ``layer``'s visible K/V of the sequences ``rows`` (default: all), as
+        dense backend arrays ``[len(rows), width, Hkv, D]``: each sequence's tokens in
+        order, right-aligned (left padding), ``width`` defaulting to the longest. The
+        padding holds some valid slot's data: callers mask it."""
+        fn = "PagedBatch.gather"
+        self._check_appended(fn, layer)
+        t = self.table
+        r = np.arange(len(self.seqs)) if rows is None else np.asarray(rows, np.int64)
+        n = t.visible_lens[r].astype(np.int64)
+        w = int(n.max(initial=0)) if width is None else check_int(fn, "width", width, 0)
+        if n.size and int(n.max()) > w:
+            raise InvalidArgumentError(f"{fn}: width must be >= the longest sequence "
+                                       f"({int(n.max())}), got {w}")
+        p = self.pool.page_size
+        pos = np.arange(w)[None, :] - (w - n)[:, None]          # token index, < 0: padding
+        tok = np.maximum(pos, 0) + t.first_page_offset[r].astype(np.int64)[:, None]
+        page = t.indices[np.minimum(t.indptr[r].astype(np.int64)[:, None] + tok // p,
+                                    max(t.indices.size - 1, 0))] if t.indices.size else \
+            np.zeros_like(tok)
+        slots = np.where(pos >= 0, page.astype(np.int64) * p + tok % p, 0)
+        k, v = self.pool.layer(layer)
+        flat = (self.pool.num_pages * p, self.pool.num_kv_heads, self.pool.head_dim)
+        idx = self.pool.backend.asarray(slots.reshape(-1))
+        shape = (r.size, w, self.pool.num_kv_heads, self.pool.head_dim)
+        return (k.reshape(flat)[idx].reshape(shape), v.reshape(flat)[idx].reshape(shape))
+
+    # ------------------------------------------------------------------ order checks
+    def _check_between(self, fn: str) -> None:
+        if self._next_layer not in (0, self.num_layers):
+            raise InvalidArgumentError(f"{fn}: the forward in progress appended layers 0.."
+                                       f"{self._next_layer - 1} of {self.num_layers}; "
+                                       "finish it first")
+
+    def _check_appended(self, fn: str, layer: int) -> None:
+        if layer != self._next_layer - 1:
+            raise InvalidArgumentError(f"{fn}: layer {layer!r} is not the layer appended "
+                                       f"last in this forward ({self._next_layer - 1})")

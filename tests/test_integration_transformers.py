@@ -1,0 +1,198 @@
+"""transformers integration (``paged_decode.integrations.transformers``): greedy tokens
+through the paged pool equal transformers' own caches, bit for bit in the choice, for
+Llama-, Qwen2- (GQA 7) and Gemma-style random float32 models; bad models and prompts
+fail before the model runs. Skipped cleanly where torch or transformers is missing (CI
+installs both through the ``ci`` extra)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from helpers import assert_same_greedy, ragged_prompts
+
+torch = pytest.importorskip("torch", reason="torch is not installed (extra [transformers])")
+pytest.importorskip("transformers", reason="transformers is not installed (extra [transformers])")
+
+import transformers  # noqa: E402
+
+import paged_decode as pd  # noqa: E402
+from paged_decode.errors import InvalidArgumentError, UnsupportedProblemError  # noqa: E402
+from paged_decode.integrations import transformers as pt  # noqa: E402
+from paged_decode.integrations.paged_batch import PagedBatch  # noqa: E402
+from paged_decode.integrations.random_models import transformers_model  # noqa: E402
+
+NEW = 32
+MODELS = ("llama", "qwen2", "gemma")
+
+
+@functools.cache
+def reference(name: str):
+    """(model, prompts, transformers' dynamic-cache run) of geometry ``name``, seed 0."""
+    model = transformers_model(name, seed=0)
+    prompts = ragged_prompts(model.config.vocab_size, seed=1)
+    return model, prompts, pt.framework_generate(model, prompts, NEW)
+
+
+def _calls(model):
+    """Counts forwards of ``model`` (a bad input must fail before the first)."""
+    n = [0]
+    model.register_forward_pre_hook(lambda *a: n.__setitem__(0, n[0] + 1))
+    return n
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_tokens_equal_the_dynamic_cache(name):
+    model, prompts, ref = reference(name)
+    got = pt.generate(model, prompts, NEW, cascade=True, return_logits=True)
+    assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
+    assert pd.last_outcome().path == "cascade"     # the two shared pages read once a step
+
+
+def test_the_automatic_rule_decodes_flat_and_equal():
+    """cascade=None: the measured rule's 1024-token floor keeps a 40-token prefix flat."""
+    model, prompts, ref = reference("llama")
+    got = pt.generate(model, prompts, NEW, return_logits=True)
+    assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
+    assert pd.last_outcome().path != "cascade"
+
+
+def test_greedy_tokens_equal_the_static_cache_without_sharing():
+    model = transformers_model("llama", seed=2)
+    prompts = ragged_prompts(model.config.vocab_size, seed=3, prefix=0, tails=(9, 33, 2, 20))
+    ref = pt.framework_generate(model, prompts, NEW, cache_implementation="static")
+    got = pt.generate(model, prompts, NEW, page_size=8, share_prefix=False,
+                      return_logits=True)
+    assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
+
+
+def test_a_stale_layer_changes_the_tokens(monkeypatch):
+    """Negative control: an adapter that forgets write_layer (every layer past 0 keeps
+    stale pages) must not pass the equality check."""
+    model, prompts, ref = reference("llama")
+    real = PagedBatch.append
+
+    def first_layer_only(self, layer, k, v):
+        if layer == 0:
+            return real(self, layer, k, v)
+        self._next_layer += 1
+
+    monkeypatch.setattr(PagedBatch, "append", first_layer_only)
+    assert pt.generate(model, prompts, NEW).tokens != ref.tokens
+
+
+@pytest.mark.parametrize("backend", ["emulated-cuda", "emulated-metal"])
+def test_the_kernel_sources_choose_the_same_tokens(backend):
+    """The CUDA and Metal kernel sources (v2 partial, merge, append; cascade) on the CPU
+    emulator, 8 new tokens (the emulator is slow)."""
+    model, prompts, _ = reference("llama")
+    ref = pt.framework_generate(model, prompts, 8)
+    got = pt.generate(model, prompts, 8, backend=backend, cascade=True, return_logits=True)
+    assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits, min_distinct=8)
+    assert pd.last_outcome().backend == backend
+
+
+def test_the_pool_holds_the_shared_prefix_once(monkeypatch):
+    model = transformers_model("llama", seed=0)
+    prompts = ragged_prompts(model.config.vocab_size, seed=1)
+    seen = {}
+    real = PagedBatch.fork
+
+    def spy(self, n):
+        real(self, n)
+        t = self.table
+        seen["pages"] = [t.indices[t.indptr[i]:t.indptr[i + 1]].tolist() for i in range(n)]
+
+    monkeypatch.setattr(PagedBatch, "fork", spy)
+    pt.generate(model, prompts, 2)
+    first = [p[:2] for p in seen["pages"]]           # 40 prefix tokens: 2 full pages of 16
+    assert all(f == first[0] for f in first) and len(seen["pages"]) == 4
+
+
+def test_a_prompt_longer_than_the_pool_fails_before_the_model_runs():
+    model = transformers_model("llama", seed=0)
+    calls = _calls(model)
+    prompts = ragged_prompts(model.config.vocab_size, seed=1)
+    with pytest.raises(InvalidArgumentError, match=r"generate: the pool of 8 pages of 16 "
+                       r"tokens cannot hold the run: 4 prompts of \[45, 57, 41, 70\]"):
+        pt.generate(model, prompts, NEW, num_pages=8)
+    with pytest.raises(InvalidArgumentError, match=r"prompts\[0\] has 4090 tokens; with "
+                       r"max_new_tokens=32 it needs 4122 positions, but the model has 4096"):
+        pt.generate(model, [[1] * 4090], NEW)
+    assert calls[0] == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([], "prompts must be a non-empty list"),
+    ([[1, 2], []], r"prompts\[1\] must be a non-empty 1-D sequence of integer token ids"),
+    ([[1, 2], [3, 1024]], r"prompts\[1\]\[1\] = 1024 is not a token id of the model "
+                          r"\(vocabulary size 1024\)"),
+    ([[1.5, 2.0]], r"prompts\[0\] must be a non-empty 1-D sequence of integer"),
+])
+def test_bad_prompts_are_named(bad, match):
+    model = transformers_model("llama", seed=0)
+    with pytest.raises(InvalidArgumentError, match="generate: " + match):
+        pt.generate(model, bad, 4)
+
+
+def _small(config_cls, **kw):
+    base = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                intermediate_size=256, num_hidden_layers=1, vocab_size=64)
+    base.update(kw)
+    return transformers.AutoModelForCausalLM.from_config(config_cls(**base)).eval()
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: _small(transformers.MistralConfig, sliding_window=32),
+     r"a sliding window \(sliding_window=32\)"),
+    (lambda: _small(transformers.Qwen2Config, use_sliding_window=True, sliding_window=32,
+                    max_window_layers=0),
+     r"layers other than full attention \(layer_types=\['sliding_attention'\]\)"),
+    (lambda: _small(transformers.Gemma2Config, layer_types=["full_attention"],
+                    head_dim=64), r"a logit soft cap \(attn_logit_softcapping=50.0\)"),
+    (lambda: _small(transformers.LlamaConfig, head_dim=80),
+     r"head_dim must be one of \(64, 96, 128, 256\) \(what the kernels serve\), got 80"),
+    (lambda: _small(transformers.LlamaConfig).to(torch.float64),
+     r"dtype must be one of float16, bfloat16, float32, got float64"),
+])
+def test_unsupported_models_fail_before_the_model_runs(build, match):
+    model = build()
+    calls = _calls(model)
+    with pytest.raises(UnsupportedProblemError, match="generate: .*" + match):
+        pt.generate(model, [[1, 2, 3]], 4)
+    assert calls[0] == 0
+
+
+def test_the_attention_function_outside_generate_is_refused():
+    model = transformers_model("llama", seed=0)
+    with pt.attn_implementation(model, pt.ATTN_NAME), pytest.raises(
+            InvalidArgumentError, match="paged_attention: attn_implementation 'paged_decode' "
+                                        "runs inside"):
+        model(torch.tensor([[1, 2, 3]]))
+    assert model.config._attn_implementation == "sdpa"        # restored
+
+
+def test_unsupported_attention_arguments_are_refused():
+    q = torch.zeros(1, 4, 1, 64)
+    batch = PagedBatch(num_layers=1, num_pages=4, page_size=16, num_kv_heads=2,
+                       num_qo_heads=4, head_dim=64, dtype="float32", backend="reference")
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    for name, text in (("sliding_window", "a sliding window"), ("softcap", "a logit soft "
+                       "cap"), ("s_aux", "attention sinks")):
+        with pytest.raises(UnsupportedProblemError, match=f"paged_attention: the model uses "
+                           f"{text} \\({name}=8\\)"):
+            pt.paged_attention(module, q, q, q, None, paged_batch=batch, **{name: 8})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with a CUDA GPU")
+@pytest.mark.skipif(not pd.backends.availability("cuda").ok,
+                    reason=f"CUDA backend unavailable: {pd.backends.availability('cuda').reason}")
+@pytest.mark.parametrize("name", [*MODELS, "llama3-8b-16l"])
+def test_greedy_tokens_equal_the_dynamic_cache_on_cuda(name):
+    model = transformers_model(name, seed=0, device="cuda")
+    prompts = ragged_prompts(model.config.vocab_size, seed=1)
+    ref = pt.framework_generate(model, prompts, NEW)
+    got = pt.generate(model, prompts, NEW, cascade=True, return_logits=True)
+    assert_same_greedy(ref.tokens, ref.logits.cpu(), got.tokens, got.logits.cpu())

@@ -1,0 +1,165 @@
+"""The framework-neutral pieces of ``paged_decode.integrations``: ``PagedBatch`` (the one
+adapter over the pool) and the prompt batch (validation, shared prefix, pool size), on
+the numpy reference backend: no torch or MLX needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_decode.errors import InvalidArgumentError, UnsupportedProblemError
+from paged_decode.integrations.model_checks import check_attention
+from paged_decode.integrations.paged_batch import PagedBatch
+from paged_decode.integrations.prompts import pool_pages, prompt_batch
+from paged_decode.reference import oracle_decode
+
+L, HKV, HQ, D, P = 3, 2, 4, 64, 4
+
+
+def make(num_pages=64, **kw):
+    return PagedBatch(num_layers=L, num_pages=num_pages, page_size=P, num_kv_heads=HKV,
+                      num_qo_heads=HQ, head_dim=D, dtype="float32", backend="reference", **kw)
+
+
+def rows(rng, n):
+    return rng.standard_normal((L, n, HKV, D)).astype(np.float32)
+
+
+def forward(batch, rng, counts):
+    """One forward: every layer's new rows appended; returns them ``[L, N, Hkv, D]``."""
+    n = len(batch.seqs) if counts is None else int(np.sum(counts))
+    k, v = rows(rng, n), rows(rng, n)
+    batch.begin(counts)
+    for layer in range(L):
+        batch.append(layer, k[layer], v[layer])
+    return k, v
+
+
+def test_gather_returns_each_sequence_right_aligned(rng):
+    batch = make()
+    batch.start(1)
+    pk, pv = forward(batch, rng, [6])                      # a 6-token prefix
+    batch.fork(3)
+    k, v = forward(batch, rng, [1, 5, 0])
+    lens = [7, 11, 6]
+    assert batch.lengths.tolist() == lens
+    starts = np.cumsum([0, 1, 5])
+    for layer in range(L):
+        gk, gv = batch.gather(layer) if layer == L - 1 else (None, None)
+        if gk is None:
+            continue
+        assert gk.shape == (3, 11, HKV, D)
+        for i, c in enumerate([1, 5, 0]):
+            want_k = np.concatenate([pk[layer], k[layer, starts[i]:starts[i] + c]])
+            want_v = np.concatenate([pv[layer], v[layer, starts[i]:starts[i] + c]])
+            np.testing.assert_array_equal(gk[i, 11 - lens[i]:], want_k)
+            np.testing.assert_array_equal(gv[i, 11 - lens[i]:], want_v)
+
+
+def test_decode_matches_the_oracle_with_and_without_cascade(rng):
+    for cascade in (False, True):
+        batch = make(cascade=cascade)
+        batch.start(1)
+        forward(batch, rng, [9])                           # two full shared pages
+        batch.fork(4)
+        forward(batch, rng, [3, 1, 2, 4])
+        forward(batch, rng, None)
+        q = rng.standard_normal((4, HQ, D)).astype(np.float32)
+        k, v = batch.pool.layer(L - 1)
+        got = batch.decode(L - 1, q, 0.125)
+        want = oracle_decode(q, k, v, batch.table, sm_scale=0.125)[0]
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_out_of_order_calls_are_refused(rng):
+    batch = make()
+    batch.start(2)
+    batch.begin([1, 1])
+    k = rows(rng, 2)
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.append: layer must be 0 "
+                       r"\(layers are appended in order, once per forward\), got 1"):
+        batch.append(1, k[1], k[1])
+    batch.append(0, k[0], k[0])
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.decode: layer 1 is not the "
+                       r"layer appended last in this forward \(0\)"):
+        batch.decode(1, np.zeros((2, HQ, D), np.float32), 1.0)
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.begin: the forward in "
+                       r"progress appended layers 0..0 of 3; finish it first"):
+        batch.begin(None)
+    with pytest.raises(InvalidArgumentError, match="PagedBatch.fork: .* finish it first"):
+        batch.fork(2)
+    batch.append(1, k[1], k[1])
+    batch.append(2, k[2], k[2])
+    with pytest.raises(InvalidArgumentError, match=r"the batch must hold one sequence to "
+                       r"fork, it holds 2"):
+        batch.fork(2)
+    with pytest.raises(InvalidArgumentError, match=r"counts must be 2 non-negative "
+                       r"integers, got \[1, -1\]"):
+        batch.begin([1, -1])
+    with pytest.raises(InvalidArgumentError, match="num_qo_heads \\(3\\) must be a "
+                       "multiple of num_kv_heads \\(2\\)"):
+        PagedBatch(num_layers=1, num_pages=4, page_size=4, num_kv_heads=2, num_qo_heads=3,
+                   head_dim=64, dtype="float32", backend="reference")
+
+
+def test_close_returns_every_page(rng):
+    batch = make(num_pages=20)
+    batch.start(1)
+    forward(batch, rng, [6])
+    batch.fork(3)
+    forward(batch, rng, [2, 3, 1])
+    assert batch.pool.num_free < 20
+    batch.close()
+    assert batch.pool.num_free == 20 and batch.seqs == []
+
+
+def test_the_shared_prefix_leaves_every_prompt_a_token():
+    b = prompt_batch("f", [[1, 2, 3, 4], [1, 2, 3, 9, 9], [1, 2, 3]], 5, vocab_size=10,
+                     max_positions=None)
+    assert b.prefix_len == 2 and b.prefix == (1, 2)
+    assert b.suffixes == [(3, 4), (3, 9, 9), (3,)]
+    assert prompt_batch("f", [[1, 2]], 5, vocab_size=10, max_positions=None).prefix_len == 0
+    assert prompt_batch("f", [[1, 2], [1, 2]], 5, vocab_size=10, max_positions=None,
+                        share_prefix=False).prefix_len == 0
+    assert prompt_batch("f", [np.array([1, 2]), (1, 3)], 1, vocab_size=10,
+                        max_positions=None).prefix_len == 1
+
+
+@pytest.mark.parametrize("tails", [(1, 5, 2, 9), (4, 4, 4), (3,)])
+@pytest.mark.parametrize("prefix", [0, 4, 6])
+def test_pages_needed_hold_the_run_with_at_most_one_to_spare(rng, tails, prefix):
+    head = list(range(1, prefix + 1))
+    prompts = [head + [7] * t for t in tails]
+    new = 5
+    b = prompt_batch("f", prompts, new, vocab_size=10, max_positions=None)
+    need = pool_pages("f", b, P, None)
+    batch = make(num_pages=need)
+    if b.prefix_len:
+        batch.start(1)
+        forward(batch, rng, [b.prefix_len])
+        batch.fork(b.size)
+    else:
+        batch.start(b.size)
+    forward(batch, rng, [len(s) for s in b.suffixes])
+    for _ in range(new - 1):
+        forward(batch, rng, None)
+    assert batch.pool.num_free <= 1
+    with pytest.raises(InvalidArgumentError, match=rf"f: the pool of {need - 1} pages of "
+                       rf"{P} tokens cannot hold the run: .* need {need} pages"):
+        pool_pages("f", b, P, need - 1)
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(head_dim=80), UnsupportedProblemError, r"head_dim must be one of"),
+    (dict(dtype="float64"), UnsupportedProblemError, r"dtype must be one of float16, "
+                                                     r"bfloat16, float32, got float64"),
+    (dict(page_size=512), InvalidArgumentError, r"page_size must be an integer in "
+                                                r"\[1, 256\], got 512"),
+    (dict(num_heads=6, num_kv_heads=4), InvalidArgumentError,
+     r"num_attention_heads \(6\) is not a multiple of its num_key_value_heads \(4\)"),
+])
+def test_model_geometry_checks(kw, error, match):
+    args = dict(num_heads=8, num_kv_heads=2, head_dim=64, dtype="float32", page_size=16)
+    args.update(kw)
+    with pytest.raises(error, match="m: .*" + match):
+        check_attention("m", **args)
