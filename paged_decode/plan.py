@@ -27,6 +27,7 @@ from .device import DeviceInfo
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
 from .page_table import PageTable, frozen_int32
 from .specs import MAX_HEADS_PER_CTA, heads_per_cta
+from .variants import check_window, window_table
 
 MAX_CHUNKS = 65535
 
@@ -72,6 +73,9 @@ class DecodePlan:
       ``[tile * pages_per_chunk, min((tile + 1) * pages_per_chunk, pages))``.
     - ``o_indptr [B+1]``: request ``r``'s partials are rows ``o_indptr[r]:o_indptr[r+1]``.
     - ``chunks_per_request [B]``.
+    - ``window_left``: the sliding window the plan was made for (``-1``: none); its chunks
+      cover only each request's window (``variants.window_table``), and ``matches`` /
+      ``check`` apply the window to the table they are given.
     Workspaces: ``v_part [C, Hq, D]`` float32 and ``lse_part [C, Hq]`` float32 (log2),
     needed only when ``needs_merge``.
     """
@@ -91,6 +95,7 @@ class DecodePlan:
     request_indices: np.ndarray = field(repr=False)
     kv_tile_indices: np.ndarray = field(repr=False)
     o_indptr: np.ndarray = field(repr=False)
+    window_left: int = -1
     #: tables this plan was checked against (weak: tables are dropped with their step)
     _served: weakref.WeakKeyDictionary[PageTable, bool] = field(
         init=False, repr=False, default_factory=weakref.WeakKeyDictionary)
@@ -103,6 +108,7 @@ class DecodePlan:
                      "pages_per_chunk", "heads_per_cta", "q_groups", "cta_count_per_chunk"):
             check_int(fn, name, getattr(self, name))
         check_geometry(fn, self.num_qo_heads, self.num_kv_heads, self.head_dim)
+        check_int(fn, "window_left", self.window_left, -1)
         g = self.num_qo_heads // self.num_kv_heads
         if self.heads_per_cta * self.q_groups != g or self.heads_per_cta > MAX_HEADS_PER_CTA:
             raise fail(fn, f"heads_per_cta x q_groups must be the GQA group {g} with at most "
@@ -156,6 +162,7 @@ class DecodePlan:
         keep the same chunk count at this ``pages_per_chunk``.
         """
         check_type("DecodePlan.mismatch", "table", table, PageTable, "a PageTable")
+        table = window_table(table, self.window_left)
         if table.batch_size != self.batch_size:
             return f"batch size {table.batch_size} != plan's {self.batch_size}"
         if table.page_size != self.page_size:
@@ -172,13 +179,18 @@ class DecodePlan:
         return self.mismatch(table) is None
 
     def check(self, fn: str, table: PageTable, num_qo_heads: int, num_kv_heads: int,
-              head_dim: int) -> None:
-        """Raise ``PlanMismatchError`` unless the plan fits this table and geometry."""
+              head_dim: int, window_left: int = -1) -> None:
+        """Raise ``PlanMismatchError`` unless the plan fits this table, geometry and
+        window (``table`` may be the call's table or its window table)."""
         geo = (num_qo_heads, num_kv_heads, head_dim)
         mine = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
         if geo != mine:
             raise PlanMismatchError(f"{fn}: plan was made for (Hq, Hkv, D) = {mine}, "
                                     f"got {geo}")
+        if window_left != self.window_left:
+            raise PlanMismatchError(f"{fn}: plan was made for window_left = "
+                                    f"{self.window_left}, got {window_left} (pass "
+                                    "window_left to plan_decode too)")
         if table in self._served:  # both are immutable: one check per (plan, table)
             return
         why = self.mismatch(table)
@@ -214,7 +226,7 @@ def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: 
               device: DeviceInfo, target_ctas: int | None = None,
               pages_per_chunk: int | None = None, min_chunk_tokens: int | None = None,
               max_chunks: int = MAX_CHUNKS, ctas_per_chunk: int | None = None,
-              fn: str = "make_plan") -> DecodePlan:
+              window_left: int = -1, fn: str = "make_plan") -> DecodePlan:
     """Plan a split-KV decode of ``table`` on ``device`` (``paged_decode.plan_decode``
     finds the device of a backend first; errors name ``fn``).
 
@@ -231,9 +243,14 @@ def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: 
         ctas_per_chunk: CTAs one chunk launches, for a kernel whose CTA geometry is not
             the v2 partial's ``Hkv * q_groups`` (cascade's tensor-core level 0); the search
             fills the device with that kernel's CTAs.
+        window_left: a sliding window (``-1``: none): the plan covers only the pages of
+            each request's last ``W + 1`` visible tokens (``variants.window_table``), so
+            pages before a window get no chunk and no CTA.
     """
     check_type(fn, "table", table, PageTable, "a PageTable")
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+    window_left = check_window(fn, window_left)
+    table = window_table(table, window_left)
     max_chunks = check_int(fn, "max_chunks", max_chunks, 1, MAX_CHUNKS)
     b = table.batch_size
     if b < 1:
@@ -292,4 +309,5 @@ def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: 
     arrays = [frozen_int32(a) for a in (counts, req, tiles, o_indptr)]
     return DecodePlan(b, int(num_qo_heads), int(num_kv_heads), int(head_dim),
                       table.page_size, ppc, qh, q_groups, target,
-                      pages_per_chunk is not None, int(ctas_per_chunk), *arrays)
+                      pages_per_chunk is not None, int(ctas_per_chunk), *arrays,
+                      window_left=window_left)
