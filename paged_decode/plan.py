@@ -306,8 +306,8 @@ def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: 
     req = np.repeat(np.arange(b, dtype=np.int64), counts)
     o_indptr = np.concatenate([[0], np.cumsum(counts)])
     tiles = np.arange(req.size, dtype=np.int64) - o_indptr[req]
-    arrays = [frozen_int32(a) for a in (counts, req, tiles, o_indptr)]
     return DecodePlan(b, int(num_qo_heads), int(num_kv_heads), int(head_dim),
                       table.page_size, ppc, qh, q_groups, target,
-                      pages_per_chunk is not None, int(ctas_per_chunk), *arrays,
+                      pages_per_chunk is not None, int(ctas_per_chunk), frozen_int32(counts),
+                      frozen_int32(req), frozen_int32(tiles), frozen_int32(o_indptr),
                       window_left=window_left)

@@ -61,6 +61,9 @@ DEFAULT_MIN_SPARSITY = 2.0   # measured: see the module docstring
 #: selection (layers of a step, benchmarks) do the host work once
 _checked: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], PageTable | None]] = \
     weakref.WeakKeyDictionary()
+#: per Selection: its window selections, keyed by (window_left, live lengths)
+_windowed: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = \
+    weakref.WeakKeyDictionary()
 LOG2E = 1.4426950408889634
 
 
@@ -289,10 +292,11 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         check_selection(fn, sel, live, check_duplicates=check_duplicates)
         memo[key] = None
     if variant.window_left >= 0:   # the window's selection, memoised with its source
-        wkey = ("window", variant.window_left, live.tobytes())
-        if wkey not in memo:
-            memo[wkey] = window_selection(sel, live, variant.window_left)
-        sel = memo[wkey]
+        wins = _windowed.setdefault(sel, {})
+        wkey = (variant.window_left, live.tobytes())
+        if wkey not in wins:
+            wins[wkey] = window_selection(sel, live, variant.window_left)
+        sel = wins[wkey]
         memo = _checked.setdefault(sel, {})
         memo.setdefault(key, None)                # checked through its source
     selected = sel.total_selected
