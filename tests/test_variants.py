@@ -449,3 +449,34 @@ def test_lse_error_sees_a_missing_sink():
     _, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, return_lse=True,
                        backend="reference")
     assert lse_error(lse, ref_lse) > 100 * LSE_ATOL
+
+
+def test_mlx_gather_and_merge_with_variants():
+    """The ``mlx`` backend (MLX ops: the gather arm, the merge) with every variant; the
+    soft cap takes its float32 logits pass, sinks join through ``with_sink``."""
+    from helpers import require_mlx
+    mx = require_mlx()
+    be = get_backend("mlx")
+    pr = _problem("float32")
+    kw = _kw("all")
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **kw)
+    for lse_wanted in (True, False):
+        res = pd.decode(mx.array(pr.q), mx.array(pr.k_pages), mx.array(pr.v_pages), pr.table,
+                        return_lse=lse_wanted, backend=be, window_left=kw["window_left"],
+                        logits_soft_cap=kw["logits_soft_cap"], sinks=mx.array(kw["sinks"]))
+        out, lse = res if lse_wanted else (res, None)
+        assert_matches_oracle(np.array(out), None if lse is None else np.array(lse), ref,
+                              ref_lse, "float32", f"mlx lse={lse_wanted}")
+    # sinks without a cap: SDPA's output, then the sink joined
+    kw = _kw("sinks")
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **kw)
+    out = pd.decode(mx.array(pr.q), mx.array(pr.k_pages), mx.array(pr.v_pages), pr.table,
+                    backend=be, sinks=mx.array(kw["sinks"]))
+    assert_matches_oracle(np.array(out), None, ref, ref_lse, "float32", "mlx sinks")
+    v = np.random.default_rng(1).standard_normal((5, HQ, D)).astype(np.float32)
+    lse = np.random.default_rng(2).uniform(-2, 2, (5, HQ)).astype(np.float32)
+    got = pd.merge_states(mx.array(v), mx.array(lse), [0, 2, 2, 5], backend=be,
+                          sinks=mx.array(kw["sinks"]))
+    want = pd.merge_states(v, lse, [0, 2, 2, 5], backend="reference", sinks=kw["sinks"])
+    assert np.allclose(np.array(got[0]), want[0], atol=1e-6)
+    assert np.allclose(np.array(got[1]), want[1], atol=1e-5)
