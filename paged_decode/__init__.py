@@ -22,6 +22,7 @@ from .cascade import (
 )
 from .decode import cascade_decode, decode
 from .device import DeviceInfo
+from .engine_step import CapturedStep, DecodeStep, StaleStepError
 from .errors import (
     BackendUnavailableError,
     InvalidArgumentError,
@@ -39,10 +40,15 @@ from .plan import DecodePlan
 from .pool import PagePool
 from .prepared import PreparedDecode, prepare_decode
 from .sparse import Selection, make_selection, selection_from_blocks, sparse_decode
+from .step_table import StepTable
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CapturedStep",
+    "DecodeStep",
+    "StaleStepError",
+    "StepTable",
     "BackendUnavailableError", "DecodeOutcome", "DecodePlan", "DeviceInfo",
     "InvalidArgumentError", "InvalidDtypeError", "PageTable", "PageTableError", "PagePool",
     "PagedDecodeError", "PlanMismatchError", "PoolExhaustedError", "UnsupportedProblemError",

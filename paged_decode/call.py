@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backends import Backend, Problem, c_contiguous, get_backend
+from .backends import Backend, Problem, c_contiguous, check_same_device, get_backend
 from .cascade import TC_LEVEL0, V2_LEVEL0, tc_level0_applies
 from .cascade_policy import resolve_cascade
 from .crossover import table_for
@@ -47,16 +47,21 @@ from .errors import (
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, make_plan
+from .step_table import StepTable
 from .variants import PLAIN, Variant, check_path, check_variant, window_table
+
+#: a decode's table: the immutable host table, or a pool's device-resident step table
+Table = PageTable | StepTable
 
 PATHS = ("auto", "v2", "v1", "gather")
 
 
-def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                 device: DeviceInfo | None = None, backend: str | None = None,
                 target_ctas: int | None = None, pages_per_chunk: int | None = None,
                 min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
-                ctas_per_chunk: int | None = None, window_left: int = -1) -> DecodePlan:
+                ctas_per_chunk: int | None = None, headroom: int = 0,
+                window_left: int = -1) -> DecodePlan:
     """Plan a split-KV decode of ``table`` (``plan.make_plan`` documents every argument);
     ``device`` defaults to the ``DeviceInfo`` of ``backend`` (see
     ``backends.get_backend``). ``window_left``: the sliding window the decode calls will
@@ -66,11 +71,11 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
     return make_plan(table, num_qo_heads, num_kv_heads, head_dim, device=device,
                      target_ctas=target_ctas, pages_per_chunk=pages_per_chunk,
                      min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
-                     ctas_per_chunk=ctas_per_chunk, window_left=window_left,
-                     fn="plan_decode")
+                     ctas_per_chunk=ctas_per_chunk, headroom=headroom,
+                     window_left=window_left, fn="plan_decode")
 
 
-def choose_path(backend: Backend, table: PageTable, plan: DecodePlan) -> tuple[str, str]:
+def choose_path(backend: Backend, table: Table, plan: DecodePlan) -> tuple[str, str]:
     """The path ``path="auto"`` takes, and why (one place for the policy): the best path
     of the nearest cell of the device's measured crossover table
     (``paged_decode.crossover``), v2 when the device has no table."""
@@ -98,7 +103,7 @@ class CallArgs:
     q: Any
     k: Any
     v: Any
-    table: PageTable
+    table: Table      # a StepTable only for backends that launch our kernels
     b: int
     hq: int
     hkv: int
@@ -111,15 +116,20 @@ class CallArgs:
     variant: Variant = PLAIN
 
 
-def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
+def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Table, *,
                path: str, sm_scale: float | None, out_dtype: str | None,
                return_lse: bool, window_left: Any = -1, logits_soft_cap: Any = None,
                sinks: Any = None) -> CallArgs:
     """Validate a decode call's arrays, table, path, scale, flags and variants (errors
-    name ``fn``; ``variants.check_variant``)."""
+    name ``fn``; ``variants.check_variant``). A ``StepTable`` is brought up to date here
+    (on the call's stream); backends whose kernels do not read device tables get its host
+    ``PageTable``."""
     qa, ka, va = (be.array_arg(fn, n, x) for n, x in (("q", q), ("k_pages", k_pages),
                                                         ("v_pages", v_pages)))
-    check_type(fn, "table", table, PageTable, "a PageTable")
+    check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
+    check_same_device(fn, be, (("q", qa), ("k_pages", ka), ("v_pages", va)))
+    if isinstance(table, StepTable):
+        table = step_table_arg(fn, be, table, qa)
     check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
     check_ndim(fn, "k_pages", ka.shape, 4, "[num_pages, P, Hkv, D]", "P Hkv D")
     b, hq, d = (int(x) for x in qa.shape)
@@ -148,8 +158,25 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     check_bool(fn, "return_lse", return_lse)
     variant = check_variant(fn, be, hq, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sinks=sinks)
-    return CallArgs(qa, ka, va, window_table(table, variant.window_left), b, hq, hkv, d, p,
-                    q_dt, kv_dt, o_dt, scale, variant)
+    return CallArgs(qa, ka, va, window_table(table, variant.window_left, fn=fn), b, hq, hkv,
+                    d, p, q_dt, kv_dt, o_dt, scale, variant)
+
+
+def step_table_arg(fn: str, be: Backend, table: StepTable, q: Any) -> Table:
+    """A step table as a call uses it: flushed, on this call's backend and device, as the
+    table the backend's kernels read (its host view where they do not read device
+    buffers)."""
+    if table.backend is not be:
+        raise fail(fn, f"table is a step table of a {table.backend.name!r} pool, but the "
+                       f"call runs on backend {be.name!r}")
+    check_same_device(fn, be, (("q", q), ("table (its device buffer)", table.buffer)))
+    table.update_device()
+    return table if be.reads_step_tables else table.page_table()
+
+
+def host_table(table: Table) -> PageTable:
+    """The host ``PageTable`` of a call's table (a step table's view)."""
+    return table.page_table() if isinstance(table, StepTable) else table
 
 
 def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None) -> DecodePlan:
@@ -200,7 +227,9 @@ def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str,
     to run cascade (``cascade_policy.resolve_cascade``), the support check of its level 0,
     the output buffers and the outcome. Returns ``(call or None, reason or None)``; with
     ``None`` the caller runs the flat decode and appends the reason to its own."""
-    cplan, why = resolve_cascade(fn, cascade, path, a.table, a.hq, a.hkv, a.d,
+    if isinstance(a.table, StepTable) and cascade is None:
+        return None, "step table: cascade runs only when asked for (cascade=True)"
+    cplan, why = resolve_cascade(fn, cascade, path, host_table(a.table), a.hq, a.hkv, a.d,
                                  be.device_info, (a.q_dt, a.kv_dt),
                                  tc_allowed=a.variant.soft_cap is None)
     if cplan is None:
@@ -252,7 +281,7 @@ def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
         be.decode_v1(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a,
                      **vk.kernel_kwargs(final=True))
         return "v1"
-    be.gather_sdpa(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a,
+    be.gather_sdpa(a.q, a.k, a.v, host_table(a.table), a.scale, out_a, lse_a,
                    **vk.kernel_kwargs(final=True))
     return "gather"
 
@@ -293,6 +322,10 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
                        f"result by rebinding), got {type(given).__module__}."
                        f"{type(given).__name__}")
     arr = be.array_arg(fn, name, given)
+    here = be.current_device()          # inside the call's launch context: q's device
+    if here is not None and be.device_of(arr) not in (None, here):
+        raise fail(fn, f"{name} is on device {be.device_of(arr)}, but q is on device {here}: "
+                       "every array of a call must be on one device")
     check_shape(fn, name, arr.shape, shape, "[B, Hq, D]" if len(shape) == 3 else "[B, Hq]")
     expect_dtype(fn, name, be.dtype_of(arr), dtype)
     if not c_contiguous(arr):
@@ -302,6 +335,7 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     return arr
 
 
-__all__ = ["PATHS", "CallArgs", "CascadeCall", "cascade_call", "check_call", "check_support",
-           "choose_path", "empty_batch", "flat_call", "output_buffer", "plan_decode",
-           "resolve_plan", "results", "returned", "run_path"]
+__all__ = ["PATHS", "CallArgs", "CascadeCall", "Table", "cascade_call", "check_call",
+           "check_support", "choose_path", "empty_batch", "flat_call", "host_table",
+           "output_buffer", "plan_decode", "resolve_plan", "results", "returned", "run_path",
+           "step_table_arg"]

@@ -158,8 +158,11 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @main.command()
 @click.option("--backend", default=None, help="Backend to time (default: automatic).")
 @click.option("--suite", default="decode", show_default=True,
-              type=click.Choice(["decode", "cascade", "cascade-rule", "sparse"]),
-              help="decode: gather/v1/v2 over --preset; cascade: flat v2 vs cascade "
+              type=click.Choice(["decode", "cascade", "cascade-rule", "sparse", "engine"]),
+              help="engine: an engine's decode loop (--layers, --steps; batch {8,64,128} "
+                   "at context 1K unless --batch / --context; arms eager, captured and "
+                   "flashinfer: append + table update + decode of every layer per step); "
+                   "decode: gather/v1/v2 over --preset; cascade: flat v2 vs cascade "
                    "(tensor-core level 0, and v2 level 0 where both exist) over shared "
                    "prefixes {2K,8K,32K} x batch {4,8,32,128}, suffix 256; cascade-rule: "
                    "the same arms over short prefixes {128..2K} x batch {2..128}; sparse: "
@@ -206,11 +209,16 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @click.option("--json", "json_path", type=OutPath(), default=None)
 @click.option("--csv", "csv_path", type=OutPath(), default=None)
 @click.option("--markdown", "md_path", type=OutPath(), default=None)
+@click.option("--layers", default=32, show_default=True, type=POSITIVE,
+              help="engine suite: layers per step.")
+@click.option("--steps", default=32, show_default=True, type=POSITIVE,
+              help="engine suite: decode steps per case.")
 def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
           reps: int, warmup: int, warm_l2: bool, no_graph: bool, plot_path: str | None,
           crossover_path: str | None, window_left: int, soft_cap: float, sinks: bool,
-          json_path: str | None, csv_path: str | None, md_path: str | None) -> None:
+          json_path: str | None, csv_path: str | None, md_path: str | None, layers: int,
+          steps: int) -> None:
     """Time decode arms over a context x batch x page sweep (each arm verified against the
     float64 oracle first): GPU time under CUDA-graph replay and per-call time."""
     from .bench import preset_cases, run_bench
@@ -218,6 +226,10 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     from .bench.runner import ARMS, header
     from .bench.timing import measure_read_bandwidth
     be = _backend(backend)
+    if suite == "engine":
+        _bench_engine(be, contexts, batches, pages, dtype, arms, layers, steps, json_path,
+                      plot_path)
+        return
     if preset in ("cascade", "cascade-rule", "sparse"):   # the suites are presets too
         if suite not in ("decode", preset):
             raise click.ClickException(f"bench: --preset {preset} runs the {preset} suite; "
@@ -285,6 +297,42 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     if any(a.fell_back for r in results for a in r.arms.values() if a.ran != "unavailable"):
         raise click.ClickException("some arm fell back to another path ('*'); its comparisons "
                                    "were withheld")
+
+
+def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
+                  pages: tuple[int, ...], dtype: str | None, arms: str, layers: int,
+                  steps: int, json_path: str | None, plot_path: str | None) -> None:
+    """``bench --suite engine`` (``paged_decode.bench.engine``)."""
+    from .bench.engine import ENGINE_ARMS, EngineCase, plot, report, run_engine, to_dict
+    from .bench.runner import header
+    arm_list = ENGINE_ARMS if arms == "gather,v1,v2" else tuple(
+        a.strip() for a in arms.split(",") if a.strip())
+    bad = [a for a in arm_list if a not in ENGINE_ARMS]
+    if bad or not arm_list:
+        raise click.ClickException(f"bench --suite engine: --arms must name some of "
+                                   f"{', '.join(ENGINE_ARMS)}, got {arms!r}")
+    gpu = be.name == "cuda"
+    cases = [EngineCase(b, c, layers, steps, page_size=p, dtype=dtype or (
+                 "float16" if gpu else "float32"),
+             **({} if gpu else {"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 64}))
+             for b in (batches or ((8, 64, 128) if gpu else (4,)))
+             for c in (contexts or ((1024,) if gpu else (64,)))
+             for p in (pages or (16,))]
+    head = header(be, bandwidth=None)
+    click.echo(" ".join(f"{k}={v}" for k, v in head.items()))
+    results = run_engine(be, cases, arms=arm_list,
+                         progress=lambda s: click.echo(f"  {s}", err=True))
+    click.echo(report(results))
+    if json_path:
+        _write("--json", json_path, json.dumps({"head": head, "suite": "engine",
+                                                "results": to_dict(results)}, indent=1))
+    if plot_path:
+        _plot(lambda: Path(plot(results, plot_path)), plot_path, "bench --suite engine")
+    bad_arms = [f"{c.label} {n}" for c, a in results for n, r in a.items()
+                if r.ran and not r.verified]
+    if bad_arms:
+        raise click.ClickException("engine arms failed verification against the oracle: "
+                                   + ", ".join(bad_arms))
 
 
 @main.command()

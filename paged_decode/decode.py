@@ -22,6 +22,7 @@ from typing import Any
 from . import settings
 from .backends import Backend, backend_for
 from .call import (
+    Table,
     cascade_call,
     check_call,
     empty_batch,
@@ -32,12 +33,12 @@ from .call import (
 from .cascade import CascadeDecodePlan, CascadePlan, run_cascade
 from .errors import InvalidArgumentError
 from .outcome import DecodeOutcome, record
-from .page_table import PageTable
 from .plan import DecodePlan
 from .prepared import PreparedCascade, PreparedDecode, decode_cache
+from .step_table import StepTable
 
 
-def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan | None = None,
+def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | None = None,
            *, path: str = "auto", sm_scale: float | None = None, out: Any = None,
            lse: Any = None, return_lse: bool = False, out_dtype: str | None = None,
            backend: str | Backend | None = None, cascade: Any = None, window_left: int = -1,
@@ -97,7 +98,7 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePla
                       window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
-def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: Table,
                plan: DecodePlan | None = None, *, path: str, sm_scale: float | None,
                out: Any, lse: Any, return_lse: bool, out_dtype: str | None,
                backend: str | Backend | None, cascade: Any, window_left: Any = -1,
@@ -115,7 +116,7 @@ def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
 
 
 def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: Any,
-                v_pages: Any, table: PageTable, plan: DecodePlan | None, *, path: str,
+                v_pages: Any, table: Table, plan: DecodePlan | None, *, path: str,
                 sm_scale: float | None, out: Any, lse: Any, return_lse: bool,
                 out_dtype: str | None, cascade: Any, variants: dict[str, Any]) -> Any:
     fast_key = None
@@ -126,7 +127,18 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
                  or isinstance(cascade, CascadeDecodePlan))):
         # an engine's steady state (same buffers, table and plan every step): replay the
         # launches prepared on the first such call instead of re-validating and re-packing
-        fast_key = (id(q), id(k_pages), id(v_pages), id(table), id(plan), id(out), id(lse),
+        if isinstance(table, StepTable) and table.backend is be:
+            # the pool changed the batch: the device copy follows, on q's stream; a
+            # prepared call stays valid while its buffers do (the layout), or, where the
+            # kernels read the host view, while the table does (the version)
+            if table.pending:
+                with be.launch_context(q):
+                    table.update_device()
+            table_key: Any = (id(table), table.layout if be.reads_step_tables
+                              else table.version)
+        else:
+            table_key = id(table)
+        fast_key = (id(q), id(k_pages), id(v_pages), table_key, id(plan), id(out), id(lse),
                     return_lse, path, sm_scale, out_dtype, cascade, id(be),
                     be.stream_key(q), conf, variants["window_left"],
                     variants["logits_soft_cap"], id(sinks))
@@ -135,6 +147,8 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
         except TypeError:   # an unhashable argument: never cached, the checks below say why
             prepared = fast_key = None
         if prepared is not None:
+            if isinstance(table, StepTable) and isinstance(plan, DecodePlan):
+                plan.check(fn, table, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim)
             return prepared()
     want_lse = return_lse or lse is not None
     with be.launch_context(q):        # the device and stream of q, entered once
@@ -172,7 +186,7 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     return results(be, q, out, lse, out_a, lse_a, return_lse)
 
 
-def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
+def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: Table, *,
                    sm_scale: float | None = None, out: Any = None, lse: Any = None,
                    return_lse: bool = False, out_dtype: str | None = None,
                    backend: Any = None,

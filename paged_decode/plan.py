@@ -18,8 +18,10 @@ chunk structure (``matches``).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -27,9 +29,12 @@ from .device import DeviceInfo
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
 from .page_table import PageTable, frozen_int32
 from .specs import MAX_HEADS_PER_CTA, heads_per_cta
+from .step_table import StepTable
 from .variants import check_window, window_table
 
 MAX_CHUNKS = 65535
+#: set while make_plan constructs its plan (this thread)
+_planning = threading.local()
 
 
 def check_geometry(fn: str, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -54,7 +59,9 @@ def smallest_chunk_size(pages: np.ndarray, max_chunks: int = MAX_CHUNKS) -> int:
     Counts only fall as the size grows, and at the largest request's page count every
     request has one chunk, so a binary search finds it (requires ``B <= max_chunks``).
     """
-    lo, hi = 1, max(1, int(pages.max()) if pages.size else 1)
+    if int(chunk_counts(pages, 1).sum()) <= max_chunks:   # the usual case: one op
+        return 1
+    lo, hi = 2, max(1, int(pages.max()) if pages.size else 1)
     while lo < hi:
         mid = (lo + hi) // 2
         if int(chunk_counts(pages, mid).sum()) <= max_chunks:
@@ -96,17 +103,24 @@ class DecodePlan:
     kv_tile_indices: np.ndarray = field(repr=False)
     o_indptr: np.ndarray = field(repr=False)
     window_left: int = -1
+    #: tokens per request the plan was made to grow by (``make_plan(headroom=...)``)
+    headroom: int = 0
     #: tables this plan was checked against (weak: tables are dropped with their step)
-    _served: weakref.WeakKeyDictionary[PageTable, bool] = field(
+    _served: weakref.WeakKeyDictionary[Any, int] = field(
         init=False, repr=False, default_factory=weakref.WeakKeyDictionary)
 
     def __post_init__(self) -> None:
         # A plan built by hand must be one plan_decode could make: the kernels index the
-        # table with request_indices / kv_tile_indices and trust them.
+        # table with request_indices / kv_tile_indices and trust them. make_plan's own
+        # plans (arrays derived from the counts, frozen) skip the re-derivation: a replan
+        # in an engine's loop is host time on the critical path.
+        if getattr(_planning, "active", False):
+            return
         fn = "DecodePlan"
         for name in ("batch_size", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
                      "pages_per_chunk", "heads_per_cta", "q_groups", "cta_count_per_chunk"):
             check_int(fn, name, getattr(self, name))
+        check_int(fn, "headroom", self.headroom, 0)
         check_geometry(fn, self.num_qo_heads, self.num_kv_heads, self.head_dim)
         check_int(fn, "window_left", self.window_left, -1)
         g = self.num_qo_heads // self.num_kv_heads
@@ -155,20 +169,24 @@ class DecodePlan:
             return 0
         return self.num_chunks * self.num_qo_heads * (self.head_dim + 1) * 4
 
-    def mismatch(self, table: PageTable) -> str | None:
+    def mismatch(self, table: PageTable | StepTable) -> str | None:
         """Why this plan cannot serve ``table`` (``None`` when it can).
 
         A plan serves any table with the same batch size and page size whose requests
-        keep the same chunk count at this ``pages_per_chunk``.
+        need at most the plan's chunk count at this ``pages_per_chunk`` (the kernels
+        derive every chunk's token range from the table; a chunk past a request's pages
+        is empty and weighs nothing in the merge). A plan made with ``headroom`` has
+        chunks for that many more tokens per request.
         """
-        check_type("DecodePlan.mismatch", "table", table, PageTable, "a PageTable")
+        check_type("DecodePlan.mismatch", "table", table, (PageTable, StepTable),
+                   "a PageTable or StepTable")
         table = window_table(table, self.window_left)
         if table.batch_size != self.batch_size:
             return f"batch size {table.batch_size} != plan's {self.batch_size}"
         if table.page_size != self.page_size:
             return f"page_size {table.page_size} != plan's {self.page_size}"
         counts = chunk_counts(table.pages_per_request, self.pages_per_chunk)
-        diff = np.nonzero(counts != self.chunks_per_request)[0]
+        diff = np.nonzero(counts > self.chunks_per_request)[0]
         if diff.size:
             r = int(diff[0])
             return (f"request {r} needs {int(counts[r])} chunks of {self.pages_per_chunk} "
@@ -178,8 +196,8 @@ class DecodePlan:
     def matches(self, table: PageTable) -> bool:
         return self.mismatch(table) is None
 
-    def check(self, fn: str, table: PageTable, num_qo_heads: int, num_kv_heads: int,
-              head_dim: int, window_left: int = -1) -> None:
+    def check(self, fn: str, table: PageTable | StepTable, num_qo_heads: int,
+              num_kv_heads: int, head_dim: int, window_left: int = -1) -> None:
         """Raise ``PlanMismatchError`` unless the plan fits this table, geometry and
         window (``table`` may be the call's table or its window table)."""
         geo = (num_qo_heads, num_kv_heads, head_dim)
@@ -191,11 +209,14 @@ class DecodePlan:
             raise PlanMismatchError(f"{fn}: plan was made for window_left = "
                                     f"{self.window_left}, got {window_left} (pass "
                                     "window_left to plan_decode too)")
-        if table in self._served:  # both are immutable: one check per (plan, table)
+        # one check per (plan, table): a PageTable never changes, a StepTable is checked
+        # once per version (its flushes)
+        token = table.version if isinstance(table, StepTable) else -1
+        if self._served.get(table) == token:
             return
         why = self.mismatch(table)
         if why is None:
-            self._served[table] = True
+            self._served[table] = token
         if why:
             raise PlanMismatchError(f"{fn}: plan does not match the table: {why}; "
                                     "make a new plan with plan_decode")
@@ -222,11 +243,12 @@ def chunk_token_ranges(table: PageTable, plan: DecodePlan) -> tuple[np.ndarray, 
     return np.minimum(t_begin, seq), np.minimum(t_end, seq)
 
 
-def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
-              device: DeviceInfo, target_ctas: int | None = None,
+def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int,
+              head_dim: int, *, device: DeviceInfo, target_ctas: int | None = None,
               pages_per_chunk: int | None = None, min_chunk_tokens: int | None = None,
               max_chunks: int = MAX_CHUNKS, ctas_per_chunk: int | None = None,
-              window_left: int = -1, fn: str = "make_plan") -> DecodePlan:
+              headroom: int = 0, hint: int | None = None, window_left: int = -1,
+              fn: str = "make_plan") -> DecodePlan:
     """Plan a split-KV decode of ``table`` on ``device`` (``paged_decode.plan_decode``
     finds the device of a backend first; errors name ``fn``).
 
@@ -243,11 +265,17 @@ def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: 
         ctas_per_chunk: CTAs one chunk launches, for a kernel whose CTA geometry is not
             the v2 partial's ``Hkv * q_groups`` (cascade's tensor-core level 0); the search
             fills the device with that kernel's CTAs.
+        headroom: tokens every request may still grow by with this plan (a decode loop
+            appends one per step): chunks are planned for the lengths plus ``headroom``,
+            so the plan keeps matching (``mismatch``) until a request outgrows it.
+        hint: a chunk size to try first (the previous plan's ``pages_per_chunk`` when
+            replanning): the result is the same, found with fewer evaluations.
         window_left: a sliding window (``-1``: none): the plan covers only the pages of
             each request's last ``W + 1`` visible tokens (``variants.window_table``), so
             pages before a window get no chunk and no CTA.
     """
-    check_type(fn, "table", table, PageTable, "a PageTable")
+    check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
+    headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
     window_left = check_window(fn, window_left)
     table = window_table(table, window_left)
@@ -267,47 +295,76 @@ def make_plan(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: 
     else:
         ctas_per_chunk = check_int(fn, "ctas_per_chunk", ctas_per_chunk, note=" or None")
     pages = table.pages_per_request
+    if headroom:
+        p = table.page_size
+        have = pages.astype(np.int64)
+        filled = np.where(have > 0, (have - 1) * p + table.last_page_len, 0)
+        pages = -(-(filled + headroom) // p)
     max_ppc = max(1, int(pages.max()))
-    min_ppc = smallest_chunk_size(pages, max_chunks)
+    p64 = pages.astype(np.int64)
+    nz = p64[p64 > 0]
+    empty = b - int(nz.size)
+    totals: dict[int, int] = {}
+
+    def total(ppc: int) -> int:     # chunk_counts(pages, ppc).sum(), memoised
+        t = totals.get(ppc)
+        if t is None:
+            t = totals[ppc] = int(((nz + (ppc - 1)) // ppc).sum()) + empty
+        return t
+
+    min_ppc = 1 if total(1) <= max_chunks else smallest_chunk_size(pages, max_chunks)
     floor_tokens = device.chunk_floor(min_chunk_tokens, fn=fn)
     grid_min_ppc = min_ppc
     min_ppc = min(max(min_ppc, -(-int(floor_tokens) // table.page_size)), max_ppc)
 
     def reaches(ppc: int) -> bool:
-        return int(chunk_counts(pages, ppc).sum()) * ctas_per_chunk >= target
+        return total(ppc) * ctas_per_chunk >= target
 
-    if pages_per_chunk is not None:
-        ppc = check_int(fn, "pages_per_chunk", pages_per_chunk, note=" or None")
-        if int(chunk_counts(pages, ppc).sum()) > max_chunks:
-            raise InvalidArgumentError(
-                f"{fn}: pages_per_chunk = {ppc} gives "
-                f"{int(chunk_counts(pages, ppc).sum())} chunks, above the grid bound of "
-                f"{max_chunks}; use at least {grid_min_ppc}")
-    elif not reaches(min_ppc):
-        ppc = min_ppc
-    else:
-        lo, hi = min_ppc, max_ppc  # invariant: reaches(lo)
+    def largest_reaching(lo: int, hi: int) -> int:
+        """The largest size in [lo, hi] that reaches the target (reaches(lo) holds); a
+        hint (the last plan's size) is tried first: the answer moves little per step."""
+        if hint is not None:
+            for cand in (hint, hint - 1):
+                if lo <= cand <= hi and reaches(cand) and (cand == hi or not reaches(cand + 1)):
+                    return cand
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if reaches(mid):
                 lo = mid
             else:
                 hi = mid - 1
+        return lo
+
+    if pages_per_chunk is not None:
+        ppc = check_int(fn, "pages_per_chunk", pages_per_chunk, note=" or None")
+        if total(ppc) > max_chunks:
+            raise InvalidArgumentError(
+                f"{fn}: pages_per_chunk = {ppc} gives {total(ppc)} chunks, above the grid "
+                f"bound of {max_chunks}; use at least {grid_min_ppc}")
+    elif not reaches(min_ppc):
+        ppc = min_ppc
+    else:
+        lo = largest_reaching(min_ppc, max_ppc)
         ppc = lo
         if lo < max_ppc:
             # one page more per chunk falls short of the target: take it when its CTA
             # count is closer to the target (by ratio), e.g. no split at all for a batch
             # whose requests already give 97% of the target
-            over = int(chunk_counts(pages, lo).sum()) * ctas_per_chunk
-            under = int(chunk_counts(pages, lo + 1).sum()) * ctas_per_chunk
+            over = total(lo) * ctas_per_chunk
+            under = total(lo + 1) * ctas_per_chunk
             if target * target < over * under:   # target / under < over / target
                 ppc = lo + 1
     counts = chunk_counts(pages, ppc)
     req = np.repeat(np.arange(b, dtype=np.int64), counts)
     o_indptr = np.concatenate([[0], np.cumsum(counts)])
     tiles = np.arange(req.size, dtype=np.int64) - o_indptr[req]
-    return DecodePlan(b, int(num_qo_heads), int(num_kv_heads), int(head_dim),
-                      table.page_size, ppc, qh, q_groups, target,
-                      pages_per_chunk is not None, int(ctas_per_chunk), frozen_int32(counts),
-                      frozen_int32(req), frozen_int32(tiles), frozen_int32(o_indptr),
-                      window_left=window_left)
+    _planning.active = True
+    try:
+        return DecodePlan(b, int(num_qo_heads), int(num_kv_heads), int(head_dim),
+                          table.page_size, ppc, qh, q_groups, target,
+                          pages_per_chunk is not None, int(ctas_per_chunk),
+                          frozen_int32(counts), frozen_int32(req), frozen_int32(tiles),
+                          frozen_int32(o_indptr), headroom=headroom,
+                          window_left=window_left)
+    finally:
+        _planning.active = False

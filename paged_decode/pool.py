@@ -18,12 +18,13 @@ size, and its K/V writes are one launch of the append kernel (``kernels/append.p
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .backends import Backend, get_backend
+from .backends import Backend, check_same_device, get_backend
 from .dtypes import check_dtype, itemsize
 from .errors import (
     InvalidArgumentError,
@@ -36,6 +37,7 @@ from .errors import (
 )
 from .kernels.append import AppendWrite
 from .page_table import PageTable
+from .step_table import StepTable
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -260,6 +262,9 @@ class PagePool:
         self._seqs = _Sequences()
         self._next_id = 0
         self._version = 0     # counts appends, forks, trims and frees (write_layer)
+        #: step tables following this pool's sequences (``step_table``), weakly held (a
+        #: list of references: iterated at every append, cheaper than a WeakSet)
+        self._table_refs: list[weakref.ReferenceType[StepTable]] = []
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -323,6 +328,8 @@ class PagePool:
         self._release(S.row_pages(int(S.id_rows[i])))
         S.remove(i)
         self._version += 1
+        for table in self._tables():
+            table._on_free(int(seq))
 
     def append(self, seq: int, k: Any, v: Any) -> None:
         """Append ``T >= 0`` tokens: ``k, v [T, Hkv, D]`` (``[L, T, Hkv, D]`` with layers).
@@ -392,6 +399,45 @@ class PagePool:
         t = None if counts is None else self._counts(fn, counts, b, n)
         return self._append(fn, ids, rows, t, kb, vb, layer0, row_layers)
 
+    def reserve_batch(self, seqs: Sequence[int] | np.ndarray, *,
+                      counts: Sequence[int] | np.ndarray | None = None) -> AppendedBatch:
+        """``append_batch`` without rows: the tokens take their places (pages allocated,
+        shared partial last pages copied in every layer, step tables told) and every
+        layer's rows are written afterwards with ``write_layer`` (the engine step: the
+        model computes layer ``i``'s K/V only when it reaches layer ``i``). Until then the
+        new slots hold stale data. Same arguments, result and all-or-nothing rule as
+        ``append_batch``; one launch when a page is copied, none otherwise."""
+        fn = "PagePool.reserve_batch"
+        ids, rows = self._batch_rows(fn, seqs)
+        t = None if counts is None else self._counts(fn, counts, ids.size, None)
+        return self._append(fn, ids, rows, t, None, None, 0, 0)
+
+    def _follow(self, table: StepTable) -> None:
+        """Tell ``table`` about every later change (``step_table`` registers its tables)."""
+        self._table_refs.append(weakref.ref(table))
+
+    def _tables(self) -> list[StepTable]:
+        """The live step tables following this pool (dead references dropped)."""
+        live = [t for t in (r() for r in self._table_refs) if t is not None]
+        if len(live) != len(self._table_refs):
+            self._table_refs = [weakref.ref(t) for t in live]
+        return live
+
+    def _reserve_rows(self, ids: np.ndarray, rows: np.ndarray) -> AppendedBatch:
+        """``reserve_batch`` of distinct live sequences ``ids`` in pool rows ``rows``,
+        already checked (a step table's own sequences; the table follows every free)."""
+        return self._append("PagePool.reserve_batch", ids, rows, None, None, None, 0, 0)
+
+    def step_table(self, seqs: Sequence[int] | np.ndarray, *, capacity: int | None = None,
+                   page_capacity: int | None = None) -> StepTable:
+        """A device-resident page table of ``seqs`` (in order) that follows this pool:
+        every later append, trim and free reaches it, and ``decode`` brings its device
+        copy up to date with one small copy (``paged_decode.step_table``). ``capacity``:
+        rows (``>= len(seqs)``; the rest are empty padding rows); ``page_capacity``: page
+        ids the device buffer holds before it grows (default: twice the batch's pages,
+        at least 64)."""
+        return StepTable(self, seqs, capacity=capacity, page_capacity=page_capacity)
+
     def write_layer(self, batch: AppendedBatch, k: Any, v: Any, *, layer: int) -> None:
         """Write layer ``layer``'s rows of the tokens ``batch`` appended: ``k, v [N, Hkv,
         D]`` as ``append_batch`` took them, to the same slots (one launch; no
@@ -405,9 +451,10 @@ class PagePool:
             raise InvalidArgumentError(
                 f"{fn}: batch is stale: the pool changed since that append_batch (an "
                 "append, fork, trim_front or free), so its slots may be wrong")
-        if self.num_layers is None:
+        if self.num_layers is None and (batch.write.row_layers or layer != 0):
             raise InvalidArgumentError(f"{fn}: the pool has no layer axis (append_batch "
-                                       "wrote its only layer)")
+                                       "wrote its only layer; after reserve_batch, write "
+                                       f"layer=0), got layer={layer!r}")
         if layer is None:
             raise InvalidArgumentError(f"{fn}: layer must be an integer in [0, "
                                        f"{self.num_layers}), got None")
@@ -441,6 +488,8 @@ class PagePool:
         S.start[r] = start - gone * p
         S.filled[r] -= gone * p
         self._version += 1
+        for table in self._tables():
+            table._on_trim(int(seq), gone)
 
     # ------------------------------------------------------------------ tables
     def page_table(self, seqs: Sequence[int]) -> PageTable:
@@ -497,7 +546,11 @@ class PagePool:
         desc, col_rows, k, from_taken = cols
         write = AppendWrite(desc, rows.size if t is None else int(t.sum()), layer0,
                             row_layers, True)
-        if desc.shape[1]:
+        if kb is None:              # reserve_batch: only the copies, in every layer
+            if write.copies:
+                none = self.backend.zeros((1, self.num_kv_heads, self.head_dim), self.dtype)
+                self.k, self.v = self.backend.append_rows(self.k, self.v, none, none, write)
+        elif desc.shape[1]:
             self.k, self.v = self.backend.append_rows(self.k, self.v, kb, vb, write)
         # commit
         pages_after, filled_after = npg + fresh, fil + (1 if t is None else t)
@@ -512,6 +565,10 @@ class PagePool:
         S.npages[rows] = pages_after
         S.filled[rows] = filled_after
         self._version += 1
+        if self._table_refs:
+            first_changed = npg - cow
+            for table in self._tables():
+                table._on_append(ids, first_changed)
         return AppendedBatch(self, write, ids, t, npg, pages_after, filled_after,
                              S.start[rows], cow, last, taken, need)
 
@@ -593,6 +650,7 @@ class PagePool:
 
     # ------------------------------------------------------------------ argument checks
     def _check_rows(self, fn: str, kb: Any, vb: Any, want: tuple[int, ...], dims: str) -> None:
+        check_same_device(fn, self.backend, (("the pool", self.k), ("k", kb), ("v", vb)))
         if tuple(kb.shape) != want or tuple(vb.shape) != want:
             check_shape(fn, "k", tuple(kb.shape), want, dims)
             check_shape(fn, "v", tuple(vb.shape), want, dims)
@@ -624,7 +682,7 @@ class PagePool:
             return ""
         return (" (every layer: layer=None)" if lead else f" (one layer: layer={layer})")
 
-    def _counts(self, fn: str, counts: Any, b: int, n: int) -> np.ndarray:
+    def _counts(self, fn: str, counts: Any, b: int, n: int | None) -> np.ndarray:
         c = _host(fn, "counts", counts)
         if c.ndim != 1 or c.size != b:
             raise InvalidArgumentError(f"{fn}: counts must have shape [B] = [{b}] (one count "
@@ -636,7 +694,7 @@ class PagePool:
             i = int(np.argmin(c))
             raise InvalidArgumentError(f"{fn}: counts must be >= 0, got counts[{i}] = "
                                        f"{int(c[i])}")
-        if int(c.sum()) != n:
+        if n is not None and int(c.sum()) != n:
             raise InvalidArgumentError(f"{fn}: counts must add up to the rows of k and v "
                                        f"(N = {n}), got a sum of {int(c.sum())}")
         return c

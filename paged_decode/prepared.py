@@ -27,6 +27,7 @@ from .backends import Backend, backend_for
 from .call import (
     CallArgs,
     CascadeCall,
+    Table,
     cascade_call,
     check_call,
     flat_call,
@@ -35,7 +36,6 @@ from .call import (
 )
 from .cascade import run_cascade
 from .outcome import DecodeOutcome, record
-from .page_table import PageTable
 from .plan import DecodePlan
 
 
@@ -117,7 +117,7 @@ class PreparedCascade(_PreparedCall):
                                            reason=f"{call.outcome.reason}; prepared call")
 
 
-def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                    plan: DecodePlan | None = None, *, path: str = "auto",
                    sm_scale: float | None = None, out: Any = None, lse: Any = None,
                    return_lse: bool = False, out_dtype: str | None = None,
@@ -153,7 +153,7 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                               lse_a=lse_a, **bound)
 
 
-def _prepare(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+def _prepare(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Table,
              plan: DecodePlan | None, *, path: str, sm_scale: float | None, out: Any,
              lse: Any, return_lse: bool, out_dtype: str | None, cascade: Any,
              variants: dict[str, Any]) -> tuple[str, CallArgs, Any, dict[str, Any]]:

@@ -19,7 +19,7 @@ from .kernels.registry import kernel_def
 
 ASSERT_NO_COMPILE_ENV = "PAGED_DECODE_ASSERT_NO_COMPILE"
 
-SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "int32": "i32"}
 
 V2_NUM_WARPS = 4
 V1_NUM_WARPS = 8
@@ -206,6 +206,11 @@ def append_spec(dtype: str, vector_bytes: int) -> KernelSpec:
     """The pool-append kernel (``kernels/append.py``) for pools of ``dtype``, moving words
     of ``vector_bytes``."""
     return KernelSpec("append", dtype, 0, vector_bytes=vector_bytes)
+
+
+def table_update_spec() -> KernelSpec:
+    """The step-table update kernel (``kernels/table_update.py``): int32 buffers only."""
+    return KernelSpec("table_update", "int32", 0)
 
 
 def cuda_source(kernel: str) -> str:

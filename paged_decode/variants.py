@@ -175,7 +175,7 @@ _windows: weakref.WeakKeyDictionary[PageTable, dict[int, PageTable]] = \
     weakref.WeakKeyDictionary()
 
 
-def window_table(table: PageTable, window_left: int) -> PageTable:
+def window_table(table: Any, window_left: int, *, fn: str = "window_table") -> Any:
     """``table`` restricted to each request's window (``table`` itself for ``W = -1`` or
     when every window covers its request): pages wholly before the window are dropped and
     ``first_page_offset`` becomes the window start's entry in its page; ``last_page_len``
@@ -183,6 +183,10 @@ def window_table(table: PageTable, window_left: int) -> PageTable:
     share one."""
     if window_left < 0:
         return table
+    if not isinstance(table, PageTable):
+        raise UnsupportedProblemError(
+            f"{fn}: window_left needs a PageTable; a {type(table).__name__} (a pool's "
+            "device-resident step table) is not windowed yet: pass its page_table()")
     with _windows_lock:
         hit = _windows.get(table, {}).get(window_left)
     if hit is not None:

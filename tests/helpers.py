@@ -139,6 +139,19 @@ class IgnoresIndices(ReferenceBackend):
         super().partial(q, k_pages, v_pages, relabel(table), plan, sm_scale, v_out, lse_out)
 
 
+def assert_import_adds_none_of(module: str, banned: set[str]) -> None:
+    """Importing ``module`` (in a fresh interpreter, after ``paged_decode``) loads none of
+    the top-level packages ``banned`` (optional heavy stacks stay lazy)."""
+    import subprocess
+    import sys
+    code = ("import sys, paged_decode, paged_decode.page_table, numpy\n"
+            "before = set(sys.modules)\n"
+            f"import {module}\n"
+            "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
+            f"assert not new & set({sorted(banned)!r}), new\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def require_mlx():
     """``mlx.core``, or skip the calling test module with the reason: MLX missing, or
     installed but not loadable (a Linux ``pip install '.[metal]'`` whose ``libmlx.so`` is

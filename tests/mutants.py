@@ -59,8 +59,8 @@ from paged_decode.specs import KernelSpec
 MUTANT_ENV = "PAGED_DECODE_MUTANT"            # the mutant a test process runs
 REPORT_ENV = "PAGED_DECODE_MUTANT_REPORT"     # where conftest.py writes test outcomes
 CONTROL = "control"                           # the unmutated control's name
-KERNELS = ("v2", "v1", "merge", "prefix", "append")
-METAL_KERNELS = ("v2", "v1", "merge", "append")
+KERNELS = ("v2", "v1", "merge", "prefix", "append", "table_update")
+METAL_KERNELS = ("v2", "v1", "merge", "append", "table_update")
 #: exception types whose failure says nothing about the kernel's behaviour
 NOT_A_KILL = ("CompileError", "StaleMutation")
 
@@ -232,6 +232,7 @@ NAN = "tests/test_nan_semantics.py::"
 VAR = "tests/test_variants.py::"
 VAR_ORACLE = VAR + "test_variants_match_oracle"
 VAR_NAN = VAR + "test_non_finite_rules_hold_with_variants"
+STEP = "tests/test_step_table.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------ v2 / v1, CUDA
@@ -481,6 +482,23 @@ MUTANTS: tuple[Mutant, ...] = (
        [APPEND + "test_both_children_append_to_the_shared_partial_page_in_one_batch"
                  "[None-emulated-metal]"],
        "a copy-on-write page copied from itself (its old slots lost)"),
+    # ------------------------------------------------------------ table update (both dialects)
+    _m("cuda-table-update-keeps-one-page-too-many", "cuda", ("table_update",),
+       "new_indices[begin + i] = i < keep ? old_indices[from + i]",
+       "new_indices[begin + i] = i <= keep ? old_indices[from + i]",
+       [STEP + "test_random_operations_keep_the_device_table_equal_to_the_pool"
+               "[emulated-cuda]"],
+       "the first changed page keeps its old id (a copy-on-write copy never read)"),
+    _m("cuda-table-update-ignores-front-trim", "cuda", ("table_update",),
+       "const int from = src >= 0 ? old_table[src] + d_skip[r] : 0;",
+       "const int from = src >= 0 ? old_table[src] : 0;",
+       [STEP + "test_random_operations_keep_the_device_table_equal_to_the_pool"
+               "[emulated-cuda]"],
+       "a sliding window's retired pages stay in the table"),
+    _m("metal-table-update-stale-last-page-len", "metal", ("table_update",),
+       "    new_table[cap + 1 + r] = d_lpl[r];", "",
+       [STEP + "test_a_decode_step_uploads_only_what_changed[emulated-metal]"],
+       "last_page_len never follows an append (the new token is not attended)"),
 )
 
 

@@ -118,3 +118,31 @@ def test_info_names_the_crossover_table(run, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGED_DECODE_CROSSOVER", str(bad))
     res = run("info", "--backend", "reference")
     assert "crossover table: unreadable" in res.output
+
+
+def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path):
+    out = tmp_path / "engine.json"
+    res = run("bench", "--backend", "reference", "--suite", "engine", "--layers", "2",
+              "--steps", "5", "--batch", "3", "--context", "40", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    assert "eager" in res.output and "captured" in res.output
+    assert "flashinfer not run: needs the cuda backend" in res.output
+    data = json.loads(out.read_text())
+    arms = data["results"][0]["arms"]
+    for name in ("eager", "captured"):
+        assert arms[name]["ran"] and arms[name]["verified"]
+        assert len(arms[name]["errors"]) == 4           # layers 0 and L-1, first and last
+        assert arms[name]["step_us"] > 0
+    assert not arms["flashinfer"]["ran"]
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
+                                    "--arms", "v2"])
+    assert bad.exit_code != 0 and "eager, captured, flashinfer" in bad.output
+
+
+def test_an_engine_arm_with_a_wrong_answer_fails_verification():
+    """Negative control: the oracle comparison of the engine suite can fail."""
+    from paged_decode.bench.engine_case import EngineArm
+    assert EngineArm("eager", True, "float32", errors=[1e-6, 1e-6]).verified
+    assert not EngineArm("eager", True, "float32", errors=[1e-6, 3e-2]).verified
+    assert not EngineArm("eager", True, "float32", errors=[float("nan")]).verified
+    assert not EngineArm("eager", True, "float32").verified

@@ -505,8 +505,8 @@ def test_error_out_and_lse_buffers(errs):
 def test_error_layouts_and_types(errs):
     with pytest.raises(InvalidArgumentError, match=r"decode: q must be C-contiguous"):
         call(errs, q=np.asfortranarray(errs.q))
-    with pytest.raises(InvalidArgumentError, match=r"decode: table must be a PageTable, "
-                                                   r"got dict"):
+    with pytest.raises(InvalidArgumentError, match=r"decode: table must be a PageTable or "
+                                                   r"StepTable, got dict"):
         call(errs, table={})
     with pytest.raises(InvalidArgumentError, match=r"decode: plan must be a DecodePlan, got str"):
         call(errs, plan="plan")

@@ -318,7 +318,8 @@ def test_plan_is_frozen_plain_data():
 
 
 @pytest.mark.parametrize("args, kwargs, pattern", [
-    (("not a table", 8, 8, 64), {}, r"plan_decode: table must be a PageTable, got str"),
+    (("not a table", 8, 8, 64), {},
+     r"plan_decode: table must be a PageTable or StepTable, got str"),
     ((None, 6, 4, 64), {}, r"num_qo_heads must be a multiple of num_kv_heads, got 6 and 4"),
     ((None, 0, 4, 64), {}, r"num_qo_heads must be a positive integer, got 0"),
     ((None, 8, 8, -1), {}, r"head_dim must be a positive integer, got -1"),

@@ -30,13 +30,18 @@
 #   tune-v2     bench/device/tune_v2.py: the v2 row-loads x CTA-target sweep
 #   ncu-v2      an ncu profile of the v2 partial at 64 x 4K, one and two row loads
 #   append-host host time of one PagePool.append_batch, 128 sequences x 1 token x 32 layers
+#   engine      the step-table / engine-step GPU tests, then bench --suite engine (eager,
+#               captured, flashinfer; batch 8/64/128, 32 layers; run fi first) + its plot
+#   fi-compat   tests/test_fi_gpu.py: the FlashInfer shim side by side with FlashInfer 0.3.1
+#               over its decode-test geometries, graph replay after a re-plan, merges and
+#               append (run fi first; -v prints the worst gaps), log in $OUT/fi_compat.log
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
 set -o pipefail
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 L=$(mktemp -d)
-GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_variants_gpu.py"
+GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py tests/test_variants_gpu.py"
 FI_ENV="FLASHINFER_WORKSPACE_BASE=/tmp/paged-decode-flashinfer/jit FLASHINFER_CUDA_ARCH_LIST=9.0 TORCH_CUDA_ARCH_LIST=9.0"
 export $FI_ENV
 REPS=${BENCH_REPS:-15}
@@ -145,6 +150,18 @@ step_ncu_v2() {
 step_append_host() {
   timeout 240 python3 bench/device/append_host.py "$OUT/append_host.json" 2>&1 | tee "$L/append_host.txt"
   echo "append-host rc=$?"
+}
+step_engine() {
+  python3 -m pytest -q tests/test_engine_step_gpu.py -rs > "$L/engine_tests.log" 2>&1
+  echo "engine tests rc=$?"; grep -E "FAILED|passed|failed" "$L/engine_tests.log" | tail -8
+  timeout 500 paged-decode bench --backend cuda --suite engine --json "$OUT/engine.json" \
+    --plot "$OUT/engine.png" > "$OUT/engine.txt" 2>&1
+  echo "engine bench rc=$?"; tail -16 "$OUT/engine.txt"
+}
+
+step_fi_compat() {
+  timeout 560 python3 -m pytest -q tests/test_fi_gpu.py -m gpu -rs -v > "$OUT/fi_compat.log" 2>&1
+  echo "fi-compat rc=$?"; grep -E "FAILED|passed|failed|worst errors" "$OUT/fi_compat.log" | tail -12
 }
 
 for s in "$@"; do

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .. import settings
 from ..errors import BackendUnavailableError, InvalidArgumentError
-from .base import Backend, Problem, Support, c_contiguous
+from .base import Backend, Problem, Support, c_contiguous, check_same_device
 
 ENV = "PAGED_DECODE_BACKEND"
 
@@ -149,5 +149,6 @@ def last_auto_choice() -> tuple[str, str] | None:
 
 
 __all__ = ["Backend", "BackendEntry", "Problem", "Support", "c_contiguous", "REGISTRY",
+           "check_same_device",
            "available_backends", "availability", "get_backend", "backend_for", "array_kind",
            "register", "last_auto_choice"]

@@ -25,12 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .. import settings
 from ..device import DeviceInfo
 from ..errors import InvalidArgumentError, PagedDecodeError
 from ..kernels.append import AppendWrite
+from ..kernels.table_update import apply_delta
 from ..page_table import PageTable
 from ..plan import DecodePlan
+from ..step_table import StepTable
 
 POISON_ENV = "PAGED_DECODE_POISON"
 
@@ -81,6 +85,8 @@ class Backend(ABC):
     functional_outputs: bool = False
     #: ``merge`` reads its inputs through a row index itself (``rows=``), without a copy
     merge_gathers: bool = False
+    #: the v2 / v1 kernels read a ``StepTable``'s device buffers (else: its host view)
+    reads_step_tables: bool = False
 
     # ----------------------------------------------------------- availability
     @classmethod
@@ -131,6 +137,15 @@ class Backend(ABC):
             raise InvalidArgumentError(f"{fn}: {name} must be an array the {self.name} "
                                        f"backend can use, got {type(x).__name__}") from exc
         return arr
+
+    def device_of(self, x: Any) -> int | None:
+        """The device ordinal holding array ``x`` (``None``: a backend with one device,
+        or not an array of this backend)."""
+        return None
+
+    def current_device(self) -> int | None:
+        """The device launches go to now (inside a launch context: the call's)."""
+        return None
 
     @abstractmethod
     def to_numpy(self, x: Any) -> Any: ...
@@ -200,11 +215,39 @@ class Backend(ABC):
         the write touches at least one page.
         """
 
+    # ----------------------------------------------------------- step tables
+    def table_buffer(self, host: np.ndarray) -> Any:
+        """A writable int32 array of this backend holding a copy of ``host`` (a step
+        table's buffer, ``kernels/table_update.py``). Default: a numpy copy."""
+        return np.array(host, np.int32)
+
+    def load_int32(self, dst: Any, host: np.ndarray) -> Any:
+        """``host`` (int32) copied into the fixed buffer ``dst`` on the current stream;
+        returns the buffer holding it (``dst``, or a new array on MLX)."""
+        dst[...] = host
+        return dst
+
+    def capture_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
+        """``(graph, stream)`` replaying the launches ``run`` makes (a CUDA graph on the
+        ``cuda`` backend, after one eager run); ``(None, None)`` where there are no
+        graphs: the caller then runs ``run`` again to replay."""
+        run()
+        return None, None
+
+    def update_table(self, buf: Any, delta: np.ndarray, cap: int, page_cap: int, *,
+                     scratch: Any) -> Any:
+        """Apply a step-table ``delta`` (host int32, ``kernels/table_update.py``) to the
+        table buffer ``buf`` on the current stream; returns the buffer holding the new
+        table (``buf`` itself where it is updated in place). ``scratch`` is a buffer like
+        ``buf`` the update may overwrite. Default: the array-op contract, in place."""
+        buf[...] = apply_delta(np.asarray(buf), delta, cap)
+        return buf
+
     # ----------------------------------------------------------- kernels
     @abstractmethod
-    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
-                sm_scale: float, v_out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                sinks: Any = None) -> None:
+    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
+                soft_cap: float | None = None, sinks: Any = None) -> None:
         """The v2 partial: one normalized (V, LSE) state per (chunk, query head).
 
         ``q [B, Hq, D]``; ``k_pages, v_pages [num_pages, P, Hkv, D]``;
@@ -228,9 +271,9 @@ class Backend(ABC):
         ``sink * log2(e)`` and value 0."""
 
     @abstractmethod
-    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                  sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                  sinks: Any = None) -> None:
+    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                  sm_scale: float, out: Any, lse_out: Any, *,
+                  soft_cap: float | None = None, sinks: Any = None) -> None:
         """The v1 arm: one CTA per (request, query head) over the whole KV range;
         ``soft_cap`` and ``sinks`` as for ``partial`` (v1 writes the output)."""
 
@@ -260,3 +303,17 @@ class Backend(ABC):
         (``soft_cap`` and ``sinks`` as for ``decode_v1``).
 
         ``lse_out`` may be ``None`` (the caller does not want the LSE)."""
+
+
+def check_same_device(fn: str, be: Backend, named: tuple[tuple[str, Any], ...]) -> None:
+    """Raise unless every array of ``named`` ((name, array) pairs) is on one device (a
+    kernel launched on one device must not be handed another's memory)."""
+    devs = [(n, be.device_of(x)) for n, x in named]
+    first = next(((n, d) for n, d in devs if d is not None), None)
+    if first is None:
+        return
+    for n, d in devs:
+        if d is not None and d != first[1]:
+            raise InvalidArgumentError(f"{fn}: {n} is on device {d}, but {first[0]} is on "
+                                       f"device {first[1]}: every array of a call must be "
+                                       "on one device")

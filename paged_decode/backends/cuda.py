@@ -134,9 +134,43 @@ class CudaBackend(LaunchingBackend):
         a CUDA graph)."""
         return self._caches.scratch(owner, tag, shape, dtype)
 
+    def load_int32(self, dst: Any, host: np.ndarray) -> Any:
+        dst.set(np.ascontiguousarray(host, np.int32))   # on the current stream
+        return dst
+
+    def capture_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
+        """One eager run on a fresh stream (compiles, allocates the workspaces there),
+        then a capture of ``run`` on it in global mode (host syncs and allocations inside
+        the capture fail loudly)."""
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            run()
+            stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+            try:
+                run()
+            finally:
+                graph = stream.end_capture()
+        return graph, stream
+
+    def table_buffer(self, host: np.ndarray) -> Any:
+        """A device copy of a step table's buffer on the current device (never memoised:
+        the table writes it)."""
+        return cp.array(np.asarray(host, np.int32))
+
     # ----------------------------------------------------------- launching hooks
     def index_array(self, arr: Any) -> Any:
         return arr if isinstance(arr, cp.ndarray) else self.upload(arr)
+
+    def device_of(self, x: Any) -> int | None:
+        dev = getattr(x, "device", None)
+        if isinstance(x, cp.ndarray):
+            return int(x.device.id)
+        index = getattr(dev, "index", None)          # a CUDA torch tensor
+        return int(index) if index is not None and getattr(dev, "type", "") == "cuda" \
+            else None
+
+    def current_device(self) -> int | None:
+        return int(cp.cuda.runtime.getDevice())
 
     def check_pools(self, fn: str, k_pages: Any, v_pages: Any) -> None:
         for a in (k_pages, v_pages):

@@ -178,6 +178,11 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
         k_pages[...], v_pages[...] = outs
         return k_pages, v_pages
 
+    def adopt_table(self, buf: Any, new: Any) -> Any:
+        """The kernel wrote a whole new buffer; copied back into the table's."""
+        buf[...] = new
+        return buf
+
     def _run(self, lc: launches.Launch) -> None:
         from ..emulator.metal import launch_metal
         if lc.empty:

@@ -35,6 +35,7 @@ from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported fo
     prefix_fits,
     prefix_kernel_runs,
     prefix_spec,
+    table_update_spec,
     v1_spec,
     v2_spec,
 )
@@ -214,3 +215,11 @@ def append_launch(*, write: append.AppendWrite, dtype: str, vector_bytes: int,
         return _launch(spec, (write.num_touched, grid_layers), args)
     args += [Arg("k_out", outs[0], "out"), Arg("v_out", outs[1], "out")]
     return _launch(spec, (num_pages, num_layers), args)
+
+
+def table_update_launch(*, cap: int, page_cap: int, old: Any, delta: Any, new: Any) -> Launch:
+    """The step-table update (``kernels/table_update.py``): grid ``cap + 1`` blocks;
+    ``old``, ``delta``, ``new`` int32 buffers (``old`` and ``new`` must not overlap)."""
+    args = [*_ins(("old_table", "delta"), (old, delta)), Arg("new_table", new, "out"),
+            Arg("cap", np.int32(cap), "scalar"), Arg("page_cap", np.int32(page_cap), "scalar")]
+    return _launch(table_update_spec(), (cap + 1, 1), args)

@@ -21,6 +21,7 @@ from ..kernels.append import METAL_MIN_ELEMENTS, AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..specs import prefix_kernel_runs
+from ..step_table import StepTable
 from . import launches
 from .base import Backend, Problem, Support
 
@@ -29,6 +30,7 @@ class LaunchingBackend(Backend):
     #: the append kernel writes the pools in place (CUDA dialect); else it returns new
     #: pools (Metal dialect, MLX outputs), which ``adopt_pools`` delivers
     in_place_append: bool = True
+    reads_step_tables = True
 
     def supports(self, problem: Problem) -> Support:
         return launches.support(problem)
@@ -66,8 +68,11 @@ class LaunchingBackend(Backend):
         """The pools after a Metal-dialect append wrote ``outs`` (default: ``outs``)."""
         return outs
 
-    def table_arrays(self, table: PageTable) -> tuple[Any, ...]:
-        """The four CSR arrays of ``table``, in ``launches.TABLE_FIELDS`` order."""
+    def table_arrays(self, table: PageTable | StepTable) -> tuple[Any, ...]:
+        """The four CSR arrays of ``table``, in ``launches.TABLE_FIELDS`` order (a step
+        table's device buffers as they are)."""
+        if isinstance(table, StepTable):
+            return table.device_arrays()
         return tuple(self.index_array(getattr(table, n)) for n in launches.TABLE_FIELDS)
 
     def plan_arrays(self, plan: DecodePlan) -> tuple[Any, Any]:
@@ -75,9 +80,9 @@ class LaunchingBackend(Backend):
         return self.index_array(plan.request_indices), self.index_array(plan.kv_tile_indices)
 
     # ----------------------------------------------------------- kernels
-    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
-                sm_scale: float, v_out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                sinks: Any = None) -> None:
+    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
+                soft_cap: float | None = None, sinks: Any = None) -> None:
         self.check_pools("decode", k_pages, v_pages)
         request_indices, kv_tile_indices = self.plan_arrays(plan)
         self._run(launches.partial_launch(
@@ -96,9 +101,9 @@ class LaunchingBackend(Backend):
             o_indptr=self.index_array(o_indptr), v_out=v_out, lse_out=lse_out, rows=rows,
             sinks=sinks))
 
-    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                  sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                  sinks: Any = None) -> None:
+    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                  sm_scale: float, out: Any, lse_out: Any, *,
+                  soft_cap: float | None = None, sinks: Any = None) -> None:
         self.check_pools("decode", k_pages, v_pages)
         self._run(launches.v1_launch(
             dtypes=(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)),
@@ -153,6 +158,31 @@ class LaunchingBackend(Backend):
                 v_rows=vr, desc=self.index_array(write.by_page()), k_pages=k_pages,
                 v_pages=v_pages, outs=outs))
             return self.adopt_pools(k_pages, v_pages, outs)
+
+
+    def update_table(self, buf: Any, delta: np.ndarray, cap: int, page_cap: int, *,
+                     scratch: Any) -> Any:
+        """One upload of ``delta`` and one table-update launch. CUDA dialect: ``buf`` is
+        copied to ``scratch`` and updated in place from it (fixed addresses: captured
+        graphs stay valid); Metal dialect: a new buffer (``adopt_table`` delivers it)."""
+        d = self.index_array(delta)
+        if self.in_place_append:
+            self.array_module().copyto(scratch, buf)
+            self._run(launches.table_update_launch(cap=cap, page_cap=page_cap, old=scratch,
+                                                   delta=d, new=buf))
+            return buf
+        new = self.int32_empty(int(buf.shape[0]))
+        self._run(launches.table_update_launch(cap=cap, page_cap=page_cap, old=buf,
+                                               delta=d, new=new))
+        return self.adopt_table(buf, new)
+
+    def int32_empty(self, n: int) -> Any:
+        """A fresh int32 array of ``n`` elements (a Metal-dialect update's output)."""
+        return self.table_buffer(np.zeros(n, np.int32))
+
+    def adopt_table(self, buf: Any, new: Any) -> Any:
+        """The table buffer after a Metal-dialect update wrote ``new`` (default: ``new``)."""
+        return new
 
 
 def host_index(arr: Any) -> np.ndarray:

@@ -30,9 +30,11 @@ from ..dtypes import dtype_name, itemsize, numpy_dtype
 from ..errors import InvalidArgumentError, InvalidDtypeError, UnsupportedProblemError
 from ..kernels import append as append_kernel
 from ..kernels.append import AppendWrite
+from ..kernels.table_update import apply_delta
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..specs import assert_compile_allowed
+from ..step_table import StepTable
 from . import launches
 from .base import Backend, Problem, Support, poison_enabled
 from .launching import LaunchingBackend
@@ -208,6 +210,18 @@ class MlxBackend(Backend):
             out.append(flat.reshape(shape))
         return out[0], out[1]
 
+    # ----------------------------------------------------------- step tables
+    def table_buffer(self, host: np.ndarray) -> Any:
+        return mx.array(np.asarray(host, np.int32))
+
+    def load_int32(self, dst: Any, host: np.ndarray) -> Any:
+        return mx.array(np.asarray(host, np.int32))
+
+    def update_table(self, buf: Any, delta: np.ndarray, cap: int, page_cap: int, *,
+                     scratch: Any) -> Any:
+        """The array-op contract on a host copy (MLX arrays are rebound, not written)."""
+        return mx.array(apply_delta(np.array(buf), delta, cap))
+
     # ----------------------------------------------------------- arms
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                     sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
@@ -229,15 +243,15 @@ class MlxBackend(Backend):
         v_out[...] = vo.astype(v_out.dtype)
         lse_out[...] = lo
 
-    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
-                sm_scale: float, v_out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                sinks: Any = None) -> None:
+    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
+                soft_cap: float | None = None, sinks: Any = None) -> None:
         raise UnsupportedProblemError(f"{self.name} backend: the v2 kernel needs Metal "
                                       f"({metal_status().reason})")
 
-    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                  sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                  sinks: Any = None) -> None:
+    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                  sm_scale: float, out: Any, lse_out: Any, *,
+                  soft_cap: float | None = None, sinks: Any = None) -> None:
         raise UnsupportedProblemError(f"{self.name} backend: the v1 kernel needs Metal "
                                       f"({metal_status().reason})")
 

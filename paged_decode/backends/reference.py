@@ -21,6 +21,7 @@ from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
 from ..softmax import RowSoftmax, merge_partials
+from ..step_table import StepTable
 from ..variants import cap_logits, with_sink
 from . import launches
 from .base import Backend, Problem, Support, poison_enabled
@@ -163,9 +164,11 @@ class ReferenceBackend(Backend):
         return k_pages, v_pages
 
     # ----------------------------------------------------------- kernels
-    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable, plan: DecodePlan,
-                sm_scale: float, v_out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                sinks: Any = None) -> None:
+    def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
+                soft_cap: float | None = None, sinks: Any = None) -> None:
+        if isinstance(table, StepTable):   # array ops read the host view
+            table = table.page_table()
         hkv, d = plan.num_kv_heads, plan.head_dim
         g = plan.num_qo_heads // hkv
         scale_log2 = sm_scale * LOG2E
@@ -194,9 +197,11 @@ class ReferenceBackend(Backend):
             v_out[o] = vo.astype(v_out.dtype)
             lse_out[o] = lo
 
-    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                  sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                  sinks: Any = None) -> None:
+    def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                  sm_scale: float, out: Any, lse_out: Any, *,
+                  soft_cap: float | None = None, sinks: Any = None) -> None:
+        if isinstance(table, StepTable):
+            table = table.page_table()
         b, hq, d = q.shape
         hkv = k_pages.shape[2]
         scale_log2 = sm_scale * LOG2E
@@ -216,8 +221,10 @@ class ReferenceBackend(Backend):
             lse_out[r] = lse
 
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                    sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                    sinks: Any = None) -> None:
+                    sm_scale: float, out: Any, lse_out: Any, *,
+                    soft_cap: float | None = None, sinks: Any = None) -> None:
+        if isinstance(table, StepTable):
+            table = table.page_table()
         b, hq, d = q.shape
         hkv = k_pages.shape[2]
         g = hq // hkv

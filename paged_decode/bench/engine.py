@@ -1,0 +1,228 @@
+"""``paged-decode bench --suite engine``: an engine's decode loop, step by step.
+
+B sequences with ragged lengths (the second half forked from a shared prompt, so pages
+are shared and copy-on-write happens), L layers; at every step each sequence gains one
+token in every layer and every layer decodes the whole batch. Arms:
+
+- ``eager``: ``DecodeStep.begin`` then, per layer, ``append`` + ``decode`` (prepared
+  launches on fixed buffers, as an engine with static buffers makes them);
+- ``captured``: the same step recorded once (``DecodeStep.capture``; a CUDA graph on the
+  ``cuda`` backend) and replayed after every ``begin`` (recaptured when stale);
+- ``flashinfer`` (CUDA, when importable): per step ``append_paged_kv_cache`` for every
+  layer, one ``plan`` and ``run`` per layer, on FlashInfer's own cache of the same shape,
+  with the page table kept on the host as an engine keeps it.
+
+Reported per arm (the first step is a warm-up, left out): median and mean step time
+(host wall time of a synchronized step; the mean carries replans and recaptures), host time
+per step (the Python calls until the last launch is queued), GPU time per step (CUDA
+events around the step, ``cuda`` only), replans and recaptures. Every arm's outputs are
+checked against the float64 oracle at the first and the last step (layer 0 and L-1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..backends import Backend
+from ..dtypes import numpy_dtype
+from ..engine_step import DecodeStep
+from ..pool import PagePool
+from ..reference import max_rel_error, oracle_decode
+from .engine_case import EngineArm, EngineCase, mean_us, median_us, prompts
+from .engine_flashinfer import run_flashinfer
+
+ENGINE_ARMS = ("eager", "captured", "flashinfer")
+
+
+def _pool(be: Backend, case: EngineCase, seed: int) -> tuple[PagePool, list[int]]:
+    lens = prompts(case, seed)
+    need = sum(-(-(n + case.steps + 1) // case.page_size) for n in lens) + case.batch
+    pool = PagePool(need, case.page_size, case.num_kv_heads, case.head_dim, case.dtype,
+                    num_layers=case.layers, backend=be)
+    rng = np.random.default_rng(seed + 1)
+    dt = numpy_dtype(case.dtype)
+    seqs: list[int] = []
+    half = case.batch // 2
+    for i, n in enumerate(lens):
+        if i > half and i % 2 == 0:
+            s = pool.fork(seqs[0])             # shares request 0's pages, then grows
+        else:
+            s = pool.new_sequence()
+            x = rng.standard_normal((case.layers, n, case.num_kv_heads, case.head_dim))
+            pool.append(s, x.astype(dt), x.astype(dt))
+        seqs.append(s)
+    return pool, seqs
+
+
+def _check(be: Backend, pool: PagePool, step: DecodeStep, layer: int, q: Any,
+           out: Any) -> float:
+    k, v = pool.layer(layer)
+    table = step.table.page_table()
+    rows = [0, int(step.table.num_live) - 1]
+    sub = table.subset(rows)
+    qn = be.to_numpy(q)[rows]
+    want, _ = oracle_decode(qn, be.to_numpy(k), be.to_numpy(v), sub)
+    return max_rel_error(be.to_numpy(out)[rows], want)
+
+
+def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
+    """The ``eager`` or ``captured`` arm."""
+    pool, seqs = _pool(be, case, seed)
+    step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom)
+    cap, dt = step.capacity, numpy_dtype(case.dtype)
+    rng = np.random.default_rng(seed + 2)
+
+    def fresh(shape: tuple[int, ...]) -> Any:
+        return be.asarray(rng.standard_normal(shape).astype(dt))
+
+    qs = [fresh((cap, case.num_qo_heads, case.head_dim)) for _ in range(case.layers)]
+    ks = [fresh((cap, case.num_kv_heads, case.head_dim)) for _ in range(case.layers)]
+    outs = [be.empty((cap, case.num_qo_heads, case.head_dim), case.dtype)
+            for _ in range(case.layers)]
+
+    def body(st: DecodeStep) -> None:
+        for layer in range(case.layers):
+            st.append(layer, ks[layer], ks[layer])
+            st.decode(layer, qs[layer], out=outs[layer])
+
+    graph = None
+    recaptures = 0
+    walls, hosts, gpus, errors = [], [], [], []
+    timer = _gpu_timer(be)
+    for i in range(case.steps):
+        be.synchronize(outs[-1])
+        t0 = time.perf_counter()
+        with timer:
+            step.begin()
+            if arm == "eager":
+                body(step)
+            elif graph is None or graph.stale:
+                graph = step.capture(body)
+                recaptures += 1
+            else:
+                graph.replay()
+            t1 = time.perf_counter()
+        be.synchronize(outs[-1])
+        t2 = time.perf_counter()
+        walls.append(t2 - t0)
+        hosts.append(t1 - t0)
+        gpus.append(timer.last)
+        if i in (0, case.steps - 1):
+            errors += [_check(be, pool, step, layer, qs[layer], outs[layer])
+                       for layer in (0, case.layers - 1)]
+    res = EngineArm(arm, True, case.dtype, step_us=median_us(walls), mean_us=mean_us(walls),
+                    host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
+                    replans=step.replans,
+                    recaptures=max(0, recaptures - 1))
+    return res
+
+
+class _NoTimer:
+    last = float("nan")
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _CudaTimer:
+    """CUDA events around the block on the current stream; ``last`` in seconds."""
+
+    def __init__(self) -> None:
+        import cupy as cp
+        self.cp = cp
+        self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
+        self.last = float("nan")
+
+    def __enter__(self) -> None:
+        self.start.record()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.record()
+        self.stop.synchronize()
+        self.last = self.cp.cuda.get_elapsed_time(self.start, self.stop) * 1e-3
+
+
+def _gpu_timer(be: Backend) -> Any:
+    return _CudaTimer() if be.name == "cuda" else _NoTimer()
+
+
+def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = ENGINE_ARMS,
+               progress: Callable[[str], None] | None = None
+               ) -> list[tuple[EngineCase, dict[str, EngineArm]]]:
+    """Every arm on every case (an arm that cannot run here is reported with why)."""
+    out = []
+    for case in cases:
+        got: dict[str, EngineArm] = {}
+        for arm in arms:
+            if arm == "flashinfer":
+                got[arm] = run_flashinfer(be, case)
+            else:
+                got[arm] = run_ours(be, case, arm)
+            if progress:
+                progress(f"{case.label} {arm}")
+        out.append((case, got))
+    return out
+
+
+def report(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> str:
+    """A text table: per case and arm, step / host / GPU microseconds, the step time
+    against FlashInfer's where it ran, the oracle errors, replans."""
+    lines = [f"{'case':44} {'arm':10} {'step us':>10} {'mean us':>10} {'host us':>10} "
+             f"{'gpu us':>10} {'vs FI':>7} {'max err':>9} replans"]
+    for case, arms in results:
+        fi = arms.get("flashinfer")
+        for name, a in arms.items():
+            if not a.ran:
+                lines.append(f"{case.label:44} {name:10} not run: {a.note}")
+                continue
+            ratio = (a.step_us / fi.step_us if fi is not None and fi.ran
+                     and name != "flashinfer" else float("nan"))
+            err = max(a.errors) if a.errors else float("nan")
+            lines.append(f"{case.label:44} {name:10} {a.step_us:10.1f} {a.mean_us:10.1f} "
+                         f"{a.host_us:10.1f} {a.gpu_us:10.1f} {ratio:7.2f} {err:9.2e} "
+                         f"{a.replans}")
+    return "\n".join(lines)
+
+
+def plot(results: list[tuple[EngineCase, dict[str, EngineArm]]], path: str) -> str:
+    """A PNG of step time against batch size, one line per arm and context (needs
+    matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    lines: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for case, arms in results:
+        for name, a in arms.items():
+            if a.ran:
+                lines.setdefault((name, case.context), []).append((case.batch, a.step_us))
+    for (name, ctx), pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                label=f"{name} (ctx {ctx})")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("step time (us, median)")
+    ax.set_title("engine step: append + decode of every layer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def to_dict(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> list[dict[str, Any]]:
+    from dataclasses import asdict
+    return [{"case": asdict(c), "label": c.label,
+             "arms": {n: asdict(a) | {"verified": a.verified} for n, a in arms.items()}}
+            for c, arms in results]
+
+
+__all__ = ["ENGINE_ARMS", "EngineArm", "EngineCase", "plot", "report", "run_engine",
+           "run_ours", "to_dict"]

@@ -1,0 +1,75 @@
+"""The engine suite's cases and results (``bench/engine.py`` runs them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: max-rel error of an output against the float64 oracle, per dtype (the bench's bound)
+TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4}
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    batch: int
+    context: int = 1024            # mean prompt length (ragged: 0.5x to 1.5x)
+    layers: int = 32
+    steps: int = 32                # the first is a warm-up, left out of the statistics
+    page_size: int = 16
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "float16"
+    headroom: int = 64
+
+    @property
+    def label(self) -> str:
+        return (f"B{self.batch} ctx{self.context} L{self.layers} x{self.steps} "
+                f"{self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim} {self.dtype}")
+
+
+@dataclass
+class EngineArm:
+    arm: str
+    ran: bool
+    dtype: str = ""
+    note: str = ""
+    step_us: float = float("nan")         # median wall time of a synchronized step
+    mean_us: float = float("nan")         # mean of the same (replans, recaptures included)
+    host_us: float = float("nan")         # median host time until the last launch
+    gpu_us: float = float("nan")          # median GPU time (cuda only)
+    errors: list[float] = field(default_factory=list)   # max-rel error: first, last step
+    replans: int = 0
+    recaptures: int = 0
+
+    @property
+    def verified(self) -> bool:
+        """Every checked output within the dtype's tolerance of the float64 oracle."""
+        tol = TOLERANCE.get(self.dtype, 0.0)
+        return bool(self.errors) and all(e <= tol for e in self.errors)
+
+
+def prompts(case: EngineCase, seed: int = 0) -> list[int]:
+    """Ragged prompt lengths; the second half of the batch are forks of request 0."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(case.context // 2, case.context * 3 // 2 + 1, case.batch)
+    return [int(x) for x in lens]
+
+
+def median_us(xs: list[float]) -> float:
+    """Median in microseconds of ``xs`` (seconds) past the first step (the warm-up:
+    compiles and first allocations), NaNs dropped."""
+    arr = np.array([x for x in xs[1:] if x == x], float)
+    return float(np.median(arr) * 1e6) if arr.size else float("nan")
+
+
+def mean_us(xs: list[float]) -> float:
+    """Mean in microseconds past the first step (what replans and recaptures cost on
+    average is in it)."""
+    arr = np.array([x for x in xs[1:] if x == x], float)
+    return float(arr.mean() * 1e6) if arr.size else float("nan")
+
+
+
+__all__ = ["TOLERANCE", "EngineArm", "EngineCase", "mean_us", "median_us", "prompts"]

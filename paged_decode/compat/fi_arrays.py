@@ -1,0 +1,150 @@
+"""Array kinds for the FlashInfer shim: torch tensors (CPU or CUDA), CuPy arrays, numpy.
+
+FlashInfer takes torch tensors only; the shim takes those and also CuPy and numpy arrays,
+and gives results in the kind it got. What a backend computes on: numpy for CPU kinds
+(torch CPU tensors are viewed zero-copy, bfloat16 through an ``int16`` view, since numpy
+has no bfloat16 of its own: ``ml_dtypes.bfloat16``), CuPy on the ``cuda`` backend (its
+``asarray`` views torch CUDA tensors zero-copy). Everything here is glue; none of it
+computes attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..backends import Backend, array_kind
+from ..backends.base import poison_enabled
+from ..dtypes import numpy_dtype
+from ..errors import InvalidArgumentError
+
+
+def torch_module() -> Any:
+    import torch  # only reached for torch inputs, so torch stays an optional dependency
+    return torch
+
+
+def is_torch(x: Any) -> bool:
+    return array_kind(x) == "torch"
+
+
+def is_cuda_tensor(x: Any) -> bool:
+    return is_torch(x) and bool(x.is_cuda)
+
+
+def shape_of(x: Any) -> tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+def numpy_view(t: Any) -> np.ndarray:
+    """A zero-copy numpy view of a CPU torch tensor (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    torch = torch_module()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    return t.numpy()
+
+
+def as_backend(fn: str, name: str, be: Backend, x: Any) -> Any:
+    """Argument ``name`` of ``fn`` as ``be``'s array, zero-copy where the kinds allow (CPU
+    torch tensors become numpy views on the CPU backends); errors name both."""
+    if is_torch(x) and not x.is_cuda:
+        if be.name == "cuda":
+            raise InvalidArgumentError(f"{fn}: {name} is a CPU torch tensor, but the call runs "
+                                       "on the cuda backend (pass CUDA tensors)")
+        x = numpy_view(x.detach())
+    elif is_cuda_tensor(x) and be.name != "cuda":
+        raise InvalidArgumentError(f"{fn}: {name} is a CUDA torch tensor, but the call runs on "
+                                   f"backend {be.name!r} (use backend='auto' or 'cuda')")
+    return be.array_arg(fn, name, x)
+
+
+def host_ints(fn: str, name: str, x: Any) -> np.ndarray:
+    """A host numpy copy of an integer index array of any kind (a device array is copied
+    to the host: the plan runs there, as FlashInfer's does)."""
+    if is_torch(x):
+        x = x.detach().cpu().numpy()
+    elif array_kind(x) == "cupy":
+        x = x.get()
+    try:
+        arr = np.array(x)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{fn}: {name} must be a 1-D integer array, got "
+                                   f"{type(x).__name__}") from exc
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidArgumentError(f"{fn}: {name} must be a 1-D integer array, got shape "
+                                   f"{list(arr.shape)} dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def int32_buffer(fn: str, name: str, x: Any, size: int | None = None) -> None:
+    """Raise unless ``x`` is a writable 1-D int32 array of a kind the shim knows (a
+    caller-owned index buffer), with ``size`` entries when given."""
+    if array_kind(x) not in ("torch", "cupy", "numpy"):
+        raise InvalidArgumentError(f"{fn}: {name} must be a torch tensor, CuPy or numpy "
+                                   f"array, got {type(x).__name__}")
+    if len(x.shape) != 1 or "int32" not in str(x.dtype):
+        raise InvalidArgumentError(f"{fn}: {name} must be a 1-D int32 array, got shape "
+                                   f"{list(shape_of(x))} dtype {x.dtype}")
+    if size is not None and int(x.shape[0]) != size:
+        raise InvalidArgumentError(f"{fn}: {name} must have {size} entries, got "
+                                   f"{int(x.shape[0])}")
+    if array_kind(x) == "numpy" and not x.flags.writeable:
+        raise InvalidArgumentError(f"{fn}: {name} must be writable (plan copies into it)")
+
+
+def copy_into(buf: Any, values: np.ndarray) -> None:
+    """``buf[:len(values)] = values`` in place, whatever the kind of ``buf`` (host values;
+    a device buffer gets one host-to-device copy on its current stream)."""
+    n = int(values.size)
+    vals = values.astype(np.int32)
+    kind = array_kind(buf)
+    if kind == "torch":
+        torch = torch_module()
+        buf[:n].copy_(torch.from_numpy(vals))
+    elif kind == "cupy":
+        import cupy as cp
+        buf[:n] = cp.asarray(vals)
+    else:
+        buf[:n] = vals
+
+
+def empty_like_kind(be: Backend, like: Any, shape: tuple[int, ...], dtype: str) -> Any:
+    """A fresh output in the caller's kind (``like``'s): torch tensors through torch's
+    allocator (graph-aware under capture, as FlashInfer's outputs are), else the
+    backend's; NaN-filled when ``PAGED_DECODE_POISON`` is set."""
+    if is_torch(like):
+        torch = torch_module()
+        out = torch.empty(shape, dtype=getattr(torch, dtype), device=like.device)
+        if poison_enabled():
+            out.fill_(float("nan"))
+        return out
+    return be.empty(shape, dtype)
+
+
+def in_kind(be: Backend, x: Any, like: Any) -> Any:
+    """Backend array ``x`` in the caller's kind (``like``'s)."""
+    if is_torch(like) and not like.is_cuda:
+        torch = torch_module()
+        arr = np.asarray(x)
+        if arr.dtype == numpy_dtype("bfloat16"):
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+    return be.wrap_result(x, like=like)
+
+
+__all__ = ["as_backend", "copy_into", "empty_like_kind", "host_ints", "in_kind", "ints_like",
+           "int32_buffer", "is_cuda_tensor", "is_torch", "numpy_view", "shape_of",
+           "torch_module"]
+
+
+def ints_like(values: np.ndarray, like: Any) -> Any:
+    """Host int32 ``values`` as an array of ``like``'s kind and device."""
+    vals = np.ascontiguousarray(values, dtype=np.int32)
+    kind = array_kind(like)
+    if kind == "torch":
+        return torch_module().from_numpy(vals).to(like.device)
+    if kind == "cupy":
+        import cupy as cp
+        return cp.asarray(vals)
+    return vals

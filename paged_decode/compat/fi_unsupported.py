@@ -1,0 +1,91 @@
+"""What the FlashInfer shim refuses, in one place (lift a refusal here when paged-decode
+gains the feature: ``window_left`` and ``logits_soft_cap`` are the likely next ones).
+
+Every refusal raises ``UnsupportedProblemError`` naming the function and the argument;
+no unsupported argument is ever ignored. Arguments that change only how FlashInfer
+schedules work, never the result (``use_tensor_cores``, ``non_blocking``,
+``enable_pdl``), are accepted and documented in ``docs/flashinfer-compat.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UnsupportedProblemError
+
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+#: FlashInfer backend names that select one of its own kernel families
+FLASHINFER_BACKENDS = ("fa2", "fa3", "trtllm-gen", "cudnn", "cute-dsl", "cutile")
+
+
+def _refuse(fn: str, name: str, value: Any, why: str) -> UnsupportedProblemError:
+    return UnsupportedProblemError(f"{fn}: {name}={value!r} is not supported by paged-decode "
+                                   f"({why})")
+
+
+def check_layout(fn: str, kv_layout: Any) -> None:
+    if kv_layout == "HND":
+        raise _refuse(fn, "kv_layout", kv_layout, "its pools are NHD, [pages, P, Hkv, D]; "
+                      "HND would need a transposed copy of the cache")
+    if kv_layout != "NHD":
+        raise UnsupportedProblemError(f"{fn}: kv_layout must be 'NHD' (or FlashInfer's "
+                                      f"'HND', refused), got {kv_layout!r}")
+
+
+def check_constructor(fn: str, *, jit_args: Any) -> None:
+    if jit_args is not None:
+        raise _refuse(fn, "jit_args", "...", "custom FlashInfer JIT kernels")
+
+
+def check_backend_name(fn: str, backend: Any) -> None:
+    if isinstance(backend, str) and backend in FLASHINFER_BACKENDS:
+        raise _refuse(fn, "backend", backend, "it runs its own kernels; pass 'auto' or a "
+                      "paged-decode backend name such as 'cuda' or 'reference'")
+
+
+def check_plan(fn: str, *, pos_encoding_mode: Any, window_left: Any, logits_soft_cap: Any,
+               rope_scale: Any, rope_theta: Any, block_tables: Any, seq_lens: Any) -> None:
+    """The plan arguments that would change the attention paged-decode computes."""
+    if pos_encoding_mode not in POS_ENCODING_MODES:
+        raise UnsupportedProblemError(f"{fn}: pos_encoding_mode must be one of "
+                                      f"{', '.join(POS_ENCODING_MODES)}, got "
+                                      f"{pos_encoding_mode!r}")
+    if pos_encoding_mode == "ROPE_LLAMA":
+        raise _refuse(fn, "pos_encoding_mode", pos_encoding_mode, "on-the-fly RoPE inside "
+                      "attention; apply RoPE to q and k before appending them")
+    if pos_encoding_mode == "ALIBI":
+        raise _refuse(fn, "pos_encoding_mode", pos_encoding_mode, "ALiBi biases")
+    if window_left != -1:
+        raise _refuse(fn, "window_left", window_left, "sliding-window masking; a window of "
+                      "whole pages is a page table that starts later (PagePool.trim_front)")
+    if logits_soft_cap is not None and logits_soft_cap != 0:
+        raise _refuse(fn, "logits_soft_cap", logits_soft_cap, "logit soft-capping")
+    for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):
+        if value is not None:
+            raise _refuse(fn, name, value, "it only applies to pos_encoding_mode='ROPE_LLAMA'")
+    for name, value in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if value is not None:
+            raise _refuse(fn, name, "...", "the trtllm-gen backend's inputs; the page table "
+                          "is indptr / indices / last_page_len")
+
+
+def check_run(fn: str, *, args: tuple[Any, ...], q_scale: Any, k_scale: Any, v_scale: Any,
+              window_left: Any, sinks: Any, q_len_per_req: Any) -> None:
+    """The run arguments that would change the result."""
+    if args:
+        raise _refuse(fn, "*args", args, "custom-kernel arguments")
+    for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if value is not None:
+            raise _refuse(fn, name, value, "fp8 calibration scales; the caches are float16, "
+                          "bfloat16 or float32")
+    if window_left is not None and window_left != -1:
+        raise _refuse(fn, "window_left", window_left, "sliding-window masking")
+    if sinks is not None:
+        raise _refuse(fn, "sinks", "...", "attention-sink logits")
+    if q_len_per_req not in (None, 1):
+        raise _refuse(fn, "q_len_per_req", q_len_per_req, "one query token per request is "
+                      "what decode is")
+
+
+__all__ = ["FLASHINFER_BACKENDS", "POS_ENCODING_MODES", "check_backend_name",
+           "check_constructor", "check_layout", "check_plan", "check_run"]

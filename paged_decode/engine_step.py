@@ -1,0 +1,282 @@
+"""The engine step: one decode step of a whole batch, every layer, at serving speed.
+
+An engine's decode loop, per step: every live sequence gains one token in every layer,
+and every layer attends over the batch. ``DecodeStep`` holds what stays the same from
+step to step, so the loop pays only for what changes::
+
+    step = DecodeStep(pool, seqs, num_qo_heads=32, capacity=128, headroom=64)
+    while serving:
+        step.begin()                       # host: one slot per sequence, table delta
+        for layer in range(num_layers):
+            step.append(layer, k, v)       # k, v [capacity, Hkv, D]: one launch
+            step.decode(layer, q, out=o)   # q, o [capacity, Hq, D]
+    # or capture every layer once (CUDA graph) and replay it after each begin():
+    graph = step.capture(body)             # body(step) makes the calls above
+    step.begin(); graph.replay()
+
+What each piece costs: ``begin`` is ``PagePool.reserve_batch`` (vectorized bookkeeping;
+a launch only for copy-on-write copies), the step table's flush (one small host-to-device
+copy of the changed page ids and one table-update launch, ``paged_decode.step_table``),
+one small copy of the append descriptor into a fixed device buffer, and a replan only when
+a sequence outgrows the plan's ``headroom`` (``replans`` counts them; a replan makes a
+captured graph stale, and ``needs_capture`` says so). ``append`` and ``decode`` launch
+kernels on fixed buffers, so a CUDA graph can hold them.
+
+Rows: row ``i`` of ``q``, ``k``, ``v`` and ``out`` is the table's row ``i``
+(``table.sequences[i]``; ``-1``: a padding row, whose rows are ignored and whose output
+is zeros). ``set_sequences`` changes the batch between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .backends import c_contiguous
+from .decode import decode
+from .errors import InvalidArgumentError, PagedDecodeError, check_int
+from .kernels.append import AppendWrite
+from .plan import DecodePlan, make_plan
+from .pool import AppendedBatch, PagePool
+from .prepared import layouts, prepare_decode
+
+
+class StaleStepError(PagedDecodeError, RuntimeError):
+    """A captured step replayed after the batch outgrew it (a replan or a new table
+    buffer), or without ``begin``."""
+
+
+class DecodeStep:
+    """One decode step of a batch of a ``PagePool``'s sequences, every layer.
+
+    Args:
+        pool: the K/V pool (with a layer axis, or one layer).
+        seqs: the batch's live sequences, in row order.
+        num_qo_heads: query heads (a multiple of the pool's KV heads).
+        capacity: rows (``>= len(seqs)``; padding rows after the sequences): the batch
+            size a captured graph is made for.
+        headroom: tokens each sequence may grow by before a replan (default 64: one
+            replan per 64 steps at most).
+        sm_scale, path, out_dtype: as ``decode``'s (``path`` ``"v2"`` or ``"v1"``).
+    """
+
+    def __init__(self, pool: PagePool, seqs: Sequence[int] | np.ndarray, *,
+                 num_qo_heads: int, capacity: int | None = None, headroom: int = 64,
+                 sm_scale: float | None = None, path: str = "v2",
+                 out_dtype: str | None = None) -> None:
+        fn = "DecodeStep"
+        if not isinstance(pool, PagePool):
+            raise InvalidArgumentError(f"{fn}: pool must be a PagePool, got "
+                                       f"{type(pool).__name__}")
+        self.pool, self.backend = pool, pool.backend
+        single = self.backend.auto_path()       # mlx without Metal: the gather arm only
+        if path not in ("v2", "v1") and not (single and path == single[0]):
+            raise InvalidArgumentError(f"{fn}: path must be 'v2' or 'v1', got {path!r}")
+        if single and path in ("v2", "v1"):
+            path = single[0]
+        self.num_qo_heads = check_int(fn, "num_qo_heads", num_qo_heads)
+        self.headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
+        self.sm_scale, self.path, self.out_dtype = sm_scale, path, out_dtype
+        self.num_layers = pool.num_layers or 1
+        self.table = pool.step_table(seqs, capacity=capacity)
+        self.plan = self._plan()
+        self.replans = 0
+        self.steps = 0
+        self._batch: AppendedBatch | None = None
+        #: the CUDA-dialect append reads its descriptor from a fixed device buffer (a
+        #: captured graph keeps its address); the others take the host array per call
+        self._device_desc = bool(getattr(self.backend, "in_place_append", False)
+                                 and self.backend.reads_step_tables)
+        host = np.zeros((5, self.capacity), np.int32)
+        with self.backend.launch_context(pool.k):           # on the pool's device
+            self._desc: Any = self.backend.table_buffer(host) if self._device_desc else host
+        self._prepared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
+        self._layers = [pool.layer(i) for i in range(self.num_layers)]
+        self._plan_token = 0
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def capacity(self) -> int:
+        return self.table.capacity
+
+    @property
+    def sequences(self) -> np.ndarray:
+        return self.table.sequences
+
+    @property
+    def plan_token(self) -> int:
+        """Changes whenever the step's launches change (a replan, a new table buffer):
+        a graph captured before then is stale."""
+        return self._plan_token
+
+    # ------------------------------------------------------------------ the step
+    def set_sequences(self, seqs: Sequence[int] | np.ndarray) -> None:
+        """The batch of the next steps (at most ``capacity`` sequences keep a captured
+        graph valid unless a replan is needed)."""
+        self.table.set_sequences(seqs)
+        self._batch = None
+
+    def begin(self, like: Any = None) -> AppendedBatch:
+        """Start a step: one new token slot per live sequence (``reserve_batch``), the
+        table's device copy brought up to date, the append descriptor loaded, a replan
+        if a sequence outgrew the plan. Device work runs on the stream of ``like`` (an
+        engine array; default: the pool's ``k``). Returns the reservation."""
+        rows, ids, pool_rows = self.table.live_rows()
+        batch = self.pool._reserve_rows(ids, pool_rows)
+        desc = np.zeros((5, self.capacity), np.int32)
+        w = batch.write.desc                     # one column per sequence, in order
+        desc[:, :w.shape[1]] = w
+        desc[2, :w.shape[1]] = rows - w[3]       # slot lo takes row (table row)
+        with self.backend.launch_context(self.pool.k if like is None else like):
+            self.table.update_device()
+            if self._device_desc:
+                self._desc = self.backend.load_int32(self._desc, desc)
+            else:      # array ops and the Metal dialect read the host descriptor
+                self._desc = desc
+        self._replan_if_needed()
+        self._batch = batch
+        self.steps += 1
+        return batch
+
+    def append(self, layer: int, k: Any, v: Any) -> None:
+        """Write layer ``layer``'s new rows: ``k, v [capacity, Hkv, D]`` (row ``i`` for
+        table row ``i``; padding rows are not read). One launch; with the same ``k`` /
+        ``v`` buffers (in the pool's dtype) every step, the launch is recorded once and
+        replayed (``Backend.compile_launches``)."""
+        fn = "DecodeStep.append"
+        batch = self._current(fn)
+        layer = check_int(fn, "layer", layer, 0, self.num_layers - 1)
+        if batch.write.num_touched == 0:
+            return
+        key = ("append", layer, id(k), id(v))
+        hit = self._prepared.get(key)
+        if hit is not None and hit[0][0] is k and hit[0][1] is v \
+                and layouts((k, v)) == hit[0][2]:
+            hit[1]()
+            return
+        pool = self.pool
+        kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
+        pool._check_rows(fn, kb, vb, (self.capacity, pool.num_kv_heads, pool.head_dim),
+                         "[capacity, Hkv, D]")
+        target = layer if pool.num_layers else 0
+
+        def run() -> None:
+            write = AppendWrite(self._desc, self.capacity, target, 1, False)
+            pool.k, pool.v = self.backend.append_rows(pool.k, pool.v, kb, vb, write)
+
+        # a recorded launch holds the rows' addresses: only rows the kernel reads as they
+        # are (the pool's dtype, C-contiguous) are recorded, others are converted per call
+        if self._device_desc and kb.dtype == pool.k.dtype and vb.dtype == pool.k.dtype \
+                and c_contiguous(kb) and c_contiguous(vb):
+            replay = self.backend.compile_launches(run, like=kb)
+            self._prepared[key] = ((k, v, layouts((k, v))), replay)
+            replay()
+            return
+        run()
+        if self.backend.functional_outputs:      # MLX: the pool arrays were rebound
+            self._layers = [pool.layer(i) for i in range(self.num_layers)]
+
+    def decode(self, layer: int, q: Any, *, out: Any = None, lse: Any = None,
+               return_lse: bool = False) -> Any:
+        """Decode layer ``layer``: ``q [capacity, Hq, D]`` -> ``out [capacity, Hq, D]``
+        (and ``lse [capacity, Hq]`` float32, base 2). With the same ``q`` / ``out``
+        buffers every step, the launches are prepared once and replayed."""
+        fn = "DecodeStep.decode"
+        layer = check_int(fn, "layer", layer, 0, self.num_layers - 1)
+        if self.table.pending:     # the pool changed outside begin(): follow it here
+            with self.backend.launch_context(q):
+                self.table.update_device()
+            self._replan_if_needed()
+        k, v = self._layers[layer]
+        if out is None or (return_lse and lse is None) or self.backend.functional_outputs:
+            return decode(q, k, v, self.table, self.plan, path=self.path,
+                          sm_scale=self.sm_scale, out=out, lse=lse, return_lse=return_lse,
+                          out_dtype=self.out_dtype, backend=self.backend)
+        # prepared launches read the table's device buffers (valid while its layout
+        # holds), or on array-op backends its host view (valid for one version)
+        t = self.table
+        key = (layer, id(q), id(out), id(lse), return_lse,
+               t.layout if self.backend.reads_step_tables else t.version)
+        hit = self._prepared.get(key)
+        if hit is None or hit[0][0] is not q or hit[0][1] is not out:
+            prep = prepare_decode(q, k, v, self.table, self.plan, path=self.path,
+                                  sm_scale=self.sm_scale, out=out, lse=lse,
+                                  return_lse=return_lse, out_dtype=self.out_dtype,
+                                  backend=self.backend)
+            hit = ((q, out, lse), prep)
+            if not self.backend.reads_step_tables:
+                self._prepared = {k: h for k, h in self._prepared.items() if k[-1] == key[-1]}
+            self._prepared[key] = hit
+        return hit[1]()
+
+    def capture(self, body: Callable[[DecodeStep], Any]) -> CapturedStep:
+        """Record ``body(self)`` (``append`` and ``decode`` calls on fixed buffers, after a
+        ``begin``) for replay after every later ``begin``: a CUDA graph on the ``cuda``
+        backend (``body`` runs once eagerly first, to compile and allocate, then under
+        capture); elsewhere replays run ``body`` again."""
+        self._current("DecodeStep.capture")
+        return CapturedStep(self, body)
+
+    # ------------------------------------------------------------------ internals
+    def _plan(self, hint: int | None = None) -> DecodePlan:
+        return make_plan(self.table, self.num_qo_heads, self.pool.num_kv_heads,
+                         self.pool.head_dim, device=self.backend.device_info(),
+                         headroom=self.headroom, hint=hint, fn="DecodeStep")
+
+    def _replan_if_needed(self) -> None:
+        if self.plan.mismatch(self.table) is not None:
+            self.plan = self._plan(hint=self.plan.pages_per_chunk)
+            self.replans += 1
+            self._restart()
+
+    def _restart(self) -> None:
+        self._prepared.clear()
+        self._plan_token += 1
+
+    def _current(self, fn: str) -> AppendedBatch:
+        b = self._batch
+        if b is None:
+            raise InvalidArgumentError(f"{fn}: call begin() first (once per step, after any "
+                                       "change to the batch)")
+        if b.version != self.pool._version:
+            raise InvalidArgumentError(
+                f"{fn}: the pool changed since this step's begin() (an append, fork, trim "
+                "or free): call begin() again")
+        return b
+
+
+class CapturedStep:
+    """A recorded step (``DecodeStep.capture``); ``replay()`` after each ``begin()``."""
+
+    def __init__(self, step: DecodeStep, body: Callable[[DecodeStep], Any]) -> None:
+        self.step, self.body = step, body
+        self._token = (step.plan_token, step.table.layout)
+        self._last = step.steps
+        self.graph, self.stream = step.backend.capture_graph(lambda: body(step))
+
+    @property
+    def stale(self) -> bool:
+        """Whether the step's launches changed since capture (replay would be wrong)."""
+        return self._token != (self.step.plan_token, self.step.table.layout)
+
+    def replay(self) -> None:
+        fn = "CapturedStep.replay"
+        s = self.step
+        if self.stale:
+            raise StaleStepError(f"{fn}: the step was replanned or its table buffer grew "
+                                 "since capture (a sequence outgrew the headroom, or the "
+                                 "batch changed): capture again")
+        s._current(fn)
+        if s.steps == self._last:
+            raise StaleStepError(f"{fn}: call step.begin() before each replay (the same "
+                                 "slots would be written twice)")
+        self._last = s.steps
+        if self.graph is None:
+            self.body(s)
+        else:
+            self.graph.launch(self.stream)
+
+
+__all__ = ["CapturedStep", "DecodeStep", "StaleStepError"]

@@ -1,0 +1,415 @@
+"""A decode batch's page table that lives on the device and follows its pool in place.
+
+``PagePool.step_table(seqs)`` makes one. The pool tells the table about every change to
+its sequences (appends, front trims, frees); the table accumulates what changed, and
+``flush`` (which ``decode`` calls) brings the device copy up to date with **one** small
+host-to-device copy (a delta: the new per-row header and the changed page ids only) and
+one launch of the table-update kernel (``kernels/table_update.py``). Nothing is rebuilt
+or re-validated per step: the pool produced every entry. ``page_table()`` builds the
+immutable, validated host ``PageTable`` on request (for inspection, cascade detection and
+the array-op paths).
+
+Rows: ``capacity`` rows; row ``i`` is ``sequences[i]`` (``-1``: an empty padding row that
+decodes to zeros and a ``-inf`` LSE). A decode through a step table takes ``q
+[capacity, Hq, D]``, so a CUDA graph captured for a capacity stays valid while sequences
+come and go (``set_sequences``). Page capacity: the device buffer holds up to
+``page_capacity`` page ids; a batch that outgrows it (or its rows) reallocates, which
+bumps ``layout`` (captured graphs and prepared calls over the old buffer are then stale:
+``decode`` notices, a captured step says so).
+
+Device buffer layout (int32, ``kernels/table_update.TABLE_SECTIONS``): ``indptr
+[cap+1]``, ``last_page_len [cap]``, ``first_page_offset [cap]``, ``indices [page_cap]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import InvalidArgumentError, check_int
+from .kernels.table_update import delta_header_words, table_views, table_words
+from .page_table import PageTable
+
+if TYPE_CHECKING:
+    from .pool import PagePool
+
+_CLEAN = np.iinfo(np.int64).max // 4       # "no page changed" in _dirty_from
+
+
+class StepTable:
+    """The device-resident CSR table of a batch of a ``PagePool``'s sequences.
+
+    Attributes (host, read-only views, current after ``flush``): ``batch_size`` (=
+    ``capacity``), ``page_size``, ``sequences`` (int64 ``[capacity]``, ``-1`` padding),
+    ``pages_per_request`` / ``visible_lens`` (int32 ``[capacity]``), ``total_visible``,
+    ``version`` (counts flushes that changed the device copy), ``layout`` (counts
+    reallocations of the device buffer).
+    """
+    # host state (int64 [capacity] each unless noted), set in _alloc / _set_rows / flush
+    _ids: np.ndarray             # sequence of each row, -1 padding
+    _pool_rows: np.ndarray       # the pool's row of each sequence
+    _src: np.ndarray             # pending: the old row each row keeps pages of, -1 none
+    _front: np.ndarray           # pending: pages trimmed from the front since the flush
+    _dirty_from: np.ndarray      # pending: first page position that may have changed
+    _npages: np.ndarray          # pages per row in the device copy
+    _buf: Any                    # the device buffer (int32, TABLE_SECTIONS)
+    _scratch: Any                # the old table during a CUDA-dialect update
+    _view: tuple[int, PageTable] | None
+    _live: np.ndarray            # bool: rows holding a sequence
+    _pr: np.ndarray              # pool row of each table row (0 for padding)
+    _rows: np.ndarray            # arange(capacity)
+    _all_live: bool
+    _simple: bool                # pending changes are appends only, rows in place
+
+    def __init__(self, pool: PagePool, seqs: Sequence[int] | np.ndarray, *,
+                 capacity: int | None = None, page_capacity: int | None = None,
+                 fn: str = "PagePool.step_table") -> None:
+        self.pool, self.backend = pool, pool.backend
+        self.page_size = pool.page_size
+        ids, rows = pool._batch_rows(fn, seqs)
+        b = int(ids.size)
+        cap = b if capacity is None else check_int(fn, "capacity", capacity, 1,
+                                                    note=f" (at least the {b} sequences)")
+        if cap < b:
+            raise InvalidArgumentError(f"{fn}: capacity must be at least the number of "
+                                       f"sequences ({b}), got {cap}")
+        if cap < 1:
+            raise InvalidArgumentError(f"{fn}: seqs must name at least one sequence when no "
+                                       "capacity is given")
+        need = int(pool._seqs.npages[rows].sum())
+        # default: room to double (a reallocation re-uploads every page and makes
+        # captured graphs stale)
+        pcap = max(64, 2 * need) if page_capacity is None else check_int(
+            fn, "page_capacity", page_capacity, 1, note=" or None")
+        if pcap < need:
+            raise InvalidArgumentError(f"{fn}: page_capacity must hold the batch's {need} "
+                                       f"pages, got {pcap}")
+        self.version = 0
+        self.layout = 0
+        self._alloc(cap, pcap)
+        self._set_rows(np.concatenate([ids, np.full(cap - b, -1, np.int64)]),
+                       np.concatenate([rows, np.full(cap - b, -1, np.int64)]),
+                       np.full(cap, -1, np.int64))
+        pool._follow(self)
+        self.flush()
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    @property
+    def batch_size(self) -> int:
+        return self._cap
+
+    @property
+    def page_capacity(self) -> int:
+        return self._pcap
+
+    @property
+    def sequences(self) -> np.ndarray:
+        out = self._ids.copy()
+        out.flags.writeable = False
+        return out
+
+    @property
+    def num_live(self) -> int:
+        return self._n_live
+
+    def live_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(table rows, sequence ids, pool rows)`` of the live rows, int64 (read-only:
+        cached until the batch changes)."""
+        return self._live_rows
+
+    @property
+    def pages_per_request(self) -> np.ndarray:
+        self._require_flushed("pages_per_request")
+        return self._pages_view
+
+    @property
+    def visible_lens(self) -> np.ndarray:
+        self._require_flushed("visible_lens")
+        return self._visible_view
+
+    @property
+    def last_page_len(self) -> np.ndarray:
+        self._require_flushed("last_page_len")
+        return self._lpl_view
+
+    @property
+    def first_page_offset(self) -> np.ndarray:
+        self._require_flushed("first_page_offset")
+        return self._fpo_view
+
+    @property
+    def total_visible(self) -> int:
+        return int(self.visible_lens.sum(dtype=np.int64))
+
+    @property
+    def total_pages(self) -> int:
+        return int(self.pages_per_request.sum(dtype=np.int64))
+
+    @property
+    def max_page_id(self) -> int:
+        """An upper bound of every page id in the table (the pool's last page)."""
+        return self.pool.num_pages - 1
+
+    @property
+    def pending(self) -> bool:
+        """Whether the pool changed the batch since the last ``flush``."""
+        return self._dirty
+
+    @property
+    def buffer(self) -> Any:
+        """The device buffer (int32, ``kernels/table_update.TABLE_SECTIONS``)."""
+        return self._buf
+
+    def device_arrays(self) -> tuple[Any, Any, Any, Any]:
+        """``indices, indptr, last_page_len, first_page_offset`` as views of the device
+        buffer (``launches.TABLE_FIELDS`` order), current after ``flush``."""
+        self._require_flushed("device_arrays")
+        return self._views
+
+    def page_table(self) -> PageTable:
+        """The immutable, validated host ``PageTable`` of the batch (``capacity`` rows,
+        padding rows empty), built from the pool's state (cached until the next change)."""
+        self._require_flushed("page_table")
+        if self._view is None or self._view[0] != self.version:
+            self._view = (self.version, self._build_view())
+        return self._view[1]
+
+    # ------------------------------------------------------------------ membership
+    def set_sequences(self, seqs: Sequence[int] | np.ndarray) -> None:
+        """Make ``seqs`` the batch, in this order (padding rows after them). Sequences
+        already in the table keep their device pages (only new ones are uploaded); more
+        sequences than ``capacity`` reallocate (``layout`` changes)."""
+        fn = "StepTable.set_sequences"
+        ids, rows = self.pool._batch_rows(fn, seqs)
+        b = int(ids.size)
+        grew = b > self._cap
+        if grew:   # a new buffer: every row is rebuilt from the pool at the flush
+            self._grow(fn, b, self._pcap)
+        pad = self._cap - b
+        pos, found = self._find(ids)
+        src = np.where(found & (not grew), pos, -1)
+        old_front, old_dirty = self._front, self._dirty_from
+        self._set_rows(np.concatenate([ids, np.full(pad, -1, np.int64)]),
+                       np.concatenate([rows, np.full(pad, -1, np.int64)]),
+                       np.concatenate([src, np.full(pad, -1, np.int64)]))
+        kept = self._src >= 0
+        self._front[kept] = old_front[self._src[kept]]
+        self._dirty_from[kept] = old_dirty[self._src[kept]]
+        self._simple = self._simple and not self._front.any()
+        self._dirty = True
+
+    # ------------------------------------------------------------------ the pool's events
+    def _on_append(self, ids: np.ndarray, first_changed: np.ndarray) -> None:
+        """Sequences ``ids`` appended; their page ids from ``first_changed`` on are new."""
+        if ids.size == self._n_live and np.array_equal(ids, self._ids[:ids.size]):
+            t = np.arange(ids.size)                 # the engine's case: the batch in order
+            fc = first_changed
+        else:
+            pos, found = self._find(ids)
+            if not found.any():
+                return
+            t, fc = pos[found], first_changed[found]
+        self._dirty_from[t] = np.minimum(self._dirty_from[t], fc)   # ids are distinct
+        self._dirty = True
+
+    def _on_trim(self, seq: int, gone: int) -> None:
+        pos, found = self._find(np.array([seq], np.int64))
+        if not found[0]:
+            return
+        t = int(pos[0])
+        if gone:
+            self._simple = False
+        self._front[t] += gone
+        self._dirty_from[t] = max(0, int(self._dirty_from[t]) - gone)
+        self._dirty = True
+
+    def _on_free(self, seq: int) -> None:
+        """A freed sequence leaves its row empty (a padding row)."""
+        pos, found = self._find(np.array([seq], np.int64))
+        if not found[0]:
+            return
+        t = int(pos[0])
+        ids, rows, src = self._ids.copy(), self._pool_rows.copy(), self._src.copy()
+        ids[t] = rows[t] = src[t] = -1
+        front, dirty = self._front, self._dirty_from
+        self._set_rows(ids, rows, src)
+        self._front, self._dirty_from = front, dirty
+        self._simple = self._simple and not front.any()
+        self._dirty = True
+
+    # ------------------------------------------------------------------ the device update
+    def flush(self) -> bool:
+        """Bring the device copy up to date, on the device of the table's buffer and the
+        current stream there: one host-to-device copy of the delta and one table-update
+        launch, or nothing when the pool changed nothing. Returns whether it updated.
+        ``decode`` calls it on its own stream (``update_device``)."""
+        if not self._dirty:
+            return False
+        with self.backend.launch_context(self._buf):
+            return self.update_device()
+
+    def update_device(self) -> bool:
+        """``flush`` inside the launch context the caller entered (the stream a decode
+        runs on, so the update is ordered before its kernels)."""
+        if not self._dirty:
+            return False
+        S, P, cap = self.pool._seqs, self.page_size, self._cap
+        pr = self._pr
+        npages = S.npages[pr]
+        if not self._all_live:
+            npages[~self._live] = 0
+        total = int(npages.sum())
+        if total > self._pcap:
+            self._grow("StepTable.flush", cap, max(total, 2 * self._pcap))
+        # the page positions each row keeps: the engine's case (rows continue their own
+        # rows, no trims) needs no gather of the old counts
+        if self._simple:
+            keep = np.minimum(self._dirty_from, npages)
+        else:
+            src = self._src
+            old = np.where(src >= 0, self._npages[np.maximum(src, 0)], 0)
+            keep = np.minimum(np.minimum(self._dirty_from, old - self._front), npages)
+            keep = np.maximum(np.where(src >= 0, keep, 0), 0)
+        changed = npages - keep
+        m = int(changed.sum())
+        h = delta_header_words(cap)
+        delta = np.empty(h + m, np.int32)
+        delta[0] = 0
+        np.cumsum(npages, out=delta[1:cap + 1])
+        filled, start = S.filled[pr], S.start[pr]
+        empty = npages == 0
+        lpl = delta[cap + 1:2 * cap + 1]
+        np.subtract(filled, (npages - 1) * P, out=lpl, casting="unsafe")
+        fpo = delta[2 * cap + 1:3 * cap + 1]
+        fpo[:] = start
+        if empty.any():
+            lpl[empty] = 0
+            fpo[empty] = 0
+        delta[3 * cap + 1:4 * cap + 1] = self._src
+        delta[4 * cap + 1:5 * cap + 1] = self._front
+        delta[5 * cap + 1:6 * cap + 1] = keep
+        cind = delta[6 * cap + 1:7 * cap + 2]
+        cind[0] = 0
+        np.cumsum(changed, out=cind[1:])
+        if m:
+            rows = np.flatnonzero(changed)
+            if m == rows.size:                  # one new page id per changed row
+                delta[h:] = S.pages[pr[rows], S.head[pr[rows]] + keep[rows]]
+            else:
+                rep = np.repeat(rows, changed[rows])
+                within = np.arange(m) - np.repeat(cind[rows].astype(np.int64), changed[rows])
+                delta[h:] = S.pages[pr[rep], S.head[pr[rep]] + keep[rep] + within]
+        buf = self._buf
+        self._buf = self.backend.update_table(buf, delta, cap, self._pcap,
+                                              scratch=self._scratch)
+        # host mirrors: fresh arrays, never written again, handed out read-only
+        self._npages = npages
+        vis = np.where(empty, 0, filled - start)
+        host = delta[cap + 1:3 * cap + 1].copy()
+        for a in (npages, vis, host):
+            a.flags.writeable = False
+        self._pages_view, self._visible_view = npages, vis
+        self._lpl_view, self._fpo_view = host[:cap], host[cap:]
+        if not self._simple:
+            self._src = np.where(self._live, self._rows, -1)
+            self._front = np.zeros(cap, np.int64)
+            self._simple = True
+        self._dirty_from = np.full(cap, _CLEAN, np.int64)
+        self._dirty = False
+        self.version += 1
+        if self._buf is not buf:                # a new buffer (Metal): new views
+            self._views = self._make_views()
+        return True
+
+    # ------------------------------------------------------------------ internals
+    def _alloc(self, cap: int, pcap: int) -> None:
+        self._cap, self._pcap = int(cap), int(pcap)
+        host = np.full(table_words(self._cap, self._pcap), -1, np.int32)
+        host[:self._cap + 1] = 0
+        with self.backend.launch_context(self.pool.k):   # on the pool's device
+            self._buf = self.backend.table_buffer(host)
+            self._scratch = self.backend.table_buffer(host)
+        self._npages = np.zeros(self._cap, np.int64)
+        self._views = self._make_views()
+        self._view = None
+
+    def _grow(self, fn: str, cap: int, pcap: int) -> None:
+        """A bigger device buffer holding the current table (every row rebuilt from the
+        pool at the next flush); ``layout`` changes."""
+        old_cap = self._cap
+        ids = np.concatenate([self._ids, np.full(cap - old_cap, -1, np.int64)])
+        rows = np.concatenate([self._pool_rows, np.full(cap - old_cap, -1, np.int64)])
+        self._alloc(cap, pcap)
+        self._set_rows(ids, rows, np.full(cap, -1, np.int64))
+        self.layout += 1
+        self._dirty = True
+
+    def _set_rows(self, ids: np.ndarray, pool_rows: np.ndarray, src: np.ndarray) -> None:
+        cap = self._cap
+        self._ids = ids.astype(np.int64)
+        self._pool_rows = pool_rows.astype(np.int64)
+        self._src = src.astype(np.int64)
+        self._front = np.zeros(cap, np.int64)
+        self._dirty_from = np.full(cap, _CLEAN, np.int64)
+        live = self._ids >= 0
+        self._live, self._all_live = live, bool(live.all())
+        self._pr = np.where(live, self._pool_rows, 0)
+        self._rows = np.arange(cap, dtype=np.int64)
+        # rows continue their own rows with nothing trimmed (update_device's fast case)
+        self._simple = bool(np.array_equal(self._src, np.where(live, self._rows, -1)))
+        self._n_live = int(live.sum())
+        at = np.flatnonzero(live)
+        self._live_rows = (at, self._ids[at], self._pool_rows[at])
+        for a in self._live_rows:
+            a.flags.writeable = False
+        order = np.argsort(np.where(live, self._ids, np.iinfo(np.int64).max), kind="stable")
+        self._sorted_ids = self._ids[order][:self._n_live]
+        self._sorted_rows = order[:self._n_live]
+        self._dirty = True
+
+    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(table row or -1, found) of each sequence id."""
+        if not self._n_live:
+            return np.full(ids.size, -1, np.int64), np.zeros(ids.size, bool)
+        i = np.minimum(np.searchsorted(self._sorted_ids, ids), self._n_live - 1)
+        found = self._sorted_ids[i] == ids
+        return np.where(found, self._sorted_rows[i], -1), found
+
+    def _make_views(self) -> tuple[Any, Any, Any, Any]:
+        v = table_views(self._buf, self._cap)
+        return (v["indices"], v["indptr"], v["last_page_len"], v["first_page_offset"])
+
+    def _require_flushed(self, what: str) -> None:
+        if self._dirty:
+            self.flush()
+
+    def _build_view(self) -> PageTable:
+        live = self._ids >= 0
+        if live.all():
+            return self.pool.page_table(self._ids)  # type: ignore[arg-type]
+        # padding rows (and freed rows) are empty requests
+        host = self.pool.page_table(self._ids[live]) if live.any() else None  # type: ignore[arg-type]
+        counts = np.zeros(self._cap, np.int64)
+        lpl = np.zeros(self._cap, np.int64)
+        fpo = np.zeros(self._cap, np.int64)
+        rope = np.zeros(self._cap, np.int64)
+        indices = np.zeros(0, np.int32)
+        if host is not None:
+            counts[live] = host.pages_per_request
+            lpl[live] = host.last_page_len
+            fpo[live] = host.first_page_offset
+            rope[live] = host.rope_positions
+            indices = host.indices
+        indptr = np.concatenate([[0], np.cumsum(counts)])
+        return PageTable.build(indices, indptr, lpl, page_size=self.page_size,
+                               first_page_offset=fpo, rope_positions=rope,
+                               num_pages=self.pool.num_pages)
+
+
+__all__ = ["StepTable"]

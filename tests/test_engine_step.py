@@ -1,0 +1,155 @@
+"""The engine step (``DecodeStep``): begin / append / decode for every layer, eager and
+captured, against the float64 oracle on the host table of every step.
+
+On the CPU the "captured" replay re-runs the recorded body (``Backend.capture_graph``);
+the CUDA graph itself is exercised in tests/test_cuda_graphs.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_matches_oracle, require_mlx
+
+import paged_decode as pd
+from paged_decode.errors import InvalidArgumentError
+from paged_decode.reference import oracle_decode
+
+BACKENDS = ["reference", "emulated-cuda", "emulated-metal"]
+L, HKV, D, HQ, P = 2, 2, 64, 8, 4
+
+
+def _setup(backend, rng, capacity=6, headroom=4):
+    pool = pd.PagePool(96, P, HKV, D, "float32", num_layers=L, backend=backend)
+    seqs = [pool.new_sequence() for _ in range(3)]
+    for s, n in zip(seqs, [5, 1, 10]):
+        x = rng.standard_normal((L, n, HKV, D)).astype(np.float32)
+        pool.append(s, x, x)
+    fork = pool.fork(seqs[2])           # shares a partial last page: copy-on-write
+    step = pd.DecodeStep(pool, [*seqs, fork], num_qo_heads=HQ, capacity=capacity,
+                         headroom=headroom)
+    return pool, step
+
+
+def _oracle(pool, step, layer, q):
+    k, v = pool.layer(layer)
+    return oracle_decode(q, np.asarray(k), np.asarray(v), step.table.page_table())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+def test_steps_match_the_oracle_through_replans(backend, captured, monkeypatch):
+    monkeypatch.setenv("PAGED_DECODE_POISON", "1")
+    rng = np.random.default_rng(1)
+    pool, step = _setup(backend, rng)
+    cap = step.capacity
+    q = [np.empty((cap, HQ, D), np.float32) for _ in range(L)]
+    ks = [np.empty((cap, HKV, D), np.float32) for _ in range(L)]
+    outs = [np.full((cap, HQ, D), np.nan, np.float32) for _ in range(L)]
+
+    def body(st):
+        for layer in range(L):
+            st.append(layer, ks[layer], ks[layer])
+            st.decode(layer, q[layer], out=outs[layer])
+
+    graph = None
+    for it in range(10):
+        for layer in range(L):
+            q[layer][...] = rng.standard_normal((cap, HQ, D))
+            ks[layer][...] = rng.standard_normal((cap, HKV, D))
+        step.begin()
+        if not captured:
+            body(step)
+        elif graph is None or graph.stale:
+            graph = step.capture(body)
+        else:
+            graph.replay()
+        for layer in range(L):
+            want, _ = _oracle(pool, step, layer, q[layer])
+            assert_matches_oracle(outs[layer], None, want, None, "float32",
+                                  f"step {it} layer {layer}")
+    assert step.replans >= 1 and step.steps == 10     # headroom 4 over 10 steps
+    lens = [pool.seq_len(int(s)) for s in step.sequences[:4]]
+    assert lens == [15, 11, 20, 20]
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_sequences_leave_and_join_between_steps(backend):
+    rng = np.random.default_rng(4)
+    pool, step = _setup(backend, rng)
+    cap = step.capacity
+    q = rng.standard_normal((cap, HQ, D)).astype(np.float32)
+    k = rng.standard_normal((cap, HKV, D)).astype(np.float32)
+    out = np.empty((cap, HQ, D), np.float32)
+    seqs = [int(s) for s in step.sequences[:4]]
+    for it in range(6):
+        if it == 2:                     # one finishes; a new one joins in its row
+            pool.free(seqs[1])
+            new = pool.new_sequence()
+            x = rng.standard_normal((L, 3, HKV, D)).astype(np.float32)
+            pool.append(new, x, x)
+            seqs[1] = new
+            step.set_sequences(seqs)
+        step.begin()
+        for layer in range(L):
+            step.append(layer, k, k)
+            step.decode(layer, q, out=out)
+            want, _ = _oracle(pool, step, layer, q)
+            assert_matches_oracle(out, None, want, None, "float32", f"step {it}")
+    assert (out[4:] == 0).all()          # padding rows
+
+
+def test_bad_use_is_refused_clearly():
+    rng = np.random.default_rng(0)
+    pool, step = _setup("reference", rng)
+    cap = step.capacity
+    k = np.zeros((cap, HKV, D), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep.append: call begin\(\) "
+                                                   r"first"):
+        step.append(0, k, k)
+    step.begin()
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep.append: k must have shape "
+                                                   r"\[capacity, Hkv, D\] = \[6, 2, 64\], "
+                                                   r"got \[5, 2, 64\]"):
+        step.append(0, np.zeros((cap - 1, HKV, D), np.float32), k)
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep.append: layer must be"):
+        step.append(L, k, k)
+    graph = step.capture(lambda st: st.append(0, k, k))
+    with pytest.raises(pd.StaleStepError, match=r"call step.begin\(\) before each replay"):
+        graph.replay()
+    pool.append(int(step.sequences[0]), np.zeros((L, 1, HKV, D), np.float32),
+                np.zeros((L, 1, HKV, D), np.float32))
+    with pytest.raises(InvalidArgumentError, match=r"the pool changed since this step's "
+                                                   r"begin\(\)"):
+        step.append(0, k, k)
+    for _ in range(6):                  # past the headroom: replanned, the graph is stale
+        step.begin()
+    assert step.replans >= 1 and graph.stale
+    with pytest.raises(pd.StaleStepError, match=r"replanned .* capture again"):
+        graph.replay()
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep: path must be 'v2' or "
+                                                   r"'v1', got 'gather'"):
+        pd.DecodeStep(pool, [0], num_qo_heads=HQ, path="gather")
+
+
+def test_the_same_step_code_runs_on_mlx():
+    """MLX arrays are functional: the pool, the table buffer and the outputs rebind."""
+    require_mlx()
+    import mlx.core as mx
+    rng = np.random.default_rng(8)
+    pool, step = _setup("mlx", rng)
+    cap = step.capacity
+    q = mx.array(rng.standard_normal((cap, HQ, D)).astype(np.float32))
+    k = mx.array(rng.standard_normal((cap, HKV, D)).astype(np.float32))
+    out = mx.zeros((cap, HQ, D))
+    graph = None
+    for it in range(6):
+        step.begin()
+        if graph is None or graph.stale:
+            graph = step.capture(lambda st: [(st.append(i, k, k), st.decode(i, q, out=out))
+                                             for i in range(L)])
+        else:
+            graph.replay()
+        want, _ = _oracle(pool, step, L - 1, np.array(q))
+        assert_matches_oracle(np.array(out), None, want, None, "float32", f"step {it}")
+    assert step.path == "gather" and step.steps == 6

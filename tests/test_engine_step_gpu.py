@@ -1,0 +1,129 @@
+"""Step tables and the engine step on the ``cuda`` backend (skipped cleanly where CuPy or a
+GPU is missing): the device table equals the pool's after random operations, eager and
+CUDA-graph-captured steps match the float64 oracle through copy-on-write, page crossings
+and replans, the update runs on the caller's (torch) stream, and a captured step refuses
+to replay once stale. Not run yet where this was written (no GPU in that session).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_matches_oracle
+from test_engine_step import HKV, HQ, D, L, P
+from test_step_table import assert_matches_pool, rows
+
+import paged_decode as pd
+from paged_decode.backends import availability
+from paged_decode.reference import oracle_decode
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not availability("cuda").ok,
+                                 reason=f"CUDA backend unavailable: {availability('cuda').reason}")]
+
+
+def test_device_table_follows_the_pool_on_cuda():
+    rng = np.random.default_rng(7)
+    pool = pd.PagePool(256, 4, HKV, D, "float32", backend="cuda")
+    seqs = [pool.new_sequence() for _ in range(6)]
+    for s, n in zip(seqs, [5, 0, 9, 3, 17, 1]):
+        if n:
+            pool.append(s, rows(rng, n), rows(rng, n))
+    st = pool.step_table(seqs, capacity=8, page_capacity=16)
+    for i in range(60):
+        if i % 7 == 3:
+            child = pool.fork(seqs[i % 6])
+            pool.free(seqs[i % 6])
+            seqs[i % 6] = child
+            st.set_sequences(seqs)
+        elif i % 11 == 5:
+            pool.trim_front(seqs[2], min(3, pool.seq_len(seqs[2])))
+        pool.append_batch(seqs, rows(rng, 6), rows(rng, 6))
+        assert_matches_pool(st)
+    assert st.layout >= 1
+
+
+def _engine(dtype, capacity=8, headroom=4):
+    import cupy as cp
+    rng = np.random.default_rng(3)
+    pool = pd.PagePool(512, P, HKV, D, dtype, num_layers=L, backend="cuda")
+    seqs = [pool.new_sequence() for _ in range(5)]
+    for s, n in zip(seqs, [5, 1, 10, 33, 2]):
+        x = cp.asarray(rng.standard_normal((L, n, HKV, D))).astype(pool.k.dtype)
+        pool.append(s, x, x)
+    step = pd.DecodeStep(pool, [*seqs, pool.fork(seqs[2])], num_qo_heads=HQ,
+                         capacity=capacity, headroom=headroom)
+    return pool, step
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "graph"])
+def test_engine_steps_match_the_oracle_on_cuda(dtype, captured):
+    import cupy as cp
+    pool, step = _engine(dtype)
+    cap, dt = step.capacity, pool.k.dtype
+    q = [cp.empty((cap, HQ, D), dt) for _ in range(L)]
+    ks = [cp.empty((cap, HKV, D), dt) for _ in range(L)]
+    outs = [cp.full((cap, HQ, D), cp.nan, dt) for _ in range(L)]
+
+    def body(st):
+        for layer in range(L):
+            st.append(layer, ks[layer], ks[layer])
+            st.decode(layer, q[layer], out=outs[layer])
+
+    graph, rng = None, np.random.default_rng(5)
+    for it in range(12):
+        for layer in range(L):
+            q[layer][...] = cp.asarray(rng.standard_normal((cap, HQ, D))).astype(dt)
+            ks[layer][...] = cp.asarray(rng.standard_normal((cap, HKV, D))).astype(dt)
+        step.begin()
+        if not captured:
+            body(step)
+        elif graph is None or graph.stale:
+            graph = step.capture(body)
+            assert graph.graph is not None            # a real CUDA graph
+        else:
+            graph.replay()
+        cp.cuda.Device().synchronize()
+        for layer in range(L):
+            k, v = pool.layer(layer)
+            want, _ = oracle_decode(cp.asnumpy(q[layer]), cp.asnumpy(k), cp.asnumpy(v),
+                                    step.table.page_table())
+            assert_matches_oracle(cp.asnumpy(outs[layer]).astype(np.float32), None, want,
+                                  None, dtype, f"step {it} layer {layer}")
+    assert step.replans >= 1
+
+
+def test_table_update_runs_on_the_torch_stream_of_q():
+    torch = pytest.importorskip("torch")
+    pool, step = _engine("float16")
+    cap = step.capacity
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        q = torch.randn(cap, HQ, D, device="cuda", dtype=torch.float16)
+        out = torch.empty_like(q)
+        k = torch.randn(cap, HKV, D, device="cuda", dtype=torch.float16)
+        for _ in range(6):
+            step.begin(like=q)
+            step.append(0, k, k)
+            step.decode(0, q, out=out)
+    s.synchronize()
+    kp, vp = pool.layer(0)
+    import cupy as cp
+    want, _ = oracle_decode(q.float().cpu().numpy(), cp.asnumpy(kp), cp.asnumpy(vp),
+                            step.table.page_table())
+    assert_matches_oracle(out.float().cpu().numpy(), None, want, None, "float16", "torch")
+
+
+def test_a_stale_graph_is_refused_on_cuda():
+    import cupy as cp
+    pool, step = _engine("float16", headroom=1)
+    cap = step.capacity
+    k = cp.zeros((cap, HKV, D), pool.k.dtype)
+    step.begin()
+    graph = step.capture(lambda st: st.append(0, k, k))
+    for _ in range(P + 1):
+        step.begin()
+    assert graph.stale
+    with pytest.raises(pd.StaleStepError):
+        graph.replay()
