@@ -128,7 +128,8 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
                                                         ("v_pages", v_pages)))
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
     check_same_device(fn, be, (("q", qa), ("k_pages", ka), ("v_pages", va)))
-    if isinstance(table, StepTable):
+    step = isinstance(table, StepTable)
+    if step:
         table = step_table_arg(fn, be, table, qa)
     check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
     check_ndim(fn, "k_pages", ka.shape, 4, "[num_pages, P, Hkv, D]", "P Hkv D")
@@ -158,6 +159,10 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     check_bool(fn, "return_lse", return_lse)
     variant = check_variant(fn, be, hq, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if step and variant.window_left >= 0:   # on every backend alike (some read its host view)
+        raise UnsupportedProblemError(f"{fn}: window_left needs a PageTable; a StepTable (a "
+                                      "pool's device-resident step table) is not windowed "
+                                      "yet: pass its page_table()")
     return CallArgs(qa, ka, va, window_table(table, variant.window_left, fn=fn), b, hq, hkv,
                     d, p, q_dt, kv_dt, o_dt, scale, variant)
 

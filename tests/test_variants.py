@@ -480,3 +480,29 @@ def test_mlx_gather_and_merge_with_variants():
     want = pd.merge_states(v, lse, [0, 2, 2, 5], backend="reference", sinks=kw["sinks"])
     assert np.allclose(np.array(got[0]), want[0], atol=1e-6)
     assert np.allclose(np.array(got[1]), want[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "emulated-cuda"])
+def test_step_tables_take_cap_and_sinks_and_refuse_a_window(backend_name):
+    """A pool's device-resident step table: the kernel variants (cap, sinks) run on it;
+    a window needs the host table (refused by name, never a wrong answer)."""
+    be = get_backend(backend_name)
+    pool = pd.PagePool(num_pages=64, page_size=P, num_kv_heads=HKV, head_dim=D,
+                       dtype="float32", backend=be)
+    rng = np.random.default_rng(0)
+    seqs = [pool.new_sequence() for _ in range(3)]
+    for n, s in zip((40, 7, 33), seqs):
+        x = rng.standard_normal((n, HKV, D)).astype(np.float32)
+        pool.append(s, x, -x)
+    st = pool.step_table(seqs)
+    host = st.page_table()
+    qq = np.random.default_rng(1).standard_normal((len(seqs), HQ, D)).astype(np.float32)
+    sk = _sinks()
+    ref, ref_lse = oracle_decode(qq, be.to_numpy(pool.k), be.to_numpy(pool.v), host,
+                                 logits_soft_cap=2.0, sinks=sk)
+    out, lse = pd.decode(be.asarray(qq), pool.k, pool.v, st, path="v2", return_lse=True,
+                         backend=be, logits_soft_cap=2.0, sinks=be.asarray(sk))
+    assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), ref, ref_lse, "float32")
+    with pytest.raises(UnsupportedProblemError, match="^decode: window_left needs a "
+                                                      "PageTable"):
+        pd.decode(be.asarray(qq), pool.k, pool.v, st, backend=be, window_left=8)
