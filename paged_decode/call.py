@@ -129,7 +129,7 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
     check_same_device(fn, be, (("q", qa), ("k_pages", ka), ("v_pages", va)))
     step = isinstance(table, StepTable)
-    if step:
+    if isinstance(table, StepTable):
         table = step_table_arg(fn, be, table, qa)
     check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
     check_ndim(fn, "k_pages", ka.shape, 4, "[num_pages, P, Hkv, D]", "P Hkv D")
