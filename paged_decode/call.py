@@ -4,8 +4,9 @@
 on top of the planner, the cascade levels and the backends, and imports none of the
 entry points (no cycles). What a call goes through, in order:
 
-1. ``check_call``: the arrays, table, path, scale and flags (errors name the public
-   function) -> ``CallArgs``;
+1. ``check_call``: the arrays, table, path, scale, flags and variants (errors name the
+   public function) -> ``CallArgs``; with a sliding window its table is the window's
+   (``variants.window_table``), which every later step uses;
 2. the plan: ``resolve_plan`` (a given plan checked against the table, or a fresh one for
    the arrays' device through ``plan_decode``);
 3. the path: ``choose_path`` (``path="auto"``: the device's measured crossover table) or
@@ -47,6 +48,7 @@ from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, make_plan
 from .step_table import StepTable
+from .variants import PLAIN, Variant, check_path, check_variant, window_table
 
 #: a decode's table: the immutable host table, or a pool's device-resident step table
 Table = PageTable | StepTable
@@ -58,16 +60,19 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
                 device: DeviceInfo | None = None, backend: str | None = None,
                 target_ctas: int | None = None, pages_per_chunk: int | None = None,
                 min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
-                ctas_per_chunk: int | None = None, headroom: int = 0) -> DecodePlan:
+                ctas_per_chunk: int | None = None, headroom: int = 0,
+                window_left: int = -1) -> DecodePlan:
     """Plan a split-KV decode of ``table`` (``plan.make_plan`` documents every argument);
     ``device`` defaults to the ``DeviceInfo`` of ``backend`` (see
-    ``backends.get_backend``)."""
+    ``backends.get_backend``). ``window_left``: the sliding window the decode calls will
+    use (the plan covers only the windows' pages; ``decode`` checks it matches)."""
     if device is None:
         device = get_backend(backend, fn="plan_decode").device_info()
     return make_plan(table, num_qo_heads, num_kv_heads, head_dim, device=device,
                      target_ctas=target_ctas, pages_per_chunk=pages_per_chunk,
                      min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
-                     ctas_per_chunk=ctas_per_chunk, headroom=headroom, fn="plan_decode")
+                     ctas_per_chunk=ctas_per_chunk, headroom=headroom,
+                     window_left=window_left, fn="plan_decode")
 
 
 def choose_path(backend: Backend, table: Table, plan: DecodePlan) -> tuple[str, str]:
@@ -91,7 +96,9 @@ def choose_path(backend: Backend, table: Table, plan: DecodePlan) -> tuple[str, 
 
 @dataclass(frozen=True)
 class CallArgs:
-    """A validated decode call: backend arrays, geometry, dtypes and the scale."""
+    """A validated decode call: backend arrays, geometry, dtypes, the scale and the
+    variants. ``table`` is the one the kernels read: the call's, or its window table
+    when ``variant.window_left >= 0``."""
 
     q: Any
     k: Any
@@ -106,18 +113,22 @@ class CallArgs:
     kv_dt: str
     o_dt: str
     scale: float
+    variant: Variant = PLAIN
 
 
 def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Table, *,
                path: str, sm_scale: float | None, out_dtype: str | None,
-               return_lse: bool) -> CallArgs:
-    """Validate a decode call's arrays, table, path, scale and flags (errors name ``fn``).
-    A ``StepTable`` is brought up to date here (on the call's stream); backends whose
-    kernels do not read device tables get its host ``PageTable``."""
+               return_lse: bool, window_left: Any = -1, logits_soft_cap: Any = None,
+               sinks: Any = None) -> CallArgs:
+    """Validate a decode call's arrays, table, path, scale, flags and variants (errors
+    name ``fn``; ``variants.check_variant``). A ``StepTable`` is brought up to date here
+    (on the call's stream); backends whose kernels do not read device tables get its host
+    ``PageTable``."""
     qa, ka, va = (be.array_arg(fn, n, x) for n, x in (("q", q), ("k_pages", k_pages),
                                                         ("v_pages", v_pages)))
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
     check_same_device(fn, be, (("q", qa), ("k_pages", ka), ("v_pages", va)))
+    step = isinstance(table, StepTable)
     if isinstance(table, StepTable):
         table = step_table_arg(fn, be, table, qa)
     check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
@@ -146,7 +157,14 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     check_choice(fn, "path", path, PATHS)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else check_number(fn, "sm_scale", sm_scale)
     check_bool(fn, "return_lse", return_lse)
-    return CallArgs(qa, ka, va, table, b, hq, hkv, d, p, q_dt, kv_dt, o_dt, scale)
+    variant = check_variant(fn, be, hq, window_left=window_left,
+                            logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if step and variant.window_left >= 0:   # on every backend alike (some read its host view)
+        raise UnsupportedProblemError(f"{fn}: window_left needs a PageTable; a StepTable (a "
+                                      "pool's device-resident step table) is not windowed "
+                                      "yet: pass its page_table()")
+    return CallArgs(qa, ka, va, window_table(table, variant.window_left, fn=fn), b, hq, hkv,
+                    d, p, q_dt, kv_dt, o_dt, scale, variant)
 
 
 def step_table_arg(fn: str, be: Backend, table: StepTable, q: Any) -> Table:
@@ -168,10 +186,12 @@ def host_table(table: Table) -> PageTable:
 
 def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None) -> DecodePlan:
     """``plan`` checked against the call, or a fresh plan for the call's device."""
-    if plan is None:
-        return plan_decode(a.table, a.hq, a.hkv, a.d, device=be.device_info())
+    w = a.variant.window_left
+    if plan is None:   # a.table is already the window table: the plan records the window
+        return make_plan(a.table, a.hq, a.hkv, a.d, device=be.device_info(), window_left=w,
+                         fn=fn)
     check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
-    plan.check(fn, a.table, a.hq, a.hkv, a.d)
+    plan.check(fn, a.table, a.hq, a.hkv, a.d, w)
     return plan
 
 
@@ -186,6 +206,7 @@ def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: 
     plan = resolve_plan(fn, be, a, plan)
     chosen, reason = choose_path(be, a.table, plan) if path == "auto" else (path, "requested")
     check_support(fn, be, a, chosen)
+    check_path(fn, be.name, chosen, a.variant)
     out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
     lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
         if want_lse or chosen != "gather" else None
@@ -214,7 +235,8 @@ def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str,
     if isinstance(a.table, StepTable) and cascade is None:
         return None, "step table: cascade runs only when asked for (cascade=True)"
     cplan, why = resolve_cascade(fn, cascade, path, host_table(a.table), a.hq, a.hkv, a.d,
-                                 be.device_info, (a.q_dt, a.kv_dt))
+                                 be.device_info, (a.q_dt, a.kv_dt),
+                                 tc_allowed=a.variant.soft_cap is None)
     if cplan is None:
         return None, why
     sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq * cplan.prefix.num_members, a.hkv, a.d,
@@ -222,13 +244,18 @@ def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str,
     if not sup:
         raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the cascade's "
                                       f"level 0: {sup.reason}")
+    check_path(fn, be.name, "cascade", a.variant)
     out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
     lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32")
-    tc = tc_level0_applies(be, cplan, a.q_dt, a.kv_dt)
+    tc = tc_level0_applies(be, cplan, a.q_dt, a.kv_dt, a.variant)
+    level0 = TC_LEVEL0 if tc else V2_LEVEL0
+    if not tc and a.variant.soft_cap is not None and tc_level0_applies(be, cplan, a.q_dt,
+                                                                        a.kv_dt):
+        level0 += " (the tensor-core prefix kernel has no logits soft cap)"
+    detail = "; ".join(x for x in (f"{cplan.prefix.describe()}; level 0: {level0}",
+                                   a.variant.describe()) if x)
     outcome = DecodeOutcome("cascade", be.name, a.b, a.table.total_visible,
-                            cplan.num_partials, f"cascade: {why}",
-                            f"{cplan.prefix.describe()}; level 0: "
-                            f"{TC_LEVEL0 if tc else V2_LEVEL0}")
+                            cplan.num_partials, f"cascade: {why}", detail)
     return CascadeCall(cplan, out_a, lse_a, tc, outcome), why
 
 
@@ -242,19 +269,25 @@ def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:
 def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
              lse_a: Any) -> str:
     """Launch ``path`` (``"v2"``, ``"v1"`` or ``"gather"``) into ``out_a`` / ``lse_a``
-    (inside the backend's launch context); returns the path that ran."""
+    (inside the backend's launch context); returns the path that ran. Sinks enter once:
+    in the merge of a split plan, else in the launch that writes the output."""
+    vk = a.variant
     if path == "v2":
         if plan.needs_merge:
             v_part, lse_part = be.workspace(plan)
-            be.partial(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part)
-            be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a)
+            be.partial(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part,
+                       **vk.kernel_kwargs(final=False))
+            be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a, **vk.merge_kwargs())
             return "v2+merge"
-        be.partial(a.q, a.k, a.v, a.table, plan, a.scale, out_a, lse_a)
+        be.partial(a.q, a.k, a.v, a.table, plan, a.scale, out_a, lse_a,
+                   **vk.kernel_kwargs(final=True))
         return "v2"
     if path == "v1":
-        be.decode_v1(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a)
+        be.decode_v1(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a,
+                     **vk.kernel_kwargs(final=True))
         return "v1"
-    be.gather_sdpa(a.q, a.k, a.v, host_table(a.table), a.scale, out_a, lse_a)
+    be.gather_sdpa(a.q, a.k, a.v, host_table(a.table), a.scale, out_a, lse_a,
+                   **vk.kernel_kwargs(final=True))
     return "gather"
 
 
@@ -265,6 +298,7 @@ def empty_batch(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path
     if plan is not None:
         resolve_plan(fn, be, a, plan)
     check_support(fn, be, a, path)
+    check_path(fn, be.name, path, a.variant)
     out_a = output_buffer(fn, be, "out", out, (0, a.hq, a.d), a.o_dt)
     lse_a = output_buffer(fn, be, "lse", lse, (0, a.hq), "float32") if want_lse else None
     record(DecodeOutcome("empty", be.name, 0, 0, 0, "empty batch (B = 0): nothing to run"))

@@ -43,6 +43,7 @@ from .kernels import prefix_tc
 from .page_table import PageTable, frozen_int32
 from .plan import DecodePlan, check_geometry, make_plan
 from .specs import prefix_kernel_runs
+from .variants import PLAIN, Variant
 
 #: Shortest shared span detection considers. Measured on an H200 (2026-11-30,
 #: bench/results/h200/bench_cascade-rule{,_run8}_2026-11-30.json, shared 128-2048 x batch 2-128,
@@ -368,15 +369,18 @@ TC_LEVEL0 = "tensor-core prefix"
 V2_LEVEL0 = "v2 on stacked queries"
 
 
-def tc_level0_applies(be: Any, cplan: CascadeDecodePlan, q_dtype: str, kv_dtype: str) -> bool:
+def tc_level0_applies(be: Any, cplan: CascadeDecodePlan, q_dtype: str, kv_dtype: str,
+                      variant: Variant = PLAIN) -> bool:
     """Whether ``run_cascade`` runs level 0 on the tensor-core prefix kernel: the plan was
-    made for it, the backend has it and the dtypes fit (16-bit pools, ``q`` alike)."""
-    return bool(cplan.prefix_row_tiles) and prefix_kernel_runs(be.device_info(), q_dtype,
-                                                                kv_dtype)
+    made for it, the backend has it, the dtypes fit (16-bit pools, ``q`` alike) and no
+    logits soft cap is asked for (the prefix kernel has none; sinks enter only the final
+    merge, so they do not matter here)."""
+    return (bool(cplan.prefix_row_tiles) and variant.soft_cap is None
+            and prefix_kernel_runs(be.device_info(), q_dtype, kv_dtype))
 
 
 def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecodePlan,
-                sm_scale: float, out: Any, lse_out: Any) -> None:
+                sm_scale: float, out: Any, lse_out: Any, variant: Variant = PLAIN) -> None:
     """Run both levels and the merge on validated backend arrays. Level 0 runs on the
     tensor-core prefix kernel when ``tc_level0_applies`` (outcomes name it ``TC_LEVEL0``),
     else on the v2 partial over stacked queries (``V2_LEVEL0``). On the tensor-core path
@@ -386,6 +390,9 @@ def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecod
     ``q [B, Hq, D]``; pools ``[num_pages, P, Hkv, D]``; ``out [B, Hq, D]`` (any output
     dtype); ``lse_out [B, Hq]`` float32 (base 2). Workspaces are float32 ``scratch`` of
     ``cplan`` (kept per plan and stream on CUDA: a call allocates nothing after its first).
+    ``variant``: a soft cap applies to both levels' partials (and keeps level 0 off the
+    tensor-core kernel); sinks enter the one final merge, once per request and head. A
+    window was applied to the table the plan was made from.
     """
     xp = be.array_module()
     _, hq, d = q.shape
@@ -396,24 +403,25 @@ def run_cascade(be: Any, q: Any, k_pages: Any, v_pages: Any, cplan: CascadeDecod
     ws_v = be.scratch(cplan, "states_v", (n, hq, d), "float32")
     ws_l = be.scratch(cplan, "states_lse", (n, hq), "float32")
     v1, l1 = ws_v[:c1], ws_l[:c1]       # views on numpy/CuPy: the kernel fills ws_v, ws_l
-    be.partial(q, k_pages, v_pages, pre.level1, p1, sm_scale, v1, l1)
+    kw = variant.kernel_kwargs(final=False)
+    be.partial(q, k_pages, v_pages, pre.level1, p1, sm_scale, v1, l1, **kw)
     if be.functional_outputs:           # MLX rebinds v1, l1 instead (see backends.base)
         ws_v[:c1], ws_l[:c1] = v1, l1
     members = _device_index(be, pre.members)
-    if not (cplan.prefix_row_tiles and be.prefix_partial(
+    if not (cplan.prefix_row_tiles and variant.soft_cap is None and be.prefix_partial(
             q, k_pages, v_pages, pre.level0, p0, members, cplan.prefix_row_tiles, sm_scale,
             ws_v[c1:], ws_l[c1:])):
         q0 = stack_member_queries(xp, q, members, hkv)
         v0 = be.scratch(cplan, "level0_v", (c0, m * hq, d), "float32")
         l0 = be.scratch(cplan, "level0_lse", (c0, m * hq), "float32")
-        be.partial(q0, k_pages, v_pages, pre.level0, p0, sm_scale, v0, l0)
+        be.partial(q0, k_pages, v_pages, pre.level0, p0, sm_scale, v0, l0, **kw)
         ws_v[c1:], ws_l[c1:] = unstack_member_states(xp, v0, l0, m, hkv)
     rows = _device_index(be, cplan.merge_rows)
     if be.merge_gathers:                # the merge reads the states through `rows`
-        be.merge(ws_v, ws_l, cplan.o_indptr, out, lse_out, rows=rows)
+        be.merge(ws_v, ws_l, cplan.o_indptr, out, lse_out, rows=rows, **variant.merge_kwargs())
     else:
         be.merge(xp.take(ws_v, rows, axis=0), xp.take(ws_l, rows, axis=0), cplan.o_indptr,
-                 out, lse_out)
+                 out, lse_out, **variant.merge_kwargs())
 
 
 __all__ = ["TC_LEVEL0", "V2_LEVEL0", "CascadePlan", "CascadeDecodePlan",

@@ -87,7 +87,8 @@ def env_cascade(fn: str) -> bool | None:
 
 def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_heads: int,
                     num_kv_heads: int, head_dim: int, device: Any,
-                    dtypes: tuple[str, str] = ("float16", "float16")
+                    dtypes: tuple[str, str] = ("float16", "float16"),
+                    tc_allowed: bool = True
                     ) -> tuple[CascadeDecodePlan | None, str | None]:
     """Decide whether ``decode`` runs cascade; returns ``(plan or None, reason or None)``.
 
@@ -95,7 +96,9 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
     ``CascadePlan``/``CascadeDecodePlan`` forces that grouping, ``None`` follows
     ``PAGED_DECODE_CASCADE`` and otherwise the automatic rule (only for ``path="auto"``).
     ``device`` is a callable returning the ``DeviceInfo`` (called only when the rule or
-    the planning needs it); ``dtypes`` = (q, K/V) dtype names, for the rule.
+    the planning needs it); ``dtypes`` = (q, K/V) dtype names, for the rule;
+    ``tc_allowed`` False (a logits soft cap: the prefix kernel has none) counts level 0 as
+    the v2 partial in the rule.
     """
     geo = (num_qo_heads, num_kv_heads, head_dim)
     if isinstance(cascade, CascadeDecodePlan):
@@ -129,7 +132,7 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
     if prefix is None:
         return None, f"cascade: {none_why}"
     if not forced:
-        tc = prefix_kernel_runs(device(), *dtypes)
+        tc = tc_allowed and prefix_kernel_runs(device(), *dtypes)
         pays, why = cascade_pays(prefix, 2 * num_kv_heads * head_dim * itemsize(dtypes[1]), tc)
         if not pays:
             return None, f"cascade declined: {why}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -194,6 +195,17 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
               default=None, help="Write the measured crossover table (best of gather/v1/v2 "
                                  "per cell) that path='auto' reads; see "
                                  "paged_decode.crossover for where it is looked up.")
+@click.option("--window-left", "window_left", default=-1, show_default=True,
+              type=click.IntRange(min=-1),
+              help="Decode variant: attend to the last W + 1 tokens of each request (our "
+                   "arms and FlashInfer's window_left; -1: the whole context).")
+@click.option("--soft-cap", "soft_cap", default=0.0, show_default=True,
+              type=click.FloatRange(min=0.0),
+              help="Decode variant: logits soft cap c (scores become c tanh(s / c); our "
+                   "arms and FlashInfer's logits_soft_cap; 0: off).")
+@click.option("--sinks", is_flag=True,
+              help="Decode variant: one attention-sink logit per query head (our arms; "
+                   "FlashInfer's decode wrapper and sdpa report unavailable).")
 @click.option("--json", "json_path", type=OutPath(), default=None)
 @click.option("--csv", "csv_path", type=OutPath(), default=None)
 @click.option("--markdown", "md_path", type=OutPath(), default=None)
@@ -204,8 +216,9 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
           reps: int, warmup: int, warm_l2: bool, no_graph: bool, plot_path: str | None,
-          crossover_path: str | None, json_path: str | None, csv_path: str | None,
-          md_path: str | None, layers: int, steps: int) -> None:
+          crossover_path: str | None, window_left: int, soft_cap: float, sinks: bool,
+          json_path: str | None, csv_path: str | None, md_path: str | None, layers: int,
+          steps: int) -> None:
     """Time decode arms over a context x batch x page sweep (each arm verified against the
     float64 oracle first): GPU time under CUDA-graph replay and per-call time."""
     from .bench import preset_cases, run_bench
@@ -228,6 +241,12 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                              pages=list(pages), dtype=dtype)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    if window_left >= 0 or soft_cap or sinks:
+        if suite != "decode":
+            raise click.ClickException("bench: --window-left, --soft-cap and --sinks apply "
+                                       f"to the decode suite, not --suite {suite}")
+        cases = [dataclasses.replace(c, window_left=window_left, soft_cap=soft_cap,
+                                     sinks=sinks) for c in cases]
     arm_list = tuple(dict.fromkeys(a.strip() for a in arms.split(",") if a.strip()))
     bad = [a for a in arm_list if a not in ARMS]
     if bad or not arm_list:

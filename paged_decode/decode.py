@@ -41,7 +41,8 @@ from .step_table import StepTable
 def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | None = None,
            *, path: str = "auto", sm_scale: float | None = None, out: Any = None,
            lse: Any = None, return_lse: bool = False, out_dtype: str | None = None,
-           backend: str | Backend | None = None, cascade: Any = None) -> Any:
+           backend: str | Backend | None = None, cascade: Any = None, window_left: int = -1,
+           logits_soft_cap: float | None = None, sinks: Any = None) -> Any:
     """Paged decode attention for one query token per request.
 
     Args:
@@ -67,6 +68,16 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
             force it on/off (``True`` still runs flat when nothing is shared), or a plan
             from ``detect_shared_prefix``/``plan_cascade``. ``PAGED_DECODE_CASCADE=0/1``
             forces off/on when the argument is ``None``. ``plan`` is unused by a cascade.
+        window_left: sliding window: each request attends to its last
+            ``window_left + 1`` visible tokens (``-1``, the default: all); pages wholly
+            before the window are neither planned nor read. A given ``plan`` must be made
+            with the same ``window_left`` (``plan_decode(..., window_left=W)``).
+        logits_soft_cap: ``None`` or ``c > 0``: scores ``s = sm_scale * q.k`` become
+            ``c * tanh(s / c)`` before the softmax (the LSE is of the capped scores).
+        sinks: ``None`` or a float32 ``[Hq]`` array of the call's backend: a learned logit
+            per query head (natural-log units) that joins the softmax denominator with no
+            value; the returned LSE includes it, and a request with no visible token gives
+            zeros and the sink's LSE (``docs/variants.md``).
 
     Returns:
         ``out`` (``[B, Hq, D]``), or ``(out, lse)`` with ``return_lse``; arrays of the
@@ -83,13 +94,15 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
     """
     return run_decode("decode", q, k_pages, v_pages, table, plan, path=path,
                       sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
-                      out_dtype=out_dtype, backend=backend, cascade=cascade)
+                      out_dtype=out_dtype, backend=backend, cascade=cascade,
+                      window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: Table,
                plan: DecodePlan | None = None, *, path: str, sm_scale: float | None,
                out: Any, lse: Any, return_lse: bool, out_dtype: str | None,
-               backend: str | Backend | None, cascade: Any) -> Any:
+               backend: str | Backend | None, cascade: Any, window_left: Any = -1,
+               logits_soft_cap: Any = None, sinks: Any = None) -> Any:
     """``decode`` for the public function ``fn`` (``decode``, ``cascade_decode``): its
     errors name ``fn``."""
     conf = settings.snapshot()     # every PAGED_DECODE_* setting, read once for the call
@@ -97,15 +110,18 @@ def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: Table,
         be = backend_for(backend, q, fn=fn)
         return _run_decode(fn, be, conf, q, k_pages, v_pages, table, plan, path=path,
                            sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
-                           out_dtype=out_dtype, cascade=cascade)
+                           out_dtype=out_dtype, cascade=cascade,
+                           variants={"window_left": window_left,
+                                     "logits_soft_cap": logits_soft_cap, "sinks": sinks})
 
 
 def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: Any,
                 v_pages: Any, table: Table, plan: DecodePlan | None, *, path: str,
                 sm_scale: float | None, out: Any, lse: Any, return_lse: bool,
-                out_dtype: str | None, cascade: Any) -> Any:
+                out_dtype: str | None, cascade: Any, variants: dict[str, Any]) -> Any:
     fast_key = None
-    arrays = (q, k_pages, v_pages, out, lse)
+    sinks = variants["sinks"]
+    arrays = (q, k_pages, v_pages, out, lse, sinks)
     if (out is not None and (lse is not None or not return_lse) and not be.functional_outputs
             and ((plan is not None and (cascade is None or cascade is False))
                  or isinstance(cascade, CascadeDecodePlan))):
@@ -124,7 +140,8 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
             table_key = id(table)
         fast_key = (id(q), id(k_pages), id(v_pages), table_key, id(plan), id(out), id(lse),
                     return_lse, path, sm_scale, out_dtype, cascade, id(be),
-                    be.stream_key(q), conf)
+                    be.stream_key(q), conf, variants["window_left"],
+                    variants["logits_soft_cap"], id(sinks))
         try:
             prepared = decode_cache.get(fast_key, arrays)
         except TypeError:   # an unhashable argument: never cached, the checks below say why
@@ -136,13 +153,13 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     want_lse = return_lse or lse is not None
     with be.launch_context(q):        # the device and stream of q, entered once
         a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
-                       out_dtype=out_dtype, return_lse=return_lse)
+                       out_dtype=out_dtype, return_lse=return_lse, **variants)
         single = be.auto_path() if path == "auto" else None  # no automatic cascade there
         run_as = single[0] if single else path
         cc, why_cascade = cascade_call(fn, be, a, cascade, run_as, out, lse)
         if cc is not None:
-            run_cascade(be, a.q, a.k, a.v, cc.plan, a.scale, cc.out, cc.lse)
-        elif a.b == 0:
+            run_cascade(be, a.q, a.k, a.v, cc.plan, a.scale, cc.out, cc.lse, a.variant)
+        elif a.b == 0:   # B = 0: nothing to window either
             return empty_batch(fn, be, a, plan, "v2" if run_as == "auto" else run_as, q,
                                out, lse, want_lse, return_lse)
         else:
@@ -158,8 +175,9 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
         return results(be, q, out, lse, cc.out, cc.lse, return_lse)
     if why_cascade:
         reason = f"{reason}; {why_cascade}"
-    record(DecodeOutcome(ran, be.name, a.b, table.total_visible,
-                         fplan.num_chunks if ran.startswith("v2") else a.b, reason))
+    record(DecodeOutcome(ran, be.name, a.b, a.table.total_visible,
+                         fplan.num_chunks if ran.startswith("v2") else a.b, reason,
+                         a.variant.describe()))
     if fast_key is not None and chosen in ("v2", "v1"):
         decode_cache.put(fast_key, (be, table, fplan), arrays,
                          PreparedDecode(be, a, fplan, path=chosen, reason=reason, out=out,
@@ -172,14 +190,19 @@ def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: Table, *,
                    sm_scale: float | None = None, out: Any = None, lse: Any = None,
                    return_lse: bool = False, out_dtype: str | None = None,
                    backend: Any = None,
-                   cascade_plan: CascadePlan | CascadeDecodePlan | None = None) -> Any:
+                   cascade_plan: CascadePlan | CascadeDecodePlan | None = None,
+                   window_left: int = -1, logits_soft_cap: float | None = None,
+                   sinks: Any = None) -> Any:
     """Decode with a shared prefix read once per group (``paged_decode.cascade``).
 
     Same arrays and results as ``decode`` (``q [B, Hq, D]``, pools ``[num_pages, P, Hkv,
     D]``, ``out [B, Hq, D]``, ``lse [B, Hq]`` float32 **base 2**). ``cascade_plan``: a
     ``detect_shared_prefix`` or ``plan_cascade`` result for this table (detected here when
     ``None``). Without a sharing group it runs flat v2 and records why
-    (``last_outcome().reason``).
+    (``last_outcome().reason``). ``window_left``, ``logits_soft_cap`` and ``sinks`` are
+    ``decode``'s; with a window the sharing group is detected on the window table (a
+    ``cascade_plan`` must be made for it: ``variants.window_table``), a soft cap runs
+    level 0 on the v2 partial (the outcome says so) and sinks enter the final merge once.
     """
     fn = "cascade_decode"
     if not (cascade_plan is None or isinstance(cascade_plan, (CascadePlan, CascadeDecodePlan))):
@@ -187,7 +210,8 @@ def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: Table, *,
                                    f"CascadeDecodePlan, got {type(cascade_plan).__name__}")
     return run_decode(fn, q, k_pages, v_pages, table, path="v2", sm_scale=sm_scale, out=out,
                       lse=lse, return_lse=return_lse, out_dtype=out_dtype, backend=backend,
-                      cascade=True if cascade_plan is None else cascade_plan)
+                      cascade=True if cascade_plan is None else cascade_plan,
+                      window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 __all__ = ["cascade_decode", "decode", "run_decode"]

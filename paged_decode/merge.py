@@ -18,6 +18,7 @@ import numpy as np
 from .backends import Backend, Problem, backend_for, c_contiguous
 from .dtypes import check_dtype, expect_dtype
 from .errors import InvalidArgumentError, UnsupportedProblemError, check_ndim, check_shape
+from .variants import check_variant
 
 
 def _check_state(fn: str, be: Backend, names: tuple[str, str], v: Any, lse: Any, dims: str,
@@ -36,7 +37,7 @@ def _check_state(fn: str, be: Backend, names: tuple[str, str], v: Any, lse: Any,
 
 
 def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
-                 backend: str | Backend | None = None) -> tuple[Any, Any]:
+                 backend: str | Backend | None = None, sinks: Any = None) -> tuple[Any, Any]:
     """Variable-length merge of normalized partial states.
 
     Args:
@@ -45,6 +46,10 @@ def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
         indptr: host ints ``[M+1]``: output row ``o`` merges rows ``indptr[o]:indptr[o+1]``
             (``indptr[0] == 0``, non-decreasing, ``indptr[-1] == N``).
         out_dtype: dtype of the merged V.
+        sinks: ``None`` or float32 ``[H]`` (natural-log units): each group takes one more
+            state, LSE ``sinks[h] * log2(e)`` and value 0, once (``docs/variants.md``;
+            merge with sinks only where a group is final: merging its result again with
+            sinks would count them twice).
 
     Returns:
         ``(v_out [M, H, D], lse_out [M, H] float32, base 2)``.
@@ -68,12 +73,13 @@ def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
                                    f"at N = {n}, got {ip.tolist()[:16]}")
     m = ip.size - 1
     o_dt = check_dtype(fn, "out_dtype", out_dtype)
+    variant = check_variant(fn, be, h, sinks=sinks)
     sup = be.supports(Problem("float32", "float32", h, h, d, 1, "merge"))
     if not sup:
         raise UnsupportedProblemError(f"{fn}: {sup.reason} (backend {be.name!r})")
     v_out = be.empty((m, h, d), o_dt)
     lse_out = be.empty((m, h), "float32")
-    be.merge(va, la, ip.astype(np.int32), v_out, lse_out)
+    be.merge(va, la, ip.astype(np.int32), v_out, lse_out, **variant.merge_kwargs())
     return be.wrap_result(v_out, like=v), be.wrap_result(lse_out, like=v)
 
 

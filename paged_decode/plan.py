@@ -30,6 +30,7 @@ from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_ty
 from .page_table import PageTable, frozen_int32
 from .specs import MAX_HEADS_PER_CTA, heads_per_cta
 from .step_table import StepTable
+from .variants import check_window, window_table
 
 MAX_CHUNKS = 65535
 #: set while make_plan constructs its plan (this thread)
@@ -79,6 +80,9 @@ class DecodePlan:
       ``[tile * pages_per_chunk, min((tile + 1) * pages_per_chunk, pages))``.
     - ``o_indptr [B+1]``: request ``r``'s partials are rows ``o_indptr[r]:o_indptr[r+1]``.
     - ``chunks_per_request [B]``.
+    - ``window_left``: the sliding window the plan was made for (``-1``: none); its chunks
+      cover only each request's window (``variants.window_table``), and ``matches`` /
+      ``check`` apply the window to the table they are given.
     Workspaces: ``v_part [C, Hq, D]`` float32 and ``lse_part [C, Hq]`` float32 (log2),
     needed only when ``needs_merge``.
     """
@@ -98,6 +102,7 @@ class DecodePlan:
     request_indices: np.ndarray = field(repr=False)
     kv_tile_indices: np.ndarray = field(repr=False)
     o_indptr: np.ndarray = field(repr=False)
+    window_left: int = -1
     #: tokens per request the plan was made to grow by (``make_plan(headroom=...)``)
     headroom: int = 0
     #: tables this plan was checked against (weak: tables are dropped with their step)
@@ -117,6 +122,7 @@ class DecodePlan:
             check_int(fn, name, getattr(self, name))
         check_int(fn, "headroom", self.headroom, 0)
         check_geometry(fn, self.num_qo_heads, self.num_kv_heads, self.head_dim)
+        check_int(fn, "window_left", self.window_left, -1)
         g = self.num_qo_heads // self.num_kv_heads
         if self.heads_per_cta * self.q_groups != g or self.heads_per_cta > MAX_HEADS_PER_CTA:
             raise fail(fn, f"heads_per_cta x q_groups must be the GQA group {g} with at most "
@@ -174,6 +180,7 @@ class DecodePlan:
         """
         check_type("DecodePlan.mismatch", "table", table, (PageTable, StepTable),
                    "a PageTable or StepTable")
+        table = window_table(table, self.window_left)
         if table.batch_size != self.batch_size:
             return f"batch size {table.batch_size} != plan's {self.batch_size}"
         if table.page_size != self.page_size:
@@ -190,13 +197,18 @@ class DecodePlan:
         return self.mismatch(table) is None
 
     def check(self, fn: str, table: PageTable | StepTable, num_qo_heads: int,
-              num_kv_heads: int, head_dim: int) -> None:
-        """Raise ``PlanMismatchError`` unless the plan fits this table and geometry."""
+              num_kv_heads: int, head_dim: int, window_left: int = -1) -> None:
+        """Raise ``PlanMismatchError`` unless the plan fits this table, geometry and
+        window (``table`` may be the call's table or its window table)."""
         geo = (num_qo_heads, num_kv_heads, head_dim)
         mine = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
         if geo != mine:
             raise PlanMismatchError(f"{fn}: plan was made for (Hq, Hkv, D) = {mine}, "
                                     f"got {geo}")
+        if window_left != self.window_left:
+            raise PlanMismatchError(f"{fn}: plan was made for window_left = "
+                                    f"{self.window_left}, got {window_left} (pass "
+                                    "window_left to plan_decode too)")
         # one check per (plan, table): a PageTable never changes, a StepTable is checked
         # once per version (its flushes)
         token = table.version if isinstance(table, StepTable) else -1
@@ -235,7 +247,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
               head_dim: int, *, device: DeviceInfo, target_ctas: int | None = None,
               pages_per_chunk: int | None = None, min_chunk_tokens: int | None = None,
               max_chunks: int = MAX_CHUNKS, ctas_per_chunk: int | None = None,
-              headroom: int = 0, hint: int | None = None,
+              headroom: int = 0, hint: int | None = None, window_left: int = -1,
               fn: str = "make_plan") -> DecodePlan:
     """Plan a split-KV decode of ``table`` on ``device`` (``paged_decode.plan_decode``
     finds the device of a backend first; errors name ``fn``).
@@ -258,10 +270,15 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
             so the plan keeps matching (``mismatch``) until a request outgrows it.
         hint: a chunk size to try first (the previous plan's ``pages_per_chunk`` when
             replanning): the result is the same, found with fewer evaluations.
+        window_left: a sliding window (``-1``: none): the plan covers only the pages of
+            each request's last ``W + 1`` visible tokens (``variants.window_table``), so
+            pages before a window get no chunk and no CTA.
     """
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
     headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+    window_left = check_window(fn, window_left)
+    table = window_table(table, window_left)
     max_chunks = check_int(fn, "max_chunks", max_chunks, 1, MAX_CHUNKS)
     b = table.batch_size
     if b < 1:
@@ -347,6 +364,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
                           table.page_size, ppc, qh, q_groups, target,
                           pages_per_chunk is not None, int(ctas_per_chunk),
                           frozen_int32(counts), frozen_int32(req), frozen_int32(tiles),
-                          frozen_int32(o_indptr), headroom=headroom)
+                          frozen_int32(o_indptr), headroom=headroom,
+                          window_left=window_left)
     finally:
         _planning.active = False

@@ -91,7 +91,7 @@ class PreparedDecode(_PreparedCall):
         self.outcome = DecodeOutcome(
             self.path, be.name, args.b, args.table.total_visible,
             plan.num_chunks if self.path.startswith("v2") else args.b,
-            f"{reason}; prepared call")
+            f"{reason}; prepared call", args.variant.describe())
 
 
 class PreparedCascade(_PreparedCall):
@@ -107,7 +107,8 @@ class PreparedCascade(_PreparedCall):
         self._return_lse, self._like = return_lse, like
 
         def run() -> None:
-            run_cascade(be, args.q, args.k, args.v, call.plan, args.scale, call.out, call.lse)
+            run_cascade(be, args.q, args.k, args.v, call.plan, args.scale, call.out, call.lse,
+                        args.variant)
 
         self.compiled = be.merge_gathers and call.tensor_cores
         self._eager = not self.compiled
@@ -121,7 +122,9 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                    sm_scale: float | None = None, out: Any = None, lse: Any = None,
                    return_lse: bool = False, out_dtype: str | None = None,
                    backend: str | Backend | None = None,
-                   cascade: Any = None) -> PreparedDecode | PreparedCascade:
+                   cascade: Any = None, window_left: int = -1,
+                   logits_soft_cap: float | None = None,
+                   sinks: Any = None) -> PreparedDecode | PreparedCascade:
     """Prepare ``decode(q, k_pages, v_pages, table, plan, ...)`` for repeated launches.
 
     Arguments are ``decode``'s (shapes: ``q [B, Hq, D]``, pools
@@ -130,7 +133,8 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
     a ``CascadeDecodePlan`` a cascade (``PreparedCascade``; with ``True`` and no shared
     prefix, a flat decode). ``out`` and ``lse`` are allocated here when not given and
     returned by every call. The arrays stay bound to the prepared call: update them in
-    place.
+    place (``sinks`` too). ``window_left``, ``logits_soft_cap`` and ``sinks`` are
+    ``decode``'s variants, fixed for the prepared call.
     """
     fn = "prepare_decode"
     with settings.bound(settings.snapshot()):
@@ -138,7 +142,9 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
         with be.launch_context(q):    # the device and stream of q, entered once
             made = _prepare(fn, be, q, k_pages, v_pages, table, plan, path=path,
                             sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
-                            out_dtype=out_dtype, cascade=cascade)
+                            out_dtype=out_dtype, cascade=cascade,
+                            variants={"window_left": window_left,
+                                      "logits_soft_cap": logits_soft_cap, "sinks": sinks})
         kind, a, setup, bound = made
         if kind == "cascade":
             return PreparedCascade(be, a, setup, **bound)
@@ -149,13 +155,13 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
 
 def _prepare(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Table,
              plan: DecodePlan | None, *, path: str, sm_scale: float | None, out: Any,
-             lse: Any, return_lse: bool, out_dtype: str | None, cascade: Any
-             ) -> tuple[str, CallArgs, Any, dict[str, Any]]:
+             lse: Any, return_lse: bool, out_dtype: str | None, cascade: Any,
+             variants: dict[str, Any]) -> tuple[str, CallArgs, Any, dict[str, Any]]:
     """The host work of ``prepare_decode`` inside the launch context: ``(kind, args,
     set-up, returned arrays)``, ``kind`` ``"cascade"`` (a ``CascadeCall``) or ``"flat"``
     (``flat_call``'s tuple); the prepared call is made outside (it records launches)."""
     a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
-                   out_dtype=out_dtype, return_lse=return_lse)
+                   out_dtype=out_dtype, return_lse=return_lse, **variants)
     want_lse = return_lse or lse is not None
 
     def bound(out_a: Any, lse_a: Any) -> dict[str, Any]:

@@ -28,48 +28,76 @@ def request_kv_f64(pages: Any, table: PageTable, r: int) -> np.ndarray:
     return run[int(table.first_page_offset[r]):end]
 
 
-def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float
+def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float, *,
+                  soft_cap: float | None = None, sinks: Any = None
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Dense GQA attention of one query token: ``q [Hq, D]``, ``k, v [T, Hkv, D]``.
 
     The GQA group is a matmul axis (query head ``h`` reads KV head ``h // G``), so no
-    per-query-head copy of K/V is made. Returns ``out [Hq, D]`` float64 and ``lse [Hq]``
-    float64, **base 2** (``-inf`` and zeros when ``T == 0``; NaN for a head with a
-    non-finite score).
+    per-query-head copy of K/V is made. ``soft_cap`` ``c``: scores ``s`` become
+    ``c * tanh(s / c)``; ``sinks`` ``[Hq]`` (natural units): one more logit per head in
+    the denominator, with no value. Returns ``out [Hq, D]`` float64 and ``lse [Hq]``
+    float64, **base 2** (``-inf`` and zeros when ``T == 0`` and no sink; the sink's LSE
+    and zeros when ``T == 0`` with one; NaN for a head with a non-finite score or sink
+    other than ``-inf``).
     """
     hq, d = q.shape
     t, hkv, _ = k.shape
+    sk = None if sinks is None else as_float64(np.asarray(sinks)).reshape(hq)
     if t == 0:
-        return np.zeros((hq, d)), np.full(hq, -np.inf)
+        if sk is None:
+            return np.zeros((hq, d)), np.full(hq, -np.inf)
+        with np.errstate(invalid="ignore"):
+            bad = np.isnan(sk) | (sk == np.inf)
+        return (np.where(bad[:, None], np.nan, 0.0) * np.ones((hq, d)),
+                np.where(bad, np.nan, sk / math.log(2.0)))
     g = hq // hkv
     qg = q.astype(np.float64).reshape(hkv, g, d)
     with np.errstate(invalid="ignore", over="ignore"):
         logits = np.matmul(qg, k.transpose(1, 2, 0)) * sm_scale           # [Hkv, G, T]
         # a non-finite score poisons its head (NaN output and LSE; numpy's max keeps NaN)
         logits = np.where(np.isfinite(logits), logits, np.nan)
+        if soft_cap is not None:
+            logits = soft_cap * np.tanh(logits / soft_cap)
         mx = logits.max(axis=-1, keepdims=True)
+        if sk is not None:
+            s3 = sk.reshape(hkv, g, 1)
+            # a NaN or +inf sink poisons; -inf adds nothing (max ignores it)
+            mx = np.where(np.isnan(s3) | (s3 == np.inf), np.nan, np.maximum(mx, s3))
         e = np.exp(logits - mx)
         den = e.sum(axis=-1)
+        if sk is not None:
+            den = den + np.exp(sk.reshape(hkv, g) - mx[..., 0])
         out = np.matmul(e, np.ascontiguousarray(v.transpose(1, 0, 2))) / den[..., None]
     lse = (mx[..., 0] + np.log(den)) / math.log(2.0)
     return out.reshape(hq, d), lse.reshape(hq)
 
 
 def oracle_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                  sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  sm_scale: float | None = None, *, window_left: int = -1,
+                  logits_soft_cap: float | None = None, sinks: Any = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """float64 paged decode: ``q [B, Hq, D]`` -> ``out [B, Hq, D]``, ``lse [B, Hq]`` (base 2).
 
-    Inputs may be any array kind with ``__array__`` (they are read on the host).
+    Variants (``docs/variants.md``): ``window_left = W >= 0`` keeps the last ``W + 1``
+    visible tokens of each request (sliced here from the full run, independently of the
+    package's window table), ``logits_soft_cap`` and ``sinks [Hq]`` as in
+    ``attention_f64``. Inputs may be any array kind with ``__array__`` (read on the host).
     """
     qn = as_float64(np.asarray(q))
     b, hq, d = qn.shape
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    sk = None if sinks is None else np.asarray(sinks)
     out = np.zeros((b, hq, d))
     lse = np.full((b, hq), -np.inf)
     for r in range(b):
         k = request_kv_f64(k_pages, table, r)
         v = request_kv_f64(v_pages, table, r)
-        out[r], lse[r] = attention_f64(qn[r], k, v, scale)
+        if window_left >= 0:
+            k, v = k[max(0, k.shape[0] - 1 - window_left):], v[max(0, v.shape[0] - 1
+                                                                   - window_left):]
+        out[r], lse[r] = attention_f64(qn[r], k, v, scale, soft_cap=logits_soft_cap,
+                                       sinks=sk)
     return out, lse
 
 

@@ -52,6 +52,7 @@ from .errors import (
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable, frozen_int32
 from .softmax import RowSoftmax
+from .variants import Variant, cap_logits, check_path, check_variant, window_starts, with_sink
 
 DEFAULT_MIN_SPARSITY = 2.0   # measured: see the module docstring
 
@@ -59,6 +60,9 @@ DEFAULT_MIN_SPARSITY = 2.0   # measured: see the module docstring
 #: keyed by (capacity, live lengths, duplicate check), so repeated calls with one
 #: selection (layers of a step, benchmarks) do the host work once
 _checked: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], PageTable | None]] = \
+    weakref.WeakKeyDictionary()
+#: per Selection: its window selections, keyed by (window_left, live lengths)
+_windowed: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = \
     weakref.WeakKeyDictionary()
 LOG2E = 1.4426950408889634
 
@@ -199,11 +203,28 @@ def check_selection(fn: str, selection: Selection, live: np.ndarray, *,
                 f"{int(srt[bi, hi, j])} twice (pass check_duplicates=False to count it twice)")
 
 
+def window_selection(selection: Selection, live: np.ndarray, window_left: int) -> Selection:
+    """``selection`` without the positions before each request's window: position ``t``
+    of request ``b`` stays iff ``t >= live[b] - 1 - window_left`` (``selection`` itself
+    for ``window_left = -1``). Entries keep their order."""
+    if window_left < 0:
+        return selection
+    b, h, s = selection.shape
+    start = window_starts(live, window_left)                           # [B]
+    valid = np.arange(s)[None, None, :] < selection.counts[..., None]
+    keep = valid & (selection.positions >= start[:, None, None])
+    order = np.argsort(~keep, axis=-1, kind="stable")                  # kept entries first
+    pos = np.take_along_axis(selection.positions, order, axis=-1)
+    return Selection(frozen_int32(pos), frozen_int32(keep.sum(axis=-1)))
+
+
 def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any, *,
                   live_lens: Any, min_sparsity: float = DEFAULT_MIN_SPARSITY,
                   sm_scale: float | None = None, return_lse: bool = False,
                   out_dtype: str | None = None, check_duplicates: bool = True,
-                  return_outcome: bool = False, backend: str | Backend | None = None) -> Any:
+                  return_outcome: bool = False, backend: str | Backend | None = None,
+                  window_left: int = -1, logits_soft_cap: float | None = None,
+                  sinks: Any = None) -> Any:
     """Decode attention over selected cached tokens (see the module docstring).
 
     Args:
@@ -218,6 +239,12 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         out_dtype: output dtype (default: ``q``'s).
         return_outcome: also return the ``DecodeOutcome`` (path ``"sparse"`` or
             ``"sparse-masked"`` and the reason); it is recorded either way.
+        window_left: sliding window: position ``t`` of request ``b`` is attended iff
+            ``t >= live_lens[b] - 1 - window_left`` (``-1``: no window); selected
+            positions before it are dropped before the gate and the table are built.
+        logits_soft_cap: ``None`` or ``c > 0``: scores become ``c * tanh(s / c)``.
+        sinks: ``None`` or float32 ``[Hq]`` (natural units), joined once to each final
+            state (``variants.with_sink``, in float32 before the output is rounded).
 
     Returns:
         ``out [B, Hq, D]``, then ``lse`` with ``return_lse``, then the outcome with
@@ -250,6 +277,9 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         check_bool(fn, name, flag)
     min_sparsity = check_number(fn, "min_sparsity", min_sparsity, minimum=0)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else check_number(fn, "sm_scale", sm_scale)
+    variant = check_variant(fn, be, hq, window_left=window_left,
+                            logits_soft_cap=logits_soft_cap, sinks=sinks)
+    check_path(fn, be.name, "sparse", variant)
     sel = selection if isinstance(selection, Selection) else \
         _make_selection(fn, selection, None)
     if sel.shape[:2] != (b, hkv):
@@ -261,6 +291,14 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
     if key not in memo:  # a Selection is immutable: check (and build its table) once
         check_selection(fn, sel, live, check_duplicates=check_duplicates)
         memo[key] = None
+    if variant.window_left >= 0:   # the window's selection, memoised with its source
+        wins = _windowed.setdefault(sel, {})
+        wkey = (variant.window_left, live.tobytes())
+        if wkey not in wins:
+            wins[wkey] = window_selection(sel, live, variant.window_left)
+        sel = wins[wkey]
+        memo = _checked.setdefault(sel, {})
+        memo.setdefault(key, None)                # checked through its source
     selected = sel.total_selected
     live_rows = int(live.astype(np.int64).sum()) * hkv
     fused = live_rows >= min_sparsity * selected and b > 0   # no plan fits no requests
@@ -270,8 +308,10 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
     unsupported = fused and not sup and min_sparsity > 0
     if unsupported:   # the gate falls back; min_sparsity = 0 (always fused) raises below
         fused = False
+    # with sinks the output stays float32 until they join it (one rounding)
+    work_dt = "float32" if variant.sinks is not None else o_dt
     with be.launch_context(q):
-        out_a = be.empty((b, hq, d), o_dt)
+        out_a = be.empty((b, hq, d), work_dt)
         lse_a = be.empty((b, hq), "float32")
         if fused:
             table = memo[key] or sparse_table(sel, cap)
@@ -286,32 +326,51 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
             if plan.needs_merge:
                 v_part = be.empty((plan.num_chunks, g, d), "float32")
                 l_part = be.empty((plan.num_chunks, g), "float32")
-                be.partial(qf, kp, vp, table, plan, scale, v_part, l_part)
+                be.partial(qf, kp, vp, table, plan, scale, v_part, l_part,
+                           **variant.kernel_kwargs(final=False))
                 be.merge(v_part, l_part, plan.o_indptr, of, lf)
-            else:
-                be.partial(qf, kp, vp, table, plan, scale, of, lf)
+            else:   # heads are folded into requests: sinks join below, not in a kernel
+                be.partial(qf, kp, vp, table, plan, scale, of, lf,
+                           **variant.kernel_kwargs(final=False))
             if be.functional_outputs:   # MLX rebinds of, lf (see backends.base)
                 out_a, lse_a = of.reshape(b, hq, d), lf.reshape(b, hq)
             chunks = plan.num_chunks
             why = (f"fused: live/selected = {ratio:.2f} >= min_sparsity {min_sparsity:g}"
                    if min_sparsity else "fused: sparsity gate disabled (min_sparsity 0)")
         else:
-            masked_attention(be, qa, ka, va, sel, live, scale, out_a, lse_a)
+            masked_attention(be, qa, ka, va, sel, live, scale, out_a, lse_a,
+                             soft_cap=variant.soft_cap)
             chunks = b * hkv
             why = ("empty batch (B = 0): nothing to run" if b == 0 else
                    f"declined: backend {be.name!r} cannot run the fused path "
                    f"({sup.reason}); dense masked path" if unsupported else
                    f"declined: live/selected = {ratio:.2f} < min_sparsity {min_sparsity:g}; "
                    "dense masked path")
+        if variant.sinks is not None:
+            out_a, lse_a = _join_sinks(be, out_a, lse_a, variant, o_dt)
+    detail = f"selected {selected} of {live_rows} live rows"
+    if not variant.plain:
+        detail = f"{detail}; {variant.describe()}"
     outcome = record(DecodeOutcome("sparse" if fused else "sparse-masked", be.name, b,
-                                   selected, chunks, why,
-                                   f"selected {selected} of {live_rows} live rows"))
+                                   selected, chunks, why, detail))
     res: list[Any] = [be.wrap_result(out_a, like=q)]
     if return_lse:
         res.append(be.wrap_result(lse_a, like=q))
     if return_outcome:
         res.append(outcome)
     return res[0] if len(res) == 1 else tuple(res)
+
+
+def _join_sinks(be: Backend, out: Any, lse: Any, variant: Variant, o_dt: str
+                ) -> tuple[Any, Any]:
+    """The final states ``out [B, Hq, D]`` float32, ``lse [B, Hq]`` with the sinks joined,
+    ``out`` then in ``o_dt``."""
+    xp = be.array_module()
+    with np.errstate(invalid="ignore", over="ignore"):
+        o, lse2 = with_sink(xp, out, lse, variant.sinks, (int(out.shape[1]),))
+    final = be.empty(tuple(out.shape), o_dt)
+    final[...] = o.astype(final.dtype)           # MLX: rebinds `final` (backends.base)
+    return final, lse2.astype(xp.float32)
 
 
 def pool_view(cache: Any) -> Any:
@@ -331,10 +390,12 @@ def selection_mask(selection: Selection, length: int) -> np.ndarray:
 
 
 def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection: Selection,
-                     live: np.ndarray, sm_scale: float, out: Any, lse_out: Any) -> None:
+                     live: np.ndarray, sm_scale: float, out: Any, lse_out: Any, *,
+                     soft_cap: float | None = None) -> None:
     """The dense masked path in float32 with the backend's array module: every live row
     is read; unselected rows get ``-inf`` logits. ``out [B, Hq, D]``, ``lse_out [B, Hq]``
-    float32 base 2 (zeros and ``-inf`` for an empty selection)."""
+    float32 base 2 (zeros and ``-inf`` for an empty selection); ``soft_cap`` (natural
+    units) caps the scores."""
     xp = be.array_module()
     b, hkv, _, d = k_cache.shape
     hq = q.shape[1]
@@ -346,7 +407,7 @@ def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection:
     qf = q.astype(xp.float32).reshape(b, hkv, g, d)
     with np.errstate(invalid="ignore", over="ignore"):   # numpy: non-finite scores are poison
         s = xp.matmul(qf, k.transpose(0, 1, 3, 2)) * float(sm_scale * LOG2E)  # [B,Hkv,G,n]
-        sm = RowSoftmax(xp, s, mask, base2=True)
+        sm = RowSoftmax(xp, cap_logits(xp, s, soft_cap, base2=True), mask, base2=True)
         o = sm.normalize(xp.matmul(sm.p, v))
     out[...] = o.reshape(b, hq, d).astype(out.dtype)
     lse_out[...] = sm.lse2.reshape(b, hq).astype(xp.float32)

@@ -62,6 +62,8 @@ class KernelSpec:
     gather: bool = False         # merge: inputs read through a row index (CUDA only)
     tile_tokens: int = 0         # prefix: K/V tokens per shared-memory tile
     vector_bytes: int = 0        # append: bytes per access (kernels/append.py)
+    soft_cap: bool = False       # v2, v1: logits soft cap (paged_decode/variants.py)
+    sink: bool = False           # v2, v1 (final store), merge: attention sinks
 
     # the kernels' template parameters are read off these fields by name in
     # ``kernels/<name>.py`` (``KernelDef.arguments``)
@@ -92,6 +94,10 @@ class KernelSpec:
             parts.append(f"kt-{self.tile_tokens}")
         if self.vector_bytes:
             parts.append(f"vb-{self.vector_bytes}")
+        if self.soft_cap:
+            parts.append("softcap")
+        if self.sink:
+            parts.append("sink")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -135,22 +141,26 @@ V1_STAGES = 2
 
 
 def v2_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,
-            heads_per_cta: int) -> KernelSpec:
+            heads_per_cta: int, *, soft_cap: bool = False, sink: bool = False) -> KernelSpec:
+    """The v2 partial; ``soft_cap`` / ``sink`` specialize it for those variants (``sink``
+    only where it writes the output: merged partials never hold a sink)."""
     loads = v2_row_loads(kv_dtype, head_dim, heads_per_cta)
     return KernelSpec("v2", out_dtype, head_dim, q_dtype, kv_dtype, page_size, heads_per_cta,
                       V2_NUM_WARPS,
                       pipeline_stages(kv_dtype, head_dim, V2_NUM_WARPS, V2_STAGES, loads),
-                      loads)
+                      loads, soft_cap=soft_cap, sink=sink)
 
 
 def v1_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int,
-            page_size: int) -> KernelSpec:
+            page_size: int, *, soft_cap: bool = False, sink: bool = False) -> KernelSpec:
     return KernelSpec("v1", out_dtype, head_dim, q_dtype, kv_dtype, page_size, 0, V1_NUM_WARPS,
-                      pipeline_stages(kv_dtype, head_dim, V1_NUM_WARPS, V1_STAGES))
+                      pipeline_stages(kv_dtype, head_dim, V1_NUM_WARPS, V1_STAGES),
+                      soft_cap=soft_cap, sink=sink)
 
 
-def merge_spec(out_dtype: str, head_dim: int, gather: bool = False) -> KernelSpec:
-    return KernelSpec("merge", out_dtype, head_dim, gather=gather)
+def merge_spec(out_dtype: str, head_dim: int, gather: bool = False, *,
+               sink: bool = False) -> KernelSpec:
+    return KernelSpec("merge", out_dtype, head_dim, gather=gather, sink=sink)
 
 
 #: the tensor-core prefix kernel's dtypes (its operands are 16-bit; q must match the pools)

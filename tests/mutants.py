@@ -9,7 +9,11 @@ changed text (v1 compiles v2's ``attend_range``): it must occur exactly once in 
 ``StaleMutation`` is raised (a ``RuntimeError``, never an ``AssertionError``, so a
 mutation that no longer applies can never count as detected). ``backend(mutation)`` is an
 emulated backend running it; ``install(mutations)`` makes every emulated backend of the
-process run them (the runner's subprocesses, through ``conftest.py``).
+process run them (the runner's subprocesses, through ``conftest.py``). The ``"python"``
+dialect plants a bug in host code instead (the call layer's variant rules, the window
+table, the plan): ``kernels`` names one module of the package, whose source is changed and
+re-executed by ``install``, and every function it defines replaces the original wherever
+the package imported it.
 
 ``MUTANTS`` pairs each named, realistic mutation with the pytest node ids that must kill
 it. The runner (``python tests/mutants.py``, ``make mutants``) first checks that every
@@ -88,7 +92,9 @@ class Mutation:
     def check(self) -> None:
         """Raise ``StaleMutation`` unless the mutation applies to every kernel it names."""
         for k in self.kernels:
-            if self.dialect == "cuda":
+            if self.dialect == "python":
+                self.apply(_module_source(k), f"python {k}")
+            elif self.dialect == "cuda":
                 from paged_decode.specs import cuda_source
                 self.apply(cuda_source(k), f"cuda {k}")
             else:
@@ -155,11 +161,40 @@ def backend(mutation: Mutation, **kw: Any) -> EmulatedCudaBackend:
     return cls([mutation], **kw)
 
 
+def _module_source(name: str) -> str:
+    import importlib
+    import inspect
+    return inspect.getsource(importlib.import_module(name))
+
+
+def install_python(mutation: Mutation) -> None:
+    """Re-execute the mutated module and rebind each function it defines in every loaded
+    module of the package that holds the original (``from .m import f`` copies)."""
+    import importlib
+    for name in mutation.kernels:
+        mod = importlib.import_module(name)
+        src = mutation.apply(_module_source(name), f"python {name}")
+        ns: dict[str, Any] = {"__name__": name, "__package__": mod.__package__,
+                              "__file__": mod.__file__}
+        exec(compile(src, f"{mod.__file__} (mutant)", "exec"), ns)
+        swaps = {id(old): ns[k] for k, old in vars(mod).items()
+                 if callable(old) and getattr(old, "__module__", None) == name and k in ns}
+        for other in list(sys.modules.values()):
+            if other is None or not getattr(other, "__name__", "").startswith("paged_decode"):
+                continue
+            for k, val in list(vars(other).items()):
+                if id(val) in swaps:
+                    setattr(other, k, swaps[id(val)])
+
+
 def install(mutations: Sequence[Mutation]) -> None:
     """Make every emulated backend of this process run ``mutations`` (test subprocesses of
-    the runner): the same ``mutate_cuda`` / ``mutate_metal`` as ``backend``."""
+    the runner): the same ``mutate_cuda`` / ``mutate_metal`` as ``backend``; ``"python"``
+    mutations are planted in the package at once (``install_python``)."""
     for m in mutations:
         m.check()
+        if m.dialect == "python":
+            install_python(m)
     cuda_src, metal_mk = EmulatedCudaBackend.kernel_source, EmulatedMetalBackend.metal_kernel
     muts = tuple(mutations)
     EmulatedCudaBackend.kernel_source = (  # type: ignore[method-assign]
@@ -194,6 +229,9 @@ PREFIX = "tests/test_prefix_tc.py::"
 PREFIX_LONG = PREFIX + "test_prefix_kernel_long_chunk_every_schedule"
 APPEND = "tests/test_append_batch.py::"
 NAN = "tests/test_nan_semantics.py::"
+VAR = "tests/test_variants.py::"
+VAR_ORACLE = VAR + "test_variants_match_oracle"
+VAR_NAN = VAR + "test_non_finite_rules_hold_with_variants"
 STEP = "tests/test_step_table.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -256,6 +294,54 @@ MUTANTS: tuple[Mutant, ...] = (
        [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
        "v1 stops one token early"),
     # ------------------------------------------------------------ v2 / v1, Metal
+    # ------------------------------------------------------------ variants (#14)
+    _m("cuda-soft-cap-in-natural-units", "cuda", ("v2", "v1"),
+       "if constexpr (SOFT_CAP) x = cap * tanhf(x / cap);",
+       "if constexpr (SOFT_CAP) x = cap / PD_LOG2E * tanhf(x / (cap / PD_LOG2E));",
+       [VAR_ORACLE + "[emulated-cuda-cap-v2-one]"],
+       "the cap in natural units applied to scores already scaled by log2(e)"),
+    _m("cuda-soft-cap-before-nonfinite", "cuda", ("v2", "v1"),
+       "  x = finite_or_nan(x);\n  if constexpr (SOFT_CAP) x = cap * tanhf(x / cap);\n"
+       "  return x;",
+       "  if constexpr (SOFT_CAP) x = cap * tanhf(x / cap);\n  return finite_or_nan(x);",
+       [VAR_NAN + "[emulated-cuda]"],
+       "tanh turns an infinite score into a finite one before the poison check"),
+    _m("cuda-sink-left-out-of-store", "cuda", ("v2", "v1"),
+       "float num = 0.f, den = SINK ? exp2f(sk - ref) : 0.f;", "float num = 0.f, den = 0.f;",
+       [VAR_ORACLE + "[emulated-cuda-sinks-v2-one]"],
+       "the sink raises the max but never joins the denominator of a one-chunk request"),
+    _m("cuda-merge-sink-left-out-of-lse", "cuda", ("merge",),
+       "  if (SINK && mx > -PD_INF) den += exp2f(sk - mx);\n", "",
+       [VAR_ORACLE + "[emulated-cuda-sinks-v2-split]"],
+       "the merge of a split request leaves its sink out of the denominator and the LSE"),
+    _m("metal-soft-cap-in-natural-units", "metal", ("v2", "v1"),
+       "if (SOFT_CAP) x = cap * precise::tanh(x / cap);",
+       "if (SOFT_CAP) x = cap / PD_LOG2E * precise::tanh(x / (cap / PD_LOG2E));",
+       [VAR_ORACLE + "[emulated-metal-cap-v2-one]"],
+       "the cap in natural units applied to scores already scaled by log2(e)"),
+    _m("metal-sink-left-out-of-store", "metal", ("v2", "v1"),
+       "float num = 0.0f, den = SINK ? exp2(sk - ref) : 0.0f;",
+       "float num = 0.0f, den = 0.0f;",
+       [VAR_ORACLE + "[emulated-metal-sinks-v1]"],
+       "the sink raises the max but never joins the denominator (v1's store)"),
+    _m("metal-merge-sink-left-out-of-lse", "metal", ("merge",),
+       "  if (SINK && mx > -INFINITY) den += exp2(sk - mx);\n", "",
+       [VAR_ORACLE + "[emulated-metal-sinks-v2-split]"],
+       "the merge of a split request leaves its sink out of the denominator and the LSE"),
+    _m("py-sink-counted-per-partial", "python", ("paged_decode.variants",),
+       "        if final and self.sinks is not None:", "        if self.sinks is not None:",
+       [VAR_ORACLE + "[reference-sinks-v2-split]"],
+       "every merged partial takes the sink, so a split request counts it once per chunk"),
+    _m("py-window-off-by-one", "python", ("paged_decode.variants",),
+       "    return np.maximum(0, vis - 1 - int(window_left))",
+       "    return np.maximum(0, vis - int(window_left))",
+       [VAR_ORACLE + "[emulated-cuda-w5-v2-split]"],
+       "the window keeps W tokens instead of W + 1"),
+    _m("py-plan-ignores-window", "python", ("paged_decode.plan",),
+       "    table = window_table(table, window_left)\n    max_chunks",
+       "    max_chunks",
+       [VAR + "test_plan_covers_only_the_window_pages"],
+       "the plan's chunks cover the whole context: pages outside the window are launched"),
     _m("metal-acc-in-kv-type", "metal", ("v2", "v1"),
        "  float m[QH], l[QH], acc[QH][VEC];\n",
        "  float m[QH], l[QH];\n  TKV acc[QH][VEC];\n",
@@ -351,8 +437,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "the grid's chunk and row-tile coordinates swapped"),
     # ------------------------------------------------------------ non-finite semantics
     _m("cuda-nonfinite-score-kept", "cuda", ("v2", "v1"),
-       "    s[0][u] = ok ? finite_or_nan(s[0][u]) : -PD_INF;",
-       "    s[0][u] = ok ? s[0][u] : -PD_INF;",
+       "  x = finite_or_nan(x);\n  if constexpr (SOFT_CAP)",
+       "  if constexpr (SOFT_CAP)",
        [NAN + "test_non_finite_inputs_poison_their_heads_on_every_path[float16-emulated-cuda]"],
        "a -inf score (+inf in K against a negative q) passes for a masked token"),
     _m("cuda-poisoned-sum-taken-for-empty", "cuda", ("v2", "v1"),
@@ -364,8 +450,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [NAN + "test_merge_poisons_on_nan_and_plus_inf_lse[emulated-cuda]"],
        "a NaN partial LSE given no weight instead of poisoning its group"),
     _m("metal-nonfinite-score-kept", "metal", ("v2", "v1"),
-       "    s[0][u] = ok[u] ? finite_or_nan(s[0][u]) : -INFINITY;",
-       "    s[0][u] = ok[u] ? s[0][u] : -INFINITY;",
+       "  x = finite_or_nan(x);\n  if (SOFT_CAP)",
+       "  if (SOFT_CAP)",
        [NAN + "test_non_finite_inputs_poison_their_heads_on_every_path[float16-emulated-metal]"],
        "a -inf score (+inf in K against a negative q) passes for a masked token"),
     _m("metal-poisoned-sum-taken-for-empty", "metal", ("v2", "v1"),

@@ -167,7 +167,7 @@ def test_v2_and_merge_arguments_and_rebound_outputs():
     assert scalars["scale_log2"].item() == float(np.float32(0.3 * LOG2E))
     assert c2["template"] == [("TQ", mx.float16), ("TKV", mx.float16), ("TO", mx.float32),
                               ("HEAD_DIM", 64), ("PAGE_SIZE", 16), ("QH", 4),
-                              ("NUM_WARPS", 4)]
+                              ("NUM_WARPS", 4), ("SOFT_CAP", False), ("SINK", False)]
     assert c2["threadgroup"] == (128, 1, 1)
     assert c2["grid"] == (plan.num_chunks * 128, 2 * plan.q_groups, 1)
     assert c2["output_shapes"] == [[plan.num_chunks, 8, 64], [plan.num_chunks, 8]]
@@ -178,7 +178,7 @@ def test_v2_and_merge_arguments_and_rebound_outputs():
     assert float(ins["v"][0, 0, 0].item()) == 10.0 and float(ins["lse"][0, 0].item()) == 11.0
     np.testing.assert_array_equal(np.array(ins["o_indptr"]), plan.o_indptr)
     assert ins["num_heads"].item() == 8 and ins["num_out"].item() == 3
-    assert cm["template"] == [("TO", mx.float16), ("HEAD_DIM", 64)]
+    assert cm["template"] == [("TO", mx.float16), ("HEAD_DIM", 64), ("SINK", False)]
     assert cm["grid"] == (-(-3 * 8 // 4) * 128, 1, 1) and cm["threadgroup"] == (128, 1, 1)
     assert cm["output_shapes"] == [[3, 8, 64], [3, 8]]
     assert cm["output_dtypes"] == [mx.float16, mx.float32]
@@ -199,7 +199,8 @@ def test_v1_arguments_and_out_argument():
     ins = _check_common(kw, c, "v1")
     assert [ins[n].item() for n in ("num_qo_heads", "num_kv_heads")] == [8, 2]
     assert c["template"] == [("TQ", mx.bfloat16), ("TKV", mx.bfloat16), ("TO", mx.float32),
-                             ("HEAD_DIM", 128), ("PAGE_SIZE", 32), ("NUM_WARPS", 8)]
+                             ("HEAD_DIM", 128), ("PAGE_SIZE", 32), ("NUM_WARPS", 8),
+                             ("SOFT_CAP", False), ("SINK", False)]
     assert c["grid"] == (2 * 8 * 256, 1, 1) and c["threadgroup"] == (256, 1, 1)
     assert c["output_shapes"] == [[2, 8, 128], [2, 8]]
 

@@ -43,10 +43,16 @@ def test_mutant_list_is_well_formed():
     assert len(set(names)) == len(names) >= 30
     assert set(ISSUE_18) <= set(names)
     for m in MUTANTS:
-        valid = KERNELS if m.mutation.dialect == "cuda" else METAL_KERNELS
-        assert m.mutation.dialect in ("cuda", "metal") and set(m.mutation.kernels) <= set(valid)
+        valid = {"cuda": KERNELS, "metal": METAL_KERNELS}.get(m.mutation.dialect)
+        if valid is None:   # host code: one module of the package
+            assert m.mutation.dialect == "python" and len(m.mutation.kernels) == 1, m.name
+            assert m.mutation.kernels[0].startswith("paged_decode."), m.name
+        else:
+            assert set(m.mutation.kernels) <= set(valid), m.name
         assert m.tests and m.why, m.name
     covered = {(m.mutation.dialect, k) for m in MUTANTS for k in m.mutation.kernels}
+    assert {"paged_decode.variants", "paged_decode.plan"} <= {k for d, k in covered
+                                                               if d == "python"}
     assert covered >= {("cuda", k) for k in KERNELS} | {("metal", k) for k in METAL_KERNELS}
 
 

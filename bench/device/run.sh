@@ -17,6 +17,10 @@
 #   adr         bench --preset adr with gather, v1, v2 (+ csv, and the crossover table
 #               path='auto' reads, written to $OUT/nvidia-h200.json)
 #   variants    bench --preset variants with v2 and sdpa (bf16, head_dim, GQA, page size)
+#   decode-variants  issue #14 items 2-3, side by side with FlashInfer (run fi first):
+#               plain 32K, W=4095 over 32K and plain 4K (target: window within 1.1x of 4K);
+#               soft cap 30 and sinks at 4K and 32K (targets: within 3% of plain);
+#               batch 1/8/32/128, page 16, Llama-3-8B heads, float16
 #   models      bench --preset models with v2, sdpa, flashinfer, flashinfer-tc (run fi first)
 #   cascade     bench --suite cascade
 #   cascade-rule  bench --suite cascade-rule (short prefixes: where cascade starts to pay)
@@ -42,7 +46,7 @@ source bench/device/setup.sh
 set -o pipefail
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 L=$(mktemp -d)
-GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py"
+GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py tests/test_variants_gpu.py"
 FI_ENV="FLASHINFER_WORKSPACE_BASE=/tmp/paged-decode-flashinfer/jit FLASHINFER_CUDA_ARCH_LIST=9.0 TORCH_CUDA_ARCH_LIST=9.0"
 export $FI_ENV
 REPS=${BENCH_REPS:-15}
@@ -99,6 +103,15 @@ step_adr() {
     --write-crossover "$OUT/nvidia-h200.json"
 }
 step_variants() { run_bench variants --preset variants --arms ${BENCH_ARMS:-v2,sdpa}; }
+step_decode_variants() {
+  local arms=${BENCH_ARMS:-v2,flashinfer,flashinfer-tc} b="--batch 1 --batch 8 --batch 32 --batch 128"
+  run_bench dv_plain --preset targets --context 4096 --context 32768 $b --arms $arms
+  run_bench dv_window --preset targets --context 32768 $b --window-left 4095 --arms $arms
+  run_bench dv_softcap --preset targets --context 4096 --context 32768 $b --soft-cap 30 --arms $arms
+  run_bench dv_sinks --preset targets --context 4096 --context 32768 $b --sinks --arms v2
+  run_bench dv_all --preset targets --context 32768 $b --window-left 4095 --soft-cap 30 \
+    --sinks --arms v2
+}
 step_models() { run_bench models --preset models --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc}; }
 step_cascade() { run_bench cascade --suite cascade; }
 step_cascade_rule() { run_bench cascade-rule --suite cascade-rule; }

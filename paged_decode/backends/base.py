@@ -246,26 +246,36 @@ class Backend(ABC):
     # ----------------------------------------------------------- kernels
     @abstractmethod
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
-                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
+                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
+                soft_cap: float | None = None, sinks: Any = None) -> None:
         """The v2 partial: one normalized (V, LSE) state per (chunk, query head).
 
         ``q [B, Hq, D]``; ``k_pages, v_pages [num_pages, P, Hkv, D]``;
         ``v_out [C, Hq, D]`` (float32, or the output dtype when the plan needs no merge);
         ``lse_out [C, Hq]`` float32, log2 units. An empty chunk writes zeros and -inf.
         ``sm_scale`` is the natural-units softmax scale (the backend folds in log2(e)).
+        ``soft_cap``: scores ``s`` become ``c * tanh(s / c)`` (natural units). ``sinks``
+        (``[Hq]`` float32, natural units) join each row's denominator: only for a partial
+        that writes the output (no merge follows), never for merged partials
+        (``paged_decode.variants``).
         """
 
     @abstractmethod
-    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
+    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any, *,
+              sinks: Any = None) -> None:
         """Variable-length merge: ``v [N, H, D]`` f32, ``lse [N, H]`` f32 (log2),
         ``o_indptr`` host ``int32 [M+1]`` -> ``v_out [M, H, D]``, ``lse_out [M, H]``.
         Backends with ``merge_gathers`` also take ``rows=`` (device ``int32
-        [o_indptr[M]]``): merge input ``i`` is then row ``rows[i]`` of ``v`` / ``lse``."""
+        [o_indptr[M]]``): merge input ``i`` is then row ``rows[i]`` of ``v`` / ``lse``.
+        ``sinks`` (``[H]`` float32, natural units): each group takes one more state, LSE
+        ``sink * log2(e)`` and value 0."""
 
     @abstractmethod
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
-                  sm_scale: float, out: Any, lse_out: Any) -> None:
-        """The v1 arm: one CTA per (request, query head) over the whole KV range."""
+                  sm_scale: float, out: Any, lse_out: Any, *,
+                  soft_cap: float | None = None, sinks: Any = None) -> None:
+        """The v1 arm: one CTA per (request, query head) over the whole KV range;
+        ``soft_cap`` and ``sinks`` as for ``partial`` (v1 writes the output)."""
 
     def prefix_partial(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
                        plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
@@ -287,8 +297,10 @@ class Backend(ABC):
 
     @abstractmethod
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                    sm_scale: float, out: Any, lse_out: Any) -> None:
-        """The gather arm: gather visible K/V contiguously, then dense attention.
+                    sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
+                    sinks: Any = None) -> None:
+        """The gather arm: gather visible K/V contiguously, then dense attention
+        (``soft_cap`` and ``sinks`` as for ``decode_v1``).
 
         ``lse_out`` may be ``None`` (the caller does not want the LSE)."""
 

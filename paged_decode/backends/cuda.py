@@ -233,9 +233,11 @@ class CudaBackend(LaunchingBackend):
         return replay
 
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                    sm_scale: float, out: Any, lse_out: Any) -> None:
+                    sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
+                    sinks: Any = None) -> None:
         from .cuda_gather import gather_attention
-        gather_attention(self, q, k_pages, v_pages, table, sm_scale, out, lse_out)
+        gather_attention(self, q, k_pages, v_pages, table, sm_scale, out, lse_out,
+                         soft_cap=soft_cap, sinks=sinks)
 
 
 @functools.cache

@@ -3,7 +3,9 @@ contiguous, zero-padded ``[B, Hkv, Tmax, D]`` copy, then dense attention.
 
 Dense attention is torch's ``scaled_dot_product_attention`` when torch is importable
 (the baseline an engine without paged kernels would use), otherwise a CuPy float32
-implementation; the LSE (base 2), when asked for, comes from the CuPy implementation.
+implementation; the LSE (base 2), when asked for, comes from the CuPy implementation, and
+so does every call with a soft cap (SDPA has no hook on the scores) or sinks (joined to
+the state with ``variants.with_sink``, which needs the LSE).
 Row indices are built on the host once per table and memoised with the table's arrays.
 """
 
@@ -16,6 +18,7 @@ import numpy as np
 
 from ..page_table import PageTable
 from ..softmax import RowSoftmax, nonfinite_heads
+from ..variants import cap_logits, with_sink
 
 _rows_cache: weakref.WeakKeyDictionary[PageTable, np.ndarray] = weakref.WeakKeyDictionary()
 
@@ -50,7 +53,11 @@ def gather_rows(table: PageTable) -> np.ndarray:
 
 
 def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                     sm_scale: float, out: Any, lse_out: Any) -> None:
+                     sm_scale: float, out: Any, lse_out: Any, *,
+                     soft_cap: float | None = None, sinks: Any = None) -> None:
+    """``q [B, Hq, D]``, pools ``[num_pages, P, Hkv, D]`` (CuPy) -> ``out [B, Hq, D]``,
+    ``lse_out [B, Hq]`` float32 base 2 (or ``None``); ``soft_cap`` and ``sinks [Hq]``
+    float32 as in ``Backend.gather_sdpa``."""
     import cupy as cp
     b, hq, d = (int(x) for x in q.shape)
     hkv = int(k_pages.shape[2])
@@ -62,7 +69,7 @@ def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTab
     vf = v_pages.reshape(-1, hkv, d)[rows].transpose(0, 2, 1, 3)
     empty = cp.asarray(table.visible_lens == 0)
     torch = _torch_cuda()
-    if torch is not None and lse_out is None:
+    if torch is not None and lse_out is None and soft_cap is None and sinks is None:
         tq = torch.from_dlpack(q).unsqueeze(2)                     # [B, Hq, 1, D]
         tk, tv = torch.from_dlpack(kf), torch.from_dlpack(vf)
         mask = None if bool(valid.all()) else torch.from_dlpack(valid)[:, None, None, :]
@@ -76,11 +83,15 @@ def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTab
         return
     qf = q.astype(cp.float32).reshape(b, hkv, g, d)
     s = cp.matmul(qf, kf.astype(cp.float32).transpose(0, 1, 3, 2)) * np.float32(sm_scale)
+    s = cap_logits(cp, s, soft_cap, base2=False)
     sm = RowSoftmax(cp, s, valid[:, None, None, :], base2=False)  # [B, Hkv, G, Tmax]
-    o = sm.normalize(cp.matmul(sm.p, vf.astype(cp.float32)))
-    out[...] = o.reshape(b, hq, d).astype(out.dtype)
+    o = sm.normalize(cp.matmul(sm.p, vf.astype(cp.float32))).reshape(b, hq, d)
+    lse2 = sm.lse2.reshape(b, hq)
+    if sinks is not None:
+        o, lse2 = with_sink(cp, o, lse2, sinks, (hq,))
+    out[...] = o.astype(out.dtype)
     if lse_out is not None:
-        lse_out[...] = sm.lse2.reshape(b, hq).astype(cp.float32)
+        lse_out[...] = lse2.astype(cp.float32)
 
 
 def _torch_cuda() -> Any:

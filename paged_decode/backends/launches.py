@@ -95,34 +95,49 @@ def _launch(spec: KernelSpec, grid: tuple[int, int], args: list[Arg]) -> Launch:
     return Launch(spec, grid, kdef.threads(spec), kdef.dynamic_smem(spec), tuple(args))
 
 
+def _cap_log2(soft_cap: float | None) -> np.float32:
+    """The soft cap in the kernels' log2 units (their scores carry log2(e)); 0 when off."""
+    return np.float32(0.0 if soft_cap is None else soft_cap * LOG2E)
+
+
 def partial_launch(*, dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: float,
                    q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                    request_indices: Any, kv_tile_indices: Any, v_out: Any,
-                   lse_out: Any) -> Launch:
+                   lse_out: Any, soft_cap: float | None = None, sinks: Any = None) -> Launch:
     """The v2 partial: grid (C chunks, Hkv * q_groups). ``dtypes`` = (q, kv, out);
-    ``table`` = the four CSR arrays in ``TABLE_FIELDS`` order."""
-    spec = v2_spec(*dtypes, plan.head_dim, plan.page_size, plan.heads_per_cta)
+    ``table`` = the four CSR arrays in ``TABLE_FIELDS`` order. ``soft_cap`` (natural
+    units) and ``sinks`` (``[Hq]`` float32, joined at the store: only for a partial that
+    writes the output) pick the specialization; without sinks ``q`` stands in for the
+    unread pointer."""
+    spec = v2_spec(*dtypes, plan.head_dim, plan.page_size, plan.heads_per_cta,
+                   soft_cap=soft_cap is not None, sink=sinks is not None)
     args = [*_ins(("q", "k_pages", "v_pages"), (q, k_pages, v_pages)),
             *_ins(TABLE_FIELDS, table),
             *_ins(("request_indices", "kv_tile_indices"), (request_indices, kv_tile_indices)),
+            Arg("sinks", q if sinks is None else sinks, "in"),
             Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
             Arg("num_qo_heads", np.int32(plan.num_qo_heads), "scalar"),
             Arg("num_kv_heads", np.int32(plan.num_kv_heads), "scalar"),
             Arg("q_groups", np.int32(plan.q_groups), "scalar"),
             Arg("pages_per_chunk", np.int32(plan.pages_per_chunk), "scalar"),
-            Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
+            Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar"),
+            Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar")]
     return _launch(spec, (plan.num_chunks, plan.num_kv_heads * plan.q_groups), args)
 
 
 def merge_launch(*, out_dtype: str, shape: tuple[int, int, int], v: Any, lse: Any,
-                 o_indptr: Any, v_out: Any, lse_out: Any, rows: Any = None) -> Launch:
+                 o_indptr: Any, v_out: Any, lse_out: Any, rows: Any = None,
+                 sinks: Any = None) -> Launch:
     """The merge: ``shape`` = (M, H, D) of ``v_out``; one warp per (row, head). With
     ``rows`` (int32 ``[o_indptr[M]]``) merge input ``i`` is row ``rows[i]`` of ``v``/``lse``
-    (CUDA dialect only); without, ``o_indptr`` stands in for the unread pointer."""
+    (CUDA dialect only); without, ``o_indptr`` stands in for the unread pointer. With
+    ``sinks`` (``[H]`` float32) each group takes the head's sink once; without, ``lse``
+    stands in."""
     m, h, d = shape
-    spec = merge_spec(out_dtype, d, gather=rows is not None)
-    args = [*_ins(("v", "lse", "o_indptr", "rows"),
-                  (v, lse, o_indptr, o_indptr if rows is None else rows)),
+    spec = merge_spec(out_dtype, d, gather=rows is not None, sink=sinks is not None)
+    args = [*_ins(("v", "lse", "o_indptr", "rows", "sinks"),
+                  (v, lse, o_indptr, o_indptr if rows is None else rows,
+                   lse if sinks is None else sinks)),
             Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
             Arg("num_heads", np.int32(h), "scalar"), Arg("num_out", np.int32(m), "scalar")]
     return _launch(spec, (-(-m * h // MERGE_ITEMS_PER_BLOCK), 1), args)
@@ -130,16 +145,21 @@ def merge_launch(*, out_dtype: str, shape: tuple[int, int, int], v: Any, lse: An
 
 def v1_launch(*, dtypes: tuple[str, str, str], shape: tuple[int, int, int],
               num_kv_heads: int, page_size: int, sm_scale: float, q: Any, k_pages: Any,
-              v_pages: Any, table: tuple[Any, ...], out: Any, lse_out: Any) -> Launch:
-    """v1: one block per (request, query head); ``shape`` = (B, Hq, D) of ``q``."""
+              v_pages: Any, table: tuple[Any, ...], out: Any, lse_out: Any,
+              soft_cap: float | None = None, sinks: Any = None) -> Launch:
+    """v1: one block per (request, query head); ``shape`` = (B, Hq, D) of ``q``;
+    ``soft_cap`` and ``sinks`` as for ``partial_launch`` (v1 always writes the output)."""
     b, hq, d = shape
-    spec = v1_spec(*dtypes, d, page_size)
+    spec = v1_spec(*dtypes, d, page_size, soft_cap=soft_cap is not None,
+                   sink=sinks is not None)
     args = [*_ins(("q", "k_pages", "v_pages"), (q, k_pages, v_pages)),
             *_ins(TABLE_FIELDS, table),
+            Arg("sinks", q if sinks is None else sinks, "in"),
             Arg("out", out, "out"), Arg("lse_out", lse_out, "out"),
             Arg("num_qo_heads", np.int32(hq), "scalar"),
             Arg("num_kv_heads", np.int32(num_kv_heads), "scalar"),
-            Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
+            Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar"),
+            Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar")]
     return _launch(spec, (b * hq, 1), args)
 
 

@@ -224,9 +224,11 @@ class MlxBackend(Backend):
 
     # ----------------------------------------------------------- arms
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                    sm_scale: float, out: Any, lse_out: Any) -> None:
+                    sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
+                    sinks: Any = None) -> None:
         o, lse = gather_attention(q, k_pages, v_pages, table, sm_scale, lse_out is not None,
-                                  rows=self.gather_rows(table))
+                                  rows=self.gather_rows(table), soft_cap=soft_cap,
+                                  sinks=sinks)
         out[...] = o.astype(out.dtype)
         if lse_out is not None:
             lse_out[...] = lse
@@ -235,18 +237,21 @@ class MlxBackend(Backend):
         """The gather index of ``table`` (``None``: the memoised one; a test hook)."""
         return None
 
-    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
-        vo, lo = merge_ops(v, lse, o_indptr)
+    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any, *,
+              sinks: Any = None) -> None:
+        vo, lo = merge_ops(v, lse, o_indptr, sinks=sinks)
         v_out[...] = vo.astype(v_out.dtype)
         lse_out[...] = lo
 
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
-                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
+                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
+                soft_cap: float | None = None, sinks: Any = None) -> None:
         raise UnsupportedProblemError(f"{self.name} backend: the v2 kernel needs Metal "
                                       f"({metal_status().reason})")
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
-                  sm_scale: float, out: Any, lse_out: Any) -> None:
+                  sm_scale: float, out: Any, lse_out: Any, *,
+                  soft_cap: float | None = None, sinks: Any = None) -> None:
         raise UnsupportedProblemError(f"{self.name} backend: the v1 kernel needs Metal "
                                       f"({metal_status().reason})")
 

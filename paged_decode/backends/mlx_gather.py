@@ -11,7 +11,9 @@ returns no LSE: when asked for, the base-2 LSE comes from a float32 logits pass 
 ops. Compute dtype: the inputs' own on the GPU (what an engine without paged kernels
 runs; MLX's fused SDPA accumulates in float32), float32 on the CPU device, whose SDPA
 rounds the logits to the input dtype (measured: 7.7e-3 relative error in bfloat16, 8e-4
-in float16, against 2e-6 in float32), and float32 when q and K/V dtypes differ.
+in float16, against 2e-6 in float32), and float32 when q and K/V dtypes differ. A soft
+cap (SDPA has no hook on the scores) runs the whole call as the float32 logits pass;
+sinks join the final state through ``variants.with_sink`` (exact: one merge state).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 from ..page_table import PageTable
 from ..softmax import RowSoftmax, merge_partials, nonfinite_heads
+from ..variants import cap_logits, with_sink
 from .cuda_gather import gather_rows
 
 _index_cache: weakref.WeakKeyDictionary[PageTable, tuple[Any, Any, Any]] = \
@@ -53,10 +56,12 @@ def compute_dtype(q: Any, k_pages: Any) -> Any:
 
 
 def gather_attention(q: Any, k_pages: Any, v_pages: Any, table: PageTable, sm_scale: float,
-                     want_lse: bool, rows: Any = None) -> tuple[Any, Any]:
+                     want_lse: bool, rows: Any = None, *, soft_cap: float | None = None,
+                     sinks: Any = None) -> tuple[Any, Any]:
     """``q [B, Hq, D]``, pools ``[num_pages, P, Hkv, D]`` (MLX arrays) -> ``(out [B, Hq,
     D]`` in the compute dtype, ``lse [B, Hq]`` float32 base 2 or ``None``). An empty
-    request gives zeros and ``-inf``. ``rows``: the gather index (a test hook)."""
+    request gives zeros and ``-inf`` (the sink's LSE with ``sinks [Hq]`` float32).
+    ``soft_cap``: natural units. ``rows``: the gather index (a test hook)."""
     import mlx.core as mx
     b, hq, d = (int(x) for x in q.shape)
     hkv = int(k_pages.shape[2])
@@ -66,12 +71,21 @@ def gather_attention(q: Any, k_pages: Any, v_pages: Any, table: PageTable, sm_sc
     vf = mx.take(v_pages.reshape(-1, hkv, d), idx, axis=0).transpose(0, 2, 1, 3)
     ct = compute_dtype(q, k_pages)
     mask = valid[:, None, None, :]                                    # [B, 1, 1, Tmax]
+    g = hq // hkv
+    if soft_cap is not None:     # the scores themselves change: the float32 logits pass
+        qf = q.astype(mx.float32).reshape(b, hkv, g, d)
+        s = mx.matmul(qf, kf.astype(mx.float32).transpose(0, 1, 3, 2)) * float(sm_scale)
+        sm = RowSoftmax(mx, cap_logits(mx, s, soft_cap, base2=False), mask, base2=False)
+        o32 = sm.normalize(mx.matmul(sm.p, vf.astype(mx.float32))).reshape(b, hq, d)
+        lse2 = sm.lse2.reshape(b, hq)
+        if sinks is not None:
+            o32, lse2 = with_sink(mx, o32, lse2, sinks, (hq,))
+        return o32, (lse2.astype(mx.float32) if want_lse else None)
     o = mx.fast.scaled_dot_product_attention(
         q.astype(ct)[:, :, None, :], kf.astype(ct), vf.astype(ct), scale=float(sm_scale),
         mask=mask)[:, :, 0, :]
     out = mx.where(empty[:, None, None], mx.zeros((), o.dtype), o)
-    g = hq // hkv
-    if not want_lse:
+    if not want_lse and sinks is None:
         bad = nonfinite_heads(mx, q, kf, valid, empty, g)                  # [B, Hq]
         return mx.where(bad[..., None], mx.array(float("nan"), o.dtype), out), None
     qf = q.astype(mx.float32).reshape(b, hkv, g, d)
@@ -79,14 +93,18 @@ def gather_attention(q: Any, k_pages: Any, v_pages: Any, table: PageTable, sm_sc
     sm = RowSoftmax(mx, s, mask, base2=False)                         # [B, Hkv, G, Tmax]
     # the output keeps SDPA's values; its poisoned heads follow the logits pass
     out = mx.where(sm.poisoned.reshape(b, hq)[..., None], mx.array(float("nan"), o.dtype), out)
-    return out, sm.lse2.reshape(b, hq).astype(mx.float32)
+    lse2 = sm.lse2.reshape(b, hq).astype(mx.float32)
+    if sinks is not None:
+        out, lse2 = with_sink(mx, out, lse2, sinks, (hq,))
+    return out, (lse2.astype(mx.float32) if want_lse else None)
 
 
-def merge_ops(v: Any, lse: Any, o_indptr: Any) -> tuple[Any, Any]:
+def merge_ops(v: Any, lse: Any, o_indptr: Any, *, sinks: Any = None) -> tuple[Any, Any]:
     """The merge contract with MLX ops: ``v [N, H, D]`` f32, ``lse [N, H]`` f32 (base 2),
     host ``o_indptr [M+1]`` -> ``(v_out [M, H, D]`` f32, ``lse_out [M, H]`` f32); a
     ``-inf`` partial carries no weight, a NaN or +inf one poisons its group (NaN), an
-    all-empty group gives zeros and -inf (``paged_decode.softmax.merge_partials``)."""
+    all-empty group gives zeros and -inf (``paged_decode.softmax.merge_partials``); with
+    ``sinks [H]`` float32 each group takes the head's sink as one more state."""
     import mlx.core as mx
     ip = np.asarray(o_indptr, dtype=np.int64)
     m = ip.size - 1
@@ -94,13 +112,16 @@ def merge_ops(v: Any, lse: Any, o_indptr: Any) -> tuple[Any, Any]:
     counts = np.diff(ip)
     width = int(counts.max()) if m and counts.size else 0
     if m == 0 or width == 0 or n == 0:
-        return mx.zeros((m, h, d), mx.float32), mx.full((m, h), -mx.inf, mx.float32)
-    slot = np.arange(width)[None, :]
-    live = slot < counts[:, None]                                     # [M, W]
-    idx = mx.array(np.where(live, ip[:-1, None] + slot, 0).astype(np.int32))
-    ls = mx.take(lse, idx, axis=0)                                    # [M, W, H]
-    vs = mx.take(v, idx, axis=0)                                      # [M, W, H, D]
-    out, lse_out = merge_partials(mx, vs, ls, mx.array(live)[..., None], axis=1)
+        out, lse_out = mx.zeros((m, h, d), mx.float32), mx.full((m, h), -mx.inf, mx.float32)
+    else:
+        slot = np.arange(width)[None, :]
+        live = slot < counts[:, None]                                 # [M, W]
+        idx = mx.array(np.where(live, ip[:-1, None] + slot, 0).astype(np.int32))
+        ls = mx.take(lse, idx, axis=0)                                # [M, W, H]
+        vs = mx.take(v, idx, axis=0)                                  # [M, W, H, D]
+        out, lse_out = merge_partials(mx, vs, ls, mx.array(live)[..., None], axis=1)
+    if sinks is not None:        # one more state per group: the head's sink
+        out, lse_out = with_sink(mx, out, lse_out, sinks, (h,))
     return out.astype(mx.float32), lse_out.astype(mx.float32)
 
 

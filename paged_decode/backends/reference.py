@@ -22,6 +22,7 @@ from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
 from ..softmax import RowSoftmax, merge_partials
 from ..step_table import StepTable
+from ..variants import cap_logits, with_sink
 from . import launches
 from .base import Backend, Problem, Support, poison_enabled
 
@@ -29,19 +30,20 @@ LOG2E = 1.4426950408889634
 V1_SPLITS = 8  # stripes of one v1 "CTA", combined like its warps are
 
 
-def attend_f32(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale_log2: float
-               ) -> tuple[np.ndarray, np.ndarray]:
+def attend_f32(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale_log2: float,
+               soft_cap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Normalized attention state of grouped queries over one token range.
 
     ``q [Hkv, G, D]``, ``k, v [Hkv, n, D]`` float32 -> ``o [Hkv, G, D]`` float32 and
     ``lse [Hkv, G]`` float32 in log2 units; ``n == 0`` gives zeros and -inf, a non-finite
-    score NaN (``paged_decode.softmax``).
+    score NaN (``paged_decode.softmax``). ``soft_cap`` (natural units) caps the scores.
     """
     hkv, g, d = q.shape
     if k.shape[1] == 0:
         return np.zeros((hkv, g, d), np.float32), np.full((hkv, g), -np.inf, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):   # non-finite scores are poison
         s = np.matmul(q, k.transpose(0, 2, 1)) * np.float32(scale_log2)  # [Hkv, G, n]
+        s = cap_logits(np, s, soft_cap, base2=True).astype(np.float32)
         sm = RowSoftmax(np, s, base2=True)
         o = sm.normalize(np.matmul(sm.p.astype(np.float32), v))
     return o.astype(np.float32), sm.lse2.astype(np.float32)
@@ -53,6 +55,14 @@ def combine_f32(vs: np.ndarray, lses: np.ndarray) -> tuple[np.ndarray, np.ndarra
         return np.zeros(vs.shape[1:], np.float32), np.full(lses.shape[1:], -np.inf, np.float32)
     o, lse = merge_partials(np, vs.astype(np.float32), lses.astype(np.float32))
     return o.astype(np.float32), lse.astype(np.float32)
+
+
+def sink_f32(o: np.ndarray, lse: np.ndarray, sinks: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A final state ``o [Hq, D]``, ``lse [Hq]`` (log2) with the heads' ``sinks [Hq]``
+    joined (``variants.with_sink``), float32."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        vo, lo = with_sink(np, o, lse, np.asarray(sinks), (o.shape[0],))
+    return vo.astype(np.float32), lo.astype(np.float32)
 
 
 def visible_kv(pages: np.ndarray, table: PageTable, r: int, t0: int, t1: int) -> np.ndarray:
@@ -155,7 +165,8 @@ class ReferenceBackend(Backend):
 
     # ----------------------------------------------------------- kernels
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
-                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
+                plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
+                soft_cap: float | None = None, sinks: Any = None) -> None:
         if isinstance(table, StepTable):   # array ops read the host view
             table = table.page_table()
         hkv, d = plan.num_kv_heads, plan.head_dim
@@ -168,20 +179,27 @@ class ReferenceBackend(Backend):
             t0, t1 = int(t_begin[c]), int(t_end[c])
             k = visible_kv(k_pages, table, r, t0, t1)
             v = visible_kv(v_pages, table, r, t0, t1)
-            o, lse = attend_f32(qf[r], k, v, scale_log2)
-            v_out[c] = o.reshape(hkv * g, d).astype(v_out.dtype)
-            lse_out[c] = lse.reshape(hkv * g)
+            o, lse = attend_f32(qf[r], k, v, scale_log2, soft_cap)
+            o, lse = o.reshape(hkv * g, d), lse.reshape(hkv * g)
+            if sinks is not None:          # a partial that is the output: its final store
+                o, lse = sink_f32(o, lse, sinks)
+            v_out[c] = o.astype(v_out.dtype)
+            lse_out[c] = lse
 
-    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
+    def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any, *,
+              sinks: Any = None) -> None:
         ip = np.asarray(o_indptr, dtype=np.int64)
         for o in range(ip.size - 1):
             vo, lo = combine_f32(v[ip[o]:ip[o + 1]].astype(np.float32),
                                  lse[ip[o]:ip[o + 1]].astype(np.float32))
+            if sinks is not None:          # once per group, never per partial
+                vo, lo = sink_f32(vo, lo, sinks)
             v_out[o] = vo.astype(v_out.dtype)
             lse_out[o] = lo
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
-                  sm_scale: float, out: Any, lse_out: Any) -> None:
+                  sm_scale: float, out: Any, lse_out: Any, *,
+                  soft_cap: float | None = None, sinks: Any = None) -> None:
         if isinstance(table, StepTable):
             table = table.page_table()
         b, hq, d = q.shape
@@ -193,14 +211,18 @@ class ReferenceBackend(Backend):
             k = visible_kv(k_pages, table, r, 0, n)
             v = visible_kv(v_pages, table, r, 0, n)
             # the CTA's warps take interleaved token stripes, then combine their states
-            parts = [attend_f32(qf[r], k[:, s::V1_SPLITS], v[:, s::V1_SPLITS], scale_log2)
-                     for s in range(V1_SPLITS)]
+            parts = [attend_f32(qf[r], k[:, s::V1_SPLITS], v[:, s::V1_SPLITS], scale_log2,
+                                soft_cap) for s in range(V1_SPLITS)]
             o, lse = combine_f32(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]))
-            out[r] = o.reshape(hq, d).astype(out.dtype)
-            lse_out[r] = lse.reshape(hq)
+            o, lse = o.reshape(hq, d), lse.reshape(hq)
+            if sinks is not None:
+                o, lse = sink_f32(o, lse, sinks)
+            out[r] = o.astype(out.dtype)
+            lse_out[r] = lse
 
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
-                    sm_scale: float, out: Any, lse_out: Any) -> None:
+                    sm_scale: float, out: Any, lse_out: Any, *,
+                    soft_cap: float | None = None, sinks: Any = None) -> None:
         if isinstance(table, StepTable):
             table = table.page_table()
         b, hq, d = q.shape
@@ -211,15 +233,16 @@ class ReferenceBackend(Backend):
             k = visible_kv(k_pages, table, r, 0, n)  # the gathered contiguous copy
             v = visible_kv(v_pages, table, r, 0, n)
             if n == 0:
-                out[r] = 0
-                if lse_out is not None:
-                    lse_out[r] = -np.inf
-                continue
-            qf = as_float32(q[r]).reshape(hkv, g, d)
-            with np.errstate(invalid="ignore", over="ignore"):
-                s = np.matmul(qf, k.transpose(0, 2, 1)) * np.float32(sm_scale)  # natural
-                sm = RowSoftmax(np, s, base2=False)
-                o = sm.normalize(np.matmul(sm.p, v))
-            out[r] = o.reshape(hq, d).astype(out.dtype)
+                o, lse2 = np.zeros((hq, d), np.float32), np.full(hq, -np.inf, np.float32)
+            else:
+                qf = as_float32(q[r]).reshape(hkv, g, d)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    s = np.matmul(qf, k.transpose(0, 2, 1)) * np.float32(sm_scale)  # natural
+                    sm = RowSoftmax(np, cap_logits(np, s, soft_cap, base2=False), base2=False)
+                    o = sm.normalize(np.matmul(sm.p, v)).reshape(hq, d)
+                lse2 = sm.lse2.reshape(hq)
+            if sinks is not None:
+                o, lse2 = sink_f32(o, lse2, sinks)
+            out[r] = o.astype(out.dtype)
             if lse_out is not None:
-                lse_out[r] = sm.lse2.reshape(hq)
+                lse_out[r] = lse2

@@ -48,21 +48,25 @@ class Arm:
 
 
 def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
-             plan: DecodePlan, sm_scale: float) -> Arm:
+             plan: DecodePlan, sm_scale: float, variants: dict[str, Any] | None = None) -> Arm:
     """Build arm ``name`` for one case (``q [B, Hq, D]``, pools ``[N, P, Hkv, D]`` of
-    ``be``'s kind). Raises ``ArmUnavailable`` with the reason when it cannot run."""
+    ``be``'s kind). ``variants``: ``decode``'s ``window_left`` / ``logits_soft_cap`` /
+    ``sinks`` (``plan`` made with the window). Raises ``ArmUnavailable`` with the reason
+    when it cannot run."""
+    vk = {k_: v_ for k_, v_ in (variants or {}).items()
+          if v_ is not None and not (k_ == "window_left" and v_ < 0)}
     if name in OURS:
         with be.launch_context(q):
             out = be.empty(tuple(q.shape), be.dtype_of(q))
         try:
             prep = prepare_decode(q, k, v, table, plan, path=name, out=out,
-                                  sm_scale=sm_scale, backend=be)
+                                  sm_scale=sm_scale, backend=be, **vk)
         except UnsupportedProblemError as exc:
             raise ArmUnavailable(str(exc)) from exc
 
         def api(name: str = name) -> Any:
             return decode(q, k, v, table, plan, path=name, out=out, sm_scale=sm_scale,
-                          backend=be)
+                          backend=be, **vk)
         return Arm(prep, out, prep.path, EXPECTED[name], api)
     if name not in EXTERNAL:
         raise ValueError(f"bench: unknown arm {name!r}; arms: {', '.join(ALL_ARMS)}")
@@ -77,6 +81,10 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
         raise ArmUnavailable(f"{name} needs torch and the arm module "
                              f"({type(exc).__name__}: {exc})") from exc
     qt, kt, vt = (torch.from_dlpack(x) for x in (q, k, v))
+    if name == "sdpa" and vk:
+        raise ArmUnavailable(f"sdpa (contiguous, plain attention) has no {', '.join(vk)}")
+    if "sinks" in vk:
+        raise ArmUnavailable(f"{name}: FlashInfer's batch decode wrapper takes no sinks")
     try:
         if name == "sdpa":
             call, out, desc = sdpa_arm.make_contiguous_sdpa(qt, kt, vt, table,
@@ -86,7 +94,9 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
             if not ok:
                 raise ArmUnavailable(why)
             call, out, desc = fa.make_flashinfer_decode(
-                qt, kt, vt, table, sm_scale=sm_scale, use_tensor_cores=name.endswith("-tc"))
+                qt, kt, vt, table, sm_scale=sm_scale, use_tensor_cores=name.endswith("-tc"),
+                window_left=vk.get("window_left", -1),
+                logits_soft_cap=vk.get("logits_soft_cap"))
     except ArmUnavailable:
         raise
     except Exception as exc:

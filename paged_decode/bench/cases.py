@@ -17,16 +17,31 @@ class BenchCase:
     head_dim: int = 128
     dtype: str = "float16"
     model: str = "llama3-8b"
+    #: decode variants (``paged_decode.variants``): a sliding window (-1: off), a logits
+    #: soft cap (0: off) and per-head attention sinks
+    window_left: int = -1
+    soft_cap: float = 0.0
+    sinks: bool = False
 
     @property
     def label(self) -> str:
+        extra = "".join([f" W{self.window_left}" if self.window_left >= 0 else "",
+                         f" cap{self.soft_cap:g}" if self.soft_cap else "",
+                         " sinks" if self.sinks else ""])
         return (f"{self.model} B{self.batch} ctx{self.context} ps{self.page_size} "
-                f"{self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim} {self.dtype}")
+                f"{self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim} {self.dtype}"
+                f"{extra}")
+
+    @property
+    def attended(self) -> int:
+        """Tokens each request attends to: the context, or its window."""
+        return self.context if self.window_left < 0 else min(self.context,
+                                                             self.window_left + 1)
 
     def kv_bytes(self) -> int:
-        """Bytes of K and V the decode must read (each visible element once)."""
+        """Bytes of K and V the decode must read (each attended element once)."""
         elt = 4 if self.dtype == "float32" else 2
-        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * elt
+        return 2 * self.batch * self.attended * self.num_kv_heads * self.head_dim * elt
 
     def io_bytes(self) -> int:
         """K + V + q + output bytes: the explicit byte count behind GB/s."""

@@ -193,7 +193,9 @@ def _host_i32(arr: Any, torch: Any) -> Any:
 def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
                            sm_scale: float, use_tensor_cores: bool,
                            workspace_bytes: int = 128 << 20,
-                           cuda_graph_mode: bool = False) -> tuple[Callable[[], Any], Any, str]:
+                           cuda_graph_mode: bool = False, window_left: int = -1,
+                           logits_soft_cap: float | None = None
+                           ) -> tuple[Callable[[], Any], Any, str]:
     """FlashInfer batch decode over ``table``: returns ``(call, out, description)``.
 
     ``q [B, Hq, D]``, ``k_pages`` / ``v_pages [num_pages, P, Hkv, D]`` are CUDA torch
@@ -205,6 +207,8 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     Raises ``ValueError`` for what FlashInfer cannot run (first-page offsets, empty
     requests, float32, a CUDA-core GQA group outside {1, 2, 3, 4, 8}), ``RuntimeError`` when
     FlashInfer is not importable, and FlashInfer's own errors unchanged.
+    ``window_left`` and ``logits_soft_cap`` go to ``plan`` (FlashInfer's decode has both,
+    with this package's meaning: the last ``W + 1`` tokens, ``c * tanh(s / c)``).
     """
     b, hq, hkv, d, p = check_shapes(tuple(q.shape), tuple(k_pages.shape),
                                     tuple(v_pages.shape), table)
@@ -252,7 +256,8 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                 workspace, "NHD", use_tensor_cores=use_tensor_cores)
         wrapper.plan(indptr, indices, last, hq, hkv, d, p, pos_encoding_mode="NONE",
                      q_data_type=q.dtype, kv_data_type=k_pages.dtype,
-                     sm_scale=float(sm_scale))
+                     sm_scale=float(sm_scale), window_left=int(window_left),
+                     logits_soft_cap=logits_soft_cap)
         out = torch.empty_like(q)
         kv = (k_pages, v_pages)
 

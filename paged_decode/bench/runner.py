@@ -102,9 +102,26 @@ def _problem(be: Backend, case: BenchCase, seed: int) -> tuple[Any, Any, Any, Pa
     return q, k, v, table
 
 
-def _verify(be: Backend, out: Any, q: Any, k: Any, v: Any, table: PageTable) -> float:
+def _variants(be: Backend, case: BenchCase, seed: int, like: Any) -> dict[str, Any]:
+    """``decode``'s variant arguments of ``case`` (sinks drawn on ``be`` beside ``like``,
+    natural units)."""
+    sinks = None
+    if case.sinks:
+        host = (np.random.default_rng(seed + 7).standard_normal(case.num_qo_heads) * 2)
+        with be.launch_context(like):
+            sinks = be.asarray(host.astype(np.float32))
+    return {"window_left": case.window_left,
+            "logits_soft_cap": case.soft_cap if case.soft_cap else None, "sinks": sinks}
+
+
+def _verify(be: Backend, out: Any, q: Any, k: Any, v: Any, table: PageTable,
+            variants: dict[str, Any] | None = None) -> float:
     """Max relative error of requests 0 and B-1 against the float64 oracle (only their
-    pages are copied to the host)."""
+    pages are copied to the host), with ``variants`` (``_variants``) applied."""
+    vk = variants or {}
+    w = int(vk.get("window_left", -1))
+    sinks = vk.get("sinks")
+    sinks = None if sinks is None else be.to_numpy(sinks)
     worst = 0.0
     xp = be.array_module()
     on, qn = be.to_numpy(out), be.to_numpy(q)
@@ -114,21 +131,23 @@ def _verify(be: Backend, out: Any, q: Any, k: Any, v: Any, table: PageTable) -> 
         kv = []
         for pool in (k, v):
             rows = be.to_numpy(pool[ids])
-            kv.append(rows.reshape(-1, *rows.shape[2:])[fpo:fpo + n].astype(np.float64))
+            run = rows.reshape(-1, *rows.shape[2:])[fpo:fpo + n].astype(np.float64)
+            kv.append(run if w < 0 else run[max(0, n - 1 - w):])
         ref, _ = attention_f64(qn[r].astype(np.float64), kv[0], kv[1],
-                               1.0 / np.sqrt(qn.shape[-1]))
+                               1.0 / np.sqrt(qn.shape[-1]),
+                               soft_cap=vk.get("logits_soft_cap"), sinks=sinks)
         worst = max(worst, max_rel_error(on[r].astype(np.float64), ref))
     return worst
 
 
-def verifier(be: Backend, arm: Any, q: Any, k: Any, v: Any,
-             table: PageTable) -> Callable[[], float]:
+def verifier(be: Backend, arm: Any, q: Any, k: Any, v: Any, table: PageTable,
+             variants: dict[str, Any] | None = None) -> Callable[[], float]:
     """A function running ``arm`` once and returning its max relative error against the
     oracle (the output the call returns, else ``arm.out``)."""
     def verify() -> float:
         res = arm.call()
         target = res[0] if isinstance(res, tuple) else res
-        return _verify(be, arm.out if target is None else target, q, k, v, table)
+        return _verify(be, arm.out if target is None else target, q, k, v, table, variants)
     return verify
 
 
@@ -202,22 +221,23 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather
     """Verify, then time, every arm of one case on ``be``. An arm that cannot run here
     (``ArmUnavailable``) is reported as unverified with the reason in ``note``."""
     q, k, v, table = _problem(be, case, seed)
+    vk = _variants(be, case, seed, q)
     plan = plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
-                       device=be.device_info())
+                       device=be.device_info(), window_left=case.window_left)
     scale = 1.0 / float(np.sqrt(case.head_dim))
     results = {}
     for arm in arms:
         try:
-            a = make_arm(arm, be, q, k, v, table, plan, scale)
+            a = make_arm(arm, be, q, k, v, table, plan, scale, vk)
         except ArmUnavailable as exc:
             results[arm] = ArmResult(arm, "unavailable", float("nan"), False,
                                      expected=EXPECTED.get(arm, ()), note=str(exc))
             continue
-        results[arm] = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table),
+        results[arm] = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table, vk),
                                 case.io_bytes(), TOLERANCE[case.dtype],
                                 a.expected, warmup=warmup, reps=reps, cold_l2=cold_l2,
                                 ran=a.ran, api_call=a.api_call, graph=graph,
-                                check_output=lambda o: _verify(be, o, q, k, v, table))
+                                check_output=lambda o: _verify(be, o, q, k, v, table, vk))
         del a
     return BenchResult(case, plan.num_chunks, plan.pages_per_chunk, results)
 

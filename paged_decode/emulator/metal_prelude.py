@@ -175,6 +175,7 @@ inline float sqrt(float x) { return std::sqrt(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline float fabs(float x) { return std::fabs(x); }
 inline float abs(float x) { return std::fabs(x); }
+inline float tanh(float x) { return std::tanh(x); }
 inline float fmax(float a, float b) { return std::fmax(a, b); }
 inline float fmin(float a, float b) { return std::fmin(a, b); }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
@@ -198,6 +199,7 @@ inline T clamp(T x, T lo, T hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 namespace precise {
 inline float exp2(float x) { return std::exp2(x); }
+inline float tanh(float x) { return std::tanh(x); }
 inline float log2(float x) { return std::log2(x); }
 inline float exp(float x) { return std::exp(x); }
 }  // namespace precise

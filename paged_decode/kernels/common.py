@@ -21,6 +21,19 @@ __device__ __forceinline__ float finite_or_nan(float x) {
   return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u ? PD_NAN : x;
 }
 
+// log2(e): a sink logit (natural units) in the kernels' log2 units.
+#define PD_LOG2E 1.4426950408889634f
+
+// The logit the softmax sees, in log2 units: a non-finite score becomes NaN
+// (finite_or_nan first: tanh would turn an infinite score into a finite one), then with
+// SOFT_CAP it is capped at cap = c * log2(e): cap * tanh(x / cap) (docs/variants.md).
+template <bool SOFT_CAP>
+__device__ __forceinline__ float logit(float x, float cap) {
+  x = finite_or_nan(x);
+  if constexpr (SOFT_CAP) x = cap * tanhf(x / cap);
+  return x;
+}
+
 // A K/V element type: how many live in one 16-byte vector, and how to widen them.
 template <typename T> struct KV;
 template <> struct KV<__half> {
@@ -120,6 +133,19 @@ namespace pd {
 
 // A non-finite score becomes NaN, which poisons its head's state (as in CUDA).
 inline float finite_or_nan(float x) { return isfinite(x) ? x : NAN; }
+
+// log2(e): a sink logit (natural units) in the kernels' log2 units.
+#define PD_LOG2E 1.4426950408889634f
+
+// The logit the softmax sees (log2 units): NaN for a non-finite score, then capped at
+// cap = c * log2(e) with SOFT_CAP (as in CUDA; precise tanh: fast math is not trusted
+// with large arguments, and nothing here has run on Apple hardware).
+template <bool SOFT_CAP>
+inline float logit(float x, float cap) {
+  x = finite_or_nan(x);
+  if (SOFT_CAP) x = cap * precise::tanh(x / cap);
+  return x;
+}
 
 template <typename T> inline float to_float(T x) { return static_cast<float>(x); }
 template <typename T> inline T from_float(float x) { return static_cast<T>(x); }

@@ -138,10 +138,10 @@ __device__ __forceinline__ void scores(const float (&qf)[QH][VEC], int stage, fl
 // softmax of head col / HLANES (state m_h, l_h) over the step's tokens and rescale every
 // head's accumulators by its alpha (shuffled in from a lane of that head). Leaves p of
 // this lane's head in s[0][u].
-template <int QH, int U, int VEC, int TPR, int HLANES, int NSW>
+template <bool SOFT_CAP, int QH, int U, int VEC, int TPR, int HLANES, int NSW>
 __device__ __forceinline__ void softmax_transposed(
     float (&s)[QH][U], float& m_h, float& l_h, float (&acc)[QH][VEC],
-    int step, int sw, int n_tok, int col, int sub0) {
+    int step, int sw, int n_tok, int col, int sub0, float cap) {
   constexpr long long STEP = (long long)NSW * U;
 #pragma unroll
   for (int half = QH / 2, off = TPR / 2; half >= 1; half >>= 1, off >>= 1) {
@@ -163,7 +163,7 @@ __device__ __forceinline__ void softmax_transposed(
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const bool ok = step * (int)STEP + u * NSW + sw < n_tok;
-    s[0][u] = ok ? finite_or_nan(s[0][u]) : -PD_INF;
+    s[0][u] = ok ? logit<SOFT_CAP>(s[0][u], cap) : -PD_INF;
     mx = fmaxf(mx, s[0][u]);
   }
   const float ref = mx == -PD_INF ? 0.f : mx;   // avoids (-inf) - (-inf)
@@ -186,10 +186,10 @@ __device__ __forceinline__ void softmax_transposed(
 // Phase (other QH): reduce each (token, head) logit by a butterfly over the row's lanes,
 // run the online softmax of every head (state m[g], l[g]) and rescale its accumulators.
 // Leaves p in s[g][u].
-template <int QH, int U, int VEC, int TPR, int NSW>
+template <bool SOFT_CAP, int QH, int U, int VEC, int TPR, int NSW>
 __device__ __forceinline__ void softmax_per_head(
     float (&s)[QH][U], float (&m)[QH], float (&l)[QH], float (&acc)[QH][VEC],
-    int step, int sw, int n_tok) {
+    int step, int sw, int n_tok, float cap) {
   constexpr long long STEP = (long long)NSW * U;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -197,7 +197,7 @@ __device__ __forceinline__ void softmax_per_head(
 #pragma unroll
     for (int g = 0; g < QH; ++g) {
       const float x = group_sum<TPR>(s[g][u]);
-      s[g][u] = ok ? finite_or_nan(x) : -PD_INF;
+      s[g][u] = ok ? logit<SOFT_CAP>(x, cap) : -PD_INF;
     }
   }
 #pragma unroll
@@ -271,11 +271,13 @@ __device__ __forceinline__ void combine_subwarps(float (&m)[QH], float (&l)[QH],
 }
 
 // Phase: combine the warps' states through shared memory and write the normalized rows
-// and log2 LSEs. Every thread of the CTA must call it (it holds a barrier).
-template <typename TO, int HEAD_DIM, int QH, int VEC, int NUM_WARPS>
+// and log2 LSEs. With SINK (a final store only: the output, never a merged partial) the
+// sink of head h0 + g joins as one more state of weight 1 at m = sinks[h0 + g] * log2(e)
+// and no value. Every thread of the CTA must call it (it holds a barrier).
+template <typename TO, int HEAD_DIM, int QH, int VEC, int NUM_WARPS, bool SINK>
 __device__ __forceinline__ void combine_warps_and_store(
     const float (&m)[QH], const float (&l)[QH], const float (&acc)[QH][VEC],
-    int warp, int sub, int col, bool active, int d0,
+    int warp, int sub, int col, bool active, int d0, const float* __restrict__ sinks, int h0,
     TO* __restrict__ out_v, float* __restrict__ out_lse, long long out_row, long long out_lse_idx) {
   __shared__ float sm_m[NUM_WARPS][QH];
   __shared__ float sm_l[NUM_WARPS][QH];
@@ -296,8 +298,13 @@ __device__ __forceinline__ void combine_warps_and_store(
     float mx = -PD_INF;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float sk = -PD_INF;
+    if constexpr (SINK) {
+      sk = sinks[h0 + g] * PD_LOG2E;
+      mx = fmaxf(mx, sk);            // a NaN sink is skipped here and poisons den below
+    }
     const float ref = mx == -PD_INF ? 0.f : mx;
-    float num = 0.f, den = 0.f;
+    float num = 0.f, den = SINK ? exp2f(sk - ref) : 0.f;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
       const float wt = exp2f(sm_m[w][g] - ref);
@@ -318,11 +325,14 @@ __device__ __forceinline__ void combine_warps_and_store(
 // K/V rows stream through a STAGES-deep cp.async ring in shared memory: each thread
 // copies exactly the 16-byte pieces it later reads, so only its own cp.async groups are
 // waited for and no barrier is needed inside the loop.
-template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES, int ROW_LOADS>
+// SOFT_CAP: logits capped at cap_log2 (log2 units); SINK: the heads' sinks join the
+// final store (only where it writes the output).
+template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES, int ROW_LOADS, bool SOFT_CAP, bool SINK>
 __device__ __forceinline__ void attend_range(
     const TQ* __restrict__ q, const TKV* __restrict__ k_pages, const TKV* __restrict__ v_pages,
     const int* __restrict__ page_ids, long long fpo, long long t_begin, long long t_end,
     int r, int kvh, int h0, int num_qo_heads, int num_kv_heads, float scale_log2,
+    float cap_log2, const float* __restrict__ sinks,
     TO* __restrict__ out_v, float* __restrict__ out_lse, long long out_row, long long out_lse_idx) {
   using M = RowMap<TKV, HEAD_DIM, ROW_LOADS>;
   constexpr int VEC = M::VEC, NLOAD = M::NLOAD, TPR = M::TPR, RPW = M::RPW;
@@ -390,9 +400,9 @@ __device__ __forceinline__ void attend_range(
     float s[QH][U];
     scores<TKV, QH, U, VEC, NLOAD, THREADS>(qf, stage, s);
     if constexpr (TRANSPOSE)
-      softmax_transposed<QH, U, VEC, TPR, HLANES, NSW>(s, m_h, l_h, acc, step, sw, n_tok, col, sub0);
+      softmax_transposed<SOFT_CAP, QH, U, VEC, TPR, HLANES, NSW>(s, m_h, l_h, acc, step, sw, n_tok, col, sub0, cap_log2);
     else
-      softmax_per_head<QH, U, VEC, TPR, NSW>(s, m, l, acc, step, sw, n_tok);
+      softmax_per_head<SOFT_CAP, QH, U, VEC, TPR, NSW>(s, m, l, acc, step, sw, n_tok, cap_log2);
     accumulate_v<TKV, TRANSPOSE, QH, U, VEC, NLOAD, THREADS, HLANES>(acc, s, stage, sub0);
   }
   if constexpr (TRANSPOSE) {
@@ -407,14 +417,14 @@ __device__ __forceinline__ void attend_range(
   cp_async_wait<0>();                              // no copy may outlive the loop
 
   combine_subwarps<QH, VEC, TPR>(m, l, acc);
-  combine_warps_and_store<TO, HEAD_DIM, QH, VEC, NUM_WARPS>(
-      m, l, acc, warp, sub, col, active, d0, out_v, out_lse, out_row, out_lse_idx);
+  combine_warps_and_store<TO, HEAD_DIM, QH, VEC, NUM_WARPS, SINK>(
+      m, l, acc, warp, sub, col, active, d0, sinks, h0, out_v, out_lse, out_row, out_lse_idx);
 }
 
 }  // namespace pd
 
 // grid: (C chunks, Hkv * q_groups); block: NUM_WARPS * 32 threads.
-template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES, int ROW_LOADS>
+template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES, int ROW_LOADS, bool SOFT_CAP, bool SINK>
 __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
     const TQ* __restrict__ q,                    // [B, Hq, D]
     const TKV* __restrict__ k_pages,             // [num_pages, P, Hkv, D]
@@ -425,9 +435,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
     const int* __restrict__ first_page_offset,   // [B]
     const int* __restrict__ request_indices,     // [C]
     const int* __restrict__ kv_tile_indices,     // [C]
+    const float* __restrict__ sinks,             // [Hq] natural units with SINK (else unread)
     TO* __restrict__ v_out,                      // [C, Hq, D]
     float* __restrict__ lse_out,                 // [C, Hq], log2
-    int num_qo_heads, int num_kv_heads, int q_groups, int pages_per_chunk, float scale_log2) {
+    int num_qo_heads, int num_kv_heads, int q_groups, int pages_per_chunk, float scale_log2,
+    float soft_cap_log2) {
   const int c = blockIdx.x;
   const int kvh = blockIdx.y / q_groups, qg = blockIdx.y % q_groups;
   const int h0 = kvh * (num_qo_heads / num_kv_heads) + qg * QH;
@@ -443,9 +455,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
   t_begin = t_begin < 0 ? 0 : (t_begin > seq ? seq : t_begin);
   long long t_end = page_end >= npages ? seq : page_end * PAGE_SIZE - fpo;
   t_end = t_end < 0 ? 0 : (t_end > seq ? seq : t_end);
-  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, STAGES, ROW_LOADS>(
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, STAGES, ROW_LOADS, SOFT_CAP, SINK>(
       q, k_pages, v_pages, indices + pb, fpo, t_begin, t_end, r, kvh, h0, num_qo_heads,
-      num_kv_heads, scale_log2, v_out, lse_out, ((long long)c * num_qo_heads + h0) * HEAD_DIM,
+      num_kv_heads, scale_log2, soft_cap_log2, sinks, v_out, lse_out,
+      ((long long)c * num_qo_heads + h0) * HEAD_DIM,
       (long long)c * num_qo_heads + h0);
 }
 """
@@ -462,14 +475,15 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
 # final m, l reach the other lanes by indexed simd_shuffle; other QH keep one butterfly
 # (group_sum) per (token, head). U = 2 tokens per sub-group per step at QH >= 8, else 4,
 # as in CUDA. Inputs (in order): q, k_pages, v_pages, indices, indptr, last_page_len,
-# first_page_offset, request_indices, kv_tile_indices, num_qo_heads, num_kv_heads,
-# q_groups, pages_per_chunk (0-d int32), scale_log2 (0-d float32); outputs: v_out,
-# lse_out. Template arguments, in order: TQ, TKV, TO (dtypes),
-# HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS. Launch: grid (C * NUM_WARPS * 32, Hkv * q_groups, 1)
+# first_page_offset, request_indices, kv_tile_indices, sinks ([Hq] float32 with SINK, a
+# stand-in otherwise), num_qo_heads, num_kv_heads, q_groups, pages_per_chunk (0-d int32),
+# scale_log2, soft_cap_log2 (0-d float32); outputs: v_out, lse_out. Template arguments,
+# in order: TQ, TKV, TO (dtypes), HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, SOFT_CAP, SINK. Launch: grid (C * NUM_WARPS * 32, Hkv * q_groups, 1)
 # threads, threadgroup (NUM_WARPS * 32, 1, 1).
 METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
-                "first_page_offset", "request_indices", "kv_tile_indices", "num_qo_heads",
-                "num_kv_heads", "q_groups", "pages_per_chunk", "scale_log2")
+                "first_page_offset", "request_indices", "kv_tile_indices", "sinks",
+                "num_qo_heads", "num_kv_heads", "q_groups", "pages_per_chunk", "scale_log2",
+                "soft_cap_log2")
 METAL_OUTPUTS = ("v_out", "lse_out")
 
 METAL_ATTEND = r"""
@@ -545,10 +559,10 @@ inline void scores(const thread float (&qf)[QH][VEC], KP k_pages, const thread l
 // softmax of head col / HLANES (state m_h, l_h) over the step's tokens and rescale every
 // head's accumulators by its alpha (shuffled in from a lane of that head). Leaves p of
 // this lane's head in s[0][u].
-template <int QH, int U, int VEC, int TPR, int HLANES, typename A>
+template <bool SOFT_CAP, int QH, int U, int VEC, int TPR, int HLANES, typename A>
 inline void softmax_transposed(thread float (&s)[QH][U], thread float& m_h, thread float& l_h,
                                thread A (&acc)[QH][VEC], const thread bool (&ok)[U], int col,
-                               int sub0) {
+                               int sub0, float cap) {
   // hn: the number of heads kept per level (`half` in CUDA, a type name in Metal)
   for (int hn = QH / 2, off = TPR / 2; hn >= 1; hn >>= 1, off >>= 1) {
     const bool up = (col & off) != 0;        // keep heads [hn, 2 hn) of the range
@@ -563,7 +577,7 @@ inline void softmax_transposed(thread float (&s)[QH][U], thread float& m_h, thre
     for (int u = 0; u < U; ++u) s[0][u] += simd_shuffle_xor(s[0][u], ushort(off));
   float mx = m_h;
   for (int u = 0; u < U; ++u) {
-    s[0][u] = ok[u] ? finite_or_nan(s[0][u]) : -INFINITY;
+    s[0][u] = ok[u] ? logit<SOFT_CAP>(s[0][u], cap) : -INFINITY;
     mx = fmax(mx, s[0][u]);
   }
   const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
@@ -583,13 +597,13 @@ inline void softmax_transposed(thread float (&s)[QH][U], thread float& m_h, thre
 // Phase (other QH): reduce each (token, head) logit by a butterfly over the row's lanes,
 // run the online softmax of every head (state m[g], l[g]) and rescale its accumulators.
 // Leaves p in s[g][u].
-template <int QH, int U, int VEC, int TPR, typename A>
+template <bool SOFT_CAP, int QH, int U, int VEC, int TPR, typename A>
 inline void softmax_per_head(thread float (&s)[QH][U], thread float (&m)[QH], thread float (&l)[QH],
-                             thread A (&acc)[QH][VEC], const thread bool (&ok)[U]) {
+                             thread A (&acc)[QH][VEC], const thread bool (&ok)[U], float cap) {
   for (int u = 0; u < U; ++u) {
     for (int g = 0; g < QH; ++g) {
       const float x = group_sum<TPR>(s[g][u]);
-      s[g][u] = ok[u] ? finite_or_nan(x) : -INFINITY;
+      s[g][u] = ok[u] ? logit<SOFT_CAP>(x, cap) : -INFINITY;
     }
   }
   for (int g = 0; g < QH; ++g) {
@@ -656,13 +670,15 @@ inline void combine_subwarps(thread float (&m)[QH], thread float (&l)[QH], threa
 }
 
 // Phase: combine the SIMD groups' states through threadgroup memory, CB::HPR heads per
-// round, and write the normalized rows and log2 LSEs. Every thread of the threadgroup
-// must call it (it holds barriers).
-template <typename TO, int HEAD_DIM, int QH, int VEC, int NUM_WARPS, typename A>
+// round, and write the normalized rows and log2 LSEs; with SINK the sink of head h0 + g
+// joins as one more state (weight 1 at sinks[h0 + g] * log2(e), no value), as in CUDA.
+// Every thread of the threadgroup must call it (it holds barriers).
+template <typename TO, int HEAD_DIM, int QH, int VEC, int NUM_WARPS, bool SINK, typename A,
+          typename SP>
 inline void combine_warps_and_store(
     const thread float (&m)[QH], const thread float (&l)[QH], const thread A (&acc)[QH][VEC],
     threadgroup float* sm_m, threadgroup float* sm_l, threadgroup float* sm_acc,
-    uint tid, uint warp, int sub, int col, bool active, int d0,
+    uint tid, uint warp, int sub, int col, bool active, int d0, SP sinks, int h0,
     device TO* out_v, device float* out_lse, long out_row, long out_lse_idx) {
   typedef Combine<HEAD_DIM, QH, NUM_WARPS> CB;
   constexpr int THREADS = NUM_WARPS * 32;
@@ -684,8 +700,13 @@ inline void combine_warps_and_store(
       const int gg = e / HEAD_DIM, d = e % HEAD_DIM, g = g0 + gg;
       float mx = -INFINITY;
       for (int w = 0; w < NUM_WARPS; ++w) mx = fmax(mx, sm_m[w * QH + g]);
+      float sk = -INFINITY;
+      if (SINK) {
+        sk = float(sinks[h0 + g]) * PD_LOG2E;
+        mx = fmax(mx, sk);           // a NaN sink is skipped here and poisons den below
+      }
       const float ref = mx == -INFINITY ? 0.0f : mx;
-      float num = 0.0f, den = 0.0f;
+      float num = 0.0f, den = SINK ? exp2(sk - ref) : 0.0f;
       for (int w = 0; w < NUM_WARPS; ++w) {
         const float wt = exp2(sm_m[w * QH + g] - ref);
         num = fma(wt, sm_acc[(w * CB::HPR + gg) * HEAD_DIM + d], num);
@@ -702,12 +723,16 @@ inline void combine_warps_and_store(
 // Attend the QH query heads h0 .. h0+QH-1 of request r to its visible tokens
 // [t_begin, t_end) under KV head kvh; write normalized rows to out_v[out_row + g*D] and
 // log2 LSEs to out_lse[out_lse_idx + g]. Every thread of the threadgroup must call it.
+// SOFT_CAP: logits capped at cap_log2 (log2 units); SINK: the heads' sinks join the
+// final store (only where it writes the output).
 template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH,
-          int NUM_WARPS, typename QP, typename KP, typename IP>
+          int NUM_WARPS, bool SOFT_CAP, bool SINK, typename QP, typename KP, typename IP,
+          typename SP>
 inline void attend_range(
     QP q, KP k_pages, KP v_pages, IP page_ids, long fpo, long t_begin, long t_end,
     int r, int kvh, int h0, int num_qo_heads, int num_kv_heads, float scale_log2,
-    device TO* out_v, device float* out_lse, long out_row, long out_lse_idx,
+    float cap_log2, SP sinks, device TO* out_v, device float* out_lse, long out_row,
+    long out_lse_idx,
     threadgroup float* sm_m, threadgroup float* sm_l, threadgroup float* sm_acc,
     uint tid, uint lane, uint warp) {
   typedef RowMap<TKV, HEAD_DIM> M;
@@ -761,9 +786,10 @@ inline void attend_range(
     float s[QH][U];
     scores<QH, U, VEC>(qf, k_pages, kv_off, ok, active, s);
     if (TRANSPOSE)
-      softmax_transposed<QH, U, VEC, TPR, HLANES>(s, m_h, l_h, acc, ok, col, sub0);
+      softmax_transposed<SOFT_CAP, QH, U, VEC, TPR, HLANES>(s, m_h, l_h, acc, ok, col, sub0,
+                                                            cap_log2);
     else
-      softmax_per_head<QH, U, VEC, TPR>(s, m, l, acc, ok);
+      softmax_per_head<SOFT_CAP, QH, U, VEC, TPR>(s, m, l, acc, ok, cap_log2);
     accumulate_v<TRANSPOSE, QH, U, VEC, HLANES>(acc, s, v_pages, kv_off, ok, active, sub0);
   }
   if (TRANSPOSE) {
@@ -776,9 +802,9 @@ inline void attend_range(
   }
 
   combine_subwarps<QH, VEC, TPR>(m, l, acc);
-  combine_warps_and_store<TO, HEAD_DIM, QH, VEC, NUM_WARPS>(
-      m, l, acc, sm_m, sm_l, sm_acc, tid, warp, sub, col, active, d0, out_v, out_lse, out_row,
-      out_lse_idx);
+  combine_warps_and_store<TO, HEAD_DIM, QH, VEC, NUM_WARPS, SINK>(
+      m, l, acc, sm_m, sm_l, sm_acc, tid, warp, sub, col, active, d0, sinks, h0, out_v,
+      out_lse, out_row, out_lse_idx);
 }
 
 }  // namespace pd
@@ -810,9 +836,10 @@ METAL_SOURCE = r"""
   threadgroup float sm_m[CB::STATE];
   threadgroup float sm_l[CB::STATE];
   threadgroup float sm_acc[CB::ACC];
-  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS>(
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, SOFT_CAP, SINK>(
       q, k_pages, v_pages, indices + pb, fpo, t_begin, t_end, r, kvh, h0, num_qo_heads,
-      num_kv_heads, scale_log2, v_out, lse_out, (long(c) * num_qo_heads + h0) * HEAD_DIM,
+      num_kv_heads, scale_log2, soft_cap_log2, sinks, v_out, lse_out,
+      (long(c) * num_qo_heads + h0) * HEAD_DIM,
       long(c) * num_qo_heads + h0, sm_m, sm_l, sm_acc, thread_position_in_threadgroup.x,
       thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
 """
@@ -822,13 +849,13 @@ def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
     return {"TQ": Dtype(spec.q_dtype), "TKV": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype),
             "HEAD_DIM": spec.head_dim, "PAGE_SIZE": spec.page_size, "QH": spec.heads_per_cta,
             "NUM_WARPS": spec.num_warps, "STAGES": spec.stages,
-            "ROW_LOADS": max(1, spec.row_loads)}
+            "ROW_LOADS": max(1, spec.row_loads), "SOFT_CAP": spec.soft_cap, "SINK": spec.sink}
 
 
 KERNEL = KernelDef(
     kernel="v2", cuda_name="pd_decode_v2_partial", cuda_source=CUDA_SOURCE,
     template=("TQ", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "QH", "NUM_WARPS", "STAGES",
-              "ROW_LOADS"),
+              "ROW_LOADS", "SOFT_CAP", "SINK"),
     arguments=_arguments, threads=warp_threads, dynamic_smem=ring_smem_bytes,
     metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),
     # Metal has no staging ring and one row mapping

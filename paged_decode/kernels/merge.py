@@ -8,7 +8,10 @@ merged without a reordering copy; without it ``rows`` is not read.
 One warp per (output row, head); lanes hold float4 slices of D. Rows whose LSE is
 ``-inf`` (empty chunks) contribute nothing and are not read; a NaN or ``+inf`` LSE (a
 poisoned chunk; no kernel writes +inf) makes the group's output and LSE NaN; an empty
-group gives zeros and -inf.
+group gives zeros and -inf. With ``SINK`` each group takes one more state, the head's
+sink (``sinks [H]`` float32, natural units): LSE ``sinks[h] * log2(e)``, value 0
+(``docs/variants.md``); an all-empty group then gives zeros and the sink's LSE, a NaN or
+``+inf`` sink poisons the group like a partial would.
 Knows nothing of pages or GQA; cascade decode reuses it unchanged.
 """
 
@@ -22,12 +25,13 @@ WARPS_PER_BLOCK = 4
 
 CUDA_BODY = r"""
 // grid: ceil(M * H / 4); block: 128 threads (4 warps, one (row, head) each).
-template <typename TO, int HEAD_DIM, bool GATHER>
+template <typename TO, int HEAD_DIM, bool GATHER, bool SINK>
 __global__ void __launch_bounds__(128) pd_merge_states(
     const float* __restrict__ v,          // [N, H, D]
     const float* __restrict__ lse,        // [N, H], log2
     const int* __restrict__ o_indptr,     // [M + 1]
     const int* __restrict__ rows,         // [o_indptr[M]] with GATHER (else unread)
+    const float* __restrict__ sinks,      // [H] natural units with SINK (else unread)
     TO* __restrict__ v_out,               // [M, H, D]
     float* __restrict__ lse_out,          // [M, H], log2
     int num_heads, int num_out) {
@@ -50,6 +54,12 @@ __global__ void __launch_bounds__(128) pd_merge_states(
   }
   mx = pd::warp_max(mx);
   bad = pd::warp_max(bad);                          // warp-uniform
+  // the sink: one more state of value 0, counted once per group (not per partial)
+  const float sk = SINK ? sinks[h] * PD_LOG2E : -PD_INF;
+  if (SINK) {
+    mx = fmaxf(mx, sk);
+    bad = sk < PD_INF ? bad : 1.f;
+  }
   float4 acc[PER_LANE];
 #pragma unroll
   for (int j = 0; j < PER_LANE; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -95,6 +105,7 @@ __global__ void __launch_bounds__(128) pd_merge_states(
     }
   }
   den = pd::group_sum<32>(den);
+  if (SINK && mx > -PD_INF) den += exp2f(sk - mx);
   const bool live = den > 0.f;
   const float inv = bad != 0.f ? PD_NAN : (live ? 1.f / den : 0.f);   // 0 * NaN is NaN
   TO* dst = v_out + (o * num_heads + h) * HEAD_DIM;
@@ -116,10 +127,11 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
 
 # ---------------------------------------------------------------------------- Metal
 # MLX ``metal_kernel`` body: one SIMD group per (output row, head), 4 per threadgroup;
-# ``simd_max`` where CUDA uses a max butterfly. Inputs: v, lse, o_indptr, num_heads,
-# num_out (0-d int32); outputs: v_out, lse_out. Template arguments: TO, HEAD_DIM.
+# ``simd_max`` where CUDA uses a max butterfly. Inputs: v, lse, o_indptr, sinks ([H]
+# float32 with SINK, a stand-in otherwise), num_heads, num_out (0-d int32); outputs:
+# v_out, lse_out. Template arguments: TO, HEAD_DIM, SINK.
 # Launch: grid (ceil(M * H / 4) * 128, 1, 1) threads, threadgroup (128, 1, 1).
-METAL_INPUTS = ("v", "lse", "o_indptr", "num_heads", "num_out")
+METAL_INPUTS = ("v", "lse", "o_indptr", "sinks", "num_heads", "num_out")
 METAL_OUTPUTS = ("v_out", "lse_out")
 METAL_HEADER = METAL_COMMON
 
@@ -142,6 +154,12 @@ METAL_SOURCE = r"""
   }
   mx = simd_max(mx);
   bad = simd_max(bad);                             // SIMD-group-uniform
+  // the sink: one more state of value 0, counted once per group (as in CUDA)
+  const float sk = SINK ? float(sinks[h]) * PD_LOG2E : -INFINITY;
+  if (SINK) {
+    mx = fmax(mx, sk);
+    bad = sk < INFINITY ? bad : 1.0f;
+  }
   float4 acc[PER_LANE];
   for (int j = 0; j < PER_LANE; ++j) acc[j] = float4(0.0f);
   float den = 0.0f;
@@ -158,6 +176,7 @@ METAL_SOURCE = r"""
       }
     }
   }
+  if (SINK && mx > -INFINITY) den += exp2(sk - mx);
   const bool live = den > 0.0f;
   const float inv = bad != 0.0f ? NAN : (live ? 1.0f / den : 0.0f);   // 0 * NaN is NaN
   const long dst = (o * num_heads + h) * HEAD_DIM;
@@ -175,12 +194,13 @@ METAL_SOURCE = r"""
 
 
 def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
-    return {"TO": Dtype(spec.out_dtype), "HEAD_DIM": spec.head_dim, "GATHER": spec.gather}
+    return {"TO": Dtype(spec.out_dtype), "HEAD_DIM": spec.head_dim, "GATHER": spec.gather,
+            "SINK": spec.sink}
 
 
 KERNEL = KernelDef(
     kernel="merge", cuda_name="pd_merge_states", cuda_source=CUDA_SOURCE,
-    template=("TO", "HEAD_DIM", "GATHER"), arguments=_arguments,
+    template=("TO", "HEAD_DIM", "GATHER", "SINK"), arguments=_arguments,
     threads=lambda spec: 32 * WARPS_PER_BLOCK,
     metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),
     cuda_only=("GATHER",))     # the Metal merge has no row index
