@@ -46,8 +46,13 @@ from .errors import (
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, make_plan
+from .specs import v2tc_ctas_per_chunk
 
-PATHS = ("auto", "v2", "v1", "gather")
+PATHS = ("auto", "v2", "v2tc", "v1", "gather")
+#: paths that run the split-KV partial (and the merge when the plan splits a request)
+SPLIT_PATHS = ("v2", "v2tc")
+#: paths whose prepared calls replay recorded launches (gather runs array ops)
+LAUNCH_PATHS = ("v2", "v2tc", "v1")
 
 
 def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -69,7 +74,9 @@ def plan_decode(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim
 def choose_path(backend: Backend, table: PageTable, plan: DecodePlan) -> tuple[str, str]:
     """The path ``path="auto"`` takes, and why (one place for the policy): the best path
     of the nearest cell of the device's measured crossover table
-    (``paged_decode.crossover``), v2 when the device has no table."""
+    (``paged_decode.crossover``), v2 when the device has no table. The tensor-core partial
+    (``"v2tc"``) is never chosen here until a measured table holds it (pending an H200
+    run)."""
     single = backend.auto_path()  # a backend with one arm (MLX without Metal: gather)
     if single is not None:
         return single
@@ -140,10 +147,15 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     return CallArgs(qa, ka, va, table, b, hq, hkv, d, p, q_dt, kv_dt, o_dt, scale)
 
 
-def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None) -> DecodePlan:
-    """``plan`` checked against the call, or a fresh plan for the call's device."""
+def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
+                 path: str = "v2") -> DecodePlan:
+    """``plan`` checked against the call, or a fresh plan for the call's device (for
+    ``path="v2tc"`` searched for the tensor-core partial's CTAs per chunk; any plan of the
+    table runs on either partial)."""
     if plan is None:
-        return plan_decode(a.table, a.hq, a.hkv, a.d, device=be.device_info())
+        ctas = v2tc_ctas_per_chunk(a.hq, a.hkv) if path == "v2tc" else None
+        return plan_decode(a.table, a.hq, a.hkv, a.d, device=be.device_info(),
+                           ctas_per_chunk=ctas)
     check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
     plan.check(fn, a.table, a.hq, a.hkv, a.d)
     return plan
@@ -157,7 +169,9 @@ def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: 
     needs no LSE). Returns ``(plan, path, reason, out, lse)``."""
     if a.b == 0:   # decode returns empty arrays (``_empty_batch``); no plan fits no requests
         raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
-    plan = resolve_plan(fn, be, a, plan)
+    if path != "auto":
+        check_support(fn, be, a, path)    # before planning: v2tc's plan needs its geometry
+    plan = resolve_plan(fn, be, a, plan, path)
     chosen, reason = choose_path(be, a.table, plan) if path == "auto" else (path, "requested")
     check_support(fn, be, a, chosen)
     out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
@@ -213,16 +227,18 @@ def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:
 
 def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
              lse_a: Any) -> str:
-    """Launch ``path`` (``"v2"``, ``"v1"`` or ``"gather"``) into ``out_a`` / ``lse_a``
-    (inside the backend's launch context); returns the path that ran."""
-    if path == "v2":
+    """Launch ``path`` (``"v2"``, ``"v2tc"``, ``"v1"`` or ``"gather"``) into ``out_a`` /
+    ``lse_a`` (inside the backend's launch context); returns the path that ran (a split
+    path with ``"+merge"`` when the plan splits a request)."""
+    if path in SPLIT_PATHS:
+        partial = be.partial_tc if path == "v2tc" else be.partial
         if plan.needs_merge:
             v_part, lse_part = be.workspace(plan)
-            be.partial(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part)
+            partial(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part)
             be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a)
-            return "v2+merge"
-        be.partial(a.q, a.k, a.v, a.table, plan, a.scale, out_a, lse_a)
-        return "v2"
+            return f"{path}+merge"
+        partial(a.q, a.k, a.v, a.table, plan, a.scale, out_a, lse_a)
+        return path
     if path == "v1":
         be.decode_v1(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a)
         return "v1"
@@ -274,6 +290,6 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     return arr
 
 
-__all__ = ["PATHS", "CallArgs", "CascadeCall", "cascade_call", "check_call", "check_support",
-           "choose_path", "empty_batch", "flat_call", "output_buffer", "plan_decode",
-           "resolve_plan", "results", "returned", "run_path"]
+__all__ = ["LAUNCH_PATHS", "PATHS", "SPLIT_PATHS", "CallArgs", "CascadeCall", "cascade_call",
+           "check_call", "check_support", "choose_path", "empty_batch", "flat_call",
+           "output_buffer", "plan_decode", "resolve_plan", "results", "returned", "run_path"]

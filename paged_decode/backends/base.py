@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import settings
 from ..device import DeviceInfo
-from ..errors import InvalidArgumentError, PagedDecodeError
+from ..errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemError
 from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan
@@ -81,6 +81,8 @@ class Backend(ABC):
     functional_outputs: bool = False
     #: ``merge`` reads its inputs through a row index itself (``rows=``), without a copy
     merge_gathers: bool = False
+    #: runs the tensor-core v2 partial (``partial_tc``, ``path="v2tc"``): CUDA dialect only
+    tensor_core_decode: bool = False
 
     # ----------------------------------------------------------- availability
     @classmethod
@@ -211,6 +213,15 @@ class Backend(ABC):
         ``lse_out [C, Hq]`` float32, log2 units. An empty chunk writes zeros and -inf.
         ``sm_scale`` is the natural-units softmax scale (the backend folds in log2(e)).
         """
+
+    def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
+                   plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
+        """The tensor-core v2 partial (``kernels/decode_v2_tc.py``): ``partial``'s arrays
+        and contract, for float16 / bfloat16 pools with ``q`` in their dtype and a GQA
+        group of at most 32; only where ``tensor_core_decode`` (this default raises)."""
+        raise UnsupportedProblemError(f"backend {self.name!r} has no tensor-core decode "
+                                      "partial (path 'v2tc' runs on 'cuda' and "
+                                      "'emulated-cuda')")
 
     @abstractmethod
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any) -> None:
