@@ -22,8 +22,8 @@ shared memory at the end (as in the v2 partial).
 Pipeline: K/V tokens stream through a STAGES-deep ring of ``cp.async`` 16-byte copies
 (STAGES - 1 stages in flight while one is computed, one barrier per stage). Tokens of a
 stage may come from different pages (any page size 1-256, a first page offset): each
-token's page is looked up on its own, the page ids one stage ahead of the copies that use
-them.
+token's page is looked up on its own (one thread per token of a stage, a stage ahead of the
+copies that use it, through shared memory).
 """
 
 from __future__ import annotations
@@ -137,20 +137,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 
   const long long row_stride = (long long)num_kv_heads * D;            // elements per token
   const long long page_stride = (long long)PAGE_SIZE * row_stride;
-  // The page ids of the tokens a thread copies are loaded one stage ahead of their copies
-  // (fetch), so issuing a stage's cp.async never waits on a global load.
-  int ids[PER_THREAD];
-  auto fetch = [&](int stage) {
-#pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {
-      const int i = stage * KT + (tid + j * THREADS) / PIECES;         // token in the range
-      ids[j] = i < n_tok ? page_ids[(a_begin + i) / PAGE_SIZE] : 0;
-    }
+  // Page ids: thread tid < KT looks up token tid of a stage (`lookup`) one stage before
+  // that stage's copies are issued, and stores it to sm_ids at the next round, before
+  // the barrier that publishes it; so an issue never waits on a global load, and a thread
+  // holds one id, not one per piece it copies.
+  __shared__ int sm_ids[STAGES][KT];
+  auto lookup = [&](int stage) -> int {
+    const int i = stage * KT + tid;                                     // token in the range
+    return tid < KT && i < n_tok ? page_ids[(a_begin + i) / PAGE_SIZE] : 0;
   };
   // Copy stage `stage`'s K/V tokens into ring slot stage % STAGES (tokens past the range
   // zero-filled; nothing past the last stage) and commit one group: one group per call
   // keeps the wait counts of the loop exact.
-  auto issue = [&](int stage) {                  // with the ids fetched for this stage
+  auto issue = [&](int stage) {
     const int slot = stage % STAGES;
     if (stage < n_stages) {
 #pragma unroll
@@ -162,7 +161,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
         const T* vp = v_pages;
         if (ok) {
           const int a = a_begin + i;
-          const long long off = (long long)ids[j] * page_stride
+          const long long off = (long long)sm_ids[slot][tok] * page_stride
                                 + (long long)(a % PAGE_SIZE) * row_stride + (long long)kvh * D + piece * 8;
           kp += off;
           vp += off;
@@ -179,19 +178,23 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_run[2] = {-PD_INF, -PD_INF}, l_run[2] = {0.f, 0.f};   // rows grp, grp + 8
 
-  fetch(0);
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    issue(s);
-    fetch(s + 1);
-  }
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (tid < KT) sm_ids[s][tid] = lookup(s);
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  int next_id = lookup(STAGES - 1);
   for (int stage = 0; stage < n_stages; ++stage) {
+    // the ids of stage + STAGES - 1; their slot's last reader, that stage's issue a round
+    // or more ago, is behind a barrier
+    if (tid < KT) sm_ids[(stage + STAGES - 1) % STAGES][tid] = next_id;
     cp_async_wait<STAGES - 2>();                 // this thread's copies of `stage` landed
-    // every thread's copies of `stage` landed, and every warp is done with stage - 1,
-    // whose slot the issue below refills
+    // every thread's copies of `stage` (and the ids above) landed, and every warp is done
+    // with stage - 1, whose slot the issue below refills
     __syncthreads();
     issue(stage + STAGES - 1);
-    fetch(stage + STAGES);                       // consumed by the next round's issue
+    next_id = lookup(stage + STAGES);            // stored at the next round
     const int slot = stage % STAGES;
     const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
     if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out
