@@ -5,7 +5,8 @@ one and two 16-row tiles, full and partial), head dims 64/96/128/256, page sizes
 writes the output in its dtype) and split + merge, float16 and bfloat16, NaN-poisoned
 outputs and workspaces (``conftest.py``) and NaN in every pool entry outside the visible
 windows (``make_problem``). Where it may not run it must say so. Its non-finite rules are
-checked in ``test_nan_semantics.py``, its GPU runs in ``test_cuda_gpu.py``.
+checked in ``test_nan_semantics.py``; ``test_cuda_gpu.py`` runs ``run_v2tc`` and ``CASES``
+on the GPU (plus longer contexts), ``test_cuda_graphs.py`` captures it in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -41,17 +42,19 @@ def run_v2tc(be, spec: ProblemSpec, ppcs, *, lengths=None, offsets=None) -> None
     written by the partial itself when a plan needs no merge."""
     pr = make_problem(spec, lengths=lengths, offsets=offsets)
     ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))   # cupy on "cuda"
     hq, hkv, d = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     for ppc in ppcs:
         plan = pd.plan_decode(pr.table, hq, hkv, d, device=be.device_info(),
                               pages_per_chunk=ppc, ctas_per_chunk=v2tc_ctas_per_chunk(hq, hkv))
         outs = ["float32"] if plan.needs_merge else ["float32", spec.kv_dtype]
         for od in outs:
-            out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc",
-                                 return_lse=True, out_dtype=od, backend=be)
+            out, lse = pd.decode(q, k, v, pr.table, plan, path="v2tc", return_lse=True,
+                                 out_dtype=od, backend=be)
             ran = pd.last_outcome().path
             assert ran == ("v2tc+merge" if plan.needs_merge else "v2tc"), ran
-            assert_matches_oracle(out, lse, ref, ref_lse, od, f"{spec.label} ppc={ppc} {od}",
+            assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), ref, ref_lse, od,
+                                  f"{spec.label} ppc={ppc} {od}",
                                   tol=tc_out_tol(spec.kv_dtype, od))
 
 
