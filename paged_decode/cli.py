@@ -175,7 +175,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @click.option("--page", "pages", multiple=True, type=POSITIVE, help="Override page sizes.")
 @click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]))
 @click.option("--arms", default="gather,v1,v2", show_default=True,
-              help="Comma-separated arms: gather, v1, v2 (ours), sdpa (torch SDPA on "
+              help="Comma-separated arms: gather, v1, v2, v2tc (ours; v2tc: the tensor-core "
+                   "partial, float16/bfloat16 on cuda), sdpa (torch SDPA on "
                    "contiguous K/V), flashinfer, flashinfer-tc (FlashInfer batch decode, "
                    "CUDA cores / tensor cores, when importable).")
 @click.option("--reps", default=30, show_default=True, type=POSITIVE,
