@@ -119,6 +119,25 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
 #endif
 }
 
+// Staging: piece `piece` (16 bytes) of the K and V rows of one token (entry `entry` of
+// pool page `page`, KV head `kvh`) into its padded shared-memory rows `ks` / `vs` with
+// cp.async; `ok` false zero-fills both without reading global memory.
+template <typename T, int D>
+__device__ __forceinline__ void stage_kv_piece(T* ks, T* vs, const T* k_pages, const T* v_pages,
+                                               int page, int entry, int kvh, int piece, bool ok,
+                                               long long page_stride, long long row_stride) {
+  const T* kp = k_pages;
+  const T* vp = v_pages;
+  if (ok) {
+    const long long off = (long long)page * page_stride
+                          + (long long)entry * row_stride + (long long)kvh * D + piece * 8;
+    kp += off;
+    vp += off;
+  }
+  cp_async16(ks + piece * 8, kp, ok);
+  cp_async16(vs + piece * 8, vp, ok);
+}
+
 // Phase: s = Q K^T (16 rows x 8 NT tokens) for one warp: `qw` points at the warp's 16
 // query rows, `kt` at its first K token row, both in shared memory (rows of LD elements).
 template <typename T, int D, int LD, int NT>

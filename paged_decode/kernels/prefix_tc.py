@@ -151,18 +151,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
     for (int j = 0; j < PER_THREAD; ++j) {
       const int e = tid + j * THREADS, tok = e / PIECES, piece = e % PIECES;
       const int i = tile * KT + tok;                                   // token in the chunk
-      const bool ok = i < n_tok;
-      const T* kp = k_pages;
-      const T* vp = v_pages;
-      if (ok) {
-        const int a = t_begin + i;
-        const long long off = (long long)ids[j] * page_stride
-                              + (long long)(a % PAGE_SIZE) * row_stride + (long long)kvh * D + piece * 8;
-        kp += off;
-        vp += off;
-      }
-      cp_async16(ks + (buf * KT + tok) * LD + piece * 8, kp, ok);
-      cp_async16(vs + (buf * KT + tok) * LD + piece * 8, vp, ok);
+      stage_kv_piece<T, D>(ks + (buf * KT + tok) * LD, vs + (buf * KT + tok) * LD, k_pages, v_pages,
+                           ids[j], (t_begin + i) % PAGE_SIZE, kvh, piece, i < n_tok, page_stride,
+                           row_stride);
     }
     cp_async_commit();
   };
