@@ -169,11 +169,14 @@ def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: 
     needs no LSE). Returns ``(plan, path, reason, out, lse)``."""
     if a.b == 0:   # decode returns empty arrays (``_empty_batch``); no plan fits no requests
         raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
-    if path != "auto":
-        check_support(fn, be, a, path)    # before planning: v2tc's plan needs its geometry
-    plan = resolve_plan(fn, be, a, plan, path)
-    chosen, reason = choose_path(be, a.table, plan) if path == "auto" else (path, "requested")
-    check_support(fn, be, a, chosen)
+    if path == "auto":
+        plan = resolve_plan(fn, be, a, plan)
+        chosen, reason = choose_path(be, a.table, plan)
+        check_support(fn, be, a, chosen)
+    else:   # checked before planning: a v2tc plan is searched for that kernel's geometry
+        check_support(fn, be, a, path)
+        plan = resolve_plan(fn, be, a, plan, path)
+        chosen, reason = path, "requested"
     out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
     lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
         if want_lse or chosen != "gather" else None
