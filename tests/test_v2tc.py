@@ -103,6 +103,17 @@ def test_v2tc_long_chunk_every_schedule(emu, head_dim):
 
 
 @needs_emulator
+@pytest.mark.parametrize("stages", [2, 4])
+def test_v2tc_ring_depths(emu, monkeypatch, stages):
+    # PAGED_DECODE_STAGES sets the ring depth (the default is 3): a double buffer waits for
+    # every group, a 4-deep ring keeps three in flight; the URI names the depth
+    from paged_decode.specs import v2tc_spec
+    monkeypatch.setenv("PAGED_DECODE_STAGES", str(stages))
+    assert f"_st-{stages}" in v2tc_spec("float16", "float32", 64, 8).uri
+    run_v2tc(emu, ProblemSpec(1, 330, 4, 1, 64, 8, seed=57, jitter=False), [SINGLE])
+
+
+@needs_emulator
 def test_v2tc_default_plan_is_searched_for_its_ctas(emu):
     # G = 16: the v2 partial runs two CTAs per KV head (8 heads each), v2tc one, so its own
     # plan splits the batch into more chunks to reach the same device target
