@@ -47,13 +47,18 @@ from .errors import (
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, make_plan
+from .specs import v2tc_ctas_per_chunk
 from .step_table import StepTable
 from .variants import PLAIN, Variant, check_path, check_variant, window_table
 
 #: a decode's table: the immutable host table, or a pool's device-resident step table
 Table = PageTable | StepTable
 
-PATHS = ("auto", "v2", "v1", "gather")
+PATHS = ("auto", "v2", "v2tc", "v1", "gather")
+#: paths that run the split-KV partial (and the merge when the plan splits a request)
+SPLIT_PATHS = ("v2", "v2tc")
+#: paths whose prepared calls replay recorded launches (gather runs array ops)
+LAUNCH_PATHS = ("v2", "v2tc", "v1")
 
 
 def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -78,7 +83,9 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
 def choose_path(backend: Backend, table: Table, plan: DecodePlan) -> tuple[str, str]:
     """The path ``path="auto"`` takes, and why (one place for the policy): the best path
     of the nearest cell of the device's measured crossover table
-    (``paged_decode.crossover``), v2 when the device has no table."""
+    (``paged_decode.crossover``), v2 when the device has no table. The tensor-core partial
+    (``"v2tc"``) is never chosen here until a measured table holds it (pending an H200
+    run)."""
     single = backend.auto_path()  # a backend with one arm (MLX without Metal: gather)
     if single is not None:
         return single
@@ -184,12 +191,16 @@ def host_table(table: Table) -> PageTable:
     return table.page_table() if isinstance(table, StepTable) else table
 
 
-def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None) -> DecodePlan:
-    """``plan`` checked against the call, or a fresh plan for the call's device."""
+def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
+                 path: str = "v2") -> DecodePlan:
+    """``plan`` checked against the call, or a fresh plan for the call's device (for
+    ``path="v2tc"`` searched for the tensor-core partial's CTAs per chunk; any plan of the
+    table runs on either partial)."""
     w = a.variant.window_left
     if plan is None:   # a.table is already the window table: the plan records the window
+        ctas = v2tc_ctas_per_chunk(a.hq, a.hkv) if path == "v2tc" else None
         return make_plan(a.table, a.hq, a.hkv, a.d, device=be.device_info(), window_left=w,
-                         fn=fn)
+                         ctas_per_chunk=ctas, fn=fn)
     check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
     plan.check(fn, a.table, a.hq, a.hkv, a.d, w)
     return plan
@@ -203,9 +214,14 @@ def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: 
     needs no LSE). Returns ``(plan, path, reason, out, lse)``."""
     if a.b == 0:   # decode returns empty arrays (``_empty_batch``); no plan fits no requests
         raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
-    plan = resolve_plan(fn, be, a, plan)
-    chosen, reason = choose_path(be, a.table, plan) if path == "auto" else (path, "requested")
-    check_support(fn, be, a, chosen)
+    if path == "auto":
+        plan = resolve_plan(fn, be, a, plan)
+        chosen, reason = choose_path(be, a.table, plan)
+        check_support(fn, be, a, chosen)
+    else:   # checked before planning: a v2tc plan is searched for that kernel's geometry
+        check_support(fn, be, a, path)
+        plan = resolve_plan(fn, be, a, plan, path)
+        chosen, reason = path, "requested"
     check_path(fn, be.name, chosen, a.variant)
     out_a = output_buffer(fn, be, "out", out, (a.b, a.hq, a.d), a.o_dt)
     lse_a = output_buffer(fn, be, "lse", lse, (a.b, a.hq), "float32") \
@@ -268,20 +284,23 @@ def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:
 
 def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
              lse_a: Any) -> str:
-    """Launch ``path`` (``"v2"``, ``"v1"`` or ``"gather"``) into ``out_a`` / ``lse_a``
-    (inside the backend's launch context); returns the path that ran. Sinks enter once:
-    in the merge of a split plan, else in the launch that writes the output."""
-    vk = a.variant
-    if path == "v2":
+    """Launch ``path`` (``"v2"``, ``"v2tc"``, ``"v1"`` or ``"gather"``) into ``out_a`` /
+    ``lse_a`` (inside the backend's launch context); returns the path that ran (a split
+    path with ``"+merge"`` when the plan splits a request). Sinks enter once: in the merge
+    of a split plan, else in the launch that writes the output (``check_path`` has refused
+    variants on paths without them, v2tc's included)."""
+    vk = a.variant                 # plain on v2tc (check_path): its kwargs are empty
+    if path in SPLIT_PATHS:
+        partial = be.partial_tc if path == "v2tc" else be.partial
         if plan.needs_merge:
             v_part, lse_part = be.workspace(plan)
-            be.partial(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part,
-                       **vk.kernel_kwargs(final=False))
+            partial(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part,
+                    **vk.kernel_kwargs(final=False))
             be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a, **vk.merge_kwargs())
-            return "v2+merge"
-        be.partial(a.q, a.k, a.v, a.table, plan, a.scale, out_a, lse_a,
-                   **vk.kernel_kwargs(final=True))
-        return "v2"
+            return f"{path}+merge"
+        partial(a.q, a.k, a.v, a.table, plan, a.scale, out_a, lse_a,
+                **vk.kernel_kwargs(final=True))
+        return path
     if path == "v1":
         be.decode_v1(a.q, a.k, a.v, a.table, a.scale, out_a, lse_a,
                      **vk.kernel_kwargs(final=True))
@@ -340,7 +359,7 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     return arr
 
 
-__all__ = ["PATHS", "CallArgs", "CascadeCall", "Table", "cascade_call", "check_call",
-           "check_support", "choose_path", "empty_batch", "flat_call", "host_table",
-           "output_buffer", "plan_decode", "resolve_plan", "results", "returned", "run_path",
-           "step_table_arg"]
+__all__ = ["LAUNCH_PATHS", "PATHS", "SPLIT_PATHS", "CallArgs", "CascadeCall", "Table",
+           "cascade_call", "check_call", "check_support", "choose_path", "empty_batch",
+           "flat_call", "host_table", "output_buffer", "plan_decode", "resolve_plan",
+           "results", "returned", "run_path", "step_table_arg"]

@@ -10,7 +10,11 @@ with 2x slack), computes the float64 oracle once, then runs each path through
   bound allows), so the merge runs on every request with more than one page;
 - ``"v2-single"``: one chunk per request, so the partial writes the output itself and no
   merge runs (a large device target rarely plans that for this matrix's batch sizes);
-- ``"v1"`` and ``"gather"``: the comparison and fallback arms.
+- ``"v1"`` and ``"gather"``: the comparison and fallback arms;
+- ``"v2tc"`` and ``"v2tc-forced-merge"``: the tensor-core v2 partial with its own plan
+  (``ctas_per_chunk`` of its geometry) and with one page per chunk; only on backends that
+  run it (``Backend.tensor_core_decode``) and only for float16 / bfloat16 configurations
+  (the report counts the runs each path made).
 
 A result passes only when both errors are finite and within tolerance **and** the path
 that actually ran (``last_outcome()``) is the one asked for. Errors are those of the
@@ -45,6 +49,7 @@ from .errors import is_int
 from .outcome import last_outcome
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, smallest_chunk_size
+from .specs import V2TC_MAX_GROUP, v2tc_ctas_per_chunk, v2tc_fits
 
 HEAD_DIMS = (64, 128)
 GQAS = (1, 4, 7, 8, 16)
@@ -54,7 +59,9 @@ BATCHES = (1, 4, 8)
 AXES: dict[str, tuple[int, ...]] = {"head_dim": HEAD_DIMS, "gqa": GQAS,
                                     "page_size": PAGE_SIZES, "context": CONTEXTS,
                                     "batch": BATCHES}
-ALL_PATHS = ("v2", "v2-forced-merge", "v2-single", "v1", "gather")
+#: the tensor-core v2 partial's paths (``Backend.tensor_core_decode``, 16-bit dtypes)
+TC_PATHS = ("v2tc", "v2tc-forced-merge")
+ALL_PATHS = ("v2", "v2-forced-merge", "v2-single", "v1", "gather", *TC_PATHS)
 QUICK_SIZE = 24
 
 # Max relative error on outputs, keyed by KV dtype. The oracle reads the same quantized
@@ -282,16 +289,32 @@ def forced_merge_ppc(table: PageTable) -> int:
     return smallest_chunk_size(table.pages_per_request, MAX_CHUNKS)
 
 
+def default_paths(be: Backend) -> tuple[str, ...]:
+    """The paths ``paged-decode check`` runs on ``be`` by default: every one, less the
+    tensor-core paths on a backend without the tensor-core partial."""
+    return tuple(p for p in ALL_PATHS if be.tensor_core_decode or p not in TC_PATHS)
+
+
+def path_applies(path: str, cfg: CheckConfig) -> bool:
+    """Whether ``path`` runs for ``cfg`` (the tensor-core paths: 16-bit q and pools of one
+    dtype, at most 32 query heads per KV head)."""
+    return path not in TC_PATHS or (v2tc_fits(cfg.q_dtype, cfg.kv_dtype)
+                                    and cfg.gqa <= V2TC_MAX_GROUP)
+
+
 def _plan_for(path: str, be: Backend, cfg: CheckConfig, table: PageTable,
               auto: DecodePlan) -> DecodePlan:
-    if path == "v2-forced-merge":
+    ctas = None
+    if path in ("v2-forced-merge", "v2tc-forced-merge"):
         ppc = forced_merge_ppc(table)
     elif path == "v2-single":
         ppc = max(1, int(table.pages_per_request.max()))
+    elif path == "v2tc":
+        ppc, ctas = None, v2tc_ctas_per_chunk(cfg.num_qo_heads, cfg.num_kv_heads)
     else:
         return auto
     return plan_decode(table, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                       device=be.device_info(), pages_per_chunk=ppc)
+                       device=be.device_info(), pages_per_chunk=ppc, ctas_per_chunk=ctas)
 
 
 def _run_path(be: Backend, cfg: CheckConfig, path: str, arrays: tuple[Any, Any, Any],
@@ -300,12 +323,13 @@ def _run_path(be: Backend, cfg: CheckConfig, path: str, arrays: tuple[Any, Any, 
     tol = tolerance(cfg.kv_dtype)
     plan = _plan_for(path, be, cfg, table, auto)
     is_v2 = path.startswith("v2")
-    want = ("v2+merge" if plan.needs_merge else "v2") if is_v2 else path
+    kernel_path = ("v2tc" if path in TC_PATHS else "v2") if is_v2 else path
+    want = f"{kernel_path}+merge" if is_v2 and plan.needs_merge else kernel_path
     before = last_outcome()
     t0 = time.perf_counter()
     err, lerr, ran, why = math.inf, math.inf, None, None
     try:
-        out, lse = decode(*arrays, table, plan, path="v2" if is_v2 else path,
+        out, lse = decode(*arrays, table, plan, path=kernel_path,
                           return_lse=True, out_dtype="float32", backend=be)
         out_h, lse_h = be.to_numpy(be.asarray(out)), be.to_numpy(be.asarray(lse))
         outcome = last_outcome()
@@ -332,7 +356,8 @@ def _run_path(be: Backend, cfg: CheckConfig, path: str, arrays: tuple[Any, Any, 
 
 def check_config(be: Backend, cfg: CheckConfig, paths: Sequence[str] = ALL_PATHS,
                  timings: dict[str, float] | None = None) -> list[CheckResult]:
-    """Check one configuration on every path in ``paths`` (oracle computed once)."""
+    """Check one configuration on every path in ``paths`` that applies to it
+    (``path_applies``; oracle computed once)."""
     tm = timings if timings is not None else {}
     t0 = time.perf_counter()
     prob = problems.make_problem(cfg.spec)
@@ -345,7 +370,7 @@ def check_config(be: Backend, cfg: CheckConfig, paths: Sequence[str] = ALL_PATHS
     auto = plan_decode(prob.table, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
                        device=be.device_info())
     results = []
-    for p in paths:
+    for p in (p for p in paths if path_applies(p, cfg)):
         r = _run_path(be, cfg, p, arrays, prob.table, auto, ref)
         tm[p] = tm.get(p, 0.0) + r.seconds
         results.append(r)
@@ -353,7 +378,7 @@ def check_config(be: Backend, cfg: CheckConfig, paths: Sequence[str] = ALL_PATHS
 
 
 def run_check(backend: str | Backend | None = None, *, full: bool = False,
-              dtypes: Sequence[str] = ("float16",), paths: Sequence[str] = ALL_PATHS,
+              dtypes: Sequence[str] = ("float16",), paths: Sequence[str] | None = None,
               progress: Callable[[CheckResult], None] | None = None,
               max_configs: int | None = None,
               shard: tuple[int, int] | None = None) -> CheckReport:
@@ -362,7 +387,10 @@ def run_check(backend: str | Backend | None = None, *, full: bool = False,
     ``progress`` is called with every ``CheckResult`` as it lands; ``max_configs`` keeps
     only the first (cheapest) configurations of the matrix; ``shard=(k, n)`` keeps every
     n-th configuration starting at the k-th (0-based), so n processes can split a matrix.
+    ``paths`` defaults to ``default_paths`` of the backend.
     """
+    be = get_backend(backend, fn="run_check")
+    paths = default_paths(be) if paths is None else tuple(paths)
     bad = [p for p in paths if p not in ALL_PATHS]
     if bad:
         raise ValueError(f"run_check: paths must be among {', '.join(ALL_PATHS)}, got {bad}")
@@ -371,7 +399,6 @@ def run_check(backend: str | Backend | None = None, *, full: bool = False,
         if dt not in TOLERANCES:
             raise ValueError(f"run_check: dtypes must be among {', '.join(TOLERANCES)}, "
                              f"got {dt!r}")
-    be = get_backend(backend, fn="run_check")
     info = be.device_info()
     configs = matrix(full, list(dtypes))
     if max_configs is not None:
@@ -398,6 +425,6 @@ def run_check(backend: str | Backend | None = None, *, full: bool = False,
     return report
 
 
-__all__ = ["ALL_PATHS", "AXES", "CheckConfig", "CheckReport", "CheckResult", "LSE_TOLERANCE",
-           "TOLERANCES", "check_config", "forced_merge_ppc", "format_result", "matrix",
-           "run_check", "tolerance"]
+__all__ = ["ALL_PATHS", "AXES", "TC_PATHS", "CheckConfig", "CheckReport", "CheckResult",
+           "LSE_TOLERANCE", "TOLERANCES", "check_config", "default_paths", "forced_merge_ppc",
+           "format_result", "matrix", "path_applies", "run_check", "tolerance"]

@@ -117,7 +117,8 @@ def info(backend: str | None, as_json: bool) -> None:
               help="Stop after this many configs (the matrix is ordered by dtype, then "
                    "cost, so a small number may not reach every --dtype).")
 @click.option("--path", "paths", multiple=True,
-              type=click.Choice(["v2", "v2-forced-merge", "v2-single", "v1", "gather"]),
+              type=click.Choice(["v2", "v2-forced-merge", "v2-single", "v1", "gather", "v2tc",
+                                 "v2tc-forced-merge"]),
               help="Paths to check (repeat for several; default: all the backend runs).")
 @click.option("--shard", default=None, metavar="K/N",
               help="Run every N-th configuration from the K-th (0-based), to split a matrix "
@@ -125,7 +126,7 @@ def info(backend: str | None, as_json: bool) -> None:
 def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: str | None,
           max_configs: int | None, paths: tuple[str, ...], shard: str | None) -> None:
     """Correctness matrix against the float64 oracle; exits non-zero on any failure."""
-    from .check import ALL_PATHS, format_result, run_check
+    from .check import default_paths, format_result, run_check
     part = None
     if shard:
         try:
@@ -142,7 +143,7 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
     single = be.auto_path()
     if not paths and single is not None:  # a backend with one arm (MLX without Metal)
         click.echo(f"paths: {single[0]} only ({single[1]})")
-    chosen = paths or (ALL_PATHS if single is None else (single[0],))
+    chosen = paths or (default_paths(be) if single is None else (single[0],))
     t0 = time.perf_counter()
     report = run_check(be, full=full, dtypes=list(dtypes), max_configs=max_configs,
                        paths=chosen, shard=part,
@@ -178,7 +179,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @click.option("--page", "pages", multiple=True, type=POSITIVE, help="Override page sizes.")
 @click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]))
 @click.option("--arms", default="gather,v1,v2", show_default=True,
-              help="Comma-separated arms: gather, v1, v2 (ours), sdpa (torch SDPA on "
+              help="Comma-separated arms: gather, v1, v2, v2tc (ours; v2tc: the tensor-core "
+                   "partial, float16/bfloat16 on cuda), sdpa (torch SDPA on "
                    "contiguous K/V), flashinfer, flashinfer-tc (FlashInfer batch decode, "
                    "CUDA cores / tensor cores, when importable).")
 @click.option("--reps", default=30, show_default=True, type=POSITIVE,

@@ -1,12 +1,15 @@
 """The decode entry points: one query token per request attends over its pages.
 
 ``decode`` validates, plans when no plan is given, allocates outputs and workspaces
-through the backend, runs one of three paths and records what it ran (the steps live in
+through the backend, runs one of four paths and records what it ran (the steps live in
 ``paged_decode.call``):
 
 - ``"v2"``: the split-KV partial kernel (``[C, Hq, D]`` normalized partials and
   ``[C, Hq]`` base-2 LSEs), then the variable-length merge over ``plan.o_indptr``; when
   every request has one chunk the partial writes the output directly.
+- ``"v2tc"``: the same split and merge with the tensor-core partial (CUDA, float16 /
+  bfloat16; ``kernels/decode_v2_tc.py``); asked for explicitly, never chosen by ``"auto"``
+  until a measured crossover table holds it.
 - ``"v1"``: one CTA per (request, query head), split inside the CTA (comparison arm).
 - ``"gather"``: gather visible K/V contiguously, then dense attention (fallback arm).
 
@@ -22,6 +25,7 @@ from typing import Any
 from . import settings
 from .backends import Backend, backend_for
 from .call import (
+    LAUNCH_PATHS,
     Table,
     cascade_call,
     check_call,
@@ -50,7 +54,10 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
         k_pages, v_pages: ``[num_pages, P, Hkv, D]`` page pools (same shape and dtype).
         table: the batch's ``PageTable`` (``B`` requests, page size ``P``).
         plan: a ``DecodePlan`` for this table and geometry (made here when ``None``).
-        path: ``"auto"``, ``"v2"``, ``"v1"`` or ``"gather"``.
+        path: ``"auto"``, ``"v2"``, ``"v2tc"`` (the tensor-core v2 partial: CUDA,
+            float16 / bfloat16 q and pools, at most 32 query heads per KV head; never
+            chosen by ``"auto"`` until a measured crossover table holds it), ``"v1"`` or
+            ``"gather"``.
         sm_scale: softmax scale in natural units (default ``1 / sqrt(D)``).
         out: optional ``[B, Hq, D]`` output to write (dtype ``out_dtype``). On MLX
             (immutable arrays) ``out`` must be an MLX array; it is rebound to the result
@@ -178,7 +185,7 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     record(DecodeOutcome(ran, be.name, a.b, a.table.total_visible,
                          fplan.num_chunks if ran.startswith("v2") else a.b, reason,
                          a.variant.describe()))
-    if fast_key is not None and chosen in ("v2", "v1"):
+    if fast_key is not None and chosen in LAUNCH_PATHS:
         decode_cache.put(fast_key, (be, table, fplan), arrays,
                          PreparedDecode(be, a, fplan, path=chosen, reason=reason, out=out,
                                         lse=lse if want_lse else None, out_a=out_a,

@@ -35,12 +35,14 @@ from typing import Any
 import numpy as np
 
 from .backends import c_contiguous
+from .call import LAUNCH_PATHS
 from .decode import decode
 from .errors import InvalidArgumentError, PagedDecodeError, check_int
 from .kernels.append import AppendWrite
 from .plan import DecodePlan, make_plan
 from .pool import AppendedBatch, PagePool
 from .prepared import layouts, prepare_decode
+from .specs import v2tc_ctas_per_chunk
 
 
 class StaleStepError(PagedDecodeError, RuntimeError):
@@ -59,7 +61,8 @@ class DecodeStep:
             size a captured graph is made for.
         headroom: tokens each sequence may grow by before a replan (default 64: one
             replan per 64 steps at most).
-        sm_scale, path, out_dtype: as ``decode``'s (``path`` ``"v2"`` or ``"v1"``).
+        sm_scale, path, out_dtype: as ``decode``'s (``path`` ``"v2"``, ``"v2tc"`` or
+            ``"v1"``; a backend with a single arm runs that one).
     """
 
     def __init__(self, pool: PagePool, seqs: Sequence[int] | np.ndarray, *,
@@ -72,9 +75,10 @@ class DecodeStep:
                                        f"{type(pool).__name__}")
         self.pool, self.backend = pool, pool.backend
         single = self.backend.auto_path()       # mlx without Metal: the gather arm only
-        if path not in ("v2", "v1") and not (single and path == single[0]):
-            raise InvalidArgumentError(f"{fn}: path must be 'v2' or 'v1', got {path!r}")
-        if single and path in ("v2", "v1"):
+        if path not in LAUNCH_PATHS and not (single and path == single[0]):
+            raise InvalidArgumentError(f"{fn}: path must be one of {', '.join(LAUNCH_PATHS)}, "
+                                       f"got {path!r}")
+        if single and path in LAUNCH_PATHS:
             path = single[0]
         self.num_qo_heads = check_int(fn, "num_qo_heads", num_qo_heads)
         self.headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
@@ -221,9 +225,11 @@ class DecodeStep:
 
     # ------------------------------------------------------------------ internals
     def _plan(self, hint: int | None = None) -> DecodePlan:
-        return make_plan(self.table, self.num_qo_heads, self.pool.num_kv_heads,
-                         self.pool.head_dim, device=self.backend.device_info(),
-                         headroom=self.headroom, hint=hint, fn="DecodeStep")
+        hkv = self.pool.num_kv_heads
+        ctas = v2tc_ctas_per_chunk(self.num_qo_heads, hkv) if self.path == "v2tc" else None
+        return make_plan(self.table, self.num_qo_heads, hkv, self.pool.head_dim,
+                         device=self.backend.device_info(), headroom=self.headroom,
+                         hint=hint, ctas_per_chunk=ctas, fn="DecodeStep")
 
     def _replan_if_needed(self) -> None:
         if self.plan.mismatch(self.table) is not None:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 class DecodeOutcome:
     """One decode call.
 
-    ``path``: ``"v2"``, ``"v2+merge"``, ``"v1"``, ``"gather"``, ``"cascade"`` (shared
+    ``path``: ``"v2"``, ``"v2+merge"``, ``"v2tc"``, ``"v2tc+merge"`` (the tensor-core
+    partial), ``"v1"``, ``"gather"``, ``"cascade"`` (shared
     prefix; ``detail`` names the members and shared pages), ``"sparse"`` (a selection
     through a ``page_size = 1`` table on the v2 kernels), ``"sparse-masked"`` (the dense
     masked path the sparsity gate chose) or ``"empty"`` (a batch without requests: empty

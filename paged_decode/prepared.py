@@ -25,6 +25,8 @@ from typing import Any
 from . import settings
 from .backends import Backend, backend_for
 from .call import (
+    LAUNCH_PATHS,
+    SPLIT_PATHS,
     CallArgs,
     CascadeCall,
     Table,
@@ -67,7 +69,8 @@ class _PreparedCall:
 class PreparedDecode(_PreparedCall):
     """A decode call with every argument bound; call it to launch (see the module doc).
 
-    Attributes: ``path`` (what runs: ``"v2"``, ``"v2+merge"``, ``"v1"`` or ``"gather"``),
+    Attributes: ``path`` (what runs: ``"v2"``, ``"v2+merge"``, ``"v2tc"``, ``"v2tc+merge"``,
+    ``"v1"`` or ``"gather"``),
     ``plan``, ``out`` (``[B, Hq, D]``, the caller's array kind), ``lse`` (``[B, Hq]``
     float32, base 2, or ``None``), ``outcome`` (recorded on every call).
     """
@@ -85,9 +88,9 @@ class PreparedDecode(_PreparedCall):
         def run() -> None:
             run_path(be, args, plan, path, out_a, lse_a)
 
-        self._eager = path not in ("v2", "v1")       # gather: array ops, not launches
+        self._eager = path not in LAUNCH_PATHS       # gather: array ops, not launches
         self._launch = run if self._eager else be.compile_launches(run, like)
-        self.path = "v2+merge" if path == "v2" and plan.needs_merge else path
+        self.path = f"{path}+merge" if path in SPLIT_PATHS and plan.needs_merge else path
         self.outcome = DecodeOutcome(
             self.path, be.name, args.b, args.table.total_visible,
             plan.num_chunks if self.path.startswith("v2") else args.b,

@@ -24,7 +24,7 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_MIN_CHUNK_TOKENS": "the plan's shortest chunk",
     "PAGED_DECODE_CASCADE": "cascade forced on (1) / off (0)",
     "PAGED_DECODE_CROSSOVER": "crossover table file for path='auto'",
-    "PAGED_DECODE_STAGES": "CUDA v2/v1 pipeline depth (experiments)",
+    "PAGED_DECODE_STAGES": "CUDA v2/v1/v2tc pipeline depth (experiments)",
     "PAGED_DECODE_V2_ROW_LOADS": "CUDA v2 loads per lane per row (experiments)",
     "PAGED_DECODE_PREFIX_TILE": "cascade prefix-kernel tile (experiments)",
     "PAGED_DECODE_PREFIX_CTAS_PER_SM": "cascade prefix-kernel residency (experiments)",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import settings
 from .device import DeviceInfo
 from .errors import PagedDecodeError
-from .kernels import prefix_tc
+from .kernels import decode_v2_tc, prefix_tc
 from .kernels.decode_v2 import row_loads, stage_bytes_per_thread
 from .kernels.registry import kernel_def
 
@@ -44,7 +44,8 @@ class UnexpectedCompileError(PagedDecodeError, RuntimeError):
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One specialization. ``kernel`` is ``"v2"``, ``"v1"``, ``"merge"``, ``"prefix"`` (the
+    """One specialization. ``kernel`` is ``"v2"``, ``"v2tc"`` (the tensor-core v2 partial:
+    ``kv_dtype`` is its q/K/V dtype), ``"v1"``, ``"merge"``, ``"prefix"`` (the
     tensor-core level 0 of cascade decode: ``kv_dtype`` is its q/K/V dtype) or ``"append"``
     (the pool write: ``out_dtype`` is the pools' dtype); parameters a kernel does not use
     are left at 0 / ``""``."""
@@ -191,15 +192,58 @@ def prefix_spec(kv_dtype: str, head_dim: int, page_size: int) -> KernelSpec:
                       prefix_tc.NUM_WARPS, tile_tokens=prefix_tc.tokens_per_tile(head_dim))
 
 
+#: the tensor-core v2 partial's dtypes (16-bit mma operands; q must match the pools)
+V2TC_DTYPES = ("float16", "bfloat16")
+#: the largest GQA group the tensor-core v2 partial takes (two 16-row tiles)
+V2TC_MAX_GROUP = decode_v2_tc.MAX_GROUP
+
+
+def v2tc_fits(q_dtype: str, kv_dtype: str) -> bool:
+    """Whether the tensor-core v2 partial takes these dtypes (q and pools both float16 or
+    both bfloat16; float32 pools keep the CUDA-core v2)."""
+    return kv_dtype in V2TC_DTYPES and q_dtype == kv_dtype
+
+
+def v2tc_row_tiles(num_qo_heads: int, num_kv_heads: int) -> int:
+    """CTAs of the tensor-core v2 partial per (chunk, KV head): 16-row tiles of the GQA
+    group (1 up to 16 heads, 2 up to 32)."""
+    return decode_v2_tc.row_tiles(num_qo_heads // num_kv_heads)
+
+
+def v2tc_ctas_per_chunk(num_qo_heads: int, num_kv_heads: int) -> int:
+    """CTAs one chunk launches on the tensor-core v2 partial (``plan_decode``'s
+    ``ctas_per_chunk`` for a plan searched for it)."""
+    return num_kv_heads * v2tc_row_tiles(num_qo_heads, num_kv_heads)
+
+
+def v2tc_stages(head_dim: int) -> int:
+    """Ring depth of the tensor-core v2 partial: ``decode_v2_tc.DEFAULT_STAGES`` (or
+    ``PAGED_DECODE_STAGES``), at least 2 and at most what one block's shared memory
+    holds."""
+    env = settings.get(STAGES_ENV)
+    want = int(env) if env else decode_v2_tc.DEFAULT_STAGES
+    return max(2, min(want, decode_v2_tc.max_stages(head_dim)))
+
+
+def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int) -> KernelSpec:
+    """The tensor-core v2 partial (``kernels/decode_v2_tc.py``); q has the pools' dtype."""
+    return KernelSpec("v2tc", out_dtype, head_dim, kv_dtype, kv_dtype, page_size, 0,
+                      decode_v2_tc.NUM_WARPS, v2tc_stages(head_dim))
+
+
 def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int) -> list[KernelSpec]:
     """Every specialization a decode of this problem can compile, over all paths: the v2
-    partial writing float32 partials or the output directly, the merge, and v1."""
+    partial writing float32 partials or the output directly, the merge, v1, and the
+    tensor-core v2 partial (both outputs) where its dtypes and GQA group fit."""
     qh = heads_per_cta(num_qo_heads, num_kv_heads)
     outs = sorted({"float32", out_dtype})
+    tc = (v2tc_fits(q_dtype, kv_dtype)
+          and num_qo_heads // num_kv_heads <= V2TC_MAX_GROUP)
     return ([v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh) for o in outs]
             + [merge_spec(out_dtype, head_dim),
-               v1_spec(q_dtype, kv_dtype, out_dtype, head_dim, page_size)])
+               v1_spec(q_dtype, kv_dtype, out_dtype, head_dim, page_size)]
+            + ([v2tc_spec(kv_dtype, o, head_dim, page_size) for o in outs] if tc else []))
 
 
 def append_spec(dtype: str, vector_bytes: int) -> KernelSpec:

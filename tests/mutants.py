@@ -59,7 +59,7 @@ from paged_decode.specs import KernelSpec
 MUTANT_ENV = "PAGED_DECODE_MUTANT"            # the mutant a test process runs
 REPORT_ENV = "PAGED_DECODE_MUTANT_REPORT"     # where conftest.py writes test outcomes
 CONTROL = "control"                           # the unmutated control's name
-KERNELS = ("v2", "v1", "merge", "prefix", "append", "table_update")
+KERNELS = ("v2", "v2tc", "v1", "merge", "prefix", "append", "table_update")
 METAL_KERNELS = ("v2", "v1", "merge", "append", "table_update")
 #: exception types whose failure says nothing about the kernel's behaviour
 NOT_A_KILL = ("CompileError", "StaleMutation")
@@ -228,6 +228,9 @@ MERGE = ORACLE + "test_merge_large_groups_wide_lse_range"
 PREFIX = "tests/test_prefix_tc.py::"
 PREFIX_LONG = PREFIX + "test_prefix_kernel_long_chunk_every_schedule"
 APPEND = "tests/test_append_batch.py::"
+V2TC = "tests/test_v2tc.py::"
+V2TC_CASE = V2TC + "test_v2tc_matches_oracle"
+V2TC_LONG = V2TC + "test_v2tc_long_chunk_every_schedule[64]"
 NAN = "tests/test_nan_semantics.py::"
 VAR = "tests/test_variants.py::"
 VAR_ORACLE = VAR + "test_variants_match_oracle"
@@ -426,8 +429,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [PREFIX + "test_prefix_kernel_matches_oracle[64-float16]"],
        "a row's softmax sum collected from two of its four lanes"),
     _m("prefix-rescale-wrong-row", "cuda", ("prefix",),
-       "      o[j][2] *= alpha[1]; o[j][3] *= alpha[1];",
-       "      o[j][2] *= alpha[0]; o[j][3] *= alpha[0];",
+       "    o[j][2] *= alpha[1]; o[j][3] *= alpha[1];",
+       "    o[j][2] *= alpha[0]; o[j][3] *= alpha[0];",
        [PREFIX + "test_prefix_kernel_matches_oracle[64-float16]"],
        "rows grp + 8 rescaled by row grp's correction"),
     _m("prefix-chunk-and-row-tile-swapped", "cuda", ("prefix",),
@@ -435,6 +438,62 @@ MUTANTS: tuple[Mutant, ...] = (
        "const int c = blockIdx.x % row_tiles, rt = blockIdx.x / row_tiles;",
        [PREFIX + "test_prefix_kernel_row_tiles[24-3-1]"],
        "the grid's chunk and row-tile coordinates swapped"),
+    # ------------------------------------------------------------ v2tc (CUDA; the mma.py
+    # phases it shares with the prefix kernel: both kernels mutated, v2tc's tests kill)
+    _m("v2tc-no-cp-async-wait", "cuda", ("v2tc",),
+       "    cp_async_wait<STAGES - 2>();                 // this thread's copies of `stage` "
+       "landed\n",
+       "", [V2TC_LONG], "a ring slot read before its cp.async group landed"),
+    _m("v2tc-wait-one-group-short", "cuda", ("v2tc",),
+       "cp_async_wait<STAGES - 2>();", "cp_async_wait<STAGES - 1>();", [V2TC_LONG],
+       "wait_group leaves the stage about to be read in flight"),
+    _m("v2tc-no-barrier-before-refill", "cuda", ("v2tc",),
+       "    __syncthreads();\n    issue(stage + STAGES - 1);", "    issue(stage + STAGES - 1);",
+       [V2TC_LONG], "a ring slot refilled while other warps still read it (and other "
+                    "threads' copies read before they landed)"),
+    _m("v2tc-page-ids-into-the-slot-being-read", "cuda", ("v2tc",),
+       "sm_ids[(stage + STAGES - 1) % STAGES][tid] = next_id;",
+       "sm_ids[stage % STAGES][tid] = next_id;", [V2TC_LONG],
+       "the prefetched page ids stored over the slot of the stage being issued"),
+    _m("v2tc-page-boundary-off-by-one", "cuda", ("v2tc",),
+       "page_ids[(a_begin + i) / PAGE_SIZE]", "page_ids[(a_begin + i - 1) / PAGE_SIZE]",
+       [V2TC_CASE + "[d128-g2-ps3-bf16]"],
+       "the first token of every page looked up in the page before"),
+    _m("v2tc-first-page-offset-dropped", "cuda", ("v2tc",),
+       "const int a_begin = (int)(fpo + range.t_begin)", "const int a_begin = (int)range.t_begin",
+       [V2TC + "test_v2tc_ragged_batch_with_empty_requests"],
+       "tokens read from the page start of a request that starts mid-page"),
+    _m("tc-accumulator-not-rescaled", "cuda", ("prefix", "v2tc"),
+       "    o[j][0] *= alpha[0]; o[j][1] *= alpha[0];\n"
+       "    o[j][2] *= alpha[1]; o[j][3] *= alpha[1];\n",
+       "", [V2TC_LONG], "O accumulated across tiles without the online-softmax rescale"),
+    _m("tc-q-fragment-rows-swapped", "cuda", ("prefix", "v2tc"),
+       "ldsm_x4<false>(a, qw + (lrow + 8 * lhi) * LD + kk * 16 + 8 * lq);",
+       "ldsm_x4<false>(a, qw + (lrow + 8 * lq) * LD + kk * 16 + 8 * lhi);",
+       [V2TC_CASE + "[d64-g1-ps16-f16]"],
+       "a wrong A fragment: rows 8-15 and columns +8 swapped in the Q ldmatrix addresses"),
+    _m("v2tc-c-fragment-columns", "cuda", ("v2tc",),
+       "comb + (warp * 16 + i) * D + j * 8 + 2 * tig) =",
+       "comb + (warp * 16 + i) * D + j * 8 + tig) =", [V2TC_CASE + "[d64-g1-ps16-f16]"],
+       "the accumulator fragment stored with the A-operand column mapping of one element "
+       "per lane"),
+    _m("v2tc-padded-rows-written", "cuda", ("v2tc",),
+       "const int rows = min(16, group - g0);", "const int rows = 16;",
+       [V2TC_CASE + "[d64-g7-ps64-f16]"],
+       "the zero rows padding a group of 7 to the M tile loaded and written as heads"),
+    _m("v2tc-row-tile-offset-dropped", "cuda", ("v2tc",),
+       "const int g0 = rt * 16;", "const int g0 = 0;", [V2TC_CASE + "[d128-g32-ps256-f16]"],
+       "both row tiles of a 32-head group serve the first 16 heads"),
+    _m("v2tc-tail-tokens-dropped", "cuda", ("v2tc",),
+       "if (tok0 < n_tok) {", "if (tok0 + 16 <= n_tok) {", [V2TC_CASE + "[d64-g1-ps16-f16]"],
+       "a warp whose 16 tokens run past the range skips the live ones too"),
+    _m("v2tc-lse-base-e", "cuda", ("v2tc",),
+       "live ? mx + log2f(den) : -PD_INF;", "live ? (mx + log2f(den)) * 0.6931472f : -PD_INF;",
+       [V2TC_CASE + "[d64-g1-ps16-f16]"], "a natural-log LSE"),
+    _m("v2tc-combine-weights-base-e", "cuda", ("v2tc",),
+       "const float wt = exp2f(sm_m[w][i] - ref);", "const float wt = expf(sm_m[w][i] - ref);",
+       [V2TC_CASE + "[d64-g1-ps16-f16]"],
+       "the warps' states weighted by exp of base-2 maxima"),
     # ------------------------------------------------------------ non-finite semantics
     _m("cuda-nonfinite-score-kept", "cuda", ("v2", "v1"),
        "  x = finite_or_nan(x);\n  if constexpr (SOFT_CAP)",
@@ -462,6 +521,15 @@ MUTANTS: tuple[Mutant, ...] = (
        "    const bool live = !(l_run[h] <= 0.f);", "    const bool live = l_run[h] > 0.f;",
        [NAN + "test_cascade_poisons_members_of_a_poisoned_prefix[auto-emulated-cuda]"],
        "a poisoned prefix row written as the empty answer"),
+    _m("v2tc-poisoned-sum-taken-for-empty", "cuda", ("v2tc",),
+       "    const bool live = !(den <= 0.f);", "    const bool live = den > 0.f;",
+       [NAN + "test_non_finite_inputs_poison_their_heads_on_every_path[float16-emulated-cuda]"],
+       "a NaN row sum written as the empty answer (zeros, -inf)"),
+    _m("tc-nonfinite-score-kept", "cuda", ("prefix", "v2tc"),
+       "s[n][e] = live ? finite_or_nan(s[n][e] * scale_log2) : -PD_INF;",
+       "s[n][e] = live ? s[n][e] * scale_log2 : -PD_INF;",
+       [NAN + "test_non_finite_inputs_poison_their_heads_on_every_path[float16-emulated-cuda]"],
+       "a -inf score (+inf in K against a negative q) passes for a masked token"),
     # ------------------------------------------------------------ append (both dialects)
     _m("cuda-append-slot-off-by-one", "cuda", ("append",),
        "const long long first = copy ? 0 : (long long)lo * row_words;",

@@ -10,13 +10,18 @@ import pytest
 from helpers import IgnoresIndices
 
 from paged_decode import DecodeOutcome, check, problems, reference
+from paged_decode.backends import availability
 from paged_decode.backends.reference import ReferenceBackend
 from paged_decode.check import (
     ALL_PATHS,
     AXES,
+    TC_PATHS,
     CheckConfig,
+    check_config,
+    default_paths,
     format_result,
     matrix,
+    path_applies,
     run_check,
 )
 from paged_decode.plan import MAX_CHUNKS, chunk_counts
@@ -27,8 +32,10 @@ def test_small_run_passes_on_reference():
     seen = []
     rep = run_check(ReferenceBackend(), max_configs=2, progress=seen.append)
     assert rep.passed, rep.summary()
-    assert len(rep.results) == 2 * len(ALL_PATHS) == len(seen)
-    assert {r.path for r in rep.results} == set(ALL_PATHS)
+    paths = default_paths(ReferenceBackend())
+    assert paths == tuple(p for p in ALL_PATHS if p not in TC_PATHS)   # no tensor cores
+    assert len(rep.results) == 2 * len(paths) == len(seen)
+    assert {r.path for r in rep.results} == set(paths)
     for r in rep.results:
         assert r.passed and r.error is None
         assert r.max_rel_error < 1e-4 and r.lse_error < 1e-4
@@ -204,3 +211,20 @@ def test_tolerance_table_and_config():
         run_check(ReferenceBackend(), paths=("v3",), max_configs=1)
     with pytest.raises(ValueError):
         run_check(ReferenceBackend(), dtypes=("float64",), max_configs=1)
+
+
+@pytest.mark.skipif(not availability("emulated-cuda").ok, reason="no emulator")
+def test_tensor_core_paths_run_on_emulated_cuda_for_16_bit_configs():
+    from paged_decode import get_backend
+    be = get_backend("emulated-cuda")
+    assert set(TC_PATHS) <= set(default_paths(be))
+    rep = run_check(be, max_configs=2, paths=TC_PATHS, dtypes=("bfloat16",))
+    assert rep.passed, rep.summary()
+    assert len(rep.results) == 4 and {r.path for r in rep.results} == set(TC_PATHS)
+    for r in rep.results:
+        assert r.ran == ("v2tc+merge" if r.merged else "v2tc")
+        assert r.num_ctas == r.num_chunks * r.config.num_kv_heads   # one 16-row tile
+    # a float32 configuration has no tensor-core run (no result, not a pass)
+    cfg = CheckConfig(64, 4, 16, 512, 1, q_dtype="float32", kv_dtype="float32")
+    assert not path_applies("v2tc", cfg)
+    assert check_config(be, cfg, TC_PATHS) == []

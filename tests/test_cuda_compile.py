@@ -102,3 +102,13 @@ def test_append_specializations_compile():
     from paged_decode.specs import append_spec
     cuda_compile.compile_specs({append_spec(dt, w) for dt, w in itertools.product(
         DTYPES, WORD_BYTES)})
+
+
+def test_v2tc_specializations_compile():
+    """The tensor-core v2 partial for every head_dim and both 16-bit dtypes at page size
+    256 (sm_90 with ptxas: the mma.sync operands and the register budget meet the real
+    toolchain). Its other specializations (float32 and 16-bit outputs, pages 1 to 64) come
+    with the check matrix's and the GPU tests' ``decode_specs`` above."""
+    from paged_decode.specs import SUPPORTED_HEAD_DIMS, v2tc_spec
+    cuda_compile.compile_specs({v2tc_spec(dt, "float32", d, 256) for dt, d in
+                                itertools.product(("float16", "bfloat16"), SUPPORTED_HEAD_DIMS)})

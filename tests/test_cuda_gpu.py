@@ -105,8 +105,8 @@ def test_many_chunks_forced_and_large_context(cuda):
     _run(cuda, spec, paths=[("v2", None), ("v2", 1), ("v2", 3)])
 
 
-def _mutated_backend(cuda, mutate):
-    """A CUDA backend whose v2 kernel is compiled from a mutated source."""
+def _mutated_backend(cuda, mutate, kernel="v2"):
+    """A CUDA backend whose ``kernel`` (v2, v2tc) is compiled from a mutated source."""
     import cupy as cp
 
     from paged_decode.backends import cuda as cuda_mod
@@ -116,10 +116,10 @@ def _mutated_backend(cuda, mutate):
         name = "cuda"
 
         def kernel(self, spec):
-            if spec.kernel != "v2":
+            if spec.kernel != kernel:
                 return super().kernel(spec)
-            src = mutate(cuda_source("v2"))
-            assert src != cuda_source("v2"), "mutation did not apply"
+            src = mutate(cuda_source(kernel))
+            assert src != cuda_source(kernel), "mutation did not apply"
             expr = spec.cuda_name_expression()
             return cp.RawModule(code=src, options=cuda_mod.COMPILE_OPTIONS,
                                 name_expressions=[expr]).get_function(expr)
@@ -145,6 +145,49 @@ def test_negative_control_mutated_kernel_fails(cuda, mutation):
     ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
     q, k, v = (bad.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
     out = pd.decode(q, k, v, pr.table, path="v2", out_dtype="float32", backend=bad)
+    assert max_rel_error(out.get(), ref) > 0.1
+
+
+# ---------------------------------------------------------------------------- v2tc
+#: the emulator's cases (test_v2tc.py) plus contexts and batches the emulator cannot afford
+V2TC_GPU_CASES = [
+    ("llama-B4-ctx1000-ps16-f16", ProblemSpec(4, 1000, 32, 8, 128, 16, seed=60), [None, 10**6]),
+    ("g16-ctx20000-ps16-f16", ProblemSpec(2, 20000, 32, 2, 128, 16, seed=61), [None, 3]),
+    ("g7-d128-ps16-bf16", ProblemSpec(8, 3000, 28, 4, 128, 16, "bfloat16", "bfloat16",
+                                      seed=62), [None, 10**6]),
+    ("g32-d256-ps64-f16", ProblemSpec(3, 2500, 32, 1, 256, 64, seed=63), [None, 10**6]),
+    ("g1-d96-ps1-f16", ProblemSpec(4, 900, 8, 8, 96, 1, seed=64), [None, 10**6]),
+]
+
+
+def _v2tc_cases():
+    from test_v2tc import CASES as EMULATOR_CASES
+    return [*EMULATOR_CASES, *V2TC_GPU_CASES]
+
+
+@pytest.mark.parametrize("case", _v2tc_cases(), ids=[c[0] for c in _v2tc_cases()])
+def test_v2tc_on_cuda_matches_oracle(cuda, case):
+    from test_v2tc import run_v2tc
+    _, spec, ppcs = case
+    run_v2tc(cuda, spec, ppcs)
+
+
+def test_v2tc_on_cuda_ragged_with_empty_requests(cuda):
+    from test_v2tc import run_v2tc
+    run_v2tc(cuda, ProblemSpec(7, 0, 32, 8, 128, 16, seed=65), [None, 1, 10**6],
+             lengths=[4000, 0, 1, 777, 0, 8191, 64], offsets=[3, 0, 0, 15, 0, 9, 0])
+
+
+def test_v2tc_negative_control_mutated_kernel_fails(cuda):
+    from paged_decode.specs import cuda_source
+    old, new = "page_ids[(a_begin + i) / PAGE_SIZE]", "(a_begin + i) / PAGE_SIZE"
+    assert old in cuda_source("v2tc"), "the mutation no longer applies to the kernel"
+    bad = _mutated_backend(cuda, lambda s: s.replace(old, new), kernel="v2tc")
+    pr = make_problem(ProblemSpec(4, 500, 16, 4, 128, 16, seed=66))
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    q, k, v = (bad.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    out = pd.decode(q, k, v, pr.table, path="v2tc", out_dtype="float32", backend=bad)
+    assert pd.last_outcome().path.startswith("v2tc")
     assert max_rel_error(out.get(), ref) > 0.1
 
 

@@ -55,7 +55,7 @@ def _capture(fn):
 
 
 @pytest.mark.parametrize("ppc", [None, 1], ids=["single-chunk", "merge"])
-@pytest.mark.parametrize("path", ["v2", "v1"])
+@pytest.mark.parametrize("path", ["v2", "v2tc", "v1"])
 def test_decode_with_plan_and_out_is_capturable(cuda, path, ppc):
     import cupy as cp
     spec = ProblemSpec(4, 700, 32, 8, 128, 16, seed=21)
@@ -84,15 +84,16 @@ def test_decode_with_plan_and_out_is_capturable(cuda, path, ppc):
 
 
 @pytest.mark.parametrize("ppc", [None, 1], ids=["single-chunk", "merge"])
-def test_prepared_call_matches_decode_and_replays_in_a_graph(cuda, ppc):
+@pytest.mark.parametrize("path", ["v2", "v2tc"])
+def test_prepared_call_matches_decode_and_replays_in_a_graph(cuda, ppc, path):
     import cupy as cp
     spec = ProblemSpec(3, 900, 16, 2, 128, 32, "bfloat16", "bfloat16", seed=22)
     pr, q, k, v = _problem(cuda, spec)
     plan = pd.plan_decode(pr.table, 16, 2, 128, device=cuda.device_info(), pages_per_chunk=ppc)
-    prep = pd.prepare_decode(q, k, v, pr.table, plan, path="v2", return_lse=True)
-    assert prep.path == ("v2+merge" if plan.needs_merge else "v2")
+    prep = pd.prepare_decode(q, k, v, pr.table, plan, path=path, return_lse=True)
+    assert prep.path == (f"{path}+merge" if plan.needs_merge else path)
     out, lse = prep()
-    want, want_lse = pd.decode(q, k, v, pr.table, plan, path="v2", return_lse=True)
+    want, want_lse = pd.decode(q, k, v, pr.table, plan, path=path, return_lse=True)
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(want))
     np.testing.assert_array_equal(cp.asnumpy(lse), cp.asnumpy(want_lse))
     assert pd.last_outcome().path == prep.path
@@ -104,7 +105,7 @@ def test_prepared_call_matches_decode_and_replays_in_a_graph(cuda, ppc):
     out.fill(np.nan)
     g.launch(s)
     s.synchronize()
-    want2 = pd.decode(q, k, v, pr.table, plan, path="v2")
+    want2 = pd.decode(q, k, v, pr.table, plan, path=path)
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(want2))
     assert not np.array_equal(cp.asnumpy(want2), cp.asnumpy(want))
 

@@ -474,8 +474,8 @@ def test_error_kv_dtype_mismatch(errs):
 
 
 def test_error_bad_path(errs):
-    with pytest.raises(InvalidArgumentError, match=r"decode: path must be one of auto, v2, v1, "
-                                                   r"gather, got 'v3'"):
+    with pytest.raises(InvalidArgumentError, match=r"decode: path must be one of auto, v2, v2tc, "
+                                                   r"v1, gather, got 'v3'"):
         call(errs, path="v3")
 
 

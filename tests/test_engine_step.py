@@ -127,8 +127,8 @@ def test_bad_use_is_refused_clearly():
     assert step.replans >= 1 and graph.stale
     with pytest.raises(pd.StaleStepError, match=r"replanned .* capture again"):
         graph.replay()
-    with pytest.raises(InvalidArgumentError, match=r"DecodeStep: path must be 'v2' or "
-                                                   r"'v1', got 'gather'"):
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep: path must be one of v2, "
+                                                   r"v2tc, v1, got 'gather'"):
         pd.DecodeStep(pool, [0], num_qo_heads=HQ, path="gather")
 
 
@@ -153,3 +153,24 @@ def test_the_same_step_code_runs_on_mlx():
         want, _ = _oracle(pool, step, L - 1, np.array(q))
         assert_matches_oracle(np.array(out), None, want, None, "float32", f"step {it}")
     assert step.path == "gather" and step.steps == 6
+
+
+def test_the_tensor_core_partial_serves_the_step_on_emulated_cuda(monkeypatch):
+    monkeypatch.setenv("PAGED_DECODE_POISON", "1")
+    rng = np.random.default_rng(6)
+    pool = pd.PagePool(96, P, HKV, D, "float16", num_layers=L, backend="emulated-cuda")
+    seqs = [pool.new_sequence() for _ in range(3)]
+    for s, n in zip(seqs, [5, 1, 10]):
+        x = rng.standard_normal((L, n, HKV, D)).astype(np.float16)
+        pool.append(s, x, x)
+    step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ, capacity=4, headroom=4, path="v2tc")
+    q = rng.standard_normal((4, HQ, D)).astype(np.float16)
+    k = rng.standard_normal((4, HKV, D)).astype(np.float16)
+    out = np.full((4, HQ, D), np.nan, np.float16)
+    for it in range(6):
+        step.begin()
+        step.append(0, k, k)
+        step.decode(0, q, out=out)
+        assert pd.last_outcome().path.startswith("v2tc")
+        want, _ = _oracle(pool, step, 0, q)
+        assert_matches_oracle(out, None, want, None, "float16", f"step {it}")

@@ -106,7 +106,7 @@ def test_read_only_out_is_refused(pr):
     (dict(sm_scale=True), r"decode: sm_scale must be a real number, got bool True"),
     (dict(return_lse="yes"), r"decode: return_lse must be a bool, got 'yes'"),
     (dict(return_lse=1), r"decode: return_lse must be a bool, got 1"),
-    (dict(path=["v2"]), r"decode: path must be one of auto, v2, v1, gather"),
+    (dict(path=["v2"]), r"decode: path must be one of auto, v2, v2tc, v1, gather"),
     (dict(backend=3), r"decode: backend must be a backend name, a Backend or None"),
     (dict(cascade=1), r"decode: cascade must be None, a bool or a cascade plan, got int"),
 ])

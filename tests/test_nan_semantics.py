@@ -1,6 +1,7 @@
 """Non-finite inputs on every backend and path: poison, never a plausible answer.
 
-The rules (``docs/concepts.md``, "Non-finite inputs"): a visible score that is not
+The rules (``docs/concepts.md``, "Non-finite inputs"; every path, the tensor-core
+partial ``v2tc`` included where a backend runs it): a visible score that is not
 finite (a NaN or +-inf element of q or of a visible K row) makes that head's output and
 LSE NaN; a NaN in a visible V row makes the output NaN and leaves the LSE (a function of
 the scores) finite; a NaN anywhere nobody may read (entries outside the visible window,
@@ -23,6 +24,7 @@ import paged_decode as pd
 from paged_decode.backends import availability
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
+from paged_decode.specs import V2TC_DTYPES
 
 BACKENDS = [
     pytest.param("reference"),
@@ -37,6 +39,8 @@ BACKENDS = [
 ]
 #: (decode path, forced pages_per_chunk): single-chunk v2, v2 + merge, v1, gather
 PATHS = [("v2", 10**6), ("v2", 1), ("v1", None), ("gather", None)]
+#: the tensor-core partial, single chunk and merged (16-bit pools, backends that run it)
+TC_PATHS = [("v2tc", 10**6), ("v2tc", 1)]
 
 HQ, HKV, D, P = 8, 2, 64, 16
 G = HQ // HKV
@@ -51,8 +55,10 @@ def _backend(name: str):
     return be
 
 
-def _paths(be) -> list[tuple[str, int | None]]:
-    return [p for p in PATHS if be.name != "mlx" or p[0] == "gather"]   # mlx: gather only
+def _paths(be, dtype: str = "float32") -> list[tuple[str, int | None]]:
+    paths = [p for p in PATHS if be.name != "mlx" or p[0] == "gather"]   # mlx: gather only
+    tc = be.tensor_core_decode and dtype in V2TC_DTYPES
+    return paths + (TC_PATHS if tc else [])
 
 
 def _visible_entry(table, r: int, t: int) -> tuple[int, int]:
@@ -131,7 +137,8 @@ def test_non_finite_inputs_poison_their_heads_on_every_path(backend_name, dtype)
     assert np.array_equal(np.isnan(ref), nan_out)
     assert np.array_equal(np.isnan(ref_lse), nan_lse)
     q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
-    for path, ppc in _paths(be):
+    ran = set()
+    for path, ppc in _paths(be, dtype):
         plan = pd.plan_decode(pr.table, HQ, HKV, D, device=be.device_info(),
                               pages_per_chunk=ppc)
         for want_lse in (True, False):
@@ -141,8 +148,11 @@ def test_non_finite_inputs_poison_their_heads_on_every_path(backend_name, dtype)
             # clean elements: the inputs' dtype bounds the error (the torch/MLX SDPA of the
             # gather arm computes in it); the pattern is the point here
             what = f"{backend_name} {pd.last_outcome().path} lse={want_lse}"
+            ran.add(pd.last_outcome().path)
             check_pattern(be.to_numpy(out), None if lse is None else be.to_numpy(lse),
                           ref, ref_lse, nan_out, nan_lse, OUT_RTOL[dtype], what)
+    if be.tensor_core_decode and dtype in V2TC_DTYPES:
+        assert {"v2tc", "v2tc+merge"} <= ran, ran
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)

@@ -1,6 +1,8 @@
-"""Run the prepared v2 decode of one cell a few times (for ncu / compute-sanitizer).
+"""Run the prepared v2 (or v2tc) decode of one cell a few times (for ncu /
+compute-sanitizer).
 
-Usage: python3 bench/device/profile_v2.py BATCH CONTEXT [ROW_LOADS]
+Usage: python3 bench/device/profile_v2.py BATCH CONTEXT [ROW_LOADS [ARM [HQ HKV]]]
+(ARM: v2, the default, or v2tc; heads 32/8 by default; ROW_LOADS 0 leaves the default)
 """
 
 import os
@@ -9,8 +11,10 @@ import sys
 import numpy as np
 
 b, ctx = int(sys.argv[1]), int(sys.argv[2])
-if len(sys.argv) > 3:
+if len(sys.argv) > 3 and sys.argv[3] != "0":
     os.environ["PAGED_DECODE_V2_ROW_LOADS"] = sys.argv[3]
+arm_name = sys.argv[4] if len(sys.argv) > 4 else "v2"
+hq, hkv = (int(sys.argv[5]), int(sys.argv[6])) if len(sys.argv) > 6 else (32, 8)
 
 from paged_decode.backends import get_backend  # noqa: E402
 from paged_decode.bench.arms import make_arm  # noqa: E402
@@ -19,12 +23,12 @@ from paged_decode.bench.runner import _problem  # noqa: E402
 from paged_decode import plan_decode  # noqa: E402
 
 be = get_backend("cuda")
-q, k, v, table = _problem(be, BenchCase(b, ctx, 16), 0)
-plan = plan_decode(table, 32, 8, 128, device=be.device_info())
-arm = make_arm("v2", be, q, k, v, table, plan, 1 / np.sqrt(128))
+q, k, v, table = _problem(be, BenchCase(b, ctx, 16, hq, hkv), 0)
+plan = plan_decode(table, hq, hkv, 128, device=be.device_info())
+arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(128))
 for _ in range(3):
     arm.call()
 import cupy as cp  # noqa: E402
 
 cp.cuda.Device().synchronize()
-print("ran", arm.ran, "chunks", plan.num_chunks)
+print("ran", arm.ran)

@@ -12,7 +12,7 @@
 #               all at once), merged per dtype
 #   memcheck    compute-sanitizer memcheck over a representative GPU subset (MEMCHECK_K)
 #   racecheck   compute-sanitizer racecheck over the prefix-kernel GPU tests
-#   regs        registers / local memory of the prefix and merge kernels (at PREFIX_TILE)
+#   regs        registers / local memory of the prefix, merge and v2tc kernels (at PREFIX_TILE)
 #   targets     bench --preset targets with v1, v2, sdpa, flashinfer, flashinfer-tc
 #   adr         bench --preset adr with gather, v1, v2 (+ csv, and the crossover table
 #               path='auto' reads, written to $OUT/nvidia-h200.json)
@@ -40,6 +40,12 @@
 #               then examples/generate_transformers.py at Llama-3-8B heads x 16 layers,
 #               float16, batch 32, 1K-token prompts (512 shared), 64 new tokens, against
 #               transformers' dynamic and static caches -> $OUT/generate_*.json
+#   v2tc        the tensor-core v2 partial (#17) against v2 and FlashInfer (run fi first) over
+#               #17's target cells: the targets preset (cold and warm L2), every models
+#               layout at 8 x 8K and 32 x 2K, and bfloat16 at 8 x 8K
+#   v2tc-sanitize  compute-sanitizer memcheck, racecheck and synccheck over the v2tc GPU
+#               tests (-k v2tc; the graph-capture tests included)
+#   ncu-v2tc    ncu profiles of the v2tc and v2 partials at 8 x 8K, GQA 4 (32/8) and 16 (32/2)
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
@@ -119,9 +125,10 @@ step_sparse() { run_bench sparse --suite sparse; }
 step_regs() {
   python3 - <<'PY' 2>&1 | tee -a "$L/regs.txt"
 from paged_decode.backends.cuda import compiled
-from paged_decode.specs import merge_spec, prefix_spec
+from paged_decode.specs import merge_spec, prefix_spec, v2tc_spec
 for spec in [prefix_spec(dt, d, 16) for dt in ("float16", "bfloat16") for d in (64, 96, 128, 256)] \
-        + [merge_spec("float16", d, g) for d in (128, 256) for g in (False, True)]:
+        + [merge_spec("float16", d, g) for d in (128, 256) for g in (False, True)] \
+        + [v2tc_spec("float16", o, d, 16) for d in (64, 96, 128, 256) for o in ("float32", "float16")]:
     a = compiled(spec).attributes
     print(f"{spec.uri}: regs {a['num_regs']} local {a['local_size_bytes']} B"
           f" smem {spec.dynamic_smem_bytes}")
@@ -177,6 +184,38 @@ step_generate() {
     --dtype float16 --batch 32 --prefix-len 512 --prompt-len 512 --new 64 --repeats 2 \
     --json "$OUT/generate_llama3_8b_16l.json" 2>&1 | tee "$L/generate_bench.txt" | tail -12
   echo "generate bench rc=$?"
+}
+
+step_v2tc() {
+  local arms=${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc}
+  run_bench v2tc_targets --preset targets --arms $arms
+  run_bench v2tc_targets_warm --preset targets --arms $arms --warm-l2
+  run_bench v2tc_models --preset models --context 8192 --context 2048 --batch 8 --batch 32 \
+    --arms $arms
+  run_bench v2tc_bf16 --preset targets --dtype bfloat16 --context 8192 --batch 8 --arms $arms
+}
+step_v2tc_sanitize() {
+  local tool
+  for tool in memcheck racecheck synccheck; do
+    PAGED_DECODE_PLAIN_MALLOC=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 3 \
+      python3 -m pytest -q tests/test_cuda_gpu.py tests/test_cuda_graphs.py -m gpu -k v2tc \
+      > "$L/v2tc_$tool.log" 2>&1
+    echo "v2tc $tool rc=$?"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$L/v2tc_$tool.log" | tail -3
+  done
+}
+step_ncu_v2tc() {
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return; }
+  local arm heads
+  for heads in "32 8" "32 2"; do
+    for arm in v2tc v2; do
+      echo "== $arm heads $heads" >> "$OUT/ncu_v2tc.txt"
+      timeout 100 ncu -k regex:pd_decode_v2 -c 1 --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        python3 bench/device/profile_v2.py 8 8192 0 $arm $heads >> "$OUT/ncu_v2tc.txt" 2>&1
+    done
+  done
+  grep -E "^==|Duration|Throughput|Registers|Achieved Occupancy|Block Limit|Issued|Stall" "$OUT/ncu_v2tc.txt" | head -80
 }
 
 for s in "$@"; do

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import settings
 from ..device import DeviceInfo
-from ..errors import InvalidArgumentError, PagedDecodeError
+from ..errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemError
 from ..kernels.append import AppendWrite
 from ..kernels.table_update import apply_delta
 from ..page_table import PageTable
@@ -87,6 +87,8 @@ class Backend(ABC):
     merge_gathers: bool = False
     #: the v2 / v1 kernels read a ``StepTable``'s device buffers (else: its host view)
     reads_step_tables: bool = False
+    #: runs the tensor-core v2 partial (``partial_tc``, ``path="v2tc"``): CUDA dialect only
+    tensor_core_decode: bool = False
 
     # ----------------------------------------------------------- availability
     @classmethod
@@ -259,6 +261,15 @@ class Backend(ABC):
         that writes the output (no merge follows), never for merged partials
         (``paged_decode.variants``).
         """
+
+    def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                   plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
+        """The tensor-core v2 partial (``kernels/decode_v2_tc.py``): ``partial``'s arrays
+        and contract, for float16 / bfloat16 pools with ``q`` in their dtype and a GQA
+        group of at most 32; only where ``tensor_core_decode`` (this default raises)."""
+        raise UnsupportedProblemError(f"backend {self.name!r} has no tensor-core decode "
+                                      "partial (path 'v2tc' runs on 'cuda' and "
+                                      "'emulated-cuda')")
 
     @abstractmethod
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any, *,

@@ -43,6 +43,7 @@ MIN_CHUNK_TOKENS = 128  # measured: bench/results/h200/tune_plan_2026-11-30.json
 class CudaBackend(LaunchingBackend):
     name = "cuda"
     merge_gathers = True
+    tensor_core_decode = True
 
     def __init__(self) -> None:
         self._caches = DeviceCaches(self.empty)

@@ -44,6 +44,7 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
 
     name = "emulated-cuda"
     merge_gathers = True
+    tensor_core_decode = True
 
     def __init__(self, *, check_races: bool | None = None,
                  schedules: tuple[str, ...] | None = None, cp_async: str | None = None
@@ -149,6 +150,7 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
 
     name = "emulated-metal"
     merge_gathers = False      # the Metal merge has no row index
+    tensor_core_decode = False  # the tensor-core partial has no Metal dialect yet
     in_place_append = False
 
     def device_info(self) -> DeviceInfo:

@@ -29,6 +29,8 @@ from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported fo
     MAX_PAGE_SIZE,
     PREFIX_TILE_ROWS,
     SUPPORTED_HEAD_DIMS,
+    V2TC_DTYPES,
+    V2TC_MAX_GROUP,
     KernelSpec,
     append_spec,
     merge_spec,
@@ -38,6 +40,9 @@ from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported fo
     table_update_spec,
     v1_spec,
     v2_spec,
+    v2tc_fits,
+    v2tc_row_tiles,
+    v2tc_spec,
 )
 from .base import Problem, Support
 
@@ -68,9 +73,24 @@ class Launch:
         return tuple(a.value for a in self.args)
 
 
-def support(problem: Problem) -> Support:
+def support(problem: Problem, tensor_cores: bool = False) -> Support:
     """Whether the CUDA kernels have a specialization for ``problem`` (``path="merge"``:
-    the merge alone, which reads float4 slices of any head dim that is a multiple of 4)."""
+    the merge alone, which reads float4 slices of any head dim that is a multiple of 4;
+    ``path="v2tc"``: the tensor-core v2 partial, which needs a backend that runs it,
+    ``tensor_cores``, 16-bit pools with q in their dtype and a GQA group of at most 32)."""
+    if problem.path == "v2tc":
+        if not tensor_cores:
+            return Support(False, "path 'v2tc' is the CUDA tensor-core partial, which this "
+                                  "backend does not run (it runs on 'cuda' and "
+                                  "'emulated-cuda')")
+        if not v2tc_fits(problem.q_dtype, problem.kv_dtype):
+            return Support(False, f"path 'v2tc' needs q and the pools both one of "
+                                  f"{V2TC_DTYPES}, got q {problem.q_dtype} and pools "
+                                  f"{problem.kv_dtype} (path 'v2' runs any dtype)")
+        group = problem.num_qo_heads // problem.num_kv_heads
+        if group > V2TC_MAX_GROUP:
+            return Support(False, f"path 'v2tc' takes at most {V2TC_MAX_GROUP} query heads "
+                                  f"per KV head, got {group}")
     if problem.path == "merge":
         if problem.head_dim < 4 or problem.head_dim % 4:
             return Support(False, "head_dim must be a positive multiple of 4 for the merge "
@@ -111,18 +131,45 @@ def partial_launch(*, dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: 
     unread pointer."""
     spec = v2_spec(*dtypes, plan.head_dim, plan.page_size, plan.heads_per_cta,
                    soft_cap=soft_cap is not None, sink=sinks is not None)
+    args = _chunk_args(plan, sm_scale, ("q_groups", plan.q_groups), q, k_pages, v_pages,
+                       table, request_indices, kv_tile_indices, v_out, lse_out,
+                       sinks=q if sinks is None else sinks)
+    args.append(Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"))
+    return _launch(spec, (plan.num_chunks, plan.num_kv_heads * plan.q_groups), args)
+
+
+def _chunk_args(plan: DecodePlan, sm_scale: float, ctas_per_head: tuple[str, int], q: Any,
+                k_pages: Any, v_pages: Any, table: tuple[Any, ...], request_indices: Any,
+                kv_tile_indices: Any, v_out: Any, lse_out: Any, *,
+                sinks: Any = None) -> list[Arg]:
+    """The arguments of a split-KV partial (v2, v2tc), in their kernels' order;
+    ``ctas_per_head`` names and gives the CTAs per (chunk, KV head) (``q_groups``,
+    ``row_tiles``); ``sinks``: the v2 partial's sink input (v2tc has none)."""
     args = [*_ins(("q", "k_pages", "v_pages"), (q, k_pages, v_pages)),
             *_ins(TABLE_FIELDS, table),
-            *_ins(("request_indices", "kv_tile_indices"), (request_indices, kv_tile_indices)),
-            Arg("sinks", q if sinks is None else sinks, "in"),
-            Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
-            Arg("num_qo_heads", np.int32(plan.num_qo_heads), "scalar"),
-            Arg("num_kv_heads", np.int32(plan.num_kv_heads), "scalar"),
-            Arg("q_groups", np.int32(plan.q_groups), "scalar"),
-            Arg("pages_per_chunk", np.int32(plan.pages_per_chunk), "scalar"),
-            Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar"),
-            Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar")]
-    return _launch(spec, (plan.num_chunks, plan.num_kv_heads * plan.q_groups), args)
+            *_ins(("request_indices", "kv_tile_indices"), (request_indices, kv_tile_indices))]
+    if sinks is not None:
+        args.append(Arg("sinks", sinks, "in"))
+    return args + [
+        Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
+        Arg("num_qo_heads", np.int32(plan.num_qo_heads), "scalar"),
+        Arg("num_kv_heads", np.int32(plan.num_kv_heads), "scalar"),
+        Arg(ctas_per_head[0], np.int32(ctas_per_head[1]), "scalar"),
+        Arg("pages_per_chunk", np.int32(plan.pages_per_chunk), "scalar"),
+        Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
+
+
+def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: float,
+                q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
+                request_indices: Any, kv_tile_indices: Any, v_out: Any,
+                lse_out: Any) -> Launch:
+    """The tensor-core v2 partial (``kernels/decode_v2_tc.py``): grid (C chunks, Hkv *
+    row_tiles), the v2 partial's arguments with ``row_tiles`` for ``q_groups``."""
+    spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size)
+    tiles = v2tc_row_tiles(plan.num_qo_heads, plan.num_kv_heads)
+    args = _chunk_args(plan, sm_scale, ("row_tiles", tiles), q, k_pages, v_pages, table,
+                       request_indices, kv_tile_indices, v_out, lse_out)
+    return _launch(spec, (plan.num_chunks, plan.num_kv_heads * tiles), args)
 
 
 def merge_launch(*, out_dtype: str, shape: tuple[int, int, int], v: Any, lse: Any,

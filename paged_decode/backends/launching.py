@@ -1,5 +1,7 @@
 """``LaunchingBackend``: the kernel entry points of every backend that runs our kernels
-(``cuda``, ``metal``, ``emulated-cuda``, ``emulated-metal``), written once.
+(``cuda``, ``metal``, ``emulated-cuda``, ``emulated-metal``), written once (the
+tensor-core partial ``partial_tc`` where ``tensor_core_decode`` says the backend runs it:
+the CUDA dialect only).
 
 Each entry point builds a ``Launch`` (``launches.py``) and hands it to the backend's
 ``_run``; a backend supplies only small hooks: ``index_array`` (a host index array of a
@@ -33,7 +35,9 @@ class LaunchingBackend(Backend):
     reads_step_tables = True
 
     def supports(self, problem: Problem) -> Support:
-        return launches.support(problem)
+        # the device must have mma.sync too (sm_80+ on CUDA: prefix_tile_rows says so)
+        tc = self.tensor_core_decode and bool(self.device_info().prefix_tile_rows)
+        return launches.support(problem, tc)
 
     # ----------------------------------------------------------- hooks
     @abstractmethod
@@ -91,6 +95,18 @@ class LaunchingBackend(Backend):
             table=self.table_arrays(table), request_indices=request_indices,
             kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out, soft_cap=soft_cap,
             sinks=sinks))
+
+    def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+                   plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
+        if not self.tensor_core_decode:
+            super().partial_tc(q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out)
+        self.check_pools("decode", k_pages, v_pages)
+        request_indices, kv_tile_indices = self.plan_arrays(plan)
+        self._run(launches.v2tc_launch(
+            kv_dtype=self.dtype_of(k_pages), out_dtype=self.dtype_of(v_out), plan=plan,
+            sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
+            table=self.table_arrays(table), request_indices=request_indices,
+            kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out))
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
               rows: Any = None, *, sinks: Any = None) -> None:

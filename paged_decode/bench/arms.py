@@ -7,7 +7,8 @@ array its output lands in (verified against the float64 oracle before timing) an
 actually ran. Ours also expose the plain ``decode(...)`` call with the same plan, timed
 per call as the API cost.
 
-- ``gather``, ``v1``, ``v2``: this package's paths.
+- ``gather``, ``v1``, ``v2``, ``v2tc``: this package's paths (``v2tc``, the tensor-core
+  partial, on a plan searched for its CTAs per chunk; 16-bit dtypes on ``cuda``).
 - ``sdpa``: torch SDPA on contiguous ``[B, Hkv, L, D]`` K/V (the same bytes without
   paging; needs torch and equal request lengths).
 - ``flashinfer``, ``flashinfer-tc``: FlashInfer's batch decode, CUDA-core and tensor-core
@@ -21,17 +22,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends import Backend
+from ..call import plan_decode
 from ..decode import decode
 from ..errors import UnsupportedProblemError
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..prepared import prepare_decode
+from ..specs import v2tc_ctas_per_chunk
 
-OURS = ("gather", "v1", "v2")
+OURS = ("gather", "v1", "v2", "v2tc")
 EXTERNAL = ("sdpa", "flashinfer", "flashinfer-tc")
 ALL_ARMS = OURS + EXTERNAL
 #: the paths each of our arms may report; anything else is a fallback
-EXPECTED = {"gather": ("gather",), "v1": ("v1",), "v2": ("v2", "v2+merge")}
+EXPECTED = {"gather": ("gather",), "v1": ("v1",), "v2": ("v2", "v2+merge"),
+            "v2tc": ("v2tc", "v2tc+merge")}
 
 
 class ArmUnavailable(Exception):
@@ -58,6 +62,11 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
     if name in OURS:
         with be.launch_context(q):
             out = be.empty(tuple(q.shape), be.dtype_of(q))
+        if name == "v2tc":     # the same split search, for the tensor-core partial's CTAs
+            plan = plan_decode(table, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
+                               device=be.device_info(),
+                               ctas_per_chunk=v2tc_ctas_per_chunk(plan.num_qo_heads,
+                                                                  plan.num_kv_heads))
         try:
             prep = prepare_decode(q, k, v, table, plan, path=name, out=out,
                                   sm_scale=sm_scale, backend=be, **vk)

@@ -118,6 +118,25 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// The visible tokens [t_begin, t_end) of chunk `tile` of a request (pages [tile * ppc,
+// (tile + 1) * ppc) of its npages, the first `fpo` entries of its first page retired, its
+// last page holding last_len entries): token t lives at entry fpo + t of the request's
+// pages. A chunk past the end, or of an empty request, is empty.
+struct TokenRange { long long t_begin, t_end; };
+template <int PAGE_SIZE>
+__device__ __forceinline__ TokenRange chunk_tokens(long long npages, long long last_len, long long fpo,
+                                                   long long tile, int pages_per_chunk) {
+  long long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_len - fpo : 0;
+  seq = seq < 0 ? 0 : seq;
+  const long long page_begin = tile * pages_per_chunk;
+  const long long page_end = page_begin + pages_per_chunk < npages ? page_begin + pages_per_chunk : npages;
+  long long t_begin = page_begin * PAGE_SIZE - fpo;
+  t_begin = t_begin < 0 ? 0 : (t_begin > seq ? seq : t_begin);
+  long long t_end = page_end >= npages ? seq : page_end * PAGE_SIZE - fpo;
+  t_end = t_end < 0 ? 0 : (t_end > seq ? seq : t_end);
+  return {t_begin, t_end};
+}
+
 __host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 
 }  // namespace pd

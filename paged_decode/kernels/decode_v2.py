@@ -447,16 +447,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
   const long long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];
   const long long pb = indptr[r], npages = indptr[r + 1] - pb;
   const long long fpo = first_page_offset[r];
-  long long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_page_len[r] - fpo : 0;
-  seq = seq < 0 ? 0 : seq;
-  const long long page_begin = tile * pages_per_chunk;
-  const long long page_end = page_begin + pages_per_chunk < npages ? page_begin + pages_per_chunk : npages;
-  long long t_begin = page_begin * PAGE_SIZE - fpo;
-  t_begin = t_begin < 0 ? 0 : (t_begin > seq ? seq : t_begin);
-  long long t_end = page_end >= npages ? seq : page_end * PAGE_SIZE - fpo;
-  t_end = t_end < 0 ? 0 : (t_end > seq ? seq : t_end);
+  const pd::TokenRange range = pd::chunk_tokens<PAGE_SIZE>(npages, last_page_len[r], fpo, tile,
+                                                          pages_per_chunk);
   pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, STAGES, ROW_LOADS, SOFT_CAP, SINK>(
-      q, k_pages, v_pages, indices + pb, fpo, t_begin, t_end, r, kvh, h0, num_qo_heads,
+      q, k_pages, v_pages, indices + pb, fpo, range.t_begin, range.t_end, r, kvh, h0, num_qo_heads,
       num_kv_heads, scale_log2, soft_cap_log2, sinks, v_out, lse_out,
       ((long long)c * num_qo_heads + h0) * HEAD_DIM,
       (long long)c * num_qo_heads + h0);

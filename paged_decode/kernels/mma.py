@@ -1,0 +1,247 @@
+"""Tensor-core building blocks shared by the CUDA kernels that use ``mma.sync`` (the
+cascade prefix kernel, ``prefix_tc.py``, and the tensor-core decode partial,
+``decode_v2_tc.py``): one copy of the fragment helpers and of the per-warp tile phases.
+
+Fragment layouts (PTX ISA, ``mma.m16n8k16`` with 16-bit A/B): lane = 4 * grp + tig;
+A regs {(grp, 2tig..+1), (grp+8, 2tig..), (grp, 2tig+8..), (grp+8, 2tig+8..)}; B regs
+{(k = 2tig..+1, n = grp), (k = 2tig+8.., n = grp)}; C {(grp, 2tig..+1), (grp+8, 2tig..+1)};
+the lower 16 bits of a register hold the lower index. The S accumulator of two adjacent
+8-token tiles is then exactly the A operand of P V for those 16 tokens (no shuffles).
+Q and K fragments come from shared memory through ``ldmatrix``, V fragments through
+``ldmatrix.trans``. Without ``__CUDA_ARCH__`` (the CPU emulator), or with
+``PD_EMULATE_MMA`` defined, products and matrix loads are computed from the same
+fragments and row addresses with warp shuffles.
+
+A warp's tile phases (``qk_tile``, ``softmax_tile``, ``pv_tile``, ``row_sums``) work on
+16 query rows held in shared memory against ``8 * NT`` K/V token rows in shared memory
+(rows of ``LD`` 16-bit elements, ``LD`` = head_dim + 8: padded so that the eight row
+addresses of one ``ldmatrix`` fall in different banks). Each lane keeps the online-softmax
+state of rows ``grp`` and ``grp + 8`` (``m_run``, ``l_run`` in base 2; ``l_run`` is this
+lane's share of the row sum until ``row_sums``) and the accumulators ``o[DT][4]`` of those
+rows (C layout, ``DT = D / 8`` column tiles).
+"""
+
+CUDA_MMA = r"""
+namespace pd {
+
+// Two floats as one 16-bit pair register (lower index in the lower half), and back.
+template <typename T> struct Pair;
+template <> struct Pair<__half> {
+  static constexpr bool BF16 = false;
+  static __device__ __forceinline__ unsigned pack(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack(unsigned u) {
+    return __half22float2(*reinterpret_cast<__half2*>(&u));
+  }
+};
+template <> struct Pair<__nv_bfloat16> {
+  static constexpr bool BF16 = true;
+  static __device__ __forceinline__ unsigned pack(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  static __device__ __forceinline__ float2 unpack(unsigned u) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  }
+};
+
+// d += A (16 x 16, row) * B (16 x 8, col), float32 accumulators (layouts: module doc).
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+#if defined(__CUDA_ARCH__) && !defined(PD_EMULATE_MMA)
+  if constexpr (!Pair<T>::BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#else
+  // The same product from the same fragments: lane (grp, tig) fetches rows grp and grp+8
+  // of A and columns 2tig, 2tig+1 of B from the lanes holding them.
+  const int lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+  const unsigned long long mine_a01 = (unsigned long long)a[0] | ((unsigned long long)a[1] << 32);
+  const unsigned long long mine_a23 = (unsigned long long)a[2] | ((unsigned long long)a[3] << 32);
+  const unsigned long long mine_b = (unsigned long long)b[0] | ((unsigned long long)b[1] << 32);
+#pragma unroll
+  for (int src = 0; src < 4; ++src) {
+    const unsigned long long a01 = __shfl_sync(0xffffffffu, mine_a01, grp * 4 + src);
+    const unsigned long long a23 = __shfl_sync(0xffffffffu, mine_a23, grp * 4 + src);
+    const unsigned long long bc0 = __shfl_sync(0xffffffffu, mine_b, (2 * tig) * 4 + src);
+    const unsigned long long bc1 = __shfl_sync(0xffffffffu, mine_b, (2 * tig + 1) * 4 + src);
+    const float2 r0lo = Pair<T>::unpack((unsigned)a01), r1lo = Pair<T>::unpack((unsigned)(a01 >> 32));
+    const float2 r0hi = Pair<T>::unpack((unsigned)a23), r1hi = Pair<T>::unpack((unsigned)(a23 >> 32));
+    const float2 c0lo = Pair<T>::unpack((unsigned)bc0), c0hi = Pair<T>::unpack((unsigned)(bc0 >> 32));
+    const float2 c1lo = Pair<T>::unpack((unsigned)bc1), c1hi = Pair<T>::unpack((unsigned)(bc1 >> 32));
+    d[0] += r0lo.x * c0lo.x + r0lo.y * c0lo.y + r0hi.x * c0hi.x + r0hi.y * c0hi.y;
+    d[1] += r0lo.x * c1lo.x + r0lo.y * c1lo.y + r0hi.x * c1hi.x + r0hi.y * c1hi.y;
+    d[2] += r1lo.x * c0lo.x + r1lo.y * c0lo.y + r1hi.x * c0hi.x + r1hi.y * c0hi.y;
+    d[3] += r1lo.x * c1lo.x + r1lo.y * c1lo.y + r1hi.x * c1hi.x + r1hi.y * c1hi.y;
+  }
+#endif
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory (ldmatrix .x4): lane l passes
+// the address of row l % 8 of matrix l / 8 (16-byte aligned); register i receives matrix
+// i's elements (row l / 4, columns 2 (l % 4) and +1), or with TRANS (rows 2 (l % 4) and +1,
+// column l / 4), the lower index in the lower half.
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
+#if defined(__CUDA_ARCH__) && !defined(PD_EMULATE_MMA)
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  }
+#else
+  const int lane = threadIdx.x & 31;
+  const unsigned long long mine = (unsigned long long)row;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (TRANS) {
+      const unsigned short* p0 = (const unsigned short*)__shfl_sync(0xffffffffu, mine, i * 8 + 2 * (lane & 3));
+      const unsigned short* p1 = (const unsigned short*)__shfl_sync(0xffffffffu, mine, i * 8 + 2 * (lane & 3) + 1);
+      r[i] = (unsigned)p0[lane >> 2] | ((unsigned)p1[lane >> 2] << 16);
+    } else {
+      const unsigned short* p = (const unsigned short*)__shfl_sync(0xffffffffu, mine, i * 8 + (lane >> 2));
+      r[i] = (unsigned)p[2 * (lane & 3)] | ((unsigned)p[2 * (lane & 3) + 1] << 16);
+    }
+  }
+#endif
+}
+
+// Staging: piece `piece` (16 bytes) of the K and V rows of one token (entry `entry` of
+// pool page `page`, KV head `kvh`) into its padded shared-memory rows `ks` / `vs` with
+// cp.async; `ok` false zero-fills both without reading global memory.
+template <typename T, int D>
+__device__ __forceinline__ void stage_kv_piece(T* ks, T* vs, const T* k_pages, const T* v_pages,
+                                               int page, int entry, int kvh, int piece, bool ok,
+                                               long long page_stride, long long row_stride) {
+  const T* kp = k_pages;
+  const T* vp = v_pages;
+  if (ok) {
+    const long long off = (long long)page * page_stride
+                          + (long long)entry * row_stride + (long long)kvh * D + piece * 8;
+    kp += off;
+    vp += off;
+  }
+  cp_async16(ks + piece * 8, kp, ok);
+  cp_async16(vs + piece * 8, vp, ok);
+}
+
+// Phase: s = Q K^T (16 rows x 8 NT tokens) for one warp: `qw` points at the warp's 16
+// query rows, `kt` at its first K token row, both in shared memory (rows of LD elements).
+template <typename T, int D, int LD, int NT>
+__device__ __forceinline__ void qk_tile(float (&s)[NT][4], const T* qw, const T* kt) {
+  static_assert(D % 16 == 0 && NT % 2 == 0, "ldmatrix takes 16-token, 16-column blocks");
+  const int lane = threadIdx.x & 31;
+  // ldmatrix row addresses: lane l points at row l % 8 of matrix l / 8
+  const int lrow = lane & 7, lhi = (lane >> 3) & 1, lq = lane >> 4;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    unsigned a[4];                              // rows 0-7 / 8-15 x columns +0 / +8
+    ldsm_x4<false>(a, qw + (lrow + 8 * lhi) * LD + kk * 16 + 8 * lq);
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {
+      unsigned b[4];                            // tokens of tiles n / n+1 x columns +0 / +8
+      ldsm_x4<false>(b, kt + (n * 8 + lrow + 8 * lq) * LD + kk * 16 + 8 * lhi);
+      const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      mma_16816<T>(s[n], a, b0);
+      mma_16816<T>(s[n + 1], a, b1);
+    }
+  }
+}
+
+// Phase: the online softmax (base 2) of one tile of raw scores, rows grp (s[.][0..1]) and
+// grp + 8 (s[.][2..3]); the four lanes of a group hold a row between them. `tok0` is the
+// token (in the range) of this lane's first column, 2 tig past the warp's first token;
+// tokens at or past `n_tok` are masked, a visible score that is not finite becomes NaN.
+// Rescales o and l_run by the change of the running max; leaves p in s.
+template <int NT, int DT>
+__device__ __forceinline__ void softmax_tile(float (&s)[NT][4], float (&m_run)[2],
+                                             float (&l_run)[2], float (&o)[DT][4], int tok0,
+                                             int n_tok, float scale_log2) {
+  float tmax[2] = {-PD_INF, -PD_INF};
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool live = tok0 + n * 8 + (e & 1) < n_tok;
+      s[n][e] = live ? finite_or_nan(s[n][e] * scale_log2) : -PD_INF;
+      tmax[e >> 1] = fmaxf(tmax[e >> 1], s[n][e]);
+    }
+  float alpha[2], base[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+    tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+    const float m_new = fmaxf(m_run[h], tmax[h]);
+    base[h] = m_new == -PD_INF ? 0.f : m_new;   // avoids (-inf) - (-inf)
+    alpha[h] = exp2f(m_run[h] - base[h]);
+    m_run[h] = m_new;
+    l_run[h] *= alpha[h];
+  }
+#pragma unroll
+  for (int j = 0; j < DT; ++j) {
+    o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+    o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+  }
+  // the row sums take p in float32 (an exact LSE); P V takes p rounded to T (unbiased)
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = exp2f(s[n][e] - base[e >> 1]);
+      s[n][e] = p;
+      l_run[e >> 1] += p;
+    }
+}
+
+// Phase: o += P V for one warp: the p of column tiles 2kk, 2kk+1 (softmax_tile's s) are
+// the A operand of 16 tokens; `vt` points at the warp's first V token row (shared memory).
+template <typename T, int LD, int NT, int DT>
+__device__ __forceinline__ void pv_tile(float (&o)[DT][4], const float (&s)[NT][4], const T* vt) {
+  static_assert(NT % 2 == 0 && DT % 2 == 0, "ldmatrix takes 16-token, 16-column blocks");
+  const int lane = threadIdx.x & 31;
+  const int lrow = lane & 7, lhi = (lane >> 3) & 1, lq = lane >> 4;
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    unsigned a[4];
+    a[0] = Pair<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = Pair<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = Pair<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = Pair<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+    for (int j = 0; j < DT; j += 2) {
+      unsigned b[4];                            // tokens +0 / +8 x columns of tiles j / j+1
+      ldsm_x4<true>(b, vt + (kk * 16 + lrow + 8 * lhi) * LD + j * 8 + 8 * lq);
+      const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      mma_16816<T>(o[j], a, b0);
+      mma_16816<T>(o[j + 1], a, b1);
+    }
+  }
+}
+
+// Phase: the full row sums of rows grp and grp + 8 (each lane holds a share of them) in
+// every lane of the group.
+__device__ __forceinline__ void row_sums(float (&l_run)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+}
+
+}  // namespace pd
+"""

@@ -1,0 +1,225 @@
+"""The tensor-core v2 partial (``path="v2tc"``, ``kernels/decode_v2_tc.py``) on the CUDA
+emulator against the float64 oracle: every GQA ratio class (1, 2, 4, 7, 8, 16, 24, 32:
+one and two 16-row tiles, full and partial), head dims 64/96/128/256, page sizes 1, 3, 16,
+64, 256 with mid-page starts, ragged batches with empty requests, single-chunk (the partial
+writes the output in its dtype) and split + merge, float16 and bfloat16, NaN-poisoned
+outputs and workspaces (``conftest.py``) and NaN in every pool entry outside the visible
+windows (``make_problem``). Where it may not run it must say so. Its non-finite rules are
+checked in ``test_nan_semantics.py``; ``test_cuda_gpu.py`` runs ``run_v2tc`` and ``CASES``
+on the GPU (plus longer contexts), ``test_cuda_graphs.py`` captures it in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_matches_oracle, tc_out_tol
+
+import paged_decode as pd
+from paged_decode import UnsupportedProblemError
+from paged_decode.backends import availability
+from paged_decode.backends.reference import ReferenceBackend
+from paged_decode.problems import ProblemSpec, make_problem
+from paged_decode.reference import oracle_decode
+from paged_decode.specs import v2tc_ctas_per_chunk
+
+needs_emulator = pytest.mark.skipif(not availability("emulated-cuda").ok,
+                                    reason=f"emulator unavailable: "
+                                           f"{availability('emulated-cuda').reason}")
+
+SINGLE = 10 ** 6          # pages per chunk: one chunk per request (no merge)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return pd.get_backend("emulated-cuda")
+
+
+def run_v2tc(be, spec: ProblemSpec, ppcs, *, lengths=None, offsets=None) -> None:
+    """Decode ``spec``'s random problem on ``path="v2tc"`` under each forced
+    ``pages_per_chunk`` (``None``: the plan searched for the tensor-core partial's CTAs)
+    and compare with the float64 oracle: float32 outputs always, and the 16-bit output
+    written by the partial itself when a plan needs no merge."""
+    pr = make_problem(spec, lengths=lengths, offsets=offsets)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))   # cupy on "cuda"
+    hq, hkv, d = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
+    for ppc in ppcs:
+        plan = pd.plan_decode(pr.table, hq, hkv, d, device=be.device_info(),
+                              pages_per_chunk=ppc, ctas_per_chunk=v2tc_ctas_per_chunk(hq, hkv))
+        outs = ["float32"] if plan.needs_merge else ["float32", spec.kv_dtype]
+        for od in outs:
+            out, lse = pd.decode(q, k, v, pr.table, plan, path="v2tc", return_lse=True,
+                                 out_dtype=od, backend=be)
+            ran = pd.last_outcome().path
+            assert ran == ("v2tc+merge" if plan.needs_merge else "v2tc"), ran
+            assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), ref, ref_lse, od,
+                                  f"{spec.label} ppc={ppc} {od}",
+                                  tol=tc_out_tol(spec.kv_dtype, od))
+
+
+CASES = [
+    ("d64-g1-ps16-f16", ProblemSpec(3, 70, 4, 4, 64, 16, seed=41), [None, SINGLE]),
+    # page size 3: every 16-token warp tile spans six pages, mid-page starts (jitter)
+    ("d128-g2-ps3-bf16", ProblemSpec(2, 50, 4, 2, 128, 3, "bfloat16", "bfloat16", seed=42),
+     [2, SINGLE]),
+    ("d96-g4-ps16-f16", ProblemSpec(2, 45, 8, 2, 96, 16, seed=43), [1, SINGLE]),
+    ("d64-g7-ps64-f16", ProblemSpec(2, 150, 7, 1, 64, 64, seed=44), [1, SINGLE]),
+    ("d256-g8-ps16-bf16", ProblemSpec(1, 40, 8, 1, 256, 16, "bfloat16", "bfloat16", seed=45),
+     [1, SINGLE]),
+    ("d64-g16-ps1-f16", ProblemSpec(2, 37, 32, 2, 64, 1, seed=46), [5, SINGLE]),
+    # two row tiles (32 heads of one KV head), pages of 256 holding a whole chunk
+    ("d128-g32-ps256-f16", ProblemSpec(1, 300, 32, 1, 128, 256, seed=47), [1, SINGLE]),
+    # two row tiles, the second with 8 live rows
+    ("d64-g24-ps16-bf16", ProblemSpec(2, 40, 24, 1, 64, 16, "bfloat16", "bfloat16", seed=48),
+     [1]),
+]
+
+
+@needs_emulator
+@pytest.mark.parametrize("spec,ppcs", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_v2tc_matches_oracle(emu, spec, ppcs):
+    run_v2tc(emu, spec, ppcs)
+
+
+@needs_emulator
+def test_v2tc_ragged_batch_with_empty_requests(emu):
+    # empty requests in the middle and at the end of the batch, first page offsets up to
+    # page_size - 1, a request of one token, chunks past a short request's end
+    spec = ProblemSpec(6, 0, 8, 2, 64, 16, seed=49)
+    run_v2tc(emu, spec, [None, 1, SINGLE], lengths=[70, 0, 33, 1, 129, 0],
+             offsets=[3, 0, 15, 0, 9, 0])
+
+
+@needs_emulator
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_v2tc_long_chunk_every_schedule(emu, head_dim):
+    # one chunk of 330 tokens over shuffled pages of 8: six stages of 64 tokens through a
+    # three-slot ring (every slot refilled after it was read; its page ids too), under
+    # every schedule (one warp running ahead included) with copies in flight until their
+    # wait; the running max moves between stages, so a missed rescale shows
+    spec = ProblemSpec(1, 330, 4, 1, head_dim, 8, seed=50 + head_dim, jitter=False)
+    run_v2tc(emu, spec, [SINGLE])
+
+
+@needs_emulator
+@pytest.mark.parametrize("stages", [2, 4])
+def test_v2tc_ring_depths(emu, monkeypatch, stages):
+    # PAGED_DECODE_STAGES sets the ring depth (the default is 3): a double buffer waits for
+    # every group, a 4-deep ring keeps three in flight; the URI names the depth
+    from paged_decode.specs import v2tc_spec
+    monkeypatch.setenv("PAGED_DECODE_STAGES", str(stages))
+    assert f"_st-{stages}" in v2tc_spec("float16", "float32", 64, 8).uri
+    run_v2tc(emu, ProblemSpec(1, 330, 4, 1, 64, 8, seed=57, jitter=False), [SINGLE])
+
+
+@needs_emulator
+def test_v2tc_default_plan_is_searched_for_its_ctas(emu):
+    # G = 16: the v2 partial runs two CTAs per KV head (8 heads each), v2tc one, so its own
+    # plan splits the batch into more chunks to reach the same device target
+    pr = make_problem(ProblemSpec(2, 200, 32, 2, 64, 16, seed=51))
+    out = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=emu)
+    oc = pd.last_outcome()
+    tc_plan = pd.plan_decode(pr.table, 32, 2, 64, device=emu.device_info(),
+                             ctas_per_chunk=v2tc_ctas_per_chunk(32, 2))
+    v2_plan = pd.plan_decode(pr.table, 32, 2, 64, device=emu.device_info())
+    assert tc_plan.ctas_per_chunk == 2 and v2_plan.ctas_per_chunk == 4
+    assert oc.path == "v2tc+merge" and oc.num_chunks == tc_plan.num_chunks
+    assert tc_plan.num_chunks > v2_plan.num_chunks
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert_matches_oracle(out, None, ref, None, "float16", "default plan",
+                          tol=tc_out_tol("float16", "float16"))
+    # a v2 plan runs on the tensor-core partial too (same chunks, other CTAs per chunk)
+    out2 = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, v2_plan, path="v2tc",
+                     out_dtype="float32", backend=emu)
+    assert pd.last_outcome().num_chunks == v2_plan.num_chunks
+    assert_matches_oracle(out2, None, ref, None, "float32", "v2 plan",
+                          tol=tc_out_tol("float16", "float32"))
+
+
+@needs_emulator
+def test_auto_does_not_choose_v2tc(emu):
+    pr = make_problem(ProblemSpec(2, 60, 8, 2, 64, 16, seed=52))
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend=emu)
+    assert pd.last_outcome().path.startswith("v2") and "v2tc" not in pd.last_outcome().path
+
+
+@needs_emulator
+def test_prepared_v2tc_equals_decode(emu):
+    from paged_decode.prepared import PreparedDecode, decode_cache
+    pr = make_problem(ProblemSpec(3, 90, 8, 2, 64, 16, seed=53))
+    plan = pd.plan_decode(pr.table, 8, 2, 64, device=emu.device_info(), pages_per_chunk=2)
+    call = pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc",
+                             backend=emu, return_lse=True, out_dtype="float32")
+    assert isinstance(call, PreparedDecode) and call.path == "v2tc+merge"
+    out, lse = call()
+    assert "prepared call" in pd.last_outcome().reason
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert_matches_oracle(out, lse, ref, ref_lse, "float32", "prepared",
+                          tol=tc_out_tol("float16", "float32"))
+    # decode's fast path replays a cached prepared call on the second identical call
+    decode_cache.clear()
+    o2 = np.full_like(out, np.nan)
+    for _ in range(2):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc", out=o2,
+                  out_dtype="float32", backend=emu)
+    assert pd.last_outcome().path == "v2tc+merge"
+    assert "prepared call" in pd.last_outcome().reason
+    np.testing.assert_array_equal(o2, out)
+
+
+# ---------------------------------------------------------------------------- refusals
+def _problem(q_dtype="float16", kv_dtype="float16", hq=8, hkv=2):
+    return make_problem(ProblemSpec(2, 40, hq, hkv, 64, 16, q_dtype, kv_dtype, seed=54))
+
+
+@pytest.mark.parametrize("be", [pytest.param(ReferenceBackend(), id="reference"),
+                                pytest.param(ReferenceBackend(any_geometry=True),
+                                             id="reference-any-geometry")])
+def test_v2tc_is_refused_without_the_kernel(be):
+    pr = _problem()
+    with pytest.raises(UnsupportedProblemError,
+                       match=r"decode: backend 'reference' cannot run path 'v2tc': path "
+                             r"'v2tc' is the CUDA tensor-core partial"):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=be)
+    with pytest.raises(UnsupportedProblemError, match=r"has no tensor-core decode partial"):
+        plan = pd.plan_decode(pr.table, 8, 2, 64, device=be.device_info())
+        be.partial_tc(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, 0.125,
+                      np.zeros((plan.num_chunks, 8, 64), np.float32),
+                      np.zeros((plan.num_chunks, 8), np.float32))
+
+
+@pytest.mark.skipif(not availability("emulated-metal").ok, reason="no emulator")
+def test_v2tc_is_refused_on_the_metal_dialect():
+    pr = _problem()
+    with pytest.raises(UnsupportedProblemError,
+                       match=r"backend 'emulated-metal' cannot run path 'v2tc'"):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc",
+                  backend="emulated-metal")
+
+
+@needs_emulator
+@pytest.mark.parametrize("q_dtype,kv_dtype,hq,hkv,match", [
+    ("float32", "float32", 8, 2, r"path 'v2tc' needs q and the pools both one of \('float16', "
+                                 r"'bfloat16'\), got q float32 and pools float32"),
+    ("float32", "float16", 8, 2, r"path 'v2tc' needs .* got q float32 and pools float16"),
+    ("bfloat16", "float16", 8, 2, r"path 'v2tc' needs .* got q bfloat16 and pools float16"),
+    ("float16", "float16", 40, 1, r"path 'v2tc' takes at most 32 query heads per KV head, "
+                                  r"got 40"),
+])
+def test_v2tc_refuses_what_its_kernel_cannot_take(emu, q_dtype, kv_dtype, hq, hkv, match):
+    pr = _problem(q_dtype, kv_dtype, hq, hkv)
+    with pytest.raises(UnsupportedProblemError,
+                       match=r"decode: backend 'emulated-cuda' cannot run path 'v2tc': "
+                             + match):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=emu)
+    # the same problem on path v2 runs
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2", backend=emu)
+
+
+def test_v2tc_is_a_documented_path():
+    from paged_decode.call import PATHS
+    assert "v2tc" in PATHS
+    with pytest.raises(pd.InvalidArgumentError, match=r"path must be one of"):
+        pr = _problem()
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="tc")
