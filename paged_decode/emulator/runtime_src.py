@@ -628,8 +628,8 @@ static void resolve_collective(Warp* w) {
       describe_collective(first, sizeof first, w->op[0], w->param[0]);
       describe_collective(other, sizeof other, w->op[l], w->param[l]);
       fail("%s: lanes of warp %d meet in different collectives (lane 0: %s, op %d param "
-           "%d width %d; lane %d: %s, op %d param %d width %d): divergent shuffles", loc,
-           w->index, first, w->op[0], w->param[0], w->width[0], l, other, w->op[l],
+           "%d width %d; lane %d: %s, op %d param %d width %d): divergent warp collectives",
+           loc, w->index, first, w->op[0], w->param[0], w->width[0], l, other, w->op[l],
            w->param[l], w->width[l]);
     }
     const unsigned full = n == WARP ? 0xffffffffu : (1u << n) - 1u;
