@@ -119,6 +119,17 @@ inline void sg_check_uniform(int param, const sg_args& mine) {
   }
 }
 
+// First meeting of a load or store (``mine`` lives until the second).
+inline void sg_meet_memory(int param, const sg_args& mine) {
+  sg_meet(param, &mine);
+  sg_check_uniform(param, mine);
+}
+// Where element ``j`` of ``lane`` lives in a load's or store's memory layout.
+inline unsigned long sg_index(const sg_args& m, int lane, int j) {
+  const unsigned long r = (unsigned long)sg_row(lane), c = (unsigned long)sg_col(lane) + j;
+  return m.transpose ? (m.oy + c) * m.epr + m.ox + r : (m.oy + r) * m.epr + m.ox + c;
+}
+
 // ``matrix_origin``: a ulong2, or a scalar broadcast to both (MSL's ``0`` default).
 struct sg_origin {
   unsigned long x, y;
@@ -171,15 +182,9 @@ inline void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const T* src,
   const int param = pd_metal::sg_param(pd_emu::M_LOAD, d.code, pd_line, pd_file);
   const pd_metal::sg_args mine{src, elements_per_row, matrix_origin.x, matrix_origin.y,
                                transpose_matrix, {}};
-  pd_metal::sg_meet(param, &mine);
-  pd_metal::sg_check_uniform(param, mine);
-  const int lane = pd_metal::me()->lane, r = pd_metal::sg_row(lane);
-  for (int j = 0; j < 2; ++j) {
-    const unsigned long c = (unsigned long)pd_metal::sg_col(lane) + j;
-    d.elems[j] = transpose_matrix
-        ? src[(matrix_origin.y + c) * elements_per_row + matrix_origin.x + r]
-        : src[(matrix_origin.y + r) * elements_per_row + matrix_origin.x + c];
-  }
+  pd_metal::sg_meet_memory(param, mine);
+  const int lane = pd_metal::me()->lane;
+  for (int j = 0; j < 2; ++j) d.elems[j] = src[pd_metal::sg_index(mine, lane, j)];
   pd_metal::sg_leave(param);
 }
 
@@ -191,15 +196,9 @@ inline void simdgroup_store(simdgroup_matrix<T, Cols, Rows> a, T* dst,
   const int param = pd_metal::sg_param(pd_emu::M_STORE, a.code, pd_line, pd_file);
   const pd_metal::sg_args mine{dst, elements_per_row, matrix_origin.x, matrix_origin.y,
                                transpose_matrix, {}};
-  pd_metal::sg_meet(param, &mine);
-  pd_metal::sg_check_uniform(param, mine);
-  const int lane = pd_metal::me()->lane, r = pd_metal::sg_row(lane);
-  for (int j = 0; j < 2; ++j) {
-    const unsigned long c = (unsigned long)pd_metal::sg_col(lane) + j;
-    (transpose_matrix
-         ? dst[(matrix_origin.y + c) * elements_per_row + matrix_origin.x + r]
-         : dst[(matrix_origin.y + r) * elements_per_row + matrix_origin.x + c]) = a.elems[j];
-  }
+  pd_metal::sg_meet_memory(param, mine);
+  const int lane = pd_metal::me()->lane;
+  for (int j = 0; j < 2; ++j) dst[pd_metal::sg_index(mine, lane, j)] = a.elems[j];
   pd_metal::sg_leave(param);
 }
 
