@@ -15,7 +15,8 @@ semantics chosen where it leaves them open:
 - ``simdgroup_load(d, src, elements_per_row = 8, matrix_origin = 0, transpose = false)``:
   ``d[r][c] = src[(origin.y + r) * epr + origin.x + c]``, transposed
   ``d[r][c] = src[(origin.y + c) * epr + origin.x + r]`` (``matrix_origin`` is (column,
-  row) in the memory layout, in elements, in both cases); ``simdgroup_store(a, dst, ...)``
+  row) in the memory layout, in elements, in both cases: the specification does not say,
+  JuliaGPU Metal.jl's lowering to AIR implies it); ``simdgroup_store(a, dst, ...)``
   writes the same places. Device and threadgroup memory alike (address spaces are
   erased on the CPU).
 - ``simdgroup_multiply(d, a, b)``: ``d = a b``; ``simdgroup_multiply_accumulate(d, a, b,
