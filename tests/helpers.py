@@ -60,6 +60,25 @@ def tc_out_tol(kv_dtype: str, out_dtype: str) -> float:
     return max(PREFIX_RTOL[kv_dtype], OUT_RTOL[out_dtype])
 
 
+#: unit roundoff (half an ulp at 1) of each float type
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+def f32_dot_bound(abs_terms: np.ndarray, n: int, out_dtype: str = "float32",
+                  result=None) -> np.ndarray:
+    """Elementwise bound on ``|computed - exact|`` of a sum of ``n`` products (plus an
+    addend) accumulated in float32 with one rounding per step (fused multiply-adds),
+    then rounded to ``out_dtype``: ``gamma_n * abs_terms`` with ``gamma_n = n u / (1 -
+    n u)``, ``u = 2^-24`` (Higham, *Accuracy and Stability of Numerical Algorithms*,
+    3.1), plus half an ulp of ``out_dtype`` at ``|result|``. ``abs_terms``: the sum of
+    the terms' magnitudes (``|c| + sum_k |a_k b_k|``)."""
+    u = UNIT_ROUNDOFF["float32"]
+    bound = n * u / (1 - n * u) * np.asarray(abs_terms, np.float64)
+    if out_dtype != "float32":
+        bound = bound + UNIT_ROUNDOFF[out_dtype] * np.abs(np.asarray(result, np.float64))
+    return bound
+
+
 def out_tol(dtype: str) -> float:
     """Output max-rel tolerance for an output of ``dtype`` (canonical name)."""
     return OUT_RTOL[dtype]

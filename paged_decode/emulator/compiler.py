@@ -25,6 +25,7 @@ from .. import settings
 from .cuda_prelude import CUDA_PRELUDE, STUB_HEADERS
 from .errors import CompileError
 from .metal_prelude import METAL_PRELUDE
+from .metal_simdgroup import METAL_STUB_HEADERS
 from .runtime_src import RUNTIME_CPP, RUNTIME_HEADER
 
 CACHE_ENV = "PAGED_DECODE_EMULATOR_CACHE"
@@ -33,7 +34,7 @@ FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-g0",
          "-Wno-unknown-pragmas", "-Wno-attributes")
 #: the dialect preludes, by the header name the wrapped source includes
 HEADERS = {"pd_emu_rt.h": RUNTIME_HEADER, "pd_emu_cuda.h": CUDA_PRELUDE,
-           "pd_emu_metal.h": METAL_PRELUDE, **STUB_HEADERS}
+           "pd_emu_metal.h": METAL_PRELUDE, **STUB_HEADERS, **METAL_STUB_HEADERS}
 
 _lock = threading.Lock()
 

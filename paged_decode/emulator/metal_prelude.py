@@ -6,8 +6,11 @@ Included (as ``pd_emu_metal.h``) ahead of the MLX-style translation unit that
 ``threadgroup``, ``thread``) are not macros: ``metal.py`` removes them where they qualify
 a declaration and turns ``threadgroup`` arrays into references into the running
 threadgroup's arena (32 KB, Metal's limit), so identifiers spelled like a qualifier keep
-working. SIMD groups are the runtime's 32-lane warps.
+working. SIMD groups are the runtime's 32-lane warps. SIMD-group matrices
+(``simdgroup_matrix``) are ``metal_simdgroup.py``'s, appended at the end.
 """
+
+from .metal_simdgroup import SIMDGROUP_MATRIX
 
 METAL_PRELUDE = r"""
 #pragma once
@@ -120,6 +123,14 @@ typedef pd_metal::vec<int, 4> int4;
 typedef pd_metal::vec<uint, 2> uint2;
 typedef pd_metal::vec<uint, 3> uint3;
 typedef pd_metal::vec<uint, 4> uint4;
+typedef pd_metal::vec<short, 2> short2;
+typedef pd_metal::vec<ushort, 2> ushort2;
+typedef pd_metal::vec<long, 2> long2;
+typedef pd_metal::vec<ulong, 2> ulong2;
+namespace metal {
+template <typename T, int N>
+using vec = pd_metal::vec<T, N>;   // metal::vec<T, N>, as MLX's headers spell vectors
+}  // namespace metal
 
 namespace metal {
 
@@ -274,4 +285,4 @@ inline T& tg_var() {
   return *reinterpret_cast<T*>(me()->block->static_smem + off);
 }
 }  // namespace pd_metal
-"""
+""" + SIMDGROUP_MATRIX

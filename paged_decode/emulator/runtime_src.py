@@ -30,7 +30,17 @@ enum Collective : int { C_SHFL_XOR = 1, C_SHFL_IDX = 2, C_SHFL_DOWN = 3, C_SHFL_
                         C_SYNCWARP = 5,
                         // reductions over every lane of the warp (Metal simd_sum & co.),
                         // in lane order; every lane gets the result
-                        C_SUM_F32 = 6, C_MAX_F32 = 7, C_MIN_F32 = 8 };
+                        C_SUM_F32 = 6, C_MAX_F32 = 7, C_MIN_F32 = 8,
+                        // a Metal SIMD-group matrix operation (the Metal prelude): a
+                        // barrier of the warp whose param names the operation (M_* below)
+                        C_MATRIX = 9 };
+// C_MATRIX params: the operation in bits 0-3, the element types in bits 4-8 (the Metal
+// prelude's encoding), the call's source line (mod 2048) in bits 9-19, M_LEAVE on the
+// second of an operation's two meetings, M_HEADER when the call is in the header: lanes
+// at different calls of one operation do not meet.
+enum MatrixOp : int { M_FILL = 1, M_DIAGONAL = 2, M_LOAD = 3, M_STORE = 4, M_MULTIPLY = 5,
+                      M_MULTIPLY_ACCUMULATE = 6, M_LINE_SHIFT = 9, M_LINE_MASK = 2047,
+                      M_LEAVE = 1 << 20, M_HEADER = 1 << 21 };
 
 struct U3 { unsigned x, y, z; };
 
@@ -54,6 +64,10 @@ struct Warp {
   int param[WARP];
   int width[WARP];
   unsigned mask[WARP];
+  // what each lane publishes to the others for a two-meeting collective (the Metal
+  // prelude's SIMD-group matrices): written before the first meeting, read between the
+  // two, so no lane rewrites its slot before every lane has read it
+  const void* slot[WARP];
   int arrived;
   int nlanes;
   int index;
@@ -117,6 +131,12 @@ void cp_async16(void* dst, const void* src, bool pred);
 void cp_async_commit();
 void cp_async_wait(int n);
 [[noreturn]] void fail(const char* fmt, ...);
+// ``fail`` with the running thread's place (kernel, block, thread) in front
+[[noreturn]] void fail_here(const char* fmt, ...);
+// what a lane waits in, for reports: "a shuffle (xor)", "simdgroup_load", ...
+const char* collective_name(int op, int param);
+// the same with the call's line where the collective carries one
+void describe_collective(char* out, std::size_t n, int op, int param);
 int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
                const std::atomic<std::size_t>* static_used, char* err, std::size_t errlen);
 
@@ -398,10 +418,15 @@ void diagnose_deadlock(Worker* w) {
       exited += f.state == DONE;
       at_bar += f.state == WAIT_BARRIER;
     }
-    if (at_coll > 0)
-      fail("%s: divergent warp collective: %d of %d lanes of warp %d wait in a shuffle/"
-           "__syncwarp while %d lanes exited and %d wait at __syncthreads", loc, at_coll,
-           wp.nlanes, wp.index, exited, at_bar);
+    if (at_coll > 0) {
+      int first = 0;
+      while (w->fibers[wp.index * WARP + first].state != WAIT_COLLECTIVE) ++first;
+      char what[256];
+      describe_collective(what, sizeof what, wp.op[first], wp.param[first]);
+      fail("%s: divergent warp collective: %d of %d lanes of warp %d wait in %s while %d "
+           "lanes exited and %d wait at __syncthreads", loc, at_coll, wp.nlanes, wp.index,
+           what, exited, at_bar);
+    }
   }
   fail("%s: divergent barrier: __syncthreads reached by %d of %d threads; %d threads exited "
        "without reaching it", loc, b.arrived, b.nthreads, b.exited);
@@ -544,6 +569,52 @@ void fail(const char* fmt, ...) {
   siglongjmp(w->jb, 1);
 }
 
+void fail_here(const char* fmt, ...) {
+  Worker* w = t_worker;
+  char loc[512], body[1536];
+  where(w, loc, sizeof loc);
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(body, sizeof body, fmt, ap);
+  va_end(ap);
+  std::snprintf(w->msg, sizeof w->msg, "%s: %s", loc, body);
+  w->in_block = false;
+  siglongjmp(w->jb, 1);
+}
+
+const char* collective_name(int op, int param) {
+  switch (op) {
+    case C_SHFL_XOR: return "a shuffle (xor)";
+    case C_SHFL_IDX: return "a shuffle (indexed)";
+    case C_SHFL_DOWN: return "a shuffle (down)";
+    case C_SHFL_UP: return "a shuffle (up)";
+    case C_SYNCWARP: return "__syncwarp / simdgroup_barrier";
+    case C_SUM_F32: return "simd_sum";
+    case C_MAX_F32: return "simd_max";
+    case C_MIN_F32: return "simd_min";
+    case C_MATRIX:
+      switch (param & 15) {
+        case M_FILL: return "make_filled_simdgroup_matrix";
+        case M_DIAGONAL: return "a diagonal simdgroup_matrix constructor";
+        case M_LOAD: return "simdgroup_load";
+        case M_STORE: return "simdgroup_store";
+        case M_MULTIPLY: return "simdgroup_multiply";
+        case M_MULTIPLY_ACCUMULATE: return "simdgroup_multiply_accumulate";
+        default: return "a simdgroup_matrix operation";
+      }
+    default: return "an unknown collective";
+  }
+}
+
+void describe_collective(char* out, std::size_t n, int op, int param) {
+  const int line = param >> M_LINE_SHIFT & M_LINE_MASK;
+  if (op == C_MATRIX && line != 0)
+    std::snprintf(out, n, "%s at line %d of the %s", collective_name(op, param), line,
+                  (param & M_HEADER) ? "header" : "body");
+  else
+    std::snprintf(out, n, "%s", collective_name(op, param));
+}
+
 static void resolve_collective(Warp* w) {
   const int n = w->nlanes;
   Worker* wk = t_worker;   // error paths only
@@ -553,9 +624,13 @@ static void resolve_collective(Warp* w) {
         (w->op[l] != C_SHFL_IDX && w->param[l] != w->param[0])) {
       wk->cur = nullptr;
       where(wk, loc, sizeof loc);
-      fail("%s: lanes of warp %d meet in different collectives (lane 0: op %d param %d "
-           "width %d; lane %d: op %d param %d width %d): divergent shuffles", loc, w->index,
-           w->op[0], w->param[0], w->width[0], l, w->op[l], w->param[l], w->width[l]);
+      char first[256], other[256];
+      describe_collective(first, sizeof first, w->op[0], w->param[0]);
+      describe_collective(other, sizeof other, w->op[l], w->param[l]);
+      fail("%s: lanes of warp %d meet in different collectives (lane 0: %s, op %d param "
+           "%d width %d; lane %d: %s, op %d param %d width %d): divergent warp collectives",
+           loc, w->index, first, w->op[0], w->param[0], w->width[0], l, other, w->op[l],
+           w->param[l], w->width[l]);
     }
     const unsigned full = n == WARP ? 0xffffffffu : (1u << n) - 1u;
     if ((w->mask[l] & full) != full) {
