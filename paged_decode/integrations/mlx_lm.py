@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
                       "pip install 'paged-decode[mlx-lm]'") from exc
 
 from ..errors import InvalidArgumentError
-from .model_checks import check_attention, refuse
+from .model_checks import Geometry, check_attention, refuse
 from .paged_batch import PagedBatch
 from .prompts import pool_pages, prompt_batch
 
@@ -114,16 +114,6 @@ class PagedLayerCache:
         return False
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """What ``generate`` reads off an mlx-lm model."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    dtype: str
 
 
 def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:

@@ -4,6 +4,7 @@ call (framework-neutral; each integration reads the numbers off its framework's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidArgumentError, UnsupportedProblemError, check_int
@@ -11,6 +12,20 @@ from ..specs import MAX_PAGE_SIZE, SUPPORTED_HEAD_DIMS
 
 #: model dtypes the pool and kernels serve
 MODEL_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What ``generate`` reads off a model (either framework): attention shape, layers,
+    vocabulary, dtype, and the longest position it embeds (``None``: not stated)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: str
+    max_positions: int | None = None
 
 
 def check_attention(fn: str, *, num_heads: Any, num_kv_heads: Any, head_dim: Any,

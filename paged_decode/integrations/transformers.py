@@ -38,7 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
                       "pip install 'paged-decode[transformers]'") from exc
 
 from ..errors import InvalidArgumentError, UnsupportedProblemError
-from .model_checks import check_attention, refuse
+from .model_checks import Geometry, check_attention, refuse
 from .paged_batch import PagedBatch
 from .prompts import pool_pages, prompt_batch
 
@@ -165,17 +165,6 @@ class PagedCache(Cache):
         self.batch = batch
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """What ``generate`` reads off a model: attention shape, layers, vocabulary, dtype."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_positions: int | None
-    dtype: str
 
 
 def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:
@@ -206,8 +195,8 @@ def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:
     check_attention(fn, num_heads=heads, num_kv_heads=kv, head_dim=d, dtype=dtype,
                     page_size=page_size)
     return Geometry(int(config.num_hidden_layers), int(heads), int(kv), int(d),
-                    int(config.vocab_size), getattr(config, "max_position_embeddings", None),
-                    dtype)
+                    int(config.vocab_size), dtype,
+                    getattr(config, "max_position_embeddings", None))
 
 
 @contextlib.contextmanager
