@@ -111,6 +111,32 @@ def test_shim_matches_flashinfer_on_its_decode_geometries(libs, case):
     assert gap("out", out, fo) <= 2 * out_tol("float16")
 
 
+@pytest.mark.parametrize("window, cap", [(0, None), (37, None), (-1, 30.0), (255, 5.0)],
+                         ids=["w0", "w37", "cap30", "w255-cap5"])
+@pytest.mark.parametrize("case", GPU_CASES[:6], ids=lambda c: c.id)
+def test_shim_variants_match_flashinfer(libs, case, window, cap):
+    """window_left and logits_soft_cap through the shim (paged-decode's variants) against
+    FlashInfer's own, on the same tensors, and against the float64 oracle."""
+    torch, flashinfer, shim = libs
+    t = on_gpu(torch, case)
+    outs = []
+    for lib in (flashinfer, shim):
+        w = lib.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
+        w.plan(t["indptr"], t["indices"], t["last_page_len"], case.num_qo_heads,
+               case.num_kv_heads, case.head_dim, case.page_size, window_left=window,
+               logits_soft_cap=cap, q_data_type=torch.float16)
+        outs.append(w.run(t["q"], t["cache"], return_lse=True))
+    (fo, fl), (so, sl) = outs
+    assert gap("variants out", so, fo) <= 2 * out_tol("float16"), case.id
+    assert lse_gap(sl, fl) <= FI_LSE_ATOL, case.id
+    if case.batch * case.kv_len <= ORACLE_TOKENS:
+        cache = t["cache"].cpu().numpy()
+        ref = oracle_decode(t["q"].cpu().numpy(), cache[:, 0], cache[:, 1], t["table"],
+                            window_left=window, logits_soft_cap=cap)
+        assert_matches_oracle(so.cpu().numpy(), sl.cpu().numpy(), *ref, "float16", case.id)
+
+
 def grown_tables(torch, t, case, extra, seed):
     """The same batch ``extra`` tokens longer per request, over other pages of the cache."""
     lens = t["table"].visible_lens.astype(np.int64) + extra

@@ -76,14 +76,12 @@ def test_graph_mode_buffers_are_checked(bufs, match):
     ({"pos_encoding_mode": "ROPE_LLAMA"}, "pos_encoding_mode='ROPE_LLAMA'.*RoPE"),
     ({"pos_encoding_mode": "ALIBI"}, "pos_encoding_mode='ALIBI'.*ALiBi"),
     ({"pos_encoding_mode": "rope"}, "pos_encoding_mode must be one of"),
-    ({"window_left": 64}, "window_left=64"),
-    ({"logits_soft_cap": 30.0}, "logits_soft_cap=30.0"),
     ({"rope_scale": 1.0}, "rope_scale=1.0"),
     ({"rope_theta": 1e4}, "rope_theta=10000.0"),
     ({"block_tables": np.zeros((12, 8), np.int32)}, "block_tables"),
     ({"seq_lens": np.zeros(12, np.int32)}, "seq_lens"),
-], ids=["rope", "alibi", "bad-mode", "window_left", "soft_cap", "rope_scale", "rope_theta",
-        "block_tables", "seq_lens"])
+], ids=["rope", "alibi", "bad-mode", "rope_scale", "rope_theta", "block_tables",
+        "seq_lens"])
 def test_plan_refuses_what_would_change_the_attention(pr, kw, match):
     w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="reference")
     with pytest.raises(UnsupportedProblemError, match=match) as e:
@@ -139,6 +137,33 @@ def test_graph_mode_plan_keeps_the_batch_size_and_the_buffer_bound(pr):
     plan(small, pr)
     with pytest.raises(InvalidArgumentError, match="float_workspace_buffer holds 64 bytes"):
         small.run(pr.q, pr.cache)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"window_left": 64}, "window_left=64 is not supported by paged-decode \\(in graph mode"),
+    ({"logits_soft_cap": 30.0}, "logits_soft_cap=30.0 is not supported by paged-decode "
+                                "\\(in graph mode"),
+], ids=["window_left", "soft_cap"])
+def test_graph_mode_plan_refuses_the_variants(pr, kw, match):
+    bufs = [np.zeros(13, np.int32), np.zeros(64, np.int32), np.zeros(12, np.int32)]
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(
+        WS, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=bufs[0],
+        paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2],
+        backend="reference")
+    with pytest.raises(UnsupportedProblemError, match=match):
+        plan(w, pr, **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"window_left": -2}, "window_left must be an integer >= -1"),
+    ({"window_left": 1.5}, "window_left must be an integer"),
+    ({"logits_soft_cap": -1.0}, "logits_soft_cap must be"),
+    ({"logits_soft_cap": float("inf")}, "logits_soft_cap must be"),
+], ids=["window-below-minus-1", "window-float", "cap-negative", "cap-inf"])
+def test_plan_checks_the_variants(pr, kw, match):
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="reference")
+    with pytest.raises(InvalidArgumentError, match=match):
+        plan(w, pr, **kw)
 
 
 # ---------------------------------------------------------------------------- run

@@ -173,16 +173,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 ``data_type`` fills both); ``run`` refuses arrays of other dtypes.
             sm_scale: softmax scale (default ``1 / sqrt(head_dim)``).
             non_blocking: accepted (the copies are ordered on the current stream anyway).
-            pos_encoding_mode, window_left, logits_soft_cap, rope_scale, rope_theta,
-            block_tables, seq_lens: only their "off" values are supported
-            (``fi_unsupported``); anything else is refused by name.
+            window_left: attend to the last ``window_left + 1`` tokens of each request (-1:
+                all), as FlashInfer's decode does; logits_soft_cap: scores become ``c *
+                tanh(s / c)`` (``None`` or 0: off). Both run on paged-decode's decode
+                variants, outside graph mode only.
+            pos_encoding_mode, rope_scale, rope_theta, block_tables, seq_lens: only their
+            "off" values are supported (``fi_unsupported``); anything else is refused by
+            name.
         Index arrays may be any kind (torch, CuPy, numpy); they are read on the host, as
         FlashInfer's plan does.
         """
         fn = f"{CLS}.plan"
-        check_plan(fn, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                   logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
-                   rope_theta=rope_theta, block_tables=block_tables, seq_lens=seq_lens)
+        window, cap = check_plan(fn, pos_encoding_mode=pos_encoding_mode,
+                                 window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                 rope_scale=rope_scale, rope_theta=rope_theta,
+                                 block_tables=block_tables, seq_lens=seq_lens,
+                                 graph=self._use_cuda_graph)
         check_bool(fn, "non_blocking", non_blocking)
         check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
         page_size = check_int(fn, "page_size", page_size)
@@ -202,7 +208,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         b = lpl.size
         table = PageTable.build(idx, ip, lpl, page_size=page_size)
         dplan = plan_decode(table, num_qo_heads, num_kv_heads, head_dim,
-                            device=self._be.device_info())
+                            device=self._be.device_info(), window_left=window)
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise InvalidArgumentError(
@@ -224,7 +230,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._graph.load(ip, idx, lpl, table.pages_per_request)
         self._planned = {"table": table, "plan": dplan, "geometry": (num_qo_heads,
                          num_kv_heads, head_dim, page_size), "dtypes": (q_dt, kv_dt),
-                         "scale": scale, "max_page": int(idx.max()) if idx.size else -1}
+                         "scale": scale, "max_page": int(idx.max()) if idx.size else -1,
+                         "window_left": window, "logits_soft_cap": cap}
 
     begin_forward = plan
 
@@ -245,16 +252,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
             lse: optional ``[B, Hq]`` float32 buffer for the base-2 LSE.
             return_lse: also return the LSE.
             enable_pdl: accepted (no programmatic dependent launch here; same result).
-            q_scale, k_scale, v_scale, window_left (other than the plan's -1), sinks,
-            q_len_per_req (other than 1), *args: refused by name.
+            window_left: may repeat the plan's, not change it.
+            q_scale, k_scale, v_scale, sinks, q_len_per_req (other than 1), *args: refused
+            by name.
 
         Returns:
             ``out`` ``[B, Hq, D]``, or ``(out, lse)`` with ``return_lse``; arrays of
             ``q``'s kind (torch in, torch out).
         """
         fn = f"{CLS}.run"
+        planned = -1 if self._planned is None else int(self._planned["window_left"])
         check_run(fn, args=args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                  window_left=window_left, sinks=sinks, q_len_per_req=q_len_per_req)
+                  window_left=window_left, sinks=sinks, q_len_per_req=q_len_per_req,
+                  planned_window=planned)
         if enable_pdl is not None:
             check_bool(fn, "enable_pdl", enable_pdl)
         check_bool(fn, "return_lse", return_lse)
@@ -315,7 +325,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             # make every run a new entry of decode's prepared-call cache (the backend views
             # are new objects on every run), which would only churn it
             got = decode(qa, pools.k, pools.v, self._table(pools.interleaved), st["plan"],
-                         sm_scale=st["scale"], return_lse=want_lse, backend=be)
+                         sm_scale=st["scale"], return_lse=want_lse, backend=be,
+                         window_left=st["window_left"],
+                         logits_soft_cap=st["logits_soft_cap"])
             if want_lse:
                 out_a[...], lse_a[...] = got
             else:

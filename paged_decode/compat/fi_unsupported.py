@@ -1,5 +1,7 @@
 """What the FlashInfer shim refuses, in one place (lift a refusal here when paged-decode
-gains the feature: ``window_left`` and ``logits_soft_cap`` are the likely next ones).
+gains the feature). ``window_left`` and ``logits_soft_cap`` are served (paged-decode's
+decode variants, ``docs/variants.md``) except in graph mode, whose launches are recorded
+for the plain kernels.
 
 Every refusal raises ``UnsupportedProblemError`` naming the function and the argument;
 no unsupported argument is ever ignored. Arguments that change only how FlashInfer
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UnsupportedProblemError
+from ..errors import UnsupportedProblemError, check_int, check_number
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 #: FlashInfer backend names that select one of its own kernel families
@@ -44,8 +46,11 @@ def check_backend_name(fn: str, backend: Any) -> None:
 
 
 def check_plan(fn: str, *, pos_encoding_mode: Any, window_left: Any, logits_soft_cap: Any,
-               rope_scale: Any, rope_theta: Any, block_tables: Any, seq_lens: Any) -> None:
-    """The plan arguments that would change the attention paged-decode computes."""
+               rope_scale: Any, rope_theta: Any, block_tables: Any, seq_lens: Any,
+               graph: bool) -> tuple[int, float | None]:
+    """The plan arguments that would change the attention paged-decode computes; returns
+    ``(window_left, logits_soft_cap)`` as decode takes them (``-1`` / ``None``: off;
+    FlashInfer's cap of ``0`` is off too)."""
     if pos_encoding_mode not in POS_ENCODING_MODES:
         raise UnsupportedProblemError(f"{fn}: pos_encoding_mode must be one of "
                                       f"{', '.join(POS_ENCODING_MODES)}, got "
@@ -55,11 +60,16 @@ def check_plan(fn: str, *, pos_encoding_mode: Any, window_left: Any, logits_soft
                       "attention; apply RoPE to q and k before appending them")
     if pos_encoding_mode == "ALIBI":
         raise _refuse(fn, "pos_encoding_mode", pos_encoding_mode, "ALiBi biases")
-    if window_left != -1:
-        raise _refuse(fn, "window_left", window_left, "sliding-window masking; a window of "
-                      "whole pages is a page table that starts later (PagePool.trim_front)")
-    if logits_soft_cap is not None and logits_soft_cap != 0:
-        raise _refuse(fn, "logits_soft_cap", logits_soft_cap, "logit soft-capping")
+    window = check_int(fn, "window_left", window_left, -1, note=" (-1: no window)")
+    cap = None if logits_soft_cap is None or logits_soft_cap == 0 else \
+        check_number(fn, "logits_soft_cap", logits_soft_cap, 0.0)   # > 0: decode checks
+    if graph and window != -1:
+        raise _refuse(fn, "window_left", window_left, "in graph mode (use_cuda_graph=True), "
+                      "whose recorded launches serve a plain decode; plan it without the "
+                      "graph mode")
+    if graph and cap is not None:
+        raise _refuse(fn, "logits_soft_cap", logits_soft_cap, "in graph mode "
+                      "(use_cuda_graph=True), whose recorded launches serve a plain decode")
     for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):
         if value is not None:
             raise _refuse(fn, name, value, "it only applies to pos_encoding_mode='ROPE_LLAMA'")
@@ -67,19 +77,22 @@ def check_plan(fn: str, *, pos_encoding_mode: Any, window_left: Any, logits_soft
         if value is not None:
             raise _refuse(fn, name, "...", "the trtllm-gen backend's inputs; the page table "
                           "is indptr / indices / last_page_len")
+    return window, cap
 
 
 def check_run(fn: str, *, args: tuple[Any, ...], q_scale: Any, k_scale: Any, v_scale: Any,
-              window_left: Any, sinks: Any, q_len_per_req: Any) -> None:
-    """The run arguments that would change the result."""
+              window_left: Any, sinks: Any, q_len_per_req: Any, planned_window: int) -> None:
+    """The run arguments that would change the result (``planned_window``: the plan's
+    ``window_left``, which a run may repeat but not change)."""
     if args:
         raise _refuse(fn, "*args", args, "custom-kernel arguments")
     for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
         if value is not None:
             raise _refuse(fn, name, value, "fp8 calibration scales; the caches are float16, "
                           "bfloat16 or float32")
-    if window_left is not None and window_left != -1:
-        raise _refuse(fn, "window_left", window_left, "sliding-window masking")
+    if window_left is not None and window_left != planned_window:
+        raise _refuse(fn, "window_left", window_left, f"a window other than the plan's "
+                      f"({planned_window}); plan again with it")
     if sinks is not None:
         raise _refuse(fn, "sinks", "...", "attention-sink logits")
     if q_len_per_req not in (None, 1):
