@@ -61,6 +61,9 @@ class DecodeStep:
             size a captured graph is made for.
         headroom: tokens each sequence may grow by before a replan (default 64: one
             replan per 64 steps at most).
+        logits_soft_cap, sinks: decode variants for every layer (``docs/variants.md``;
+            ``sinks`` ``[Hq]`` float32 on the pool's backend). A sliding window needs a
+            host table, so ``window_left`` is not a step's argument.
         sm_scale, path, out_dtype: as ``decode``'s (``path`` ``"v2"``, ``"v2tc"`` or
             ``"v1"``; a backend with a single arm runs that one).
     """
@@ -68,7 +71,8 @@ class DecodeStep:
     def __init__(self, pool: PagePool, seqs: Sequence[int] | np.ndarray, *,
                  num_qo_heads: int, capacity: int | None = None, headroom: int = 64,
                  sm_scale: float | None = None, path: str = "v2",
-                 out_dtype: str | None = None) -> None:
+                 out_dtype: str | None = None, logits_soft_cap: float | None = None,
+                 sinks: Any = None) -> None:
         fn = "DecodeStep"
         if not isinstance(pool, PagePool):
             raise InvalidArgumentError(f"{fn}: pool must be a PagePool, got "
@@ -83,6 +87,8 @@ class DecodeStep:
         self.num_qo_heads = check_int(fn, "num_qo_heads", num_qo_heads)
         self.headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
         self.sm_scale, self.path, self.out_dtype = sm_scale, path, out_dtype
+        #: decode's variant keywords, checked by the first decode (the same for each layer)
+        self.variants = {"logits_soft_cap": logits_soft_cap, "sinks": sinks}
         self.num_layers = pool.num_layers or 1
         self.table = pool.step_table(seqs, capacity=capacity)
         self.plan = self._plan()
@@ -197,7 +203,7 @@ class DecodeStep:
         if out is None or (return_lse and lse is None) or self.backend.functional_outputs:
             return decode(q, k, v, self.table, self.plan, path=self.path,
                           sm_scale=self.sm_scale, out=out, lse=lse, return_lse=return_lse,
-                          out_dtype=self.out_dtype, backend=self.backend)
+                          out_dtype=self.out_dtype, backend=self.backend, **self.variants)
         # prepared launches read the table's device buffers (valid while its layout
         # holds), or on array-op backends its host view (valid for one version)
         t = self.table
@@ -208,6 +214,7 @@ class DecodeStep:
             prep = prepare_decode(q, k, v, self.table, self.plan, path=self.path,
                                   sm_scale=self.sm_scale, out=out, lse=lse,
                                   return_lse=return_lse, out_dtype=self.out_dtype,
+                                  **self.variants,
                                   backend=self.backend)
             hit = ((q, out, lse), prep)
             if not self.backend.reads_step_tables:

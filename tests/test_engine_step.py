@@ -174,3 +174,32 @@ def test_the_tensor_core_partial_serves_the_step_on_emulated_cuda(monkeypatch):
         assert pd.last_outcome().path.startswith("v2tc")
         want, _ = _oracle(pool, step, 0, q)
         assert_matches_oracle(out, None, want, None, "float16", f"step {it}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_soft_cap_and_sinks_apply_to_every_layer_of_the_step(backend, monkeypatch):
+    monkeypatch.setenv("PAGED_DECODE_POISON", "1")
+    rng = np.random.default_rng(9)
+    pool = pd.PagePool(96, P, HKV, D, "float32", num_layers=L, backend=backend)
+    seqs = [pool.new_sequence() for _ in range(3)]
+    for s, n in zip(seqs, [5, 1, 10]):
+        x = rng.standard_normal((L, n, HKV, D)).astype(np.float32)
+        pool.append(s, x, x)
+    sinks = rng.standard_normal(HQ).astype(np.float32)
+    step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ, capacity=4, headroom=4,
+                         logits_soft_cap=2.0, sinks=sinks)
+    q = (3 * rng.standard_normal((4, HQ, D))).astype(np.float32)   # scores the cap bends
+    k = rng.standard_normal((4, HKV, D)).astype(np.float32)
+    out = np.full((4, HQ, D), np.nan, np.float32)
+    lse = np.full((4, HQ), np.nan, np.float32)
+    for it in range(6):
+        step.begin()
+        for layer in range(L):
+            step.append(layer, k, k)
+            step.decode(layer, q, out=out, lse=lse, return_lse=True)
+            kk, vv = pool.layer(layer)
+            want = oracle_decode(q, np.asarray(kk), np.asarray(vv), step.table.page_table(),
+                                 logits_soft_cap=2.0, sinks=sinks)
+            assert_matches_oracle(out, lse, *want, "float32", f"step {it} layer {layer}")
+    plain = oracle_decode(q, np.asarray(kk), np.asarray(vv), step.table.page_table())
+    assert np.abs(out - plain[0]).max() > 1e-2          # the variants changed the answer
