@@ -193,7 +193,7 @@ class DecodePlan:
                     f"pages, plan has {int(self.chunks_per_request[r])}")
         return None
 
-    def matches(self, table: PageTable) -> bool:
+    def matches(self, table: PageTable | StepTable) -> bool:
         return self.mismatch(table) is None
 
     def check(self, fn: str, table: PageTable | StepTable, num_qo_heads: int,

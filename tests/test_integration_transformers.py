@@ -50,7 +50,7 @@ def test_greedy_tokens_equal_the_dynamic_cache(name):
 
 
 def test_the_automatic_rule_decodes_flat_and_equal():
-    """cascade=None: the measured rule's 1024-token floor keeps a 40-token prefix flat."""
+    """cascade=None: a flat decode over the batch's device-resident step table."""
     model, prompts, ref = reference("llama")
     got = pt.generate(model, prompts, NEW, return_logits=True)
     assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)

@@ -4,10 +4,12 @@ A model forward appends the new K/V of every sequence in its batch, layer by lay
 attends. ``PagedBatch`` turns that into today's public calls on one ``PagePool`` with a
 layer axis: ``append_batch(..., layer=0)`` places the step's tokens (pages, copy-on-write
 of a shared partial last page) and writes layer 0, ``write_layer`` writes every later
-layer into the same slots, ``page_table`` is built once per step, the plan is reused
-while ``plan.matches`` the table, and ``decode(..., plan, cascade=...)`` runs each
-layer's decode. The framework integrations call nothing else of paged-decode, so moving
-them to the engine step object (issue #13) changes this class only.
+layer into the same slots. A flat decode reads the batch's device-resident step table
+(``pool.step_table``: it follows the appends with one small delta copy per step, no host
+table rebuilt) under a plan with headroom, replanned only when a sequence outgrows it; a
+cascade decode (``cascade=True``) reads the host ``page_table``, built once per step,
+whose shared prefix it detects. The framework integrations call nothing else of
+paged-decode.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from ..errors import InvalidArgumentError, check_int
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..pool import AppendedBatch, PagePool
+from ..step_table import StepTable
+
+#: tokens a flat decode's plan is made to grow by (one replan per 64 decode steps at most)
+HEADROOM = 64
 
 
 class PagedBatch:
@@ -34,10 +40,10 @@ class PagedBatch:
             pool (``PagePool(..., num_layers=num_layers)``); pages ``[L, num_pages,
             page_size, Hkv, D]``.
         num_qo_heads: query heads ``Hq`` of the model (a multiple of ``Hkv``).
-        cascade: ``None``: ``decode``'s automatic rule (a measured cost rule with a
-            1024-token floor); ``True``: every step whose forks share at least one full
-            page decodes as a cascade (``detect_shared_prefix(min_shared_pages=1)``),
-            the shared pages read once per group; ``False``: flat.
+        cascade: ``True``: every step whose forks share at least one full page decodes
+            as a cascade (``detect_shared_prefix(min_shared_pages=1)``), the shared pages
+            read once per group, over the host table; ``None`` or ``False``: flat, over
+            the device-resident step table.
 
     A forward is ``begin(counts)``, then ``append(layer, k, v)`` for layers ``0 .. L-1``
     in order, each followed by that layer's ``decode`` or ``gather``.
@@ -60,6 +66,8 @@ class PagedBatch:
         self._appended: AppendedBatch | None = None
         self._table: PageTable | None = None
         self._plan: DecodePlan | None = None
+        self._step: StepTable | None = None      # the flat decodes' device table
+        self._step_plan: DecodePlan | None = None
         self._shared: tuple[PageTable, CascadePlan | None] | None = None
         self._next_layer = 0
 
@@ -70,6 +78,7 @@ class PagedBatch:
         self._drop()
         self.seqs = [self.pool.new_sequence() for _ in range(check_int(
             "PagedBatch.start", "n", n))]
+        self._step = None
 
     def fork(self, n: int) -> None:
         """The batch of one becomes ``n`` sequences sharing its pages (``PagePool.fork``);
@@ -82,12 +91,12 @@ class PagedBatch:
         src = self.seqs[0]
         self.seqs = [self.pool.fork(src) for _ in range(check_int(fn, "n", n))]
         self.pool.free(src)
-        self._table = None
+        self._table, self._step = None, None
 
     def _drop(self) -> None:
         for s in self.seqs:
             self.pool.free(s)
-        self.seqs, self._table, self._plan = [], None, None
+        self.seqs, self._table, self._plan, self._step = [], None, None, None
 
     def close(self) -> None:
         """Free every sequence (the pages return to the pool)."""
@@ -146,11 +155,22 @@ class PagedBatch:
         (one query per sequence) over every visible token -> ``[B, Hq, D]`` in ``q``'s
         dtype, the kind ``decode`` returns for the pool's backend."""
         self._check_appended("PagedBatch.decode", layer)
+        k, v = self.pool.layer(layer)
+        if self.cascade is not True:            # flat: the device-resident step table
+            if self._step is None:
+                self._step, self._step_plan = self.pool.step_table(self.seqs), None
+            st = self._step
+            if self._step_plan is None or not self._step_plan.matches(st):
+                self._step_plan = plan_decode(st, self.num_qo_heads, self.pool.num_kv_heads,
+                                              self.pool.head_dim,
+                                              backend=self.pool.backend.name,
+                                              headroom=HEADROOM)
+            return decode(q, k, v, st, self._step_plan, sm_scale=sm_scale, cascade=False,
+                          backend=self.pool.backend)
         table = self.table
         if self._plan is None or not self._plan.matches(table):
             self._plan = plan_decode(table, self.num_qo_heads, self.pool.num_kv_heads,
                                      self.pool.head_dim, backend=self.pool.backend.name)
-        k, v = self.pool.layer(layer)
         return decode(q, k, v, table, self._plan, sm_scale=sm_scale,
                       cascade=self._cascade_arg(table), backend=self.pool.backend)
 
