@@ -37,7 +37,7 @@ def assert_matches_pool(st):
     """The flushed device buffer against the pool's own (validated) table."""
     st.flush()
     want = st.page_table()
-    got = table_views(np.array(st._buf), st.capacity)
+    got = table_views(st.pool.backend.to_numpy(st.buffer), st.capacity)
     n = int(want.indptr[-1])
     np.testing.assert_array_equal(got["indptr"], want.indptr)
     np.testing.assert_array_equal(got["indices"][:n], want.indices)

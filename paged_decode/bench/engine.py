@@ -162,7 +162,11 @@ def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = 
         got: dict[str, EngineArm] = {}
         for arm in arms:
             if arm == "flashinfer":
-                got[arm] = run_flashinfer(be, case)
+                try:
+                    got[arm] = run_flashinfer(be, case)
+                except Exception as exc:   # reported (not run, with why), the others go on
+                    got[arm] = EngineArm(arm, False, case.dtype,
+                                         note=f"failed: {type(exc).__name__}: {exc}"[:300])
             else:
                 got[arm] = run_ours(be, case, arm)
             if progress:
