@@ -274,7 +274,9 @@ class CapturedStep:
         """Whether the step's launches changed since capture (replay would be wrong)."""
         return self._token != (self.step.plan_token, self.step.table.layout)
 
-    def replay(self) -> None:
+    def replay(self, like: Any = None) -> None:
+        """Replay the step on the current stream of ``like`` (an engine array; default:
+        the pool's ``k``), ordered after the ``begin()`` that ran there."""
         fn = "CapturedStep.replay"
         s = self.step
         if self.stale:
@@ -289,7 +291,7 @@ class CapturedStep:
         if self.graph is None:
             self.body(s)
         else:
-            self.graph.launch(self.stream)
+            s.backend.replay_graph(self.graph, s.pool.k if like is None else like)
 
 
 __all__ = ["CapturedStep", "DecodeStep", "StaleStepError"]

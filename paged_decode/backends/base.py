@@ -229,6 +229,11 @@ class Backend(ABC):
         dst[...] = host
         return dst
 
+    def replay_graph(self, graph: Any, like: Any) -> None:
+        """Launch a graph of ``capture_graph`` on the current stream of ``like``'s
+        framework (after the work queued there: a step's table update)."""
+        raise NotImplementedError(f"{self.name} backend has no graphs")
+
     def capture_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
         """``(graph, stream)`` replaying the launches ``run`` makes (a CUDA graph on the
         ``cuda`` backend, after one eager run); ``(None, None)`` where there are no

@@ -139,11 +139,22 @@ class CudaBackend(LaunchingBackend):
         dst.set(np.ascontiguousarray(host, np.int32))   # on the current stream
         return dst
 
+    def replay_graph(self, graph: Any, like: Any) -> None:
+        with self.launch_context(like):       # torch's current stream for torch arrays
+            graph.launch(cp.cuda.get_current_stream())
+
+    def synchronize(self, *arrays: Any) -> None:
+        """Wait for every stream of the current device (host timers of whole steps)."""
+        cp.cuda.Device().synchronize()
+
     def capture_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
         """One eager run on a fresh stream (compiles, allocates the workspaces there),
         then a capture of ``run`` on it in global mode (host syncs and allocations inside
-        the capture fail loudly)."""
+        the capture fail loudly). The eager run is ordered after the work queued on the
+        current stream (a step's table update) and before what is queued there next."""
+        caller = cp.cuda.get_current_stream()
         stream = cp.cuda.Stream(non_blocking=True)
+        stream.wait_event(caller.record())
         with stream:
             run()
             stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
@@ -151,6 +162,7 @@ class CudaBackend(LaunchingBackend):
                 run()
             finally:
                 graph = stream.end_capture()
+        caller.wait_event(stream.record())
         return graph, stream
 
     def table_buffer(self, host: np.ndarray) -> Any:
