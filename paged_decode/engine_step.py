@@ -104,7 +104,6 @@ class DecodeStep:
             self._desc: Any = self.backend.table_buffer(host) if self._device_desc else host
         self._prepared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
         self._layers = [pool.layer(i) for i in range(self.num_layers)]
-        self._plan_token = 0
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -114,12 +113,6 @@ class DecodeStep:
     @property
     def sequences(self) -> np.ndarray:
         return self.table.sequences
-
-    @property
-    def plan_token(self) -> int:
-        """Changes whenever the step's launches change (a replan, a new table buffer):
-        a graph captured before then is stale."""
-        return self._plan_token
 
     # ------------------------------------------------------------------ the step
     def set_sequences(self, seqs: Sequence[int] | np.ndarray) -> None:
@@ -242,11 +235,7 @@ class DecodeStep:
         if self.plan.mismatch(self.table) is not None:
             self.plan = self._plan(hint=self.plan.pages_per_chunk)
             self.replans += 1
-            self._restart()
-
-    def _restart(self) -> None:
-        self._prepared.clear()
-        self._plan_token += 1
+            self._prepared.clear()      # launches of the old plan
 
     def _current(self, fn: str) -> AppendedBatch:
         b = self._batch
@@ -265,14 +254,17 @@ class CapturedStep:
 
     def __init__(self, step: DecodeStep, body: Callable[[DecodeStep], Any]) -> None:
         self.step, self.body = step, body
-        self._token = (step.plan_token, step.table.layout)
+        self._plan, self._layout = step.plan, step.table.layout
         self._last = step.steps
-        self.graph, self.stream = step.backend.capture_graph(lambda: body(step))
+        # the capture stream is kept with the graph: the step's workspaces were first
+        # allocated on it (CUDA keeps them per stream while their plan lives)
+        self.graph, self._stream = step.backend.capture_graph(lambda: body(step))
 
     @property
     def stale(self) -> bool:
-        """Whether the step's launches changed since capture (replay would be wrong)."""
-        return self._token != (self.step.plan_token, self.step.table.layout)
+        """Whether the step's launches changed since capture (a replan, a new table
+        buffer): replay would be wrong."""
+        return self.step.plan is not self._plan or self.step.table.layout != self._layout
 
     def replay(self, like: Any = None) -> None:
         """Replay the step on the current stream of ``like`` (an engine array; default:

@@ -125,22 +125,22 @@ class StepTable:
 
     @property
     def pages_per_request(self) -> np.ndarray:
-        self._require_flushed("pages_per_request")
+        self._require_flushed()
         return self._pages_view
 
     @property
     def visible_lens(self) -> np.ndarray:
-        self._require_flushed("visible_lens")
+        self._require_flushed()
         return self._visible_view
 
     @property
     def last_page_len(self) -> np.ndarray:
-        self._require_flushed("last_page_len")
+        self._require_flushed()
         return self._lpl_view
 
     @property
     def first_page_offset(self) -> np.ndarray:
-        self._require_flushed("first_page_offset")
+        self._require_flushed()
         return self._fpo_view
 
     @property
@@ -169,13 +169,13 @@ class StepTable:
     def device_arrays(self) -> tuple[Any, Any, Any, Any]:
         """``indices, indptr, last_page_len, first_page_offset`` as views of the device
         buffer (``launches.TABLE_FIELDS`` order), current after ``flush``."""
-        self._require_flushed("device_arrays")
+        self._require_flushed()
         return self._views
 
     def page_table(self) -> PageTable:
         """The immutable, validated host ``PageTable`` of the batch (``capacity`` rows,
         padding rows empty), built from the pool's state (cached until the next change)."""
-        self._require_flushed("page_table")
+        self._require_flushed()
         if self._view is None or self._view[0] != self.version:
             self._view = (self.version, self._build_view())
         return self._view[1]
@@ -385,7 +385,7 @@ class StepTable:
         v = table_views(self._buf, self._cap)
         return (v["indices"], v["indptr"], v["last_page_len"], v["first_page_offset"])
 
-    def _require_flushed(self, what: str) -> None:
+    def _require_flushed(self) -> None:
         if self._dirty:
             self.flush()
 

@@ -235,9 +235,10 @@ class Backend(ABC):
         raise NotImplementedError(f"{self.name} backend has no graphs")
 
     def capture_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
-        """``(graph, stream)`` replaying the launches ``run`` makes (a CUDA graph on the
-        ``cuda`` backend, after one eager run); ``(None, None)`` where there are no
-        graphs: the caller then runs ``run`` again to replay."""
+        """``(graph, stream)``: a graph replaying the launches ``run`` makes (a CUDA graph
+        on the ``cuda`` backend, after one eager run; ``replay_graph`` launches it on the
+        caller's stream) and the stream it was captured on, to keep alive with it;
+        ``(None, None)`` where there are no graphs: the caller then runs ``run`` again."""
         run()
         return None, None
 
