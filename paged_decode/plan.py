@@ -312,7 +312,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
             t = totals[ppc] = int(((nz + (ppc - 1)) // ppc).sum()) + empty
         return t
 
-    min_ppc = 1 if total(1) <= max_chunks else smallest_chunk_size(pages, max_chunks)
+    min_ppc = smallest_chunk_size(pages, max_chunks)   # its fast case: one page
     floor_tokens = device.chunk_floor(min_chunk_tokens, fn=fn)
     grid_min_ppc = min_ppc
     min_ppc = min(max(min_ppc, -(-int(floor_tokens) // table.page_size)), max_ppc)
