@@ -49,7 +49,7 @@ from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, make_plan
 from .specs import v2tc_ctas_per_chunk
 from .step_table import StepTable
-from .variants import PLAIN, Variant, check_path, check_variant, window_table
+from .variants import PATH_VARIANTS, PLAIN, Variant, check_path, check_variant, window_table
 
 #: a decode's table: the immutable host table, or a pool's device-resident step table
 Table = PageTable | StepTable
@@ -66,7 +66,7 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
                 target_ctas: int | None = None, pages_per_chunk: int | None = None,
                 min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
                 ctas_per_chunk: int | None = None, headroom: int = 0,
-                window_left: int = -1) -> DecodePlan:
+                window_left: int = -1, ragged_split: float | None = None) -> DecodePlan:
     """Plan a split-KV decode of ``table`` (``plan.make_plan`` documents every argument);
     ``device`` defaults to the ``DeviceInfo`` of ``backend`` (see
     ``backends.get_backend``). ``window_left``: the sliding window the decode calls will
@@ -77,15 +77,15 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
                      target_ctas=target_ctas, pages_per_chunk=pages_per_chunk,
                      min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
                      ctas_per_chunk=ctas_per_chunk, headroom=headroom,
-                     window_left=window_left, fn="plan_decode")
+                     window_left=window_left, ragged_split=ragged_split, fn="plan_decode")
 
 
-def choose_path(backend: Backend, table: Table, plan: DecodePlan) -> tuple[str, str]:
-    """The path ``path="auto"`` takes, and why (one place for the policy): the best path
-    of the nearest cell of the device's measured crossover table
-    (``paged_decode.crossover``), v2 when the device has no table. The tensor-core partial
-    (``"v2tc"``) is never chosen here until a measured table holds it (pending an H200
-    run)."""
+def choose_path(backend: Backend, table: Table, plan: DecodePlan,
+                allowed: tuple[str, ...] = ("v2", "v1")) -> tuple[str, str]:
+    """The path ``path="auto"`` takes, and why (one place for the policy): the fastest
+    path in ``allowed`` (those this call can run) at the nearest cell of the device's
+    measured crossover table (``paged_decode.crossover``), v2 when the device has no
+    table or the cell timed none of them."""
     single = backend.auto_path()  # a backend with one arm (MLX without Metal: gather)
     if single is not None:
         return single
@@ -95,10 +95,22 @@ def choose_path(backend: Backend, table: Table, plan: DecodePlan) -> tuple[str, 
         return "v2", f"auto: v2 (no crossover table for {name!r})"
     ctx = table.total_visible / max(1, table.batch_size)
     best, cell = xt.choose(table.batch_size, ctx, table.page_size,
-                           plan.num_qo_heads // plan.num_kv_heads)
-    return best, (f"auto: {best} was fastest at the nearest measured cell (B{cell.batch} "
-                  f"ctx{cell.context} ps{cell.page_size} G{cell.group}) of "
-                  f"{Path(xt.source).name}")
+                           plan.num_qo_heads // plan.num_kv_heads, allowed)
+    where = (f"the nearest measured cell (B{cell.batch} ctx{cell.context} ps{cell.page_size}"
+             f" G{cell.group}) of {Path(xt.source).name}")
+    if best is None:
+        return "v2", f"auto: v2 (no path this call can run was timed at {where})"
+    return best, f"auto: {best} was the fastest this call can run at {where}"
+
+
+def runnable_paths(be: Backend, a: CallArgs) -> tuple[str, ...]:
+    """The paths the crossover may pick for this call: those the backend supports
+    for its geometry and dtypes and that implement its variants (v2 when none does: its
+    checks then name what is missing)."""
+    paths = tuple(p for p in PATHS[1:]
+                  if be.supports(Problem(a.q_dt, a.kv_dt, a.hq, a.hkv, a.d, a.p, p))
+                  and all(p in PATH_VARIANTS[n] for n in a.variant.names))
+    return paths or ("v2",)
 
 
 @dataclass(frozen=True)
@@ -216,7 +228,7 @@ def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: 
         raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
     if path == "auto":
         plan = resolve_plan(fn, be, a, plan)
-        chosen, reason = choose_path(be, a.table, plan)
+        chosen, reason = choose_path(be, a.table, plan, runnable_paths(be, a))
         check_support(fn, be, a, chosen)
     else:   # checked before planning: a v2tc plan is searched for that kernel's geometry
         check_support(fn, be, a, path)

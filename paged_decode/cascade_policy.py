@@ -13,7 +13,7 @@ from typing import Any
 
 from . import settings
 from .cascade import CascadeDecodePlan, CascadePlan, detect_with_reason, plan_cascade
-from .device import CHUNK_ENV, TARGET_ENV
+from .device import CHUNK_ENV, RAGGED_ENV, TARGET_ENV
 from .dtypes import itemsize
 from .errors import InvalidArgumentError
 from .page_table import PageTable
@@ -139,6 +139,7 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
     else:
         why = "forced " + ("(argument)" if cascade else f"({CASCADE_ENV}=1)")
     dev = device()
-    key = ("plan", geo, dev, settings.get(TARGET_ENV), settings.get(CHUNK_ENV))
+    key = ("plan", geo, dev, settings.get(TARGET_ENV), settings.get(CHUNK_ENV),
+           settings.get(RAGGED_ENV))
     cplan = _memoised(table, key, lambda: plan_cascade(table, *geo, prefix=prefix, device=dev))
     return cplan, why

@@ -1,10 +1,12 @@
 """Per-device crossover tables: which path ``decode(path="auto")`` takes.
 
-A table is the measured best of this package's arms (``gather``, ``v1``, ``v2``) per
-benchmark cell, by median GPU time under CUDA-graph replay (``paged-decode bench
+A table is the measured best of this package's arms (``gather``, ``v1``, ``v2``,
+``v2tc``) per benchmark cell, by median GPU time under CUDA-graph replay (``paged-decode bench
 --write-crossover PATH`` writes one from a sweep). ``choose`` takes the nearest measured
 cell in (log2 batch, log2 mean visible context, log2 page size), preferring cells with
-the same GQA group, and returns its best path.
+the same GQA group, and returns its best path among those the call can run (the
+tensor-core partial takes 16-bit pools and no variants: such a call gets the cell's
+fastest other path).
 
 Lookup order for a device: ``PAGED_DECODE_CROSSOVER`` (a JSON file), then
 ``~/.cache/paged-decode/crossover/<device>.json`` (re-measured on this machine), then the
@@ -28,7 +30,7 @@ from . import settings
 from .errors import InvalidArgumentError
 
 ENV = "PAGED_DECODE_CROSSOVER"
-PATHS = ("gather", "v1", "v2")
+PATHS = ("gather", "v1", "v2", "v2tc")
 SHIPPED = Path(__file__).parent / "data" / "crossover"
 USER = Path(os.path.expanduser("~")) / ".cache" / "paged-decode" / "crossover"
 
@@ -51,17 +53,25 @@ class CrossoverTable:
     source: str                  # the file it came from
     cells: tuple[Cell, ...]
 
-    def choose(self, batch: int, context: float, page_size: int,
-               group: int) -> tuple[str, Cell]:
-        """Best path of the nearest cell (same GQA group preferred) and that cell."""
-        same = [c for c in self.cells if c.group == group] or list(self.cells)
+    def choose(self, batch: int, context: float, page_size: int, group: int,
+               allowed: tuple[str, ...] = PATHS) -> tuple[str | None, Cell]:
+        """The fastest path in ``allowed`` of the nearest cell and that cell (``None``
+        when the cell timed none of them). Cells of the nearest measured GQA group are
+        searched (the group decides between the CUDA-core and tensor-core partials), then
+        the nearest in (log2 batch, log2 context, log2 page size)."""
+        near = min({c.group for c in self.cells},
+                   key=lambda g: (abs(math.log2(g) - math.log2(max(1, group))), g))
+        same = [c for c in self.cells if c.group == near]
 
         def dist(c: Cell) -> float:
             return ((math.log2(max(1, batch)) - math.log2(c.batch)) ** 2
                     + (math.log2(max(1.0, context)) - math.log2(c.context)) ** 2
                     + (math.log2(page_size) - math.log2(c.page_size)) ** 2)
         cell = min(same, key=dist)
-        return cell.best, cell
+        if cell.best in allowed:
+            return cell.best, cell
+        times = {p: t for p, t in cell.times_us.items() if p in allowed}
+        return (min(times, key=lambda p: times[p]) if times else None), cell
 
 
 def device_slug(name: str) -> str:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import check_int, check_type, env_positive_int
+from .errors import InvalidArgumentError, check_int, check_type, env_positive_int
 
 TARGET_ENV = "PAGED_DECODE_TARGET_CTAS"
 CHUNK_ENV = "PAGED_DECODE_MIN_CHUNK_TOKENS"
+RAGGED_ENV = "PAGED_DECODE_RAGGED_SPLIT"
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class DeviceInfo:
     level 0 on the v2 partial); ``plan_cascade`` sizes level-0 chunks by it.
     ``shared_mem_per_unit``: shared memory bytes per SM (0: unknown), which bounds how
     many prefix-kernel CTAs an SM holds at once.
+    ``ragged_split``: the plan's ragged-batch chunk as a fraction of the mean request
+    (``plan.make_plan``'s ``ragged_split``; 0: the rule is off).
     """
 
     backend: str
@@ -42,6 +45,7 @@ class DeviceInfo:
     min_chunk_tokens: int = 1
     prefix_tile_rows: int = 0
     shared_mem_per_unit: int = 0
+    ragged_split: float = 0.0
 
     def __post_init__(self) -> None:
         fn = "DeviceInfo"
@@ -51,6 +55,11 @@ class DeviceInfo:
                             ("min_chunk_tokens", 1), ("prefix_tile_rows", 0),
                             ("shared_mem_per_unit", 0)):
             check_int(fn, name, getattr(self, name), least)
+        r = self.ragged_split
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 0 \
+                or r == float("inf"):
+            raise InvalidArgumentError(f"{fn}: ragged_split must be a finite number >= 0, "
+                                       f"got {r!r}")
 
     @property
     def default_target_ctas(self) -> int:

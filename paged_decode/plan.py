@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .device import DeviceInfo
+from . import settings
+from .device import RAGGED_ENV, DeviceInfo
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
 from .page_table import PageTable, frozen_int32
 from .specs import MAX_HEADS_PER_CTA, heads_per_cta
@@ -33,6 +34,8 @@ from .step_table import StepTable
 from .variants import check_window, window_table
 
 MAX_CHUNKS = 65535
+#: a batch is ragged when its longest request has this many times the mean's pages
+RAGGED_RATIO = 1.25
 #: set while make_plan constructs its plan (this thread)
 _planning = threading.local()
 
@@ -248,7 +251,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
               pages_per_chunk: int | None = None, min_chunk_tokens: int | None = None,
               max_chunks: int = MAX_CHUNKS, ctas_per_chunk: int | None = None,
               headroom: int = 0, hint: int | None = None, window_left: int = -1,
-              fn: str = "make_plan") -> DecodePlan:
+              ragged_split: float | None = None, fn: str = "make_plan") -> DecodePlan:
     """Plan a split-KV decode of ``table`` on ``device`` (``paged_decode.plan_decode``
     finds the device of a backend first; errors name ``fn``).
 
@@ -273,6 +276,13 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
         window_left: a sliding window (``-1``: none): the plan covers only the pages of
             each request's last ``W + 1`` visible tokens (``variants.window_table``), so
             pages before a window get no chunk and no CTA.
+        ragged_split: the ragged-batch rule (default ``PAGED_DECODE_RAGGED_SPLIT``, else
+            ``device.ragged_split``; 0 turns it off): when the target rule leaves every
+            request in one chunk although the longest request has ``RAGGED_RATIO`` times
+            the mean's pages, the longest requests' CTAs are the critical path of a full
+            device; chunks are then cut at ``ragged_split`` times the mean page count
+            (never below the chunk floor), so long requests split and the merge evens
+            them out.
     """
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
     headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
@@ -354,6 +364,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
             under = total(lo + 1) * ctas_per_chunk
             if target * target < over * under:   # target / under < over / target
                 ppc = lo + 1
+        ppc = _ragged_chunk(fn, device, ragged_split, nz, total, b, ppc, min_ppc)
     counts = chunk_counts(pages, ppc)
     req = np.repeat(np.arange(b, dtype=np.int64), counts)
     o_indptr = np.concatenate([[0], np.cumsum(counts)])
@@ -368,3 +379,28 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
                           window_left=window_left)
     finally:
         _planning.active = False
+
+
+def _ragged_chunk(fn: str, device: DeviceInfo, ragged_split: float | None, nz: np.ndarray,
+                  total: Any, b: int, ppc: int, min_ppc: int) -> int:
+    """``make_plan``'s ragged-batch rule (its ``ragged_split``) applied to the searched
+    ``ppc``; ``nz``: the non-empty requests' page counts, ``total(ppc)``: chunk count."""
+    if ragged_split is None:
+        env = settings.get(RAGGED_ENV)
+        if env is None:
+            ragged_split = device.ragged_split
+        else:
+            try:
+                ragged_split = float(env)
+            except ValueError:
+                raise InvalidArgumentError(f"{fn}: {RAGGED_ENV} must be a number, got "
+                                           f"{env!r}") from None
+    if not (np.isfinite(ragged_split) and ragged_split >= 0):
+        raise InvalidArgumentError(f"{fn}: ragged_split must be a finite number >= 0, got "
+                                   f"{ragged_split!r}")
+    if ragged_split == 0 or nz.size < 2 or total(ppc) != b:
+        return ppc
+    mean = float(nz.mean())
+    if float(nz.max()) < RAGGED_RATIO * mean:
+        return ppc
+    return min(ppc, max(min_ppc, int(np.ceil(mean * ragged_split))))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from . import settings
 from .device import DeviceInfo
-from .errors import PagedDecodeError
+from .errors import InvalidArgumentError, PagedDecodeError
 from .kernels import decode_v2_tc, prefix_tc
 from .kernels.decode_v2 import row_loads, stage_bytes_per_thread
 from .kernels.registry import kernel_def
@@ -135,6 +135,7 @@ def v2_row_loads(kv_dtype: str, head_dim: int, heads_per_cta: int) -> int:
 
 
 STAGES_ENV = "PAGED_DECODE_STAGES"
+TC_WARPS_ENV = "PAGED_DECODE_TC_WARPS"
 ROW_LOADS_ENV = "PAGED_DECODE_V2_ROW_LOADS"
 V2_ROW_LOADS = 1
 V2_STAGES = 2
@@ -216,19 +217,35 @@ def v2tc_ctas_per_chunk(num_qo_heads: int, num_kv_heads: int) -> int:
     return num_kv_heads * v2tc_row_tiles(num_qo_heads, num_kv_heads)
 
 
-def v2tc_stages(head_dim: int) -> int:
+def v2tc_stages(head_dim: int, warps: int = decode_v2_tc.NUM_WARPS) -> int:
     """Ring depth of the tensor-core v2 partial: ``decode_v2_tc.DEFAULT_STAGES`` (or
     ``PAGED_DECODE_STAGES``), at least 2 and at most what one block's shared memory
     holds."""
     env = settings.get(STAGES_ENV)
     want = int(env) if env else decode_v2_tc.DEFAULT_STAGES
-    return max(2, min(want, decode_v2_tc.max_stages(head_dim)))
+    return max(2, min(want, decode_v2_tc.max_stages(head_dim, warps)))
+
+
+def v2tc_warps(head_dim: int) -> int:
+    """Warps per CTA of the tensor-core v2 partial: ``decode_v2_tc.NUM_WARPS``, or
+    ``PAGED_DECODE_TC_WARPS`` (2, 4 or 8) for experiments, halved while a two-stage ring
+    of that many warps' tokens does not fit one block's shared memory."""
+    env = settings.get(TC_WARPS_ENV)
+    if env is None:
+        return decode_v2_tc.NUM_WARPS
+    if env not in ("2", "4", "8"):
+        raise InvalidArgumentError(f"{TC_WARPS_ENV} must be 2, 4 or 8, got {env!r}")
+    warps = int(env)
+    while warps > 2 and decode_v2_tc.max_stages(head_dim, warps) < 2:
+        warps //= 2
+    return warps
 
 
 def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int) -> KernelSpec:
     """The tensor-core v2 partial (``kernels/decode_v2_tc.py``); q has the pools' dtype."""
+    warps = v2tc_warps(head_dim)
     return KernelSpec("v2tc", out_dtype, head_dim, kv_dtype, kv_dtype, page_size, 0,
-                      decode_v2_tc.NUM_WARPS, v2tc_stages(head_dim))
+                      warps, v2tc_stages(head_dim, warps))
 
 
 def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,

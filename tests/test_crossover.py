@@ -30,7 +30,8 @@ def test_nearest_cell_prefers_the_same_group():
     assert t.choose(2, 900, 16, 4)[0] == "v1"
     assert t.choose(48, 30000, 32, 4)[0] == "v2"
     assert t.choose(2, 900, 16, 1)[0] == "gather"
-    assert t.choose(2, 900, 16, 8)[0] == "v1"        # no group-8 cell: nearest of all
+    assert t.choose(2, 900, 16, 8)[0] == "v1"        # no group-8 cell: group 4's
+    assert t.choose(2, 900, 16, 2)[0] == "gather"    # equally near 1 and 4: the smaller
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -100,3 +101,31 @@ def test_from_results_uses_call_times_without_gpu_times():
         "v2": ArmResult("v2", "v2", 0.0, True, call={"median_us": 12.0}, expected=("v2",))})
     t = crossover.from_results([r], "cpu")
     assert t["cells"][0]["best"] == "v1" and "per synchronized call" in t["metric"]
+
+
+def test_a_path_the_call_cannot_run_yields_the_cells_next_fastest(tmp_path, monkeypatch):
+    cells = [{"batch": 8, "context": 8192, "page_size": 16, "group": 7, "best": "v2tc",
+              "times_us": {"v2tc": 150.0, "v1": 400.0, "v2": 230.0}}]
+    t = crossover.parse({"device": "x", "cells": cells}, "mem")
+    assert t.choose(8, 8192, 16, 7)[0] == "v2tc"
+    assert t.choose(8, 8192, 16, 7, ("v2", "v1"))[0] == "v2"
+    assert t.choose(8, 8192, 16, 7, ("gather",))[0] is None
+    # the reference backend cannot run v2tc: auto takes the cell's fastest other path
+    pr = make_problem(ProblemSpec(2, 700, 8, 2, 64, 16, seed=1))
+    dev = pd.get_backend("reference").device_info().name
+    path = tmp_path / "tc.json"
+    path.write_text(json.dumps({"device": dev, "cells": [
+        {"batch": 2, "context": 700, "page_size": 16, "group": 4, "best": "v2tc",
+         "times_us": {"v2tc": 1.0, "v1": 2.0, "v2": 3.0}}]}))
+    monkeypatch.setenv(crossover.ENV, str(path))
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    out = pd.last_outcome()
+    assert out.path == "v1" and "can run" in out.reason
+    path.write_text(json.dumps({"device": dev, "cells": [
+        {"batch": 2, "context": 700, "page_size": 16, "group": 4, "best": "v2tc",
+         "times_us": {"v2tc": 1.0}}]}))
+    import os
+    os.utime(path, (2, 2))
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    out = pd.last_outcome()
+    assert out.path.startswith("v2") and out.path != "v2tc" and "no path" in out.reason

@@ -335,3 +335,65 @@ def test_plan_rejects(args, kwargs, pattern):
 def test_plan_rejects_empty_batch():
     with pytest.raises(InvalidArgumentError, match=r"at least one request, got 0"):
         plan_decode(PageTable.build([], [0], [], page_size=4), 8, 8, 64)
+
+
+# ---------------------------------------------------------------------------- ragged rule
+def _ragged_device(split: float) -> DeviceInfo:
+    return DeviceInfo("x", "fake", compute_units=4, ctas_per_unit=2, min_chunk_tokens=32,
+                      ragged_split=split)
+
+
+def test_ragged_rule_cuts_long_requests_of_a_full_device_at_the_mean():
+    # 16 requests x 8 KV heads >= the target (8 CTAs): no split by the target rule; the
+    # longest (60 pages) has 2x the mean (about 30), so the rule cuts at split x mean
+    pages = [10, 20, 30, 40, 50, 60, 15, 25, 35, 45, 5, 55, 30, 30, 10, 20]
+    table = table_of(pages, 16)
+    mean = float(np.mean(pages))
+    off = plan_decode(table, 32, 8, 128, device=_ragged_device(0.0))
+    assert off.num_chunks == len(pages) and off.pages_per_chunk == max(pages)
+    for split in (1.0, 0.5):
+        plan = plan_decode(table, 32, 8, 128, device=_ragged_device(split))
+        assert plan.pages_per_chunk == int(np.ceil(mean * split))
+        assert list(plan.chunks_per_request) == [max(1, -(-p // plan.pages_per_chunk))
+                                                 for p in pages]
+        lo, hi = chunk_token_ranges(table, plan)     # the chunks still tile every request
+        for r, n in enumerate(pages):
+            sel = plan.request_indices == r
+            assert lo[sel][0] == 0 and hi[sel][-1] == 16 * n
+            assert (hi[sel][:-1] == lo[sel][1:]).all()
+    # never below the chunk floor (32 tokens = 2 pages), argument beats device
+    assert plan_decode(table, 32, 8, 128, device=_ragged_device(0.01)).pages_per_chunk == 2
+    assert plan_decode(table, 32, 8, 128, device=_ragged_device(0.5),
+                       ragged_split=0).pages_per_chunk == max(pages)
+
+
+def test_ragged_rule_leaves_even_and_under_filled_batches_alone(monkeypatch):
+    dev = _ragged_device(0.5)
+    even = table_of([40] * 16, 16)                # not ragged
+    assert plan_decode(even, 32, 8, 128, device=dev).num_chunks == 16
+    mild = table_of([30, 36] * 8, 16)  # max < 1.25 x mean
+    assert plan_decode(mild, 32, 8, 128, device=dev).num_chunks == 16
+    # a batch that needs splitting to fill the device keeps the target rule's chunks
+    small = table_of([10, 200], 16)
+    big = dataclasses.replace(dev, compute_units=40)      # target 80 CTAs: 16 fall short
+    want = plan_decode(small, 32, 8, 128, device=dataclasses.replace(big, ragged_split=0.0))
+    got = plan_decode(small, 32, 8, 128, device=big)
+    assert want.num_chunks > 2 and got.pages_per_chunk == want.pages_per_chunk
+    # the environment beats the device
+    monkeypatch.setenv("PAGED_DECODE_RAGGED_SPLIT", "0")
+    table = table_of([10, 60] * 8, 16)
+    assert plan_decode(table, 32, 8, 128, device=dev).num_chunks == 16
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "inf", "nan"])
+def test_bad_ragged_split_raises(monkeypatch, value):
+    monkeypatch.setenv("PAGED_DECODE_RAGGED_SPLIT", value)
+    with pytest.raises(InvalidArgumentError, match=r"PAGED_DECODE_RAGGED_SPLIT|ragged_split"):
+        plan_decode(table_of([10, 60] * 8, 16), 32, 8, 128,
+                    device=_ragged_device(0.5))
+
+
+@pytest.mark.parametrize("value", [-0.5, float("inf"), float("nan"), "1", True])
+def test_device_info_rejects_a_bad_ragged_split(value):
+    with pytest.raises(InvalidArgumentError, match="DeviceInfo: ragged_split"):
+        _ragged_device(value)

@@ -43,8 +43,14 @@
 #   v2tc        the tensor-core v2 partial (#17) against v2 and FlashInfer (run fi first) over
 #               #17's target cells: the targets preset (cold and warm L2), every models
 #               layout at 8 x 8K and 32 x 2K, and bfloat16 at 8 x 8K
+#   v2tc-targets / v2tc-models  the two halves of v2tc
+#   tune-tc     bench/device/tune_tc.py: v2tc CTA target x ring depth on GQA 4/7/8/16 cells,
+#               and the plan's ragged_split on ragged batches (v2, v2tc); TUNE_TC_PARTS
+#   engine-profile  bench/device/profile_engine.py: host parts of begin / replay, a cProfile
+#               of the captured loop and each call's GPU time at batch 8/64/128
 #   v2tc-sanitize  compute-sanitizer memcheck, racecheck and synccheck over the v2tc GPU
 #               tests (-k v2tc; the graph-capture tests included)
+#   ncu-stalls  warp stall reasons (per issued instruction) of v2tc and v2 at 8 x 8K, 32/2 and 32/8
 #   ncu-v2tc    ncu profiles of the v2tc and v2 partials at 8 x 8K, GQA 4 (32/8) and 16 (32/2)
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
@@ -186,13 +192,27 @@ step_generate() {
   echo "generate bench rc=$?"
 }
 
-step_v2tc() {
+step_v2tc() { step_v2tc_targets; step_v2tc_models; }
+step_v2tc_targets() {
   local arms=${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc}
   run_bench v2tc_targets --preset targets --arms $arms
   run_bench v2tc_targets_warm --preset targets --arms $arms --warm-l2
+}
+step_v2tc_models() {
+  local arms=${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc}
   run_bench v2tc_models --preset models --context 8192 --context 2048 --batch 8 --batch 32 \
     --arms $arms
   run_bench v2tc_bf16 --preset targets --dtype bfloat16 --context 8192 --batch 8 --arms $arms
+}
+step_tune_tc() {
+  timeout 420 python3 bench/device/tune_tc.py "$OUT/tune_tc.json" ${TUNE_TC_PARTS:-} \
+    > "$OUT/tune_tc.txt" 2>&1
+  echo "tune-tc rc=$?"; cut -c1-150 "$OUT/tune_tc.txt" | tail -120
+}
+step_engine_profile() {
+  timeout 300 python3 bench/device/profile_engine.py "$OUT/engine_profile.json" \
+    > "$OUT/engine_profile.txt" 2>&1
+  echo "engine profile rc=$?"; grep -E '"(begin|replay|_reserve_rows|update_device|load_int32|_replan_if_needed|append|decode|kernel_sum|captured_graph|batch)"' "$OUT/engine_profile.txt" | tr -s ' ' | paste -sd' ' | fold -w 2000
 }
 step_v2tc_sanitize() {
   local tool
@@ -204,18 +224,28 @@ step_v2tc_sanitize() {
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$L/v2tc_$tool.log" | tail -3
   done
 }
-step_ncu_v2tc() {
-  command -v ncu >/dev/null || { echo "no ncu on this machine"; return; }
-  local arm heads
+# ncu over v2tc and v2 at 8 x 8K, heads 32/8 and 32/2: ncu_cells FILE NCU-ARGS...
+ncu_cells() {
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
+  local file=$1 arm heads; shift
   for heads in "32 8" "32 2"; do
     for arm in v2tc v2; do
-      echo "== $arm heads $heads" >> "$OUT/ncu_v2tc.txt"
+      echo "== $arm heads $heads" >> "$file"
       timeout 100 ncu -k regex:pd_decode_v2 -c 1 --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats \
-        python3 bench/device/profile_v2.py 8 8192 0 $arm $heads >> "$OUT/ncu_v2tc.txt" 2>&1
+        "$@" python3 bench/device/profile_v2.py 8 8192 0 $arm $heads >> "$file" 2>&1
     done
   done
+}
+step_ncu_v2tc() {
+  ncu_cells "$OUT/ncu_v2tc.txt" --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats || return
   grep -E "^==|Duration|Throughput|Registers|Achieved Occupancy|Block Limit|Issued|Stall" "$OUT/ncu_v2tc.txt" | head -80
+}
+step_ncu_stalls() {
+  ncu_cells "$L/ncu_stalls.txt" \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" || return
+  grep -E "^==|Duration|DRAM Throughput|Achieved Occupancy|stalled" "$L/ncu_stalls.txt" \
+    | awk '$NF+0 >= 0.05 || /^==|Duration|DRAM|Occupancy/' | head -90
 }
 
 for s in "$@"; do

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ from ..kernels import append as append_kernel
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..specs import PREFIX_TILE_ROWS, KernelSpec
-from . import cuda_arrays, launches
+from . import cuda_arrays, cuda_staging, launches
 from .base import Support, poison_enabled
 from .cuda_arrays import cp
 from .cuda_launch import COMPILE_OPTIONS, DeviceCaches, PackedLaunch, compiled, replayer, with_smem
@@ -38,6 +39,9 @@ from .launching import LaunchingBackend
 
 CTAS_PER_SM = 2   # measured: bench/results/h200/tune_plan_2026-11-30.json
 MIN_CHUNK_TOKENS = 128  # measured: bench/results/h200/tune_plan_2026-11-30.json
+#: measured: bench/results/h200/2026-12-01-s6/tune_tc.json (v2 on ragged batches: 0.5 cut
+#: 128 x U(512, 4K) from 371 to 320 us and 64 x U(512, 1536) from 101 to 96 us)
+RAGGED_SPLIT = 0.5
 
 
 class CudaBackend(LaunchingBackend):
@@ -48,6 +52,11 @@ class CudaBackend(LaunchingBackend):
     def __init__(self) -> None:
         self._caches = DeviceCaches(self.empty)
         self._recording = threading.local()
+        #: per-step uploads (load_int32, update_table): pinned buffers, device deltas and
+        #: recorded table-update launches, by address (least recently used dropped)
+        self._staging = cuda_staging.PinnedStaging()
+        self._deltas: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        self._table_updates: OrderedDict[tuple[int, ...], Callable[[], Any]] = OrderedDict()
 
     @classmethod
     def available(cls) -> Support:
@@ -136,8 +145,42 @@ class CudaBackend(LaunchingBackend):
         return self._caches.scratch(owner, tag, shape, dtype)
 
     def load_int32(self, dst: Any, host: np.ndarray) -> Any:
-        dst.set(np.ascontiguousarray(host, np.int32))   # on the current stream
+        """``host`` into ``dst`` (same shape) on the current stream, through a reused
+        pinned buffer (``cuda_staging``)."""
+        h = np.ascontiguousarray(host, np.int32)
+        if h.shape != tuple(dst.shape):
+            raise InvalidArgumentError(f"load_int32: host shape {h.shape} != the buffer's "
+                                       f"{tuple(dst.shape)}")
+        self._staging.copy(dst, h)
         return dst
+
+    def update_table(self, buf: Any, delta: np.ndarray, cap: int, page_cap: int, *,
+                     scratch: Any) -> Any:
+        """The in-place table update (``LaunchingBackend.update_table``) without per-step
+        allocation: the delta goes through a pinned buffer into a device buffer kept per
+        table buffer, ``buf`` is copied to ``scratch`` with one ``cudaMemcpyAsync``, and
+        the update kernel is a recorded launch on these fixed addresses."""
+        dev = int(buf.device.id)
+        key = (dev, int(buf.data.ptr))
+        d = self._deltas.pop(key, None)
+        if d is None or d.size < delta.size:
+            d = cp.empty(max(int(delta.size), 2 * (d.size if d is not None else 0)), np.int32)
+        self._deltas[key] = d
+        while len(self._deltas) > cuda_staging.SLOTS:
+            self._deltas.popitem(last=False)
+        self._staging.copy(d, np.ascontiguousarray(delta, np.int32))
+        cuda_staging.copy_device(scratch, buf)
+        lkey = (dev, int(buf.data.ptr), int(scratch.data.ptr), int(d.data.ptr), cap, page_cap)
+        replay = self._table_updates.pop(lkey, None)
+        if replay is None:
+            launch = launches.table_update_launch(cap=cap, page_cap=page_cap, old=scratch,
+                                                  delta=d, new=buf)
+            replay = self.compile_launches(lambda: self._run(launch), like=buf)
+        self._table_updates[lkey] = replay
+        while len(self._table_updates) > cuda_staging.SLOTS:
+            self._table_updates.popitem(last=False)
+        replay()
+        return buf
 
     def replay_graph(self, graph: Any, like: Any) -> None:
         with self.launch_context(like):       # torch's current stream for torch arrays
@@ -261,7 +304,7 @@ def _device_info(index: int) -> DeviceInfo:
     tc = int(props["major"]) >= 8          # mma.sync m16n8k16 with f16 and bf16
     return DeviceInfo("cuda", name, sms, CTAS_PER_SM, index=index,
                       detail=f"compute capability {props['major']}.{props['minor']}",
-                      min_chunk_tokens=MIN_CHUNK_TOKENS,
+                      min_chunk_tokens=MIN_CHUNK_TOKENS, ragged_split=RAGGED_SPLIT,
                       prefix_tile_rows=PREFIX_TILE_ROWS if tc else 0,
                       shared_mem_per_unit=int(props.get("sharedMemPerMultiprocessor", 0)))
 

@@ -54,6 +54,9 @@ MODELS = {  # (Hq, Hkv, D)
     "llama3-70b-tp8": (8, 1, 128),
     "mistral-7b": (32, 8, 128),
     "qwen2-7b": (28, 4, 128),
+    "gqa16": (32, 2, 128),
+    "gemma2-9b": (16, 8, 256),
+    "phi3-mini": (32, 32, 96),
 }
 
 
@@ -75,16 +78,24 @@ def _variants() -> list[BenchCase]:
     return out
 
 
+#: contexts, batches and page sizes of the adr sweep (Llama-3-8B heads, float16)
+ADR_AXES = ([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64, 128], [16, 32, 64])
+
 PRESETS = {
     # the gather / v1 / v2 sweep on a GPU (Llama-3-8B heads, float16); also the cells of
     # the crossover table behind path="auto"
-    "adr": lambda: _grid([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64, 128], [16, 32, 64]),
+    "adr": lambda: _grid(*ADR_AXES),
     # the performance targets of the H200 (page 16): compare with --arms
     # v1,v2,sdpa,flashinfer,flashinfer-tc
     "targets": lambda: _grid([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64, 128], [16]),
     "variants": _variants,
     # small enough for the numpy reference backend to finish in about a minute
     "cpu": lambda: _grid([512, 2048], [1, 4], [16, 64]),
+    # the cells of the crossover table behind path="auto" (--arms v1,v2,v2tc
+    # --write-crossover): the adr grid at GQA 4, and every other models layout
+    "crossover": lambda: _grid(*ADR_AXES) + [
+        c for m, (hq, hkv, _) in MODELS.items() if hq != 4 * hkv
+        for c in _grid([1024, 8192, 32768], [1, 8, 64], [16], model=m)],
     "models": lambda: [c for m in MODELS for c in _grid([1024, 8192, 32768], [1, 8, 64], [16],
                                                         model=m)],
 }

@@ -37,7 +37,7 @@ ROWS = 16                     # query rows per CTA: one mma M tile
 TOKENS_PER_WARP = 16          # K/V tokens per warp per stage (two 8-token n tiles)
 SMEM_PAD = 8                  # elements of padding per smem row (bank-conflict-free frags)
 MAX_GROUP = 2 * ROWS          # the largest GQA group (two row tiles)
-DEFAULT_STAGES = 3
+DEFAULT_STAGES = 2   # fastest or within 0.5% in every cell: results/h200/2026-12-01-s6/tune_tc
 MAX_DYNAMIC_SMEM = 227 * 1024  # the sm_90 opt-in limit per block
 
 
