@@ -16,6 +16,8 @@
 #   targets     bench --preset targets with v1, v2, sdpa, flashinfer, flashinfer-tc
 #   adr         bench --preset adr with gather, v1, v2 (+ csv, and the crossover table
 #               path='auto' reads, written to $OUT/nvidia-h200.json)
+#   crossover   bench --preset crossover with v1, v2, v2tc: the table path='auto' reads, written
+#               to $OUT/nvidia-h200.json (ship it as paged_decode/data/crossover/nvidia-h200.json)
 #   variants    bench --preset variants with v2 and sdpa (bf16, head_dim, GQA, page size)
 #   decode-variants  issue #14 items 2-3, side by side with FlashInfer (run fi first):
 #               plain 32K, W=4095 over 32K and plain 4K (target: window within 1.1x of 4K);
@@ -113,6 +115,10 @@ step_targets() { run_bench targets --preset targets --arms ${BENCH_ARMS:-v1,v2,s
 step_adr() {
   run_bench adr --preset adr --arms ${BENCH_ARMS:-gather,v1,v2} --csv "$OUT/bench_adr.csv" \
     --write-crossover "$OUT/nvidia-h200.json"
+}
+step_crossover() {
+  run_bench crossover --preset crossover --arms ${BENCH_ARMS:-v1,v2,v2tc} \
+    --write-crossover "$OUT/nvidia-h200.json" | tail -12
 }
 step_variants() { run_bench variants --preset variants --arms ${BENCH_ARMS:-v2,sdpa}; }
 step_decode_variants() {
