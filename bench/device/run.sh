@@ -46,13 +46,17 @@
 #   v2tc-sanitize  compute-sanitizer memcheck, racecheck and synccheck over the v2tc GPU
 #               tests (-k v2tc; the graph-capture tests included)
 #   ncu-v2tc    ncu profiles of the v2tc and v2 partials at 8 x 8K, GQA 4 (32/8) and 16 (32/2)
+#   multitoken  issue #14 item 4: the multi-token GPU tests, then bench/device/multitoken.py:
+#               T = 1, 2, 4, 8 query tokens per request on v2 and v2tc (prepared, each
+#               verified against the oracle first) at 32 x 4K (the target: T = 4 within
+#               1.3x of T = 1) and 8 x 8K, Llama-3-8B heads, float16 -> $OUT/multitoken.json
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
 set -o pipefail
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 L=$(mktemp -d)
-GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py tests/test_variants_gpu.py"
+GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py"
 FI_ENV="FLASHINFER_WORKSPACE_BASE=/tmp/paged-decode-flashinfer/jit FLASHINFER_CUDA_ARCH_LIST=9.0 TORCH_CUDA_ARCH_LIST=9.0"
 export $FI_ENV
 REPS=${BENCH_REPS:-15}
@@ -216,6 +220,12 @@ step_ncu_v2tc() {
     done
   done
   grep -E "^==|Duration|Throughput|Registers|Achieved Occupancy|Block Limit|Issued|Stall" "$OUT/ncu_v2tc.txt" | head -80
+}
+step_multitoken() {
+  python3 -m pytest -q tests/test_multitoken_gpu.py -m gpu -rs > "$L/multitoken_tests.log" 2>&1
+  echo "multitoken gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/multitoken_tests.log" | tail -4
+  timeout 500 python3 bench/device/multitoken.py "$OUT/multitoken.json" --cell 32x4096 \
+    --cell 8x8192 --reps "$REPS" 2>&1 | tee "$L/multitoken.log" | tail -24
 }
 
 for s in "$@"; do
