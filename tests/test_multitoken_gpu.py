@@ -1,7 +1,7 @@
 """Multi-token decode on the CUDA backend of a real GPU (skipped cleanly without CuPy or a
-GPU): v2, v2tc (4 tokens x GQA 4 and 8: one and two 16-row tiles), v1 and gather against the float64 oracle,
-uniform and ragged token counts, with the variants; torch CUDA tensors in and out; the
-prepared call. NaN-poisoned outputs and workspaces (conftest)."""
+GPU): v2, v2tc (4 tokens x GQA 4 and 8: one and two 16-row tiles), v1 and gather against
+the float64 oracle, uniform and ragged token counts, with the variants; torch CUDA tensors
+in and out; the prepared call. NaN-poisoned outputs and workspaces (conftest)."""
 
 from __future__ import annotations
 
