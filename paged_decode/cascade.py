@@ -336,18 +336,15 @@ def _prefix_pages_per_chunk(prefix: CascadePlan, device: DeviceInfo, head_dim: i
 
 
 # ---------------------------------------------------------------------------- running
-def stack_member_queries(xp: Any, q: Any, members: Any, num_kv_heads: int,
-                         groups: int = 1) -> Any:
-    """``q [B, Hq, D]`` -> level-0 query ``[groups, Hkv * M * G, D]``, KV-head major
-    (``h0 = kv_head * (M * G) + m * G + g``); ``members`` is a device index array of
-    ``groups * M`` rows of ``q``, group-major (a multi-token call folds each request's
-    ``M`` tokens so: ``multitoken_call``)."""
+def stack_member_queries(xp: Any, q: Any, members: Any, num_kv_heads: int) -> Any:
+    """``q [B, Hq, D]`` -> level-0 query ``[1, Hkv * M * G, D]``, KV-head major
+    (``h0 = kv_head * (M * G) + m * G + g``); ``members`` is a device index array."""
     _, hq, d = q.shape
-    qm = xp.take(q, members, axis=0)                               # [groups * M, Hq, D]
-    m = qm.shape[0] // groups
+    qm = xp.take(q, members, axis=0)                               # [M, Hq, D]
+    m = qm.shape[0]
     g = hq // num_kv_heads
-    qm = qm.reshape(groups, m, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4)
-    return xp.ascontiguousarray(qm).reshape(groups, num_kv_heads * m * g, d)
+    qm = qm.reshape(m, num_kv_heads, g, d).transpose(1, 0, 2, 3)
+    return xp.ascontiguousarray(qm).reshape(1, num_kv_heads * m * g, d)
 
 
 def unstack_member_states(xp: Any, v0: Any, lse0: Any, num_members: int,

@@ -220,6 +220,44 @@ def _split(table: PageTable, qt: QueryTokens, w: int, fold: int) -> TokenSplit:
                                    ).reshape(-1))
 
 
+_rows_lock = threading.Lock()
+_rows: weakref.WeakKeyDictionary[TokenSplit, dict[Any, tuple[np.ndarray, np.ndarray]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def fold_rows(split: TokenSplit, num_qo_heads: int, num_kv_heads: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """The fold at the level of ``[D]`` rows (read-only int32, memoised per split and
+    geometry), so that folding and unfolding are one gather each:
+
+    - ``fold [B * Hkv * Tq * G]``: for folded query row ``(b, kvh, t, g)`` (the common
+      pass's ``q [B, Hkv * Tq * G, D]``), its row of ``q.reshape(N * Hq, D)``: head
+      ``kvh * G + g`` of token ``t`` of request ``b`` (``fold_index``);
+    - ``unfold [Tq * B * Hq]``: for state row ``(t, b, h)`` (token-major, as
+      ``merge_rows`` expects them), its row of the common states
+      ``reshape(B * Hkv * Tq * G, D)``.
+    """
+    key = (int(num_qo_heads), int(num_kv_heads))
+    with _rows_lock:
+        hit = _rows.get(split, {}).get(key)
+    if hit is not None:
+        return hit
+    b, tq = split.common.batch_size, split.fold_tokens
+    hq, hkv = key
+    g = hq // hkv
+    tok = split.fold_index.astype(np.int64).reshape(b, 1, tq, 1)
+    kvh = np.arange(hkv, dtype=np.int64).reshape(1, hkv, 1, 1)
+    gg = np.arange(g, dtype=np.int64).reshape(1, 1, 1, g)
+    fold = tok * hq + kvh * g + gg                                     # [B, Hkv, Tq, G]
+    t = np.arange(tq, dtype=np.int64).reshape(tq, 1, 1, 1)
+    r = np.arange(b, dtype=np.int64).reshape(1, b, 1, 1)
+    unfold = r * (hkv * tq * g) + kvh.reshape(1, 1, hkv, 1) * (tq * g) + t * g + gg
+    made = (frozen_int32(fold.reshape(-1)), frozen_int32(unfold.reshape(-1)))
+    with _rows_lock:
+        _rows.setdefault(split, {})[key] = made
+    return made
+
+
 def range_table(table: PageTable, req: np.ndarray, begin: np.ndarray,
                 end: np.ndarray) -> PageTable:
     """A table of ``len(req)`` rows: row ``i`` is visible positions ``[begin[i], end[i])``
@@ -246,4 +284,4 @@ def range_table(table: PageTable, req: np.ndarray, begin: np.ndarray,
 
 
 __all__ = ["MAX_QUERY_TOKENS", "QueryTokens", "TokenSplit", "check_query_tokens_arg",
-           "query_tokens", "range_table", "split_tokens"]
+           "fold_rows", "query_tokens", "range_table", "split_tokens"]

@@ -5,14 +5,16 @@ runs, inside the call's launch context:
 
 1. the **common pass**: each request's common range (every one of its tokens sees it)
    read once for all its tokens: the queries are folded into the GQA group,
-   ``q [N, Hq, D] -> [B, Hkv * Tq * G, D]`` (query row ``kvh * Tq * G + t * G + g`` is head
-   ``kvh * G + g`` of token ``t``; requests with fewer than ``Tq`` tokens repeat their last
-   one, and those rows are dropped), and the chosen path (v2, v2tc, v1, gather) runs a
+   ``q [N, Hq, D] -> [B, Hkv * Tq * G, D]`` by one gather (query row
+   ``kvh * Tq * G + t * G + g`` is head ``kvh * G + g`` of token ``t``; requests with fewer
+   than ``Tq`` tokens repeat their last one, and those rows are dropped;
+   ``multitoken.fold_rows``), and the chosen path (v2, v2tc, v1, gather) runs a
    plain one-token decode of ``Tq x`` the heads over the common table with the plan's
    folded view (``DecodePlan.folded``): the K/V bytes are those of one token per request;
 2. the **pieces pass**: the few positions (at most ``T - 1`` per token) that a token sees
    beyond the common range, one small row per piece, on the same path;
-3. the **merge**: each token's states (its common state and its 0-2 pieces) merged by the
+3. the **merge**: each token's states (its common state, unfolded by one gather into a
+   token-major stack beside the pieces' states, and its 0-2 pieces) merged by the
    merge of the backend, which adds the sinks once (the partials hold none), into
    ``out [N, Hq, D]`` and ``lse [N, Hq]``.
 
@@ -30,9 +32,9 @@ from typing import Any
 
 from .backends import Backend, Problem
 from .call import CallArgs, choose_path, host_table, output_buffer, run_path
-from .cascade import _device_index, stack_member_queries, unstack_member_states
+from .cascade import _device_index
 from .errors import UnsupportedProblemError, check_type
-from .multitoken import TokenSplit, split_tokens
+from .multitoken import TokenSplit, fold_rows, split_tokens
 from .outcome import DecodeOutcome
 from .page_table import PageTable
 from .plan import DecodePlan, make_plan
@@ -47,13 +49,16 @@ _piece_plans: weakref.WeakKeyDictionary[PageTable, dict[Any, DecodePlan]] = \
 
 def _pieces_plan(be: Backend, pieces: PageTable, hq: int, hkv: int, d: int,
                  path: str) -> DecodePlan:
-    """The pieces pass's plan (memoised per pieces table: the layers of a step share it)."""
+    """The pieces pass's plan: one chunk per piece (a piece holds at most ``T - 1``
+    positions: splitting it further would only add a merge); memoised per pieces table,
+    so the layers of a step share it."""
     ctas = v2tc_ctas_per_chunk(hq, hkv) if path == "v2tc" else None
     key = (ctas, be.device_info().name, hq, hkv, d)
     with _plans_lock:
         hit = _piece_plans.get(pieces, {}).get(key)
     if hit is None:
-        hit = make_plan(pieces, hq, hkv, d, device=be.device_info(), ctas_per_chunk=ctas)
+        hit = make_plan(pieces, hq, hkv, d, device=be.device_info(), ctas_per_chunk=ctas,
+                        pages_per_chunk=max(1, int(pieces.pages_per_request.max())))
         with _plans_lock:
             _piece_plans.setdefault(pieces, {})[key] = hit
     return hit
@@ -74,7 +79,8 @@ class MultiTokenCall:
     common: CallArgs
     pieces: CallArgs | None
     pieces_plan: DecodePlan | None
-    fold_index: Any          # backend int32 [B * Tq]: the q row of folded token (b, t)
+    fold_rows: Any           # backend int32 (``multitoken.fold_rows``): the fold's gathers
+    unfold_rows: Any
     piece_index: Any         # backend int32 [P]: the q row of each piece
     merge_rows: Any          # backend int32 [N + P] (``TokenSplit.merge_rows``)
     out: Any                 # in the call's shape (returned)
@@ -86,30 +92,29 @@ class MultiTokenCall:
     def run(self) -> None:
         """Fold the queries, run both passes and the merge (inside the launch context)."""
         be, a, xp = self.be, self.a, self.be.array_module()
-        b, fold = a.b, self.split.fold_tokens
-        qf = stack_member_queries(xp, a.q, self.fold_index, a.hkv, groups=b)
-        o_c, l_c = be.empty(tuple(qf.shape), "float32"), be.empty(tuple(qf.shape[:2]),
-                                                                   "float32")
+        b, n_c, d = a.b, a.b * self.split.fold_tokens, a.d
+        hf = self.common.hq
+        qf = xp.take(a.q.reshape(-1, d), self.fold_rows, axis=0).reshape(b, hf, d)
+        o_c, l_c = be.empty((b, hf, d), "float32"), be.empty((b, hf), "float32")
         run_path(be, dataclasses.replace(self.common, q=qf), self.plan.folded(), self.path,
                  o_c, l_c)
-        # token-major rows [Tq * B, Hq, D] (token t of request b at t * B + b)
-        v_c, l_c = unstack_member_states(xp, o_c, l_c, fold, a.hkv)
-        vs, ls = [v_c], [l_c]
-        if self.pieces is not None and self.pieces_plan is not None:
-            n_p = self.pieces.b
-            o_p, l_p = be.empty((n_p, a.hq, a.d), "float32"), be.empty((n_p, a.hq),
-                                                                         "float32")
-            qp = xp.ascontiguousarray(xp.take(a.q, self.piece_index, axis=0))
-            run_path(be, dataclasses.replace(self.pieces, q=qp), self.pieces_plan,
-                     self.path, o_p, l_p)
-            vs.append(o_p)
-            ls.append(l_p)
-        v_all, l_all = xp.concatenate(vs, axis=0), xp.concatenate(ls, axis=0)
+        n_p = 0 if self.pieces is None else self.pieces.b
+        # every token's states in one array: the common ones token-major (token t of
+        # request b at row t * B + b), then the pieces
+        if be.functional_outputs:       # MLX: results rebind, so no writes through views
+            v_all, l_all = self._stacked(xp, o_c, l_c)
+        else:
+            v_all = be.empty((n_c + n_p, a.hq, d), "float32")
+            l_all = be.empty((n_c + n_p, a.hq), "float32")
+            xp.take(o_c.reshape(-1, d), self.unfold_rows, axis=0,
+                    out=v_all[:n_c].reshape(-1, d))
+            xp.take(l_c.reshape(-1), self.unfold_rows, axis=0, out=l_all[:n_c].reshape(-1))
+            self._pieces(xp, v_all[n_c:], l_all[n_c:])
         sinks = a.variant.merge_kwargs()
         merge: Any = be.merge        # backends with merge_gathers take rows=
         if be.merge_gathers:
             merge(v_all, l_all, self.split.merge_indptr, self.out_flat, self.lse_flat,
-                     rows=self.merge_rows, **sinks)
+                  rows=self.merge_rows, **sinks)
         else:
             merge(xp.take(v_all, self.merge_rows, axis=0),
                   xp.take(l_all, self.merge_rows, axis=0), self.split.merge_indptr,
@@ -118,6 +123,28 @@ class MultiTokenCall:
             # MLX rebinds the flat arrays to the results: hand them to the call's arrays
             self.out[...] = self.out_flat.reshape(self.out.shape)
             self.lse[...] = self.lse_flat.reshape(self.lse.shape)
+
+    def _pieces(self, xp: Any, v_out: Any, lse_out: Any) -> None:
+        """The pieces pass into ``v_out [P, Hq, D]`` / ``lse_out [P, Hq]`` (float32)."""
+        if self.pieces is None or self.pieces_plan is None:
+            return
+        qp = xp.take(self.a.q, self.piece_index, axis=0)
+        run_path(self.be, dataclasses.replace(self.pieces, q=qp), self.pieces_plan,
+                 self.path, v_out, lse_out)
+
+    def _stacked(self, xp: Any, o_c: Any, l_c: Any) -> tuple[Any, Any]:
+        """The states stacked by concatenation (backends whose outputs rebind)."""
+        a, n_c = self.a, self.a.b * self.split.fold_tokens
+        vs = [xp.take(o_c.reshape(-1, a.d), self.unfold_rows, axis=0).reshape(n_c, a.hq,
+                                                                               a.d)]
+        ls = [xp.take(l_c.reshape(-1), self.unfold_rows, axis=0).reshape(n_c, a.hq)]
+        if self.pieces is not None:
+            v_p = self.be.empty((self.pieces.b, a.hq, a.d), "float32")
+            l_p = self.be.empty((self.pieces.b, a.hq), "float32")
+            self._pieces(xp, v_p, l_p)
+            vs.append(v_p)
+            ls.append(l_p)
+        return xp.concatenate(vs, axis=0), xp.concatenate(ls, axis=0)
 
 
 def refuse_cascade(fn: str, cascade: Any) -> None:
@@ -176,9 +203,9 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
     outcome = DecodeOutcome(f"{chosen}+merge", be.name, a.b, table.total_visible,
                             plan.num_chunks + (pieces_plan.num_chunks if pieces_plan else 0),
                             reason, detail)
-    return MultiTokenCall(be, a, plan, chosen, split, common, pieces, pieces_plan,
-                          _device_index(be, split.fold_index),
-                          _device_index(be, split.piece_token),
+    fold_d, unfold_d = (_device_index(be, x) for x in fold_rows(split, a.hq, a.hkv))
+    return MultiTokenCall(be, a, plan, chosen, split, common, pieces, pieces_plan, fold_d,
+                          unfold_d, _device_index(be, split.piece_token),
                           _device_index(be, split.merge_rows), out_a, lse_a,
                           out_a.reshape(n, a.hq, a.d), lse_a.reshape(n, a.hq), outcome)
 

@@ -20,6 +20,7 @@ from helpers import assert_matches_oracle, tc_out_tol
 
 import paged_decode as pd
 from paged_decode import get_backend
+from paged_decode.backends.reference import ReferenceBackend
 from paged_decode.errors import InvalidArgumentError, PlanMismatchError, UnsupportedProblemError
 from paged_decode.multitoken import MAX_QUERY_TOKENS, QueryTokens, range_table, split_tokens
 from paged_decode.page_table import frozen_int32
@@ -414,3 +415,26 @@ def test_engine_step_refuses_multi_token_queries():
     step.begin()
     with pytest.raises(UnsupportedProblemError, match=r"DecodeStep.decode: multi-token"):
         step.decode(0, np.zeros((2, 2, 8, D), np.float16))
+
+
+class _RebindingReference(ReferenceBackend):
+    """The reference backend taking the code path of backends whose results rebind
+    (``functional_outputs``, MLX): states stacked by concatenation, the flat results
+    handed back to the call's arrays."""
+
+    functional_outputs = True
+
+
+def test_the_rebinding_backends_path():
+    be = _RebindingReference()
+    pr, q, qi = _problem([9, 40, 5], [4, 4, 4], seed=16)
+    kw = {"window_left": 6, "sinks": _sinks()}
+    ref, ref_lse = oracle_decode(q.reshape(3, 4, 8, D), pr.k_pages, pr.v_pages, pr.table,
+                                 **kw)
+    out = np.full((3, 4, 8, D), np.nan, np.float32)
+    lse = np.full((3, 4, 8), np.nan, np.float32)
+    got, got_lse = pd.decode(q.reshape(3, 4, 8, D), pr.k_pages, pr.v_pages, pr.table,
+                             out=out, lse=lse, return_lse=True, out_dtype="float32",
+                             backend=be, **kw)
+    assert got is out and got_lse is lse
+    assert_matches_oracle(out, lse, ref, ref_lse, "float32", "rebinding backend")
