@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from . import settings
 from .backends import Backend, backend_for
 from .call import (
@@ -40,7 +42,7 @@ from .errors import InvalidArgumentError
 from .multitoken_call import multitoken_call, refuse_cascade
 from .outcome import DecodeOutcome, record
 from .plan import DecodePlan
-from .prepared import PreparedCascade, PreparedDecode, decode_cache
+from .prepared import PreparedCascade, PreparedDecode, PreparedMultiToken, decode_cache
 from .step_table import StepTable
 
 
@@ -99,8 +101,9 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
             (1 to 8 each, summing to ``N``). A given ``plan`` must be made with
             ``plan_decode(..., query_tokens=T)`` for ``T`` at least the most tokens of a
             request. Multi-token calls run on v2, v2tc (``T x G <= 32``), v1 and gather,
-            not on cascade; they are not cached as fast-path calls (``prepare_decode``
-            prepares one).
+            not on cascade; with a plan and ``out`` they are replayed like one-token calls
+            (below; keyed by ``qo_indptr``'s content, not for step tables), eagerly: the
+            fold and the merge are array ops, not recorded launches.
 
     Returns:
         ``out`` (``[B, Hq, D]``), or ``(out, lse)`` with ``return_lse``; arrays of the
@@ -149,7 +152,11 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     sinks = variants["sinks"]
     arrays = (q, k_pages, v_pages, out, lse, sinks)
     one_token = qo_indptr is None and len(getattr(q, "shape", ())) != 4
-    if (one_token and out is not None and (lse is not None or not return_lse)
+    # a multi-token call is keyed by its counts' content (a host array may be rewritten
+    # in place); it reads a step table's host view, so step tables are not cached for it
+    tokens_key = None if one_token else _tokens_key(qo_indptr)
+    if ((one_token or (tokens_key is not None and not isinstance(table, StepTable)))
+            and out is not None and (lse is not None or not return_lse)
             and not be.functional_outputs
             and ((plan is not None and (cascade is None or cascade is False))
                  or isinstance(cascade, CascadeDecodePlan))):
@@ -169,7 +176,7 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
         fast_key = (id(q), id(k_pages), id(v_pages), table_key, id(plan), id(out), id(lse),
                     return_lse, path, sm_scale, out_dtype, cascade, id(be),
                     be.stream_key(q), conf, variants["window_left"],
-                    variants["logits_soft_cap"], id(sinks))
+                    variants["logits_soft_cap"], id(sinks), tokens_key)
         try:
             prepared = decode_cache.get(fast_key, arrays)
         except TypeError:   # an unhashable argument: never cached, the checks below say why
@@ -184,7 +191,8 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
                        out_dtype=out_dtype, return_lse=return_lse, qo_indptr=qo_indptr,
                        **variants)
         if a.tokens is not None:
-            return _multitoken(fn, be, a, plan, path, cascade, q, out, lse, return_lse)
+            return _multitoken(fn, be, a, plan, path, cascade, q, out, lse, return_lse,
+                               (fast_key, (be, table, plan), arrays))
         single = be.auto_path() if path == "auto" else None  # no automatic cascade there
         run_as = single[0] if single else path
         cc, why_cascade = cascade_call(fn, be, a, cascade, run_as, out, lse)
@@ -217,9 +225,24 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     return results(be, q, out, lse, out_a, lse_a, return_lse)
 
 
+def _tokens_key(qo_indptr: Any) -> Any:
+    """What the fast-path key holds of a multi-token call's counts: ``qo_indptr``'s bytes
+    (``"uniform"`` for a 4-D ``q``, whose layout is keyed already), or ``None`` when it
+    is no host integer array (never cached; the checks say why)."""
+    if qo_indptr is None:
+        return "uniform"
+    try:
+        arr = np.asarray(qo_indptr)
+    except (TypeError, ValueError):
+        return None
+    return arr.tobytes() if arr.dtype.kind in "iu" and arr.ndim == 1 else None
+
+
 def _multitoken(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
-                cascade: Any, q: Any, out: Any, lse: Any, return_lse: bool) -> Any:
-    """A multi-token call (``multitoken_call``), inside the launch context."""
+                cascade: Any, q: Any, out: Any, lse: Any, return_lse: bool,
+                cache: tuple[Any, Any, Any]) -> Any:
+    """A multi-token call (``multitoken_call``), inside the launch context; with a
+    fast-path key in ``cache`` (``(key, refs, arrays)``) it is kept as a prepared call."""
     refuse_cascade(fn, cascade)
     if a.b == 0:
         lead = (0, int(q.shape[1])) if len(q.shape) == 4 else (0,)
@@ -228,6 +251,11 @@ def _multitoken(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path
     mt = multitoken_call(fn, be, a, plan, path, out, lse)
     mt.run()
     record(mt.outcome)
+    key, refs, arrays = cache
+    if key is not None:
+        decode_cache.put(key, refs, arrays, PreparedMultiToken(
+            be, mt, out=out, lse=lse if (return_lse or lse is not None) else None,
+            return_lse=return_lse, like=q))
     return results(be, q, out, lse, mt.out, mt.lse, return_lse)
 
 

@@ -438,3 +438,27 @@ def test_the_rebinding_backends_path():
                              backend=be, **kw)
     assert got is out and got_lse is lse
     assert_matches_oracle(out, lse, ref, ref_lse, "float32", "rebinding backend")
+
+
+def test_fast_path_replays_and_follows_qo_indptr_content():
+    """decode with a plan and out is kept as a prepared call (the second call replays
+    it); rewriting qo_indptr in place is a new key (its content), never a stale split."""
+    be = get_backend("emulated-cuda")
+    pr, q, qi = _problem([20, 41, 12], [3, 5, 4], seed=17)
+    plan = pd.plan_decode(pr.table, 8, HKV, D, device=be.device_info(), query_tokens=8)
+    qb, out = q.copy(), np.full((12, 8, D), np.nan, np.float32)
+    lse = np.full((12, 8), np.nan, np.float32)
+    qo = qi.copy()
+    for i, (counts, rewrite, replays) in enumerate((
+            ((3, 5, 4), False, False), ((3, 5, 4), False, True), ((6, 2, 4), True, False),
+            ((6, 2, 4), False, True))):
+        if rewrite:
+            qo[:] = np.concatenate([[0], np.cumsum(counts)])
+        qb[...] = np.random.default_rng(i).standard_normal(q.shape).astype(q.dtype)
+        got, got_lse = pd.decode(qb, pr.k_pages, pr.v_pages, pr.table, plan, out=out,
+                                 lse=lse, return_lse=True, qo_indptr=qo, out_dtype="float32",
+                                 backend=be)
+        assert got is out and got_lse is lse
+        ref, ref_lse = oracle_decode(qb, pr.k_pages, pr.v_pages, pr.table, qo_indptr=qo)
+        assert_matches_oracle(out, lse, ref, ref_lse, "float32", f"{counts} {rewrite}")
+        assert ("prepared call" in pd.last_outcome().reason) == replays, pd.last_outcome()
