@@ -462,3 +462,31 @@ def test_fast_path_replays_and_follows_qo_indptr_content():
         ref, ref_lse = oracle_decode(qb, pr.k_pages, pr.v_pages, pr.table, qo_indptr=qo)
         assert_matches_oracle(out, lse, ref, ref_lse, "float32", f"{counts} {rewrite}")
         assert ("prepared call" in pd.last_outcome().reason) == replays, pd.last_outcome()
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "emulated-cuda"])
+def test_step_table_follows_the_pool(backend_name):
+    """A pool's step table (the split reads its host view): after each append of the
+    next tokens the same step table decodes them. Its padding rows (``capacity``) hold no
+    tokens, so a multi-token call over them is refused (``L >= T``)."""
+    be = get_backend(backend_name)
+    rng = np.random.default_rng(18)
+    pool = pd.PagePool(32, 4, num_kv_heads=HKV, head_dim=D, dtype="float32", backend=be)
+    seqs = [pool.new_sequence() for _ in range(2)]
+    for s, n in zip(seqs, (7, 13)):
+        kv = rng.standard_normal((n, HKV, D)).astype(np.float32)
+        pool.append(s, kv, kv * 0.5)
+    st = pool.step_table(seqs)
+    for step in range(2):
+        for s in seqs:
+            kv = rng.standard_normal((3, HKV, D)).astype(np.float32)
+            pool.append(s, kv, -kv)
+        q = rng.standard_normal((2, 3, 8, D)).astype(np.float32)
+        out, lse = pd.decode(be.asarray(q), pool.k, pool.v, st, return_lse=True, backend=be)
+        ref, ref_lse = oracle_decode(q, be.to_numpy(pool.k), be.to_numpy(pool.v),
+                                     st.page_table())
+        assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), ref, ref_lse, "float32",
+                              f"step {step}")
+    padded = pool.step_table(seqs, capacity=3)
+    with pytest.raises(InvalidArgumentError, match=r"request 2 has 0 visible tokens"):
+        pd.decode(np.zeros((3, 2, 8, D), np.float32), pool.k, pool.v, padded, backend=be)
