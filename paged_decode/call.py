@@ -44,6 +44,7 @@ from .errors import (
     check_type,
     fail,
 )
+from .multitoken import QueryTokens, query_tokens
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, make_plan
@@ -66,18 +67,22 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
                 target_ctas: int | None = None, pages_per_chunk: int | None = None,
                 min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
                 ctas_per_chunk: int | None = None, headroom: int = 0,
-                window_left: int = -1, ragged_split: float | None = None) -> DecodePlan:
+                window_left: int = -1, ragged_split: float | None = None,
+                query_tokens: int = 1) -> DecodePlan:
     """Plan a split-KV decode of ``table`` (``plan.make_plan`` documents every argument);
     ``device`` defaults to the ``DeviceInfo`` of ``backend`` (see
     ``backends.get_backend``). ``window_left``: the sliding window the decode calls will
-    use (the plan covers only the windows' pages; ``decode`` checks it matches)."""
+    use (the plan covers only the windows' pages; ``decode`` checks it matches).
+    ``query_tokens``: the most query tokens per request of multi-token calls (1-8,
+    ``docs/multi-token.md``); the plan serves calls with up to that many."""
     if device is None:
         device = get_backend(backend, fn="plan_decode").device_info()
     return make_plan(table, num_qo_heads, num_kv_heads, head_dim, device=device,
                      target_ctas=target_ctas, pages_per_chunk=pages_per_chunk,
                      min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
                      ctas_per_chunk=ctas_per_chunk, headroom=headroom,
-                     window_left=window_left, ragged_split=ragged_split, fn="plan_decode")
+                     window_left=window_left, ragged_split=ragged_split,
+                     query_tokens=query_tokens, fn="plan_decode")
 
 
 def choose_path(backend: Backend, table: Table, plan: DecodePlan,
@@ -117,7 +122,9 @@ def runnable_paths(be: Backend, a: CallArgs) -> tuple[str, ...]:
 class CallArgs:
     """A validated decode call: backend arrays, geometry, dtypes, the scale and the
     variants. ``table`` is the one the kernels read: the call's, or its window table
-    when ``variant.window_left >= 0``."""
+    when ``variant.window_left >= 0``. A multi-token call (``tokens`` not ``None``,
+    ``docs/multi-token.md``) has the flat ``q [N, Hq, D]`` and the call's own table (each
+    token's window is applied by ``multitoken.split_tokens``, not by ``window_table``)."""
 
     q: Any
     k: Any
@@ -133,16 +140,18 @@ class CallArgs:
     o_dt: str
     scale: float
     variant: Variant = PLAIN
+    tokens: QueryTokens | None = None
 
 
 def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Table, *,
                path: str, sm_scale: float | None, out_dtype: str | None,
                return_lse: bool, window_left: Any = -1, logits_soft_cap: Any = None,
-               sinks: Any = None) -> CallArgs:
-    """Validate a decode call's arrays, table, path, scale, flags and variants (errors
-    name ``fn``; ``variants.check_variant``). A ``StepTable`` is brought up to date here
-    (on the call's stream); backends whose kernels do not read device tables get its host
-    ``PageTable``."""
+               sinks: Any = None, qo_indptr: Any = None) -> CallArgs:
+    """Validate a decode call's arrays, table, path, scale, flags, variants (errors name
+    ``fn``; ``variants.check_variant``) and query tokens (``q [B, T, Hq, D]``, or
+    ``q [N, Hq, D]`` with ``qo_indptr [B+1]``: ``multitoken.query_tokens``). A
+    ``StepTable`` is brought up to date here (on the call's stream); backends whose
+    kernels do not read device tables get its host ``PageTable``."""
     qa, ka, va = (be.array_arg(fn, n, x) for n, x in (("q", q), ("k_pages", k_pages),
                                                         ("v_pages", v_pages)))
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
@@ -150,11 +159,25 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     step = isinstance(table, StepTable)
     if isinstance(table, StepTable):
         table = step_table_arg(fn, be, table, qa)
-    check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
+    if len(qa.shape) == 4:
+        check_ndim(fn, "q", qa.shape, 4, "[B, T, Hq, D]", "Hq D")
+    elif len(qa.shape) != 3:
+        raise fail(fn, f"q must be 3-D [B, Hq, D] (or [N, Hq, D] with qo_indptr) or 4-D "
+                       f"[B, T, Hq, D], got shape {list(qa.shape)}")
+    else:
+        check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
     check_ndim(fn, "k_pages", ka.shape, 4, "[num_pages, P, Hkv, D]", "P Hkv D")
-    b, hq, d = (int(x) for x in qa.shape)
+    tokens = query_tokens(fn, tuple(int(x) for x in qa.shape), qo_indptr, table.batch_size,
+                          table.visible_lens)
+    if tokens is not None and tokens.uniform:   # the flat view the kernels read
+        qa = qa.reshape(tokens.num_tokens, *qa.shape[2:])
+    hq, d = (int(x) for x in qa.shape[1:])
+    b = table.batch_size
     num_pages, p, hkv, dk = (int(x) for x in ka.shape)
-    check_shape(fn, "q", qa.shape, (table.batch_size, hq, dk), "[B, Hq, D]")
+    if tokens is None:
+        check_shape(fn, "q", qa.shape, (b, hq, dk), "[B, Hq, D]")
+    else:
+        check_shape(fn, "q", qa.shape, (tokens.num_tokens, hq, dk), "[N, Hq, D]")
     check_shape(fn, "v_pages", va.shape, ka.shape, "[num_pages, P, Hkv, D]")
     if p != table.page_size:
         raise fail(fn, f"k_pages page size (axis 1) must equal table.page_size = "
@@ -182,6 +205,9 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
         raise UnsupportedProblemError(f"{fn}: window_left needs a PageTable; a StepTable (a "
                                       "pool's device-resident step table) is not windowed "
                                       "yet: pass its page_table()")
+    if tokens is not None:
+        return CallArgs(qa, ka, va, table, b, hq, hkv, d, p, q_dt, kv_dt, o_dt, scale,
+                        variant, tokens)
     return CallArgs(qa, ka, va, window_table(table, variant.window_left, fn=fn), b, hq, hkv,
                     d, p, q_dt, kv_dt, o_dt, scale, variant)
 
@@ -323,15 +349,18 @@ def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
 
 
 def empty_batch(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
-                 like: Any, out: Any, lse: Any, want_lse: bool, return_lse: bool) -> Any:
+                 like: Any, out: Any, lse: Any, want_lse: bool, return_lse: bool,
+                 lead: tuple[int, ...] = (0,)) -> Any:
     """A batch without requests: the checks a real call makes (a given plan, the path's
-    support, the output buffers), then empty results ``[0, Hq, D]`` and ``[0, Hq]``."""
+    support, the output buffers), then empty results ``[0, Hq, D]`` and ``[0, Hq]``
+    (``[*lead, Hq, D]``: ``(0, T)`` for a multi-token ``q [0, T, Hq, D]``)."""
     if plan is not None:
         resolve_plan(fn, be, a, plan)
     check_support(fn, be, a, path)
     check_path(fn, be.name, path, a.variant)
-    out_a = output_buffer(fn, be, "out", out, (0, a.hq, a.d), a.o_dt)
-    lse_a = output_buffer(fn, be, "lse", lse, (0, a.hq), "float32") if want_lse else None
+    out_a = output_buffer(fn, be, "out", out, (*lead, a.hq, a.d), a.o_dt)
+    lse_a = output_buffer(fn, be, "lse", lse, (*lead, a.hq), "float32") if want_lse \
+        else None
     record(DecodeOutcome("empty", be.name, 0, 0, 0, "empty batch (B = 0): nothing to run"))
     return results(be, like, out, lse, out_a, lse_a, return_lse)
 
@@ -349,7 +378,7 @@ def returned(be: Backend, like: Any, given: Any, made: Any) -> Any:
 
 
 def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int, ...],
-                  dtype: str) -> Any:
+                  dtype: str, dims: str | None = None) -> Any:
     """``given`` checked (shape, dtype, contiguity) as the backend's array, or a fresh one."""
     if given is None:
         return be.empty(shape, dtype)
@@ -362,7 +391,9 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     if here is not None and be.device_of(arr) not in (None, here):
         raise fail(fn, f"{name} is on device {be.device_of(arr)}, but q is on device {here}: "
                        "every array of a call must be on one device")
-    check_shape(fn, name, arr.shape, shape, "[B, Hq, D]" if len(shape) == 3 else "[B, Hq]")
+    if dims is None:
+        dims = "[B, Hq, D]" if len(shape) == 3 else "[B, Hq]"
+    check_shape(fn, name, arr.shape, shape, dims)
     expect_dtype(fn, name, be.dtype_of(arr), dtype)
     if not c_contiguous(arr):
         raise fail(fn, f"{name} must be C-contiguous")

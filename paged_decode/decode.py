@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from . import settings
 from .backends import Backend, backend_for
 from .call import (
     LAUNCH_PATHS,
+    CallArgs,
     Table,
     cascade_call,
     check_call,
@@ -36,9 +39,10 @@ from .call import (
 )
 from .cascade import CascadeDecodePlan, CascadePlan, run_cascade
 from .errors import InvalidArgumentError
+from .multitoken_call import multitoken_call, refuse_cascade
 from .outcome import DecodeOutcome, record
 from .plan import DecodePlan
-from .prepared import PreparedCascade, PreparedDecode, decode_cache
+from .prepared import PreparedCascade, PreparedDecode, PreparedMultiToken, decode_cache
 from .step_table import StepTable
 
 
@@ -46,11 +50,18 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
            *, path: str = "auto", sm_scale: float | None = None, out: Any = None,
            lse: Any = None, return_lse: bool = False, out_dtype: str | None = None,
            backend: str | Backend | None = None, cascade: Any = None, window_left: int = -1,
-           logits_soft_cap: float | None = None, sinks: Any = None) -> Any:
-    """Paged decode attention for one query token per request.
+           logits_soft_cap: float | None = None, sinks: Any = None,
+           qo_indptr: Any = None) -> Any:
+    """Paged decode attention for one query token per request, or 1-8 (multi-token).
 
     Args:
-        q: ``[B, Hq, D]`` queries (float16, bfloat16 or float32).
+        q: ``[B, Hq, D]`` queries (float16, bfloat16 or float32); multi-token
+            (``docs/multi-token.md``): ``[B, T, Hq, D]`` (``T`` tokens per request,
+            ``1 <= T <= 8``) or a flat ``[N, Hq, D]`` with ``qo_indptr``. The table must
+            already hold the new tokens (appended before they are decoded, as engines do
+            for speculative verification): token ``t`` of ``T`` of a request with ``L``
+            visible tokens sees positions ``< L - T + t + 1``; a window ends at each
+            token's own position. Outputs are shaped like ``q`` (``lse`` without ``D``).
         k_pages, v_pages: ``[num_pages, P, Hkv, D]`` page pools (same shape and dtype).
         table: the batch's ``PageTable`` (``B`` requests, page size ``P``).
         plan: a ``DecodePlan`` for this table and geometry (made here when ``None``).
@@ -85,6 +96,14 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
             per query head (natural-log units) that joins the softmax denominator with no
             value; the returned LSE includes it, and a request with no visible token gives
             zeros and the sink's LSE (``docs/variants.md``).
+        qo_indptr: ``None``, or a host integer ``[B+1]`` array for a flat multi-token
+            ``q [N, Hq, D]``: request ``r``'s tokens are rows ``qo_indptr[r]:qo_indptr[r+1]``
+            (1 to 8 each, summing to ``N``). A given ``plan`` must be made with
+            ``plan_decode(..., query_tokens=T)`` for ``T`` at least the most tokens of a
+            request. Multi-token calls run on v2, v2tc (``T x G <= 32``), v1 and gather,
+            not on cascade; with a plan and ``out`` they are replayed like one-token calls
+            (below; keyed by ``qo_indptr``'s content, not for step tables), eagerly: the
+            fold and the merge are array ops, not recorded launches.
 
     Returns:
         ``out`` (``[B, Hq, D]``), or ``(out, lse)`` with ``return_lse``; arrays of the
@@ -102,14 +121,15 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
     return run_decode("decode", q, k_pages, v_pages, table, plan, path=path,
                       sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                       out_dtype=out_dtype, backend=backend, cascade=cascade,
-                      window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks)
+                      window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                      qo_indptr=qo_indptr)
 
 
 def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: Table,
                plan: DecodePlan | None = None, *, path: str, sm_scale: float | None,
                out: Any, lse: Any, return_lse: bool, out_dtype: str | None,
                backend: str | Backend | None, cascade: Any, window_left: Any = -1,
-               logits_soft_cap: Any = None, sinks: Any = None) -> Any:
+               logits_soft_cap: Any = None, sinks: Any = None, qo_indptr: Any = None) -> Any:
     """``decode`` for the public function ``fn`` (``decode``, ``cascade_decode``): its
     errors name ``fn``."""
     conf = settings.snapshot()     # every PAGED_DECODE_* setting, read once for the call
@@ -119,17 +139,25 @@ def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: Table,
                            sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                            out_dtype=out_dtype, cascade=cascade,
                            variants={"window_left": window_left,
-                                     "logits_soft_cap": logits_soft_cap, "sinks": sinks})
+                                     "logits_soft_cap": logits_soft_cap, "sinks": sinks},
+                           qo_indptr=qo_indptr)
 
 
 def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: Any,
                 v_pages: Any, table: Table, plan: DecodePlan | None, *, path: str,
                 sm_scale: float | None, out: Any, lse: Any, return_lse: bool,
-                out_dtype: str | None, cascade: Any, variants: dict[str, Any]) -> Any:
+                out_dtype: str | None, cascade: Any, variants: dict[str, Any],
+                qo_indptr: Any = None) -> Any:
     fast_key = None
     sinks = variants["sinks"]
     arrays = (q, k_pages, v_pages, out, lse, sinks)
-    if (out is not None and (lse is not None or not return_lse) and not be.functional_outputs
+    one_token = qo_indptr is None and len(getattr(q, "shape", ())) != 4
+    # a multi-token call is keyed by its counts' content (a host array may be rewritten
+    # in place); it reads a step table's host view, so step tables are not cached for it
+    tokens_key = None if one_token else _tokens_key(qo_indptr)
+    if ((one_token or (tokens_key is not None and not isinstance(table, StepTable)))
+            and out is not None and (lse is not None or not return_lse)
+            and not be.functional_outputs
             and ((plan is not None and (cascade is None or cascade is False))
                  or isinstance(cascade, CascadeDecodePlan))):
         # an engine's steady state (same buffers, table and plan every step): replay the
@@ -148,7 +176,7 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
         fast_key = (id(q), id(k_pages), id(v_pages), table_key, id(plan), id(out), id(lse),
                     return_lse, path, sm_scale, out_dtype, cascade, id(be),
                     be.stream_key(q), conf, variants["window_left"],
-                    variants["logits_soft_cap"], id(sinks))
+                    variants["logits_soft_cap"], id(sinks), tokens_key)
         try:
             prepared = decode_cache.get(fast_key, arrays)
         except TypeError:   # an unhashable argument: never cached, the checks below say why
@@ -160,7 +188,11 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     want_lse = return_lse or lse is not None
     with be.launch_context(q):        # the device and stream of q, entered once
         a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
-                       out_dtype=out_dtype, return_lse=return_lse, **variants)
+                       out_dtype=out_dtype, return_lse=return_lse, qo_indptr=qo_indptr,
+                       **variants)
+        if a.tokens is not None:
+            return _multitoken(fn, be, a, plan, path, cascade, q, out, lse, return_lse,
+                               (fast_key, (be, table, plan), arrays))
         single = be.auto_path() if path == "auto" else None  # no automatic cascade there
         run_as = single[0] if single else path
         cc, why_cascade = cascade_call(fn, be, a, cascade, run_as, out, lse)
@@ -191,6 +223,40 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
                                         lse=lse if want_lse else None, out_a=out_a,
                                         lse_a=lse_a, return_lse=return_lse, like=q))
     return results(be, q, out, lse, out_a, lse_a, return_lse)
+
+
+def _tokens_key(qo_indptr: Any) -> Any:
+    """What the fast-path key holds of a multi-token call's counts: ``qo_indptr``'s bytes
+    (``"uniform"`` for a 4-D ``q``, whose layout is keyed already), or ``None`` when it
+    is no host integer array (never cached; the checks say why)."""
+    if qo_indptr is None:
+        return "uniform"
+    try:
+        arr = np.asarray(qo_indptr)
+    except (TypeError, ValueError):
+        return None
+    return arr.tobytes() if arr.dtype.kind in "iu" and arr.ndim == 1 else None
+
+
+def _multitoken(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
+                cascade: Any, q: Any, out: Any, lse: Any, return_lse: bool,
+                cache: tuple[Any, Any, Any]) -> Any:
+    """A multi-token call (``multitoken_call``), inside the launch context; with a
+    fast-path key in ``cache`` (``(key, refs, arrays)``) it is kept as a prepared call."""
+    refuse_cascade(fn, cascade)
+    if a.b == 0:
+        lead = (0, int(q.shape[1])) if len(q.shape) == 4 else (0,)
+        return empty_batch(fn, be, a, None, "v2" if path == "auto" else path, q, out, lse,
+                           return_lse or lse is not None, return_lse, lead)
+    mt = multitoken_call(fn, be, a, plan, path, out, lse)
+    mt.run()
+    record(mt.outcome)
+    key, refs, arrays = cache
+    if key is not None:
+        decode_cache.put(key, refs, arrays, PreparedMultiToken(
+            be, mt, out=out, lse=lse if (return_lse or lse is not None) else None,
+            return_lse=return_lse, like=q))
+    return results(be, q, out, lse, mt.out, mt.lse, return_lse)
 
 
 def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: Table, *,

@@ -37,7 +37,7 @@ import numpy as np
 from .backends import c_contiguous
 from .call import LAUNCH_PATHS
 from .decode import decode
-from .errors import InvalidArgumentError, PagedDecodeError, check_int
+from .errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemError, check_int
 from .kernels.append import AppendWrite
 from .plan import DecodePlan, make_plan
 from .pool import AppendedBatch, PagePool
@@ -188,6 +188,11 @@ class DecodeStep:
         buffers every step, the launches are prepared once and replayed."""
         fn = "DecodeStep.decode"
         layer = check_int(fn, "layer", layer, 0, self.num_layers - 1)
+        if len(getattr(q, "shape", ())) == 4:
+            raise UnsupportedProblemError(
+                f"{fn}: multi-token decode (q [B, T, Hq, D]) is not part of the engine step "
+                "yet (its slots append one token per sequence); call decode with the "
+                "step's page table and qo_indptr (docs/multi-token.md)")
         if self.table.pending:     # the pool changed outside begin(): follow it here
             with self.backend.launch_context(q):
                 self.table.update_device()

@@ -19,7 +19,9 @@ class DecodeOutcome:
     prefix; ``detail`` names the members and shared pages), ``"sparse"`` (a selection
     through a ``page_size = 1`` table on the v2 kernels), ``"sparse-masked"`` (the dense
     masked path the sparsity gate chose) or ``"empty"`` (a batch without requests: empty
-    results, nothing ran). ``num_chunks``: partial states computed.
+    results, nothing ran); a multi-token call (``docs/multi-token.md``) is its path with
+    ``"+merge"`` (``"v1+merge"``, ``"gather+merge"`` too: each token's states are merged)
+    and ``detail`` names its tokens. ``num_chunks``: partial states computed.
     ``detail``: optional extra facts (empty for the flat paths).
     """
 

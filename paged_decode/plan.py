@@ -18,6 +18,7 @@ chunk structure (``matches``).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import numpy as np
 from . import settings
 from .device import RAGGED_ENV, DeviceInfo
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
+from .multitoken import MAX_QUERY_TOKENS, check_query_tokens_arg
 from .page_table import PageTable, frozen_int32
 from .specs import MAX_HEADS_PER_CTA, heads_per_cta
 from .step_table import StepTable
@@ -38,6 +40,9 @@ MAX_CHUNKS = 65535
 RAGGED_RATIO = 1.25
 #: set while make_plan constructs its plan (this thread)
 _planning = threading.local()
+#: multi-token plans -> their folded view (``DecodePlan.folded``)
+_folded_lock = threading.Lock()
+_folded: weakref.WeakKeyDictionary[DecodePlan, DecodePlan] = weakref.WeakKeyDictionary()
 
 
 def check_geometry(fn: str, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -86,6 +91,11 @@ class DecodePlan:
     - ``window_left``: the sliding window the plan was made for (``-1``: none); its chunks
       cover only each request's window (``variants.window_table``), and ``matches`` /
       ``check`` apply the window to the table they are given.
+    - ``query_tokens``: the most query tokens per request the plan serves (1-8,
+      ``docs/multi-token.md``): a multi-token call reads each request's common range once
+      for all its tokens, their queries folded into the GQA group, so the CTA geometry
+      (``heads_per_cta`` x ``q_groups``) is that of ``query_tokens x`` the group. A plan
+      serves calls with at most that many tokens per request; a one-token call needs 1.
     Workspaces: ``v_part [C, Hq, D]`` float32 and ``lse_part [C, Hq]`` float32 (log2),
     needed only when ``needs_merge``.
     """
@@ -108,6 +118,8 @@ class DecodePlan:
     window_left: int = -1
     #: tokens per request the plan was made to grow by (``make_plan(headroom=...)``)
     headroom: int = 0
+    #: most query tokens per request (the kernels see a group of ``query_tokens * G``)
+    query_tokens: int = 1
     #: tables this plan was checked against (weak: tables are dropped with their step)
     _served: weakref.WeakKeyDictionary[Any, int] = field(
         init=False, repr=False, default_factory=weakref.WeakKeyDictionary)
@@ -126,7 +138,8 @@ class DecodePlan:
         check_int(fn, "headroom", self.headroom, 0)
         check_geometry(fn, self.num_qo_heads, self.num_kv_heads, self.head_dim)
         check_int(fn, "window_left", self.window_left, -1)
-        g = self.num_qo_heads // self.num_kv_heads
+        check_int(fn, "query_tokens", self.query_tokens, 1, MAX_QUERY_TOKENS)
+        g = self.num_qo_heads // self.num_kv_heads * self.query_tokens
         if self.heads_per_cta * self.q_groups != g or self.heads_per_cta > MAX_HEADS_PER_CTA:
             raise fail(fn, f"heads_per_cta x q_groups must be the GQA group {g} with at most "
                            f"{MAX_HEADS_PER_CTA} heads per CTA, got {self.heads_per_cta} x "
@@ -170,7 +183,8 @@ class DecodePlan:
         """Bytes of the float32 ``v_part`` + ``lse_part`` workspace (0 without merge)."""
         if not self.needs_merge:
             return 0
-        return self.num_chunks * self.num_qo_heads * (self.head_dim + 1) * 4
+        return self.num_chunks * self.num_qo_heads * self.query_tokens * (self.head_dim
+                                                                           + 1) * 4
 
     def mismatch(self, table: PageTable | StepTable) -> str | None:
         """Why this plan cannot serve ``table`` (``None`` when it can).
@@ -196,13 +210,36 @@ class DecodePlan:
                     f"pages, plan has {int(self.chunks_per_request[r])}")
         return None
 
+    def folded(self) -> DecodePlan:
+        """The plan as the kernels of a multi-token call's common pass see it
+        (``docs/multi-token.md``): the same chunks, ``query_tokens x Hq`` query heads (each
+        token's queries folded into the GQA group), one token and no window (the common
+        table is already cut to the tokens' shared range). ``self`` when
+        ``query_tokens == 1`` and there is no window; memoised."""
+        if self.query_tokens == 1 and self.window_left < 0:
+            return self
+        with _folded_lock:
+            hit = _folded.get(self)
+            if hit is None:
+                _planning.active = True
+                try:
+                    hit = _folded[self] = dataclasses.replace(
+                        self, num_qo_heads=self.num_qo_heads * self.query_tokens,
+                        query_tokens=1, window_left=-1)
+                finally:
+                    _planning.active = False
+        return hit
+
     def matches(self, table: PageTable | StepTable) -> bool:
         return self.mismatch(table) is None
 
     def check(self, fn: str, table: PageTable | StepTable, num_qo_heads: int,
-              num_kv_heads: int, head_dim: int, window_left: int = -1) -> None:
-        """Raise ``PlanMismatchError`` unless the plan fits this table, geometry and
-        window (``table`` may be the call's table or its window table)."""
+              num_kv_heads: int, head_dim: int, window_left: int = -1,
+              query_tokens: int | None = None) -> None:
+        """Raise ``PlanMismatchError`` unless the plan fits this table, geometry, window
+        (``table`` may be the call's table or its window table) and query tokens: a
+        multi-token call's most tokens per request (``query_tokens``) must be at most the
+        plan's; a one-token call (``None``) needs a plan made for one."""
         geo = (num_qo_heads, num_kv_heads, head_dim)
         mine = (self.num_qo_heads, self.num_kv_heads, self.head_dim)
         if geo != mine:
@@ -212,6 +249,14 @@ class DecodePlan:
             raise PlanMismatchError(f"{fn}: plan was made for window_left = "
                                     f"{self.window_left}, got {window_left} (pass "
                                     "window_left to plan_decode too)")
+        if (self.query_tokens != 1 if query_tokens is None
+                else query_tokens > self.query_tokens):
+            got = "a one-token call" if query_tokens is None else \
+                f"a call with up to {query_tokens} query tokens per request"
+            raise PlanMismatchError(f"{fn}: plan was made for query_tokens = "
+                                    f"{self.query_tokens} per request, got {got} (pass "
+                                    "query_tokens to plan_decode: a plan serves calls with "
+                                    "at most its count)")
         # one check per (plan, table): a PageTable never changes, a StepTable is checked
         # once per version (its flushes)
         token = table.version if isinstance(table, StepTable) else -1
@@ -251,7 +296,8 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
               pages_per_chunk: int | None = None, min_chunk_tokens: int | None = None,
               max_chunks: int = MAX_CHUNKS, ctas_per_chunk: int | None = None,
               headroom: int = 0, hint: int | None = None, window_left: int = -1,
-              ragged_split: float | None = None, fn: str = "make_plan") -> DecodePlan:
+              ragged_split: float | None = None, query_tokens: int = 1,
+              fn: str = "make_plan") -> DecodePlan:
     """Plan a split-KV decode of ``table`` on ``device`` (``paged_decode.plan_decode``
     finds the device of a backend first; errors name ``fn``).
 
@@ -283,11 +329,16 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
             device; chunks are then cut at ``ragged_split`` times the mean page count
             (never below the chunk floor), so long requests split and the merge evens
             them out.
+        query_tokens: the most query tokens per request of the calls (1-8,
+            ``docs/multi-token.md``): the CTA geometry is searched for a GQA group of
+            ``query_tokens x`` the model's (the tokens share each K/V load); the chunks
+            cover the table's pages as for one token (the new tokens are in the table).
     """
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
     headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
     window_left = check_window(fn, window_left)
+    query_tokens = check_query_tokens_arg(fn, query_tokens)
     table = window_table(table, window_left)
     max_chunks = check_int(fn, "max_chunks", max_chunks, 1, MAX_CHUNKS)
     b = table.batch_size
@@ -298,8 +349,8 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
                                    f"{max_chunks} chunks")
     check_type(fn, "device", device, DeviceInfo, "a DeviceInfo or None")
     target = device.target_ctas(target_ctas, fn=fn)
-    qh = heads_per_cta(num_qo_heads, num_kv_heads)
-    q_groups = (num_qo_heads // num_kv_heads) // qh
+    qh = heads_per_cta(num_qo_heads * query_tokens, num_kv_heads)
+    q_groups = (num_qo_heads * query_tokens // num_kv_heads) // qh
     if ctas_per_chunk is None:
         ctas_per_chunk = num_kv_heads * q_groups
     else:
@@ -376,7 +427,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
                           pages_per_chunk is not None, int(ctas_per_chunk),
                           frozen_int32(counts), frozen_int32(req), frozen_int32(tiles),
                           frozen_int32(o_indptr), headroom=headroom,
-                          window_left=window_left)
+                          window_left=window_left, query_tokens=query_tokens)
     finally:
         _planning.active = False
 

@@ -37,6 +37,8 @@ from .call import (
     run_path,
 )
 from .cascade import run_cascade
+from .errors import fail
+from .multitoken_call import MultiTokenCall, multitoken_call, refuse_cascade
 from .outcome import DecodeOutcome, record
 from .plan import DecodePlan
 
@@ -120,14 +122,33 @@ class PreparedCascade(_PreparedCall):
                                            reason=f"{call.outcome.reason}; prepared call")
 
 
+class PreparedMultiToken(_PreparedCall):
+    """A multi-token decode (``docs/multi-token.md``) with every argument bound: the
+    checks, plan, causal split, index uploads and output buffers are done once; each call
+    folds the queries, runs the common and pieces passes and the merge
+    (``multitoken_call.MultiTokenCall.run``: array ops and launches on the call's stream,
+    not recorded, so not capturable in a CUDA graph yet). Same attributes as
+    ``PreparedDecode`` (``out`` / ``lse`` shaped like ``q``)."""
+
+    def __init__(self, be: Backend, call: MultiTokenCall, *, out: Any, lse: Any,
+                 return_lse: bool, like: Any) -> None:
+        self.backend, self.plan, self.args = be, call.plan, call.a
+        self.out, self.lse, self.path = out, lse, call.outcome.path
+        self._return_lse, self._like = return_lse, like
+        self._eager, self._launch = True, call.run
+        self.outcome = dataclasses.replace(call.outcome,
+                                           reason=f"{call.outcome.reason}; prepared call")
+
+
 def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                    plan: DecodePlan | None = None, *, path: str = "auto",
                    sm_scale: float | None = None, out: Any = None, lse: Any = None,
                    return_lse: bool = False, out_dtype: str | None = None,
                    backend: str | Backend | None = None,
                    cascade: Any = None, window_left: int = -1,
-                   logits_soft_cap: float | None = None,
-                   sinks: Any = None) -> PreparedDecode | PreparedCascade:
+                   logits_soft_cap: float | None = None, sinks: Any = None,
+                   qo_indptr: Any = None
+                   ) -> PreparedDecode | PreparedCascade | PreparedMultiToken:
     """Prepare ``decode(q, k_pages, v_pages, table, plan, ...)`` for repeated launches.
 
     Arguments are ``decode``'s (shapes: ``q [B, Hq, D]``, pools
@@ -137,7 +158,8 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
     prefix, a flat decode). ``out`` and ``lse`` are allocated here when not given and
     returned by every call. The arrays stay bound to the prepared call: update them in
     place (``sinks`` too). ``window_left``, ``logits_soft_cap`` and ``sinks`` are
-    ``decode``'s variants, fixed for the prepared call.
+    ``decode``'s variants, fixed for the prepared call. A multi-token ``q`` (``[B, T, Hq,
+    D]``, or ``[N, Hq, D]`` with ``qo_indptr``) prepares a ``PreparedMultiToken``.
     """
     fn = "prepare_decode"
     with settings.bound(settings.snapshot()):
@@ -147,10 +169,13 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                             sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                             out_dtype=out_dtype, cascade=cascade,
                             variants={"window_left": window_left,
-                                      "logits_soft_cap": logits_soft_cap, "sinks": sinks})
+                                      "logits_soft_cap": logits_soft_cap, "sinks": sinks},
+                            qo_indptr=qo_indptr)
         kind, a, setup, bound = made
         if kind == "cascade":
             return PreparedCascade(be, a, setup, **bound)
+        if kind == "multitoken":
+            return PreparedMultiToken(be, setup, **bound)
         plan, chosen, reason, out_a, lse_a = setup
         return PreparedDecode(be, a, plan, path=chosen, reason=reason, out_a=out_a,
                               lse_a=lse_a, **bound)
@@ -159,12 +184,15 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
 def _prepare(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Table,
              plan: DecodePlan | None, *, path: str, sm_scale: float | None, out: Any,
              lse: Any, return_lse: bool, out_dtype: str | None, cascade: Any,
-             variants: dict[str, Any]) -> tuple[str, CallArgs, Any, dict[str, Any]]:
+             variants: dict[str, Any], qo_indptr: Any = None
+             ) -> tuple[str, CallArgs, Any, dict[str, Any]]:
     """The host work of ``prepare_decode`` inside the launch context: ``(kind, args,
-    set-up, returned arrays)``, ``kind`` ``"cascade"`` (a ``CascadeCall``) or ``"flat"``
-    (``flat_call``'s tuple); the prepared call is made outside (it records launches)."""
+    set-up, returned arrays)``, ``kind`` ``"cascade"`` (a ``CascadeCall``),
+    ``"multitoken"`` (a ``MultiTokenCall``) or ``"flat"`` (``flat_call``'s tuple); the
+    prepared call is made outside (it records launches)."""
     a = check_call(fn, be, q, k_pages, v_pages, table, path=path, sm_scale=sm_scale,
-                   out_dtype=out_dtype, return_lse=return_lse, **variants)
+                   out_dtype=out_dtype, return_lse=return_lse, qo_indptr=qo_indptr,
+                   **variants)
     want_lse = return_lse or lse is not None
 
     def bound(out_a: Any, lse_a: Any) -> dict[str, Any]:
@@ -173,6 +201,12 @@ def _prepare(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Ta
                 "lse": returned(be, q, lse, lse_a) if want_lse else None,
                 "return_lse": return_lse, "like": q}
 
+    if a.tokens is not None:
+        refuse_cascade(fn, cascade)
+        if a.b == 0:
+            raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
+        mt = multitoken_call(fn, be, a, plan, path, out, lse)
+        return "multitoken", a, mt, bound(mt.out, mt.lse)
     if cascade is not None and cascade is not False:
         cc, _ = cascade_call(fn, be, a, cascade, path, out, lse)
         if cc is not None:
@@ -183,7 +217,7 @@ def _prepare(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Ta
     return "flat", a, flat, bound(flat[3], flat[4])
 
 
-Prepared = PreparedDecode | PreparedCascade
+Prepared = PreparedDecode | PreparedCascade | PreparedMultiToken
 
 
 def layouts(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -248,5 +282,5 @@ class CallCache:
 decode_cache = CallCache()
 
 
-__all__ = ["CallCache", "PreparedCascade", "PreparedDecode", "decode_cache", "layouts",
-           "prepare_decode"]
+__all__ = ["CallCache", "PreparedCascade", "PreparedDecode", "PreparedMultiToken",
+           "decode_cache", "layouts", "prepare_decode"]

@@ -75,30 +75,46 @@ def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float, 
 
 def oracle_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                   sm_scale: float | None = None, *, window_left: int = -1,
-                  logits_soft_cap: float | None = None, sinks: Any = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
+                  logits_soft_cap: float | None = None, sinks: Any = None,
+                  qo_indptr: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """float64 paged decode: ``q [B, Hq, D]`` -> ``out [B, Hq, D]``, ``lse [B, Hq]`` (base 2).
 
-    Variants (``docs/variants.md``): ``window_left = W >= 0`` keeps the last ``W + 1``
-    visible tokens of each request (sliced here from the full run, independently of the
+    Multi-token (``docs/multi-token.md``): ``q [B, T, Hq, D]`` -> ``out [B, T, Hq, D]``,
+    ``lse [B, T, Hq]``, or a flat ``q [N, Hq, D]`` with ``qo_indptr [B+1]`` -> ``[N, Hq, D]``
+    and ``[N, Hq]``. The table holds the new tokens: token ``t`` of ``T`` of a request with
+    ``L`` visible tokens sees positions ``< L - T + t + 1`` (causal), and its window ends at
+    its own position. Variants (``docs/variants.md``): ``window_left = W >= 0`` keeps the
+    last ``W + 1`` tokens a query sees (sliced here from the full run, independently of the
     package's window table), ``logits_soft_cap`` and ``sinks [Hq]`` as in
     ``attention_f64``. Inputs may be any array kind with ``__array__`` (read on the host).
     """
     qn = as_float64(np.asarray(q))
-    b, hq, d = qn.shape
+    b = table.batch_size
+    counts: np.ndarray
+    if qn.ndim == 4:
+        counts = np.full(b, qn.shape[1], np.int64)
+    elif qo_indptr is not None:
+        counts = np.diff(np.asarray(qo_indptr).astype(np.int64))
+    else:
+        counts = np.ones(b, np.int64)
+    flat = qn.reshape(-1, *qn.shape[-2:])
+    hq, d = flat.shape[1:]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     sk = None if sinks is None else np.asarray(sinks)
-    out = np.zeros((b, hq, d))
-    lse = np.full((b, hq), -np.inf)
+    out = np.zeros(flat.shape)
+    lse = np.full(flat.shape[:2], -np.inf)
+    n = 0
     for r in range(b):
-        k = request_kv_f64(k_pages, table, r)
-        v = request_kv_f64(v_pages, table, r)
-        if window_left >= 0:
-            k, v = k[max(0, k.shape[0] - 1 - window_left):], v[max(0, v.shape[0] - 1
-                                                                   - window_left):]
-        out[r], lse[r] = attention_f64(qn[r], k, v, scale, soft_cap=logits_soft_cap,
-                                       sinks=sk)
-    return out, lse
+        k_all = request_kv_f64(k_pages, table, r)
+        v_all = request_kv_f64(v_pages, table, r)
+        big_t = int(counts[r])
+        for t in range(big_t):
+            end = k_all.shape[0] - big_t + t + 1
+            begin = max(0, end - 1 - window_left) if window_left >= 0 else 0
+            out[n], lse[n] = attention_f64(flat[n], k_all[begin:end], v_all[begin:end],
+                                           scale, soft_cap=logits_soft_cap, sinks=sk)
+            n += 1
+    return out.reshape(qn.shape), lse.reshape(qn.shape[:-1])
 
 
 def max_rel_error(got: Any, ref: np.ndarray) -> float:

@@ -254,6 +254,10 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
     be = backend_for(backend, q, fn=fn)
     qa, ka, va = (be.array_arg(fn, n, x) for n, x in (("q", q), ("k_cache", k_cache),
                                                         ("v_cache", v_cache)))
+    if len(qa.shape) == 4:
+        raise UnsupportedProblemError(f"{fn}: multi-token decode (q [B, T, Hq, D]) is not "
+                                      "supported by sparse decode; use decode "
+                                      "(docs/multi-token.md)")
     check_ndim(fn, "q", qa.shape, 3, "[B, Hq, D]", "Hq D")
     check_ndim(fn, "k_cache", ka.shape, 4, "[B, Hkv, capacity, D]", "Hkv D")
     b, hkv, cap, d = (int(x) for x in ka.shape)

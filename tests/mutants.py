@@ -236,6 +236,7 @@ VAR = "tests/test_variants.py::"
 VAR_ORACLE = VAR + "test_variants_match_oracle"
 VAR_NAN = VAR + "test_non_finite_rules_hold_with_variants"
 STEP = "tests/test_step_table.py::"
+MT = "tests/test_multitoken.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------ v2 / v1, CUDA
@@ -567,6 +568,27 @@ MUTANTS: tuple[Mutant, ...] = (
        "    new_table[cap + 1 + r] = d_lpl[r];", "",
        [STEP + "test_a_decode_step_uploads_only_what_changed[emulated-metal]"],
        "last_page_len never follows an append (the new token is not attended)"),
+    # ------------------------------------------------------------ multi-token (#14)
+    _m("py-multitoken-mask-off-by-one", "python", ("paged_decode.multitoken",),
+       "    end = lens[req] - cnt[req] + t + 1 ", "    end = lens[req] - cnt[req] + t ",
+       [MT + "test_ragged_counts_match_oracle[v2-one-emulated-cuda]"],
+       "each token misses its own position (the causal bound taken as exclusive of it)"),
+    _m("py-multitoken-window-from-last-token", "python", ("paged_decode.multitoken",),
+       "    start = np.maximum(0, end - 1 - w) if w >= 0",
+       "    start = np.maximum(0, lens[req] - 1 - w) if w >= 0",
+       [MT + "test_variants_match_oracle[emulated-cuda-w9]"],
+       "every token's window starts where the newest token's does"),
+    _m("py-multitoken-token-rows-swapped", "python", ("paged_decode.multitoken",),
+       "+ np.minimum(np.arange(fold)[None, :], cnt[:, None] - 1)",
+       "+ cnt[:, None] - 1 - np.minimum(np.arange(fold)[None, :], cnt[:, None] - 1)",
+       [MT + "test_uniform_tokens_match_oracle[emulated-cuda-4]"],
+       "the folded query rows of a request in reverse token order"),
+    _m("py-multitoken-sink-in-the-pieces", "python", ("paged_decode.multitoken_call",),
+       '                                     o_dt="float32", variant=passes, tokens=None)',
+       '                                     o_dt="float32", variant=a.variant, tokens=None)',
+       [MT + "test_variants_match_oracle[emulated-cuda-sinks]"],
+       "the pieces pass keeps the call's sinks: a token's LSE counts its sink once per "
+       "state it merges"),
 )
 
 

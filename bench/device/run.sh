@@ -54,13 +54,17 @@
 #               tests (-k v2tc; the graph-capture tests included)
 #   ncu-stalls  warp stall reasons (per issued instruction) of v2tc and v2 at 8 x 8K, 32/2 and 32/8
 #   ncu-v2tc    ncu profiles of the v2tc and v2 partials at 8 x 8K, GQA 4 (32/8) and 16 (32/2)
+#   multitoken  issue #14 item 4: the multi-token GPU tests, then bench/device/multitoken.py:
+#               T = 1, 2, 4, 8 query tokens per request on v2 and v2tc (prepared, each
+#               verified against the oracle first) at 32 x 4K (the target: T = 4 within
+#               1.3x of T = 1) and 8 x 8K, Llama-3-8B heads, float16 -> $OUT/multitoken.json
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
 set -o pipefail
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 L=$(mktemp -d)
-GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py tests/test_variants_gpu.py"
+GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py"
 FI_ENV="FLASHINFER_WORKSPACE_BASE=/tmp/paged-decode-flashinfer/jit FLASHINFER_CUDA_ARCH_LIST=9.0 TORCH_CUDA_ARCH_LIST=9.0"
 export $FI_ENV
 REPS=${BENCH_REPS:-15}
@@ -252,6 +256,12 @@ step_ncu_stalls() {
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" || return
   grep -E "^==|Duration|DRAM Throughput|Achieved Occupancy|stalled" "$L/ncu_stalls.txt" \
     | awk '$NF+0 >= 0.05 || /^==|Duration|DRAM|Occupancy/' | head -90
+}
+step_multitoken() {
+  python3 -m pytest -q tests/test_multitoken_gpu.py -m gpu -rs > "$L/multitoken_tests.log" 2>&1
+  echo "multitoken gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/multitoken_tests.log" | tail -4
+  timeout 500 python3 bench/device/multitoken.py "$OUT/multitoken.json" --cell 32x4096 \
+    --cell 8x8192 --reps "$REPS" 2>&1 | tee "$L/multitoken.log" | tail -24
 }
 
 for s in "$@"; do
