@@ -216,12 +216,16 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
               help="engine suite: layers per step.")
 @click.option("--steps", default=32, show_default=True, type=POSITIVE,
               help="engine suite: decode steps per case.")
+@click.option("--model", default=None,
+              help="engine suite: the attention heads of a models-preset layout (e.g. "
+                   "qwen2-7b, llama3-70b-tp8; default llama3-8b on a GPU). Arms eager-tc "
+                   "and captured-tc (the tensor-core partial) are named with --arms.")
 def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
           reps: int, warmup: int, warm_l2: bool, no_graph: bool, plot_path: str | None,
           crossover_path: str | None, window_left: int, soft_cap: float, sinks: bool,
           json_path: str | None, csv_path: str | None, md_path: str | None, layers: int,
-          steps: int) -> None:
+          steps: int, model: str | None) -> None:
     """Time decode arms over a context x batch x page sweep (each arm verified against the
     float64 oracle first): GPU time under CUDA-graph replay and per-call time."""
     from .bench import preset_cases, run_bench
@@ -230,7 +234,7 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     from .bench.timing import measure_read_bandwidth
     be = _backend(backend)
     if suite == "engine":
-        _bench_engine(be, contexts, batches, pages, dtype, arms, layers, steps, json_path,
+        _bench_engine(be, contexts, batches, pages, dtype, arms, layers, steps, model, json_path,
                       plot_path)
         return
     if preset in ("cascade", "cascade-rule", "sparse"):   # the suites are presets too
@@ -304,20 +308,37 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
 
 def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
                   pages: tuple[int, ...], dtype: str | None, arms: str, layers: int,
-                  steps: int, json_path: str | None, plot_path: str | None) -> None:
+                  steps: int, model: str | None, json_path: str | None,
+                  plot_path: str | None) -> None:
     """``bench --suite engine`` (``paged_decode.bench.engine``)."""
-    from .bench.engine import ENGINE_ARMS, EngineCase, plot, report, run_engine, to_dict
+    from .bench.cases import MODELS
+    from .bench.engine import (
+        ALL_ENGINE_ARMS,
+        ENGINE_ARMS,
+        EngineCase,
+        plot,
+        report,
+        run_engine,
+        to_dict,
+    )
     from .bench.runner import header
     arm_list = ENGINE_ARMS if arms == "gather,v1,v2" else tuple(
         a.strip() for a in arms.split(",") if a.strip())
-    bad = [a for a in arm_list if a not in ENGINE_ARMS]
+    bad = [a for a in arm_list if a not in ALL_ENGINE_ARMS]
     if bad or not arm_list:
         raise click.ClickException(f"bench --suite engine: --arms must name some of "
-                                   f"{', '.join(ENGINE_ARMS)}, got {arms!r}")
+                                   f"{', '.join(ALL_ENGINE_ARMS)}, got {arms!r}")
+    if model is not None and model not in MODELS:
+        raise click.ClickException(f"bench --suite engine: --model must be one of "
+                                   f"{', '.join(MODELS)}, got {model!r}")
     gpu = be.name == "cuda"
+    heads: dict[str, Any] = {} if gpu else {"num_qo_heads": 8, "num_kv_heads": 2,
+                                            "head_dim": 64}
+    if model is not None:
+        hq, hkv, d = MODELS[model]
+        heads = {"num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d, "model": model}
     cases = [EngineCase(b, c, layers, steps, page_size=p, dtype=dtype or (
-                 "float16" if gpu else "float32"),
-             **({} if gpu else {"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 64}))
+                 "float16" if gpu else "float32"), **heads)
              for b in (batches or ((8, 64, 128) if gpu else (4,)))
              for c in (contexts or ((1024,) if gpu else (64,)))
              for p in (pages or (16,))]

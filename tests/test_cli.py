@@ -126,7 +126,7 @@ def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path):
               "--steps", "5", "--batch", "3", "--context", "40", "--json", str(out))
     assert res.exit_code == 0, res.output
     assert "eager" in res.output and "captured" in res.output
-    assert "flashinfer not run: needs the cuda backend" in res.output
+    assert "flashinfer  not run: needs the cuda backend" in res.output
     data = json.loads(out.read_text())
     arms = data["results"][0]["arms"]
     for name in ("eager", "captured"):
@@ -136,7 +136,30 @@ def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path):
     assert not arms["flashinfer"]["ran"]
     bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
                                     "--arms", "v2"])
-    assert bad.exit_code != 0 and "eager, captured, flashinfer" in bad.output
+    assert bad.exit_code != 0 and "eager, captured, eager-tc, captured-tc, flashinfer" \
+        in bad.output
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
+                                    "--model", "llama9"])
+    assert bad.exit_code != 0 and "--model must be one of" in bad.output
+
+
+def test_bench_engine_suite_model_heads_and_tensor_core_arms(run, tmp_path):
+    # the reference backend has no tensor-core partial: those arms are reported, not run
+    res = run("bench", "--backend", "reference", "--suite", "engine", "--layers", "2",
+              "--steps", "3", "--batch", "2", "--context", "40", "--model", "llama3-70b-tp8",
+              "--arms", "eager,eager-tc")
+    assert res.exit_code == 0, res.output
+    assert "llama3-70b-tp8 B2 ctx40 L2 x3 8/1x128" in res.output
+    assert "eager-tc    not run" in res.output and "v2tc" in res.output
+    # on the emulated CUDA backend they run and are checked against the oracle
+    out = tmp_path / "tc.json"
+    res = run("bench", "--backend", "emulated-cuda", "--suite", "engine", "--layers", "2",
+              "--steps", "3", "--batch", "2", "--context", "40", "--dtype", "float16",
+              "--arms", "eager-tc,captured-tc", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    arms = json.loads(out.read_text())["results"][0]["arms"]
+    for name in ("eager-tc", "captured-tc"):
+        assert arms[name]["ran"] and arms[name]["verified"], arms[name]
 
 
 def test_an_engine_arm_with_a_wrong_answer_fails_verification():

@@ -34,6 +34,8 @@
 #   append-host host time of one PagePool.append_batch, 128 sequences x 1 token x 32 layers
 #   engine      the step-table / engine-step GPU tests, then bench --suite engine (eager,
 #               captured, flashinfer; batch 8/64/128, 32 layers; run fi first) + its plot
+#   engine-models  bench --suite engine --model M (ENGINE_MODELS, default qwen2-7b) at batch
+#               64 / 128: captured on v2 and on v2tc against FlashInfer (run fi first)
 #   fi-compat   tests/test_fi_gpu.py: the FlashInfer shim side by side with FlashInfer 0.3.1
 #               over its decode-test geometries, graph replay after a re-plan, merges and
 #               append (run fi first; -v prints the worst gaps), log in $OUT/fi_compat.log
@@ -120,8 +122,9 @@ step_adr() {
   run_bench adr --preset adr --arms ${BENCH_ARMS:-gather,v1,v2} --csv "$OUT/bench_adr.csv" \
     --write-crossover "$OUT/nvidia-h200.json"
 }
-step_crossover() {
-  run_bench crossover --preset crossover --arms ${BENCH_ARMS:-v1,v2,v2tc} \
+step_crossover() {   # 117 cells: over 260 s (run N4); give it a command of its own
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-570} REPS=${BENCH_REPS:-10} run_bench crossover \
+    --preset crossover --arms ${BENCH_ARMS:-v1,v2,v2tc} \
     --write-crossover "$OUT/nvidia-h200.json" | tail -12
 }
 step_variants() { run_bench variants --preset variants --arms ${BENCH_ARMS:-v2,sdpa}; }
@@ -185,6 +188,15 @@ step_engine() {
   timeout 500 paged-decode bench --backend cuda --suite engine --json "$OUT/engine.json" \
     --plot "$OUT/engine.png" > "$OUT/engine.txt" 2>&1
   echo "engine bench rc=$?"; tail -16 "$OUT/engine.txt"
+}
+step_engine_models() {   # the engine step on GQA 7 and 8, CUDA-core v2 against v2tc
+  local m
+  for m in ${ENGINE_MODELS:-qwen2-7b}; do
+    timeout 300 paged-decode bench --backend cuda --suite engine --model $m --batch 64 \
+      --batch 128 --arms captured,captured-tc,flashinfer --json "$OUT/engine_$m.json" \
+      > "$OUT/engine_$m.txt" 2>&1
+    echo "engine $m rc=$?"; tail -7 "$OUT/engine_$m.txt"
+  done
 }
 
 step_fi_compat() {

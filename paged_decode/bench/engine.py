@@ -8,6 +8,8 @@ token in every layer and every layer decodes the whole batch. Arms:
   launches on fixed buffers, as an engine with static buffers makes them);
 - ``captured``: the same step recorded once (``DecodeStep.capture``; a CUDA graph on the
   ``cuda`` backend) and replayed after every ``begin`` (recaptured when stale);
+- ``eager-tc`` / ``captured-tc`` (named with ``--arms``): the same two on the tensor-core
+  partial (``DecodeStep(path="v2tc")``; CUDA, 16-bit pools);
 - ``flashinfer`` (CUDA, when importable): per step ``append_paged_kv_cache`` for every
   layer, one ``plan`` and ``run`` per layer, on FlashInfer's own cache of the same shape,
   with the page table kept on the host as an engine keeps it.
@@ -30,12 +32,15 @@ import numpy as np
 from ..backends import Backend
 from ..dtypes import numpy_dtype
 from ..engine_step import DecodeStep
+from ..errors import UnsupportedProblemError
 from ..pool import PagePool
 from ..reference import max_rel_error, oracle_decode
 from .engine_case import EngineArm, EngineCase, mean_us, median_us, prompts
 from .engine_flashinfer import run_flashinfer
 
 ENGINE_ARMS = ("eager", "captured", "flashinfer")
+#: every arm ``--arms`` may name (the default set is ENGINE_ARMS)
+ALL_ENGINE_ARMS = ("eager", "captured", "eager-tc", "captured-tc", "flashinfer")
 
 
 def _pool(be: Backend, case: EngineCase, seed: int) -> tuple[PagePool, list[int]]:
@@ -70,9 +75,11 @@ def _check(be: Backend, pool: PagePool, step: DecodeStep, layer: int, q: Any,
 
 
 def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
-    """The ``eager`` or ``captured`` arm."""
+    """The ``eager`` or ``captured`` arm (``-tc``: on the tensor-core partial)."""
     pool, seqs = _pool(be, case, seed)
-    step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom)
+    mode, _, tc = arm.partition("-")
+    step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom,
+                      path="v2tc" if tc else "v2")
     cap, dt = step.capacity, numpy_dtype(case.dtype)
     rng = np.random.default_rng(seed + 2)
 
@@ -98,7 +105,7 @@ def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> Engin
         t0 = time.perf_counter()
         with timer:
             step.begin()
-            if arm == "eager":
+            if mode == "eager":
                 body(step)
             elif graph is None or graph.stale:
                 graph = step.capture(body)
@@ -168,7 +175,10 @@ def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = 
                     got[arm] = EngineArm(arm, False, case.dtype,
                                          note=f"failed: {type(exc).__name__}: {exc}"[:300])
             else:
-                got[arm] = run_ours(be, case, arm)
+                try:
+                    got[arm] = run_ours(be, case, arm)
+                except UnsupportedProblemError as exc:    # e.g. v2tc off CUDA or on f32
+                    got[arm] = EngineArm(arm, False, case.dtype, note=str(exc)[:300])
             if progress:
                 progress(f"{case.label} {arm}")
         out.append((case, got))
@@ -178,18 +188,18 @@ def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = 
 def report(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> str:
     """A text table: per case and arm, step / host / GPU microseconds, the step time
     against FlashInfer's where it ran, the oracle errors, replans."""
-    lines = [f"{'case':44} {'arm':10} {'step us':>10} {'mean us':>10} {'host us':>10} "
+    lines = [f"{'case':44} {'arm':11} {'step us':>10} {'mean us':>10} {'host us':>10} "
              f"{'gpu us':>10} {'vs FI':>7} {'max err':>9} replans"]
     for case, arms in results:
         fi = arms.get("flashinfer")
         for name, a in arms.items():
             if not a.ran:
-                lines.append(f"{case.label:44} {name:10} not run: {a.note}")
+                lines.append(f"{case.label:44} {name:11} not run: {a.note}")
                 continue
             ratio = (a.step_us / fi.step_us if fi is not None and fi.ran
                      and name != "flashinfer" else float("nan"))
             err = max(a.errors) if a.errors else float("nan")
-            lines.append(f"{case.label:44} {name:10} {a.step_us:10.1f} {a.mean_us:10.1f} "
+            lines.append(f"{case.label:44} {name:11} {a.step_us:10.1f} {a.mean_us:10.1f} "
                          f"{a.host_us:10.1f} {a.gpu_us:10.1f} {ratio:7.2f} {err:9.2e} "
                          f"{a.replans}")
     return "\n".join(lines)
@@ -228,5 +238,5 @@ def to_dict(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> list[dict
             for c, arms in results]
 
 
-__all__ = ["ENGINE_ARMS", "EngineArm", "EngineCase", "plot", "report", "run_engine",
-           "run_ours", "to_dict"]
+__all__ = ["ALL_ENGINE_ARMS", "ENGINE_ARMS", "EngineArm", "EngineCase", "plot", "report",
+           "run_engine", "run_ours", "to_dict"]

@@ -22,10 +22,12 @@ class EngineCase:
     head_dim: int = 128
     dtype: str = "float16"
     headroom: int = 64
+    model: str = ""                # the models-preset layout of the heads ("": as given)
 
     @property
     def label(self) -> str:
-        return (f"B{self.batch} ctx{self.context} L{self.layers} x{self.steps} "
+        name = f"{self.model} " if self.model else ""
+        return (f"{name}B{self.batch} ctx{self.context} L{self.layers} x{self.steps} "
                 f"{self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim} {self.dtype}")
 
 
