@@ -397,3 +397,34 @@ def test_bad_ragged_split_raises(monkeypatch, value):
 def test_device_info_rejects_a_bad_ragged_split(value):
     with pytest.raises(InvalidArgumentError, match="DeviceInfo: ragged_split"):
         _ragged_device(value)
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_ragged_split_plans_decode_like_the_oracle(backend):
+    """A plan the ragged rule cut (long requests split, short ones whole) gives the
+    float64 oracle's answer through the kernels' split and merge."""
+    from helpers import assert_matches_oracle
+
+    import paged_decode as pd
+    from paged_decode.backends import availability
+    from paged_decode.reference import oracle_decode
+    if not availability(backend).ok:
+        pytest.skip(availability(backend).reason)
+    be = pd.get_backend(backend)
+    table = table_of(lengths=[8, 150, 20, 170, 30, 12], page_size=8)  # max > 1.25 x mean
+    rng = np.random.default_rng(3)
+    num_pages = int(table.indices.max()) + 1
+    kp, vp = (rng.standard_normal((num_pages, 8, 2, 64)).astype(np.float32) for _ in "kv")
+    q = rng.standard_normal((6, 8, 64)).astype(np.float32)
+    dev = DeviceInfo("x", "fake", compute_units=1, ctas_per_unit=2, min_chunk_tokens=16,
+                     ragged_split=0.5)
+    plan = plan_decode(table, 8, 2, 64, device=dev)
+    assert plan.needs_merge and max(plan.chunks_per_request) > 1 \
+        and min(plan.chunks_per_request) == 1
+    out, lse = pd.decode(be.asarray(q), be.asarray(kp), be.asarray(vp), table, plan,
+                         return_lse=True, backend=backend)
+    want, want_lse = oracle_decode(q, kp, vp, table)
+    assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), want, want_lse, "float32")
+    # the rule off: one chunk each, the same answer
+    whole = plan_decode(table, 8, 2, 64, device=dataclasses.replace(dev, ragged_split=0.0))
+    assert not whole.needs_merge
