@@ -92,6 +92,11 @@ class DecodeStep:
         self.num_layers = pool.num_layers or 1
         self.table = pool.step_table(seqs, capacity=capacity)
         self.plan = self._plan()
+        #: begins the plan surely serves without a check: a plan with headroom H covers
+        #: every request's length + H, and a begin adds one token per row; any other
+        #: change to the pool or the batch (seen through the pool's version) sets it to 0
+        self._unchecked_begins = self.headroom
+        self._pool_version = pool._version
         self.replans = 0
         self.steps = 0
         self._batch: AppendedBatch | None = None
@@ -120,6 +125,7 @@ class DecodeStep:
         graph valid unless a replan is needed)."""
         self.table.set_sequences(seqs)
         self._batch = None
+        self._unchecked_begins = 0
 
     def begin(self, like: Any = None) -> AppendedBatch:
         """Start a step: one new token slot per live sequence (``reserve_batch``), the
@@ -127,7 +133,10 @@ class DecodeStep:
         if a sequence outgrew the plan. Device work runs on the stream of ``like`` (an
         engine array; default: the pool's ``k``). Returns the reservation."""
         rows, ids, pool_rows = self.table.live_rows()
+        if self.pool._version != self._pool_version:   # changed outside this step
+            self._unchecked_begins = 0
         batch = self.pool._reserve_rows(ids, pool_rows)
+        self._pool_version = self.pool._version
         desc = np.zeros((5, self.capacity), np.int32)
         w = batch.write.desc                     # one column per sequence, in order
         desc[:, :w.shape[1]] = w
@@ -138,7 +147,10 @@ class DecodeStep:
                 self._desc = self.backend.load_int32(self._desc, desc)
             else:      # array ops and the Metal dialect read the host descriptor
                 self._desc = desc
-        self._replan_if_needed()
+        if self._unchecked_begins > 0:
+            self._unchecked_begins -= 1
+        else:
+            self._replan_if_needed()
         self._batch = batch
         self.steps += 1
         return batch
@@ -241,6 +253,7 @@ class DecodeStep:
             self.plan = self._plan(hint=self.plan.pages_per_chunk)
             self.replans += 1
             self._prepared.clear()      # launches of the old plan
+            self._unchecked_begins = self.headroom
 
     def _current(self, fn: str) -> AppendedBatch:
         b = self._batch

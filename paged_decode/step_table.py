@@ -207,7 +207,8 @@ class StepTable:
     # ------------------------------------------------------------------ the pool's events
     def _on_append(self, ids: np.ndarray, first_changed: np.ndarray) -> None:
         """Sequences ``ids`` appended; their page ids from ``first_changed`` on are new."""
-        if ids.size == self._n_live and np.array_equal(ids, self._ids[:ids.size]):
+        if ids is self._live_rows[1] or (ids.size == self._n_live
+                                         and np.array_equal(ids, self._ids[:ids.size])):
             t = np.arange(ids.size)                 # the engine's case: the batch in order
             fc = first_changed
         else:

@@ -203,3 +203,48 @@ def test_soft_cap_and_sinks_apply_to_every_layer_of_the_step(backend, monkeypatc
             assert_matches_oracle(out, lse, *want, "float32", f"step {it} layer {layer}")
     plain = oracle_decode(q, np.asarray(kk), np.asarray(vv), step.table.page_table())
     assert np.abs(out - plain[0]).max() > 1e-2          # the variants changed the answer
+
+
+def test_the_plan_check_is_skipped_only_within_the_headroom(monkeypatch):
+    # (decode's own prepare still checks each new table version on array-op backends)
+    """begin() skips the O(B) plan check for the `headroom` begins a plan surely serves,
+    and checks (and replans) as soon as anything else changed the pool or the batch."""
+    rng = np.random.default_rng(4)
+    pool, step = _setup("reference", rng, headroom=3)
+    checks = []
+    real = step._replan_if_needed
+
+    def counting():
+        checks.append(step.steps)
+        real()
+    monkeypatch.setattr(step, "_replan_if_needed", counting)
+    cap = step.capacity
+    q = rng.standard_normal((cap, HQ, D)).astype(np.float32)
+
+    def run_step():
+        step.begin()
+        out = np.full((cap, HQ, D), np.nan, np.float32)
+        step.decode(0, q, out=out)
+        want, _ = _oracle(pool, step, 0, q)
+        live = step.table.live_rows()[0]
+        assert_matches_oracle(out[live], None, want[live], None, "float32")
+
+    for _ in range(3):          # within the headroom of the first plan: no check
+        run_step()
+    assert checks == [] and step.replans == 0
+    run_step()                  # the 4th begin: checked
+    assert checks == [3]
+    # a change outside the step (a long append to one sequence) is checked at the next
+    # begin and replans: the sequence outgrew the plan
+    s = int(step.sequences[0])
+    x = rng.standard_normal((L, 40, HKV, D)).astype(np.float32)
+    pool.append(s, x, x)
+    replans = step.replans
+    run_step()
+    assert step.replans == replans + 1
+    n = len(checks)
+    run_step()                  # a fresh plan: its headroom again
+    assert len(checks) == n
+    step.set_sequences(step.table.live_rows()[1][:2])     # the batch changed: checked
+    run_step()
+    assert len(checks) == n + 1
