@@ -126,8 +126,9 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                    return_lse: bool = False, out_dtype: str | None = None,
                    backend: str | Backend | None = None,
                    cascade: Any = None, window_left: int = -1,
-                   logits_soft_cap: float | None = None,
-                   sinks: Any = None) -> PreparedDecode | PreparedCascade:
+                   logits_soft_cap: float | None = None, sinks: Any = None,
+                   kv_dtype: str | None = None, k_scale: Any = None,
+                   v_scale: Any = None) -> PreparedDecode | PreparedCascade:
     """Prepare ``decode(q, k_pages, v_pages, table, plan, ...)`` for repeated launches.
 
     Arguments are ``decode``'s (shapes: ``q [B, Hq, D]``, pools
@@ -137,7 +138,8 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
     prefix, a flat decode). ``out`` and ``lse`` are allocated here when not given and
     returned by every call. The arrays stay bound to the prepared call: update them in
     place (``sinks`` too). ``window_left``, ``logits_soft_cap`` and ``sinks`` are
-    ``decode``'s variants, fixed for the prepared call.
+    ``decode``'s variants, fixed for the prepared call, and so are an fp8 pool's
+    ``kv_dtype``, ``k_scale`` and ``v_scale``.
     """
     fn = "prepare_decode"
     with settings.bound(settings.snapshot()):
@@ -147,7 +149,9 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                             sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                             out_dtype=out_dtype, cascade=cascade,
                             variants={"window_left": window_left,
-                                      "logits_soft_cap": logits_soft_cap, "sinks": sinks})
+                                      "logits_soft_cap": logits_soft_cap, "sinks": sinks,
+                                      "kv_dtype": kv_dtype, "k_scale": k_scale,
+                                      "v_scale": v_scale})
         kind, a, setup, bound = made
         if kind == "cascade":
             return PreparedCascade(be, a, setup, **bound)

@@ -19,7 +19,8 @@ from .kernels.registry import kernel_def
 
 ASSERT_NO_COMPILE_ENV = "PAGED_DECODE_ASSERT_NO_COMPILE"
 
-SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "int32": "i32"}
+SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "int32": "i32",
+         "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 V2_NUM_WARPS = 4
 V1_NUM_WARPS = 8

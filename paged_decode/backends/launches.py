@@ -123,18 +123,21 @@ def _cap_log2(soft_cap: float | None) -> np.float32:
 def partial_launch(*, dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: float,
                    q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                    request_indices: Any, kv_tile_indices: Any, v_out: Any,
-                   lse_out: Any, soft_cap: float | None = None, sinks: Any = None) -> Launch:
+                   lse_out: Any, soft_cap: float | None = None, sinks: Any = None,
+                   v_scale: float = 1.0) -> Launch:
     """The v2 partial: grid (C chunks, Hkv * q_groups). ``dtypes`` = (q, kv, out);
     ``table`` = the four CSR arrays in ``TABLE_FIELDS`` order. ``soft_cap`` (natural
     units) and ``sinks`` (``[Hq]`` float32, joined at the store: only for a partial that
     writes the output) pick the specialization; without sinks ``q`` stands in for the
-    unread pointer."""
+    unread pointer. ``v_scale``: an fp8 pool's V scale, multiplying every row (1 for
+    other pools; an fp8 pool's K scale is already in ``sm_scale``)."""
     spec = v2_spec(*dtypes, plan.head_dim, plan.page_size, plan.heads_per_cta,
                    soft_cap=soft_cap is not None, sink=sinks is not None)
     args = _chunk_args(plan, sm_scale, ("q_groups", plan.q_groups), q, k_pages, v_pages,
                        table, request_indices, kv_tile_indices, v_out, lse_out,
                        sinks=q if sinks is None else sinks)
-    args.append(Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"))
+    args += [Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"),
+             Arg("v_scale", np.float32(v_scale), "scalar")]
     return _launch(spec, (plan.num_chunks, plan.num_kv_heads * plan.q_groups), args)
 
 
@@ -193,9 +196,11 @@ def merge_launch(*, out_dtype: str, shape: tuple[int, int, int], v: Any, lse: An
 def v1_launch(*, dtypes: tuple[str, str, str], shape: tuple[int, int, int],
               num_kv_heads: int, page_size: int, sm_scale: float, q: Any, k_pages: Any,
               v_pages: Any, table: tuple[Any, ...], out: Any, lse_out: Any,
-              soft_cap: float | None = None, sinks: Any = None) -> Launch:
+              soft_cap: float | None = None, sinks: Any = None,
+              v_scale: float = 1.0) -> Launch:
     """v1: one block per (request, query head); ``shape`` = (B, Hq, D) of ``q``;
-    ``soft_cap`` and ``sinks`` as for ``partial_launch`` (v1 always writes the output)."""
+    ``soft_cap``, ``sinks`` and ``v_scale`` as for ``partial_launch`` (v1 always writes
+    the output)."""
     b, hq, d = shape
     spec = v1_spec(*dtypes, d, page_size, soft_cap=soft_cap is not None,
                    sink=sinks is not None)
@@ -206,7 +211,8 @@ def v1_launch(*, dtypes: tuple[str, str, str], shape: tuple[int, int, int],
             Arg("num_qo_heads", np.int32(hq), "scalar"),
             Arg("num_kv_heads", np.int32(num_kv_heads), "scalar"),
             Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar"),
-            Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar")]
+            Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"),
+            Arg("v_scale", np.float32(v_scale), "scalar")]
     return _launch(spec, (b * hq, 1), args)
 
 

@@ -86,15 +86,16 @@ class LaunchingBackend(Backend):
     # ----------------------------------------------------------- kernels
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                 plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
-                soft_cap: float | None = None, sinks: Any = None) -> None:
+                soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                v_scale: float = 1.0) -> None:
         self.check_pools("decode", k_pages, v_pages)
         request_indices, kv_tile_indices = self.plan_arrays(plan)
         self._run(launches.partial_launch(
-            dtypes=(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out)), plan=plan,
-            sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
+            dtypes=(self.dtype_of(q), kv_dtype or self.dtype_of(k_pages), self.dtype_of(v_out)),
+            plan=plan, sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
             table=self.table_arrays(table), request_indices=request_indices,
             kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out, soft_cap=soft_cap,
-            sinks=sinks))
+            sinks=sinks, v_scale=v_scale))
 
     def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                    plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
@@ -119,14 +120,15 @@ class LaunchingBackend(Backend):
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                   sm_scale: float, out: Any, lse_out: Any, *,
-                  soft_cap: float | None = None, sinks: Any = None) -> None:
+                  soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                  v_scale: float = 1.0) -> None:
         self.check_pools("decode", k_pages, v_pages)
         self._run(launches.v1_launch(
-            dtypes=(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)),
+            dtypes=(self.dtype_of(q), kv_dtype or self.dtype_of(k_pages), self.dtype_of(out)),
             shape=tuple(q.shape), num_kv_heads=int(k_pages.shape[2]),
             page_size=table.page_size, sm_scale=sm_scale, q=q, k_pages=k_pages,
             v_pages=v_pages, table=self.table_arrays(table), out=out, lse_out=lse_out,
-            soft_cap=soft_cap, sinks=sinks))
+            soft_cap=soft_cap, sinks=sinks, v_scale=v_scale))
 
     def prefix_partial(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
                        plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,

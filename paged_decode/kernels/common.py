@@ -1,8 +1,11 @@
 """Device helpers shared by every CUDA kernel (prepended to each kernel's source).
 
-16-byte vector loads of K/V rows, conversion of those vectors to float, scalar loads and
-stores of q and outputs in any supported dtype, and the butterfly reductions.
+16-byte vector loads of K/V rows, conversion of those vectors to float (fp8 pools:
+``fp8_convert.py``, appended here), scalar loads and stores of q and outputs in any
+supported dtype, and the butterfly reductions.
 """
+
+from .fp8_convert import CUDA_FP8, METAL_FP8
 
 CUDA_COMMON = r"""
 #include <cuda_fp16.h>
@@ -140,7 +143,7 @@ __device__ __forceinline__ TokenRange chunk_tokens(long long npages, long long l
 __host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 
 }  // namespace pd
-"""
+""" + CUDA_FP8
 
 # Metal dialect (MLX ``metal_kernel`` header text). MLX pastes ``header`` verbatim after
 # its ``utils.h`` (``using namespace metal``, ``bfloat16_t``); template values are not
@@ -194,4 +197,4 @@ inline float group_sum(float x) {
 constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 
 }  // namespace pd
-"""
+""" + METAL_FP8
