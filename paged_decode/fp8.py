@@ -96,6 +96,19 @@ def quantize(x: Any, name: str, scale: float = 1.0) -> np.ndarray:
     return y.astype(_NUMPY[name])
 
 
+def quantize_rows(rows: Any, row_layers: int, layer0: int, name: str,
+                  scale: np.ndarray) -> np.ndarray:
+    """An append's rows ``[row_layers, N, ...]`` (or ``[N, ...]`` for one layer) quantized
+    to ``name``, row layer ``i`` with the scale of pool layer ``layer0 + i`` (``scale``
+    float32 ``[L]``): the array-op backends' append."""
+    r = np.asarray(rows)
+    lay = r.reshape(row_layers, -1)
+    out = np.empty(lay.shape, _NUMPY[name])
+    for i in range(row_layers):
+        out[i] = quantize(lay[i], name, float(scale[layer0 + i]))
+    return out.reshape(r.shape)
+
+
 @dataclass(frozen=True)
 class KVQuant:
     """The fp8 K/V of a call: its format and the layer's two scales (float32 values,
@@ -194,4 +207,5 @@ def raw_dtype_name(x: Any) -> str:
 
 __all__ = ["FORMATS", "FP8_DTYPES", "KVQuant", "ROW_DTYPES", "check_kv_quant",
            "check_layer_scales", "check_scale", "codes", "decode_table", "dequantize",
-           "is_fp8", "max_finite", "numpy_fp8", "pool_dtype", "quantize", "raw_dtype_name"]
+           "is_fp8", "max_finite", "numpy_fp8", "pool_dtype", "quantize", "quantize_rows",
+           "raw_dtype_name"]

@@ -253,6 +253,12 @@ def append_spec(dtype: str, vector_bytes: int) -> KernelSpec:
     return KernelSpec("append", dtype, 0, vector_bytes=vector_bytes)
 
 
+def append_fp8_spec(kv_dtype: str, row_dtype: str) -> KernelSpec:
+    """The quantizing pool append (``kernels/append_fp8.py``): pools of fp8 format
+    ``kv_dtype`` (``out_dtype``), rows of ``row_dtype`` (``q_dtype``)."""
+    return KernelSpec("append_fp8", kv_dtype, 0, row_dtype)
+
+
 def table_update_spec() -> KernelSpec:
     """The step-table update kernel (``kernels/table_update.py``): int32 buffers only."""
     return KernelSpec("table_update", "int32", 0)

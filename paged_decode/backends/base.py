@@ -206,7 +206,8 @@ class Backend(ABC):
     # ----------------------------------------------------------- pool writes
     @abstractmethod
     def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-                    write: AppendWrite) -> tuple[Any, Any]:
+                    write: AppendWrite, fp8: tuple[str, Any, Any] | None = None
+                    ) -> tuple[Any, Any]:
         """The K/V writes of a pool append, as ``kernels/append.py`` states them: new rows
         into their (page, slot) destinations and the copy-on-write copies; returns the
         pools (``k_pages``, ``v_pages`` written in place; new arrays on MLX).
@@ -215,6 +216,11 @@ class Backend(ABC):
         ``k_rows, v_rows [row_layers, N, Hkv, D]``, or ``[N, Hkv, D]`` for one layer, of
         any supported float dtype (converted to the pools'). The pool calls it only when
         the write touches at least one page.
+
+        fp8 pools: ``fp8 = (format, k_scale, v_scale)``, the scales float32 ``[L]`` arrays
+        of this backend (one per pool layer); each row element ``x`` written to layer
+        ``l`` is stored as ``saturate(round_ne(x / scale[l]))`` (``fp8.quantize``; the
+        copies move stored bytes), on the kernel backends by ``kernels/append_fp8.py``.
         """
 
     # ----------------------------------------------------------- step tables

@@ -32,6 +32,7 @@ from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported fo
     V2TC_DTYPES,
     V2TC_MAX_GROUP,
     KernelSpec,
+    append_fp8_spec,
     append_spec,
     merge_spec,
     prefix_fits,
@@ -249,21 +250,47 @@ def append_launch(*, write: append.AppendWrite, dtype: str, vector_bytes: int,
     layer when the call copies a shared page but writes rows to one layer only, else the
     layers written. Metal (``outs`` = the new pools): ``desc`` sorted by page
     (``write.by_page()``), grid one threadgroup per (page, layer)."""
-    *lead, num_pages, page_size, hkv, d = (int(x) for x in pool_shape)
+    *_, hkv, d = (int(x) for x in pool_shape)
+    pools = [Arg("k_pages", k_pages, "out" if outs is None else "in"),
+             Arg("v_pages", v_pages, "out" if outs is None else "in")]
+    return _append(append_spec(dtype, vector_bytes), write, pool_shape,
+                   _ins(("k_rows", "v_rows", "desc"), (k_rows, v_rows, desc)) + pools,
+                   ("row_words", hkv * d * itemsize(dtype) // vector_bytes), outs)
+
+
+def append_fp8_launch(*, write: append.AppendWrite, kv_dtype: str, row_dtype: str,
+                      pool_shape: tuple[int, ...], k_rows: Any, v_rows: Any, desc: Any,
+                      k_pages: Any, v_pages: Any, k_scale: Any, v_scale: Any,
+                      outs: tuple[Any, Any] | None = None) -> Launch:
+    """The quantizing append into fp8 pools (``kernels/append_fp8.py``): ``append_launch``'s
+    grid and arguments, rows of ``row_dtype`` (C-contiguous), the layers' scales
+    ``k_scale``, ``v_scale`` (float32 ``[L]`` backend arrays) after the pools, and
+    ``row_elems`` (``Hkv * D``) for ``row_words``."""
+    *_, hkv, d = (int(x) for x in pool_shape)
+    pools = [Arg("k_pages", k_pages, "out" if outs is None else "in"),
+             Arg("v_pages", v_pages, "out" if outs is None else "in")]
+    return _append(append_fp8_spec(kv_dtype, row_dtype), write, pool_shape,
+                   _ins(("k_rows", "v_rows", "desc"), (k_rows, v_rows, desc)) + pools
+                   + _ins(("k_scale", "v_scale"), (k_scale, v_scale)),
+                   ("row_elems", hkv * d), outs)
+
+
+def _append(spec: KernelSpec, write: append.AppendWrite, pool_shape: tuple[int, ...],
+            args: list[Arg], row_size: tuple[str, int], outs: tuple[Any, Any] | None
+            ) -> Launch:
+    """The grid and scalars both append kernels share (after their buffer arguments
+    ``args``): CUDA (``outs`` None) grid (T, layers), Metal one block per (page, layer)
+    and the new pools ``outs`` as outputs. ``row_size``: the kernel's row-length scalar."""
+    *lead, num_pages, page_size, _, _ = (int(x) for x in pool_shape)
     num_layers = lead[0] if lead else 1
-    row_words = hkv * d * itemsize(dtype) // vector_bytes
-    spec = append_spec(dtype, vector_bytes)
     all_layers = write.row_layers < num_layers and write.copies
     grid_layer0, grid_layers = (0, num_layers) if all_layers else (write.layer0,
                                                                      write.row_layers)
-    pool_role = "out" if outs is None else "in"
-    args = [*_ins(("k_rows", "v_rows", "desc"), (k_rows, v_rows, desc)),
-            Arg("k_pages", k_pages, pool_role), Arg("v_pages", v_pages, pool_role)]
     scalars = [("num_touched", write.num_touched), ("num_rows", write.num_rows),
-               ("row_words", row_words), ("page_size", page_size), ("num_pages", num_pages),
+               row_size, ("page_size", page_size), ("num_pages", num_pages),
                ("grid_layer0", grid_layer0), ("layer0", write.layer0),
                ("row_layers", write.row_layers), ("copy_cow", int(write.copy_cow))]
-    args += [Arg(n, np.int32(v), "scalar") for n, v in scalars]
+    args = args + [Arg(n, np.int32(v), "scalar") for n, v in scalars]
     if outs is None:
         return _launch(spec, (write.num_touched, grid_layers), args)
     args += [Arg("k_out", outs[0], "out"), Arg("v_out", outs[1], "out")]

@@ -17,7 +17,7 @@ from .. import settings
 from ..device import DeviceInfo
 from ..dtypes import as_float32, dtype_name, numpy_dtype
 from ..errors import InvalidDtypeError
-from ..fp8 import dequantize, is_fp8
+from ..fp8 import dequantize, is_fp8, quantize_rows
 from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
@@ -154,11 +154,17 @@ class ReferenceBackend(Backend):
 
     # ----------------------------------------------------------- pool writes
     def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-                    write: AppendWrite) -> tuple[Any, Any]:
-        """Row copies on flat views of the pools (numpy writes through them)."""
+                    write: AppendWrite, fp8: tuple[str, Any, Any] | None = None
+                    ) -> tuple[Any, Any]:
+        """Row copies on flat views of the pools (numpy writes through them); fp8 pools
+        take their rows quantized (``fp8.quantize``, each layer with its scale)."""
         *lead, num_pages, page_size, hkv, d = k_pages.shape
         c_dst, c_src, w_dst, w_src = write.flat_rows(lead[0] if lead else 1, num_pages,
                                                      page_size)
+        if fp8 is not None:
+            k_rows, v_rows = (quantize_rows(rows, write.row_layers, write.layer0, fp8[0],
+                                            np.asarray(scale))
+                              for rows, scale in ((k_rows, fp8[1]), (v_rows, fp8[2])))
         for pages, rows in ((k_pages, k_rows), (v_pages, v_rows)):
             if not pages.flags.c_contiguous:     # the pool's own arrays always are
                 raise RuntimeError("reference append_rows: pools must be C-contiguous (the "
@@ -166,8 +172,9 @@ class ReferenceBackend(Backend):
             flat = pages.reshape(-1, hkv * d)
             if c_dst.size:
                 flat[c_dst] = flat[c_src]
-            flat[w_dst] = np.asarray(rows).reshape(-1, hkv * d)[w_src].astype(
-                pages.dtype, copy=False)
+            src = np.asarray(rows).reshape(-1, hkv * d)[w_src]
+            flat[w_dst] = src.view(np.uint8) if fp8 is not None and pages.dtype == np.uint8 \
+                else src.astype(pages.dtype, copy=False)
         return k_pages, v_pages
 
     # ----------------------------------------------------------- kernels
