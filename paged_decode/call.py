@@ -270,6 +270,8 @@ def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str,
     if not tc and a.variant.soft_cap is not None and tc_level0_applies(be, cplan, a.q_dt,
                                                                         a.kv_dt):
         level0 += " (the tensor-core prefix kernel has no logits soft cap)"
+    if a.variant.kv is not None and be.device_info().prefix_tile_rows:
+        level0 += " (the tensor-core prefix kernel reads 16-bit pools only)"
     detail = "; ".join(x for x in (f"{cplan.prefix.describe()}; level 0: {level0}",
                                    a.variant.describe()) if x)
     outcome = DecodeOutcome("cascade", be.name, a.b, a.table.total_visible,

@@ -130,7 +130,8 @@ def check_scale(fn: str, arg: str, value: Any) -> float:
         v = v.reshape(()).item()
     ok = (isinstance(v, (int, float, np.integer, np.floating))
           and not isinstance(v, (bool, np.bool_)))
-    f32 = float(np.float32(v)) if ok and math.isfinite(float(v)) else math.nan
+    with np.errstate(over="ignore"):     # beyond float32: inf, refused below
+        f32 = float(np.float32(v)) if ok and math.isfinite(float(v)) else math.nan
     if not ok or not math.isfinite(f32) or f32 <= 0:
         raise InvalidArgumentError(f"{fn}: {arg} must be a positive finite float32 number, "
                                    f"got {value!r}")
