@@ -52,7 +52,8 @@ _METAL_TEST = r"""
   const uint t = thread_position_in_threadgroup.x;
   for (uint i = t; i < 64u; i += 32u) {
     const float4 f = pd::load4kv<FMT>(codes + 4 * i);
-    widened[4 * i] = f.x; widened[4 * i + 1] = f.y; widened[4 * i + 2] = f.z; widened[4 * i + 3] = f.w;
+    widened[4 * i] = f.x; widened[4 * i + 1] = f.y;
+    widened[4 * i + 2] = f.z; widened[4 * i + 3] = f.w;
   }
   for (uint i = t; i < 256u; i += 32u) scalar[i] = pd::fp8_to_float<FMT>(i);
   for (uint i = t; i < uint(n); i += 32u) q[i] = pd::fp8_from_float<FMT>(x[i]);
@@ -219,14 +220,40 @@ def test_scales_enter_exactly_as_the_convention_says():
     assert not np.allclose(o4, base)      # the K scale changes the softmax
 
 
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_fp8_nan_code_poisons(backend_name):
+    """A NaN code in the cache (e4m3fn's S.1111.111, which a sloppy widen reads as 480)
+    poisons its KV head's query heads, NaN output and LSE, and nothing else."""
+    be = get_backend(backend_name)
+    q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn")
+    k = k.copy()
+    page = int(table.indices[table.indptr[2]])
+    k.view(np.uint8)[page, 13, 1, 7] = 0x7F        # request 2, token 1, KV head 1
+    out, lse = _decode(be, q, k, v, table, "v2", 10 ** 6, "float32", k_scale=ks,
+                       v_scale=vs)
+    g = HQ // HKV
+    assert np.isnan(out[2, g:]).all() and np.isnan(lse[2, g:]).all()
+    assert np.isfinite(out[2, :g]).all() and np.isfinite(out[0]).all()
+
+
 # ---------------------------------------------------------------------------- pools
 _SPECIAL = np.array([np.nan, -np.nan, np.inf, -np.inf, 1e6, -1e6, 0.0, -0.0, 1e-12, -1e-12],
                     np.float32)
 
 
-def _rows(rng, n, amp=1.0):
+def _ties(fmt: str) -> np.ndarray:
+    """Exact midpoints between consecutive finite values of ``fmt``, times 0.5 (layer 1's
+    K scale, a power of two: x / scale stays exact), both signs: round to even decides."""
+    vals = np.unique(fp8.decode_table(fmt)[np.isfinite(fp8.decode_table(fmt))])
+    m = ((vals[1:].astype(np.float64) + vals[:-1]) / 2 * 0.5).astype(np.float32)
+    return np.concatenate([m, -m])
+
+
+def _rows(rng, n, amp=1.0, fmt="float8_e4m3fn"):
     x = (rng.standard_normal((2, n, HKV, D)) * amp).astype(np.float32)
     x[0, 0, 0, :_SPECIAL.size] = _SPECIAL
+    ties = _ties(fmt)[: n * HKV * D]
+    x[1].reshape(-1)[:ties.size] = ties
     return x
 
 
@@ -254,12 +281,12 @@ def test_append_quantizes_like_ml_dtypes(backend_name, fmt):
     pool = pd.PagePool(24, P, HKV, D, dtype=fmt, num_layers=2, k_scale=ks, v_scale=vs,
                        backend=be)
     a, b = pool.new_sequence(), pool.new_sequence()
-    pa, pb = _rows(rng, 21, 3.0), _rows(rng, 5)
+    pa, pb = _rows(rng, 21, 3.0, fmt), _rows(rng, 5, 1.0, fmt)
     with np.errstate(over="ignore"):      # 1e6 as float16 is inf: saturated too
         pool.append(a, pa, pa.astype(np.float16))
     pool.append(b, pb, pb.astype(ml_dtypes.bfloat16))
     c = pool.fork(a)
-    step = _rows(rng, 3, 10.0)
+    step = _rows(rng, 3, 10.0, fmt)
     with np.errstate(over="ignore"):
         pool.append_batch([a, b, c], step, step.astype(np.float16))
     want = {a: np.concatenate([pa, step[:, :1]], 1), b: np.concatenate([pb, step[:, 1:2]], 1),
