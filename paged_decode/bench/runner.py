@@ -168,7 +168,7 @@ def _verify(be: Backend, out: Any, q: Any, k: Any, v: Any, table: PageTable,
         ids = xp.asarray(np.asarray(table.request_pages(r), dtype=np.int64))
         fpo, n = int(table.first_page_offset[r]), int(table.visible_lens[r])
         kv = []
-        for pool, scale in ((k, vk.get("k_scale")), (v, vk.get("v_scale"))):
+        for pool, scale in ((k, vk.get("k_scale", 1.0)), (v, vk.get("v_scale", 1.0))):
             rows = be.to_numpy(pool[ids])
             run = rows.reshape(-1, *rows.shape[2:])[fpo:fpo + n]
             run = (fp8.dequantize(run, vk["kv_dtype"], scale).astype(np.float64)
