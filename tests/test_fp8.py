@@ -514,3 +514,18 @@ def test_pool_refuses_scales_for_float_pools_and_fp8_rows():
     with pytest.raises(InvalidDtypeError, match="^PagePool.append: k must have dtype in "
                                                 r"\(float16, bfloat16, float32\)"):
         pool.append(s, rows, rows)
+
+
+def test_fp8_specializations_compile_for_sm90():
+    """Every fp8 kernel specialization compiles with the machine's NVRTC (or nvcc) for
+    sm_90, so ptxas checks the sm_89+ ``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2`` widen the
+    emulator never runs (the GPU tests check its values)."""
+    from paged_decode import cuda_compile
+    from paged_decode.specs import append_fp8_spec, v1_spec, v2_spec
+    if cuda_compile.available() is None:
+        pytest.skip("neither NVRTC nor nvcc is available")
+    specs = [v2_spec(q, f, o, d, 16, qh) for f in FORMATS for q in ("float16", "bfloat16")
+             for o in (q, "float32") for d, qh in ((128, 4), (64, 8))]
+    specs += [v1_spec("float16", f, "float16", 128, 16) for f in FORMATS]
+    specs += [append_fp8_spec(f, r) for f in FORMATS for r in fp8.ROW_DTYPES]
+    cuda_compile.compile_specs(specs)

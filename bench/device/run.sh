@@ -46,6 +46,13 @@
 #   v2tc-sanitize  compute-sanitizer memcheck, racecheck and synccheck over the v2tc GPU
 #               tests (-k v2tc; the graph-capture tests included)
 #   ncu-v2tc    ncu profiles of the v2tc and v2 partials at 8 x 8K, GQA 4 (32/8) and 16 (32/2)
+#   fp8         issue #14 item 1 (run fi first): the fp8 GPU tests (tests/test_fp8_gpu.py: the
+#               sm_90 cvt widen over all 256 codes, decode and append on CuPy bytes and torch
+#               fp8 tensors), then float16 pools against float8_e4m3fn pools (and e5m2, v2
+#               only) at 32/8 x 128, float16 queries, batch 8/32/128 x 8K/32K (float16 K/V
+#               of 256 MB to 8 GB; target: fp8 >= 1.8x faster than float16 in GPU time),
+#               our v2 and v1 beside FlashInfer's decode on the same fp8 pools (target:
+#               <= 0.95x FlashInfer's time where it runs)
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
@@ -216,6 +223,16 @@ step_ncu_v2tc() {
     done
   done
   grep -E "^==|Duration|Throughput|Registers|Achieved Occupancy|Block Limit|Issued|Stall" "$OUT/ncu_v2tc.txt" | head -80
+}
+
+step_fp8() {
+  python3 -m pytest -q tests/test_fp8_gpu.py -m gpu -rs > "$L/fp8_gpu_tests.log" 2>&1
+  echo "fp8 gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/fp8_gpu_tests.log" | tail -8
+  local arms=${BENCH_ARMS:-v2,v1,flashinfer,flashinfer-tc}
+  local cells="--preset targets --context 8192 --context 32768 --batch 8 --batch 32 --batch 128"
+  run_bench fp8_f16 $cells --arms $arms
+  run_bench fp8_e4m3 $cells --kv-dtype float8_e4m3fn --arms $arms
+  run_bench fp8_e5m2 $cells --kv-dtype float8_e5m2 --arms v2
 }
 
 for s in "$@"; do
