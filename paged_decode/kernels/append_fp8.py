@@ -19,7 +19,7 @@ accesses, so inputs in MLX's constant space (fewer than 8 elements) work too.
 
 from __future__ import annotations
 
-from .append import THREADS
+from .append import CUDA_APPEND_COMMON, METAL_APPEND_COMMON, THREADS
 from .common import CUDA_COMMON, METAL_COMMON
 from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue, metal_fp8
 
@@ -37,35 +37,24 @@ __global__ void __launch_bounds__(128) pd_append_fp8(
     const float* __restrict__ v_scale,           // [L]
     int num_touched, int num_rows, int row_elems, int page_size, int num_pages,
     int grid_layer0, int layer0, int row_layers, int copy_cow) {
-  const int t = blockIdx.x;
   const int l = grid_layer0 + (int)blockIdx.y;
-  const int page = desc[t];
-  const int src = desc[num_touched + t];
-  const int row0 = desc[2 * num_touched + t];
-  const int lo = desc[3 * num_touched + t];
-  const int hi = desc[4 * num_touched + t];
-  const bool copy = copy_cow != 0 && src != page;      // slots [0, lo) from src
-  const bool rows_here = l >= layer0 && l < layer0 + row_layers;
-  const long long first = copy ? 0 : (long long)lo * row_elems;
-  const long long last = (long long)(rows_here ? hi : (copy ? lo : 0)) * row_elems;
-  const long long layer_elems = (long long)l * num_pages * page_size * row_elems;
-  const long long dst0 = layer_elems + (long long)page * page_size * row_elems;
-  const long long src0 = layer_elems + (long long)src * page_size * row_elems;
-  const long long row_base = ((long long)(l - layer0) * num_rows + row0) * row_elems;
+  const pd::AppendBlock b = pd::append_block(desc, num_touched, blockIdx.x, l, row_elems,
+                                             num_rows, page_size, num_pages, layer0,
+                                             row_layers, copy_cow);
   const float ks = k_scale[l], vs = v_scale[l];
-  for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
-    if (i < (long long)lo * row_elems) {
-      k_pages[dst0 + i] = k_pages[src0 + i];
-      v_pages[dst0 + i] = v_pages[src0 + i];
+  for (long long i = b.first + threadIdx.x; i < b.last; i += blockDim.x) {
+    if (i < (long long)b.lo * row_elems) {
+      k_pages[b.dst0 + i] = k_pages[b.src0 + i];
+      v_pages[b.dst0 + i] = v_pages[b.src0 + i];
     } else {
-      k_pages[dst0 + i] = pd::fp8_from_float<TKV>(pd::to_float(k_rows[row_base + i]) / ks);
-      v_pages[dst0 + i] = pd::fp8_from_float<TKV>(pd::to_float(v_rows[row_base + i]) / vs);
+      k_pages[b.dst0 + i] = pd::fp8_from_float<TKV>(pd::to_float(k_rows[b.row_base + i]) / ks);
+      v_pages[b.dst0 + i] = pd::fp8_from_float<TKV>(pd::to_float(v_rows[b.row_base + i]) / vs);
     }
   }
 }
 """
 
-CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
+CUDA_SOURCE = CUDA_COMMON + CUDA_APPEND_COMMON + CUDA_BODY
 
 # ---------------------------------------------------------------------------- Metal
 # Inputs: k_rows, v_rows (TIN), desc (int32 [5, T], columns sorted by page), k_pages,
@@ -76,41 +65,24 @@ METAL_INPUTS = ("k_rows", "v_rows", "desc", "k_pages", "v_pages", "k_scale", "v_
                 "num_touched", "num_rows", "row_elems", "page_size", "num_pages", "layer0",
                 "row_layers", "copy_cow")
 METAL_OUTPUTS = ("k_out", "v_out")
-METAL_HEADER = METAL_COMMON
+METAL_HEADER = METAL_COMMON + METAL_APPEND_COMMON
 
 METAL_SOURCE = r"""
-  const int page = int(threadgroup_position_in_grid.x);
   const int l = int(threadgroup_position_in_grid.y);
-  const bool rows_here = l >= layer0 && l < layer0 + row_layers;
-  // this page's column of desc, if the append touches it (columns sorted by page)
-  int a = 0, b = num_touched;
-  while (a < b) {
-    const int m = (a + b) / 2;
-    if (desc[m] < page) a = m + 1; else b = m;
-  }
-  int src = page, row0 = 0, lo = 0, hi = 0;
-  if (a < num_touched && desc[a] == page) {
-    if (copy_cow != 0) src = desc[num_touched + a];
-    row0 = desc[2 * num_touched + a];
-    lo = desc[3 * num_touched + a];
-    hi = rows_here ? desc[4 * num_touched + a] : lo;
-  }
+  const pd::AppendPage p = pd::append_page(
+      desc, num_touched, int(threadgroup_position_in_grid.x), l, row_elems, num_rows,
+      page_size, num_pages, layer0, row_layers, copy_cow);
   const float ks = k_scale[l], vs = v_scale[l];
-  const long layer_elems = long(l) * num_pages * page_size * row_elems;
-  const long dst0 = layer_elems + long(page) * page_size * row_elems;
-  const long src0 = layer_elems + long(src) * page_size * row_elems;
-  const long row_base = (long(l - layer0) * num_rows + row0) * row_elems;
-  const long n = long(page_size) * row_elems;
-  for (long i = thread_position_in_threadgroup.x; i < n; i += threads_per_threadgroup.x) {
-    if (i < long(lo) * row_elems) {             // copy-on-write source (or the page)
-      k_out[dst0 + i] = k_pages[src0 + i];
-      v_out[dst0 + i] = v_pages[src0 + i];
-    } else if (i < long(hi) * row_elems) {      // a new row, quantized
-      k_out[dst0 + i] = pd::fp8_from_float<KV_FP8>(float(k_rows[row_base + i]) / ks);
-      v_out[dst0 + i] = pd::fp8_from_float<KV_FP8>(float(v_rows[row_base + i]) / vs);
+  for (long i = thread_position_in_threadgroup.x; i < p.n; i += threads_per_threadgroup.x) {
+    if (i < long(p.lo) * row_elems) {           // copy-on-write source (or the page)
+      k_out[p.dst0 + i] = k_pages[p.src0 + i];
+      v_out[p.dst0 + i] = v_pages[p.src0 + i];
+    } else if (i < long(p.hi) * row_elems) {    // a new row, quantized
+      k_out[p.dst0 + i] = pd::fp8_from_float<KV_FP8>(float(k_rows[p.row_base + i]) / ks);
+      v_out[p.dst0 + i] = pd::fp8_from_float<KV_FP8>(float(v_rows[p.row_base + i]) / vs);
     } else {                                    // unchanged
-      k_out[dst0 + i] = k_pages[dst0 + i];
-      v_out[dst0 + i] = v_pages[dst0 + i];
+      k_out[p.dst0 + i] = k_pages[p.dst0 + i];
+      v_out[p.dst0 + i] = v_pages[p.dst0 + i];
     }
   }
 """
