@@ -207,6 +207,27 @@ def test_fp8_with_every_variant(backend_name, q_dtype):
                                   tol=fp8_out_tol(q_dtype))
 
 
+@pytest.mark.parametrize("backend_name", ["reference", "emulated-cuda"])
+def test_prepared_and_replayed_calls_keep_their_scales(backend_name):
+    """``prepare_decode`` binds the format and scales; ``decode``'s fast path replays a
+    prepared call only for the same scales (a new v_scale is a new call, never a stale
+    replay)."""
+    be = get_backend(backend_name)
+    q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn")
+    plan = pd.plan_decode(table, HQ, HKV, D, device=be.device_info())
+    out = np.full((table.batch_size, HQ, D), np.nan, np.float32)
+    ref, _ = oracle_decode(q, k, v, table, k_scale=ks, v_scale=vs)
+    prep = pd.prepare_decode(q, k, v, table, plan, path="v2", out=out, backend=be,
+                             out_dtype="float32", k_scale=ks, v_scale=vs)
+    assert_matches_oracle(prep(), None, ref, None, "float32", tol=fp8_out_tol("float32"))
+    for scale in (vs, 2 * vs, vs):
+        out.fill(np.nan)
+        pd.decode(q, k, v, table, plan, path="v2", out=out, backend=be, out_dtype="float32",
+                  k_scale=ks, v_scale=scale)
+        assert_matches_oracle(out, None, ref * (scale / vs), None, "float32",
+                              tol=fp8_out_tol("float32"))
+
+
 def test_scales_enter_exactly_as_the_convention_says():
     """Negative controls on the oracle itself: doubling k_scale is the same as doubling
     sm_scale, doubling v_scale doubles the output and leaves the LSE."""

@@ -169,8 +169,7 @@ inline uchar fp8_from_float(float x) {
 }
 
 // Four consecutive K/V elements as a float4: load4 for a pool of real elements
-// (FMT 0), else four fp8 bytes (one 32-bit load where the address is in device memory)
-// converted.
+// (FMT 0), else four fp8 bytes (byte loads: P may be a constant-space pointer) converted.
 template <int FMT, typename P>
 inline float4 load4kv(P p) {
   if (FMT == 0) return load4(p);
