@@ -35,18 +35,17 @@ FMT_ID = {"float8_e4m3fn": 1, "float8_e5m2": 2}
 
 # ---------------------------------------------------------------------------- conversions
 _CUDA_TEST = CUDA_COMMON + r"""
-// every code of format T widened by KV<T>::widen (16 per uint4) and by fp8_to_float;
-// every float of x quantized by fp8_from_float
+// every code of format T widened by widen_piece (8 per call: both halves of each uint4)
+// and by fp8_to_float; every float of x quantized by fp8_from_float
 template <typename T>
 __global__ void pd_fp8_test(const uint4* __restrict__ codes, float* widened, float* scalar,
                             const float* __restrict__ x, unsigned char* q, int n) {
   const int t = threadIdx.x;
-  if (t < 16) KV<T>::widen(codes[t], widened + 16 * t);
+  if (t < 32) pd::widen_piece<T>(codes[t / 2], widened + 8 * t, t);
   for (int i = t; i < 256; i += blockDim.x) scalar[i] = pd::fp8_to_float<T>((unsigned)i);
   for (int i = t; i < n; i += blockDim.x) q[i] = pd::fp8_from_float<T>(x[i]);
 }
 """
-_CUDA_TEST = _CUDA_TEST.replace("KV<T>::widen", "pd::KV<T>::widen")
 
 _METAL_TEST = r"""
   const uint t = thread_position_in_threadgroup.x;
@@ -94,7 +93,7 @@ def _check_conversions(fmt, widened, scalar, x, q):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_conversions_every_code(fmt):
-    """``fp8_to_float`` and ``KV<fp8>::widen`` (the emulator compiles the scalar path;
+    """``fp8_to_float`` and ``widen_piece<fp8>`` (the emulator compiles the scalar path;
     sm_89+ takes cvt, checked by tests/test_fp8_gpu.py) over all 256 codes;
     ``fp8_from_float`` against ``ml_dtypes``' rounding with saturation."""
     codes, _ = _codes_of(fmt)

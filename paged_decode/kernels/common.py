@@ -63,6 +63,17 @@ template <> struct KV<float> {
   }
 };
 
+// The ring's 16-byte pieces: kv_piece is the global address of load j of a lane whose
+// elements start at p, widen_piece widens the KV<T>::PER16 elements the lane takes from
+// a piece (all of it here; fp8 lanes share pieces in pairs: fp8_convert.py, sel & 1 picks
+// the half).
+template <typename T>
+__device__ __forceinline__ const uint4* kv_piece(const T* p, int j) {
+  return reinterpret_cast<const uint4*>(p) + j;
+}
+template <typename T>
+__device__ __forceinline__ void widen_piece(const uint4& u, float* f, int sel) { KV<T>::widen(u, f); }
+
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(float x) { return x; }

@@ -24,15 +24,17 @@ from .common import CUDA_COMMON, METAL_COMMON
 from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue, metal_fp8
 
 TOKENS_PER_STAGE = 4          # U in the kernels
-#: bytes per pool element (fp8 pools: one; their 16-byte pieces hold 16 elements)
-KV_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1,
-               "float8_e5m2": 1}
+#: elements a lane takes from one 16-byte piece of a row (the kernels' KV<T>::PER16): all
+#: of it, except fp8, whose lanes share each piece in pairs (8 elements each, like
+#: float16: kernels/fp8_convert.py)
+PIECE_ELEMENTS = {"float16": 8, "bfloat16": 8, "float32": 4, "float8_e4m3fn": 8,
+                  "float8_e5m2": 8}
 
 
 def row_loads(kv_dtype: str, head_dim: int, requested: int = 1) -> int:
     """16-byte loads a lane makes per K/V row (the kernels' RowMap): enough for the row
     to fit in one warp, at least ``requested``."""
-    per16 = 16 // KV_ITEMSIZE[kv_dtype]
+    per16 = PIECE_ELEMENTS[kv_dtype]
     min_vec = -(-head_dim // 32)
     return max(-(-min_vec // per16), requested)
 
@@ -110,8 +112,8 @@ __device__ __forceinline__ void issue_stage(
     }
 #pragma unroll
     for (int j = 0; j < NLOAD; ++j) {
-      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), reinterpret_cast<const uint4*>(kp) + j, ok && active);
-      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), reinterpret_cast<const uint4*>(vp) + j, ok && active);
+      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), kv_piece(kp, j), ok && active);
+      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), kv_piece(vp, j), ok && active);
     }
   }
   cp_async_commit();
@@ -119,14 +121,17 @@ __device__ __forceinline__ void issue_stage(
 
 // Phase: this lane's partial q.k logits s[g][u] (over its VEC elements) of the QH heads
 // for the U tokens in ring stage `stage`; the softmax phases reduce them across the row.
+// sel0: this lane's first load index in its row (col * NLOAD: which half of a shared
+// fp8 piece is its own).
 template <typename TKV, int QH, int U, int VEC, int NLOAD, int THREADS>
-__device__ __forceinline__ void scores(const float (&qf)[QH][VEC], int stage, float (&s)[QH][U]) {
+__device__ __forceinline__ void scores(const float (&qf)[QH][VEC], int stage, int sel0,
+                                       float (&s)[QH][U]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     float kf[VEC];
 #pragma unroll
     for (int j = 0; j < NLOAD; ++j)
-      KV<TKV>::widen(*ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), kf + j * KV<TKV>::PER16);
+      widen_piece<TKV>(*ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), kf + j * KV<TKV>::PER16, sel0 + j);
 #pragma unroll
     for (int g = 0; g < QH; ++g) {
       float x = 0.f;
@@ -234,13 +239,13 @@ __device__ __forceinline__ float v_weight(const float (&s)[QH][U], int g, int u,
 // Phase: acc[g] += p(g, u) * v_u over the U tokens in ring stage `stage`, in token order.
 template <typename TKV, bool TRANSPOSE, int QH, int U, int VEC, int NLOAD, int THREADS, int HLANES>
 __device__ __forceinline__ void accumulate_v(float (&acc)[QH][VEC], const float (&s)[QH][U],
-                                             int stage, int sub0) {
+                                             int stage, int sub0, int sel0) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     float vf[VEC];
 #pragma unroll
     for (int j = 0; j < NLOAD; ++j)
-      KV<TKV>::widen(*ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), vf + j * KV<TKV>::PER16);
+      widen_piece<TKV>(*ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), vf + j * KV<TKV>::PER16, sel0 + j);
 #pragma unroll
     for (int g = 0; g < QH; ++g) {
       const float p = v_weight<TRANSPOSE, QH, U, HLANES>(s, g, u, sub0);
@@ -333,7 +338,8 @@ __device__ __forceinline__ void combine_warps_and_store(
 // waited for and no barrier is needed inside the loop.
 // SOFT_CAP: logits capped at cap_log2 (log2 units); SINK: the heads' sinks join the
 // final store (only where it writes the output). An fp8 TKV is widened in registers
-// (KV<fp8_*>); its K scale is folded into scale_log2 by the host, its V scale is v_scale.
+// (widen_piece<fp8_*>); its K scale is folded into scale_log2 by the host, its V scale is
+// v_scale.
 template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES, int ROW_LOADS, bool SOFT_CAP, bool SINK>
 __device__ __forceinline__ void attend_range(
     const TQ* __restrict__ q, const TKV* __restrict__ k_pages, const TKV* __restrict__ v_pages,
@@ -405,12 +411,12 @@ __device__ __forceinline__ void attend_range(
     cp_async_wait<STAGES - 1>();                 // this thread's copies of `step` landed
     const int stage = step % STAGES;
     float s[QH][U];
-    scores<TKV, QH, U, VEC, NLOAD, THREADS>(qf, stage, s);
+    scores<TKV, QH, U, VEC, NLOAD, THREADS>(qf, stage, col * NLOAD, s);
     if constexpr (TRANSPOSE)
       softmax_transposed<SOFT_CAP, QH, U, VEC, TPR, HLANES, NSW>(s, m_h, l_h, acc, step, sw, n_tok, col, sub0, cap_log2);
     else
       softmax_per_head<SOFT_CAP, QH, U, VEC, TPR, NSW>(s, m, l, acc, step, sw, n_tok, cap_log2);
-    accumulate_v<TKV, TRANSPOSE, QH, U, VEC, NLOAD, THREADS, HLANES>(acc, s, stage, sub0);
+    accumulate_v<TKV, TRANSPOSE, QH, U, VEC, NLOAD, THREADS, HLANES>(acc, s, stage, sub0, col * NLOAD);
   }
   if constexpr (TRANSPOSE) {
     // every lane of a sub-warp takes each head's state from a lane that reduced it (the
@@ -497,7 +503,9 @@ namespace pd {
 // per SIMD group.
 template <typename TKV, int HEAD_DIM>
 struct RowMap {
-  static constexpr int PER16 = 16 / int(sizeof(TKV));
+  // elements per lane and 16-byte piece; 8 for fp8 (uint8_t) pools, as for half (16
+  // would double a lane's q and accumulator registers, as in CUDA)
+  static constexpr int PER16 = sizeof(TKV) == 1 ? 8 : 16 / int(sizeof(TKV));
   static constexpr int MIN_VEC = (HEAD_DIM + 31) / 32;
   static constexpr int VEC = MIN_VEC <= PER16 ? PER16 : ((MIN_VEC + PER16 - 1) / PER16) * PER16;
   static constexpr int LANES = (HEAD_DIM + VEC - 1) / VEC;

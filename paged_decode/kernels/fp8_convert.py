@@ -1,8 +1,8 @@
 """The fp8 conversions of the kernels: one routine per direction and dialect.
 
 ``fp8_to_float<FMT>`` (a byte to its exact float value) is what every kernel that reads
-an fp8 pool calls, through ``KV<fp8_e4m3 / fp8_e5m2>::widen`` in CUDA and ``load4kv`` in
-Metal; ``fp8_from_float<FMT>`` (``saturate(round_ne(x))``, NaN kept) is the append
+an fp8 pool calls, through ``widen_piece<fp8_e4m3 / fp8_e5m2>`` in CUDA (8 bytes, half of
+a 16-byte ring piece that two lanes share) and ``load4kv`` in Metal; ``fp8_from_float<FMT>`` (``saturate(round_ne(x))``, NaN kept) is the append
 kernel's quantization. Both are written with integer and exact float operations only
 (no intrinsics), so the CPU emulator runs the very text the GPU compiles, and tests check
 them over all 256 codes and against ``ml_dtypes`` rounding (``tests/test_fp8.py``).
@@ -14,7 +14,7 @@ max 448) and e5m2 (bias 15, IEEE infinities and NaNs, max 57344). A normal code
 computed as an exact float product (no float32 subnormal is involved, so flushing
 denormals cannot change it).
 
-On sm_89 and later the CUDA widen of 16 bytes uses the hardware ``cvt.rn.f16x2.e4m3x2``
+On sm_89 and later the CUDA widen (8 bytes, half of a 16-byte ring piece) uses the hardware ``cvt.rn.f16x2.e4m3x2``
 / ``e5m2x2`` (exact: every fp8 value is a float16), then float16 -> float32; elsewhere,
 and on the emulator, the scalar routine. Only the GPU tests (``tests/test_fp8_gpu.py``)
 check that path.
@@ -86,13 +86,17 @@ __device__ __forceinline__ unsigned char fp8_from_float(float x) {
   return (unsigned char)(sign | code);
 }
 
-// Widening 16 fp8 bytes (a uint4) to floats, for the K/V loads of every kernel.
+// Widening 8 fp8 bytes, half `sel & 1` of a 16-byte ring piece, to floats: an fp8 lane
+// takes 8 elements of a row, as a float16 lane does (16 would double its q and
+// accumulator registers: 168 registers and spills at 4 heads per CTA, measured with ptxas
+// for sm_90), so lanes 2c and 2c + 1 copy the same 16-byte piece (one global transaction:
+// the DRAM bytes are fp8's) and each widens its half.
 template <typename T>
-__device__ __forceinline__ void widen_fp8(const uint4& u, float* f) {
-  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+__device__ __forceinline__ void widen_fp8(const uint4& u, float* f, int sel) {
+  const unsigned w[2] = {(sel & 1) ? u.z : u.x, (sel & 1) ? u.w : u.y};
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 2; ++i) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const unsigned short pair = (unsigned short)(w[i] >> (16 * j));
@@ -106,18 +110,30 @@ __device__ __forceinline__ void widen_fp8(const uint4& u, float* f) {
   }
 #else
 #pragma unroll
-  for (int i = 0; i < 16; ++i) f[i] = fp8_to_float<T>((w[i / 4] >> (8 * (i % 4))) & 0xffu);
+  for (int i = 0; i < 8; ++i) f[i] = fp8_to_float<T>((w[i / 4] >> (8 * (i % 4))) & 0xffu);
 #endif
 }
 
-template <> struct KV<fp8_e4m3> {
-  static constexpr int PER16 = 16;
-  static __device__ __forceinline__ void widen(const uint4& u, float* f) { widen_fp8<fp8_e4m3>(u, f); }
-};
-template <> struct KV<fp8_e5m2> {
-  static constexpr int PER16 = 16;
-  static __device__ __forceinline__ void widen(const uint4& u, float* f) { widen_fp8<fp8_e5m2>(u, f); }
-};
+// fp8 pools: 8 elements per lane and load (half of a shared 16-byte piece).
+template <> struct KV<fp8_e4m3> { static constexpr int PER16 = 8; };
+template <> struct KV<fp8_e5m2> { static constexpr int PER16 = 8; };
+// the 16-byte piece holding a lane's 8 bytes (aligned down: rows are whole pieces)
+template <>
+__device__ __forceinline__ const uint4* kv_piece<fp8_e4m3>(const fp8_e4m3* p, int j) {
+  return reinterpret_cast<const uint4*>(reinterpret_cast<unsigned long long>(p + 8 * j) & ~15ull);
+}
+template <>
+__device__ __forceinline__ const uint4* kv_piece<fp8_e5m2>(const fp8_e5m2* p, int j) {
+  return reinterpret_cast<const uint4*>(reinterpret_cast<unsigned long long>(p + 8 * j) & ~15ull);
+}
+template <>
+__device__ __forceinline__ void widen_piece<fp8_e4m3>(const uint4& u, float* f, int sel) {
+  widen_fp8<fp8_e4m3>(u, f, sel);
+}
+template <>
+__device__ __forceinline__ void widen_piece<fp8_e5m2>(const uint4& u, float* f, int sel) {
+  widen_fp8<fp8_e5m2>(u, f, sel);
+}
 
 }  // namespace pd
 """
