@@ -100,8 +100,11 @@ def quantize_rows(rows: Any, row_layers: int, layer0: int, name: str,
                   scale: np.ndarray) -> np.ndarray:
     """An append's rows ``[row_layers, N, ...]`` (or ``[N, ...]`` for one layer) quantized
     to ``name``, row layer ``i`` with the scale of pool layer ``layer0 + i`` (``scale``
-    float32 ``[L]``): the array-op backends' append."""
+    float32 ``[L]``): the array-op backends' append. ``row_layers = 0`` (an append that
+    only copies, ``reserve_batch``): the rows are not read, quantized with scale 1."""
     r = np.asarray(rows)
+    if row_layers == 0:
+        return quantize(r, name)
     lay = r.reshape(row_layers, -1)
     out = np.empty(lay.shape, _NUMPY[name])
     for i in range(row_layers):

@@ -327,6 +327,33 @@ def test_append_quantizes_like_ml_dtypes(backend_name, fmt):
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
+def test_reserve_then_write_layers_on_fp8_pool(backend_name):
+    """``reserve_batch`` (the copy-on-write copies alone, in every layer) then
+    ``write_layer`` per layer with its own scale, three layers, a fork sharing a partial
+    page: stored bytes are each layer's ``fp8.quantize``; the copied slots keep theirs."""
+    be = get_backend(backend_name)
+    rng = np.random.default_rng(9)
+    L, fmt, ks = 3, "float8_e4m3fn", [0.1, 0.2, 0.05]
+    pool = pd.PagePool(16, P, HKV, D, dtype=fmt, num_layers=L, k_scale=ks, v_scale=0.1,
+                       backend=be)
+    a = pool.new_sequence()
+    x = rng.standard_normal((L, 20, HKV, D)).astype(np.float32)
+    pool.append(a, x, x)
+    c = pool.fork(a)
+    batch = pool.reserve_batch([a, c])
+    rows = rng.standard_normal((L, 2, HKV, D)).astype(np.float32)
+    for layer in range(L):
+        pool.write_layer(batch, rows[layer], rows[layer], layer=layer)
+    kp = be.to_numpy(pool.k)
+    for i, s in enumerate((a, c)):
+        got = kp[:, pool.seq_pages(s)].reshape(L, -1, HKV, D)[:, :21]
+        for layer in range(L):
+            want = np.concatenate([x[layer], rows[layer, i:i + 1]])
+            assert np.array_equal(fp8.codes(got[layer]),
+                                  fp8.codes(fp8.quantize(want, fmt, ks[layer]))), (s, layer)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
 def test_engine_step_on_fp8_pool(backend_name):
     """``DecodeStep`` over an fp8 pool: the quantizing append and every layer's decode
     with that layer's scales, three steps, against the oracle on the pool's bytes."""
