@@ -576,3 +576,21 @@ def test_fp8_specializations_compile_for_sm90():
     specs += [v1_spec("float16", f, "float16", 128, 16) for f in FORMATS]
     specs += [append_fp8_spec(f, r) for f in FORMATS for r in fp8.ROW_DTYPES]
     cuda_compile.compile_specs(specs)
+
+
+def test_fp8_v2_partial_does_not_spill():
+    """ptxas for sm_90 (nvcc ``-Xptxas -v``): the fp8 v2 partial takes 8 elements per
+    lane, so at 4 and 8 heads per CTA it spills nothing and uses no more registers than
+    the float16 one (16 elements per lane spilled: docs/fp8.md). A compile fact."""
+    import shutil
+
+    from paged_decode import cuda_compile
+    from paged_decode.specs import v2_spec
+    if not shutil.which("nvcc"):
+        pytest.skip("nvcc is not available")
+    for qh in (4, 8):
+        f16 = cuda_compile.register_usage(v2_spec("float16", "float16", "float16", 128, 16, qh))
+        for fmt in FORMATS:
+            regs, spill = cuda_compile.register_usage(
+                v2_spec("float16", fmt, "float16", 128, 16, qh))
+            assert spill == 0 and regs <= f16[0], (fmt, qh, regs, spill, f16)
