@@ -50,7 +50,15 @@ from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, make_plan
 from .specs import v2tc_ctas_per_chunk
 from .step_table import StepTable
-from .variants import PATH_VARIANTS, PLAIN, Variant, check_path, check_variant, window_table
+from .variants import (
+    PATH_VARIANTS,
+    PLAIN,
+    Variant,
+    check_path,
+    check_pools_kv,
+    check_variant,
+    window_table,
+)
 
 #: a decode's table: the immutable host table, or a pool's device-resident step table
 Table = PageTable | StepTable
@@ -146,9 +154,11 @@ class CallArgs:
 def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Table, *,
                path: str, sm_scale: float | None, out_dtype: str | None,
                return_lse: bool, window_left: Any = -1, logits_soft_cap: Any = None,
-               sinks: Any = None, qo_indptr: Any = None) -> CallArgs:
+               sinks: Any = None, qo_indptr: Any = None, kv_dtype: Any = None,
+               k_scale: Any = None, v_scale: Any = None) -> CallArgs:
     """Validate a decode call's arrays, table, path, scale, flags, variants (errors name
-    ``fn``; ``variants.check_variant``) and query tokens (``q [B, T, Hq, D]``, or
+    ``fn``; ``variants.check_variant``; fp8 pools: ``variants.check_pools_kv``, and
+    ``CallArgs.scale`` then holds the K scale) and query tokens (``q [B, T, Hq, D]``, or
     ``q [N, Hq, D]`` with ``qo_indptr [B+1]``: ``multitoken.query_tokens``). A
     ``StepTable`` is brought up to date here (on the call's stream); backends whose
     kernels do not read device tables get its host ``PageTable``."""
@@ -192,15 +202,15 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
         if not c_contiguous(arr):
             raise fail(fn, f"{name} must be C-contiguous (row-major)")
     q_dt = check_dtype(fn, "q", be.dtype_of(qa))
-    kv_dt = check_dtype(fn, "k_pages", be.dtype_of(ka))
-    if check_dtype(fn, "v_pages", be.dtype_of(va)) != kv_dt:
-        raise fail(fn, f"v_pages must have k_pages' dtype {kv_dt}, got {be.dtype_of(va)}")
+    kv_dt, kv = check_pools_kv(fn, be, (k_pages, v_pages), (ka, va), ("k_pages", "v_pages"),
+                               kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     o_dt = check_dtype(fn, "out_dtype", q_dt if out_dtype is None else out_dtype)
     check_choice(fn, "path", path, PATHS)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else check_number(fn, "sm_scale", sm_scale)
     check_bool(fn, "return_lse", return_lse)
     variant = check_variant(fn, be, hq, window_left=window_left,
-                            logits_soft_cap=logits_soft_cap, sinks=sinks)
+                            logits_soft_cap=logits_soft_cap, sinks=sinks, kv=kv)
+    scale = variant.score_scale(scale)
     if step and variant.window_left >= 0:   # on every backend alike (some read its host view)
         raise UnsupportedProblemError(f"{fn}: window_left needs a PageTable; a StepTable (a "
                                       "pool's device-resident step table) is not windowed "
@@ -306,6 +316,8 @@ def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str,
     if not tc and a.variant.soft_cap is not None and tc_level0_applies(be, cplan, a.q_dt,
                                                                         a.kv_dt):
         level0 += " (the tensor-core prefix kernel has no logits soft cap)"
+    if a.variant.kv is not None and be.device_info().prefix_tile_rows:
+        level0 += " (the tensor-core prefix kernel reads 16-bit pools only)"
     detail = "; ".join(x for x in (f"{cplan.prefix.describe()}; level 0: {level0}",
                                    a.variant.describe()) if x)
     outcome = DecodeOutcome("cascade", be.name, a.b, a.table.total_visible,

@@ -209,6 +209,10 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @click.option("--sinks", is_flag=True,
               help="Decode variant: one attention-sink logit per query head (our arms; "
                    "FlashInfer's decode wrapper and sdpa report unavailable).")
+@click.option("--kv-dtype", "kv_dtype", default=None,
+              type=click.Choice(["float8_e4m3fn", "float8_e5m2"]),
+              help="decode suite: fp8 K/V pools (queries and outputs keep --dtype; our "
+                   "arms and FlashInfer's fp8 decode; docs/fp8.md).")
 @click.option("--json", "json_path", type=OutPath(), default=None)
 @click.option("--csv", "csv_path", type=OutPath(), default=None)
 @click.option("--markdown", "md_path", type=OutPath(), default=None)
@@ -224,8 +228,8 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
           reps: int, warmup: int, warm_l2: bool, no_graph: bool, plot_path: str | None,
           crossover_path: str | None, window_left: int, soft_cap: float, sinks: bool,
-          json_path: str | None, csv_path: str | None, md_path: str | None, layers: int,
-          steps: int, model: str | None) -> None:
+          kv_dtype: str | None, json_path: str | None, csv_path: str | None,
+          md_path: str | None, layers: int, steps: int, model: str | None) -> None:
     """Time decode arms over a context x batch x page sweep (each arm verified against the
     float64 oracle first): GPU time under CUDA-graph replay and per-call time."""
     from .bench import preset_cases, run_bench
@@ -254,6 +258,11 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                                        f"to the decode suite, not --suite {suite}")
         cases = [dataclasses.replace(c, window_left=window_left, soft_cap=soft_cap,
                                      sinks=sinks) for c in cases]
+    if kv_dtype:
+        if suite != "decode":
+            raise click.ClickException(f"bench: --kv-dtype applies to the decode suite, not "
+                                       f"--suite {suite}")
+        cases = [dataclasses.replace(c, kv_dtype=kv_dtype) for c in cases]
     arm_list = tuple(dict.fromkeys(a.strip() for a in arms.split(",") if a.strip()))
     bad = [a for a in arm_list if a not in ARMS]
     if bad or not arm_list:

@@ -124,13 +124,30 @@ def _checker(lib: ctypes.CDLL):  # type: ignore[no-untyped-def]
     return check
 
 
-def _nvcc(src: str, exprs: list[str]) -> None:
+def _nvcc(src: str, exprs: list[str], extra: tuple[str, ...] = ()) -> str:
+    """Compile with nvcc for ``ARCH``; returns its diagnostics (``extra`` flags added)."""
     body = src + "\nvoid* pd_instances[] = {" + ", ".join(f"(void*)&{e}" for e in exprs) + "};\n"
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cu")
         with open(path, "w") as f:
             f.write(body)
-        r = subprocess.run(["nvcc", f"-arch={ARCH}", "-std=c++17", "-cubin", "-o",
+        r = subprocess.run(["nvcc", f"-arch={ARCH}", "-std=c++17", "-cubin", *extra, "-o",
                             os.path.join(d, "k.cubin"), path], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"nvcc failed for {exprs}:\n{r.stderr}")
+        return r.stderr
+
+
+def register_usage(spec: KernelSpec) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) ptxas reports for ``spec`` on ``ARCH``
+    (nvcc ``-Xptxas -v``; a compile fact of this machine's toolkit, not a GPU
+    measurement). Raises ``RuntimeError`` without nvcc or when it fails."""
+    import re
+    if not shutil.which("nvcc"):
+        raise RuntimeError("register_usage needs nvcc")
+    log = _nvcc(cuda_source(spec.kernel), [spec.cuda_name_expression()], ("-Xptxas", "-v"))
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    if regs is None or spill is None:
+        raise RuntimeError(f"register_usage: no ptxas report for {spec.uri}:\n{log[-2000:]}")
+    return int(regs.group(1)), int(spill.group(1))

@@ -51,7 +51,8 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
            lse: Any = None, return_lse: bool = False, out_dtype: str | None = None,
            backend: str | Backend | None = None, cascade: Any = None, window_left: int = -1,
            logits_soft_cap: float | None = None, sinks: Any = None,
-           qo_indptr: Any = None) -> Any:
+           qo_indptr: Any = None, kv_dtype: str | None = None, k_scale: Any = None,
+           v_scale: Any = None) -> Any:
     """Paged decode attention for one query token per request, or 1-8 (multi-token).
 
     Args:
@@ -104,6 +105,11 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
             not on cascade; with a plan and ``out`` they are replayed like one-token calls
             (below; keyed by ``qo_indptr``'s content, not for step tables), eagerly: the
             fold and the merge are array ops, not recorded launches.
+        kv_dtype: ``None``, or the fp8 format (``"float8_e4m3fn"``, ``"float8_e5m2"``) of
+            pools held as ``uint8`` arrays (CuPy and MLX have no fp8 dtype); pools of an
+            fp8 dtype (``ml_dtypes``, torch) name their format themselves.
+        k_scale, v_scale: the layer's float32 K and V scales of fp8 pools (required with
+            them, refused otherwise): ``read = stored * scale`` (``docs/fp8.md``).
 
     Returns:
         ``out`` (``[B, Hq, D]``), or ``(out, lse)`` with ``return_lse``; arrays of the
@@ -122,14 +128,16 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
                       sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                       out_dtype=out_dtype, backend=backend, cascade=cascade,
                       window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
-                      qo_indptr=qo_indptr)
+                      qo_indptr=qo_indptr, kv_dtype=kv_dtype, k_scale=k_scale,
+                      v_scale=v_scale)
 
 
 def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: Table,
                plan: DecodePlan | None = None, *, path: str, sm_scale: float | None,
                out: Any, lse: Any, return_lse: bool, out_dtype: str | None,
                backend: str | Backend | None, cascade: Any, window_left: Any = -1,
-               logits_soft_cap: Any = None, sinks: Any = None, qo_indptr: Any = None) -> Any:
+               logits_soft_cap: Any = None, sinks: Any = None, qo_indptr: Any = None,
+               kv_dtype: Any = None, k_scale: Any = None, v_scale: Any = None) -> Any:
     """``decode`` for the public function ``fn`` (``decode``, ``cascade_decode``): its
     errors name ``fn``."""
     conf = settings.snapshot()     # every PAGED_DECODE_* setting, read once for the call
@@ -139,7 +147,9 @@ def run_decode(fn: str, q: Any, k_pages: Any, v_pages: Any, table: Table,
                            sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                            out_dtype=out_dtype, cascade=cascade,
                            variants={"window_left": window_left,
-                                     "logits_soft_cap": logits_soft_cap, "sinks": sinks},
+                                     "logits_soft_cap": logits_soft_cap, "sinks": sinks,
+                                     "kv_dtype": kv_dtype, "k_scale": k_scale,
+                                     "v_scale": v_scale},
                            qo_indptr=qo_indptr)
 
 
@@ -176,7 +186,8 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
         fast_key = (id(q), id(k_pages), id(v_pages), table_key, id(plan), id(out), id(lse),
                     return_lse, path, sm_scale, out_dtype, cascade, id(be),
                     be.stream_key(q), conf, variants["window_left"],
-                    variants["logits_soft_cap"], id(sinks), tokens_key)
+                    variants["logits_soft_cap"], id(sinks), variants["kv_dtype"],
+                    variants["k_scale"], variants["v_scale"], tokens_key)
         try:
             prepared = decode_cache.get(fast_key, arrays)
         except TypeError:   # an unhashable argument: never cached, the checks below say why
@@ -265,7 +276,8 @@ def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: Table, *,
                    backend: Any = None,
                    cascade_plan: CascadePlan | CascadeDecodePlan | None = None,
                    window_left: int = -1, logits_soft_cap: float | None = None,
-                   sinks: Any = None) -> Any:
+                   sinks: Any = None, kv_dtype: str | None = None, k_scale: Any = None,
+                   v_scale: Any = None) -> Any:
     """Decode with a shared prefix read once per group (``paged_decode.cascade``).
 
     Same arrays and results as ``decode`` (``q [B, Hq, D]``, pools ``[num_pages, P, Hkv,
@@ -276,6 +288,8 @@ def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: Table, *,
     ``decode``'s; with a window the sharing group is detected on the window table (a
     ``cascade_plan`` must be made for it: ``variants.window_table``), a soft cap runs
     level 0 on the v2 partial (the outcome says so) and sinks enter the final merge once.
+    fp8 pools (``kv_dtype``, ``k_scale``, ``v_scale`` as for ``decode``) run level 0 on
+    the v2 partial too (the tensor-core prefix kernel reads 16-bit pools only).
     """
     fn = "cascade_decode"
     if not (cascade_plan is None or isinstance(cascade_plan, (CascadePlan, CascadeDecodePlan))):
@@ -284,7 +298,8 @@ def cascade_decode(q: Any, k_pages: Any, v_pages: Any, table: Table, *,
     return run_decode(fn, q, k_pages, v_pages, table, path="v2", sm_scale=sm_scale, out=out,
                       lse=lse, return_lse=return_lse, out_dtype=out_dtype, backend=backend,
                       cascade=True if cascade_plan is None else cascade_plan,
-                      window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks)
+                      window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks,
+                      kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
 
 
 __all__ = ["cascade_decode", "decode", "run_decode"]

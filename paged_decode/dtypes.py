@@ -1,8 +1,10 @@
 """The element types the package accepts, by one canonical name each.
 
-Names: ``"float16"``, ``"bfloat16"``, ``"float32"``. numpy has no native bfloat16; the
-reference backend uses ``ml_dtypes.bfloat16``. Every backend maps these names onto its
-own array dtypes; kernels are specialized on the names.
+Names: ``"float16"``, ``"bfloat16"``, ``"float32"`` (queries, outputs, pools) and the
+pool-only fp8 formats ``"float8_e4m3fn"``, ``"float8_e5m2"`` (``paged_decode/fp8.py``).
+numpy has no native bfloat16 or fp8; the reference backend uses ``ml_dtypes``' types.
+Every backend maps these names onto its own array dtypes (``uint8`` for fp8 where the
+library has no fp8 dtype); kernels are specialized on the names.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import ml_dtypes
 import numpy as np
 
 from .errors import InvalidArgumentError, InvalidDtypeError
+from .fp8 import FP8_DTYPES, decode_table, is_fp8, numpy_fp8
 
 SUPPORTED = ("float16", "bfloat16", "float32")
+#: what a pool may hold: the supported dtypes and the fp8 formats
+KV_DTYPES = SUPPORTED + FP8_DTYPES
 
 _NUMPY = {
     "float16": np.dtype(np.float16),
@@ -53,9 +58,9 @@ def _dtype_name(dtype: Any) -> str:
     aliases = {"half": "float16", "f16": "float16", "fp16": "float16", "bf16": "bfloat16",
                "float": "float32", "f32": "float32", "fp32": "float32"}
     name = aliases.get(name, name)
-    if name not in SUPPORTED and name != "float64":
+    if name not in KV_DTYPES and name != "float64":
         raise InvalidDtypeError(
-            f"dtype must be one of {', '.join(SUPPORTED)}, got {dtype!r}"
+            f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}"
         )
     return name
 
@@ -93,20 +98,25 @@ def expect_dtype(fn: str, arg: str, dtype: Any, want: str) -> str:
 def numpy_dtype(name: str) -> np.dtype:
     if name == "float64":
         return np.dtype(np.float64)
-    return _NUMPY[dtype_name(name)]
+    name = dtype_name(name)
+    return numpy_fp8(name) if is_fp8(name) else _NUMPY[name]
 
 
 def itemsize(name: str) -> int:
-    return _ITEMSIZE[dtype_name(name)]
+    name = dtype_name(name)
+    return 1 if is_fp8(name) else _ITEMSIZE[name]
 
 
 def as_float32(arr: np.ndarray) -> np.ndarray:
     """A host array of any supported dtype as float32 (exact for every one of them).
 
     bfloat16 goes through its bit pattern (the upper half of a float32), which is far
-    faster than ml_dtypes' element-wise cast; float16 uses numpy's cast.
+    faster than ml_dtypes' element-wise cast; float16 uses numpy's cast; an fp8 array
+    (``ml_dtypes``) is looked up in its format's table of 256 values (no scale).
     """
     a = np.asarray(arr)
+    if a.dtype.itemsize == 1 and is_fp8(a.dtype.name):
+        return decode_table(a.dtype.name)[np.ascontiguousarray(a).view(np.uint8)]
     if a.dtype == _NUMPY["bfloat16"]:
         bits = np.ascontiguousarray(a).view(np.uint16).astype(np.uint32) << 16
         return bits.view(np.float32)

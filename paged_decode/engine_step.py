@@ -64,6 +64,8 @@ class DecodeStep:
         logits_soft_cap, sinks: decode variants for every layer (``docs/variants.md``;
             ``sinks`` ``[Hq]`` float32 on the pool's backend). A sliding window needs a
             host table, so ``window_left`` is not a step's argument.
+            An fp8 pool's format and per-layer scales come from the pool
+            (``PagePool.decode_args``).
         sm_scale, path, out_dtype: as ``decode``'s (``path`` ``"v2"``, ``"v2tc"`` or
             ``"v1"``; a backend with a single arm runs that one).
     """
@@ -179,12 +181,14 @@ class DecodeStep:
 
         def run() -> None:
             write = AppendWrite(self._desc, self.capacity, target, 1, False)
-            pool.k, pool.v = self.backend.append_rows(pool.k, pool.v, kb, vb, write)
+            pool.k, pool.v = self.backend.append_rows(pool.k, pool.v, kb, vb, write,
+                                                      **pool._fp8_kw())
 
         # a recorded launch holds the rows' addresses: only rows the kernel reads as they
-        # are (the pool's dtype, C-contiguous) are recorded, others are converted per call
-        if self._device_desc and kb.dtype == pool.k.dtype and vb.dtype == pool.k.dtype \
-                and c_contiguous(kb) and c_contiguous(vb):
+        # are (the pool's dtype, or one float dtype for an fp8 pool's quantizing append;
+        # C-contiguous) are recorded, others are converted per call
+        as_is = kb.dtype == vb.dtype and (kb.dtype == pool.k.dtype or bool(pool._fp8_kw()))
+        if self._device_desc and as_is and c_contiguous(kb) and c_contiguous(vb):
             replay = self.backend.compile_launches(run, like=kb)
             self._prepared[key] = ((k, v, layouts((k, v))), replay)
             replay()
@@ -213,7 +217,8 @@ class DecodeStep:
         if out is None or (return_lse and lse is None) or self.backend.functional_outputs:
             return decode(q, k, v, self.table, self.plan, path=self.path,
                           sm_scale=self.sm_scale, out=out, lse=lse, return_lse=return_lse,
-                          out_dtype=self.out_dtype, backend=self.backend, **self.variants)
+                          out_dtype=self.out_dtype, backend=self.backend, **self.variants,
+                          **self.pool.decode_args(layer))
         # prepared launches read the table's device buffers (valid while its layout
         # holds), or on array-op backends its host view (valid for one version)
         t = self.table
@@ -224,7 +229,7 @@ class DecodeStep:
             prep = prepare_decode(q, k, v, self.table, self.plan, path=self.path,
                                   sm_scale=self.sm_scale, out=out, lse=lse,
                                   return_lse=return_lse, out_dtype=self.out_dtype,
-                                  **self.variants,
+                                  **self.variants, **self.pool.decode_args(layer),
                                   backend=self.backend)
             hit = ((q, out, lse), prep)
             if not self.backend.reads_step_tables:

@@ -182,7 +182,8 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
     _check_support(fn, be, a, chosen, fold)
     check_path(fn, be.name, chosen, a.variant)
     split = split_tokens(table, qt, w, fold)
-    passes = Variant(-1, a.variant.soft_cap, None)   # the sinks enter the merge only
+    # the sinks enter the merge only; the window is in the split; fp8 pools stay fp8
+    passes = Variant(-1, a.variant.soft_cap, None, a.variant.kv)
     common = dataclasses.replace(a, table=split.common, hq=a.hq * fold, o_dt="float32",
                                  variant=passes, tokens=None)
     plan.folded().check(fn, split.common, a.hq * fold, a.hkv, a.d)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .backends import Backend, check_same_device, get_backend
-from .dtypes import check_dtype, itemsize
+from .dtypes import KV_DTYPES, SUPPORTED, check_dtype, itemsize
 from .errors import (
     InvalidArgumentError,
     PoolExhaustedError,
@@ -35,6 +35,7 @@ from .errors import (
     fmt_shape,
     is_int,
 )
+from .fp8 import check_kv_quant, check_layer_scales, is_fp8
 from .kernels.append import AppendWrite
 from .page_table import PageTable
 from .step_table import StepTable
@@ -225,14 +226,22 @@ class PagePool:
         num_pages: pages in the pool.
         page_size: tokens per page.
         num_kv_heads, head_dim: K/V row geometry.
-        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``.
+        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``, or an fp8 format
+            (``"float8_e4m3fn"``, ``"float8_e5m2"``: one byte per element, ``docs/fp8.md``;
+            the arrays are ``ml_dtypes`` fp8 on ``reference`` and the emulators, ``uint8``
+            on CuPy and MLX).
         num_layers: when given, the arrays get a leading layer axis.
         backend: where the arrays live (see ``backends.get_backend``).
+        k_scale, v_scale: fp8 pools only, and required there: the float32 K and V scales,
+            one number for every layer or one per layer (``[num_layers]``); appended rows
+            are stored as ``saturate(round_ne(x / scale))`` and read as ``stored *
+            scale``. ``decode_args(layer)`` gives a decode call its format and scales.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: str = "float16", *, num_layers: int | None = None,
-                 backend: str | Backend | None = None) -> None:
+                 backend: str | Backend | None = None, k_scale: Any = None,
+                 v_scale: Any = None) -> None:
         fn = "PagePool"
         for name, val in (("num_pages", num_pages), ("page_size", page_size),
                           ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -240,7 +249,18 @@ class PagePool:
         if num_layers is not None:
             num_layers = check_int(fn, "num_layers", num_layers, note=" or None")
         self.backend = get_backend(backend, fn=fn)
-        self.dtype = check_dtype(fn, "dtype", dtype)
+        self.dtype = check_dtype(fn, "dtype", dtype, KV_DTYPES)
+        #: fp8 pools: the layers' scales, float32 ``[num_layers or 1]`` (read-only);
+        #: ``None`` otherwise
+        self.k_scale: np.ndarray | None = None
+        self.v_scale: np.ndarray | None = None
+        if is_fp8(self.dtype):
+            n = 1 if num_layers is None else int(num_layers)
+            self.k_scale, self.v_scale = (_frozen(check_layer_scales(fn, name, val, n))
+                                          for name, val in (("k_scale", k_scale),
+                                                            ("v_scale", v_scale)))
+        else:
+            check_kv_quant(fn, self.dtype, k_scale, v_scale)   # refuses scales
         self.num_pages, self.page_size = int(num_pages), int(page_size)
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
         self.num_layers = num_layers
@@ -255,6 +275,12 @@ class PagePool:
             raise fail(fn, f"k and v pages of shape {fmt_shape(shape)} ({self.dtype}) need "
                            f"{nbytes / 2 ** 30:.3g} GiB, which backend {self.backend.name!r} "
                            f"could not allocate ({type(exc).__name__})") from exc
+        # the scales as the append kernels read them (uploaded once: no copy per append,
+        # so appends can be captured in a CUDA graph)
+        self._fp8: tuple[str, Any, Any] | None = None
+        if self.k_scale is not None and self.v_scale is not None:
+            self._fp8 = (self.dtype, self.backend.asarray(self.k_scale.copy()),
+                         self.backend.asarray(self.v_scale.copy()))
         # the free list as a stack: _free[:_nfree], handed out from the top (_nfree - 1
         # first), released pages pushed on top; it starts as 0, 1, 2, ... from the top
         self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int32)
@@ -286,6 +312,19 @@ class PagePool:
         """Visible tokens of ``seq``."""
         r = self._row("PagePool.seq_len", seq)
         return int(self._seqs.filled[r] - self._seqs.start[r])
+
+    def decode_args(self, layer: int | None = None) -> dict[str, Any]:
+        """The keyword arguments a decode of this pool's layer ``layer`` needs for its
+        element format: ``{}`` for float pools, else ``kv_dtype``, ``k_scale`` and
+        ``v_scale`` (``decode(q, *pool.layer(i), table, **pool.decode_args(i))``)."""
+        if self.k_scale is None or self.v_scale is None:
+            return {}
+        i = 0 if layer is None and self.num_layers is None else layer
+        if not (is_int(i) and 0 <= int(i) < self.k_scale.size):    # type: ignore[arg-type]
+            raise InvalidArgumentError(f"PagePool.decode_args: layer must be in [0, "
+                                       f"{self.k_scale.size}), got {layer!r}")
+        return {"kv_dtype": self.dtype, "k_scale": float(self.k_scale[int(i)]),  # type: ignore[arg-type]
+                "v_scale": float(self.v_scale[int(i)])}  # type: ignore[arg-type]
 
     def layer(self, i: int) -> tuple[Any, Any]:
         """``(k, v)`` pages of layer ``i``, each ``[num_pages, page_size, Hkv, D]``."""
@@ -465,7 +504,8 @@ class PagePool:
         w = batch.write
         if w.num_touched:
             self.k, self.v = self.backend.append_rows(
-                self.k, self.v, kb, vb, AppendWrite(w.desc, w.num_rows, layer0, 1, False))
+                self.k, self.v, kb, vb, AppendWrite(w.desc, w.num_rows, layer0, 1, False),
+                **self._fp8_kw())
 
     def trim_front(self, seq: int, n: int) -> None:
         """Retire the ``n`` oldest visible tokens (a sliding window moving on).
@@ -548,10 +588,13 @@ class PagePool:
                             row_layers, True)
         if kb is None:              # reserve_batch: only the copies, in every layer
             if write.copies:
-                none = self.backend.zeros((1, self.num_kv_heads, self.head_dim), self.dtype)
-                self.k, self.v = self.backend.append_rows(self.k, self.v, none, none, write)
+                row_dt = "float16" if self._fp8 is not None else self.dtype
+                none = self.backend.zeros((1, self.num_kv_heads, self.head_dim), row_dt)
+                self.k, self.v = self.backend.append_rows(self.k, self.v, none, none, write,
+                                                          **self._fp8_kw())
         elif desc.shape[1]:
-            self.k, self.v = self.backend.append_rows(self.k, self.v, kb, vb, write)
+            self.k, self.v = self.backend.append_rows(self.k, self.v, kb, vb, write,
+                                                      **self._fp8_kw())
         # commit
         pages_after, filled_after = npg + fresh, fil + (1 if t is None else t)
         S.reserve(end + fresh, pages_after)
@@ -648,6 +691,10 @@ class PagePool:
             f"{fn}: need {total} free pages for {who.size} of the {ids.size} sequences "
             f"({', '.join(parts)}{more}), {have} free; nothing was changed")
 
+    def _fp8_kw(self) -> dict[str, Any]:
+        """``append_rows``' fp8 argument (format and device scales), empty for float pools."""
+        return {} if self._fp8 is None else {"fp8": self._fp8}
+
     # ------------------------------------------------------------------ argument checks
     def _check_rows(self, fn: str, kb: Any, vb: Any, want: tuple[int, ...], dims: str) -> None:
         check_same_device(fn, self.backend, (("the pool", self.k), ("k", kb), ("v", vb)))
@@ -655,9 +702,10 @@ class PagePool:
             check_shape(fn, "k", tuple(kb.shape), want, dims)
             check_shape(fn, "v", tuple(vb.shape), want, dims)
         native = self.k.dtype                   # rows in the pool's dtype need no lookup
-        if kb.dtype != native or vb.dtype != native:
-            check_dtype(fn, "k", self.backend.dtype_of(kb))
-            check_dtype(fn, "v", self.backend.dtype_of(vb))
+        if kb.dtype != native or vb.dtype != native or self._fp8 is not None:
+            # fp8 pools quantize float rows (stored bytes are not taken as rows)
+            check_dtype(fn, "k", self.backend.dtype_of(kb), SUPPORTED)
+            check_dtype(fn, "v", self.backend.dtype_of(vb), SUPPORTED)
 
     def _layer_arg(self, fn: str, layer: Any) -> tuple[int, int, tuple[int, ...]]:
         """(first layer written, layers written, the rows' leading shape) for ``layer``."""

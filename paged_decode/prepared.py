@@ -147,7 +147,8 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                    backend: str | Backend | None = None,
                    cascade: Any = None, window_left: int = -1,
                    logits_soft_cap: float | None = None, sinks: Any = None,
-                   qo_indptr: Any = None
+                   qo_indptr: Any = None, kv_dtype: str | None = None, k_scale: Any = None,
+                   v_scale: Any = None
                    ) -> PreparedDecode | PreparedCascade | PreparedMultiToken:
     """Prepare ``decode(q, k_pages, v_pages, table, plan, ...)`` for repeated launches.
 
@@ -158,8 +159,9 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
     prefix, a flat decode). ``out`` and ``lse`` are allocated here when not given and
     returned by every call. The arrays stay bound to the prepared call: update them in
     place (``sinks`` too). ``window_left``, ``logits_soft_cap`` and ``sinks`` are
-    ``decode``'s variants, fixed for the prepared call. A multi-token ``q`` (``[B, T, Hq,
-    D]``, or ``[N, Hq, D]`` with ``qo_indptr``) prepares a ``PreparedMultiToken``.
+    ``decode``'s variants, fixed for the prepared call, and so are an fp8 pool's
+    ``kv_dtype``, ``k_scale`` and ``v_scale``. A multi-token ``q`` (``[B, T, Hq, D]``, or
+    ``[N, Hq, D]`` with ``qo_indptr``) prepares a ``PreparedMultiToken``.
     """
     fn = "prepare_decode"
     with settings.bound(settings.snapshot()):
@@ -169,7 +171,9 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                             sm_scale=sm_scale, out=out, lse=lse, return_lse=return_lse,
                             out_dtype=out_dtype, cascade=cascade,
                             variants={"window_left": window_left,
-                                      "logits_soft_cap": logits_soft_cap, "sinks": sinks},
+                                      "logits_soft_cap": logits_soft_cap, "sinks": sinks,
+                                      "kv_dtype": kv_dtype, "k_scale": k_scale,
+                                      "v_scale": v_scale},
                             qo_indptr=qo_indptr)
         kind, a, setup, bound = made
         if kind == "cascade":

@@ -13,17 +13,24 @@ from typing import Any
 import numpy as np
 
 from .dtypes import as_float64
+from .fp8 import dequantize, is_fp8
 from .page_table import PageTable
 
 
-def request_kv_f64(pages: Any, table: PageTable, r: int) -> np.ndarray:
-    """Visible K (or V) rows of request ``r`` as float64 ``[T, Hkv, D]``."""
+def request_kv_f64(pages: Any, table: PageTable, r: int, kv_dtype: str | None = None,
+                   scale: float = 1.0) -> np.ndarray:
+    """Visible K (or V) rows of request ``r`` as float64 ``[T, Hkv, D]``; fp8 pages are
+    dequantized, ``stored * scale`` in float64 (``kv_dtype`` names the format of
+    ``uint8`` pages; an ``ml_dtypes`` fp8 array names its own)."""
     p = table.page_size
     ids = [int(x) for x in table.request_pages(r)]
     if not ids:
         return np.zeros((0, *np.asarray(pages).shape[2:]), np.float64)
     host = np.asarray(pages)
-    run = as_float64(host[np.asarray(ids)]).reshape(-1, *host.shape[2:])
+    sel = host[np.asarray(ids)]
+    fmt = kv_dtype if kv_dtype is not None else sel.dtype.name
+    run = (dequantize(sel, fmt).astype(np.float64) if is_fp8(fmt) else as_float64(sel))
+    run = (run * float(scale)).reshape(-1, *host.shape[2:])
     end = (len(ids) - 1) * p + int(table.last_page_len[r])
     return run[int(table.first_page_offset[r]):end]
 
@@ -76,7 +83,8 @@ def attention_f64(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float, 
 def oracle_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                   sm_scale: float | None = None, *, window_left: int = -1,
                   logits_soft_cap: float | None = None, sinks: Any = None,
-                  qo_indptr: Any = None) -> tuple[np.ndarray, np.ndarray]:
+                  qo_indptr: Any = None, kv_dtype: str | None = None, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """float64 paged decode: ``q [B, Hq, D]`` -> ``out [B, Hq, D]``, ``lse [B, Hq]`` (base 2).
 
     Multi-token (``docs/multi-token.md``): ``q [B, T, Hq, D]`` -> ``out [B, T, Hq, D]``,
@@ -86,7 +94,9 @@ def oracle_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     its own position. Variants (``docs/variants.md``): ``window_left = W >= 0`` keeps the
     last ``W + 1`` tokens a query sees (sliced here from the full run, independently of the
     package's window table), ``logits_soft_cap`` and ``sinks [Hq]`` as in
-    ``attention_f64``. Inputs may be any array kind with ``__array__`` (read on the host).
+    ``attention_f64``. fp8 pools (``docs/fp8.md``) are dequantized element by element
+    in float64, ``stored * k_scale`` and ``stored * v_scale`` (``kv_dtype``: the format of
+    ``uint8`` pools). Inputs may be any array kind with ``__array__`` (read on the host).
     """
     qn = as_float64(np.asarray(q))
     b = table.batch_size
@@ -105,8 +115,8 @@ def oracle_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     lse = np.full(flat.shape[:2], -np.inf)
     n = 0
     for r in range(b):
-        k_all = request_kv_f64(k_pages, table, r)
-        v_all = request_kv_f64(v_pages, table, r)
+        k_all = request_kv_f64(k_pages, table, r, kv_dtype, k_scale)
+        v_all = request_kv_f64(v_pages, table, r, kv_dtype, v_scale)
         big_t = int(counts[r])
         for t in range(big_t):
             end = k_all.shape[0] - big_t + t + 1

@@ -49,10 +49,19 @@ from .errors import (
     check_number,
     check_shape,
 )
+from .fp8 import KVQuant, decode_table
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable, frozen_int32
 from .softmax import RowSoftmax
-from .variants import Variant, cap_logits, check_path, check_variant, window_starts, with_sink
+from .variants import (
+    Variant,
+    cap_logits,
+    check_path,
+    check_pools_kv,
+    check_variant,
+    window_starts,
+    with_sink,
+)
 
 DEFAULT_MIN_SPARSITY = 2.0   # measured: see the module docstring
 
@@ -224,7 +233,8 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
                   out_dtype: str | None = None, check_duplicates: bool = True,
                   return_outcome: bool = False, backend: str | Backend | None = None,
                   window_left: int = -1, logits_soft_cap: float | None = None,
-                  sinks: Any = None) -> Any:
+                  sinks: Any = None, kv_dtype: str | None = None, k_scale: Any = None,
+                  v_scale: Any = None) -> Any:
     """Decode attention over selected cached tokens (see the module docstring).
 
     Args:
@@ -245,6 +255,9 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         logits_soft_cap: ``None`` or ``c > 0``: scores become ``c * tanh(s / c)``.
         sinks: ``None`` or float32 ``[Hq]`` (natural units), joined once to each final
             state (``variants.with_sink``, in float32 before the output is rounded).
+        kv_dtype, k_scale, v_scale: fp8 caches (``decode``'s arguments, ``docs/fp8.md``):
+            the fused path reads them through the v2 kernel, the masked path widens them
+            with array ops.
 
     Returns:
         ``out [B, Hq, D]``, then ``lse`` with ``return_lse``, then the outcome with
@@ -272,9 +285,8 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
             raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous (the pool view "
                                        "and the head fold are reshapes, never copies)")
     q_dt = check_dtype(fn, "q", be.dtype_of(qa))
-    kv_dt = check_dtype(fn, "k_cache", be.dtype_of(ka))
-    if check_dtype(fn, "v_cache", be.dtype_of(va)) != kv_dt:
-        raise InvalidArgumentError(f"{fn}: v_cache must have k_cache's dtype {kv_dt}")
+    kv_dt, kv = check_pools_kv(fn, be, (k_cache, v_cache), (ka, va), ("k_cache", "v_cache"),
+                               kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     o_dt = check_dtype(fn, "out_dtype", q_dt if out_dtype is None else out_dtype)
     for name, flag in (("return_lse", return_lse), ("check_duplicates", check_duplicates),
                        ("return_outcome", return_outcome)):
@@ -282,7 +294,8 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
     min_sparsity = check_number(fn, "min_sparsity", min_sparsity, minimum=0)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else check_number(fn, "sm_scale", sm_scale)
     variant = check_variant(fn, be, hq, window_left=window_left,
-                            logits_soft_cap=logits_soft_cap, sinks=sinks)
+                            logits_soft_cap=logits_soft_cap, sinks=sinks, kv=kv)
+    scale = variant.score_scale(scale)
     check_path(fn, be.name, "sparse", variant)
     sel = selection if isinstance(selection, Selection) else \
         _make_selection(fn, selection, None)
@@ -343,7 +356,7 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
                    if min_sparsity else "fused: sparsity gate disabled (min_sparsity 0)")
         else:
             masked_attention(be, qa, ka, va, sel, live, scale, out_a, lse_a,
-                             soft_cap=variant.soft_cap)
+                             soft_cap=variant.soft_cap, kv=kv)
             chunks = b * hkv
             why = ("empty batch (B = 0): nothing to run" if b == 0 else
                    f"declined: backend {be.name!r} cannot run the fused path "
@@ -395,19 +408,25 @@ def selection_mask(selection: Selection, length: int) -> np.ndarray:
 
 def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection: Selection,
                      live: np.ndarray, sm_scale: float, out: Any, lse_out: Any, *,
-                     soft_cap: float | None = None) -> None:
+                     soft_cap: float | None = None, kv: KVQuant | None = None) -> None:
     """The dense masked path in float32 with the backend's array module: every live row
     is read; unselected rows get ``-inf`` logits. ``out [B, Hq, D]``, ``lse_out [B, Hq]``
     float32 base 2 (zeros and ``-inf`` for an empty selection); ``soft_cap`` (natural
-    units) caps the scores."""
+    units) caps the scores. fp8 caches (``kv``): the live rows are widened through the
+    format's table of values (``sm_scale`` holds the K scale), V times its scale."""
     xp = be.array_module()
     b, hkv, _, d = k_cache.shape
     hq = q.shape[1]
     g = hq // hkv
     n = max(1, int(live.max()) if live.size else 1)
     mask = xp.asarray(selection_mask(selection, n))[:, :, None, :]     # [B, Hkv, 1, n]
-    k = k_cache[:, :, :n].astype(xp.float32)
-    v = xp.where(mask[:, :, 0, :, None], v_cache[:, :, :n].astype(xp.float32), 0)
+    if kv is None:
+        k, v = k_cache[:, :, :n].astype(xp.float32), v_cache[:, :, :n].astype(xp.float32)
+    else:
+        lut = xp.asarray(decode_table(kv.dtype))
+        k = xp.take(lut, _codes(xp, k_cache[:, :, :n]))
+        v = xp.take(lut, _codes(xp, v_cache[:, :, :n])) * float(kv.v_scale)
+    v = xp.where(mask[:, :, 0, :, None], v, 0)
     qf = q.astype(xp.float32).reshape(b, hkv, g, d)
     with np.errstate(invalid="ignore", over="ignore"):   # numpy: non-finite scores are poison
         s = xp.matmul(qf, k.transpose(0, 1, 3, 2)) * float(sm_scale * LOG2E)  # [B,Hkv,G,n]
@@ -415,6 +434,13 @@ def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection:
         o = sm.normalize(xp.matmul(sm.p, v))
     out[...] = o.reshape(b, hq, d).astype(out.dtype)
     lse_out[...] = sm.lse2.reshape(b, hq).astype(xp.float32)
+
+
+def _codes(xp: Any, x: Any) -> Any:
+    """The bytes of an fp8 (or ``uint8``) array as int32 indices of ``xp``."""
+    if isinstance(x, np.ndarray):
+        return x.view(np.uint8).astype(np.int32)
+    return x.astype(xp.int32)
 
 
 def _live_lens(fn: str, live_lens: Any, b: int, cap: int | None = None) -> np.ndarray:

@@ -19,7 +19,8 @@ from .kernels.registry import kernel_def
 
 ASSERT_NO_COMPILE_ENV = "PAGED_DECODE_ASSERT_NO_COMPILE"
 
-SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "int32": "i32"}
+SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "int32": "i32",
+         "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 V2_NUM_WARPS = 4
 V1_NUM_WARPS = 8
@@ -267,6 +268,12 @@ def append_spec(dtype: str, vector_bytes: int) -> KernelSpec:
     """The pool-append kernel (``kernels/append.py``) for pools of ``dtype``, moving words
     of ``vector_bytes``."""
     return KernelSpec("append", dtype, 0, vector_bytes=vector_bytes)
+
+
+def append_fp8_spec(kv_dtype: str, row_dtype: str) -> KernelSpec:
+    """The quantizing pool append (``kernels/append_fp8.py``): pools of fp8 format
+    ``kv_dtype`` (``out_dtype``), rows of ``row_dtype`` (``q_dtype``)."""
+    return KernelSpec("append_fp8", kv_dtype, 0, row_dtype)
 
 
 def table_update_spec() -> KernelSpec:

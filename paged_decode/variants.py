@@ -21,6 +21,12 @@ every path shares (the math is in ``docs/variants.md``):
   cascade's levels), the partial's store when it writes the output itself (one chunk),
   v1's store, or ``with_sink`` on the array paths. Partials that are merged never hold it.
 
+- **fp8 K/V** (``kv``, a ``fp8.KVQuant``: the pools' fp8 format and the layer's K and V
+  scales; ``docs/fp8.md``): the K scale is folded into the softmax scale by the entry
+  points, the format and the V scale travel to every launch that reads K/V
+  (``kernel_kwargs``, final or not: attention is linear in V, so merged partials may
+  carry the scale).
+
 ``PATH_VARIANTS`` is the one place that says which decode path implements which variant;
 ``check_path`` refuses the others.
 """
@@ -35,7 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import KV_DTYPES, check_dtype
 from .errors import InvalidArgumentError, UnsupportedProblemError, check_int
+from .fp8 import KVQuant, check_kv_quant, pool_dtype, raw_dtype_name
 from .page_table import PageTable
 
 LOG2E = 1.4426950408889634
@@ -45,6 +53,7 @@ PATH_VARIANTS = {
     "window_left": ("v2", "v1", "gather", "cascade", "sparse"),
     "logits_soft_cap": ("v2", "v1", "gather", "cascade", "sparse"),
     "sinks": ("v2", "v1", "gather", "cascade", "sparse"),
+    "kv_dtype": ("v2", "v1", "gather", "cascade", "sparse"),     # fp8 pools
 }
 
 
@@ -52,22 +61,31 @@ PATH_VARIANTS = {
 class Variant:
     """The variants of one call. ``window_left`` ``-1`` (off) or ``W >= 0``;
     ``soft_cap`` ``None`` or ``c > 0`` (natural units); ``sinks`` ``None`` or the
-    backend's float32 ``[Hq]`` array (natural-log units)."""
+    backend's float32 ``[Hq]`` array (natural-log units); ``kv`` ``None`` or the fp8
+    pools' format and scales."""
 
     window_left: int = -1
     soft_cap: float | None = None
     sinks: Any = None
+    kv: KVQuant | None = None
 
     @property
     def plain(self) -> bool:
-        return self.window_left < 0 and self.soft_cap is None and self.sinks is None
+        return (self.window_left < 0 and self.soft_cap is None and self.sinks is None
+                and self.kv is None)
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The public argument names of the variants in use."""
+        """The public argument names of the variants in use (``kv_dtype`` for fp8 pools)."""
         return tuple(n for n, on in (("window_left", self.window_left >= 0),
                                      ("logits_soft_cap", self.soft_cap is not None),
-                                     ("sinks", self.sinks is not None)) if on)
+                                     ("sinks", self.sinks is not None),
+                                     ("kv_dtype", self.kv is not None)) if on)
+
+    def score_scale(self, sm_scale: float) -> float:
+        """The scale of ``q . k_stored``: ``sm_scale`` times an fp8 pool's K scale
+        (``q . (k_scale k) = k_scale (q . k)``), the one place it is folded in."""
+        return sm_scale if self.kv is None else sm_scale * self.kv.k_scale
 
     @property
     def soft_cap_log2(self) -> float:
@@ -84,6 +102,9 @@ class Variant:
             kw["soft_cap"] = self.soft_cap
         if final and self.sinks is not None:
             kw["sinks"] = self.sinks
+        if self.kv is not None:      # every launch: a merge of scaled partials is exact
+            kw["kv_dtype"] = self.kv.dtype
+            kw["v_scale"] = self.kv.v_scale
         return kw
 
     def merge_kwargs(self) -> dict[str, Any]:
@@ -92,7 +113,7 @@ class Variant:
 
     def key(self) -> tuple[Any, ...]:
         """What a prepared call's cache key holds of it (the sinks array by identity)."""
-        return (self.window_left, self.soft_cap, id(self.sinks))
+        return (self.window_left, self.soft_cap, id(self.sinks), self.kv)
 
     def describe(self) -> str:
         """The variants for ``DecodeOutcome.detail`` (``""`` when plain)."""
@@ -103,6 +124,8 @@ class Variant:
             parts.append(f"logits_soft_cap={self.soft_cap:g}")
         if self.sinks is not None:
             parts.append("sinks")
+        if self.kv is not None:
+            parts.append(self.kv.describe())
         return "variants: " + ", ".join(parts) if parts else ""
 
 
@@ -127,10 +150,12 @@ def check_soft_cap(fn: str, logits_soft_cap: Any) -> float | None:
 
 
 def check_variant(fn: str, be: Any, num_qo_heads: int, *, window_left: Any = -1,
-                  logits_soft_cap: Any = None, sinks: Any = None) -> Variant:
+                  logits_soft_cap: Any = None, sinks: Any = None,
+                  kv: KVQuant | None = None) -> Variant:
     """Validate the variant arguments of ``fn`` on backend ``be`` for ``Hq`` heads:
     ``sinks`` must be a float32 ``[Hq]`` array of ``be`` (converted zero-copy where the
-    kinds allow, as ``q`` is), C-contiguous."""
+    kinds allow, as ``q`` is), C-contiguous; ``kv`` comes checked
+    (``fp8.check_kv_quant``)."""
     w = check_window(fn, window_left)
     cap = check_soft_cap(fn, logits_soft_cap)
     arr = None
@@ -146,7 +171,26 @@ def check_variant(fn: str, be: Any, num_qo_heads: int, *, window_left: Any = -1,
         if flags is not None and not (flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous")
                                       else flags.c_contiguous):
             raise InvalidArgumentError(f"{fn}: sinks must be C-contiguous")
-    return PLAIN if (w < 0 and cap is None and arr is None) else Variant(w, cap, arr)
+    if w < 0 and cap is None and arr is None and kv is None:
+        return PLAIN
+    return Variant(w, cap, arr, kv)
+
+
+def check_pools_kv(fn: str, be: Any, given: tuple[Any, Any], arrays: tuple[Any, Any],
+                   names: tuple[str, str], *, kv_dtype: Any = None, k_scale: Any = None,
+                   v_scale: Any = None) -> tuple[str, KVQuant | None]:
+    """The pools' dtype and, for fp8 pools, their ``KVQuant``: ``given`` are the caller's
+    K and V arrays (their own dtypes name an fp8 format, e.g. torch's), ``arrays`` the
+    backend's (``uint8`` for fp8 where the library has no fp8 dtype: ``kv_dtype`` then
+    names the format), ``names`` the arguments' names. Both must have one dtype; scales
+    are required with fp8 and refused without (``fp8.check_kv_quant``)."""
+    dts = [check_dtype(fn, n, pool_dtype(fn, raw_dtype_name(g), be.dtype_of(a), kv_dtype, n),
+                       KV_DTYPES)
+           for g, a, n in zip(given, arrays, names)]
+    if dts[0] != dts[1]:
+        raise InvalidArgumentError(f"{fn}: {names[1]} must have {names[0]}' dtype {dts[0]}, "
+                                   f"got {dts[1]}")
+    return dts[0], check_kv_quant(fn, dts[0], k_scale, v_scale)
 
 
 def check_path(fn: str, backend_name: str, path: str, variant: Variant) -> None:
@@ -243,5 +287,6 @@ def with_sink(xp: Any, o: Any, lse: Any, sinks: Any, heads_axis_shape: tuple[int
 
 
 __all__ = ["LOG2E", "PATH_VARIANTS", "PLAIN", "Variant", "cap_logits", "check_path",
+           "check_pools_kv",
            "check_soft_cap", "check_variant", "check_window", "window_starts",
            "window_table", "with_sink"]

@@ -45,6 +45,17 @@ PREFIX_RTOL = {
 LSE_ATOL = 5e-5
 
 
+def fp8_out_tol(out_dtype: str) -> float:
+    """Output max-rel tolerance of a decode over fp8 pools against the float64 oracle on
+    the *dequantized* values (``oracle_decode(..., k_scale=, v_scale=)``): the kernels
+    read the same stored values exactly (every fp8 value is a float32) and apply the
+    scales as two more float32 roundings (``k_scale`` folded into the softmax scale,
+    ``v_scale`` times the normalized output: 2 x 2^-24 relative), so the bound is the
+    float16-level one of ``OUT_RTOL`` for the output dtype. The error fp8 storage adds
+    against float16 K/V (quantization, not arithmetic) is measured in docs/fp8.md."""
+    return OUT_RTOL[out_dtype] + 2 * 2.0 ** -24
+
+
 def f32_accumulation_tol(tokens: int) -> float:
     """Max-rel bound on a float32 output accumulated in float32 over ``tokens`` tokens,
     whatever the K/V dtype (the oracle reads the same rounded inputs in float64): a

@@ -59,8 +59,8 @@ from paged_decode.specs import KernelSpec
 MUTANT_ENV = "PAGED_DECODE_MUTANT"            # the mutant a test process runs
 REPORT_ENV = "PAGED_DECODE_MUTANT_REPORT"     # where conftest.py writes test outcomes
 CONTROL = "control"                           # the unmutated control's name
-KERNELS = ("v2", "v2tc", "v1", "merge", "prefix", "append", "table_update")
-METAL_KERNELS = ("v2", "v1", "merge", "append", "table_update")
+KERNELS = ("v2", "v2tc", "v1", "merge", "prefix", "append", "append_fp8", "table_update")
+METAL_KERNELS = ("v2", "v1", "merge", "append", "append_fp8", "table_update")
 #: exception types whose failure says nothing about the kernel's behaviour
 NOT_A_KILL = ("CompileError", "StaleMutation")
 
@@ -237,6 +237,9 @@ VAR_ORACLE = VAR + "test_variants_match_oracle"
 VAR_NAN = VAR + "test_non_finite_rules_hold_with_variants"
 STEP = "tests/test_step_table.py::"
 MT = "tests/test_multitoken.py::"
+FP8 = "tests/test_fp8.py::"
+FP8_ORACLE = FP8 + "test_fp8_decode_matches_oracle"
+FP8_APPEND = FP8 + "test_append_quantizes_like_ml_dtypes"
 
 MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------ v2 / v1, CUDA
@@ -341,6 +344,68 @@ MUTANTS: tuple[Mutant, ...] = (
        "    return np.maximum(0, vis - int(window_left))",
        [VAR_ORACLE + "[emulated-cuda-w5-v2-split]"],
        "the window keeps W tokens instead of W + 1"),
+    # ------------------------------------------------------------ fp8 K/V (#14 item 1)
+    _m("cuda-fp8-missing-v-scale", "cuda", ("v2", "v1"),
+       "from_float<TO>(live ? num / den * v_scale : 0.f)",
+       "from_float<TO>(live ? num / den : 0.f)",
+       [FP8_ORACLE + "[emulated-cuda-float8_e4m3fn-v2-one]",
+        FP8_ORACLE + "[emulated-cuda-float8_e4m3fn-v1]"],
+       "the V scale left out of the store: outputs in stored units"),
+    _m("metal-fp8-missing-v-scale", "metal", ("v2", "v1"),
+       "from_float<TO>(live ? num / den * v_scale : 0.0f)",
+       "from_float<TO>(live ? num / den : 0.0f)",
+       [FP8_ORACLE + "[emulated-metal-float8_e4m3fn-v2-one]"],
+       "the V scale left out of the store (Metal)"),
+    _m("py-fp8-missing-k-scale", "python", ("paged_decode.variants",),
+       "        return sm_scale if self.kv is None else sm_scale * self.kv.k_scale",
+       "        return sm_scale",
+       [FP8_ORACLE + "[reference-float8_e4m3fn-v2-one]",
+        FP8_ORACLE + "[emulated-cuda-float8_e4m3fn-v2-split]"],
+       "the K scale never folded into the softmax scale"),
+    _m("cuda-fp8-exponent-bias", "cuda", ("v2", "v1"),
+       "__uint_as_float(((e + 127u - (unsigned)FP8<T>::BIAS) << 23)",
+       "__uint_as_float(((e + 128u - (unsigned)FP8<T>::BIAS) << 23)",
+       [FP8_ORACLE + "[emulated-cuda-float8_e4m3fn-v2-one]",
+        FP8_ORACLE + "[emulated-cuda-float8_e5m2-v2-one]"],
+       "the widen's exponent rebiased off by one: every normal value doubled"),
+    _m("metal-fp8-exponent-bias", "metal", ("v2", "v1"),
+       "as_type<float>(((e + 127u - uint(BIAS)) << 23)",
+       "as_type<float>(((e + 128u - uint(BIAS)) << 23)",
+       [FP8_ORACLE + "[emulated-metal-float8_e4m3fn-v2-one]"],
+       "the widen's exponent rebiased off by one (Metal)"),
+    _m("cuda-fp8-shared-piece-one-half", "cuda", ("v2", "v1"),
+       "const unsigned w[2] = {(sel & 1) ? u.z : u.x, (sel & 1) ? u.w : u.y};",
+       "const unsigned w[2] = {u.x, u.y};",
+       [FP8_ORACLE + "[emulated-cuda-float8_e4m3fn-v2-one]"],
+       "both lanes sharing a 16-byte fp8 piece widen its first half"),
+    _m("cuda-fp8-e4m3-nan-as-value", "cuda", ("v2", "v1"),
+       "    if (e == EMAX && m == MMAX) mag = PD_NAN;\n", "",
+       [FP8 + "test_fp8_nan_code_poisons[emulated-cuda]"],
+       "e4m3fn's NaN code widened as 480, so a NaN in the cache no longer poisons"),
+    _m("cuda-fp8-no-saturation", "cuda", ("append_fp8",),
+       "fminf(__uint_as_float(u & 0x7fffffffu), FP8<T>::max_finite())",
+       "__uint_as_float(u & 0x7fffffffu)",
+       [FP8_APPEND + "[emulated-cuda-float8_e4m3fn]", FP8_APPEND + "[emulated-cuda-float8_e5m2]"],
+       "the append quantizes without saturating: overflow wraps into NaN / garbage codes"),
+    _m("metal-fp8-no-saturation", "metal", ("append_fp8",),
+       "fmin(as_type<float>(u & 0x7fffffffu), max_finite)", "as_type<float>(u & 0x7fffffffu)",
+       [FP8_APPEND + "[emulated-metal-float8_e4m3fn]"],
+       "the append quantizes without saturating (Metal)"),
+    _m("cuda-fp8-ties-away", "cuda", ("append_fp8",),
+       "const unsigned r = bits + ((1u << (DROP - 1)) - 1u) + ((bits >> DROP) & 1u);",
+       "const unsigned r = bits + (1u << (DROP - 1));",
+       [FP8_APPEND + "[emulated-cuda-float8_e4m3fn]"],
+       "ties rounded away from zero instead of to even"),
+    _m("cuda-fp8-append-without-scale", "cuda", ("append_fp8",),
+       "pd::fp8_from_float<TKV>(pd::to_float(k_rows[b.row_base + i]) / ks)",
+       "pd::fp8_from_float<TKV>(pd::to_float(k_rows[b.row_base + i]))",
+       [FP8_APPEND + "[emulated-cuda-float8_e4m3fn]"],
+       "K rows stored unscaled"),
+    _m("py-fp8-metal-formats-swapped", "python", ("paged_decode.kernels.kernel_def",),
+       'METAL_FP8_FORMATS = {"float8_e4m3fn": 1, "float8_e5m2": 2}',
+       'METAL_FP8_FORMATS = {"float8_e4m3fn": 2, "float8_e5m2": 1}',
+       [FP8_ORACLE + "[emulated-metal-float8_e4m3fn-v2-one]"],
+       "the Metal kernels told the other fp8 format"),
     _m("py-plan-ignores-window", "python", ("paged_decode.plan",),
        "    table = window_table(table, window_left)\n    max_chunks",
        "    max_chunks",
@@ -352,8 +417,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [LONG + "[emulated-metal-float16-v2]"],
        "the output accumulated in the K/V element type instead of float32"),
     _m("metal-k-stride-d256-f32", "metal", ("v2", "v1"),
-       "load4(k_pages + kv_off[u] + 4 * j)",
-       "load4(k_pages + kv_off[u] + 4 * j * (VEC * int(sizeof(*k_pages)) / 16))",
+       "load4kv<FP8>(k_pages + kv_off[u] + 4 * j)",
+       "load4kv<FP8>(k_pages + kv_off[u] + 4 * j * (VEC * int(sizeof(*k_pages)) / 16))",
        [LANES + "[emulated-metal-float32-d256-qh1]"],
        "a K vector load strided by 16-byte pieces (wrong only with two pieces per lane: "
        "head_dim 256, float32)"),
@@ -533,8 +598,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "a -inf score (+inf in K against a negative q) passes for a masked token"),
     # ------------------------------------------------------------ append (both dialects)
     _m("cuda-append-slot-off-by-one", "cuda", ("append",),
-       "const long long first = copy ? 0 : (long long)lo * row_words;",
-       "const long long first = copy ? 0 : (long long)(lo + 1) * row_words;",
+       "b.first = copy ? 0 : (long long)lo * row_len;",
+       "b.first = copy ? 0 : (long long)(lo + 1) * row_len;",
        [APPEND + "test_random_operations_match_the_model[f16-w16-layers3-emulated-cuda]"],
        "new rows land one slot late"),
     _m("cuda-append-no-cow-copy", "cuda", ("append",),

@@ -236,9 +236,9 @@ def test_metal_call_geometry_and_names():
     assert v1.threadgroup == (256, 1, 1) and v1.grid == (3 * 8 * 256, 1, 1)
     assert v2.name == "pd_v2_qf16_kvf16_of32_hd64_ps16_qh4_w4"
     assert [v for _, v in v2.template] == [Dtype("float16"), Dtype("float16"),
-                                           Dtype("float32"), 64, 16, 4, 4, False, False]
+                                           Dtype("float32"), 64, 16, 4, 4, False, False, 0]
     assert [n for n, _ in v1.template] == ["TQ", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE",
-                                           "NUM_WARPS", "SOFT_CAP", "SINK"]
+                                           "NUM_WARPS", "SOFT_CAP", "SINK", "KV_FP8"]
     # every scalar is a 0-d input (a constant reference in the generated signature); the
     # unread sinks pointer of a merge without sinks is the lse input again
     assert [np.ndim(x) for x in merge.inputs] == [3, 2, 1, 2, 0, 0]

@@ -167,7 +167,8 @@ def test_v2_and_merge_arguments_and_rebound_outputs():
     assert scalars["scale_log2"].item() == float(np.float32(0.3 * LOG2E))
     assert c2["template"] == [("TQ", mx.float16), ("TKV", mx.float16), ("TO", mx.float32),
                               ("HEAD_DIM", 64), ("PAGE_SIZE", 16), ("QH", 4),
-                              ("NUM_WARPS", 4), ("SOFT_CAP", False), ("SINK", False)]
+                              ("NUM_WARPS", 4), ("SOFT_CAP", False), ("SINK", False),
+                              ("KV_FP8", 0)]
     assert c2["threadgroup"] == (128, 1, 1)
     assert c2["grid"] == (plan.num_chunks * 128, 2 * plan.q_groups, 1)
     assert c2["output_shapes"] == [[plan.num_chunks, 8, 64], [plan.num_chunks, 8]]
@@ -200,7 +201,7 @@ def test_v1_arguments_and_out_argument():
     assert [ins[n].item() for n in ("num_qo_heads", "num_kv_heads")] == [8, 2]
     assert c["template"] == [("TQ", mx.bfloat16), ("TKV", mx.bfloat16), ("TO", mx.float32),
                              ("HEAD_DIM", 128), ("PAGE_SIZE", 32), ("NUM_WARPS", 8),
-                             ("SOFT_CAP", False), ("SINK", False)]
+                             ("SOFT_CAP", False), ("SINK", False), ("KV_FP8", 0)]
     assert c["grid"] == (2 * 8 * 256, 1, 1) and c["threadgroup"] == (256, 1, 1)
     assert c["output_shapes"] == [[2, 8, 128], [2, 8]]
 

@@ -60,6 +60,14 @@
 #               T = 1, 2, 4, 8 query tokens per request on v2 and v2tc (prepared, each
 #               verified against the oracle first) at 32 x 4K (the target: T = 4 within
 #               1.3x of T = 1) and 8 x 8K, Llama-3-8B heads, float16 -> $OUT/multitoken.json
+#   fp8         issue #14 item 1 (run fi first): the fp8 GPU tests (tests/test_fp8_gpu.py: the
+#               sm_90 cvt widen over all 256 codes, decode and append on CuPy bytes and torch
+#               fp8 tensors), then float16 pools against float8_e4m3fn pools (and e5m2, v2
+#               only) at 32/8 x 128, float16 queries, batch 8/32/128 x 8K/32K (float16 K/V
+#               of 256 MB to 8 GB; target: fp8 >= 1.8x faster than float16 in GPU time),
+#               our v2 and v1 beside FlashInfer's decode on the same fp8 pools (target:
+#               <= 0.95x FlashInfer's time where it runs), and the v2 partial's registers
+#               with float16 and fp8 pools ($OUT/fp8_regs.txt)
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
@@ -274,6 +282,28 @@ step_multitoken() {
   echo "multitoken gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/multitoken_tests.log" | tail -4
   timeout 500 python3 bench/device/multitoken.py "$OUT/multitoken.json" --cell 32x4096 \
     --cell 8x8192 --reps "$REPS" 2>&1 | tee "$L/multitoken.log" | tail -24
+}
+
+step_fp8() {
+  python3 -m pytest -q tests/test_fp8_gpu.py -m gpu -rs > "$L/fp8_gpu_tests.log" 2>&1
+  echo "fp8 gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/fp8_gpu_tests.log" | tail -8
+  # registers of the v2 partial, float16 against fp8 pools (an fp8 lane holds 16 elements
+  # of a row, twice float16's: q and accumulator registers double)
+  python3 - <<'PY' 2>&1 | tee -a "$OUT/fp8_regs.txt"
+from paged_decode.backends.cuda import compiled
+from paged_decode.specs import v2_spec
+for kv in ("float16", "float8_e4m3fn", "float8_e5m2"):
+    for qh in (1, 4, 8):
+        for o in ("float16", "float32"):
+            spec = v2_spec("float16", kv, o, 128, 16, qh)
+            a = compiled(spec).attributes
+            print(f"{spec.uri}: regs {a['num_regs']} local {a['local_size_bytes']} B")
+PY
+  local arms=${BENCH_ARMS:-v2,v1,flashinfer,flashinfer-tc}
+  local cells="--preset targets --context 8192 --context 32768 --batch 8 --batch 32 --batch 128"
+  run_bench fp8_f16 $cells --arms $arms
+  run_bench fp8_e4m3 $cells --kv-dtype float8_e4m3fn --arms $arms
+  run_bench fp8_e5m2 $cells --kv-dtype float8_e5m2 --arms v2
 }
 
 for s in "$@"; do

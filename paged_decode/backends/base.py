@@ -206,7 +206,8 @@ class Backend(ABC):
     # ----------------------------------------------------------- pool writes
     @abstractmethod
     def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-                    write: AppendWrite) -> tuple[Any, Any]:
+                    write: AppendWrite, fp8: tuple[str, Any, Any] | None = None
+                    ) -> tuple[Any, Any]:
         """The K/V writes of a pool append, as ``kernels/append.py`` states them: new rows
         into their (page, slot) destinations and the copy-on-write copies; returns the
         pools (``k_pages``, ``v_pages`` written in place; new arrays on MLX).
@@ -215,6 +216,11 @@ class Backend(ABC):
         ``k_rows, v_rows [row_layers, N, Hkv, D]``, or ``[N, Hkv, D]`` for one layer, of
         any supported float dtype (converted to the pools'). The pool calls it only when
         the write touches at least one page.
+
+        fp8 pools: ``fp8 = (format, k_scale, v_scale)``, the scales float32 ``[L]`` arrays
+        of this backend (one per pool layer); each row element ``x`` written to layer
+        ``l`` is stored as ``saturate(round_ne(x / scale[l]))`` (``fp8.quantize``; the
+        copies move stored bytes), on the kernel backends by ``kernels/append_fp8.py``.
         """
 
     # ----------------------------------------------------------- step tables
@@ -255,7 +261,8 @@ class Backend(ABC):
     @abstractmethod
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                 plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
-                soft_cap: float | None = None, sinks: Any = None) -> None:
+                soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                v_scale: float = 1.0) -> None:
         """The v2 partial: one normalized (V, LSE) state per (chunk, query head).
 
         ``q [B, Hq, D]``; ``k_pages, v_pages [num_pages, P, Hkv, D]``;
@@ -265,7 +272,10 @@ class Backend(ABC):
         ``soft_cap``: scores ``s`` become ``c * tanh(s / c)`` (natural units). ``sinks``
         (``[Hq]`` float32, natural units) join each row's denominator: only for a partial
         that writes the output (no merge follows), never for merged partials
-        (``paged_decode.variants``).
+        (``paged_decode.variants``). fp8 pools (``paged_decode/fp8.py``): ``kv_dtype``
+        names their format (their arrays may be ``uint8``), ``sm_scale`` already holds the
+        K scale and ``v_scale`` multiplies every row (merged partials too: the merge is
+        linear in V); 1 for other pools.
         """
 
     def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
@@ -290,7 +300,8 @@ class Backend(ABC):
     @abstractmethod
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                   sm_scale: float, out: Any, lse_out: Any, *,
-                  soft_cap: float | None = None, sinks: Any = None) -> None:
+                  soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                v_scale: float = 1.0) -> None:
         """The v1 arm: one CTA per (request, query head) over the whole KV range;
         ``soft_cap`` and ``sinks`` as for ``partial`` (v1 writes the output)."""
 
@@ -315,7 +326,8 @@ class Backend(ABC):
     @abstractmethod
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                     sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                    sinks: Any = None) -> None:
+                    sinks: Any = None, kv_dtype: str | None = None,
+                v_scale: float = 1.0) -> None:
         """The gather arm: gather visible K/V contiguously, then dense attention
         (``soft_cap`` and ``sinks`` as for ``decode_v1``).
 

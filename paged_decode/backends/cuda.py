@@ -27,6 +27,7 @@ import numpy as np
 from ..device import DeviceInfo
 from ..dtypes import dtype_name, numpy_dtype
 from ..errors import InvalidArgumentError, InvalidDtypeError
+from ..fp8 import is_fp8
 from ..kernels import append as append_kernel
 from ..page_table import PageTable
 from ..plan import DecodePlan
@@ -101,14 +102,18 @@ class CudaBackend(LaunchingBackend):
             return str(dt)
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
-        out = cp.empty(shape, numpy_dtype(dtype))
+        out = cp.empty(shape, _cupy_dtype(dtype))
         if poison_enabled():
-            out.view(np.uint16 if out.itemsize == 2 else np.uint32).fill(
-                0x7E00 if dtype == "float16" else 0x7FC0 if dtype == "bfloat16" else 0x7FC00000)
+            if out.itemsize == 1:          # fp8 bytes: 0x7F is NaN in both formats
+                out.fill(0x7F)
+            else:
+                out.view(np.uint16 if out.itemsize == 2 else np.uint32).fill(
+                    0x7E00 if dtype == "float16" else 0x7FC0 if dtype == "bfloat16"
+                    else 0x7FC00000)
         return out
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
-        return cp.zeros(shape, numpy_dtype(dtype))
+        return cp.zeros(shape, _cupy_dtype(dtype))
 
     def wrap_result(self, x: Any, like: Any) -> Any:
         return cuda_arrays.like_caller(x, like)
@@ -290,10 +295,11 @@ class CudaBackend(LaunchingBackend):
 
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                     sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                    sinks: Any = None) -> None:
+                    sinks: Any = None, kv_dtype: str | None = None,
+                    v_scale: float = 1.0) -> None:
         from .cuda_gather import gather_attention
         gather_attention(self, q, k_pages, v_pages, table, sm_scale, out, lse_out,
-                         soft_cap=soft_cap, sinks=sinks)
+                         soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, v_scale=v_scale)
 
 
 @functools.cache
@@ -307,6 +313,12 @@ def _device_info(index: int) -> DeviceInfo:
                       min_chunk_tokens=MIN_CHUNK_TOKENS, ragged_split=RAGGED_SPLIT,
                       prefix_tile_rows=PREFIX_TILE_ROWS if tc else 0,
                       shared_mem_per_unit=int(props.get("sharedMemPerMultiprocessor", 0)))
+
+
+
+def _cupy_dtype(name: str) -> Any:
+    """The CuPy dtype of a canonical name: fp8 pools are ``uint8`` (CuPy has no fp8)."""
+    return np.dtype(np.uint8) if is_fp8(name) else numpy_dtype(name)
 
 
 __all__ = ["COMPILE_OPTIONS", "CudaBackend", "compiled"]

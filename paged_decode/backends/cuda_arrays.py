@@ -14,6 +14,7 @@ import numpy as np
 
 from ..dtypes import numpy_dtype
 from ..errors import InvalidArgumentError
+from ..fp8 import FP8_DTYPES
 
 try:  # imported lazily by the registry; a failure here marks the backend unavailable
     import cupy as cp
@@ -90,11 +91,15 @@ def external_stream(ptr: int, dev: int) -> Any:
 
 
 def from_torch(t: Any) -> Any:
-    """Zero-copy CuPy view of a CUDA torch tensor (bfloat16 through an int16 view if needed)."""
+    """Zero-copy CuPy view of a CUDA torch tensor (bfloat16 through an int16 view if needed;
+    an fp8 tensor as its bytes, ``uint8``: CuPy has no fp8 dtype, and the call reads the
+    format off the torch tensor before this view, ``fp8.raw_dtype_name``)."""
+    torch = torch_module()
+    if str(t.dtype).replace("torch.", "") in FP8_DTYPES:
+        return cp.from_dlpack(t.view(torch.uint8))
     try:
         return cp.from_dlpack(t)
     except Exception:
-        torch = torch_module()
         if t.dtype != torch.bfloat16:
             raise
         raw = cp.from_dlpack(t.view(torch.int16))

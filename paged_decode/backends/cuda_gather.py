@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..fp8 import decode_table, is_fp8
 from ..page_table import PageTable
 from ..softmax import RowSoftmax, nonfinite_heads
 from ..variants import cap_logits, with_sink
@@ -54,10 +55,13 @@ def gather_rows(table: PageTable) -> np.ndarray:
 
 def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                      sm_scale: float, out: Any, lse_out: Any, *,
-                     soft_cap: float | None = None, sinks: Any = None) -> None:
+                     soft_cap: float | None = None, sinks: Any = None,
+                     kv_dtype: str | None = None, v_scale: float = 1.0) -> None:
     """``q [B, Hq, D]``, pools ``[num_pages, P, Hkv, D]`` (CuPy) -> ``out [B, Hq, D]``,
-    ``lse_out [B, Hq]`` float32 base 2 (or ``None``); ``soft_cap`` and ``sinks [Hq]``
-    float32 as in ``Backend.gather_sdpa``."""
+    ``lse_out [B, Hq]`` float32 base 2 (or ``None``); ``soft_cap``, ``sinks [Hq]``
+    float32, ``kv_dtype`` and ``v_scale`` (fp8 pools: the gathered bytes are widened
+    through the format's table of values, V times its scale) as in
+    ``Backend.gather_sdpa``."""
     import cupy as cp
     b, hq, d = (int(x) for x in q.shape)
     hkv = int(k_pages.shape[2])
@@ -67,6 +71,9 @@ def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTab
     valid = be.upload(rows_h >= 0)                                # [B, Tmax]
     kf = k_pages.reshape(-1, hkv, d)[rows].transpose(0, 2, 1, 3)  # [B, Hkv, Tmax, D]
     vf = v_pages.reshape(-1, hkv, d)[rows].transpose(0, 2, 1, 3)
+    if kv_dtype is not None and is_fp8(kv_dtype):
+        lut = cp.asarray(decode_table(kv_dtype))
+        kf, vf = lut[kf], lut[vf] * np.float32(v_scale)
     empty = cp.asarray(table.visible_lens == 0)
     torch = _torch_cuda()
     if torch is not None and lse_out is None and soft_cap is None and sinks is None:

@@ -32,6 +32,7 @@ from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported fo
     V2TC_DTYPES,
     V2TC_MAX_GROUP,
     KernelSpec,
+    append_fp8_spec,
     append_spec,
     merge_spec,
     prefix_fits,
@@ -123,18 +124,21 @@ def _cap_log2(soft_cap: float | None) -> np.float32:
 def partial_launch(*, dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: float,
                    q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                    request_indices: Any, kv_tile_indices: Any, v_out: Any,
-                   lse_out: Any, soft_cap: float | None = None, sinks: Any = None) -> Launch:
+                   lse_out: Any, soft_cap: float | None = None, sinks: Any = None,
+                   v_scale: float = 1.0) -> Launch:
     """The v2 partial: grid (C chunks, Hkv * q_groups). ``dtypes`` = (q, kv, out);
     ``table`` = the four CSR arrays in ``TABLE_FIELDS`` order. ``soft_cap`` (natural
     units) and ``sinks`` (``[Hq]`` float32, joined at the store: only for a partial that
     writes the output) pick the specialization; without sinks ``q`` stands in for the
-    unread pointer."""
+    unread pointer. ``v_scale``: an fp8 pool's V scale, multiplying every row (1 for
+    other pools; an fp8 pool's K scale is already in ``sm_scale``)."""
     spec = v2_spec(*dtypes, plan.head_dim, plan.page_size, plan.heads_per_cta,
                    soft_cap=soft_cap is not None, sink=sinks is not None)
     args = _chunk_args(plan, sm_scale, ("q_groups", plan.q_groups), q, k_pages, v_pages,
                        table, request_indices, kv_tile_indices, v_out, lse_out,
                        sinks=q if sinks is None else sinks)
-    args.append(Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"))
+    args += [Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"),
+             Arg("v_scale", np.float32(v_scale), "scalar")]
     return _launch(spec, (plan.num_chunks, plan.num_kv_heads * plan.q_groups), args)
 
 
@@ -193,9 +197,11 @@ def merge_launch(*, out_dtype: str, shape: tuple[int, int, int], v: Any, lse: An
 def v1_launch(*, dtypes: tuple[str, str, str], shape: tuple[int, int, int],
               num_kv_heads: int, page_size: int, sm_scale: float, q: Any, k_pages: Any,
               v_pages: Any, table: tuple[Any, ...], out: Any, lse_out: Any,
-              soft_cap: float | None = None, sinks: Any = None) -> Launch:
+              soft_cap: float | None = None, sinks: Any = None,
+              v_scale: float = 1.0) -> Launch:
     """v1: one block per (request, query head); ``shape`` = (B, Hq, D) of ``q``;
-    ``soft_cap`` and ``sinks`` as for ``partial_launch`` (v1 always writes the output)."""
+    ``soft_cap``, ``sinks`` and ``v_scale`` as for ``partial_launch`` (v1 always writes
+    the output)."""
     b, hq, d = shape
     spec = v1_spec(*dtypes, d, page_size, soft_cap=soft_cap is not None,
                    sink=sinks is not None)
@@ -206,7 +212,8 @@ def v1_launch(*, dtypes: tuple[str, str, str], shape: tuple[int, int, int],
             Arg("num_qo_heads", np.int32(hq), "scalar"),
             Arg("num_kv_heads", np.int32(num_kv_heads), "scalar"),
             Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar"),
-            Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar")]
+            Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"),
+            Arg("v_scale", np.float32(v_scale), "scalar")]
     return _launch(spec, (b * hq, 1), args)
 
 
@@ -243,21 +250,47 @@ def append_launch(*, write: append.AppendWrite, dtype: str, vector_bytes: int,
     layer when the call copies a shared page but writes rows to one layer only, else the
     layers written. Metal (``outs`` = the new pools): ``desc`` sorted by page
     (``write.by_page()``), grid one threadgroup per (page, layer)."""
-    *lead, num_pages, page_size, hkv, d = (int(x) for x in pool_shape)
+    *_, hkv, d = (int(x) for x in pool_shape)
+    pools = [Arg("k_pages", k_pages, "out" if outs is None else "in"),
+             Arg("v_pages", v_pages, "out" if outs is None else "in")]
+    return _append(append_spec(dtype, vector_bytes), write, pool_shape,
+                   _ins(("k_rows", "v_rows", "desc"), (k_rows, v_rows, desc)) + pools,
+                   ("row_words", hkv * d * itemsize(dtype) // vector_bytes), outs)
+
+
+def append_fp8_launch(*, write: append.AppendWrite, kv_dtype: str, row_dtype: str,
+                      pool_shape: tuple[int, ...], k_rows: Any, v_rows: Any, desc: Any,
+                      k_pages: Any, v_pages: Any, k_scale: Any, v_scale: Any,
+                      outs: tuple[Any, Any] | None = None) -> Launch:
+    """The quantizing append into fp8 pools (``kernels/append_fp8.py``): ``append_launch``'s
+    grid and arguments, rows of ``row_dtype`` (C-contiguous), the layers' scales
+    ``k_scale``, ``v_scale`` (float32 ``[L]`` backend arrays) after the pools, and
+    ``row_elems`` (``Hkv * D``) for ``row_words``."""
+    *_, hkv, d = (int(x) for x in pool_shape)
+    pools = [Arg("k_pages", k_pages, "out" if outs is None else "in"),
+             Arg("v_pages", v_pages, "out" if outs is None else "in")]
+    return _append(append_fp8_spec(kv_dtype, row_dtype), write, pool_shape,
+                   _ins(("k_rows", "v_rows", "desc"), (k_rows, v_rows, desc)) + pools
+                   + _ins(("k_scale", "v_scale"), (k_scale, v_scale)),
+                   ("row_elems", hkv * d), outs)
+
+
+def _append(spec: KernelSpec, write: append.AppendWrite, pool_shape: tuple[int, ...],
+            args: list[Arg], row_size: tuple[str, int], outs: tuple[Any, Any] | None
+            ) -> Launch:
+    """The grid and scalars both append kernels share (after their buffer arguments
+    ``args``): CUDA (``outs`` None) grid (T, layers), Metal one block per (page, layer)
+    and the new pools ``outs`` as outputs. ``row_size``: the kernel's row-length scalar."""
+    *lead, num_pages, page_size, _, _ = (int(x) for x in pool_shape)
     num_layers = lead[0] if lead else 1
-    row_words = hkv * d * itemsize(dtype) // vector_bytes
-    spec = append_spec(dtype, vector_bytes)
     all_layers = write.row_layers < num_layers and write.copies
     grid_layer0, grid_layers = (0, num_layers) if all_layers else (write.layer0,
                                                                      write.row_layers)
-    pool_role = "out" if outs is None else "in"
-    args = [*_ins(("k_rows", "v_rows", "desc"), (k_rows, v_rows, desc)),
-            Arg("k_pages", k_pages, pool_role), Arg("v_pages", v_pages, pool_role)]
     scalars = [("num_touched", write.num_touched), ("num_rows", write.num_rows),
-               ("row_words", row_words), ("page_size", page_size), ("num_pages", num_pages),
+               row_size, ("page_size", page_size), ("num_pages", num_pages),
                ("grid_layer0", grid_layer0), ("layer0", write.layer0),
                ("row_layers", write.row_layers), ("copy_cow", int(write.copy_cow))]
-    args += [Arg(n, np.int32(v), "scalar") for n, v in scalars]
+    args = args + [Arg(n, np.int32(v), "scalar") for n, v in scalars]
     if outs is None:
         return _launch(spec, (write.num_touched, grid_layers), args)
     args += [Arg("k_out", outs[0], "out"), Arg("v_out", outs[1], "out")]

@@ -86,15 +86,16 @@ class LaunchingBackend(Backend):
     # ----------------------------------------------------------- kernels
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                 plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
-                soft_cap: float | None = None, sinks: Any = None) -> None:
+                soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                v_scale: float = 1.0) -> None:
         self.check_pools("decode", k_pages, v_pages)
         request_indices, kv_tile_indices = self.plan_arrays(plan)
         self._run(launches.partial_launch(
-            dtypes=(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(v_out)), plan=plan,
-            sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
+            dtypes=(self.dtype_of(q), kv_dtype or self.dtype_of(k_pages), self.dtype_of(v_out)),
+            plan=plan, sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
             table=self.table_arrays(table), request_indices=request_indices,
             kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out, soft_cap=soft_cap,
-            sinks=sinks))
+            sinks=sinks, v_scale=v_scale))
 
     def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                    plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
@@ -119,14 +120,15 @@ class LaunchingBackend(Backend):
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                   sm_scale: float, out: Any, lse_out: Any, *,
-                  soft_cap: float | None = None, sinks: Any = None) -> None:
+                  soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                  v_scale: float = 1.0) -> None:
         self.check_pools("decode", k_pages, v_pages)
         self._run(launches.v1_launch(
-            dtypes=(self.dtype_of(q), self.dtype_of(k_pages), self.dtype_of(out)),
+            dtypes=(self.dtype_of(q), kv_dtype or self.dtype_of(k_pages), self.dtype_of(out)),
             shape=tuple(q.shape), num_kv_heads=int(k_pages.shape[2]),
             page_size=table.page_size, sm_scale=sm_scale, q=q, k_pages=k_pages,
             v_pages=v_pages, table=self.table_arrays(table), out=out, lse_out=lse_out,
-            soft_cap=soft_cap, sinks=sinks))
+            soft_cap=soft_cap, sinks=sinks, v_scale=v_scale))
 
     def prefix_partial(self, q: Any, k_pages: Any, v_pages: Any, level0: PageTable,
                        plan0: DecodePlan, members: Any, row_tiles: int, sm_scale: float,
@@ -152,9 +154,13 @@ class LaunchingBackend(Backend):
             members=members, v_out=v_out, lse_out=lse_out))
 
     def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-                    write: AppendWrite) -> tuple[Any, Any]:
+                    write: AppendWrite, fp8: tuple[str, Any, Any] | None = None
+                    ) -> tuple[Any, Any]:
         """One launch of the append kernel on the pools' device and current stream (see
-        ``Backend.append_rows``); ``write.desc`` is the one host-to-device copy."""
+        ``Backend.append_rows``); ``write.desc`` is the one host-to-device copy. fp8 pools
+        take the quantizing kernel (``kernels/append_fp8.py``)."""
+        if fp8 is not None:
+            return self._append_fp8(k_pages, v_pages, k_rows, v_rows, write, fp8)
         with self.launch_context(k_pages):
             kr, vr = self.append_row_arrays(k_pages, k_rows, v_rows)
             if not self.in_place_append and min(kr.size, k_pages.size) < METAL_MIN_ELEMENTS:
@@ -173,6 +179,26 @@ class LaunchingBackend(Backend):
                 write=write, dtype=dtype, vector_bytes=vec, pool_shape=shape, k_rows=kr,
                 v_rows=vr, desc=self.index_array(write.by_page()), k_pages=k_pages,
                 v_pages=v_pages, outs=outs))
+            return self.adopt_pools(k_pages, v_pages, outs)
+
+    def _append_fp8(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: AppendWrite, fp8: tuple[str, Any, Any]) -> tuple[Any, Any]:
+        """The quantizing append: rows in their own float dtype (V's converted to K's: the
+        kernel has one row type), C-contiguous."""
+        fmt, k_scale, v_scale = fp8
+        with self.launch_context(k_pages):
+            kr, vr = self.append_row_arrays(self.asarray(k_rows), k_rows, v_rows)
+            shape = tuple(int(x) for x in k_pages.shape)
+            common = dict(write=write, kv_dtype=fmt, row_dtype=self.dtype_of(kr),
+                          pool_shape=shape, k_rows=kr, v_rows=vr, k_pages=k_pages,
+                          v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
+            if self.in_place_append:
+                self._run(launches.append_fp8_launch(desc=self.index_array(write.desc),
+                                                     **common))
+                return k_pages, v_pages
+            outs = (self.empty(shape, fmt), self.empty(shape, fmt))
+            self._run(launches.append_fp8_launch(desc=self.index_array(write.by_page()),
+                                                 outs=outs, **common))
             return self.adopt_pools(k_pages, v_pages, outs)
 
 

@@ -61,6 +61,8 @@ TYPE_NAMES = {
     "uint64": "uint64_t", "int8": "int8_t", "int16": "int16_t", "int32": "int32_t",
     "int64": "int64_t", "float16": "float16_t", "bfloat16": "bfloat16_t",
     "float32": "float",
+    # fp8 pools: bytes (MLX has no fp8 dtype; the kernels take the format as KV_FP8)
+    "float8_e4m3fn": "uint8_t", "float8_e5m2": "uint8_t",
 }
 
 

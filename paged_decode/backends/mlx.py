@@ -28,6 +28,7 @@ import numpy as np
 from ..device import DeviceInfo
 from ..dtypes import dtype_name, itemsize, numpy_dtype
 from ..errors import InvalidArgumentError, InvalidDtypeError, UnsupportedProblemError
+from ..fp8 import is_fp8, quantize_rows
 from ..kernels import append as append_kernel
 from ..kernels.append import AppendWrite
 from ..kernels.table_update import apply_delta
@@ -167,6 +168,8 @@ class MlxBackend(Backend):
         """A fresh (lazy) array: NaN with ``PAGED_DECODE_POISON``, zeros otherwise (MLX has
         no uninitialized allocation; an output that is rebound is never computed)."""
         fill = float("nan") if poison_enabled() else 0.0
+        if is_fp8(dtype_name(dtype)):   # fp8 bytes: 0x7F is NaN in both formats
+            fill = 0x7F if poison_enabled() else 0
         return mx.full(tuple(int(s) for s in shape), fill, mx_dtype(dtype_name(dtype)))
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> Any:
@@ -193,14 +196,21 @@ class MlxBackend(Backend):
 
     # ----------------------------------------------------------- pool writes
     def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-                    write: AppendWrite) -> tuple[Any, Any]:
+                    write: AppendWrite, fp8: tuple[str, Any, Any] | None = None
+                    ) -> tuple[Any, Any]:
         """New pool arrays with the copies made and the rows scattered (MLX scatters on
         flat views; the given arrays are unchanged, and MLX reuses a buffer nothing else
-        holds)."""
+        holds). fp8 pools (``uint8``): the rows are quantized on the host
+        (``fp8.quantize``, each layer with its scale) and their bytes scattered."""
         shape = tuple(k_pages.shape)
         *lead, num_pages, page_size, hkv, d = shape
         c_dst, c_src, w_dst, w_src = (mx.array(a.astype(np.int32)) for a in write.flat_rows(
             lead[0] if lead else 1, num_pages, page_size))
+        if fp8 is not None:
+            k_rows, v_rows = (mx.array(quantize_rows(self.to_numpy(rows), write.row_layers,
+                                                     write.layer0, fp8[0],
+                                                     self.to_numpy(scale)).view(np.uint8))
+                              for rows, scale in ((k_rows, fp8[1]), (v_rows, fp8[2])))
         out = []
         for pages, rows in ((k_pages, k_rows), (v_pages, v_rows)):
             flat = pages.reshape(-1, hkv * d)
@@ -225,10 +235,11 @@ class MlxBackend(Backend):
     # ----------------------------------------------------------- arms
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                     sm_scale: float, out: Any, lse_out: Any, *, soft_cap: float | None = None,
-                    sinks: Any = None) -> None:
+                    sinks: Any = None, kv_dtype: str | None = None,
+                    v_scale: float = 1.0) -> None:
         o, lse = gather_attention(q, k_pages, v_pages, table, sm_scale, lse_out is not None,
                                   rows=self.gather_rows(table), soft_cap=soft_cap,
-                                  sinks=sinks)
+                                  sinks=sinks, kv_dtype=kv_dtype, v_scale=v_scale)
         out[...] = o.astype(out.dtype)
         if lse_out is not None:
             lse_out[...] = lse
@@ -245,13 +256,15 @@ class MlxBackend(Backend):
 
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                 plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
-                soft_cap: float | None = None, sinks: Any = None) -> None:
+                soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                v_scale: float = 1.0) -> None:
         raise UnsupportedProblemError(f"{self.name} backend: the v2 kernel needs Metal "
                                       f"({metal_status().reason})")
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                   sm_scale: float, out: Any, lse_out: Any, *,
-                  soft_cap: float | None = None, sinks: Any = None) -> None:
+                  soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                v_scale: float = 1.0) -> None:
         raise UnsupportedProblemError(f"{self.name} backend: the v1 kernel needs Metal "
                                       f"({metal_status().reason})")
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..fp8 import decode_table, is_fp8
 from ..page_table import PageTable
 from ..softmax import RowSoftmax, merge_partials, nonfinite_heads
 from ..variants import cap_logits, with_sink
@@ -57,11 +58,14 @@ def compute_dtype(q: Any, k_pages: Any) -> Any:
 
 def gather_attention(q: Any, k_pages: Any, v_pages: Any, table: PageTable, sm_scale: float,
                      want_lse: bool, rows: Any = None, *, soft_cap: float | None = None,
-                     sinks: Any = None) -> tuple[Any, Any]:
+                     sinks: Any = None, kv_dtype: str | None = None,
+                     v_scale: float = 1.0) -> tuple[Any, Any]:
     """``q [B, Hq, D]``, pools ``[num_pages, P, Hkv, D]`` (MLX arrays) -> ``(out [B, Hq,
     D]`` in the compute dtype, ``lse [B, Hq]`` float32 base 2 or ``None``). An empty
     request gives zeros and ``-inf`` (the sink's LSE with ``sinks [Hq]`` float32).
-    ``soft_cap``: natural units. ``rows``: the gather index (a test hook)."""
+    ``soft_cap``: natural units. ``rows``: the gather index (a test hook). fp8 pools
+    (``uint8``, format ``kv_dtype``): the gathered bytes are widened through the format's
+    table of values, V times ``v_scale``."""
     import mlx.core as mx
     b, hq, d = (int(x) for x in q.shape)
     hkv = int(k_pages.shape[2])
@@ -69,7 +73,11 @@ def gather_attention(q: Any, k_pages: Any, v_pages: Any, table: PageTable, sm_sc
     idx = idx if rows is None else rows
     kf = mx.take(k_pages.reshape(-1, hkv, d), idx, axis=0).transpose(0, 2, 1, 3)
     vf = mx.take(v_pages.reshape(-1, hkv, d), idx, axis=0).transpose(0, 2, 1, 3)
-    ct = compute_dtype(q, k_pages)
+    if kv_dtype is not None and is_fp8(kv_dtype):
+        lut = mx.array(decode_table(kv_dtype))
+        kf = mx.take(lut, kf.astype(mx.int32))
+        vf = mx.take(lut, vf.astype(mx.int32)) * v_scale
+    ct = compute_dtype(q, kf)
     mask = valid[:, None, None, :]                                    # [B, 1, 1, Tmax]
     g = hq // hkv
     if soft_cap is not None:     # the scores themselves change: the float32 logits pass

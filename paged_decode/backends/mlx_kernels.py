@@ -26,6 +26,7 @@ import numpy as np
 
 from ..dtypes import dtype_name
 from ..errors import UnsupportedProblemError
+from ..fp8 import is_fp8
 from .metal_launches import MetalCall
 from .metal_signature import Dtype, InputDesc, parameters
 
@@ -37,9 +38,10 @@ MAX_BUFFERS = 31                     # buffer-argument slots of one Metal kernel
 
 
 def mx_dtype(name: str) -> Any:
-    """The ``mx.Dtype`` of a canonical dtype name (``"float16"``, ``"int32"``, ...)."""
+    """The ``mx.Dtype`` of a canonical dtype name (``"float16"``, ``"int32"``, ...; fp8
+    formats are ``uint8``: MLX has no fp8 dtype)."""
     import mlx.core as mx
-    return getattr(mx, name)
+    return mx.uint8 if is_fp8(name) else getattr(mx, name)
 
 
 def canonical(dt: Any) -> str:

@@ -17,6 +17,7 @@ from .. import settings
 from ..device import DeviceInfo
 from ..dtypes import as_float32, dtype_name, numpy_dtype
 from ..errors import InvalidDtypeError
+from ..fp8 import dequantize, is_fp8, quantize_rows
 from ..kernels.append import AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan, chunk_token_ranges
@@ -65,14 +66,18 @@ def sink_f32(o: np.ndarray, lse: np.ndarray, sinks: Any) -> tuple[np.ndarray, np
     return vo.astype(np.float32), lo.astype(np.float32)
 
 
-def visible_kv(pages: np.ndarray, table: PageTable, r: int, t0: int, t1: int) -> np.ndarray:
-    """Visible tokens ``[t0, t1)`` of request ``r`` as float32 ``[Hkv, n, D]``."""
+def visible_kv(pages: np.ndarray, table: PageTable, r: int, t0: int, t1: int,
+               kv_dtype: str | None = None) -> np.ndarray:
+    """Visible tokens ``[t0, t1)`` of request ``r`` as float32 ``[Hkv, n, D]`` (an fp8
+    pool's stored values, unscaled; ``kv_dtype`` names the format of ``uint8`` pages)."""
     p = table.page_size
     fpo = int(table.first_page_offset[r])
     a0, a1 = fpo + t0, fpo + t1
     pb, pe = a0 // p, -(-a1 // p)
     ids = table.indices[table.indptr[r] + pb: table.indptr[r] + pe]
     rows = pages[ids].reshape(-1, *pages.shape[2:])[a0 - pb * p: a1 - pb * p]
+    if kv_dtype is not None and is_fp8(kv_dtype):
+        return dequantize(rows, kv_dtype).transpose(1, 0, 2)
     return as_float32(rows).transpose(1, 0, 2)
 
 
@@ -149,11 +154,17 @@ class ReferenceBackend(Backend):
 
     # ----------------------------------------------------------- pool writes
     def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-                    write: AppendWrite) -> tuple[Any, Any]:
-        """Row copies on flat views of the pools (numpy writes through them)."""
+                    write: AppendWrite, fp8: tuple[str, Any, Any] | None = None
+                    ) -> tuple[Any, Any]:
+        """Row copies on flat views of the pools (numpy writes through them); fp8 pools
+        take their rows quantized (``fp8.quantize``, each layer with its scale)."""
         *lead, num_pages, page_size, hkv, d = k_pages.shape
         c_dst, c_src, w_dst, w_src = write.flat_rows(lead[0] if lead else 1, num_pages,
                                                      page_size)
+        if fp8 is not None:
+            k_rows, v_rows = (quantize_rows(rows, write.row_layers, write.layer0, fp8[0],
+                                            np.asarray(scale))
+                              for rows, scale in ((k_rows, fp8[1]), (v_rows, fp8[2])))
         for pages, rows in ((k_pages, k_rows), (v_pages, v_rows)):
             if not pages.flags.c_contiguous:     # the pool's own arrays always are
                 raise RuntimeError("reference append_rows: pools must be C-contiguous (the "
@@ -161,14 +172,16 @@ class ReferenceBackend(Backend):
             flat = pages.reshape(-1, hkv * d)
             if c_dst.size:
                 flat[c_dst] = flat[c_src]
-            flat[w_dst] = np.asarray(rows).reshape(-1, hkv * d)[w_src].astype(
-                pages.dtype, copy=False)
+            src = np.asarray(rows).reshape(-1, hkv * d)[w_src]
+            flat[w_dst] = src.view(np.uint8) if fp8 is not None and pages.dtype == np.uint8 \
+                else src.astype(pages.dtype, copy=False)
         return k_pages, v_pages
 
     # ----------------------------------------------------------- kernels
     def partial(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                 plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
-                soft_cap: float | None = None, sinks: Any = None) -> None:
+                soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                v_scale: float = 1.0) -> None:
         if isinstance(table, StepTable):   # array ops read the host view
             table = table.page_table()
         hkv, d = plan.num_kv_heads, plan.head_dim
@@ -179,10 +192,10 @@ class ReferenceBackend(Backend):
         for c in range(plan.num_chunks):
             r = int(plan.request_indices[c])
             t0, t1 = int(t_begin[c]), int(t_end[c])
-            k = visible_kv(k_pages, table, r, t0, t1)
-            v = visible_kv(v_pages, table, r, t0, t1)
+            k = visible_kv(k_pages, table, r, t0, t1, kv_dtype)
+            v = visible_kv(v_pages, table, r, t0, t1, kv_dtype)
             o, lse = attend_f32(qf[r], k, v, scale_log2, soft_cap)
-            o, lse = o.reshape(hkv * g, d), lse.reshape(hkv * g)
+            o, lse = o.reshape(hkv * g, d) * np.float32(v_scale), lse.reshape(hkv * g)
             if sinks is not None:          # a partial that is the output: its final store
                 o, lse = sink_f32(o, lse, sinks)
             v_out[c] = o.astype(v_out.dtype)
@@ -201,7 +214,8 @@ class ReferenceBackend(Backend):
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                   sm_scale: float, out: Any, lse_out: Any, *,
-                  soft_cap: float | None = None, sinks: Any = None) -> None:
+                  soft_cap: float | None = None, sinks: Any = None, kv_dtype: str | None = None,
+                  v_scale: float = 1.0) -> None:
         if isinstance(table, StepTable):
             table = table.page_table()
         b, hq, d = q.shape
@@ -210,13 +224,13 @@ class ReferenceBackend(Backend):
         qf = as_float32(q).reshape(b, hkv, hq // hkv, d)
         for r in range(b):
             n = int(table.visible_lens[r])
-            k = visible_kv(k_pages, table, r, 0, n)
-            v = visible_kv(v_pages, table, r, 0, n)
+            k = visible_kv(k_pages, table, r, 0, n, kv_dtype)
+            v = visible_kv(v_pages, table, r, 0, n, kv_dtype)
             # the CTA's warps take interleaved token stripes, then combine their states
             parts = [attend_f32(qf[r], k[:, s::V1_SPLITS], v[:, s::V1_SPLITS], scale_log2,
                                 soft_cap) for s in range(V1_SPLITS)]
             o, lse = combine_f32(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]))
-            o, lse = o.reshape(hq, d), lse.reshape(hq)
+            o, lse = o.reshape(hq, d) * np.float32(v_scale), lse.reshape(hq)
             if sinks is not None:
                 o, lse = sink_f32(o, lse, sinks)
             out[r] = o.astype(out.dtype)
@@ -224,7 +238,8 @@ class ReferenceBackend(Backend):
 
     def gather_sdpa(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                     sm_scale: float, out: Any, lse_out: Any, *,
-                    soft_cap: float | None = None, sinks: Any = None) -> None:
+                    soft_cap: float | None = None, sinks: Any = None,
+                    kv_dtype: str | None = None, v_scale: float = 1.0) -> None:
         if isinstance(table, StepTable):
             table = table.page_table()
         b, hq, d = q.shape
@@ -232,8 +247,8 @@ class ReferenceBackend(Backend):
         g = hq // hkv
         for r in range(b):
             n = int(table.visible_lens[r])
-            k = visible_kv(k_pages, table, r, 0, n)  # the gathered contiguous copy
-            v = visible_kv(v_pages, table, r, 0, n)
+            k = visible_kv(k_pages, table, r, 0, n, kv_dtype)  # the gathered copy
+            v = visible_kv(v_pages, table, r, 0, n, kv_dtype)
             if n == 0:
                 o, lse2 = np.zeros((hq, d), np.float32), np.full(hq, -np.inf, np.float32)
             else:
@@ -241,7 +256,7 @@ class ReferenceBackend(Backend):
                 with np.errstate(invalid="ignore", over="ignore"):
                     s = np.matmul(qf, k.transpose(0, 2, 1)) * np.float32(sm_scale)  # natural
                     sm = RowSoftmax(np, cap_logits(np, s, soft_cap, base2=False), base2=False)
-                    o = sm.normalize(np.matmul(sm.p, v)).reshape(hq, d)
+                    o = sm.normalize(np.matmul(sm.p, v)).reshape(hq, d) * np.float32(v_scale)
                 lse2 = sm.lse2.reshape(hq)
             if sinks is not None:
                 o, lse2 = sink_f32(o, lse2, sinks)

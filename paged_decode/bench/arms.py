@@ -92,6 +92,8 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
     qt, kt, vt = (torch.from_dlpack(x) for x in (q, k, v))
     if name == "sdpa" and vk:
         raise ArmUnavailable(f"sdpa (contiguous, plain attention) has no {', '.join(vk)}")
+    if "kv_dtype" in vk:        # fp8 pools are CuPy bytes: FlashInfer reads torch fp8
+        kt, vt = (t.view(getattr(torch, vk["kv_dtype"])) for t in (kt, vt))
     if "sinks" in vk:
         raise ArmUnavailable(f"{name}: FlashInfer's batch decode wrapper takes no sinks")
     try:
@@ -105,7 +107,8 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
             call, out, desc = fa.make_flashinfer_decode(
                 qt, kt, vt, table, sm_scale=sm_scale, use_tensor_cores=name.endswith("-tc"),
                 window_left=vk.get("window_left", -1),
-                logits_soft_cap=vk.get("logits_soft_cap"))
+                logits_soft_cap=vk.get("logits_soft_cap"), k_scale=vk.get("k_scale"),
+                v_scale=vk.get("v_scale"))
     except ArmUnavailable:
         raise
     except Exception as exc:

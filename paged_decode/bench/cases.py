@@ -22,12 +22,20 @@ class BenchCase:
     window_left: int = -1
     soft_cap: float = 0.0
     sinks: bool = False
+    #: the pools' dtype when it is not ``dtype`` (an fp8 K/V cache: ``"float8_e4m3fn"``,
+    #: ``"float8_e5m2"``; ``dtype`` is then the queries' and outputs')
+    kv_dtype: str = ""
+
+    @property
+    def pool_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     @property
     def label(self) -> str:
         extra = "".join([f" W{self.window_left}" if self.window_left >= 0 else "",
                          f" cap{self.soft_cap:g}" if self.soft_cap else "",
-                         " sinks" if self.sinks else ""])
+                         " sinks" if self.sinks else "",
+                         f" kv {self.kv_dtype}" if self.kv_dtype else ""])
         return (f"{self.model} B{self.batch} ctx{self.context} ps{self.page_size} "
                 f"{self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim} {self.dtype}"
                 f"{extra}")
@@ -40,7 +48,7 @@ class BenchCase:
 
     def kv_bytes(self) -> int:
         """Bytes of K and V the decode must read (each attended element once)."""
-        elt = 4 if self.dtype == "float32" else 2
+        elt = {"float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}.get(self.pool_dtype, 2)
         return 2 * self.batch * self.attended * self.num_kv_heads * self.head_dim * elt
 
     def io_bytes(self) -> int:

@@ -194,7 +194,8 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                            sm_scale: float, use_tensor_cores: bool,
                            workspace_bytes: int = 128 << 20,
                            cuda_graph_mode: bool = False, window_left: int = -1,
-                           logits_soft_cap: float | None = None
+                           logits_soft_cap: float | None = None, k_scale: float | None = None,
+                           v_scale: float | None = None
                            ) -> tuple[Callable[[], Any], Any, str]:
     """FlashInfer batch decode over ``table``: returns ``(call, out, description)``.
 
@@ -209,6 +210,9 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     FlashInfer is not importable, and FlashInfer's own errors unchanged.
     ``window_left`` and ``logits_soft_cap`` go to ``plan`` (FlashInfer's decode has both,
     with this package's meaning: the last ``W + 1`` tokens, ``c * tanh(s / c)``).
+    fp8 pools (torch ``float8_e4m3fn`` / ``float8_e5m2``): ``k_scale`` and ``v_scale`` go
+    to ``run`` (FlashInfer 0.3.1 folds ``k_scale`` into ``sm_scale`` and multiplies the
+    output by ``v_scale`` afterwards, in place: the convention of ``docs/fp8.md``).
     """
     b, hq, hkv, d, p = check_shapes(tuple(q.shape), tuple(k_pages.shape),
                                     tuple(v_pages.shape), table)
@@ -261,8 +265,11 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
         out = torch.empty_like(q)
         kv = (k_pages, v_pages)
 
+        scales = {} if k_scale is None else {"k_scale": float(k_scale),
+                                              "v_scale": float(v_scale or 1.0)}
+
         def call() -> Any:
-            return wrapper.run(q, kv, out=out)
+            return wrapper.run(q, kv, out=out, **scales)
 
         call()                       # caches FlashInfer's lazy buffers; surfaces errors now
         torch.cuda.synchronize(dev)

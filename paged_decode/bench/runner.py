@@ -21,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
+from .. import __version__, fp8
 from ..backends import Backend, get_backend
 from ..call import plan_decode
 from ..dtypes import numpy_dtype
+from ..fp8 import is_fp8
 from ..outcome import last_outcome
 from ..page_table import PageTable
 from ..problems import make_table
@@ -91,6 +92,8 @@ def _problem(be: Backend, case: BenchCase, seed: int) -> tuple[Any, Any, Any, Pa
     dt = numpy_dtype(case.dtype)
     shape = (num_pages, case.page_size, case.num_kv_heads, case.head_dim)
     qshape = (case.batch, case.num_qo_heads, case.head_dim)
+    if is_fp8(case.pool_dtype):
+        return _fp8_problem(be, case, seed, table, shape, qshape)
     if be.name == "cuda":   # generated on the device (pools of many GB)
         import cupy as cp
         g = cp.random.default_rng(seed)
@@ -102,16 +105,52 @@ def _problem(be: Backend, case: BenchCase, seed: int) -> tuple[Any, Any, Any, Pa
     return q, k, v, table
 
 
+#: fp8 benchmark pools: K ~ N(0, 2^2), V ~ N(0, 1), scaled so that 4 sigma reaches the
+#: format's largest value (a per-tensor amax calibration)
+FP8_SIGMA = {"k": 2.0, "v": 1.0}
+
+
+def fp8_scales(fmt: str) -> tuple[float, float]:
+    """(k_scale, v_scale) of the fp8 benchmark pools of format ``fmt``."""
+    top = fp8.max_finite(fmt)
+    return 4 * FP8_SIGMA["k"] / top, 4 * FP8_SIGMA["v"] / top
+
+
+def _fp8_problem(be: Backend, case: BenchCase, seed: int, table: PageTable,
+                 shape: tuple[int, ...], qshape: tuple[int, ...]) -> tuple[Any, ...]:
+    """fp8 pools whose codes are drawn from a host sample of quantized normals (1M codes,
+    ``fp8.quantize`` with ``fp8_scales``): the distribution of a calibrated cache, made on
+    the device by indexing the sample (pools of many GB), bytes on CuPy."""
+    fmt = case.pool_dtype
+    h = np.random.default_rng(seed)
+    ks, vs = fp8_scales(fmt)
+    sample = [fp8.codes(fp8.quantize(h.standard_normal(1 << 20) * FP8_SIGMA[n], fmt, s))
+              for n, s in (("k", ks), ("v", vs))]
+    q = h.standard_normal(qshape, dtype=np.float32).astype(numpy_dtype(case.dtype))
+    if be.name == "cuda":
+        import cupy as cp
+        g = cp.random.default_rng(seed)
+        k, v = (cp.asarray(smp)[g.integers(0, smp.size, shape, dtype=cp.int32)]
+                for smp in sample)
+        return cp.asarray(q), k, v, table
+    k, v = (smp[h.integers(0, smp.size, shape)].view(fp8.numpy_fp8(fmt)) for smp in sample)
+    return be.asarray(q), be.asarray(k), be.asarray(v), table
+
+
 def _variants(be: Backend, case: BenchCase, seed: int, like: Any) -> dict[str, Any]:
     """``decode``'s variant arguments of ``case`` (sinks drawn on ``be`` beside ``like``,
-    natural units)."""
+    natural units; an fp8 case's format and scales, ``fp8_scales``)."""
     sinks = None
     if case.sinks:
         host = (np.random.default_rng(seed + 7).standard_normal(case.num_qo_heads) * 2)
         with be.launch_context(like):
             sinks = be.asarray(host.astype(np.float32))
-    return {"window_left": case.window_left,
-            "logits_soft_cap": case.soft_cap if case.soft_cap else None, "sinks": sinks}
+    vk = {"window_left": case.window_left,
+          "logits_soft_cap": case.soft_cap if case.soft_cap else None, "sinks": sinks}
+    if is_fp8(case.pool_dtype):
+        ks, vs = fp8_scales(case.pool_dtype)
+        vk.update(kv_dtype=case.pool_dtype, k_scale=ks, v_scale=vs)
+    return vk
 
 
 def _verify(be: Backend, out: Any, q: Any, k: Any, v: Any, table: PageTable,
@@ -129,9 +168,11 @@ def _verify(be: Backend, out: Any, q: Any, k: Any, v: Any, table: PageTable,
         ids = xp.asarray(np.asarray(table.request_pages(r), dtype=np.int64))
         fpo, n = int(table.first_page_offset[r]), int(table.visible_lens[r])
         kv = []
-        for pool in (k, v):
+        for pool, scale in ((k, vk.get("k_scale", 1.0)), (v, vk.get("v_scale", 1.0))):
             rows = be.to_numpy(pool[ids])
-            run = rows.reshape(-1, *rows.shape[2:])[fpo:fpo + n].astype(np.float64)
+            run = rows.reshape(-1, *rows.shape[2:])[fpo:fpo + n]
+            run = (fp8.dequantize(run, vk["kv_dtype"], scale).astype(np.float64)
+                   if vk.get("kv_dtype") else run.astype(np.float64))
             kv.append(run if w < 0 else run[max(0, n - 1 - w):])
         ref, _ = attention_f64(qn[r].astype(np.float64), kv[0], kv[1],
                                1.0 / np.sqrt(qn.shape[-1]),

@@ -50,6 +50,15 @@ struct bfloat {
 typedef half float16_t;
 typedef bfloat bfloat16_t;
 
+// as_type<T>(x): a bit cast between types of one size (MSL's reinterpretation).
+template <typename T, typename U>
+inline T as_type(U x) {
+  static_assert(sizeof(T) == sizeof(U), "as_type needs types of one size");
+  T t;
+  std::memcpy(&t, &x, sizeof(T));
+  return t;
+}
+
 namespace pd_metal {
 
 // Vectors of 2, 3 or 4 components (members x, y, z, w and operator[]; no swizzles).
@@ -190,6 +199,7 @@ inline float tanh(float x) { return std::tanh(x); }
 inline float fmax(float a, float b) { return std::fmax(a, b); }
 inline float fmin(float a, float b) { return std::fmin(a, b); }
 inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline float rint(float x) { return std::nearbyint(x); }   // ties to even (default mode)
 inline bool isinf(float x) { return std::isinf(x); }
 inline bool isnan(float x) { return std::isnan(x); }
 inline bool isfinite(float x) { return std::isfinite(x); }

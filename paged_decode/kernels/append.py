@@ -126,6 +126,39 @@ class AppendWrite:
 # Template parameter: VEC (bytes per word). Scalars: T (columns of desc), N (rows per
 # layer), row_words (words per K/V row), page_size, num_pages; grid_layer0 (the layer of
 # blockIdx.y == 0), layer0 / row_layers (the layers the rows go to), copy_cow (0/1).
+# What both append kernels (this one and ``append_fp8.py``) share: the slots block (t, l)
+# writes, from column t of desc. Offsets count row units (words here, elements there).
+CUDA_APPEND_COMMON = r"""
+namespace pd {
+struct AppendBlock {
+  int lo;                              // slots [0, lo) are copied (when first == 0)
+  long long first, last;               // units [first, last) of the page are written
+  long long dst0, src0, row_base;      // the page, its copy-on-write source, its rows
+};
+__device__ __forceinline__ AppendBlock append_block(
+    const int* __restrict__ desc, int num_touched, int t, int l, int row_len, int num_rows,
+    int page_size, int num_pages, int layer0, int row_layers, int copy_cow) {
+  const int page = desc[t];
+  const int src = desc[num_touched + t];
+  const int row0 = desc[2 * num_touched + t];
+  const int lo = desc[3 * num_touched + t];
+  const int hi = desc[4 * num_touched + t];
+  const bool copy = copy_cow != 0 && src != page;      // slots [0, lo) from src
+  const bool rows_here = l >= layer0 && l < layer0 + row_layers;
+  // units [first, last) of the page: i = slot * row_len + unit
+  AppendBlock b;
+  b.lo = lo;
+  b.first = copy ? 0 : (long long)lo * row_len;
+  b.last = (long long)(rows_here ? hi : (copy ? lo : 0)) * row_len;
+  const long long layer_units = (long long)l * num_pages * page_size * row_len;
+  b.dst0 = layer_units + (long long)page * page_size * row_len;
+  b.src0 = layer_units + (long long)src * page_size * row_len;
+  b.row_base = ((long long)(l - layer0) * num_rows + row0) * row_len;
+  return b;
+}
+}  // namespace pd
+"""
+
 CUDA_BODY = r"""
 namespace pd {
 template <int BYTES> struct Word;
@@ -145,35 +178,23 @@ __global__ void __launch_bounds__(128) pd_append(
     typename pd::Word<VEC>::type* v_pages,
     int num_touched, int num_rows, int row_words, int page_size, int num_pages,
     int grid_layer0, int layer0, int row_layers, int copy_cow) {
-  const int t = blockIdx.x;
-  const int l = grid_layer0 + (int)blockIdx.y;
-  const int page = desc[t];
-  const int src = desc[num_touched + t];
-  const int row0 = desc[2 * num_touched + t];
-  const int lo = desc[3 * num_touched + t];
-  const int hi = desc[4 * num_touched + t];
-  const bool copy = copy_cow != 0 && src != page;      // slots [0, lo) from src
-  const bool rows_here = l >= layer0 && l < layer0 + row_layers;
-  // words [first, last) of the page: i = slot * row_words + word
-  const long long first = copy ? 0 : (long long)lo * row_words;
-  const long long last = (long long)(rows_here ? hi : (copy ? lo : 0)) * row_words;
-  const long long layer_words = (long long)l * num_pages * page_size * row_words;
-  const long long dst0 = layer_words + (long long)page * page_size * row_words;
-  const long long src0 = layer_words + (long long)src * page_size * row_words;
-  const long long row_base = ((long long)(l - layer0) * num_rows + row0) * row_words;
-  for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
-    if (i < (long long)lo * row_words) {
-      k_pages[dst0 + i] = k_pages[src0 + i];
-      v_pages[dst0 + i] = v_pages[src0 + i];
+  const pd::AppendBlock b = pd::append_block(desc, num_touched, blockIdx.x,
+                                             grid_layer0 + (int)blockIdx.y, row_words,
+                                             num_rows, page_size, num_pages, layer0,
+                                             row_layers, copy_cow);
+  for (long long i = b.first + threadIdx.x; i < b.last; i += blockDim.x) {
+    if (i < (long long)b.lo * row_words) {
+      k_pages[b.dst0 + i] = k_pages[b.src0 + i];
+      v_pages[b.dst0 + i] = v_pages[b.src0 + i];
     } else {
-      k_pages[dst0 + i] = k_rows[row_base + i];
-      v_pages[dst0 + i] = v_rows[row_base + i];
+      k_pages[b.dst0 + i] = k_rows[b.row_base + i];
+      v_pages[b.dst0 + i] = v_rows[b.row_base + i];
     }
   }
 }
 """
 
-CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
+CUDA_SOURCE = CUDA_COMMON + CUDA_APPEND_COMMON + CUDA_BODY
 
 # ---------------------------------------------------------------------------- Metal
 # Inputs: k_rows, v_rows (pool dtype), desc (int32 [5, T], columns sorted by page),
@@ -183,22 +204,19 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
 METAL_INPUTS = ("k_rows", "v_rows", "desc", "k_pages", "v_pages", "num_touched", "num_rows",
                 "row_words", "page_size", "num_pages", "layer0", "row_layers", "copy_cow")
 METAL_OUTPUTS = ("k_out", "v_out")
-METAL_HEADER = METAL_COMMON + r"""
+# Both Metal append bodies: the column of desc of this threadgroup's page (columns sorted
+# by page, binary search) and the offsets of its slots (row units: words or elements).
+METAL_APPEND_COMMON = r"""
 namespace pd {
-template <int BYTES> struct Word;
-template <> struct Word<16> { typedef uint4 type; };
-template <> struct Word<8> { typedef uint2 type; };
-template <> struct Word<4> { typedef uint type; };
-template <> struct Word<2> { typedef ushort type; };
-}  // namespace pd
-"""
-
-METAL_SOURCE = r"""
-  typedef typename pd::Word<VEC>::type W;
-  const int page = int(threadgroup_position_in_grid.x);
-  const int l = int(threadgroup_position_in_grid.y);
+struct AppendPage {
+  int lo, hi;                          // slots [0, lo) from src, [lo, hi) new rows
+  long dst0, src0, row_base, n;        // the page, its source, its rows; units per page
+};
+template <typename DP>
+inline AppendPage append_page(DP desc, int num_touched, int page, int l, int row_len,
+                              int num_rows, int page_size, int num_pages, int layer0,
+                              int row_layers, int copy_cow) {
   const bool rows_here = l >= layer0 && l < layer0 + row_layers;
-  // this page's column of desc, if the append touches it (columns sorted by page)
   int a = 0, b = num_touched;
   while (a < b) {
     const int m = (a + b) / 2;
@@ -211,27 +229,50 @@ METAL_SOURCE = r"""
     lo = desc[3 * num_touched + a];
     hi = rows_here ? desc[4 * num_touched + a] : lo;
   }
+  AppendPage p;
+  p.lo = lo;
+  p.hi = hi;
+  const long layer_units = long(l) * num_pages * page_size * row_len;
+  p.dst0 = layer_units + long(page) * page_size * row_len;
+  p.src0 = layer_units + long(src) * page_size * row_len;
+  p.row_base = (long(l - layer0) * num_rows + row0) * row_len;
+  p.n = long(page_size) * row_len;
+  return p;
+}
+}  // namespace pd
+"""
+METAL_HEADER = METAL_COMMON + METAL_APPEND_COMMON + r"""
+namespace pd {
+template <int BYTES> struct Word;
+template <> struct Word<16> { typedef uint4 type; };
+template <> struct Word<8> { typedef uint2 type; };
+template <> struct Word<4> { typedef uint type; };
+template <> struct Word<2> { typedef ushort type; };
+}  // namespace pd
+"""
+
+METAL_SOURCE = r"""
+  typedef typename pd::Word<VEC>::type W;
+  const pd::AppendPage p = pd::append_page(
+      desc, num_touched, int(threadgroup_position_in_grid.x),
+      int(threadgroup_position_in_grid.y), row_words, num_rows, page_size, num_pages, layer0,
+      row_layers, copy_cow);
   const device W* ik = reinterpret_cast<const device W*>(k_pages);
   const device W* iv = reinterpret_cast<const device W*>(v_pages);
   const device W* rk = reinterpret_cast<const device W*>(k_rows);
   const device W* rv = reinterpret_cast<const device W*>(v_rows);
   device W* ok = reinterpret_cast<device W*>(k_out);
   device W* ov = reinterpret_cast<device W*>(v_out);
-  const long layer_words = long(l) * num_pages * page_size * row_words;
-  const long dst0 = layer_words + long(page) * page_size * row_words;
-  const long src0 = layer_words + long(src) * page_size * row_words;
-  const long row_base = (long(l - layer0) * num_rows + row0) * row_words;
-  const long n = long(page_size) * row_words;
-  for (long i = thread_position_in_threadgroup.x; i < n; i += threads_per_threadgroup.x) {
-    if (i < long(lo) * row_words) {             // copy-on-write source (or the page)
-      ok[dst0 + i] = ik[src0 + i];
-      ov[dst0 + i] = iv[src0 + i];
-    } else if (i < long(hi) * row_words) {      // a new row
-      ok[dst0 + i] = rk[row_base + i];
-      ov[dst0 + i] = rv[row_base + i];
+  for (long i = thread_position_in_threadgroup.x; i < p.n; i += threads_per_threadgroup.x) {
+    if (i < long(p.lo) * row_words) {           // copy-on-write source (or the page)
+      ok[p.dst0 + i] = ik[p.src0 + i];
+      ov[p.dst0 + i] = iv[p.src0 + i];
+    } else if (i < long(p.hi) * row_words) {    // a new row
+      ok[p.dst0 + i] = rk[p.row_base + i];
+      ov[p.dst0 + i] = rv[p.row_base + i];
     } else {                                    // unchanged
-      ok[dst0 + i] = ik[dst0 + i];
-      ov[dst0 + i] = iv[dst0 + i];
+      ok[p.dst0 + i] = ik[p.dst0 + i];
+      ov[p.dst0 + i] = iv[p.dst0 + i];
     }
   }
 """

@@ -1,8 +1,11 @@
 """Device helpers shared by every CUDA kernel (prepended to each kernel's source).
 
-16-byte vector loads of K/V rows, conversion of those vectors to float, scalar loads and
-stores of q and outputs in any supported dtype, and the butterfly reductions.
+16-byte vector loads of K/V rows, conversion of those vectors to float (fp8 pools:
+``fp8_convert.py``, appended here), scalar loads and stores of q and outputs in any
+supported dtype, and the butterfly reductions.
 """
+
+from .fp8_convert import CUDA_FP8, METAL_FP8
 
 CUDA_COMMON = r"""
 #include <cuda_fp16.h>
@@ -59,6 +62,17 @@ template <> struct KV<float> {
     f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
   }
 };
+
+// The ring's 16-byte pieces: kv_piece is the global address of load j of a lane whose
+// elements start at p, widen_piece widens the KV<T>::PER16 elements the lane takes from
+// a piece (all of it here; fp8 lanes share pieces in pairs: fp8_convert.py, sel & 1 picks
+// the half).
+template <typename T>
+__device__ __forceinline__ const uint4* kv_piece(const T* p, int j) {
+  return reinterpret_cast<const uint4*>(p) + j;
+}
+template <typename T>
+__device__ __forceinline__ void widen_piece(const uint4& u, float* f, int sel) { KV<T>::widen(u, f); }
 
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -140,7 +154,7 @@ __device__ __forceinline__ TokenRange chunk_tokens(long long npages, long long l
 __host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 
 }  // namespace pd
-"""
+""" + CUDA_FP8
 
 # Metal dialect (MLX ``metal_kernel`` header text). MLX pastes ``header`` verbatim after
 # its ``utils.h`` (``using namespace metal``, ``bfloat16_t``); template values are not
@@ -194,4 +208,4 @@ inline float group_sum(float x) {
 constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 
 }  // namespace pd
-"""
+""" + METAL_FP8

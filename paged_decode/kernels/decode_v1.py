@@ -12,7 +12,7 @@ from __future__ import annotations
 from .decode_v2 import CUDA_SOURCE as _V2_SOURCE
 from .decode_v2 import METAL_HEADER as _V2_METAL_HEADER
 from .decode_v2 import ring_smem_bytes, warp_threads
-from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue
+from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue, metal_fp8
 
 CUDA_BODY = r"""
 // grid: (B * Hq); block: NUM_WARPS * 32 threads.
@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v1(
     const float* __restrict__ sinks,             // [Hq] natural units with SINK (else unread)
     TO* __restrict__ out,                        // [B, Hq, D]
     float* __restrict__ lse_out,                 // [B, Hq], log2
-    int num_qo_heads, int num_kv_heads, float scale_log2, float soft_cap_log2) {
+    int num_qo_heads, int num_kv_heads, float scale_log2, float soft_cap_log2, float v_scale) {
   const int r = blockIdx.x / num_qo_heads, h = blockIdx.x % num_qo_heads;
   const int kvh = h / (num_qo_heads / num_kv_heads);
   const long long pb = indptr[r], npages = indptr[r + 1] - pb;
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v1(
   seq = seq < 0 ? 0 : seq;
   pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, 1, NUM_WARPS, STAGES, 1, SOFT_CAP, SINK>(
       q, k_pages, v_pages, indices + pb, fpo, 0, seq, r, kvh, h, num_qo_heads, num_kv_heads,
-      scale_log2, soft_cap_log2, sinks, out, lse_out, ((long long)r * num_qo_heads + h) * HEAD_DIM,
+      scale_log2, soft_cap_log2, sinks, v_scale, out, lse_out, ((long long)r * num_qo_heads + h) * HEAD_DIM,
       (long long)r * num_qo_heads + h);
 }
 """
@@ -48,12 +48,13 @@ CUDA_SOURCE = _V2_SOURCE + CUDA_BODY
 # MLX ``metal_kernel`` body over the v2 header's ``pd::attend_range`` (one query head per
 # threadgroup). Inputs: q, k_pages, v_pages, indices, indptr, last_page_len,
 # first_page_offset, sinks ([Hq] float32 with SINK, a stand-in otherwise), num_qo_heads,
-# num_kv_heads (0-d int32), scale_log2, soft_cap_log2 (0-d float32); outputs: out,
-# lse_out. Template arguments: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, NUM_WARPS, SOFT_CAP, SINK.
+# num_kv_heads (0-d int32), scale_log2, soft_cap_log2, v_scale (0-d float32); outputs:
+# out, lse_out. Template arguments: TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, NUM_WARPS, SOFT_CAP,
+# SINK, KV_FP8 (as v2's).
 # Launch: grid (B * Hq * NUM_WARPS * 32, 1, 1) threads, threadgroup (NUM_WARPS * 32, 1, 1).
 METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
                 "first_page_offset", "sinks", "num_qo_heads", "num_kv_heads", "scale_log2",
-                "soft_cap_log2")
+                "soft_cap_log2", "v_scale")
 METAL_OUTPUTS = ("out", "lse_out")
 METAL_HEADER = _V2_METAL_HEADER
 
@@ -71,9 +72,9 @@ METAL_SOURCE = r"""
   threadgroup float sm_m[CB::STATE];
   threadgroup float sm_l[CB::STATE];
   threadgroup float sm_acc[CB::ACC];
-  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, 1, NUM_WARPS, SOFT_CAP, SINK>(
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, 1, NUM_WARPS, SOFT_CAP, SINK, KV_FP8>(
       q, k_pages, v_pages, indices + pb, fpo, 0, seq, r, kvh, h, num_qo_heads,
-      num_kv_heads, scale_log2, soft_cap_log2, sinks, out, lse_out, (long(r) * num_qo_heads + h) * HEAD_DIM,
+      num_kv_heads, scale_log2, soft_cap_log2, sinks, v_scale, out, lse_out, (long(r) * num_qo_heads + h) * HEAD_DIM,
       long(r) * num_qo_heads + h, sm_m, sm_l, sm_acc, thread_position_in_threadgroup.x,
       thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
 """
@@ -83,7 +84,7 @@ def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
     return {"TQ": Dtype(spec.q_dtype), "TKV": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype),
             "HEAD_DIM": spec.head_dim, "PAGE_SIZE": spec.page_size,
             "NUM_WARPS": spec.num_warps, "STAGES": spec.stages, "SOFT_CAP": spec.soft_cap,
-            "SINK": spec.sink}
+            "SINK": spec.sink, "KV_FP8": metal_fp8(spec.kv_dtype)}
 
 
 KERNEL = KernelDef(
@@ -92,4 +93,4 @@ KERNEL = KernelDef(
               "SINK"),
     arguments=_arguments, threads=warp_threads, dynamic_smem=ring_smem_bytes,
     metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),
-    cuda_only=("STAGES",))
+    cuda_only=("STAGES",), metal_only=("KV_FP8",))

@@ -21,15 +21,20 @@ warps. Offsets into the pools are 64-bit.
 from __future__ import annotations
 
 from .common import CUDA_COMMON, METAL_COMMON
-from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue
+from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue, metal_fp8
 
 TOKENS_PER_STAGE = 4          # U in the kernels
+#: elements a lane takes from one 16-byte piece of a row (the kernels' KV<T>::PER16): all
+#: of it, except fp8, whose lanes share each piece in pairs (8 elements each, like
+#: float16: kernels/fp8_convert.py)
+PIECE_ELEMENTS = {"float16": 8, "bfloat16": 8, "float32": 4, "float8_e4m3fn": 8,
+                  "float8_e5m2": 8}
 
 
 def row_loads(kv_dtype: str, head_dim: int, requested: int = 1) -> int:
     """16-byte loads a lane makes per K/V row (the kernels' RowMap): enough for the row
     to fit in one warp, at least ``requested``."""
-    per16 = 16 // {"float16": 2, "bfloat16": 2, "float32": 4}[kv_dtype]
+    per16 = PIECE_ELEMENTS[kv_dtype]
     min_vec = -(-head_dim // 32)
     return max(-(-min_vec // per16), requested)
 
@@ -107,8 +112,8 @@ __device__ __forceinline__ void issue_stage(
     }
 #pragma unroll
     for (int j = 0; j < NLOAD; ++j) {
-      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), reinterpret_cast<const uint4*>(kp) + j, ok && active);
-      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), reinterpret_cast<const uint4*>(vp) + j, ok && active);
+      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), kv_piece(kp, j), ok && active);
+      cp_async16(ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), kv_piece(vp, j), ok && active);
     }
   }
   cp_async_commit();
@@ -116,14 +121,17 @@ __device__ __forceinline__ void issue_stage(
 
 // Phase: this lane's partial q.k logits s[g][u] (over its VEC elements) of the QH heads
 // for the U tokens in ring stage `stage`; the softmax phases reduce them across the row.
+// sel0: this lane's first load index in its row (col * NLOAD: which half of a shared
+// fp8 piece is its own).
 template <typename TKV, int QH, int U, int VEC, int NLOAD, int THREADS>
-__device__ __forceinline__ void scores(const float (&qf)[QH][VEC], int stage, float (&s)[QH][U]) {
+__device__ __forceinline__ void scores(const float (&qf)[QH][VEC], int stage, int sel0,
+                                       float (&s)[QH][U]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     float kf[VEC];
 #pragma unroll
     for (int j = 0; j < NLOAD; ++j)
-      KV<TKV>::widen(*ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), kf + j * KV<TKV>::PER16);
+      widen_piece<TKV>(*ring_slot<U, NLOAD, THREADS>(stage, u, 0, j), kf + j * KV<TKV>::PER16, sel0 + j);
 #pragma unroll
     for (int g = 0; g < QH; ++g) {
       float x = 0.f;
@@ -231,13 +239,13 @@ __device__ __forceinline__ float v_weight(const float (&s)[QH][U], int g, int u,
 // Phase: acc[g] += p(g, u) * v_u over the U tokens in ring stage `stage`, in token order.
 template <typename TKV, bool TRANSPOSE, int QH, int U, int VEC, int NLOAD, int THREADS, int HLANES>
 __device__ __forceinline__ void accumulate_v(float (&acc)[QH][VEC], const float (&s)[QH][U],
-                                             int stage, int sub0) {
+                                             int stage, int sub0, int sel0) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     float vf[VEC];
 #pragma unroll
     for (int j = 0; j < NLOAD; ++j)
-      KV<TKV>::widen(*ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), vf + j * KV<TKV>::PER16);
+      widen_piece<TKV>(*ring_slot<U, NLOAD, THREADS>(stage, u, 1, j), vf + j * KV<TKV>::PER16, sel0 + j);
 #pragma unroll
     for (int g = 0; g < QH; ++g) {
       const float p = v_weight<TRANSPOSE, QH, U, HLANES>(s, g, u, sub0);
@@ -273,12 +281,15 @@ __device__ __forceinline__ void combine_subwarps(float (&m)[QH], float (&l)[QH],
 // Phase: combine the warps' states through shared memory and write the normalized rows
 // and log2 LSEs. With SINK (a final store only: the output, never a merged partial) the
 // sink of head h0 + g joins as one more state of weight 1 at m = sinks[h0 + g] * log2(e)
-// and no value. Every thread of the CTA must call it (it holds a barrier).
+// and no value. v_scale multiplies the normalized rows (an fp8 pool's V scale, 1
+// otherwise: attention is linear in V and a sink has no value, so every partial may
+// carry it and the merge stays exact). Every thread of the CTA must call it (it holds a
+// barrier).
 template <typename TO, int HEAD_DIM, int QH, int VEC, int NUM_WARPS, bool SINK>
 __device__ __forceinline__ void combine_warps_and_store(
     const float (&m)[QH], const float (&l)[QH], const float (&acc)[QH][VEC],
     int warp, int sub, int col, bool active, int d0, const float* __restrict__ sinks, int h0,
-    TO* __restrict__ out_v, float* __restrict__ out_lse, long long out_row, long long out_lse_idx) {
+    float v_scale, TO* __restrict__ out_v, float* __restrict__ out_lse, long long out_row, long long out_lse_idx) {
   __shared__ float sm_m[NUM_WARPS][QH];
   __shared__ float sm_l[NUM_WARPS][QH];
   __shared__ float sm_acc[NUM_WARPS][QH][HEAD_DIM];
@@ -314,7 +325,7 @@ __device__ __forceinline__ void combine_warps_and_store(
     // den is 0 for an empty range and NaN when a score was not finite (a warp's NaN sum
     // survives its weight of 0): NaN output and LSE, never the empty answer
     const bool live = !(den <= 0.f);
-    out_v[out_row + (long long)g * HEAD_DIM + d] = from_float<TO>(live ? num / den : 0.f);
+    out_v[out_row + (long long)g * HEAD_DIM + d] = from_float<TO>(live ? num / den * v_scale : 0.f);
     if (d == 0) out_lse[out_lse_idx + g] = live ? mx + log2f(den) : -PD_INF;
   }
 }
@@ -326,13 +337,15 @@ __device__ __forceinline__ void combine_warps_and_store(
 // copies exactly the 16-byte pieces it later reads, so only its own cp.async groups are
 // waited for and no barrier is needed inside the loop.
 // SOFT_CAP: logits capped at cap_log2 (log2 units); SINK: the heads' sinks join the
-// final store (only where it writes the output).
+// final store (only where it writes the output). An fp8 TKV is widened in registers
+// (widen_piece<fp8_*>); its K scale is folded into scale_log2 by the host, its V scale is
+// v_scale.
 template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH, int NUM_WARPS, int STAGES, int ROW_LOADS, bool SOFT_CAP, bool SINK>
 __device__ __forceinline__ void attend_range(
     const TQ* __restrict__ q, const TKV* __restrict__ k_pages, const TKV* __restrict__ v_pages,
     const int* __restrict__ page_ids, long long fpo, long long t_begin, long long t_end,
     int r, int kvh, int h0, int num_qo_heads, int num_kv_heads, float scale_log2,
-    float cap_log2, const float* __restrict__ sinks,
+    float cap_log2, const float* __restrict__ sinks, float v_scale,
     TO* __restrict__ out_v, float* __restrict__ out_lse, long long out_row, long long out_lse_idx) {
   using M = RowMap<TKV, HEAD_DIM, ROW_LOADS>;
   constexpr int VEC = M::VEC, NLOAD = M::NLOAD, TPR = M::TPR, RPW = M::RPW;
@@ -398,12 +411,12 @@ __device__ __forceinline__ void attend_range(
     cp_async_wait<STAGES - 1>();                 // this thread's copies of `step` landed
     const int stage = step % STAGES;
     float s[QH][U];
-    scores<TKV, QH, U, VEC, NLOAD, THREADS>(qf, stage, s);
+    scores<TKV, QH, U, VEC, NLOAD, THREADS>(qf, stage, col * NLOAD, s);
     if constexpr (TRANSPOSE)
       softmax_transposed<SOFT_CAP, QH, U, VEC, TPR, HLANES, NSW>(s, m_h, l_h, acc, step, sw, n_tok, col, sub0, cap_log2);
     else
       softmax_per_head<SOFT_CAP, QH, U, VEC, TPR, NSW>(s, m, l, acc, step, sw, n_tok, cap_log2);
-    accumulate_v<TKV, TRANSPOSE, QH, U, VEC, NLOAD, THREADS, HLANES>(acc, s, stage, sub0);
+    accumulate_v<TKV, TRANSPOSE, QH, U, VEC, NLOAD, THREADS, HLANES>(acc, s, stage, sub0, col * NLOAD);
   }
   if constexpr (TRANSPOSE) {
     // every lane of a sub-warp takes each head's state from a lane that reduced it (the
@@ -418,7 +431,7 @@ __device__ __forceinline__ void attend_range(
 
   combine_subwarps<QH, VEC, TPR>(m, l, acc);
   combine_warps_and_store<TO, HEAD_DIM, QH, VEC, NUM_WARPS, SINK>(
-      m, l, acc, warp, sub, col, active, d0, sinks, h0, out_v, out_lse, out_row, out_lse_idx);
+      m, l, acc, warp, sub, col, active, d0, sinks, h0, v_scale, out_v, out_lse, out_row, out_lse_idx);
 }
 
 }  // namespace pd
@@ -439,7 +452,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
     TO* __restrict__ v_out,                      // [C, Hq, D]
     float* __restrict__ lse_out,                 // [C, Hq], log2
     int num_qo_heads, int num_kv_heads, int q_groups, int pages_per_chunk, float scale_log2,
-    float soft_cap_log2) {
+    float soft_cap_log2, float v_scale) {
   const int c = blockIdx.x;
   const int kvh = blockIdx.y / q_groups, qg = blockIdx.y % q_groups;
   const int h0 = kvh * (num_qo_heads / num_kv_heads) + qg * QH;
@@ -451,7 +464,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
                                                           pages_per_chunk);
   pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, STAGES, ROW_LOADS, SOFT_CAP, SINK>(
       q, k_pages, v_pages, indices + pb, fpo, range.t_begin, range.t_end, r, kvh, h0, num_qo_heads,
-      num_kv_heads, scale_log2, soft_cap_log2, sinks, v_out, lse_out,
+      num_kv_heads, scale_log2, soft_cap_log2, sinks, v_scale, v_out, lse_out,
       ((long long)c * num_qo_heads + h0) * HEAD_DIM,
       (long long)c * num_qo_heads + h0);
 }
@@ -471,13 +484,15 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
 # as in CUDA. Inputs (in order): q, k_pages, v_pages, indices, indptr, last_page_len,
 # first_page_offset, request_indices, kv_tile_indices, sinks ([Hq] float32 with SINK, a
 # stand-in otherwise), num_qo_heads, num_kv_heads, q_groups, pages_per_chunk (0-d int32),
-# scale_log2, soft_cap_log2 (0-d float32); outputs: v_out, lse_out. Template arguments,
-# in order: TQ, TKV, TO (dtypes), HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, SOFT_CAP, SINK. Launch: grid (C * NUM_WARPS * 32, Hkv * q_groups, 1)
+# scale_log2, soft_cap_log2, v_scale (0-d float32); outputs: v_out, lse_out. Template
+# arguments, in order: TQ, TKV, TO (dtypes; uint8_t for an fp8 pool), HEAD_DIM,
+# PAGE_SIZE, QH, NUM_WARPS, SOFT_CAP, SINK, KV_FP8 (the fp8 format, 0 for none:
+# ``kernel_def.metal_fp8``). Launch: grid (C * NUM_WARPS * 32, Hkv * q_groups, 1)
 # threads, threadgroup (NUM_WARPS * 32, 1, 1).
 METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
                 "first_page_offset", "request_indices", "kv_tile_indices", "sinks",
                 "num_qo_heads", "num_kv_heads", "q_groups", "pages_per_chunk", "scale_log2",
-                "soft_cap_log2")
+                "soft_cap_log2", "v_scale")
 METAL_OUTPUTS = ("v_out", "lse_out")
 
 METAL_ATTEND = r"""
@@ -488,7 +503,9 @@ namespace pd {
 // per SIMD group.
 template <typename TKV, int HEAD_DIM>
 struct RowMap {
-  static constexpr int PER16 = 16 / int(sizeof(TKV));
+  // elements per lane and 16-byte piece; 8 for fp8 (uint8_t) pools, as for half (16
+  // would double a lane's q and accumulator registers, as in CUDA)
+  static constexpr int PER16 = sizeof(TKV) == 1 ? 8 : 16 / int(sizeof(TKV));
   static constexpr int MIN_VEC = (HEAD_DIM + 31) / 32;
   static constexpr int VEC = MIN_VEC <= PER16 ? PER16 : ((MIN_VEC + PER16 - 1) / PER16) * PER16;
   static constexpr int LANES = (HEAD_DIM + VEC - 1) / VEC;
@@ -531,14 +548,15 @@ inline void token_offsets(IP page_ids, long fpo, long t_begin, long t_end, long 
 }
 
 // Phase: this lane's partial q.k logits s[g][u] (over its VEC elements) of the QH heads
-// for the step's U tokens; the softmax phases reduce them across the row.
-template <int QH, int U, int VEC, typename KP>
+// for the step's U tokens; the softmax phases reduce them across the row. FP8: the pool's
+// fp8 format (0: none; load4kv widens the bytes in registers).
+template <int FP8, int QH, int U, int VEC, typename KP>
 inline void scores(const thread float (&qf)[QH][VEC], KP k_pages, const thread long (&kv_off)[U],
                    const thread bool (&ok)[U], bool active, thread float (&s)[QH][U]) {
   for (int u = 0; u < U; ++u) {
     float kf[VEC];
     for (int j = 0; j < VEC / 4; ++j) {
-      const float4 x = (ok[u] && active) ? load4(k_pages + kv_off[u] + 4 * j) : float4(0.0f);
+      const float4 x = (ok[u] && active) ? load4kv<FP8>(k_pages + kv_off[u] + 4 * j) : float4(0.0f);
       kf[4 * j] = x.x; kf[4 * j + 1] = x.y; kf[4 * j + 2] = x.z; kf[4 * j + 3] = x.w;
     }
     for (int g = 0; g < QH; ++g) {
@@ -626,14 +644,14 @@ inline float v_weight(const thread float (&s)[QH][U], int g, int u, int sub0) {
 }
 
 // Phase: acc[g] += p(g, u) * v_u over the step's U tokens, in token order.
-template <bool TRANSPOSE, int QH, int U, int VEC, int HLANES, typename KP, typename A>
+template <int FP8, bool TRANSPOSE, int QH, int U, int VEC, int HLANES, typename KP, typename A>
 inline void accumulate_v(thread A (&acc)[QH][VEC], const thread float (&s)[QH][U], KP v_pages,
                          const thread long (&kv_off)[U], const thread bool (&ok)[U], bool active,
                          int sub0) {
   for (int u = 0; u < U; ++u) {
     float vf[VEC];
     for (int j = 0; j < VEC / 4; ++j) {
-      const float4 x = (ok[u] && active) ? load4(v_pages + kv_off[u] + 4 * j) : float4(0.0f);
+      const float4 x = (ok[u] && active) ? load4kv<FP8>(v_pages + kv_off[u] + 4 * j) : float4(0.0f);
       vf[4 * j] = x.x; vf[4 * j + 1] = x.y; vf[4 * j + 2] = x.z; vf[4 * j + 3] = x.w;
     }
     for (int g = 0; g < QH; ++g) {
@@ -664,16 +682,16 @@ inline void combine_subwarps(thread float (&m)[QH], thread float (&l)[QH], threa
 }
 
 // Phase: combine the SIMD groups' states through threadgroup memory, CB::HPR heads per
-// round, and write the normalized rows and log2 LSEs; with SINK the sink of head h0 + g
-// joins as one more state (weight 1 at sinks[h0 + g] * log2(e), no value), as in CUDA.
-// Every thread of the threadgroup must call it (it holds barriers).
+// round, and write the normalized rows (times v_scale) and log2 LSEs; with SINK the sink
+// of head h0 + g joins as one more state (weight 1 at sinks[h0 + g] * log2(e), no value),
+// as in CUDA. Every thread of the threadgroup must call it (it holds barriers).
 template <typename TO, int HEAD_DIM, int QH, int VEC, int NUM_WARPS, bool SINK, typename A,
           typename SP>
 inline void combine_warps_and_store(
     const thread float (&m)[QH], const thread float (&l)[QH], const thread A (&acc)[QH][VEC],
     threadgroup float* sm_m, threadgroup float* sm_l, threadgroup float* sm_acc,
     uint tid, uint warp, int sub, int col, bool active, int d0, SP sinks, int h0,
-    device TO* out_v, device float* out_lse, long out_row, long out_lse_idx) {
+    float v_scale, device TO* out_v, device float* out_lse, long out_row, long out_lse_idx) {
   typedef Combine<HEAD_DIM, QH, NUM_WARPS> CB;
   constexpr int THREADS = NUM_WARPS * 32;
   if (sub == 0 && col == 0) {
@@ -708,7 +726,7 @@ inline void combine_warps_and_store(
       }
       // den is 0 for an empty range and NaN when a score was not finite (as in CUDA)
       const bool live = !(den <= 0.0f);
-      out_v[out_row + long(g) * HEAD_DIM + d] = from_float<TO>(live ? num / den : 0.0f);
+      out_v[out_row + long(g) * HEAD_DIM + d] = from_float<TO>(live ? num / den * v_scale : 0.0f);
       if (d == 0) out_lse[out_lse_idx + g] = live ? mx + log2(den) : -INFINITY;
     }
   }
@@ -718,14 +736,15 @@ inline void combine_warps_and_store(
 // [t_begin, t_end) under KV head kvh; write normalized rows to out_v[out_row + g*D] and
 // log2 LSEs to out_lse[out_lse_idx + g]. Every thread of the threadgroup must call it.
 // SOFT_CAP: logits capped at cap_log2 (log2 units); SINK: the heads' sinks join the
-// final store (only where it writes the output).
+// final store (only where it writes the output). KV_FP8: the fp8 format of a uint8_t
+// pool (0: none), widened in registers; its K scale is in scale_log2, its V scale v_scale.
 template <typename TQ, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int QH,
-          int NUM_WARPS, bool SOFT_CAP, bool SINK, typename QP, typename KP, typename IP,
-          typename SP>
+          int NUM_WARPS, bool SOFT_CAP, bool SINK, int KV_FP8, typename QP, typename KP,
+          typename IP, typename SP>
 inline void attend_range(
     QP q, KP k_pages, KP v_pages, IP page_ids, long fpo, long t_begin, long t_end,
     int r, int kvh, int h0, int num_qo_heads, int num_kv_heads, float scale_log2,
-    float cap_log2, SP sinks, device TO* out_v, device float* out_lse, long out_row,
+    float cap_log2, SP sinks, float v_scale, device TO* out_v, device float* out_lse, long out_row,
     long out_lse_idx,
     threadgroup float* sm_m, threadgroup float* sm_l, threadgroup float* sm_acc,
     uint tid, uint lane, uint warp) {
@@ -778,13 +797,13 @@ inline void attend_range(
     token_offsets<PAGE_SIZE, U, NSW>(page_ids, fpo, t_begin, t_end, step, sw, row_stride,
                                      head_off, kv_off, ok);
     float s[QH][U];
-    scores<QH, U, VEC>(qf, k_pages, kv_off, ok, active, s);
+    scores<KV_FP8, QH, U, VEC>(qf, k_pages, kv_off, ok, active, s);
     if (TRANSPOSE)
       softmax_transposed<SOFT_CAP, QH, U, VEC, TPR, HLANES>(s, m_h, l_h, acc, ok, col, sub0,
                                                             cap_log2);
     else
       softmax_per_head<SOFT_CAP, QH, U, VEC, TPR>(s, m, l, acc, ok, cap_log2);
-    accumulate_v<TRANSPOSE, QH, U, VEC, HLANES>(acc, s, v_pages, kv_off, ok, active, sub0);
+    accumulate_v<KV_FP8, TRANSPOSE, QH, U, VEC, HLANES>(acc, s, v_pages, kv_off, ok, active, sub0);
   }
   if (TRANSPOSE) {
     // every lane of a sub-group takes each head's state from a lane that reduced it (the
@@ -797,8 +816,8 @@ inline void attend_range(
 
   combine_subwarps<QH, VEC, TPR>(m, l, acc);
   combine_warps_and_store<TO, HEAD_DIM, QH, VEC, NUM_WARPS, SINK>(
-      m, l, acc, sm_m, sm_l, sm_acc, tid, warp, sub, col, active, d0, sinks, h0, out_v,
-      out_lse, out_row, out_lse_idx);
+      m, l, acc, sm_m, sm_l, sm_acc, tid, warp, sub, col, active, d0, sinks, h0, v_scale,
+      out_v, out_lse, out_row, out_lse_idx);
 }
 
 }  // namespace pd
@@ -830,9 +849,9 @@ METAL_SOURCE = r"""
   threadgroup float sm_m[CB::STATE];
   threadgroup float sm_l[CB::STATE];
   threadgroup float sm_acc[CB::ACC];
-  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, SOFT_CAP, SINK>(
+  pd::attend_range<TQ, TKV, TO, HEAD_DIM, PAGE_SIZE, QH, NUM_WARPS, SOFT_CAP, SINK, KV_FP8>(
       q, k_pages, v_pages, indices + pb, fpo, t_begin, t_end, r, kvh, h0, num_qo_heads,
-      num_kv_heads, scale_log2, soft_cap_log2, sinks, v_out, lse_out,
+      num_kv_heads, scale_log2, soft_cap_log2, sinks, v_scale, v_out, lse_out,
       (long(c) * num_qo_heads + h0) * HEAD_DIM,
       long(c) * num_qo_heads + h0, sm_m, sm_l, sm_acc, thread_position_in_threadgroup.x,
       thread_index_in_simdgroup, simdgroup_index_in_threadgroup);
@@ -843,7 +862,8 @@ def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
     return {"TQ": Dtype(spec.q_dtype), "TKV": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype),
             "HEAD_DIM": spec.head_dim, "PAGE_SIZE": spec.page_size, "QH": spec.heads_per_cta,
             "NUM_WARPS": spec.num_warps, "STAGES": spec.stages,
-            "ROW_LOADS": max(1, spec.row_loads), "SOFT_CAP": spec.soft_cap, "SINK": spec.sink}
+            "ROW_LOADS": max(1, spec.row_loads), "SOFT_CAP": spec.soft_cap, "SINK": spec.sink,
+            "KV_FP8": metal_fp8(spec.kv_dtype)}
 
 
 KERNEL = KernelDef(
@@ -853,4 +873,4 @@ KERNEL = KernelDef(
     arguments=_arguments, threads=warp_threads, dynamic_smem=ring_smem_bytes,
     metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),
     # Metal has no staging ring and one row mapping
-    cuda_only=("STAGES", "ROW_LOADS"))
+    cuda_only=("STAGES", "ROW_LOADS"), metal_only=("KV_FP8",))

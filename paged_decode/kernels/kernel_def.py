@@ -50,7 +50,16 @@ class KernelSpec(Protocol):
     def sink(self) -> bool: ...
 
 #: CUDA spelling of a dtype template argument
-CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
+              "float8_e4m3fn": "pd::fp8_e4m3", "float8_e5m2": "pd::fp8_e5m2"}
+#: the Metal dialect's KV_FP8 template value of a pool dtype (MLX passes fp8 pools as
+#: uint8_t, so the format travels as a number: 0 not fp8, 1 e4m3fn, 2 e5m2)
+METAL_FP8_FORMATS = {"float8_e4m3fn": 1, "float8_e5m2": 2}
+
+
+def metal_fp8(kv_dtype: str) -> int:
+    """The ``KV_FP8`` template argument of the Metal dialect for pools of ``kv_dtype``."""
+    return METAL_FP8_FORMATS.get(kv_dtype, 0)
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,8 @@ class KernelDef:
     for a ``typename``); ``threads(spec)`` the threads per block (threadgroup on Metal);
     ``dynamic_smem(spec)`` the dynamic shared memory bytes (CUDA). ``metal`` is the Metal
     dialect (its ``template`` left empty: it is ``template`` less ``cuda_only``, the
-    parameters only the CUDA dialect has), ``None`` where there is none."""
+    parameters only the CUDA dialect has, plus ``metal_only``, the ones only Metal has:
+    they follow the others), ``None`` where there is none."""
 
     kernel: str
     cuda_name: str
@@ -106,11 +116,13 @@ class KernelDef:
     dynamic_smem: Callable[[KernelSpec], int] = _no_smem
     metal: MetalKernel | None = None
     cuda_only: tuple[str, ...] = ()
+    metal_only: tuple[str, ...] = ()
 
     def template_arguments(self, spec: KernelSpec) -> list[tuple[str, TemplateValue]]:
-        """(name, value) in declaration order; the mapping must name every parameter."""
+        """(name, value) in declaration order (the CUDA parameters; ``metal_only`` ones
+        are ``metal_template``'s); the mapping must name every parameter."""
         named = self.arguments(spec)
-        if set(named) != set(self.template):
+        if set(named) != set(self.template) | set(self.metal_only):
             raise ValueError(f"{self.kernel}: template arguments {sorted(named)} do not match "
                              f"the parameters {list(self.template)}")
         return [(n, named[n]) for n in self.template]
@@ -126,13 +138,15 @@ class KernelDef:
         """The Metal dialect with its template parameter names."""
         if self.metal is None:
             raise ValueError(f"kernel {self.kernel!r} has no Metal dialect")
-        names = tuple(n for n in self.template if n not in self.cuda_only)
+        names = tuple(n for n in self.template if n not in self.cuda_only) + self.metal_only
         return MetalKernel(self.metal.header, self.metal.source, self.metal.inputs,
                            self.metal.outputs, names)
 
     def metal_template(self, spec: KernelSpec) -> list[tuple[str, TemplateValue]]:
         """MLX template arguments as (name, value), in the Metal dialect's order."""
-        return [(n, v) for n, v in self.template_arguments(spec) if n not in self.cuda_only]
+        named = self.arguments(spec)
+        return ([(n, v) for n, v in self.template_arguments(spec) if n not in self.cuda_only]
+                + [(n, named[n]) for n in self.metal_only])
 
 
-__all__ = ["CUDA_TYPES", "Dtype", "KernelDef", "MetalKernel", "TemplateValue"]
+__all__ = ["CUDA_TYPES", "METAL_FP8_FORMATS", "metal_fp8", "Dtype", "KernelDef", "MetalKernel", "TemplateValue"]
