@@ -3,8 +3,9 @@
 # (the per-run scripts of past device runs are folded into these steps; docs/benchmarks
 # says which steps reproduce each report).
 #
-# Steps (each logs under a scratch folder that is packed into $OUT/logs.tgz at the end;
-# bench tables and JSON go to $OUT directly):
+# Steps log under a scratch folder; after every step, everything the steps wrote (logs,
+# bench tables, JSON) is packed into $OUT/results.tgz, so $OUT holds few files (the device
+# returns at most 8) and a run cut short keeps every finished step:
 #   info        `paged-decode info` into $OUT/info.txt
 #   fi          FlashInfer 0.3.1 laid out offline from .carry (carry it), no smoke test
 #   gpu-tests   every test marked gpu (run fi first for the FlashInfer arm's test), -rs
@@ -306,8 +307,16 @@ PY
   run_bench fp8_e5m2 $cells --kv-dtype float8_e5m2 --arms v2
 }
 
+# move what the steps wrote to $OUT into the scratch folder and pack it all
+pack() {
+  mkdir -p "$L/out"
+  find "$OUT" -maxdepth 1 -type f ! -name results.tgz ! -name env.txt ! -name pip.log \
+    -exec mv {} "$L/out/" \;
+  tar czf /tmp/pd-results.tgz -C "$L" . && mv /tmp/pd-results.tgz "$OUT/results.tgz"
+}
+
 for s in "$@"; do
   echo "== $s ($(date +%T))"
   "step_${s//-/_}"
+  pack
 done
-tar czf "$OUT/logs.tgz" -C "$L" .
