@@ -24,16 +24,13 @@ Device buffer layout (int32, ``kernels/table_update.TABLE_SECTIONS``): ``indptr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .errors import InvalidArgumentError, check_int
 from .kernels.table_update import delta_header_words, table_views, table_words
 from .page_table import PageTable
-
-if TYPE_CHECKING:
-    from .pool import PagePool
 
 _CLEAN = np.iinfo(np.int64).max // 4       # "no page changed" in _dirty_from
 
@@ -63,7 +60,9 @@ class StepTable:
     _all_live: bool
     _simple: bool                # pending changes are appends only, rows in place
 
-    def __init__(self, pool: PagePool, seqs: Sequence[int] | np.ndarray, *,
+    # ``pool`` is the PagePool that made the table (not imported: the pool imports this
+    # module, and only the pool constructs a StepTable)
+    def __init__(self, pool: Any, seqs: Sequence[int] | np.ndarray, *,
                  capacity: int | None = None, page_capacity: int | None = None,
                  fn: str = "PagePool.step_table") -> None:
         self.pool, self.backend = pool, pool.backend
