@@ -390,27 +390,30 @@ inline void attend_tile(threadgroup const T* qt, threadgroup const T* kt, thread
     simdgroup_load(kb, kt + kk * 8, LD, 0, true);
     simdgroup_multiply_accumulate(s, qa, kb, s);
   }
-  // this lane holds scores of row tile_row(lane), tokens tok0 + c and tok0 + c + 1
+  // this lane holds the scores of row tile_row(lane), tokens tok0 + c + e (e = 0, 1)
   const int c = tile_col(lane);
   thread auto& se = s.thread_elements();
-  const float x0 = tok0 + c < n_tok ? finite_or_nan(se[0] * scale_log2) : -INFINITY;
-  const float x1 = tok0 + c + 1 < n_tok ? finite_or_nan(se[1] * scale_log2) : -INFINITY;
-  // the row's max over its four lanes (columns differ in lane bits 0 and 3)
-  float mx = fmax(x0, x1);
+  float x[2];
+  for (int e = 0; e < 2; ++e)
+    x[e] = tok0 + c + e < n_tok ? finite_or_nan(se[e] * scale_log2) : -INFINITY;
+  // the row's max over its four lanes (its columns differ in lane bits 0 and 3)
+  float mx = fmax(x[0], x[1]);
   mx = fmax(mx, simd_shuffle_xor(mx, ushort(1)));
   mx = fmax(mx, simd_shuffle_xor(mx, ushort(8)));
   mx = fmax(m_run, mx);
   const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
   const float alpha = exp2(m_run - ref);
-  const float p0 = exp2(x0 - ref), p1 = exp2(x1 - ref);
-  l_run = l_run * alpha + p0 + p1;
   m_run = mx;
+  l_run *= alpha;
   // P in the pools' type, element for element in the accumulator's lane layout (the row
-  // sums above keep the float p)
+  // sums keep the float p)
   simdgroup_matrix<T, 8, 8> p;
   thread auto& pe = p.thread_elements();
-  pe[0] = T(p0);
-  pe[1] = T(p1);
+  for (int e = 0; e < 2; ++e) {
+    const float pr = exp2(x[e] - ref);
+    l_run += pr;
+    pe[e] = T(pr);
+  }
   for (int j = 0; j < DT; ++j) {
     thread auto& oe = o[j].thread_elements();
     oe[0] *= alpha;
