@@ -8,8 +8,8 @@ through the backend, runs one of four paths and records what it ran (the steps l
   ``[C, Hq]`` base-2 LSEs), then the variable-length merge over ``plan.o_indptr``; when
   every request has one chunk the partial writes the output directly.
 - ``"v2tc"``: the same split and merge with the tensor-core partial (CUDA ``mma.sync``,
-  Metal ``simdgroup_matrix``; float16 / bfloat16; ``kernels/decode_v2_tc.py``); asked for explicitly, never chosen by ``"auto"``
-  until a measured crossover table holds it.
+  Metal ``simdgroup_matrix``; float16 / bfloat16; ``kernels/decode_v2_tc.py``); asked for
+  explicitly, never chosen by ``"auto"`` until a measured crossover table holds it.
 - ``"v1"``: one CTA per (request, query head), split inside the CTA (comparison arm).
 - ``"gather"``: gather visible K/V contiguously, then dense attention (fallback arm).
 
