@@ -1,4 +1,6 @@
-"""The tensor-core v2 partial: split-KV paged decode on ``mma.sync`` (CUDA, sm_80+).
+"""The tensor-core v2 partial: split-KV paged decode on ``mma.sync`` (CUDA, sm_80+), and
+its Metal dialect on ``simdgroup_matrix`` (below ``CUDA_SOURCE``; it has run only on the
+CPU emulator, never on Apple hardware).
 
 The same work and contract as the v2 partial (``decode_v2.py``, ``Backend.partial``), for
 16-bit pools: ``q [B, Hq, D]`` (the pools' dtype, float16 or bfloat16), ``k_pages, v_pages
@@ -24,6 +26,10 @@ Pipeline: K/V tokens stream through a STAGES-deep ring of ``cp.async`` 16-byte c
 stage may come from different pages (any page size 1-256, a first page offset): each
 token's page is looked up on its own (one thread per token of a stage, a stage ahead of the
 copies that use it, through shared memory).
+
+Metal: the same grid, contract and combine with 8 x 8 ``simdgroup_matrix`` tiles, 8 or 16
+rows per threadgroup, SIMD groups of 8 tokens per stage, a double buffer of ordinary loads
+(the comment above ``METAL_INPUTS`` has the details).
 """
 
 from __future__ import annotations
@@ -263,7 +269,9 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_MMA + CUDA_BODY
 # ROWS. Launch: grid (C * NUM_WARPS * 32, Hkv * row_tiles, 1) threads, threadgroup
 # (NUM_WARPS * 32, 1, 1).
 METAL_TILE = 8                    # simdgroup_matrix rows, columns and depth
-METAL_SMEM_PAD = 8                # elements of padding per threadgroup row (as MLX pads)
+# 16 bytes of padding per threadgroup row, as MLX's steel attention pads its tiles (the
+# bank effect is not measured here)
+METAL_SMEM_PAD = 8                # TcShape::LD in the Metal header
 METAL_TG_BYTES = 32 * 1024        # Metal's threadgroup memory per threadgroup
 METAL_MAX_SIMDGROUPS = 4
 METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
