@@ -7,9 +7,9 @@ through the backend, runs one of four paths and records what it ran (the steps l
 - ``"v2"``: the split-KV partial kernel (``[C, Hq, D]`` normalized partials and
   ``[C, Hq]`` base-2 LSEs), then the variable-length merge over ``plan.o_indptr``; when
   every request has one chunk the partial writes the output directly.
-- ``"v2tc"``: the same split and merge with the tensor-core partial (CUDA, float16 /
-  bfloat16; ``kernels/decode_v2_tc.py``); asked for explicitly, never chosen by ``"auto"``
-  until a measured crossover table holds it.
+- ``"v2tc"``: the same split and merge with the tensor-core partial (CUDA ``mma.sync``,
+  Metal ``simdgroup_matrix``; float16 / bfloat16; ``kernels/decode_v2_tc.py``); asked for
+  explicitly, never chosen by ``"auto"`` until a measured crossover table holds it.
 - ``"v1"``: one CTA per (request, query head), split inside the CTA (comparison arm).
 - ``"gather"``: gather visible K/V contiguously, then dense attention (fallback arm).
 
@@ -66,8 +66,8 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
         k_pages, v_pages: ``[num_pages, P, Hkv, D]`` page pools (same shape and dtype).
         table: the batch's ``PageTable`` (``B`` requests, page size ``P``).
         plan: a ``DecodePlan`` for this table and geometry (made here when ``None``).
-        path: ``"auto"``, ``"v2"``, ``"v2tc"`` (the tensor-core v2 partial: CUDA,
-            float16 / bfloat16 q and pools, at most 32 query heads per KV head; never
+        path: ``"auto"``, ``"v2"``, ``"v2tc"`` (the tensor-core v2 partial: CUDA or
+            Metal, float16 / bfloat16 q and pools, at most 32 query heads per KV head; never
             chosen by ``"auto"`` until a measured crossover table holds it), ``"v1"`` or
             ``"gather"``.
         sm_scale: softmax scale in natural units (default ``1 / sqrt(D)``).

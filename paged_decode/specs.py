@@ -249,6 +249,17 @@ def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int) -> K
                       warps, v2tc_stages(head_dim, warps))
 
 
+def v2tc_metal_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,
+                    group: int) -> KernelSpec:
+    """The Metal dialect of the tensor-core v2 partial (``simdgroup_matrix``) for a GQA
+    group of ``group`` heads: ``heads_per_cta`` is its query rows per threadgroup (8 or
+    16, ``decode_v2_tc.metal_rows``), ``num_warps`` its SIMD groups
+    (``decode_v2_tc.metal_simdgroups``: what Metal's 32 KB of threadgroup memory holds),
+    no ring depth (a fixed double buffer)."""
+    return KernelSpec("v2tc", out_dtype, head_dim, kv_dtype, kv_dtype, page_size,
+                      decode_v2_tc.metal_rows(group), decode_v2_tc.metal_simdgroups(head_dim))
+
+
 def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int) -> list[KernelSpec]:
     """Every specialization a decode of this problem can compile, over all paths: the v2

@@ -60,7 +60,7 @@ MUTANT_ENV = "PAGED_DECODE_MUTANT"            # the mutant a test process runs
 REPORT_ENV = "PAGED_DECODE_MUTANT_REPORT"     # where conftest.py writes test outcomes
 CONTROL = "control"                           # the unmutated control's name
 KERNELS = ("v2", "v2tc", "v1", "merge", "prefix", "append", "append_fp8", "table_update")
-METAL_KERNELS = ("v2", "v1", "merge", "append", "append_fp8", "table_update")
+METAL_KERNELS = ("v2", "v2tc", "v1", "merge", "append", "append_fp8", "table_update")
 #: exception types whose failure says nothing about the kernel's behaviour
 NOT_A_KILL = ("CompileError", "StaleMutation")
 
@@ -231,6 +231,10 @@ APPEND = "tests/test_append_batch.py::"
 V2TC = "tests/test_v2tc.py::"
 V2TC_CASE = V2TC + "test_v2tc_matches_oracle"
 V2TC_LONG = V2TC + "test_v2tc_long_chunk_every_schedule[64]"
+V2TC_METAL = V2TC + "test_v2tc_metal_matches_oracle"
+V2TC_METAL_LONG = V2TC + "test_v2tc_metal_long_chunk_every_schedule[64]"
+NAN_METAL = ("tests/test_nan_semantics.py::test_non_finite_inputs_poison_their_heads_on_every_path"
+             "[float16-emulated-metal]")
 NAN = "tests/test_nan_semantics.py::"
 VAR = "tests/test_variants.py::"
 VAR_ORACLE = VAR + "test_variants_match_oracle"
@@ -560,6 +564,78 @@ MUTANTS: tuple[Mutant, ...] = (
        "const float wt = exp2f(sm_m[w][i] - ref);", "const float wt = expf(sm_m[w][i] - ref);",
        [V2TC_CASE + "[d64-g1-ps16-f16]"],
        "the warps' states weighted by exp of base-2 maxima"),
+    # ------------------------------------------------------------ v2tc (Metal, simdgroup_matrix)
+    _m("metal-v2tc-no-barrier-before-refill", "metal", ("v2tc",),
+       "    threadgroup_barrier(mem_flags::mem_threadgroup);\n    if (stage + 1 < n_stages)",
+       "    if (stage + 1 < n_stages)", [V2TC_METAL_LONG],
+       "a buffer of the double buffer refilled while other SIMD groups still read it (and "
+       "a stage read before every thread's copies landed)"),
+    _m("metal-v2tc-combine-barrier-dropped", "metal", ("v2tc",),
+       "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  for (int mt = 0; mt < MT; ++mt) {\n"
+       "    const int i",
+       "  for (int mt = 0; mt < MT; ++mt) {\n    const int i", [V2TC_METAL_LONG],
+       "the combine's accumulators stored over the double buffer while a SIMD group still "
+       "reads its last stage"),
+    _m("metal-v2tc-accumulator-not-rescaled", "metal", ("v2tc",),
+       "    oe[0] *= alpha;\n    oe[1] *= alpha;\n", "", [V2TC_METAL_LONG],
+       "O accumulated across stages without the online-softmax rescale"),
+    _m("metal-v2tc-thread-elements-columns", "metal", ("v2tc",),
+       "(lane / 4 & 2) * 2 + (lane % 2) * 2); }", "(lane / 4 & 2) * 2 + (lane % 2)); }",
+       [V2TC_METAL + "[d64-g1-ps16-f16]"],
+       "a wrong thread_elements() mapping: each lane's two scores masked (and its row "
+       "states stored) as if it held columns 2 l and 2 l + 1 of the A-operand layout"),
+    _m("metal-v2tc-thread-elements-rows", "metal", ("v2tc",),
+       "(lane / 4 & 4) + (lane / 2) % 4); }", "(lane / 4 & 4) + lane % 4); }",
+       [V2TC_METAL + "[d64-g1-ps16-f16]"],
+       "a wrong thread_elements() row: the SIMD groups' row states stored under other rows"),
+    _m("metal-v2tc-row-max-over-wrong-lanes", "metal", ("v2tc",),
+       "mx = fmax(mx, simd_shuffle_xor(mx, ushort(8)));",
+       "mx = fmax(mx, simd_shuffle_xor(mx, ushort(2)));", [V2TC_METAL + "[d64-g1-ps16-f16]"],
+       "a row's max reduced with a lane of another row instead of its fourth column pair"),
+    _m("metal-v2tc-row-sum-over-wrong-lanes", "metal", ("v2tc",),
+       "l_run[mt] += simd_shuffle_xor(l_run[mt], ushort(8));",
+       "l_run[mt] += simd_shuffle_xor(l_run[mt], ushort(4));", [V2TC_METAL + "[d64-g1-ps16-f16]"],
+       "a row's softmax sum collected from lanes of another row"),
+    _m("metal-v2tc-k-not-transposed", "metal", ("v2tc",),
+       "simdgroup_load(kb, kt + kk * 8, LD, 0, true);", "simdgroup_load(kb, kt + kk * 8, LD);",
+       [V2TC_METAL + "[d64-g1-ps16-f16]"], "S = Q K instead of Q K^T"),
+    _m("metal-v2tc-tail-tokens-dropped", "metal", ("v2tc",),
+       "const int n_stages = (n_tok + KT - 1) / KT;", "const int n_stages = n_tok / KT;",
+       [V2TC_METAL + "[d64-g1-ps16-f16]"], "a chunk's last partial stage never computed"),
+    _m("metal-v2tc-tail-simdgroup-skips-live-tokens", "metal", ("v2tc",),
+       "if (tok0 < n_tok) {", "if (tok0 + 8 <= n_tok) {", [V2TC_METAL + "[d64-g1-ps16-f16]"],
+       "a SIMD group whose 8 tokens run past the range skips the live ones too"),
+    _m("metal-v2tc-page-boundary-off-by-one", "metal", ("v2tc",),
+       "long(page_ids[a / PAGE_SIZE])", "long(page_ids[(a - 1) / PAGE_SIZE])",
+       [V2TC_METAL + "[d128-g2-ps3-bf16]"],
+       "the first token of every page looked up in the page before"),
+    _m("metal-v2tc-first-page-offset-dropped", "metal", ("v2tc",),
+       "const long a_begin = fpo + range.t_begin;", "const long a_begin = range.t_begin;",
+       [V2TC + "test_v2tc_metal_ragged_batch_with_empty_requests"],
+       "tokens read from the page start of a request that starts mid-page"),
+    _m("metal-v2tc-padded-rows-written", "metal", ("v2tc",),
+       "const int rows = group - g0 < ROWS ? group - g0 : ROWS;", "const int rows = ROWS;",
+       [V2TC_METAL + "[d64-g7-ps64-f16]"],
+       "the zero rows padding a group of 7 to the 8-row tile loaded and written as heads"),
+    _m("metal-v2tc-row-tile-offset-dropped", "metal", ("v2tc",),
+       "const int g0 = rt * ROWS;", "const int g0 = 0;", [V2TC_METAL + "[d128-g32-ps256-f16]"],
+       "both row tiles of a 32-head group serve the first 16 heads"),
+    _m("metal-v2tc-second-row-tile-skipped", "metal", ("v2tc",),
+       "if (mt * 8 < rows)", "if (mt * 8 + 8 <= rows)", [V2TC_METAL + "[d256-g12-ps16-f16]"],
+       "a partial 8-row tile (heads 8-11 of 12) taken for padding"),
+    _m("metal-v2tc-lse-base-e", "metal", ("v2tc",),
+       "live ? mx + log2(den) : -INFINITY;", "live ? (mx + log2(den)) * 0.6931472f : -INFINITY;",
+       [V2TC_METAL + "[d64-g1-ps16-f16]"], "a natural-log LSE"),
+    _m("metal-v2tc-combine-weights-base-e", "metal", ("v2tc",),
+       "const float wt = exp2(sm_m[w * ROWS + i] - ref);",
+       "const float wt = exp(sm_m[w * ROWS + i] - ref);", [V2TC_METAL + "[d64-g1-ps16-f16]"],
+       "the SIMD groups' states weighted by exp of base-2 maxima"),
+    _m("metal-v2tc-poisoned-sum-taken-for-empty", "metal", ("v2tc",),
+       "    const bool live = !(den <= 0.0f);", "    const bool live = den > 0.0f;",
+       [NAN_METAL], "a NaN row sum written as the empty answer (zeros, -inf)"),
+    _m("metal-v2tc-nonfinite-score-kept", "metal", ("v2tc",),
+       "finite_or_nan(se[e] * scale_log2)", "se[e] * scale_log2", [NAN_METAL],
+       "a -inf score (+inf in K against a negative q) passes for a masked token"),
     # ------------------------------------------------------------ non-finite semantics
     _m("cuda-nonfinite-score-kept", "cuda", ("v2", "v1"),
        "  x = finite_or_nan(x);\n  if constexpr (SOFT_CAP)",

@@ -11,8 +11,8 @@ Three levels, none of which needs a Mac:
    installed MLX wheel (``mx.export_function``, which needs no Metal), so MLX accepts
    them and generates exactly the signature the emulator runs;
 3. the same calls are executed by the CPU emulator in place of Metal, so decode (v2,
-   v2+merge, v1), the merge, cascade and sparse decode run end to end on MLX arrays
-   against the float64 oracle.
+   v2+merge, v1, the tensor-core v2tc), the merge, cascade and sparse decode run end to
+   end on MLX arrays against the float64 oracle.
 
 ``test_real_metal_*`` (marked ``metal``) run the kernels on an Apple GPU and skip where
 Metal is absent; they have not run yet.
@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, require_mlx
+from helpers import assert_matches_oracle, require_mlx, tc_out_tol
 
 import paged_decode as pd
 from paged_decode.backends import availability
@@ -206,6 +206,34 @@ def test_v1_arguments_and_out_argument():
     assert c["output_shapes"] == [[2, 8, 128], [2, 8]]
 
 
+def test_v2tc_arguments_rows_and_simdgroups():
+    # the tensor-core partial's Metal dialect: the v2 partial's inputs with row_tiles, its
+    # rows per threadgroup (8, or 16 above 8 heads per KV head) and SIMD groups (what 32 KB
+    # of threadgroup memory holds at its head_dim) in the name and the template; the grid
+    # is CUDA's (C, Hkv * ceil(G / 16))
+    spy = Spy()
+    be = MetalBackend(spy)
+    for hq, hkv, d, dt, rows, sgs, tiles in [(8, 2, 64, "float16", 8, 4, 1),
+                                             (24, 1, 128, "bfloat16", 16, 3, 2)]:
+        pr, (q, k, v) = _problem(ProblemSpec(3, 70, hq, hkv, d, 16, dt, dt, seed=21))
+        plan = pd.plan_decode(pr.table, hq, hkv, d, target_ctas=32, pages_per_chunk=1)
+        pd.decode(q, k, v, pr.table, plan, path="v2tc", backend=be, sm_scale=0.3)
+        assert pd.last_outcome().path == "v2tc+merge"
+        kw, c = spy.calls[-2]
+        assert kw["name"] == f"pd_v2tc_q{SHORT[dt]}_kv{SHORT[dt]}_of32_hd{d}_ps16_qh{rows}_w{sgs}"
+        ins = _check_common(kw, c, "v2tc")
+        assert ins["q"] is q and ins["k_pages"] is k and ins["v_pages"] is v
+        assert [ins[n].item() for n in ("num_qo_heads", "num_kv_heads", "row_tiles",
+                                        "pages_per_chunk")] == [hq, hkv, tiles, 1]
+        assert ins["scale_log2"].item() == float(np.float32(0.3 * LOG2E))
+        mdt = mx.float16 if dt == "float16" else mx.bfloat16
+        assert c["template"] == [("T", mdt), ("TO", mx.float32), ("HEAD_DIM", d),
+                                 ("PAGE_SIZE", 16), ("NUM_WARPS", sgs), ("ROWS", rows)]
+        assert c["threadgroup"] == (32 * sgs, 1, 1)
+        assert c["grid"] == (plan.num_chunks * 32 * sgs, hkv * tiles, 1)
+        assert c["output_shapes"] == [[plan.num_chunks, hq, d], [plan.num_chunks, hq]]
+
+
 def test_names_carry_every_specialization_parameter_and_build_once():
     spy = Spy()
     be = MetalBackend(spy)
@@ -300,6 +328,24 @@ def test_recorded_calls_trace_through_the_real_metal_kernel(tmp_path, capfd):
     seq = pool.new_sequence()
     pool.append(seq, mx.zeros((2, 1, 2, 8), mx.float16), mx.zeros((2, 1, 2, 8), mx.float16))
     assert len(spy.calls) == 4
+    _trace_through_metal_kernel(spy, tmp_path, capfd)
+
+
+def test_recorded_v2tc_calls_trace_through_the_real_metal_kernel(tmp_path, capfd):
+    if not hasattr(mx, "export_function"):
+        pytest.skip("no mx.export_function")
+    spy = Spy()
+    be = MetalBackend(spy)
+    for dt in ("float16", "bfloat16"):
+        pr, arrays = _problem(ProblemSpec(2, 40, 16, 2, 64, 16, dt, dt, seed=9))
+        pd.decode(*arrays, pr.table, path="v2tc", out_dtype="float32", backend=be)
+    assert sum(kw["name"].startswith("pd_v2tc") for kw, _ in spy.calls) == 2
+    _trace_through_metal_kernel(spy, tmp_path, capfd)
+
+
+def _trace_through_metal_kernel(spy, tmp_path, capfd):
+    """Each recorded call built and exported by MLX's own ``metal_kernel``: the source it
+    prints equals the emulator's."""
     for i, (kw, call) in enumerate(spy.calls):
         kern = mx.fast.metal_kernel(**kw)
         descs = [InputDesc(n, canonical(a.dtype), tuple(a.shape))
@@ -343,9 +389,9 @@ def emu_be():
 
 CASES = [  # (spec, lengths, offsets, paths: (path, pages_per_chunk))
     (ProblemSpec(4, 60, 8, 2, 64, 16, seed=41), [60, 0, 17, 33], [0, 0, 5, 15],
-     [("v2", 1), ("v2", 64), ("v1", None), ("gather", None)]),
+     [("v2", 1), ("v2", 64), ("v1", None), ("gather", None), ("v2tc", 1), ("v2tc", 64)]),
     (ProblemSpec(2, 50, 8, 1, 128, 16, "bfloat16", "bfloat16", seed=42), None, None,
-     [("v2", 1), ("v1", None)]),
+     [("v2", 1), ("v1", None), ("v2tc", 1)]),
     (ProblemSpec(2, 30, 4, 4, 64, 16, "float32", "float32", seed=43), [30, 1], [3, 0],
      [("v2", 1)]),
 ]
@@ -364,9 +410,11 @@ def test_emulated_metal_kernels_on_mlx_arrays_match_oracle(emu_be, case):
                              out_dtype="float32", backend=emu_be)
         ran = pd.last_outcome().path
         assert ran.split("+")[0] == path and ran.endswith("merge") == (
-            path == "v2" and plan.needs_merge)
+            path in ("v2", "v2tc") and plan.needs_merge)
+        # v2tc rounds P to the pools' dtype for P V (tc_out_tol)
+        tol = tc_out_tol(spec.kv_dtype, "float32") if path == "v2tc" else None
         assert_matches_oracle(to_np(out), to_np(lse), ref, ref_lse, "float32",
-                              f"{spec.label} {path} ppc={ppc}")
+                              f"{spec.label} {path} ppc={ppc}", tol=tol)
 
 
 def check_merge(be):
@@ -462,15 +510,18 @@ def test_real_metal_kernels_match_oracle(dtype, group, head_dim):
     spec = ProblemSpec(4, 300, 2 * group, 2, head_dim, 16, dtype, dtype, seed=group)
     pr, arrays = _problem(spec, lengths=[300, 0, 17, 129], offsets=[0, 0, 5, 15])
     ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
-    for path, ppc in (("v2", None), ("v2", 1), ("v2", 64), ("v1", None), ("gather", None)):
+    tc = [("v2tc", None), ("v2tc", 1)] if dtype != "float32" else []   # 16-bit only
+    for path, ppc in (("v2", None), ("v2", 1), ("v2", 64), ("v1", None), ("gather", None),
+                      *tc):
         plan = pd.plan_decode(pr.table, 2 * group, 2, head_dim, device=be.device_info(),
                               pages_per_chunk=ppc)
         out, lse = pd.decode(*arrays, pr.table, plan, path=path, return_lse=True,
                              out_dtype="float32", backend=be)
         assert pd.last_outcome().path.split("+")[0] == path
         tol_dtype = "float32" if path != "gather" else dtype   # SDPA runs in the KV dtype
+        tol = tc_out_tol(dtype, "float32") if path == "v2tc" else None
         assert_matches_oracle(to_np(out), to_np(lse), ref, ref_lse, tol_dtype,
-                              f"metal {dtype} G{group} D{head_dim} {path} ppc={ppc}")
+                              f"metal {dtype} G{group} D{head_dim} {path} ppc={ppc}", tol=tol)
     out = pd.decode(*arrays, pr.table, backend=be)                  # auto, q's dtype
     assert_matches_oracle(to_np(out), None, ref, None, dtype, f"metal {dtype} auto")
 

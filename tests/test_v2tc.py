@@ -7,6 +7,12 @@ outputs and workspaces (``conftest.py``) and NaN in every pool entry outside the
 windows (``make_problem``). Where it may not run it must say so. Its non-finite rules are
 checked in ``test_nan_semantics.py``; ``test_cuda_gpu.py`` runs ``run_v2tc`` and ``CASES``
 on the GPU (plus longer contexts), ``test_cuda_graphs.py`` captures it in a CUDA graph.
+
+The Metal dialect (``simdgroup_matrix``) runs the same cases on the ``emulated-metal``
+backend (``test_v2tc_metal_*``, plus 8- and 16-row threadgroups with partial tiles), the
+double buffer under every schedule, its plan, prepared calls, refusals and negative
+controls; ``test_mlx_kernels.py`` pins its ``metal_kernel`` arguments. Nothing of it ran
+on Apple hardware.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ SINGLE = 10 ** 6          # pages per chunk: one chunk per request (no merge)
 @pytest.fixture(scope="module")
 def emu():
     return pd.get_backend("emulated-cuda")
+
+
+@pytest.fixture(scope="module")
+def metal():
+    return pd.get_backend("emulated-metal")
 
 
 def run_v2tc(be, spec: ProblemSpec, ppcs, *, lengths=None, offsets=None) -> None:
@@ -168,6 +179,119 @@ def test_prepared_v2tc_equals_decode(emu):
     np.testing.assert_array_equal(o2, out)
 
 
+# ---------------------------------------------------------------------------- Metal
+#: CASES plus what only the Metal dialect's shapes have: a 16-row threadgroup with 4 padding
+#: rows at head_dim 256 (two 8-row tiles, one SIMD group), 9 heads per KV head (the second
+#: 8-row tile holds one live row) at head_dim 96 over pages of 1
+METAL_CASES = CASES + [
+    ("d256-g12-ps16-f16", ProblemSpec(1, 40, 12, 1, 256, 16, seed=60), [1, SINGLE]),
+    ("d96-g9-ps1-bf16", ProblemSpec(2, 30, 18, 2, 96, 1, "bfloat16", "bfloat16", seed=61),
+     [3, SINGLE]),
+]
+
+
+@needs_emulator
+@pytest.mark.parametrize("spec,ppcs", [c[1:] for c in METAL_CASES],
+                         ids=[c[0] for c in METAL_CASES])
+def test_v2tc_metal_matches_oracle(metal, spec, ppcs):
+    run_v2tc(metal, spec, ppcs)
+
+
+@needs_emulator
+def test_v2tc_metal_ragged_batch_with_empty_requests(metal):
+    spec = ProblemSpec(6, 0, 8, 2, 64, 16, seed=49)
+    run_v2tc(metal, spec, [None, 1, SINGLE], lengths=[70, 0, 33, 1, 129, 0],
+             offsets=[3, 0, 15, 0, 9, 0])
+
+
+@needs_emulator
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_v2tc_metal_long_chunk_every_schedule(metal, head_dim):
+    # one chunk of 330 tokens over shuffled pages of 8: 11 stages of 32 tokens at head_dim
+    # 64 (4 SIMD groups), 14 of 24 at 128 (3), 42 of 8 at 256 (1), each buffer of the
+    # double buffer refilled after it was read, the last stage partial; the running max
+    # moves between stages, so a missed rescale shows
+    spec = ProblemSpec(1, 330, 4, 1, head_dim, 8, seed=50 + head_dim, jitter=False)
+    run_v2tc(metal, spec, [SINGLE])
+
+
+def test_v2tc_metal_geometry():
+    # the SIMD groups are what Metal's 32 KB of threadgroup memory holds at 16 rows, and
+    # the emulator's arena (capped at 32 KB) holds every specialization of the tests above
+    from paged_decode.kernels import decode_v2_tc as tc
+    from paged_decode.specs import SUPPORTED_HEAD_DIMS, v2tc_metal_spec
+    got = {d: tc.metal_simdgroups(d) for d in SUPPORTED_HEAD_DIMS}
+    assert {d: got[d] for d in (64, 96, 128, 256)} == {64: 4, 96: 4, 128: 3, 256: 1}
+    for d, n in got.items():
+        assert tc.metal_threadgroup_bytes(d, n) <= tc.METAL_TG_BYTES
+        assert n == tc.METAL_MAX_SIMDGROUPS or (
+            tc.metal_threadgroup_bytes(d, n + 1) > tc.METAL_TG_BYTES)
+    assert [tc.metal_rows(g) for g in (1, 7, 8, 9, 16, 17, 32)] == [8, 8, 8, 16, 16, 16, 16]
+    spec = v2tc_metal_spec("bfloat16", "float32", 128, 16, 7)
+    assert (spec.heads_per_cta, spec.num_warps, spec.stages) == (8, 3, 0)
+    assert tc.KERNEL.metal_kernel.template == ("T", "TO", "HEAD_DIM", "PAGE_SIZE",
+                                               "NUM_WARPS", "ROWS")
+    assert [v for _, v in tc.KERNEL.metal_template(spec)][2:] == [128, 16, 3, 8]
+    # the CUDA dialect's template is unchanged by the Metal-only parameter
+    assert "ROWS" not in tc.KERNEL.cuda_name_expression(spec)
+
+
+@needs_emulator
+def test_v2tc_metal_default_plan_is_searched_for_its_threadgroups(metal):
+    # the plan's CTAs per chunk are the Metal dialect's threadgroups per chunk (Hkv *
+    # ceil(G / 16), as in CUDA: G = 16 takes one 16-row threadgroup per KV head)
+    pr = make_problem(ProblemSpec(2, 200, 32, 2, 64, 16, seed=51))
+    out = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=metal)
+    oc = pd.last_outcome()
+    tc_plan = pd.plan_decode(pr.table, 32, 2, 64, device=metal.device_info(),
+                             ctas_per_chunk=v2tc_ctas_per_chunk(32, 2))
+    assert tc_plan.ctas_per_chunk == 2
+    assert oc.path == "v2tc+merge" and oc.num_chunks == tc_plan.num_chunks
+    ref, _ = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert_matches_oracle(out, None, ref, None, "float16", "metal default plan",
+                          tol=tc_out_tol("float16", "float16"))
+
+
+@needs_emulator
+def test_prepared_v2tc_metal_equals_decode(metal):
+    from paged_decode.prepared import PreparedDecode
+    pr = make_problem(ProblemSpec(3, 90, 8, 2, 64, 16, "bfloat16", "bfloat16", seed=53))
+    plan = pd.plan_decode(pr.table, 8, 2, 64, device=metal.device_info(), pages_per_chunk=2)
+    call = pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc",
+                             backend=metal, return_lse=True, out_dtype="float32")
+    assert isinstance(call, PreparedDecode) and call.path == "v2tc+merge"
+    out, lse = (np.array(x) for x in call())        # copies: a replay may reuse buffers
+    assert "prepared call" in pd.last_outcome().reason
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    assert_matches_oracle(out, lse, ref, ref_lse, "float32", "metal prepared",
+                          tol=tc_out_tol("bfloat16", "float32"))
+    out2, lse2 = call()                              # a replay gives the same bits
+    np.testing.assert_array_equal(out2, out)
+    np.testing.assert_array_equal(lse2, lse)
+
+
+#: planted bugs of the Metal body that the oracle comparison must catch (negative
+#: controls; tests/mutants.py holds the full list run by ``make mutants``)
+METAL_CONTROLS = [
+    ("no-rescale", "    oe[0] *= alpha;\n    oe[1] *= alpha;\n", "", AssertionError),
+    ("no-barrier-before-refill",
+     "    threadgroup_barrier(mem_flags::mem_threadgroup);\n    if (stage + 1 < n_stages)",
+     "    if (stage + 1 < n_stages)", None),
+]
+
+
+@needs_emulator
+@pytest.mark.parametrize("old,new,error", [c[1:] for c in METAL_CONTROLS],
+                         ids=[c[0] for c in METAL_CONTROLS])
+def test_v2tc_metal_negative_controls_fail(old, new, error):
+    from mutants import Mutation, backend
+
+    from paged_decode.emulator import RaceError
+    bad = backend(Mutation("metal", ("v2tc",), old, new))
+    with pytest.raises(error or RaceError):
+        run_v2tc(bad, ProblemSpec(1, 330, 4, 1, 64, 8, seed=114, jitter=False), [SINGLE])
+
+
 # ---------------------------------------------------------------------------- refusals
 def _problem(q_dtype="float16", kv_dtype="float16", hq=8, hkv=2):
     return make_problem(ProblemSpec(2, 40, hq, hkv, 64, 16, q_dtype, kv_dtype, seed=54))
@@ -180,7 +304,9 @@ def test_v2tc_is_refused_without_the_kernel(be):
     pr = _problem()
     with pytest.raises(UnsupportedProblemError,
                        match=r"decode: backend 'reference' cannot run path 'v2tc': path "
-                             r"'v2tc' is the CUDA tensor-core partial"):
+                             r"'v2tc' is the tensor-core partial, which this backend does not "
+                             r"run \(it runs on 'cuda', 'emulated-cuda', 'metal' and "
+                             r"'emulated-metal'\)"):
         pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=be)
     with pytest.raises(UnsupportedProblemError, match=r"has no tensor-core decode partial"):
         plan = pd.plan_decode(pr.table, 8, 2, 64, device=be.device_info())
@@ -189,16 +315,8 @@ def test_v2tc_is_refused_without_the_kernel(be):
                       np.zeros((plan.num_chunks, 8), np.float32))
 
 
-@pytest.mark.skipif(not availability("emulated-metal").ok, reason="no emulator")
-def test_v2tc_is_refused_on_the_metal_dialect():
-    pr = _problem()
-    with pytest.raises(UnsupportedProblemError,
-                       match=r"backend 'emulated-metal' cannot run path 'v2tc'"):
-        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc",
-                  backend="emulated-metal")
-
-
 @needs_emulator
+@pytest.mark.parametrize("name", ["emulated-cuda", "emulated-metal"])
 @pytest.mark.parametrize("q_dtype,kv_dtype,hq,hkv,match", [
     ("float32", "float32", 8, 2, r"path 'v2tc' needs q and the pools both one of \('float16', "
                                  r"'bfloat16'\), got q float32 and pools float32"),
@@ -207,14 +325,13 @@ def test_v2tc_is_refused_on_the_metal_dialect():
     ("float16", "float16", 40, 1, r"path 'v2tc' takes at most 32 query heads per KV head, "
                                   r"got 40"),
 ])
-def test_v2tc_refuses_what_its_kernel_cannot_take(emu, q_dtype, kv_dtype, hq, hkv, match):
+def test_v2tc_refuses_what_its_kernel_cannot_take(name, q_dtype, kv_dtype, hq, hkv, match):
     pr = _problem(q_dtype, kv_dtype, hq, hkv)
     with pytest.raises(UnsupportedProblemError,
-                       match=r"decode: backend 'emulated-cuda' cannot run path 'v2tc': "
-                             + match):
-        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=emu)
+                       match=rf"decode: backend '{name}' cannot run path 'v2tc': " + match):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=name)
     # the same problem on path v2 runs
-    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2", backend=emu)
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2", backend=name)
 
 
 def test_v2tc_is_a_documented_path():

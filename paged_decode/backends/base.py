@@ -87,7 +87,8 @@ class Backend(ABC):
     merge_gathers: bool = False
     #: the v2 / v1 kernels read a ``StepTable``'s device buffers (else: its host view)
     reads_step_tables: bool = False
-    #: runs the tensor-core v2 partial (``partial_tc``, ``path="v2tc"``): CUDA dialect only
+    #: runs the tensor-core v2 partial (``partial_tc``, ``path="v2tc"``): ``mma.sync`` in
+    #: the CUDA dialect, ``simdgroup_matrix`` in the Metal dialect
     tensor_core_decode: bool = False
 
     # ----------------------------------------------------------- availability
@@ -284,8 +285,8 @@ class Backend(ABC):
         and contract, for float16 / bfloat16 pools with ``q`` in their dtype and a GQA
         group of at most 32; only where ``tensor_core_decode`` (this default raises)."""
         raise UnsupportedProblemError(f"backend {self.name!r} has no tensor-core decode "
-                                      "partial (path 'v2tc' runs on 'cuda' and "
-                                      "'emulated-cuda')")
+                                      "partial (path 'v2tc' runs on 'cuda', "
+                                      "'emulated-cuda', 'metal' and 'emulated-metal')")
 
     @abstractmethod
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any, *,

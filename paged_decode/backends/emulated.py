@@ -150,7 +150,8 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
 
     name = "emulated-metal"
     merge_gathers = False      # the Metal merge has no row index
-    tensor_core_decode = False  # the tensor-core partial has no Metal dialect yet
+    tensor_core_decode = True  # on simdgroup_matrix
+    metal_dialect = True
     in_place_append = False
 
     def device_info(self) -> DeviceInfo:

@@ -42,6 +42,7 @@ from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported fo
     v1_spec,
     v2_spec,
     v2tc_fits,
+    v2tc_metal_spec,
     v2tc_row_tiles,
     v2tc_spec,
 )
@@ -49,6 +50,8 @@ from .base import Problem, Support
 
 LOG2E = 1.4426950408889634
 TABLE_FIELDS = ("indices", "indptr", "last_page_len", "first_page_offset")
+#: where path "v2tc" runs (refusals name them)
+V2TC_RUNS_ON = "it runs on 'cuda', 'emulated-cuda', 'metal' and 'emulated-metal'"
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,8 @@ def support(problem: Problem, tensor_cores: bool = False) -> Support:
     ``tensor_cores``, 16-bit pools with q in their dtype and a GQA group of at most 32)."""
     if problem.path == "v2tc":
         if not tensor_cores:
-            return Support(False, "path 'v2tc' is the CUDA tensor-core partial, which this "
-                                  "backend does not run (it runs on 'cuda' and "
-                                  "'emulated-cuda')")
+            return Support(False, f"path 'v2tc' is the tensor-core partial, which this "
+                                  f"backend does not run ({V2TC_RUNS_ON})")
         if not v2tc_fits(problem.q_dtype, problem.kv_dtype):
             return Support(False, f"path 'v2tc' needs q and the pools both one of "
                                   f"{V2TC_DTYPES}, got q {problem.q_dtype} and pools "
@@ -166,10 +168,16 @@ def _chunk_args(plan: DecodePlan, sm_scale: float, ctas_per_head: tuple[str, int
 def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: float,
                 q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                 request_indices: Any, kv_tile_indices: Any, v_out: Any,
-                lse_out: Any) -> Launch:
+                lse_out: Any, metal: bool = False) -> Launch:
     """The tensor-core v2 partial (``kernels/decode_v2_tc.py``): grid (C chunks, Hkv *
-    row_tiles), the v2 partial's arguments with ``row_tiles`` for ``q_groups``."""
-    spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size)
+    row_tiles), the v2 partial's arguments with ``row_tiles`` for ``q_groups``; ``metal``:
+    the Metal dialect's specialization (its rows per threadgroup and SIMD groups), the
+    same grid and arguments."""
+    if metal:
+        spec = v2tc_metal_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size,
+                               plan.num_qo_heads // plan.num_kv_heads)
+    else:
+        spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size)
     tiles = v2tc_row_tiles(plan.num_qo_heads, plan.num_kv_heads)
     args = _chunk_args(plan, sm_scale, ("row_tiles", tiles), q, k_pages, v_pages, table,
                        request_indices, kv_tile_indices, v_out, lse_out)

@@ -1,7 +1,8 @@
 """``LaunchingBackend``: the kernel entry points of every backend that runs our kernels
 (``cuda``, ``metal``, ``emulated-cuda``, ``emulated-metal``), written once (the
 tensor-core partial ``partial_tc`` where ``tensor_core_decode`` says the backend runs it:
-the CUDA dialect only).
+``mma.sync`` in the CUDA dialect, ``simdgroup_matrix`` in the Metal dialect, whose
+specialization ``metal_dialect`` picks).
 
 Each entry point builds a ``Launch`` (``launches.py``) and hands it to the backend's
 ``_run``; a backend supplies only small hooks: ``index_array`` (a host index array of a
@@ -32,11 +33,15 @@ class LaunchingBackend(Backend):
     #: the append kernel writes the pools in place (CUDA dialect); else it returns new
     #: pools (Metal dialect, MLX outputs), which ``adopt_pools`` delivers
     in_place_append: bool = True
+    #: launches the Metal dialect's specializations (``launches.v2tc_launch(metal=...)``)
+    metal_dialect: bool = False
     reads_step_tables = True
 
     def supports(self, problem: Problem) -> Support:
-        # the device must have mma.sync too (sm_80+ on CUDA: prefix_tile_rows says so)
-        tc = self.tensor_core_decode and bool(self.device_info().prefix_tile_rows)
+        # a CUDA device must have mma.sync too (sm_80+: prefix_tile_rows says so); every
+        # Apple GPU MLX runs on has simdgroup_matrix
+        tc = self.tensor_core_decode and (self.metal_dialect
+                                          or bool(self.device_info().prefix_tile_rows))
         return launches.support(problem, tc)
 
     # ----------------------------------------------------------- hooks
@@ -107,7 +112,8 @@ class LaunchingBackend(Backend):
             kv_dtype=self.dtype_of(k_pages), out_dtype=self.dtype_of(v_out), plan=plan,
             sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
             table=self.table_arrays(table), request_indices=request_indices,
-            kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out))
+            kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out,
+            metal=self.metal_dialect))
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
               rows: Any = None, *, sinks: Any = None) -> None:

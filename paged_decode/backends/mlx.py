@@ -277,6 +277,8 @@ class MetalBackend(LaunchingBackend, MlxBackend):
 
     name = "metal"
     in_place_append = False
+    tensor_core_decode = True    # on simdgroup_matrix (never run on Apple hardware)
+    metal_dialect = True
 
     def __init__(self, kernel_factory: Any = None) -> None:
         super().__init__()
@@ -296,7 +298,9 @@ class MetalBackend(LaunchingBackend, MlxBackend):
                 "gpu_cores": info.compute_units, "detail": info.detail}
 
     def supports(self, problem: Problem) -> Support:
-        return Support(True) if problem.path == "gather" else launches.support(problem)
+        if problem.path == "gather":
+            return Support(True)
+        return launches.support(problem, tensor_cores=True)
 
     def auto_path(self) -> tuple[str, str] | None:
         return None

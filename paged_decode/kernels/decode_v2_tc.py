@@ -1,4 +1,6 @@
-"""The tensor-core v2 partial: split-KV paged decode on ``mma.sync`` (CUDA, sm_80+).
+"""The tensor-core v2 partial: split-KV paged decode on ``mma.sync`` (CUDA, sm_80+), and
+its Metal dialect on ``simdgroup_matrix`` (below ``CUDA_SOURCE``; it has run only on the
+CPU emulator, never on Apple hardware).
 
 The same work and contract as the v2 partial (``decode_v2.py``, ``Backend.partial``), for
 16-bit pools: ``q [B, Hq, D]`` (the pools' dtype, float16 or bfloat16), ``k_pages, v_pages
@@ -24,12 +26,16 @@ Pipeline: K/V tokens stream through a STAGES-deep ring of ``cp.async`` 16-byte c
 stage may come from different pages (any page size 1-256, a first page offset): each
 token's page is looked up on its own (one thread per token of a stage, a stage ahead of the
 copies that use it, through shared memory).
+
+Metal: the same grid, contract and combine with 8 x 8 ``simdgroup_matrix`` tiles, 8 or 16
+rows per threadgroup, SIMD groups of 8 tokens per stage, a double buffer of ordinary loads
+(the comment above ``METAL_INPUTS`` has the details).
 """
 
 from __future__ import annotations
 
-from .common import CUDA_COMMON
-from .kernel_def import Dtype, KernelDef, KernelSpec, TemplateValue
+from .common import CUDA_COMMON, METAL_COMMON
+from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue
 from .mma import CUDA_MMA
 
 NUM_WARPS = 4
@@ -240,14 +246,322 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 
 CUDA_SOURCE = CUDA_COMMON + CUDA_MMA + CUDA_BODY
 
+# ---------------------------------------------------------------------------- Metal
+# MLX ``metal_kernel`` dialect on ``simdgroup_matrix`` 8 x 8 tiles (``<metal_simdgroup_matrix>``):
+# the CUDA kernel's contract, grid, chunk arithmetic, online softmax and warp combine, with
+# Metal's shapes. One threadgroup per (chunk, KV head, row tile) as in CUDA (grid (C, Hkv *
+# row_tiles), row_tiles = ceil(G / 16)); a threadgroup holds ROWS = 8 query rows (G <= 8:
+# one 8-row matrix tile) or 16 (two tiles; G > 8), rows past G zero and never written.
+# NUM_WARPS SIMD groups split the tokens: a stage holds KT = 8 * NUM_WARPS tokens of K and
+# V in threadgroup memory and SIMD group w takes tokens [8 w, 8 w + 8) of it: S = Q K^T
+# (HEAD_DIM / 8 products of half or bfloat tiles into a float accumulator per row tile),
+# the online softmax on the accumulator's thread_elements(), O += P V (P rounded to T in
+# the same lane layout, HEAD_DIM / 8 float accumulators per row tile). Metal has no
+# cp.async: the stage after the current one is copied by ordinary loads and stores into
+# the other half of a double buffer while the current one is computed, one barrier per
+# stage. NUM_WARPS is the most SIMD groups (at most 4) whose double buffer and Q tile fit
+# Metal's 32 KB of threadgroup memory (``metal_simdgroups``): 4 at head_dim 64 and 96, 3
+# at 128, 1 at 256 (a choice of fit, not measured: nothing here ran on Apple hardware).
+# Inputs (in order): q, k_pages, v_pages, indices, indptr, last_page_len,
+# first_page_offset, request_indices, kv_tile_indices, num_qo_heads, num_kv_heads,
+# row_tiles, pages_per_chunk (0-d int32), scale_log2 (0-d float32); outputs: v_out,
+# lse_out. Template arguments, in order: T, TO (dtypes), HEAD_DIM, PAGE_SIZE, NUM_WARPS,
+# ROWS. Launch: grid (C * NUM_WARPS * 32, Hkv * row_tiles, 1) threads, threadgroup
+# (NUM_WARPS * 32, 1, 1).
+METAL_TILE = 8                    # simdgroup_matrix rows, columns and depth
+# 16 bytes of padding per threadgroup row, as MLX's steel attention pads its tiles (the
+# bank effect is not measured here)
+METAL_SMEM_PAD = 8                # TcShape::LD in the Metal header
+METAL_TG_BYTES = 32 * 1024        # Metal's threadgroup memory per threadgroup
+METAL_MAX_SIMDGROUPS = 4
+METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
+                "first_page_offset", "request_indices", "kv_tile_indices", "num_qo_heads",
+                "num_kv_heads", "row_tiles", "pages_per_chunk", "scale_log2")
+METAL_OUTPUTS = ("v_out", "lse_out")
+
+
+def metal_rows(group: int) -> int:
+    """Query rows per threadgroup of the Metal dialect: one 8-row tile up to 8 heads per
+    KV head, two above (the threadgroups per (chunk, KV head) stay ``row_tiles(group)``)."""
+    return METAL_TILE if group <= METAL_TILE else ROWS
+
+
+def metal_threadgroup_bytes(head_dim: int, simdgroups: int, rows: int = ROWS) -> int:
+    """Threadgroup memory of the Metal dialect: the Q tile and the K/V double buffer (16-bit,
+    padded rows) and the SIMD groups' row states (the combine's accumulators reuse the
+    double buffer)."""
+    ld = head_dim + METAL_SMEM_PAD
+    ring = 2 * 2 * METAL_TILE * simdgroups * ld * 2
+    return rows * ld * 2 + ring + 2 * simdgroups * rows * 4
+
+
+def metal_simdgroups(head_dim: int) -> int:
+    """SIMD groups per threadgroup of the Metal dialect: the most (at most 4) whose
+    threadgroup memory fits 32 KB at 16 rows."""
+    n = METAL_MAX_SIMDGROUPS
+    while n > 1 and metal_threadgroup_bytes(head_dim, n) > METAL_TG_BYTES:
+        n -= 1
+    return n
+
+
+METAL_TC = r"""
+namespace pd {
+
+// The visible tokens [t_begin, t_end) of chunk `tile` of a request: CUDA's chunk_tokens
+// (token t lives at entry fpo + t of the request's pages; a chunk past the end, or of an
+// empty request, is empty).
+struct TokenRange { long t_begin, t_end; };
+template <int PAGE_SIZE>
+inline TokenRange chunk_tokens(long npages, long last_len, long fpo, long tile, long ppc) {
+  long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_len - fpo : 0;
+  seq = seq < 0 ? 0 : seq;
+  const long page_begin = tile * ppc;
+  const long page_end = page_begin + ppc < npages ? page_begin + ppc : npages;
+  long t_begin = page_begin * PAGE_SIZE - fpo;
+  t_begin = t_begin < 0 ? 0 : (t_begin > seq ? seq : t_begin);
+  long t_end = page_end >= npages ? seq : page_end * PAGE_SIZE - fpo;
+  t_end = t_end < 0 ? 0 : (t_end > seq ? seq : t_end);
+  TokenRange range;
+  range.t_begin = t_begin;
+  range.t_end = t_end;
+  return range;
+}
+
+// Shapes of one threadgroup (template arguments of the body).
+template <int HEAD_DIM, int NUM_WARPS, int ROWS>
+struct TcShape {
+  static constexpr int LD = HEAD_DIM + 8;          // padded threadgroup row, in elements
+  static constexpr int KT = 8 * NUM_WARPS;         // tokens per stage, 8 per SIMD group
+  static constexpr int DT = HEAD_DIM / 8;          // 8-wide column tiles of a row
+  static constexpr int MT = ROWS / 8;              // 8-row tiles
+  static constexpr int THREADS = NUM_WARPS * 32;
+  static constexpr int BUF = 2 * KT * LD;          // one buffer: KT rows of K, then of V
+  static constexpr int RING_FLOATS = BUF;          // two buffers of 16-bit elements, in floats
+  static constexpr int COMB = NUM_WARPS * ROWS * HEAD_DIM;   // the combine's floats
+  static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
+  static_assert(ROWS == 8 || ROWS == 16, "a threadgroup holds one or two 8-row tiles");
+  static_assert(COMB <= RING_FLOATS, "the combine reuses the double buffer");
+};
+
+// The row and first column of this lane's two elements of an 8 x 8 matrix
+// (thread_elements()): the layout MLX's kernels rely on (BaseMMAFrag<T, 8, 8>::get_coord),
+// which the specification leaves unspecified.
+inline int tile_row(uint lane) { return int((lane / 4 & 4) + (lane / 2) % 4); }
+inline int tile_col(uint lane) { return int((lane / 4 & 2) * 2 + (lane % 2) * 2); }
+
+// Copy stage `stage`'s KT tokens of K and V into one buffer (K rows [0, KT), V rows [KT,
+// 2 KT), LD apart), tokens past the range zero-filled (their scores are masked and their
+// zero V rows keep P V finite). Each token's page is looked up on its own: a stage may
+// span pages of any size, from any first page offset. Every thread takes part.
+template <typename T, int HEAD_DIM, int PAGE_SIZE, int KT, int LD, int THREADS, typename KP,
+          typename IP>
+inline void stage_kv(threadgroup T* buf, KP k_pages, KP v_pages, IP page_ids, long a_begin,
+                     int n_tok, int stage, long head_off, long row_stride, uint tid) {
+  constexpr int PIECES = HEAD_DIM / 4;             // 4-element pieces per row
+  for (int e = int(tid); e < KT * PIECES; e += THREADS) {
+    const int tok = e / PIECES, d = (e % PIECES) * 4;
+    const int i = stage * KT + tok;                // token in the range
+    threadgroup T* kd = buf + tok * LD + d;
+    threadgroup T* vd = buf + (KT + tok) * LD + d;
+    if (i < n_tok) {
+      const long a = a_begin + i;                  // entry in the request's pages
+      const long off = (long(page_ids[a / PAGE_SIZE]) * PAGE_SIZE + a % PAGE_SIZE) * row_stride
+                       + head_off + d;
+      for (int j = 0; j < 4; ++j) {
+        kd[j] = k_pages[off + j];
+        vd[j] = v_pages[off + j];
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        kd[j] = T(0.0f);
+        vd[j] = T(0.0f);
+      }
+    }
+  }
+}
+
+// One SIMD group's 8 tokens (K rows kt, V rows vt of the current buffer; the first is
+// token tok0 of the range) against row tile mt of the Q tile: S = Q K^T, the online
+// softmax of this lane's row (m_run, and l_run over this lane's two columns), O += P V.
+// Every lane of the SIMD group must call it (matrix operations are collectives).
+template <typename T, int HEAD_DIM, int LD>
+inline void attend_tile(threadgroup const T* qt, threadgroup const T* kt, threadgroup const T* vt,
+                        thread simdgroup_float8x8* o, thread float& m_run, thread float& l_run,
+                        int tok0, int n_tok, float scale_log2, uint lane) {
+  constexpr int DT = HEAD_DIM / 8;
+  simdgroup_float8x8 s = make_filled_simdgroup_matrix<float, 8>(0.0f);
+  for (int kk = 0; kk < DT; ++kk) {
+    simdgroup_matrix<T, 8, 8> qa, kb;
+    simdgroup_load(qa, qt + kk * 8, LD);
+    // K^T: kb[d][t] = K[t][d]; the pointer is moved to the tile's origin rather than
+    // passing matrix_origin, whose axes under transpose the specification leaves open
+    simdgroup_load(kb, kt + kk * 8, LD, 0, true);
+    simdgroup_multiply_accumulate(s, qa, kb, s);
+  }
+  // this lane holds the scores of row tile_row(lane), tokens tok0 + c + e (e = 0, 1)
+  const int c = tile_col(lane);
+  thread auto& se = s.thread_elements();
+  float x[2];
+  for (int e = 0; e < 2; ++e)
+    x[e] = tok0 + c + e < n_tok ? finite_or_nan(se[e] * scale_log2) : -INFINITY;
+  // the row's max over its four lanes (its columns differ in lane bits 0 and 3)
+  float mx = fmax(x[0], x[1]);
+  mx = fmax(mx, simd_shuffle_xor(mx, ushort(1)));
+  mx = fmax(mx, simd_shuffle_xor(mx, ushort(8)));
+  mx = fmax(m_run, mx);
+  const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
+  const float alpha = exp2(m_run - ref);
+  m_run = mx;
+  l_run *= alpha;
+  // P in the pools' type, element for element in the accumulator's lane layout (the row
+  // sums keep the float p)
+  simdgroup_matrix<T, 8, 8> p;
+  thread auto& pe = p.thread_elements();
+  for (int e = 0; e < 2; ++e) {
+    const float pr = exp2(x[e] - ref);
+    l_run += pr;
+    pe[e] = T(pr);
+  }
+  for (int j = 0; j < DT; ++j) {
+    thread auto& oe = o[j].thread_elements();
+    oe[0] *= alpha;
+    oe[1] *= alpha;
+    simdgroup_matrix<T, 8, 8> vb;
+    simdgroup_load(vb, vt + j * 8, LD);
+    simdgroup_multiply_accumulate(o[j], p, vb, o[j]);
+  }
+}
+
+}  // namespace pd
+"""
+
+METAL_HEADER = METAL_COMMON + METAL_TC
+
+METAL_SOURCE = r"""
+  typedef pd::TcShape<HEAD_DIM, NUM_WARPS, ROWS> S;
+  constexpr int LD = S::LD, KT = S::KT, DT = S::DT, MT = S::MT;
+  const uint tid = thread_position_in_threadgroup.x;
+  const uint lane = thread_index_in_simdgroup, warp = simdgroup_index_in_threadgroup;
+  // one threadgroup per (chunk, KV head, row tile), the row tile fastest
+  const int c = int(threadgroup_position_in_grid.x);
+  const int kvh = int(threadgroup_position_in_grid.y) / row_tiles;
+  const int rt = int(threadgroup_position_in_grid.y) % row_tiles;
+  const int group = num_qo_heads / num_kv_heads;
+  const int g0 = rt * ROWS;                        // first GQA row of this threadgroup
+  const int rows = group - g0 < ROWS ? group - g0 : ROWS;   // live rows; the rest zero
+  const int h0 = kvh * group + g0;                 // query head of row 0
+  const int r = request_indices[c];
+  const long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];
+  const long pb = indptr[r], npages = indptr[r + 1] - pb;
+  const long fpo = first_page_offset[r];
+  const pd::TokenRange range = pd::chunk_tokens<PAGE_SIZE>(npages, last_page_len[r], fpo,
+                                                           tile, pages_per_chunk);
+  const long a_begin = fpo + range.t_begin;
+  const int n_tok = int(range.t_end - range.t_begin);
+  const int n_stages = (n_tok + KT - 1) / KT;
+
+  threadgroup T qs[ROWS * LD];                     // [ROWS][LD]
+  // the double buffer, [2][K, V][KT][LD] of T; the combine's float accumulators after
+  // the loop (declared as float for their alignment)
+  threadgroup float ring[S::RING_FLOATS];
+  threadgroup float sm_m[NUM_WARPS * ROWS];
+  threadgroup float sm_l[NUM_WARPS * ROWS];
+  threadgroup T* kv = reinterpret_cast<threadgroup T*>(ring);
+
+  // Q tile: row i is query head h0 + i, zeros past the live rows (published by the
+  // loop's first barrier, or the combine's)
+  for (int e = int(tid); e < ROWS * HEAD_DIM; e += S::THREADS) {
+    const int i = e / HEAD_DIM, d = e % HEAD_DIM;
+    qs[i * LD + d] = i < rows ? q[(long(r) * num_qo_heads + h0 + i) * HEAD_DIM + d] : T(0.0f);
+  }
+
+  simdgroup_float8x8 o[MT][DT];
+  float m_run[MT], l_run[MT];                      // this lane's row of each row tile
+  for (int mt = 0; mt < MT; ++mt) {
+    m_run[mt] = -INFINITY;
+    l_run[mt] = 0.0f;
+    for (int j = 0; j < DT; ++j) o[mt][j] = make_filled_simdgroup_matrix<float, 8>(0.0f);
+  }
+
+  const long row_stride = long(num_kv_heads) * HEAD_DIM;   // elements per token
+  const long head_off = long(kvh) * HEAD_DIM;
+  const auto page_ids = indices + pb;             // device or constant space (MLX's choice)
+  if (n_stages > 0)
+    pd::stage_kv<T, HEAD_DIM, PAGE_SIZE, KT, LD, S::THREADS>(
+        kv, k_pages, v_pages, page_ids, a_begin, n_tok, 0, head_off, row_stride, tid);
+  for (int stage = 0; stage < n_stages; ++stage) {
+    // stage `stage`'s copies are visible, and every SIMD group is done with stage - 1,
+    // whose buffer the copy below refills
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (stage + 1 < n_stages)
+      pd::stage_kv<T, HEAD_DIM, PAGE_SIZE, KT, LD, S::THREADS>(
+          kv + ((stage + 1) % 2) * S::BUF, k_pages, v_pages, page_ids, a_begin, n_tok,
+          stage + 1, head_off, row_stride, tid);
+    threadgroup const T* buf = kv + (stage % 2) * S::BUF;
+    const int tok0 = stage * KT + int(warp) * 8;   // this SIMD group's first token
+    if (tok0 < n_tok) {                            // SIMD-group uniform: a tail group sits out
+      for (int mt = 0; mt < MT; ++mt)
+        if (mt * 8 < rows)                         // threadgroup uniform: skip padding tiles
+          pd::attend_tile<T, HEAD_DIM, LD>(qs + mt * 8 * LD, buf + int(warp) * 8 * LD,
+                                           buf + (KT + int(warp) * 8) * LD, o[mt], m_run[mt],
+                                           l_run[mt], tok0, n_tok, scale_log2, lane);
+    }
+  }
+
+  // Combine the SIMD groups' states: accumulators of group w, row i at comb[(w * ROWS +
+  // i) * HEAD_DIM] (over the double buffer: every group is past its last read once the
+  // barrier below releases), states in sm_m / sm_l; then every live row normalized, with
+  // its log2 LSE (as in CUDA).
+  threadgroup float* comb = ring;
+  for (int mt = 0; mt < MT; ++mt) {                // row sums over a row's four lanes
+    l_run[mt] += simd_shuffle_xor(l_run[mt], ushort(1));
+    l_run[mt] += simd_shuffle_xor(l_run[mt], ushort(8));
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int mt = 0; mt < MT; ++mt) {
+    const int i = mt * 8 + pd::tile_row(lane);
+    if (pd::tile_col(lane) == 0) {
+      sm_m[int(warp) * ROWS + i] = m_run[mt];
+      sm_l[int(warp) * ROWS + i] = l_run[mt];
+    }
+    for (int j = 0; j < DT; ++j)
+      simdgroup_store(o[mt][j], comb + (int(warp) * ROWS + mt * 8) * HEAD_DIM + j * 8,
+                      HEAD_DIM);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int e = int(tid); e < rows * HEAD_DIM; e += S::THREADS) {
+    const int i = e / HEAD_DIM, d = e % HEAD_DIM;
+    float mx = -INFINITY;
+    for (int w = 0; w < NUM_WARPS; ++w) mx = fmax(mx, sm_m[w * ROWS + i]);
+    const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
+    float num = 0.0f, den = 0.0f;
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float wt = exp2(sm_m[w * ROWS + i] - ref);
+      num = fma(wt, comb[(w * ROWS + i) * HEAD_DIM + d], num);
+      den = fma(wt, sm_l[w * ROWS + i], den);
+    }
+    // den is 0 for an empty range and NaN when a score was not finite: NaN output and
+    // LSE, never the empty answer
+    const bool live = !(den <= 0.0f);
+    const long out_row = long(c) * num_qo_heads + h0 + i;
+    v_out[out_row * HEAD_DIM + d] = pd::from_float<TO>(live ? num / den : 0.0f);
+    if (d == 0) lse_out[out_row] = live ? mx + log2(den) : -INFINITY;
+  }
+"""
+
 
 def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
     return {"T": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype), "HEAD_DIM": spec.head_dim,
-            "PAGE_SIZE": spec.page_size, "NUM_WARPS": spec.num_warps, "STAGES": spec.stages}
+            "PAGE_SIZE": spec.page_size, "NUM_WARPS": spec.num_warps, "STAGES": spec.stages,
+            "ROWS": spec.heads_per_cta}
 
 
 KERNEL = KernelDef(
     kernel="v2tc", cuda_name="pd_decode_v2_tc", cuda_source=CUDA_SOURCE,
     template=("T", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS", "STAGES"),
     arguments=_arguments, threads=lambda spec: spec.num_warps * 32,
-    dynamic_smem=lambda spec: dynamic_smem_bytes(spec.head_dim, spec.num_warps, spec.stages))
+    dynamic_smem=lambda spec: dynamic_smem_bytes(spec.head_dim, spec.num_warps, spec.stages),
+    metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),
+    # Metal has a fixed double buffer, and its row count per threadgroup (8 or 16: CUDA's
+    # mma tile is always 16) is a template argument
+    cuda_only=("STAGES",), metal_only=("ROWS",))
