@@ -171,8 +171,9 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @click.option("--preset", default=None,
               help="Case preset: adr (gather/v1/v2 GPU sweep, pages 16/32/64), targets "
                    "(page 16, batch up to 128), variants (8 x 8K: bf16, head_dim, GQA, "
-                   "page size), models, crossover (adr plus every other models GQA layout: "
-                   "the cells of path='auto'), cpu (small); cascade and sparse select those "
+                   "page size), models, crossover (adr at page 16 plus every other models "
+                   "GQA layout: the cells of path='auto'), cpu (small); cascade and sparse "
+                   "select those "
                    "suites. Default: adr on a GPU backend, cpu on the others.")
 @click.option("--context", "contexts", multiple=True, type=POSITIVE,
               help="Override contexts.")

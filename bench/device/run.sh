@@ -131,7 +131,7 @@ step_adr() {
   run_bench adr --preset adr --arms ${BENCH_ARMS:-gather,v1,v2} --csv "$OUT/bench_adr.csv" \
     --write-crossover "$OUT/nvidia-h200.json"
 }
-step_crossover() {   # 117 cells: over 260 s (run N4); give it a command of its own
+step_crossover() {   # 69 cells (117 ran over 260 s in run N4): give it a command of its own
   BENCH_TIMEOUT=${BENCH_TIMEOUT:-570} REPS=${BENCH_REPS:-10} run_bench crossover \
     --preset crossover --arms ${BENCH_ARMS:-v1,v2,v2tc} \
     --write-crossover "$OUT/nvidia-h200.json" | tail -12
