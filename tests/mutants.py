@@ -531,7 +531,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "the first token of every page looked up in the page before"),
     _m("v2tc-first-page-offset-dropped", "cuda", ("v2tc",),
        "const int a_begin = (int)(fpo + range.t_begin)", "const int a_begin = (int)range.t_begin",
-       [V2TC + "test_v2tc_ragged_batch_with_empty_requests"],
+       [V2TC + "test_v2tc_ragged_batch_with_empty_requests[emulated-cuda]"],
        "tokens read from the page start of a request that starts mid-page"),
     _m("tc-accumulator-not-rescaled", "cuda", ("prefix", "v2tc"),
        "    o[j][0] *= alpha[0]; o[j][1] *= alpha[0];\n"
@@ -611,7 +611,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "the first token of every page looked up in the page before"),
     _m("metal-v2tc-first-page-offset-dropped", "metal", ("v2tc",),
        "const long a_begin = fpo + range.t_begin;", "const long a_begin = range.t_begin;",
-       [V2TC + "test_v2tc_metal_ragged_batch_with_empty_requests"],
+       [V2TC + "test_v2tc_ragged_batch_with_empty_requests[emulated-metal]"],
        "tokens read from the page start of a request that starts mid-page"),
     _m("metal-v2tc-padded-rows-written", "metal", ("v2tc",),
        "const int rows = group - g0 < ROWS ? group - g0 : ROWS;", "const int rows = ROWS;",
