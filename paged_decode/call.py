@@ -51,12 +51,12 @@ from .plan import MAX_CHUNKS, DecodePlan, make_plan
 from .specs import v2tc_ctas_per_chunk
 from .step_table import StepTable
 from .variants import (
-    PATH_VARIANTS,
     PLAIN,
     Variant,
     check_path,
     check_pools_kv,
     check_variant,
+    missing_variants,
     window_table,
 )
 
@@ -121,8 +121,7 @@ def runnable_paths(be: Backend, a: CallArgs) -> tuple[str, ...]:
     for its geometry and dtypes and that implement its variants (v2 when none does: its
     checks then name what is missing)."""
     paths = tuple(p for p in PATHS[1:]
-                  if be.supports(Problem(a.q_dt, a.kv_dt, a.hq, a.hkv, a.d, a.p, p))
-                  and all(p in PATH_VARIANTS[n] for n in a.variant.names))
+                  if be.supports(call_problem(a, p)) and not missing_variants(p, a.variant))
     return paths or ("v2",)
 
 
@@ -325,8 +324,13 @@ def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str,
     return CascadeCall(cplan, out_a, lse_a, tc, outcome), why
 
 
+def call_problem(a: CallArgs, path: str) -> Problem:
+    """The ``Problem`` a backend's ``supports`` judges for call ``a`` on ``path``."""
+    return Problem(a.q_dt, a.kv_dt, a.hq, a.hkv, a.d, a.p, path)
+
+
 def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:
-    sup = be.supports(Problem(a.q_dt, a.kv_dt, a.hq, a.hkv, a.d, a.p, path))
+    sup = be.supports(call_problem(a, path))
     if not sup:
         raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run path {path!r}: "
                                       f"{sup.reason}")

@@ -193,10 +193,16 @@ def check_pools_kv(fn: str, be: Any, given: tuple[Any, Any], arrays: tuple[Any, 
     return dts[0], check_kv_quant(fn, dts[0], k_scale, v_scale)
 
 
+def missing_variants(path: str, variant: Variant) -> list[str]:
+    """The variants in use that ``path`` does not implement (the one place for the rule;
+    a path not in ``PATH_VARIANTS`` implements none)."""
+    return [n for n in variant.names if path not in PATH_VARIANTS[n]]
+
+
 def check_path(fn: str, backend_name: str, path: str, variant: Variant) -> None:
     """Raise ``UnsupportedProblemError`` when ``path`` does not implement a variant in use
-    (the one place for the rule; a path not in ``PATH_VARIANTS`` implements none)."""
-    missing = [n for n in variant.names if path not in PATH_VARIANTS[n]]
+    (``missing_variants``)."""
+    missing = missing_variants(path, variant)
     if missing:
         raise UnsupportedProblemError(
             f"{fn}: path {path!r} on backend {backend_name!r} does not implement "
