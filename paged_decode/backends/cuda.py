@@ -170,9 +170,7 @@ class CudaBackend(LaunchingBackend):
         d = self._deltas.pop(key, None)
         if d is None or d.size < delta.size:
             d = cp.empty(max(int(delta.size), 2 * (d.size if d is not None else 0)), np.int32)
-        self._deltas[key] = d
-        while len(self._deltas) > cuda_staging.SLOTS:
-            self._deltas.popitem(last=False)
+        cuda_staging.remember(self._deltas, key, d)
         self._staging.copy(d, np.ascontiguousarray(delta, np.int32))
         cuda_staging.copy_device(scratch, buf)
         lkey = (dev, int(buf.data.ptr), int(scratch.data.ptr), int(d.data.ptr), cap, page_cap)
@@ -181,9 +179,7 @@ class CudaBackend(LaunchingBackend):
             launch = launches.table_update_launch(cap=cap, page_cap=page_cap, old=scratch,
                                                   delta=d, new=buf)
             replay = self.compile_launches(lambda: self._run(launch), like=buf)
-        self._table_updates[lkey] = replay
-        while len(self._table_updates) > cuda_staging.SLOTS:
-            self._table_updates.popitem(last=False)
+        cuda_staging.remember(self._table_updates, lkey, replay)
         replay()
         return buf
 

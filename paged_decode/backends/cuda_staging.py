@@ -53,9 +53,15 @@ class PinnedStaging:
         stream = cp.cuda.get_current_stream()
         cp.cuda.runtime.memcpyAsync(int(dst.data.ptr), view.ctypes.data, n, _H2D, stream.ptr)
         slot.done.record(stream)
-        self._slots[key] = slot
-        while len(self._slots) > SLOTS:
-            self._slots.popitem(last=False)
+        remember(self._slots, key, slot)
+
+
+def remember(cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    """``cache[key] = value`` as its most recently used entry, the least recently used
+    dropped past ``SLOTS`` entries (take entries out with ``pop`` to use them)."""
+    cache[key] = value
+    while len(cache) > SLOTS:
+        cache.popitem(last=False)
 
 
 def _pinned(nbytes: int) -> np.ndarray:
@@ -72,4 +78,4 @@ def copy_device(dst: Any, src: Any) -> None:
                                 stream.ptr)
 
 
-__all__ = ["PinnedStaging", "copy_device"]
+__all__ = ["PinnedStaging", "copy_device", "remember"]
