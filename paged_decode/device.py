@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import settings
 from .errors import InvalidArgumentError, check_int, check_type, env_positive_int
 
 TARGET_ENV = "PAGED_DECODE_TARGET_CTAS"
@@ -55,11 +56,7 @@ class DeviceInfo:
                             ("min_chunk_tokens", 1), ("prefix_tile_rows", 0),
                             ("shared_mem_per_unit", 0)):
             check_int(fn, name, getattr(self, name), least)
-        r = self.ragged_split
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 0 \
-                or r == float("inf"):
-            raise InvalidArgumentError(f"{fn}: ragged_split must be a finite number >= 0, "
-                                       f"got {r!r}")
+        check_ragged_split(fn, self.ragged_split)
 
     @property
     def default_target_ctas(self) -> int:
@@ -75,6 +72,32 @@ class DeviceInfo:
                     fn: str = "DeviceInfo.chunk_floor") -> int:
         """Shortest chunk, in tokens, a plan may cut (argument > environment > device)."""
         return _setting(fn, "min_chunk_tokens", override, CHUNK_ENV, self.min_chunk_tokens)
+
+
+    def ragged_fraction(self, override: float | None = None, *,
+                        fn: str = "DeviceInfo.ragged_fraction") -> float:
+        """The plan's ragged-batch chunk as a fraction of the mean request (argument >
+        environment > device; 0: the rule is off)."""
+        if override is not None:
+            return check_ragged_split(fn, override)
+        env = (settings.get(RAGGED_ENV) or "").strip()
+        if not env:
+            return self.ragged_split
+        try:
+            value = float(env)
+        except ValueError:
+            raise InvalidArgumentError(f"{fn}: {RAGGED_ENV} must be a number, got "
+                                       f"{env!r}") from None
+        return check_ragged_split(f"{fn}: {RAGGED_ENV}", value)
+
+
+def check_ragged_split(fn: str, value: object) -> float:
+    """``value`` as a ragged-split fraction: a finite real number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+            or value == float("inf"):
+        raise InvalidArgumentError(f"{fn}: ragged_split must be a finite number >= 0, "
+                                   f"got {value!r}")
+    return float(value)
 
 
 def _setting(fn: str, name: str, override: int | None, env_name: str, default: int) -> int:

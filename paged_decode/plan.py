@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import settings
-from .device import RAGGED_ENV, DeviceInfo
+from .device import DeviceInfo
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
 from .multitoken import MAX_QUERY_TOKENS, check_query_tokens_arg
 from .page_table import PageTable, frozen_int32
@@ -436,19 +435,7 @@ def _ragged_chunk(fn: str, device: DeviceInfo, ragged_split: float | None, nz: n
                   total: Any, b: int, ppc: int, min_ppc: int) -> int:
     """``make_plan``'s ragged-batch rule (its ``ragged_split``) applied to the searched
     ``ppc``; ``nz``: the non-empty requests' page counts, ``total(ppc)``: chunk count."""
-    if ragged_split is None:
-        env = settings.get(RAGGED_ENV)
-        if env is None:
-            ragged_split = device.ragged_split
-        else:
-            try:
-                ragged_split = float(env)
-            except ValueError:
-                raise InvalidArgumentError(f"{fn}: {RAGGED_ENV} must be a number, got "
-                                           f"{env!r}") from None
-    if not (np.isfinite(ragged_split) and ragged_split >= 0):
-        raise InvalidArgumentError(f"{fn}: ragged_split must be a finite number >= 0, got "
-                                   f"{ragged_split!r}")
+    ragged_split = device.ragged_fraction(ragged_split, fn=fn)
     if ragged_split == 0 or nz.size < 2 or total(ppc) != b:
         return ppc
     mean = float(nz.mean())
