@@ -43,6 +43,7 @@ from .plan import DecodePlan, make_plan
 from .pool import AppendedBatch, PagePool
 from .prepared import layouts, prepare_decode
 from .specs import v2tc_ctas_per_chunk
+from .steady_step import SteadyBegin
 
 
 class StaleStepError(PagedDecodeError, RuntimeError):
@@ -94,13 +95,15 @@ class DecodeStep:
         self.num_layers = pool.num_layers or 1
         self.table = pool.step_table(seqs, capacity=capacity)
         self.plan = self._plan()
-        #: begins the plan surely serves without a check: a plan with headroom H covers
-        #: every request's length + H, and a begin adds one token per row; any other
-        #: change to the pool or the batch (seen through the pool's version) sets it to 0
-        self._unchecked_begins = self.headroom
+        #: begins the plan surely serves without a check (``DecodePlan.tokens_left``: a
+        #: begin adds one token per row); any other change to the pool or the batch (seen
+        #: through the pool's version) sets it to 0
+        self._unchecked_begins = self.plan.tokens_left(self.table)
         self._pool_version = pool._version
         self.replans = 0
         self.steps = 0
+        #: the steady begins' state (``steady_step.py``), armed by each general begin
+        self._steady: SteadyBegin | None = None
         self._batch: AppendedBatch | None = None
         #: the CUDA-dialect append reads its descriptor from a fixed device buffer (a
         #: captured graph keeps its address); the others take the host array per call
@@ -128,27 +131,37 @@ class DecodeStep:
         self.table.set_sequences(seqs)
         self._batch = None
         self._unchecked_begins = 0
+        self._steady = None
 
     def begin(self, like: Any = None) -> AppendedBatch:
         """Start a step: one new token slot per live sequence (``reserve_batch``), the
         table's device copy brought up to date, the append descriptor loaded, a replan
         if a sequence outgrew the plan. Device work runs on the stream of ``like`` (an
         engine array; default: the pool's ``k``). Returns the reservation."""
-        rows, ids, pool_rows = self.table.live_rows()
         if self.pool._version != self._pool_version:   # changed outside this step
-            self._unchecked_begins = 0
-        batch = self.pool._reserve_rows(ids, pool_rows)
+            self._unchecked_begins = 0                  # (advance sees it too)
+        steady = self._steady.advance() if self._steady is not None else None
+        if steady is not None:
+            batch, desc = steady[0], steady[1]
+        else:
+            rows, ids, pool_rows = self.table.live_rows()
+            batch = self.pool._reserve_rows(ids, pool_rows)
+            desc = np.zeros((5, self.capacity), np.int32)
+            w = batch.write.desc                 # one column per sequence, in order
+            desc[:, :w.shape[1]] = w
+            desc[2, :w.shape[1]] = rows - w[3]   # slot lo takes row (table row)
         self._pool_version = self.pool._version
-        desc = np.zeros((5, self.capacity), np.int32)
-        w = batch.write.desc                     # one column per sequence, in order
-        desc[:, :w.shape[1]] = w
-        desc[2, :w.shape[1]] = rows - w[3]       # slot lo takes row (table row)
         with self.backend.launch_context(self.pool.k if like is None else like):
-            self.table.update_device()
+            if steady is not None:
+                self.table._commit_delta(steady[2], steady[3])
+            else:
+                self.table.update_device()
             if self._device_desc:
                 self._desc = self.backend.load_int32(self._desc, desc)
             else:      # array ops and the Metal dialect read the host descriptor
                 self._desc = desc
+        if steady is None:                       # the next begins may be steady ones
+            self._steady = SteadyBegin.arm(self.pool, self.table)
         if self._unchecked_begins > 0:
             self._unchecked_begins -= 1
         else:
@@ -254,11 +267,13 @@ class DecodeStep:
                          hint=hint, ctas_per_chunk=ctas, fn="DecodeStep")
 
     def _replan_if_needed(self) -> None:
-        if self.plan.mismatch(self.table) is not None:
+        left = self.plan.tokens_left(self.table)
+        if left == 0 and self.plan.mismatch(self.table) is not None:
             self.plan = self._plan(hint=self.plan.pages_per_chunk)
             self.replans += 1
             self._prepared.clear()      # launches of the old plan
-            self._unchecked_begins = self.headroom
+            left = self.plan.tokens_left(self.table)
+        self._unchecked_begins = left
 
     def _current(self, fn: str) -> AppendedBatch:
         b = self._batch

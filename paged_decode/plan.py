@@ -209,6 +209,21 @@ class DecodePlan:
                     f"pages, plan has {int(self.chunks_per_request[r])}")
         return None
 
+    def tokens_left(self, table: PageTable | StepTable) -> int:
+        """How many more tokens every request of ``table`` may gain, one per request at a
+        time, with this plan still serving it: ``min`` over requests of the token room
+        left in the ``chunks_per_request * pages_per_chunk`` pages the plan covers (0 when
+        it does not serve ``table`` now, or has a window, whose table moves otherwise)."""
+        if self.window_left >= 0 or self.mismatch(table) is not None:
+            return 0
+        pages = np.asarray(table.pages_per_request, np.int64)
+        if not pages.size:
+            return 0
+        P = self.page_size
+        room = (self.chunks_per_request * self.pages_per_chunk - pages) * P
+        room += np.where(pages > 0, P - np.asarray(table.last_page_len, np.int64), 0)
+        return int(room.min())
+
     def folded(self) -> DecodePlan:
         """The plan as the kernels of a multi-token call's common pass see it
         (``docs/multi-token.md``): the same chunks, ``query_tokens x Hq`` query heads (each

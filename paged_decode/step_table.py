@@ -51,6 +51,9 @@ class StepTable:
     _front: np.ndarray           # pending: pages trimmed from the front since the flush
     _dirty_from: np.ndarray      # pending: first page position that may have changed
     _npages: np.ndarray          # pages per row in the device copy
+    _npages_total: int           # their sum
+    _mirror_src: np.ndarray      # the last delta sent (its header is the device header)
+    _mirror: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
     _buf: Any                    # the device buffer (int32, TABLE_SECTIONS)
     _scratch: Any                # the old table during a CUDA-dialect update
     _view: tuple[int, PageTable] | None
@@ -124,23 +127,19 @@ class StepTable:
 
     @property
     def pages_per_request(self) -> np.ndarray:
-        self._require_flushed()
-        return self._pages_view
+        return self._mirrors()[0]
 
     @property
     def visible_lens(self) -> np.ndarray:
-        self._require_flushed()
-        return self._visible_view
+        return self._mirrors()[1]
 
     @property
     def last_page_len(self) -> np.ndarray:
-        self._require_flushed()
-        return self._lpl_view
+        return self._mirrors()[2]
 
     @property
     def first_page_offset(self) -> np.ndarray:
-        self._require_flushed()
-        return self._fpo_view
+        return self._mirrors()[3]
 
     @property
     def total_visible(self) -> int:
@@ -305,27 +304,54 @@ class StepTable:
                 rep = np.repeat(rows, changed[rows])
                 within = np.arange(m) - np.repeat(cind[rows].astype(np.int64), changed[rows])
                 delta[h:] = S.pages[pr[rep], S.head[pr[rep]] + keep[rep] + within]
-        buf = self._buf
-        self._buf = self.backend.update_table(buf, delta, cap, self._pcap,
-                                              scratch=self._scratch)
-        # host mirrors: fresh arrays, never written again, handed out read-only
-        self._npages = npages
-        vis = np.where(empty, 0, filled - start)
-        host = delta[cap + 1:3 * cap + 1].copy()
-        for a in (npages, vis, host):
-            a.flags.writeable = False
-        self._pages_view, self._visible_view = npages, vis
-        self._lpl_view, self._fpo_view = host[:cap], host[cap:]
+        self._commit_delta(delta, npages)
         if not self._simple:
             self._src = np.where(self._live, self._rows, -1)
             self._front = np.zeros(cap, np.int64)
             self._simple = True
         self._dirty_from = np.full(cap, _CLEAN, np.int64)
+        return True
+
+    def _commit_delta(self, delta: np.ndarray, npages: np.ndarray) -> None:
+        """Send ``delta`` (int32, ``kernels/table_update.DELTA_SECTIONS``) to the device
+        table and make it the host mirror: ``npages`` int64 ``[capacity]`` are the new
+        pages per row. (``update_device`` and the steady begin, ``steady_step.py``.)"""
+        buf = self._buf
+        self._buf = self.backend.update_table(buf, delta, self._cap, self._pcap,
+                                              scratch=self._scratch)
+        self._npages = npages
+        self._npages_total = int(delta[self._cap])
+        self._mirror_src = delta
+        self._mirror = None
         self._dirty = False
         self.version += 1
         if self._buf is not buf:                # a new buffer (Metal): new views
             self._views = self._make_views()
-        return True
+
+    def _mirrors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The host views (pages per row, visible lengths, last-page lengths, first-page
+        offsets; read-only, int64 / int32), built from the last delta on first use."""
+        self._require_flushed()
+        if self._mirror is None:
+            cap, P = self._cap, self.page_size
+            npages = self._npages.copy()
+            host = self._mirror_src[cap + 1:3 * cap + 1].copy()
+            lpl, fpo = host[:cap], host[cap:]
+            vis = np.where(npages > 0, (npages - 1) * P + lpl - fpo, 0)
+            for a in (npages, vis, host):
+                a.flags.writeable = False
+            self._mirror = (npages, vis, lpl, fpo)
+        return self._mirror
+
+    def _steady_header(self) -> np.ndarray:
+        """A delta header (int32) with the sections a steady begin keeps: no row moves
+        or skips pages, first-page offsets stay; the rest it overwrites (padding rows'
+        last-page lengths stay 0)."""
+        cap = self._cap
+        h = np.zeros(delta_header_words(cap), np.int32)
+        h[2 * cap + 1:3 * cap + 1] = self._mirror_src[2 * cap + 1:3 * cap + 1]
+        h[3 * cap + 1:4 * cap + 1] = self._src
+        return h
 
     # ------------------------------------------------------------------ internals
     def _alloc(self, cap: int, pcap: int) -> None:
@@ -336,6 +362,7 @@ class StepTable:
             self._buf = self.backend.table_buffer(host)
             self._scratch = self.backend.table_buffer(host)
         self._npages = np.zeros(self._cap, np.int64)
+        self._npages_total = 0
         self._views = self._make_views()
         self._view = None
 

@@ -207,8 +207,9 @@ def test_soft_cap_and_sinks_apply_to_every_layer_of_the_step(backend, monkeypatc
 
 def test_the_plan_check_is_skipped_only_within_the_headroom(monkeypatch):
     # (decode's own prepare still checks each new table version on array-op backends)
-    """begin() skips the O(B) plan check for the `headroom` begins a plan surely serves,
-    and checks (and replans) as soon as anything else changed the pool or the batch."""
+    """begin() skips the O(B) plan check for the begins a plan surely serves
+    (``DecodePlan.tokens_left``, at least the headroom), and checks (and replans) as soon
+    as anything else changed the pool or the batch."""
     rng = np.random.default_rng(4)
     pool, step = _setup("reference", rng, headroom=3)
     checks = []
@@ -229,11 +230,13 @@ def test_the_plan_check_is_skipped_only_within_the_headroom(monkeypatch):
         live = step.table.live_rows()[0]
         assert_matches_oracle(out[live], None, want[live], None, "float32")
 
-    for _ in range(3):          # within the headroom of the first plan: no check
+    left = step.plan.tokens_left(step.table)
+    assert left >= 3            # the headroom at least
+    for _ in range(left):       # within the room of the first plan: no check
         run_step()
     assert checks == [] and step.replans == 0
-    run_step()                  # the 4th begin: checked
-    assert checks == [3]
+    run_step()                  # the next begin: checked
+    assert checks == [left]
     # a change outside the step (a long append to one sequence) is checked at the next
     # begin and replans: the sequence outgrew the plan
     s = int(step.sequences[0])
@@ -248,3 +251,17 @@ def test_the_plan_check_is_skipped_only_within_the_headroom(monkeypatch):
     step.set_sequences(step.table.live_rows()[1][:2])     # the batch changed: checked
     run_step()
     assert len(checks) == n + 1
+
+
+def test_the_plan_serves_the_table_after_every_begin():
+    """The invariant the skipped checks rest on: after every begin the step's plan serves
+    its table (a prepared CUDA launch does not check again), over many replans."""
+    rng = np.random.default_rng(6)
+    pool, step = _setup("reference", rng, headroom=2)
+    skipped = 0
+    for _ in range(60):
+        skipped += step._unchecked_begins > 0
+        step.begin()
+        assert step.plan.mismatch(step.table) is None
+        assert step._unchecked_begins <= step.plan.tokens_left(step.table)
+    assert step.replans >= 3 and skipped >= 30

@@ -4,8 +4,9 @@ cProfile of the captured loop, and every launch's GPU time.
 Usage: python3 bench/device/profile_engine.py OUT_JSON [BATCH ...]   (default 8 64 128)
 
 Per batch (the engine suite's case: float16, 32/8 x 128, page 16, 32 layers, ragged 1K):
-- host: median microseconds of ``begin``'s parts (``_reserve_rows``, the table flush,
-  the descriptor upload, the replan check) and of the graph replay call, over 30 steps;
+- host: median microseconds of ``begin``'s parts (the general begin's ``_reserve_rows``
+  and table flush, the steady begin's ``SteadyBegin.advance`` and ``_commit_delta``, the
+  descriptor upload, the replan check) and of the graph replay call, over 30 steps;
 - the top functions of a cProfile of 20 captured steps (tottime), to the log;
 - GPU: the step's launches queued behind a spin kernel (so the host is ahead and the
   GPU runs them back to back), a CUDA event after each ``begin`` / ``append`` /
@@ -30,6 +31,7 @@ from paged_decode.backends import get_backend
 from paged_decode.bench.engine import _pool
 from paged_decode.bench.engine_case import EngineCase
 from paged_decode.engine_step import DecodeStep
+from paged_decode.steady_step import SteadyBegin
 
 _SPIN = cp.RawKernel(r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -85,8 +87,10 @@ def profile(batch: int) -> dict:
 
     # ---- host parts of begin() and of the replay
     acc: dict = {}
-    timed(step.pool, "_reserve_rows", acc)
+    timed(step.pool, "_reserve_rows", acc)          # the general begin's parts
     timed(step.table, "update_device", acc)
+    timed(SteadyBegin, "advance", acc)              # the steady begin's parts
+    timed(step.table, "_commit_delta", acc)
     timed(be, "load_int32", acc)
     timed(step, "_replan_if_needed", acc)
     step.begin()
