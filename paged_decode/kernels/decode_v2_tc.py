@@ -30,6 +30,12 @@ copies that use it, through shared memory).
 Metal: the same grid, contract and combine with 8 x 8 ``simdgroup_matrix`` tiles, 8 or 16
 rows per threadgroup, SIMD groups of 8 tokens per stage, a double buffer of ordinary loads
 (the comment above ``METAL_INPUTS`` has the details).
+
+Variants (``docs/variants.md``), both dialects: ``SOFT_CAP`` caps each scaled score with
+the shared ``logit`` (``soft_cap_log2`` = c * log2(e)); ``SINK`` joins ``sinks [Hq]``
+(float32, natural-log units) as one more state of the final combine, only in a partial that
+writes the output (a merged partial never holds it); a sliding window is the host's window
+table (first page offsets), no parameter.
 """
 
 from __future__ import annotations
