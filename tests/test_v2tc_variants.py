@@ -405,3 +405,23 @@ def test_merged_partials_never_hold_the_sink(backend_name):
         mp.undo()
     assert [(s.soft_cap, s.sink, s.out_dtype) for s in seen] == [
         (True, False, "float32"), (True, True, "float16")]
+
+
+def test_bench_times_the_v2tc_arm_with_every_variant(tmp_path):
+    """The bench's v2tc arm plans with the case's window (its own CTA search), runs the
+    cap and the sinks, and verifies against the oracle before timing."""
+    from click.testing import CliRunner
+
+    from paged_decode.cli import main
+    js = tmp_path / "b.json"
+    res = CliRunner().invoke(main, [
+        "bench", "--backend", "emulated-cuda", "--preset", "cpu", "--context", "512",
+        "--batch", "1", "--page", "16", "--arms", "v2tc", "--window-left", "100",
+        "--soft-cap", "30", "--sinks", "--reps", "1", "--warmup", "0", "--json", str(js)],
+        catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    (r,) = json.loads(js.read_text())["results"]
+    arm = r["arms"]["v2tc"]
+    assert arm["verified"] and arm["ran"] in ("v2tc", "v2tc+merge"), arm
+    assert arm["max_rel_error"] <= tc_out_tol("float16", "float16") and arm["call"], arm
+    assert "W100" in res.output and "cap30" in res.output and "sinks" in res.output
