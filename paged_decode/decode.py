@@ -67,9 +67,9 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
         table: the batch's ``PageTable`` (``B`` requests, page size ``P``).
         plan: a ``DecodePlan`` for this table and geometry (made here when ``None``).
         path: ``"auto"``, ``"v2"``, ``"v2tc"`` (the tensor-core v2 partial: CUDA or
-            Metal, float16 / bfloat16 q and pools, at most 32 query heads per KV head; never
-            chosen by ``"auto"`` until a measured crossover table holds it), ``"v1"`` or
-            ``"gather"``.
+            Metal, float16 / bfloat16 q and pools, at most 32 query heads per KV head;
+            ``"auto"`` takes it where the device's crossover table has it fastest; it runs
+            the window, soft cap and sinks as v2 does), ``"v1"`` or ``"gather"``.
         sm_scale: softmax scale in natural units (default ``1 / sqrt(D)``).
         out: optional ``[B, Hq, D]`` output to write (dtype ``out_dtype``). On MLX
             (immutable arrays) ``out`` must be an MLX array; it is rebound to the result

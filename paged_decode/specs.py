@@ -64,8 +64,8 @@ class KernelSpec:
     gather: bool = False         # merge: inputs read through a row index (CUDA only)
     tile_tokens: int = 0         # prefix: K/V tokens per shared-memory tile
     vector_bytes: int = 0        # append: bytes per access (kernels/append.py)
-    soft_cap: bool = False       # v2, v1: logits soft cap (paged_decode/variants.py)
-    sink: bool = False           # v2, v1 (final store), merge: attention sinks
+    soft_cap: bool = False       # v2, v1, v2tc: logits soft cap (paged_decode/variants.py)
+    sink: bool = False           # v2, v1, v2tc (final store), merge: attention sinks
 
     # the kernels' template parameters are read off these fields by name in
     # ``kernels/<name>.py`` (``KernelDef.arguments``)
@@ -242,22 +242,25 @@ def v2tc_warps(head_dim: int) -> int:
     return warps
 
 
-def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int) -> KernelSpec:
-    """The tensor-core v2 partial (``kernels/decode_v2_tc.py``); q has the pools' dtype."""
+def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int, *,
+              soft_cap: bool = False, sink: bool = False) -> KernelSpec:
+    """The tensor-core v2 partial (``kernels/decode_v2_tc.py``); q has the pools' dtype.
+    ``soft_cap`` / ``sink`` specialize it as they do the v2 partial (``v2_spec``)."""
     warps = v2tc_warps(head_dim)
     return KernelSpec("v2tc", out_dtype, head_dim, kv_dtype, kv_dtype, page_size, 0,
-                      warps, v2tc_stages(head_dim, warps))
+                      warps, v2tc_stages(head_dim, warps), soft_cap=soft_cap, sink=sink)
 
 
 def v2tc_metal_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,
-                    group: int) -> KernelSpec:
+                    group: int, *, soft_cap: bool = False, sink: bool = False) -> KernelSpec:
     """The Metal dialect of the tensor-core v2 partial (``simdgroup_matrix``) for a GQA
     group of ``group`` heads: ``heads_per_cta`` is its query rows per threadgroup (8 or
     16, ``decode_v2_tc.metal_rows``), ``num_warps`` its SIMD groups
     (``decode_v2_tc.metal_simdgroups``: what Metal's 32 KB of threadgroup memory holds),
-    no ring depth (a fixed double buffer)."""
+    no ring depth (a fixed double buffer); ``soft_cap`` / ``sink`` as for ``v2tc_spec``."""
     return KernelSpec("v2tc", out_dtype, head_dim, kv_dtype, kv_dtype, page_size,
-                      decode_v2_tc.metal_rows(group), decode_v2_tc.metal_simdgroups(head_dim))
+                      decode_v2_tc.metal_rows(group), decode_v2_tc.metal_simdgroups(head_dim),
+                      soft_cap=soft_cap, sink=sink)
 
 
 def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,

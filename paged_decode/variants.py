@@ -50,9 +50,9 @@ LOG2E = 1.4426950408889634
 
 #: variant -> the decode paths that implement it (window: every path that reads a table)
 PATH_VARIANTS = {
-    "window_left": ("v2", "v1", "gather", "cascade", "sparse"),
-    "logits_soft_cap": ("v2", "v1", "gather", "cascade", "sparse"),
-    "sinks": ("v2", "v1", "gather", "cascade", "sparse"),
+    "window_left": ("v2", "v2tc", "v1", "gather", "cascade", "sparse"),
+    "logits_soft_cap": ("v2", "v2tc", "v1", "gather", "cascade", "sparse"),
+    "sinks": ("v2", "v2tc", "v1", "gather", "cascade", "sparse"),
     "kv_dtype": ("v2", "v1", "gather", "cascade", "sparse"),     # fp8 pools
 }
 

@@ -112,3 +112,15 @@ def test_v2tc_specializations_compile():
     from paged_decode.specs import SUPPORTED_HEAD_DIMS, v2tc_spec
     cuda_compile.compile_specs({v2tc_spec(dt, "float32", d, 256) for dt, d in
                                 itertools.product(("float16", "bfloat16"), SUPPORTED_HEAD_DIMS)})
+
+
+def test_v2tc_variant_specializations_compile():
+    """v2tc's soft cap and sink specializations (``SOFT_CAP`` / ``SINK``, both dtypes, every
+    head_dim between them), alone and together, with the real toolchain."""
+    from paged_decode.specs import v2tc_spec
+    cuda_compile.compile_specs({
+        v2tc_spec(dt, out, d, 16, soft_cap=cap, sink=sink)
+        for dt, out, d, cap, sink in [("float16", "float16", 64, True, True),
+                                      ("bfloat16", "float32", 96, True, False),
+                                      ("float16", "float32", 128, False, True),
+                                      ("bfloat16", "bfloat16", 256, True, True)]})

@@ -228,7 +228,8 @@ def test_v2tc_arguments_rows_and_simdgroups():
         assert ins["scale_log2"].item() == float(np.float32(0.3 * LOG2E))
         mdt = mx.float16 if dt == "float16" else mx.bfloat16
         assert c["template"] == [("T", mdt), ("TO", mx.float32), ("HEAD_DIM", d),
-                                 ("PAGE_SIZE", 16), ("NUM_WARPS", sgs), ("ROWS", rows)]
+                                 ("PAGE_SIZE", 16), ("NUM_WARPS", sgs), ("SOFT_CAP", False),
+                                 ("SINK", False), ("ROWS", rows)]
         assert c["threadgroup"] == (32 * sgs, 1, 1)
         assert c["grid"] == (plan.num_chunks * 32 * sgs, hkv * tiles, 1)
         assert c["output_shapes"] == [[plan.num_chunks, hq, d], [plan.num_chunks, hq]]
@@ -415,6 +416,38 @@ def test_emulated_metal_kernels_on_mlx_arrays_match_oracle(emu_be, case):
         tol = tc_out_tol(spec.kv_dtype, "float32") if path == "v2tc" else None
         assert_matches_oracle(to_np(out), to_np(lse), ref, ref_lse, "float32",
                               f"{spec.label} {path} ppc={ppc}", tol=tol)
+
+
+@needs_emulator
+def test_v2tc_variants_on_mlx_arrays():
+    """v2tc with window, soft cap and sinks through MLX's ``metal_kernel`` signature: the
+    sinks array and ``soft_cap_log2`` reach the kernel by name, the template carries
+    SOFT_CAP and SINK (the sink only in a partial that writes the output), and the
+    emulated result matches the oracle, one chunk and split."""
+    from paged_decode.variants import LOG2E
+    spy = Spy(execute=emulate)
+    be = MetalBackend(spy)
+    pr, arrays = _problem(SPEC)
+    sk = (np.random.default_rng(3).standard_normal(8) * 2).astype(np.float32)
+    kw = {"window_left": 37, "logits_soft_cap": 2.0}
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, sinks=sk, **kw)
+    for ppc, sink in ((64, True), (1, False)):
+        plan = pd.plan_decode(pr.table, 8, 2, 64, target_ctas=16, pages_per_chunk=ppc,
+                              window_left=37)
+        assert plan.needs_merge != sink
+        out, lse = pd.decode(*arrays, pr.table, plan, path="v2tc", return_lse=True,
+                             out_dtype="float32", backend=be, sinks=mx.array(sk), **kw)
+        assert pd.last_outcome().path == ("v2tc" if sink else "v2tc+merge")
+        assert_matches_oracle(to_np(out), to_np(lse), ref, ref_lse, "float32",
+                              f"v2tc variants ppc={ppc}", tol=tc_out_tol("float16", "float32"))
+        kwk, call = next(c for c in reversed(spy.calls) if c[0]["name"].startswith("pd_v2tc"))
+        ins = _check_common(kwk, call, "v2tc")
+        assert kwk["name"].endswith("_softcap_sink" if sink else "_softcap"), kwk["name"]
+        assert dict(call["template"])["SOFT_CAP"] is True
+        assert dict(call["template"])["SINK"] is sink
+        assert ins["soft_cap_log2"].item() == float(np.float32(2.0 * LOG2E))
+        if sink:
+            np.testing.assert_array_equal(to_np(ins["sinks"]), sk)
 
 
 def check_merge(be):

@@ -224,8 +224,9 @@ def test_v2tc_metal_geometry():
     spec = v2tc_metal_spec("bfloat16", "float32", 128, 16, 7)
     assert (spec.heads_per_cta, spec.num_warps, spec.stages) == (8, 3, 0)
     assert tc.KERNEL.metal_kernel.template == ("T", "TO", "HEAD_DIM", "PAGE_SIZE",
-                                               "NUM_WARPS", "ROWS")
-    assert [v for _, v in tc.KERNEL.metal_template(spec)][2:] == [128, 16, 3, 8]
+                                               "NUM_WARPS", "SOFT_CAP", "SINK", "ROWS")
+    assert [v for _, v in tc.KERNEL.metal_template(spec)][2:] == [128, 16, 3, False, False,
+                                                                   8]
     # the CUDA dialect's template is unchanged by the Metal-only parameter
     assert "ROWS" not in tc.KERNEL.cuda_name_expression(spec)
 

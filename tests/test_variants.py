@@ -384,13 +384,14 @@ def test_prepared_and_fast_path_calls_keep_their_variants(backend_name):
 
 # ---------------------------------------------------------------------------- refusals, errors
 def test_paths_without_a_variant_refuse_it_in_one_place():
-    check_path("decode", "reference", "v2", Variant(3, 1.0, np.zeros(2, np.float32)))
-    check_path("decode", "reference", "v2tc", PLAIN)          # plain: any path
+    for path in ("v2", "v2tc"):        # v2tc: tests/test_v2tc_variants.py
+        check_path("decode", "reference", path, Variant(3, 1.0, np.zeros(2, np.float32)))
+    check_path("decode", "reference", "future", PLAIN)        # plain: any path
     for v in (Variant(window_left=3), Variant(soft_cap=1.0),
               Variant(sinks=np.zeros(2, np.float32))):
-        with pytest.raises(UnsupportedProblemError, match=r"path 'v2tc' .* does not "
+        with pytest.raises(UnsupportedProblemError, match=r"path 'future' .* does not "
                                                           f"implement {v.names[0]}"):
-            check_path("decode", "cuda", "v2tc", v)
+            check_path("decode", "cuda", "future", v)
 
 
 BAD = [

@@ -115,3 +115,36 @@ def test_cascade_and_sparse_with_variants_on_cuda(cuda):
     out = pd.sparse_decode(qs, kc, kc, make_selection(pos), live_lens=[4000, 4000],
                            window_left=2047, logits_soft_cap=10.0, sinks=cp.asarray(sk))
     assert pd.last_outcome().path == "sparse" and bool(cp.isfinite(out).all())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (28, 4), (32, 2), (32, 1)],
+                         ids=["g4", "g7", "g16", "g32"])
+def test_v2tc_variants_match_oracle_on_cuda(cuda, variant, dtype, hq, hkv):
+    """The tensor-core partial (mma.sync) with each variant: one chunk per request (the
+    partial's final store takes the sinks) and split (the merge takes them), at GQA 4, 7,
+    16 and 32 (two 16-row tiles)."""
+    import cupy as cp
+
+    from paged_decode.specs import v2tc_ctas_per_chunk
+    pr = make_problem(ProblemSpec(4, 3000, hq, hkv, D, 16, dtype, dtype, seed=6))
+    kw = dict(VARIANTS[variant])
+    if "sinks" in kw:
+        kw["sinks"] = _sinks(hq)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **kw)
+    q, k, v = (cuda.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    kwc = {**kw, "sinks": None if "sinks" not in kw else cp.asarray(kw["sinks"])}
+    for ppc in (None, 10 ** 6, 4):
+        plan = pd.plan_decode(pr.table, hq, hkv, D, device=cuda.device_info(),
+                              pages_per_chunk=ppc, ctas_per_chunk=v2tc_ctas_per_chunk(hq, hkv),
+                              window_left=kw.get("window_left", -1))
+        for od in ("float32", dtype):
+            out, lse = pd.decode(q, k, v, pr.table, plan, path="v2tc", return_lse=True,
+                                 out_dtype=od, **kwc)
+            o = pd.last_outcome()
+            what = (variant, dtype, o.path, ppc, od)
+            assert o.path == ("v2tc+merge" if plan.needs_merge else "v2tc"), what
+            tol = max(PREFIX_RTOL[dtype], OUT_RTOL[od])
+            assert max_rel_error(cp.asnumpy(out), ref) <= tol, what
+            assert lse_error(cp.asnumpy(lse), ref_lse) <= LSE_ATOL, what

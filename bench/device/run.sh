@@ -23,7 +23,9 @@
 #   decode-variants  issue #14 items 2-3, side by side with FlashInfer (run fi first):
 #               plain 32K, W=4095 over 32K and plain 4K (target: window within 1.1x of 4K);
 #               soft cap 30 and sinks at 4K and 32K (targets: within 3% of plain);
-#               batch 1/8/32/128, page 16, Llama-3-8B heads, float16
+#               batch 1/8/32/128, page 16, Llama-3-8B heads, float16; v2 and v2tc (the
+#               tensor-core partial) each with every variant beside its plain time; fits
+#               one 600 s command with fi (the five runs' limits add up to 400 s)
 #   models      bench --preset models with v2, sdpa, flashinfer, flashinfer-tc (run fi first)
 #   cascade     bench --suite cascade
 #   cascade-rule  bench --suite cascade-rule (short prefixes: where cascade starts to pay)
@@ -138,13 +140,19 @@ step_crossover() {   # 69 cells (117 ran over 260 s in run N4): give it a comman
 }
 step_variants() { run_bench variants --preset variants --arms ${BENCH_ARMS:-v2,sdpa}; }
 step_decode_variants() {
-  local arms=${BENCH_ARMS:-v2,flashinfer,flashinfer-tc} b="--batch 1 --batch 8 --batch 32 --batch 128"
-  run_bench dv_plain --preset targets --context 4096 --context 32768 $b --arms $arms
-  run_bench dv_window --preset targets --context 32768 $b --window-left 4095 --arms $arms
-  run_bench dv_softcap --preset targets --context 4096 --context 32768 $b --soft-cap 30 --arms $arms
-  run_bench dv_sinks --preset targets --context 4096 --context 32768 $b --sinks --arms v2
-  run_bench dv_all --preset targets --context 32768 $b --window-left 4095 --soft-cap 30 \
-    --sinks --arms v2
+  # limits by arm-cells (about 1 s each at 15 reps, the crossover sweep's rate): 32, 16, 32,
+  # 16 and 8 of them; FlashInfer's wrapper takes no sinks, so the sinks runs are ours alone
+  local arms=${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc} b="--batch 1 --batch 8 --batch 32 --batch 128"
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} run_bench dv_plain --preset targets --context 4096 \
+    --context 32768 $b --arms $arms
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-70} run_bench dv_window --preset targets --context 32768 $b \
+    --window-left 4095 --arms $arms
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} run_bench dv_softcap --preset targets --context 4096 \
+    --context 32768 $b --soft-cap 30 --arms $arms
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-70} run_bench dv_sinks --preset targets --context 4096 \
+    --context 32768 $b --sinks --arms v2,v2tc
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-40} run_bench dv_all --preset targets --context 32768 $b \
+    --window-left 4095 --soft-cap 30 --sinks --arms v2,v2tc
 }
 step_models() { run_bench models --preset models --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc}; }
 step_cascade() { run_bench cascade --suite cascade; }

@@ -150,7 +150,7 @@ def _chunk_args(plan: DecodePlan, sm_scale: float, ctas_per_head: tuple[str, int
                 sinks: Any = None) -> list[Arg]:
     """The arguments of a split-KV partial (v2, v2tc), in their kernels' order;
     ``ctas_per_head`` names and gives the CTAs per (chunk, KV head) (``q_groups``,
-    ``row_tiles``); ``sinks``: the v2 partial's sink input (v2tc has none)."""
+    ``row_tiles``); ``sinks``: the partial's sink input (a stand-in without sinks)."""
     args = [*_ins(("q", "k_pages", "v_pages"), (q, k_pages, v_pages)),
             *_ins(TABLE_FIELDS, table),
             *_ins(("request_indices", "kv_tile_indices"), (request_indices, kv_tile_indices))]
@@ -168,19 +168,24 @@ def _chunk_args(plan: DecodePlan, sm_scale: float, ctas_per_head: tuple[str, int
 def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: float,
                 q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                 request_indices: Any, kv_tile_indices: Any, v_out: Any,
-                lse_out: Any, metal: bool = False) -> Launch:
+                lse_out: Any, metal: bool = False, soft_cap: float | None = None,
+                sinks: Any = None) -> Launch:
     """The tensor-core v2 partial (``kernels/decode_v2_tc.py``): grid (C chunks, Hkv *
     row_tiles), the v2 partial's arguments with ``row_tiles`` for ``q_groups``; ``metal``:
     the Metal dialect's specialization (its rows per threadgroup and SIMD groups), the
-    same grid and arguments."""
+    same grid and arguments. ``soft_cap`` and ``sinks`` as for ``partial_launch`` (sinks
+    only for a partial that writes the output)."""
+    flags = {"soft_cap": soft_cap is not None, "sink": sinks is not None}
     if metal:
         spec = v2tc_metal_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size,
-                               plan.num_qo_heads // plan.num_kv_heads)
+                               plan.num_qo_heads // plan.num_kv_heads, **flags)
     else:
-        spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size)
+        spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size, **flags)
     tiles = v2tc_row_tiles(plan.num_qo_heads, plan.num_kv_heads)
     args = _chunk_args(plan, sm_scale, ("row_tiles", tiles), q, k_pages, v_pages, table,
-                       request_indices, kv_tile_indices, v_out, lse_out)
+                       request_indices, kv_tile_indices, v_out, lse_out,
+                       sinks=q if sinks is None else sinks)
+    args.append(Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"))
     return _launch(spec, (plan.num_chunks, plan.num_kv_heads * tiles), args)
 
 

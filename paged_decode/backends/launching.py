@@ -103,9 +103,11 @@ class LaunchingBackend(Backend):
             sinks=sinks, v_scale=v_scale))
 
     def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
-                   plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any) -> None:
+                   plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
+                   soft_cap: float | None = None, sinks: Any = None) -> None:
         if not self.tensor_core_decode:
-            super().partial_tc(q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out)
+            super().partial_tc(q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out,
+                               soft_cap=soft_cap, sinks=sinks)
         self.check_pools("decode", k_pages, v_pages)
         request_indices, kv_tile_indices = self.plan_arrays(plan)
         self._run(launches.v2tc_launch(
@@ -113,7 +115,7 @@ class LaunchingBackend(Backend):
             sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
             table=self.table_arrays(table), request_indices=request_indices,
             kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out,
-            metal=self.metal_dialect))
+            metal=self.metal_dialect, soft_cap=soft_cap, sinks=sinks))
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
               rows: Any = None, *, sinks: Any = None) -> None:

@@ -62,9 +62,9 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
     if name in OURS:
         with be.launch_context(q):
             out = be.empty(tuple(q.shape), be.dtype_of(q))
-        if name == "v2tc":     # the same split search, for the tensor-core partial's CTAs
+        if name == "v2tc":     # the same split search (and window), for its CTAs
             plan = plan_decode(table, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
-                               device=be.device_info(),
+                               device=be.device_info(), window_left=plan.window_left,
                                ctas_per_chunk=v2tc_ctas_per_chunk(plan.num_qo_heads,
                                                                   plan.num_kv_heads))
         try:

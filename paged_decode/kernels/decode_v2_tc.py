@@ -30,6 +30,12 @@ copies that use it, through shared memory).
 Metal: the same grid, contract and combine with 8 x 8 ``simdgroup_matrix`` tiles, 8 or 16
 rows per threadgroup, SIMD groups of 8 tokens per stage, a double buffer of ordinary loads
 (the comment above ``METAL_INPUTS`` has the details).
+
+Variants (``docs/variants.md``), both dialects: ``SOFT_CAP`` caps each scaled score with
+the shared ``logit`` (``soft_cap_log2`` = c * log2(e)); ``SINK`` joins ``sinks [Hq]``
+(float32, natural-log units) as one more state of the final combine, only in a partial that
+writes the output (a merged partial never holds it); a sliding window is the host's window
+table (first page offsets), no parameter.
 """
 
 from __future__ import annotations
@@ -82,7 +88,11 @@ extern __shared__ __align__(16) unsigned char pd_tc_smem[];
 }  // namespace pd
 
 // grid: (C chunks, Hkv * row_tiles), the row tile fastest; block: NUM_WARPS * 32 threads.
-template <typename T, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS, int STAGES>
+// SOFT_CAP: scores capped at soft_cap_log2 (log2 units, ``logit``); SINK: the heads'
+// sinks join the final combine (only where the kernel writes the output: merged partials
+// never hold a sink, the merge adds it once).
+template <typename T, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS, int STAGES,
+          bool SOFT_CAP, bool SINK>
 __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const T* __restrict__ q,                     // [B, Hq, D]
     const T* __restrict__ k_pages,               // [num_pages, P, Hkv, D]
@@ -93,9 +103,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const int* __restrict__ first_page_offset,   // [B]
     const int* __restrict__ request_indices,     // [C]
     const int* __restrict__ kv_tile_indices,     // [C]
+    const float* __restrict__ sinks,             // [Hq] natural units with SINK (else unread)
     TO* __restrict__ v_out,                      // [C, Hq, D]
     float* __restrict__ lse_out,                 // [C, Hq], log2
-    int num_qo_heads, int num_kv_heads, int row_tiles, int pages_per_chunk, float scale_log2) {
+    int num_qo_heads, int num_kv_heads, int row_tiles, int pages_per_chunk, float scale_log2,
+    float soft_cap_log2) {
   using namespace pd;
   constexpr int D = HEAD_DIM;
   constexpr int LD = D + 8;                      // padded smem row, in elements
@@ -197,7 +209,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out
       float s[NT][4];
       qk_tile<T, D, LD, NT>(s, qs, ks + (slot * KT + warp * 16) * LD);
-      softmax_tile<NT, DT>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2);
+      softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
+                                     soft_cap_log2);
       pv_tile<T, LD, NT, DT>(o, s, vs + (slot * KT + warp * 16) * LD);
     }
   }
@@ -226,8 +239,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     float mx = -PD_INF;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, sm_m[w][i]);
+    // the sink: one more state of weight 1 at sinks[h] * log2(e), no value (as in v2)
+    float sk = -PD_INF;
+    if constexpr (SINK) {
+      sk = sinks[h0 + i] * PD_LOG2E;
+      mx = fmaxf(mx, sk);                        // a NaN sink is skipped here, poisons den
+    }
     const float ref = mx == -PD_INF ? 0.f : mx;  // avoids (-inf) - (-inf)
-    float num = 0.f, den = 0.f;
+    float num = 0.f, den = SINK ? exp2f(sk - ref) : 0.f;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
       const float wt = exp2f(sm_m[w][i] - ref);
@@ -263,9 +282,10 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_MMA + CUDA_BODY
 # Metal's 32 KB of threadgroup memory (``metal_simdgroups``): 4 at head_dim 64 and 96, 3
 # at 128, 1 at 256 (a choice of fit, not measured: nothing here ran on Apple hardware).
 # Inputs (in order): q, k_pages, v_pages, indices, indptr, last_page_len,
-# first_page_offset, request_indices, kv_tile_indices, num_qo_heads, num_kv_heads,
-# row_tiles, pages_per_chunk (0-d int32), scale_log2 (0-d float32); outputs: v_out,
-# lse_out. Template arguments, in order: T, TO (dtypes), HEAD_DIM, PAGE_SIZE, NUM_WARPS,
+# first_page_offset, request_indices, kv_tile_indices, sinks ([Hq] float32 with SINK, a
+# stand-in otherwise), num_qo_heads, num_kv_heads, row_tiles, pages_per_chunk (0-d
+# int32), scale_log2, soft_cap_log2 (0-d float32); outputs: v_out, lse_out. Template
+# arguments, in order: T, TO (dtypes), HEAD_DIM, PAGE_SIZE, NUM_WARPS, SOFT_CAP, SINK,
 # ROWS. Launch: grid (C * NUM_WARPS * 32, Hkv * row_tiles, 1) threads, threadgroup
 # (NUM_WARPS * 32, 1, 1).
 METAL_TILE = 8                    # simdgroup_matrix rows, columns and depth
@@ -275,8 +295,9 @@ METAL_SMEM_PAD = 8                # TcShape::LD in the Metal header
 METAL_TG_BYTES = 32 * 1024        # Metal's threadgroup memory per threadgroup
 METAL_MAX_SIMDGROUPS = 4
 METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
-                "first_page_offset", "request_indices", "kv_tile_indices", "num_qo_heads",
-                "num_kv_heads", "row_tiles", "pages_per_chunk", "scale_log2")
+                "first_page_offset", "request_indices", "kv_tile_indices", "sinks",
+                "num_qo_heads", "num_kv_heads", "row_tiles", "pages_per_chunk", "scale_log2",
+                "soft_cap_log2")
 METAL_OUTPUTS = ("v_out", "lse_out")
 
 
@@ -384,10 +405,11 @@ inline void stage_kv(threadgroup T* buf, KP k_pages, KP v_pages, IP page_ids, lo
 // token tok0 of the range) against row tile mt of the Q tile: S = Q K^T, the online
 // softmax of this lane's row (m_run, and l_run over this lane's two columns), O += P V.
 // Every lane of the SIMD group must call it (matrix operations are collectives).
-template <typename T, int HEAD_DIM, int LD>
+// SOFT_CAP: scores capped at cap_log2 (log2 units, ``logit``).
+template <typename T, int HEAD_DIM, int LD, bool SOFT_CAP>
 inline void attend_tile(threadgroup const T* qt, threadgroup const T* kt, threadgroup const T* vt,
                         thread simdgroup_float8x8* o, thread float& m_run, thread float& l_run,
-                        int tok0, int n_tok, float scale_log2, uint lane) {
+                        int tok0, int n_tok, float scale_log2, float cap_log2, uint lane) {
   constexpr int DT = HEAD_DIM / 8;
   simdgroup_float8x8 s = make_filled_simdgroup_matrix<float, 8>(0.0f);
   for (int kk = 0; kk < DT; ++kk) {
@@ -403,7 +425,7 @@ inline void attend_tile(threadgroup const T* qt, threadgroup const T* kt, thread
   thread auto& se = s.thread_elements();
   float x[2];
   for (int e = 0; e < 2; ++e)
-    x[e] = tok0 + c + e < n_tok ? finite_or_nan(se[e] * scale_log2) : -INFINITY;
+    x[e] = tok0 + c + e < n_tok ? logit<SOFT_CAP>(se[e] * scale_log2, cap_log2) : -INFINITY;
   // the row's max over its four lanes (its columns differ in lane bits 0 and 3)
   float mx = fmax(x[0], x[1]);
   mx = fmax(mx, simd_shuffle_xor(mx, ushort(1)));
@@ -502,9 +524,9 @@ METAL_SOURCE = r"""
     if (tok0 < n_tok) {                            // SIMD-group uniform: a tail group sits out
       for (int mt = 0; mt < MT; ++mt)
         if (mt * 8 < rows)                         // threadgroup uniform: skip padding tiles
-          pd::attend_tile<T, HEAD_DIM, LD>(qs + mt * 8 * LD, buf + int(warp) * 8 * LD,
-                                           buf + (KT + int(warp) * 8) * LD, o[mt], m_run[mt],
-                                           l_run[mt], tok0, n_tok, scale_log2, lane);
+          pd::attend_tile<T, HEAD_DIM, LD, SOFT_CAP>(
+              qs + mt * 8 * LD, buf + int(warp) * 8 * LD, buf + (KT + int(warp) * 8) * LD,
+              o[mt], m_run[mt], l_run[mt], tok0, n_tok, scale_log2, soft_cap_log2, lane);
     }
   }
 
@@ -533,8 +555,14 @@ METAL_SOURCE = r"""
     const int i = e / HEAD_DIM, d = e % HEAD_DIM;
     float mx = -INFINITY;
     for (int w = 0; w < NUM_WARPS; ++w) mx = fmax(mx, sm_m[w * ROWS + i]);
+    // the sink: one more state of weight 1 at sinks[h] * log2(e), no value (as in CUDA)
+    float sk = -INFINITY;
+    if (SINK) {
+      sk = float(sinks[h0 + i]) * PD_LOG2E;
+      mx = fmax(mx, sk);                             // a NaN sink is skipped here, poisons den
+    }
     const float ref = mx == -INFINITY ? 0.0f : mx;   // avoids (-inf) - (-inf)
-    float num = 0.0f, den = 0.0f;
+    float num = 0.0f, den = SINK ? exp2(sk - ref) : 0.0f;
     for (int w = 0; w < NUM_WARPS; ++w) {
       const float wt = exp2(sm_m[w * ROWS + i] - ref);
       num = fma(wt, comb[(w * ROWS + i) * HEAD_DIM + d], num);
@@ -553,12 +581,12 @@ METAL_SOURCE = r"""
 def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
     return {"T": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype), "HEAD_DIM": spec.head_dim,
             "PAGE_SIZE": spec.page_size, "NUM_WARPS": spec.num_warps, "STAGES": spec.stages,
-            "ROWS": spec.heads_per_cta}
+            "SOFT_CAP": spec.soft_cap, "SINK": spec.sink, "ROWS": spec.heads_per_cta}
 
 
 KERNEL = KernelDef(
     kernel="v2tc", cuda_name="pd_decode_v2_tc", cuda_source=CUDA_SOURCE,
-    template=("T", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS", "STAGES"),
+    template=("T", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS", "STAGES", "SOFT_CAP", "SINK"),
     arguments=_arguments, threads=lambda spec: spec.num_warps * 32,
     dynamic_smem=lambda spec: dynamic_smem_bytes(spec.head_dim, spec.num_warps, spec.stages),
     metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),

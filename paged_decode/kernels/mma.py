@@ -166,19 +166,21 @@ __device__ __forceinline__ void qk_tile(float (&s)[NT][4], const T* qw, const T*
 // Phase: the online softmax (base 2) of one tile of raw scores, rows grp (s[.][0..1]) and
 // grp + 8 (s[.][2..3]); the four lanes of a group hold a row between them. `tok0` is the
 // token (in the range) of this lane's first column, 2 tig past the warp's first token;
-// tokens at or past `n_tok` are masked, a visible score that is not finite becomes NaN.
+// tokens at or past `n_tok` are masked, a visible score that is not finite becomes NaN
+// and, with SOFT_CAP (the decode partial's variant; the prefix kernel has none), is
+// capped at cap_log2 (log2 units): ``logit`` of kernels/common.py.
 // Rescales o and l_run by the change of the running max; leaves p in s.
-template <int NT, int DT>
+template <int NT, int DT, bool SOFT_CAP = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], float (&m_run)[2],
                                              float (&l_run)[2], float (&o)[DT][4], int tok0,
-                                             int n_tok, float scale_log2) {
+                                             int n_tok, float scale_log2, float cap_log2 = 0.f) {
   float tmax[2] = {-PD_INF, -PD_INF};
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const bool live = tok0 + n * 8 + (e & 1) < n_tok;
-      s[n][e] = live ? finite_or_nan(s[n][e] * scale_log2) : -PD_INF;
+      s[n][e] = live ? logit<SOFT_CAP>(s[n][e] * scale_log2, cap_log2) : -PD_INF;
       tmax[e >> 1] = fmaxf(tmax[e >> 1], s[n][e]);
     }
   float alpha[2], base[2];
