@@ -342,8 +342,8 @@ def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
     ``lse_a`` (inside the backend's launch context); returns the path that ran (a split
     path with ``"+merge"`` when the plan splits a request). Sinks enter once: in the merge
     of a split plan, else in the launch that writes the output (``check_path`` has refused
-    variants on paths without them, v2tc's included)."""
-    vk = a.variant                 # plain on v2tc (check_path): its kwargs are empty
+    variants on paths without them: v2tc takes only fp8 pools' ``kv_dtype`` / ``v_scale``)."""
+    vk = a.variant
     if path in SPLIT_PATHS:
         partial = be.partial_tc if path == "v2tc" else be.partial
         if plan.needs_merge:
