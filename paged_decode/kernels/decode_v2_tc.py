@@ -100,24 +100,22 @@ CUDA_BODY = r"""
 namespace pd {
 extern __shared__ __align__(16) unsigned char pd_tc_smem[];
 
-// A warp's 16 K rows `kb` and 16 V rows `vb` of fp8 format TKV (unpadded byte rows of D)
-// widened, exactly, into 16-bit T rows of LD elements: K at dst, V at dst + 16 LD. Lane
-// `lane` takes 8 consecutive bytes per step (a warp step reads 256 consecutive bytes and
-// writes whole 16-byte pieces of the padded rows).
+// A warp's 16 K or V rows `src` of fp8 format TKV (unpadded byte rows of D) widened,
+// exactly, into 16-bit T rows of LD elements at `dst`. Lane `lane` takes 8 consecutive
+// bytes per step (a warp step reads 256 consecutive bytes and writes whole 16-byte pieces
+// of the padded rows).
 template <typename TKV, typename T, int D, int LD>
-__device__ __forceinline__ void widen_rows(T* dst, const TKV* kb, const TKV* vb, int lane) {
-  constexpr int UNITS = 16 * D / 8;              // 8-byte units of one 16-row tile
-  static_assert(UNITS % 32 == 0, "a tile's units must split evenly over the lanes");
+__device__ __forceinline__ void widen_rows(T* dst, const TKV* src, int lane) {
+  constexpr int UNITS = 16 * D / 8;              // 8-byte units of the 16 rows
+  static_assert(UNITS % 32 == 0, "the rows' units must split evenly over the lanes");
 #pragma unroll
-  for (int j = 0; j < 2 * UNITS / 32; ++j) {
-    const int u = j * 32 + lane, half = u / UNITS, r = (u % UNITS) / (D / 8), c8 = u % (D / 8);
-    const uint2 w = *reinterpret_cast<const uint2*>((half ? vb : kb) + r * D + c8 * 8);
-    uint4 out;
+  for (int j = 0; j < UNITS / 32; ++j) {
+    const int u = j * 32 + lane, r = u / (D / 8), c8 = u % (D / 8);
+    const uint2 w = *reinterpret_cast<const uint2*>(src + r * D + c8 * 8);
     unsigned lo[2], hi[2];
     fp8x4_to_pairs<TKV, Pair<T>>(w.x, lo);
     fp8x4_to_pairs<TKV, Pair<T>>(w.y, hi);
-    out.x = lo[0]; out.y = lo[1]; out.z = hi[0]; out.w = hi[1];
-    *reinterpret_cast<uint4*>(dst + (half * 16 + r) * LD + c8 * 8) = out;
+    *reinterpret_cast<uint4*>(dst + r * LD + c8 * 8) = make_uint4(lo[0], lo[1], hi[0], hi[1]);
   }
 }
 }  // namespace pd
@@ -252,8 +250,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
         // reads them, so a warp barrier orders it (the first: the last stage's reads of
         // the scratch are done)
         __syncwarp();
-        widen_rows<TKV, T, D, LD>(scratch, ks + (slot * KT + warp * 16) * RLD,
-                                  vs + (slot * KT + warp * 16) * RLD, lane);
+        widen_rows<TKV, T, D, LD>(scratch, ks + (slot * KT + warp * 16) * RLD, lane);
+        widen_rows<TKV, T, D, LD>(scratch + 16 * LD, vs + (slot * KT + warp * 16) * RLD, lane);
         __syncwarp();
         kt = scratch;
         vt = scratch + 16 * LD;
