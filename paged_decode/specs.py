@@ -46,10 +46,10 @@ class UnexpectedCompileError(PagedDecodeError, RuntimeError):
 @dataclass(frozen=True)
 class KernelSpec:
     """One specialization. ``kernel`` is ``"v2"``, ``"v2tc"`` (the tensor-core v2 partial:
-    ``kv_dtype`` is its q/K/V dtype), ``"v1"``, ``"merge"``, ``"prefix"`` (the
-    tensor-core level 0 of cascade decode: ``kv_dtype`` is its q/K/V dtype) or ``"append"``
-    (the pool write: ``out_dtype`` is the pools' dtype); parameters a kernel does not use
-    are left at 0 / ``""``."""
+    ``q_dtype`` its queries' and mma operands', ``kv_dtype`` its pools', q's or fp8),
+    ``"v1"``, ``"merge"``, ``"prefix"`` (the tensor-core level 0 of cascade decode:
+    ``kv_dtype`` is its q/K/V dtype) or ``"append"`` (the pool write: ``out_dtype`` is the
+    pools' dtype); parameters a kernel does not use are left at 0 / ``""``."""
 
     kernel: str
     out_dtype: str

@@ -2,14 +2,15 @@
 its Metal dialect on ``simdgroup_matrix`` (below ``CUDA_SOURCE``; it has run only on the
 CPU emulator, never on Apple hardware).
 
-The same work and contract as the v2 partial (``decode_v2.py``, ``Backend.partial``), for
-16-bit pools: ``q [B, Hq, D]`` (the pools' dtype, float16 or bfloat16), ``k_pages, v_pages
-[num_pages, P, Hkv, D]``, the CSR arrays, the plan's ``request_indices [C]`` /
+The same work and contract as the v2 partial (``decode_v2.py``, ``Backend.partial``):
+``q [B, Hq, D]`` float16 or bfloat16 (T, the mma operands' type), ``k_pages, v_pages
+[num_pages, P, Hkv, D]`` of q's dtype or fp8 codes (TKV; one byte each), the CSR arrays, the plan's ``request_indices [C]`` /
 ``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each row normalized by its own softmax
 denominator; float32 for the merge, or the output dtype when the plan needs no merge) and
 ``lse_out [C, Hq]`` float32 in log2 units. An empty chunk writes zeros and -inf; a head
 with a non-finite score in the chunk writes NaN (output row and LSE). Pool offsets are
-64-bit.
+64-bit. ``v_scale`` (float32) multiplies every row: an fp8 pool's V scale (its K scale is
+in ``scale_log2``), 1 for 16-bit pools.
 
 Tiling: one CTA per (chunk, KV head, row tile). The G query heads of a KV head are the M
 dimension of ``mma.m16n8k16`` tiles: 16 rows per CTA (rows past G are zero and never
@@ -27,9 +28,16 @@ stage may come from different pages (any page size 1-256, a first page offset): 
 token's page is looked up on its own (one thread per token of a stage, a stage ahead of the
 copies that use it, through shared memory).
 
+fp8 pools (``docs/tensor-core-decode.md``, "fp8 pools"): the ring holds the codes (16
+per 16-byte piece, unpadded byte rows), and after a stage's barrier each warp widens only
+its own 16 K and V rows, exactly, into a per-warp 16-bit scratch tile of the padded layout
+the tile phases read (``widen_rows``, ``fp8x4_to_pairs``), between two ``__syncwarp()``:
+no CTA barrier is added. A 16-bit pool (TKV = T) compiles to the kernel without them.
+
 Metal: the same grid, contract and combine with 8 x 8 ``simdgroup_matrix`` tiles, 8 or 16
 rows per threadgroup, SIMD groups of 8 tokens per stage, a double buffer of ordinary loads
-(the comment above ``METAL_INPUTS`` has the details).
+(the comment above ``METAL_INPUTS`` has the details); fp8 codes are widened into T as
+they are staged.
 """
 
 from __future__ import annotations
@@ -162,8 +170,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
-  // fp8: this warp's K rows then V rows, [2][16][LD], widened from its ring rows
-  T* scratch = reinterpret_cast<T*>(vs + STAGES * KT * RLD) + warp * 2 * 16 * LD;
   const int c = blockIdx.x;
   const int kvh = blockIdx.y / row_tiles, rt = blockIdx.y % row_tiles;
   const int group = num_qo_heads / num_kv_heads;
@@ -246,9 +252,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
       const T* kt;
       const T* vt;
       if constexpr (FP8) {
-        // widen this warp's 16 K and V ring rows into its scratch tile: only this warp
-        // reads them, so a warp barrier orders it (the first: the last stage's reads of
-        // the scratch are done)
+        // widen this warp's 16 K and V ring rows into its scratch tile ([2][16][LD],
+        // after the ring): only this warp reads it, so warp barriers order it (the
+        // first: its reads of the last stage's scratch are done)
+        T* scratch = reinterpret_cast<T*>(vs + STAGES * KT * RLD) + warp * 2 * 16 * LD;
         __syncwarp();
         widen_rows<TKV, T, D, LD>(scratch, ks + (slot * KT + warp * 16) * RLD, lane);
         widen_rows<TKV, T, D, LD>(scratch + 16 * LD, vs + (slot * KT + warp * 16) * RLD, lane);
