@@ -192,6 +192,33 @@ def test_v2tc_fp8_scales_are_applied(name):
 
 @needs_emulator
 @pytest.mark.parametrize("name", DIALECTS)
+def test_v2tc_fp8_nan_code_poisons(name):
+    """A visible NaN code in K (e4m3fn's S.1111.111, an e5m2 NaN) poisons its KV head's
+    query heads of that request, output and LSE, and nothing else; in V it reaches only
+    that column of those heads' outputs."""
+    be = pd.get_backend(name)
+    for fmt, pool, code in ((E4, "k", 0x7F), (E5, "k", 0xFE), (E4, "v", 0xFF)):
+        pr = make_problem(ProblemSpec(3, 0, 8, 2, 64, 16, F16, fmt, seed=76),
+                          lengths=[40, 70, 9], offsets=[0, 0, 0])
+        arr = (pr.k_pages if pool == "k" else pr.v_pages).view(np.uint8)
+        page = int(pr.table.indices[pr.table.indptr[1] + 2])
+        arr[page, 5, 1, 17] = code                   # request 1, token 37, KV head 1
+        out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc",
+                             return_lse=True, out_dtype="float32", backend=be,
+                             k_scale=K_SCALE, v_scale=V_SCALE)
+        out, lse = be.to_numpy(out), be.to_numpy(lse)
+        bad = np.zeros(out.shape, bool)
+        if pool == "k":
+            bad[1, 4:] = True
+            assert np.isnan(lse[1, 4:]).all(), fmt
+        else:
+            bad[1, 4:, 17] = True
+            assert np.isfinite(lse).all()
+        assert np.array_equal(np.isnan(out), bad), (fmt, pool)
+
+
+@needs_emulator
+@pytest.mark.parametrize("name", DIALECTS)
 def test_v2tc_fp8_byte_pools_name_their_format(name):
     # uint8 pools (what CuPy and MLX hold): the format travels as kv_dtype
     be = pd.get_backend(name)

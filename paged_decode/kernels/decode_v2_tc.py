@@ -4,13 +4,13 @@ CPU emulator, never on Apple hardware).
 
 The same work and contract as the v2 partial (``decode_v2.py``, ``Backend.partial``):
 ``q [B, Hq, D]`` float16 or bfloat16 (T, the mma operands' type), ``k_pages, v_pages
-[num_pages, P, Hkv, D]`` of q's dtype or fp8 codes (TKV; one byte each), the CSR arrays, the plan's ``request_indices [C]`` /
-``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each row normalized by its own softmax
-denominator; float32 for the merge, or the output dtype when the plan needs no merge) and
-``lse_out [C, Hq]`` float32 in log2 units. An empty chunk writes zeros and -inf; a head
-with a non-finite score in the chunk writes NaN (output row and LSE). Pool offsets are
-64-bit. ``v_scale`` (float32) multiplies every row: an fp8 pool's V scale (its K scale is
-in ``scale_log2``), 1 for 16-bit pools.
+[num_pages, P, Hkv, D]`` of q's dtype or fp8 codes (TKV; one byte each), the CSR arrays,
+the plan's ``request_indices [C]`` / ``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each
+row normalized by its own softmax denominator; float32 for the merge, or the output dtype
+when the plan needs no merge) and ``lse_out [C, Hq]`` float32 in log2 units. An empty
+chunk writes zeros and -inf; a head with a non-finite score in the chunk writes NaN
+(output row and LSE). Pool offsets are 64-bit. ``v_scale`` (float32) multiplies every
+row: an fp8 pool's V scale (its K scale is in ``scale_log2``), 1 for 16-bit pools.
 
 Tiling: one CTA per (chunk, KV head, row tile). The G query heads of a KV head are the M
 dimension of ``mma.m16n8k16`` tiles: 16 rows per CTA (rows past G are zero and never
@@ -131,7 +131,8 @@ __device__ __forceinline__ void widen_rows(T* dst, const TKV* src, int lane) {
 // grid: (C chunks, Hkv * row_tiles), the row tile fastest; block: NUM_WARPS * 32 threads.
 // T: the queries' and the mma operands' type; TKV: the pools' element, T itself or an fp8
 // format (pd::fp8_e4m3 / pd::fp8_e5m2: a byte ring, widened per warp into scratch tiles).
-template <typename T, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS, int STAGES>
+template <typename T, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS,
+          int STAGES>
 __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const T* __restrict__ q,                     // [B, Hq, D]
     const TKV* __restrict__ k_pages,             // [num_pages, P, Hkv, D]
@@ -216,9 +217,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
       for (int j = 0; j < PER_THREAD; ++j) {
         const int e = tid + j * THREADS, tok = e / PIECES, piece = e % PIECES;
         const int i = stage * KT + tok;                                // token in the range
-        stage_kv_piece<TKV, D>(ks + (slot * KT + tok) * RLD, vs + (slot * KT + tok) * RLD, k_pages,
-                             v_pages, sm_ids[slot][tok], (a_begin + i) % PAGE_SIZE, kvh, piece,
-                             i < n_tok, page_stride, row_stride);
+        stage_kv_piece<TKV, D>(ks + (slot * KT + tok) * RLD, vs + (slot * KT + tok) * RLD,
+                               k_pages, v_pages, sm_ids[slot][tok], (a_begin + i) % PAGE_SIZE,
+                               kvh, piece, i < n_tok, page_stride, row_stride);
       }
     }
     cp_async_commit();
@@ -339,7 +340,8 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_MMA + CUDA_BODY
 # row_tiles, pages_per_chunk (0-d int32), scale_log2, v_scale (0-d float32); outputs:
 # v_out, lse_out. Template arguments, in order: T, TO (dtypes: T is q's; fp8 pools are
 # uint8_t), HEAD_DIM, PAGE_SIZE, NUM_WARPS, ROWS, KV_FP8 (the pools' fp8 format, 0 for
-# none: ``kernel_def.metal_fp8``; the codes are widened into T as they are staged). Launch: grid (C * NUM_WARPS * 32, Hkv * row_tiles, 1) threads, threadgroup
+# none: ``kernel_def.metal_fp8``; the codes are widened into T as they are staged).
+# Launch: grid (C * NUM_WARPS * 32, Hkv * row_tiles, 1) threads, threadgroup
 # (NUM_WARPS * 32, 1, 1).
 METAL_TILE = 8                    # simdgroup_matrix rows, columns and depth
 # 16 bytes of padding per threadgroup row, as MLX's steel attention pads its tiles (the
