@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from . import settings
 from .device import DeviceInfo
 from .errors import InvalidArgumentError, PagedDecodeError
+from .fp8 import FORMATS
 from .kernels import decode_v2_tc, prefix_tc
 from .kernels.decode_v2 import row_loads, stage_bytes_per_thread
 from .kernels.registry import kernel_def
@@ -197,7 +198,7 @@ def prefix_spec(kv_dtype: str, head_dim: int, page_size: int) -> KernelSpec:
 #: the tensor-core v2 partial's query dtypes (16-bit mma operands); its pools have q's
 #: dtype or are fp8 (``V2TC_FP8``: widened exactly into q's dtype in the kernel)
 V2TC_DTYPES = ("float16", "bfloat16")
-V2TC_FP8 = ("float8_e4m3fn", "float8_e5m2")
+V2TC_FP8 = tuple(FORMATS)          # every fp8 format (``fp8.FORMATS``)
 #: the largest GQA group the tensor-core v2 partial takes (two 16-row tiles)
 V2TC_MAX_GROUP = decode_v2_tc.MAX_GROUP
 
