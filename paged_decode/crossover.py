@@ -5,8 +5,9 @@ A table is the measured best of this package's arms (``gather``, ``v1``, ``v2``,
 --write-crossover PATH`` writes one from a sweep). ``choose`` takes the nearest measured
 cell in (log2 batch, log2 mean visible context, log2 page size), preferring cells with
 the same GQA group, and returns its best path among those the call can run (the
-tensor-core partial takes 16-bit pools: a call on other pools, or with a variant a path
-does not implement (``variants.PATH_VARIANTS``), gets the cell's fastest other path).
+tensor-core partial takes 16-bit queries with pools in their dtype or fp8: a call on
+other pools, or with a variant a path does not implement (``variants.PATH_VARIANTS``),
+gets the cell's fastest other path; an fp8 call reads the cells measured on 16-bit pools).
 
 Lookup order for a device: ``PAGED_DECODE_CROSSOVER`` (a JSON file), then
 ``~/.cache/paged-decode/crossover/<device>.json`` (re-measured on this machine), then the

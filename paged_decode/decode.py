@@ -8,7 +8,8 @@ through the backend, runs one of four paths and records what it ran (the steps l
   ``[C, Hq]`` base-2 LSEs), then the variable-length merge over ``plan.o_indptr``; when
   every request has one chunk the partial writes the output directly.
 - ``"v2tc"``: the same split and merge with the tensor-core partial (CUDA ``mma.sync``,
-  Metal ``simdgroup_matrix``; float16 / bfloat16; ``kernels/decode_v2_tc.py``); asked for
+  Metal ``simdgroup_matrix``; float16 / bfloat16 q, pools in its dtype or fp8;
+  ``kernels/decode_v2_tc.py``); asked for
   explicitly, never chosen by ``"auto"`` until a measured crossover table holds it.
 - ``"v1"``: one CTA per (request, query head), split inside the CTA (comparison arm).
 - ``"gather"``: gather visible K/V contiguously, then dense attention (fallback arm).
@@ -67,9 +68,10 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
         table: the batch's ``PageTable`` (``B`` requests, page size ``P``).
         plan: a ``DecodePlan`` for this table and geometry (made here when ``None``).
         path: ``"auto"``, ``"v2"``, ``"v2tc"`` (the tensor-core v2 partial: CUDA or
-            Metal, float16 / bfloat16 q and pools, at most 32 query heads per KV head;
-            ``"auto"`` takes it where the device's crossover table has it fastest; it runs
-            the window, soft cap and sinks as v2 does), ``"v1"`` or ``"gather"``.
+            Metal, float16 / bfloat16 q with pools in its dtype or fp8, at most 32 query
+            heads per KV head; ``"auto"`` takes it where the device's crossover table has
+            it fastest; it runs the window, soft cap and sinks as v2 does), ``"v1"`` or
+            ``"gather"``.
         sm_scale: softmax scale in natural units (default ``1 / sqrt(D)``).
         out: optional ``[B, Hq, D]`` output to write (dtype ``out_dtype``). On MLX
             (immutable arrays) ``out`` must be an MLX array; it is rebound to the result

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from . import settings
 from .device import DeviceInfo
 from .errors import InvalidArgumentError, PagedDecodeError
+from .fp8 import FORMATS
 from .kernels import decode_v2_tc, prefix_tc
 from .kernels.decode_v2 import row_loads, stage_bytes_per_thread
 from .kernels.registry import kernel_def
@@ -46,10 +47,10 @@ class UnexpectedCompileError(PagedDecodeError, RuntimeError):
 @dataclass(frozen=True)
 class KernelSpec:
     """One specialization. ``kernel`` is ``"v2"``, ``"v2tc"`` (the tensor-core v2 partial:
-    ``kv_dtype`` is its q/K/V dtype), ``"v1"``, ``"merge"``, ``"prefix"`` (the
-    tensor-core level 0 of cascade decode: ``kv_dtype`` is its q/K/V dtype) or ``"append"``
-    (the pool write: ``out_dtype`` is the pools' dtype); parameters a kernel does not use
-    are left at 0 / ``""``."""
+    ``q_dtype`` its queries' and mma operands', ``kv_dtype`` its pools', q's or fp8),
+    ``"v1"``, ``"merge"``, ``"prefix"`` (the tensor-core level 0 of cascade decode:
+    ``kv_dtype`` is its q/K/V dtype) or ``"append"`` (the pool write: ``out_dtype`` is the
+    pools' dtype); parameters a kernel does not use are left at 0 / ``""``."""
 
     kernel: str
     out_dtype: str
@@ -194,16 +195,18 @@ def prefix_spec(kv_dtype: str, head_dim: int, page_size: int) -> KernelSpec:
                       prefix_tc.NUM_WARPS, tile_tokens=prefix_tc.tokens_per_tile(head_dim))
 
 
-#: the tensor-core v2 partial's dtypes (16-bit mma operands; q must match the pools)
+#: the tensor-core v2 partial's query dtypes (16-bit mma operands); its pools have q's
+#: dtype or are fp8 (``V2TC_FP8``: widened exactly into q's dtype in the kernel)
 V2TC_DTYPES = ("float16", "bfloat16")
+V2TC_FP8 = tuple(FORMATS)          # every fp8 format (``fp8.FORMATS``)
 #: the largest GQA group the tensor-core v2 partial takes (two 16-row tiles)
 V2TC_MAX_GROUP = decode_v2_tc.MAX_GROUP
 
 
 def v2tc_fits(q_dtype: str, kv_dtype: str) -> bool:
-    """Whether the tensor-core v2 partial takes these dtypes (q and pools both float16 or
-    both bfloat16; float32 pools keep the CUDA-core v2)."""
-    return kv_dtype in V2TC_DTYPES and q_dtype == kv_dtype
+    """Whether the tensor-core v2 partial takes these dtypes: q float16 or bfloat16, the
+    pools in q's dtype or fp8 (either format); float32 keeps the CUDA-core v2."""
+    return q_dtype in V2TC_DTYPES and (kv_dtype == q_dtype or kv_dtype in V2TC_FP8)
 
 
 def v2tc_row_tiles(num_qo_heads: int, num_kv_heads: int) -> int:
@@ -218,16 +221,19 @@ def v2tc_ctas_per_chunk(num_qo_heads: int, num_kv_heads: int) -> int:
     return num_kv_heads * v2tc_row_tiles(num_qo_heads, num_kv_heads)
 
 
-def v2tc_stages(head_dim: int, warps: int = decode_v2_tc.NUM_WARPS) -> int:
+def v2tc_stages(head_dim: int, warps: int = decode_v2_tc.NUM_WARPS,
+                kv_dtype: str = "float16") -> int:
     """Ring depth of the tensor-core v2 partial: ``decode_v2_tc.DEFAULT_STAGES`` (or
     ``PAGED_DECODE_STAGES``), at least 2 and at most what one block's shared memory
-    holds."""
+    holds for pools of ``kv_dtype`` (an fp8 ring holds bytes, beside the warps' scratch
+    tiles)."""
     env = settings.get(STAGES_ENV)
     want = int(env) if env else decode_v2_tc.DEFAULT_STAGES
-    return max(2, min(want, decode_v2_tc.max_stages(head_dim, warps)))
+    return max(2, min(want, decode_v2_tc.max_stages(head_dim, warps,
+                                                    decode_v2_tc.kv_bytes(kv_dtype))))
 
 
-def v2tc_warps(head_dim: int) -> int:
+def v2tc_warps(head_dim: int, kv_dtype: str = "float16") -> int:
     """Warps per CTA of the tensor-core v2 partial: ``decode_v2_tc.NUM_WARPS``, or
     ``PAGED_DECODE_TC_WARPS`` (2, 4 or 8) for experiments, halved while a two-stage ring
     of that many warps' tokens does not fit one block's shared memory."""
@@ -237,30 +243,47 @@ def v2tc_warps(head_dim: int) -> int:
     if env not in ("2", "4", "8"):
         raise InvalidArgumentError(f"{TC_WARPS_ENV} must be 2, 4 or 8, got {env!r}")
     warps = int(env)
-    while warps > 2 and decode_v2_tc.max_stages(head_dim, warps) < 2:
+    elem = decode_v2_tc.kv_bytes(kv_dtype)
+    while warps > 2 and decode_v2_tc.max_stages(head_dim, warps, elem) < 2:
         warps //= 2
     return warps
 
 
+def _v2tc_q_dtype(kv_dtype: str, q_dtype: str | None) -> str:
+    """q's dtype of a v2tc specialization: ``q_dtype``, or the pools' own for 16-bit pools
+    (fp8 pools must name it)."""
+    if q_dtype is None:
+        if kv_dtype in V2TC_FP8:
+            raise ValueError(f"v2tc over {kv_dtype} pools needs q_dtype (float16 or bfloat16)")
+        return kv_dtype
+    return q_dtype
+
+
 def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int, *,
-              soft_cap: bool = False, sink: bool = False) -> KernelSpec:
-    """The tensor-core v2 partial (``kernels/decode_v2_tc.py``); q has the pools' dtype.
-    ``soft_cap`` / ``sink`` specialize it as they do the v2 partial (``v2_spec``)."""
-    warps = v2tc_warps(head_dim)
-    return KernelSpec("v2tc", out_dtype, head_dim, kv_dtype, kv_dtype, page_size, 0,
-                      warps, v2tc_stages(head_dim, warps), soft_cap=soft_cap, sink=sink)
+              q_dtype: str | None = None, soft_cap: bool = False,
+              sink: bool = False) -> KernelSpec:
+    """The tensor-core v2 partial (``kernels/decode_v2_tc.py``); q has the pools' dtype
+    unless ``q_dtype`` says otherwise (fp8 pools: q float16 or bfloat16). ``soft_cap`` /
+    ``sink`` specialize it as they do the v2 partial (``v2_spec``)."""
+    warps = v2tc_warps(head_dim, kv_dtype)
+    return KernelSpec("v2tc", out_dtype, head_dim, _v2tc_q_dtype(kv_dtype, q_dtype), kv_dtype,
+                      page_size, 0, warps, v2tc_stages(head_dim, warps, kv_dtype),
+                      soft_cap=soft_cap, sink=sink)
 
 
 def v2tc_metal_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,
-                    group: int, *, soft_cap: bool = False, sink: bool = False) -> KernelSpec:
+                    group: int, *, q_dtype: str | None = None, soft_cap: bool = False,
+                    sink: bool = False) -> KernelSpec:
     """The Metal dialect of the tensor-core v2 partial (``simdgroup_matrix``) for a GQA
     group of ``group`` heads: ``heads_per_cta`` is its query rows per threadgroup (8 or
     16, ``decode_v2_tc.metal_rows``), ``num_warps`` its SIMD groups
     (``decode_v2_tc.metal_simdgroups``: what Metal's 32 KB of threadgroup memory holds),
-    no ring depth (a fixed double buffer); ``soft_cap`` / ``sink`` as for ``v2tc_spec``."""
-    return KernelSpec("v2tc", out_dtype, head_dim, kv_dtype, kv_dtype, page_size,
-                      decode_v2_tc.metal_rows(group), decode_v2_tc.metal_simdgroups(head_dim),
-                      soft_cap=soft_cap, sink=sink)
+    no ring depth (a fixed double buffer); ``q_dtype`` as for ``v2tc_spec`` (fp8 codes
+    are widened into q's dtype as they are staged, so the memory is the same);
+    ``soft_cap`` / ``sink`` as for ``v2tc_spec``."""
+    return KernelSpec("v2tc", out_dtype, head_dim, _v2tc_q_dtype(kv_dtype, q_dtype), kv_dtype,
+                      page_size, decode_v2_tc.metal_rows(group),
+                      decode_v2_tc.metal_simdgroups(head_dim), soft_cap=soft_cap, sink=sink)
 
 
 def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
@@ -275,7 +298,8 @@ def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
     return ([v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh) for o in outs]
             + [merge_spec(out_dtype, head_dim),
                v1_spec(q_dtype, kv_dtype, out_dtype, head_dim, page_size)]
-            + ([v2tc_spec(kv_dtype, o, head_dim, page_size) for o in outs] if tc else []))
+            + ([v2tc_spec(kv_dtype, o, head_dim, page_size, q_dtype=q_dtype) for o in outs]
+               if tc else []))
 
 
 def append_spec(dtype: str, vector_bytes: int) -> KernelSpec:

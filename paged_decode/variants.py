@@ -53,7 +53,7 @@ PATH_VARIANTS = {
     "window_left": ("v2", "v2tc", "v1", "gather", "cascade", "sparse"),
     "logits_soft_cap": ("v2", "v2tc", "v1", "gather", "cascade", "sparse"),
     "sinks": ("v2", "v2tc", "v1", "gather", "cascade", "sparse"),
-    "kv_dtype": ("v2", "v1", "gather", "cascade", "sparse"),     # fp8 pools
+    "kv_dtype": ("v2", "v2tc", "v1", "gather", "cascade", "sparse"),     # fp8 pools
 }
 
 

@@ -247,3 +247,11 @@ def assert_same_greedy(ref_tokens, ref_logits, got_tokens, got_logits,
     assert dev < margin / 2, f"logits differ by {dev:.3g}, smallest top-2 gap {margin:.3g}"
     distinct = len({t for row in ref_tokens for t in row})
     assert distinct >= min_distinct, f"{distinct} distinct tokens: a degenerate run proves little"
+
+
+def tc_fp8_out_tol(q_dtype: str, out_dtype: str) -> float:
+    """Output max-rel tolerance of the tensor-core partial over fp8 pools against the
+    float64 oracle on the dequantized values: the codes widen exactly into q's dtype, so
+    it is ``tc_out_tol`` of q's dtype (the mma's rounding of the softmax weights) plus the
+    two float32 roundings of the scales (``fp8_out_tol``)."""
+    return tc_out_tol(q_dtype, out_dtype) + 2 * 2.0 ** -24

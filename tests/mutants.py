@@ -235,6 +235,11 @@ V2TC_METAL = V2TC + "test_v2tc_metal_matches_oracle"
 V2TC_METAL_LONG = V2TC + "test_v2tc_metal_long_chunk_every_schedule[64]"
 TCVAR = "tests/test_v2tc_variants.py::"
 TCVAR_ONE = TCVAR + "test_each_variant_alone_and_combined"
+V2TC_FP8 = "tests/test_v2tc_fp8.py::"
+V2TC_FP8_CASE = V2TC_FP8 + "test_v2tc_fp8_matches_oracle"
+V2TC_FP8_E4 = V2TC_FP8_CASE + "[d64-g1-ps16-e4m3-f16-emulated-cuda]"
+V2TC_FP8_E5 = V2TC_FP8_CASE + "[d128-g4-ps3-e5m2-bf16-emulated-cuda]"
+V2TC_FP8_METAL = V2TC_FP8_CASE + "[d64-g1-ps16-e4m3-f16-emulated-metal]"
 NAN_METAL = ("tests/test_nan_semantics.py::test_non_finite_inputs_poison_their_heads_on_every_path"
              "[float16-emulated-metal]")
 NAN = "tests/test_nan_semantics.py::"
@@ -678,6 +683,44 @@ MUTANTS: tuple[Mutant, ...] = (
        "const float wt = exp2f(sm_m[w][i] - ref);", "const float wt = expf(sm_m[w][i] - ref);",
        [V2TC_CASE + "[d64-g1-ps16-f16]"],
        "the warps' states weighted by exp of base-2 maxima"),
+    # ------------------------------------------------------------ v2tc over fp8 pools
+    _m("v2tc-fp8-other-warps-rows", "cuda", ("v2tc",),
+       "widen_rows<TKV, T, D, LD>(scratch, ks + (slot * KT + warp * 16) * RLD, lane);",
+       "widen_rows<TKV, T, D, LD>(scratch, ks + slot * KT * RLD, lane);", [V2TC_FP8_E4],
+       "every warp widens warp 0's K rows of the stage into its scratch tile"),
+    _m("v2tc-fp8-v-scale-dropped", "cuda", ("v2tc",),
+       "from_float<TO>(live ? num / den * v_scale : 0.f)", "from_float<TO>(live ? num / den : 0.f)",
+       [V2TC_FP8_E4, V2TC_FP8 + "test_v2tc_fp8_scales_are_applied[emulated-cuda]"],
+       "the V scale left out of v2tc's store: outputs in stored units"),
+    _m("v2tc-fp8-scratch-row-stride", "cuda", ("v2tc",),
+       "*reinterpret_cast<uint4*>(dst + r * LD + c8 * 8)",
+       "*reinterpret_cast<uint4*>(dst + r * D + c8 * 8)", [V2TC_FP8_E4],
+       "the scratch tile written with the byte ring's row stride, read with the padded one"),
+    _m("v2tc-fp8-byte-piece-offset", "cuda", ("prefix", "v2tc"),
+       "constexpr int PER = 16 / (int)sizeof(T);", "constexpr int PER = 8;", [V2TC_FP8_E4],
+       "a byte ring's 16-byte pieces copied 8 elements apart, as 16-bit pieces are"),
+    _m("v2tc-fp8-exponent-bias", "cuda", ("v2tc",),
+       "__uint_as_float(((e + 127u - (unsigned)FP8<T>::BIAS) << 23)",
+       "__uint_as_float(((e + 128u - (unsigned)FP8<T>::BIAS) << 23)",
+       [V2TC_FP8_E4, V2TC_FP8_E5],
+       "v2tc's widen (the emulator's bit path) rebiased off by one: every normal value doubled"),
+    _m("py-v2tc-fp8-launch-without-v-scale", "python", ("paged_decode.backends.launches",),
+       '    args.append(Arg("v_scale", np.float32(v_scale), "scalar"))',
+       '    args.append(Arg("v_scale", np.float32(1.0), "scalar"))',
+       [V2TC_FP8_E4, V2TC_FP8_METAL],
+       "the host launches v2tc with a V scale of 1 (both dialects)"),
+    _m("metal-v2tc-fp8-v-scale-dropped", "metal", ("v2tc",),
+       "pd::from_float<TO>(live ? num / den * v_scale : 0.0f)",
+       "pd::from_float<TO>(live ? num / den : 0.0f)",
+       [V2TC_FP8_METAL, V2TC_FP8 + "test_v2tc_fp8_scales_are_applied[emulated-metal]"],
+       "the V scale left out of v2tc's store (Metal)"),
+    _m("metal-v2tc-fp8-exponent-bias", "metal", ("v2tc",),
+       "as_type<float>(((e + 127u - uint(BIAS)) << 23)",
+       "as_type<float>(((e + 128u - uint(BIAS)) << 23)", [V2TC_FP8_METAL],
+       "v2tc's widen rebiased off by one (Metal)"),
+    _m("metal-v2tc-fp8-elements-reversed", "metal", ("v2tc",),
+       "          kd[j] = T(kf[j]);", "          kd[j] = T(kf[3 - j]);", [V2TC_FP8_METAL],
+       "the four widened K codes of a load stored in reverse order"),
     # ------------------------------------------------------------ v2tc (Metal, simdgroup_matrix)
     _m("metal-v2tc-no-barrier-before-refill", "metal", ("v2tc",),
        "    threadgroup_barrier(mem_flags::mem_threadgroup);\n    if (stage + 1 < n_stages)",

@@ -113,3 +113,63 @@ def test_fp8_pool_append_and_engine_step_on_cuda(cuda, fmt):
                            v_scale=float(pool.v_scale[L - 1]))
     assert_matches_oracle(cuda.to_numpy(out)[:B], None, ref, None, "float16",
                           tol=fp8_out_tol("float16"))
+
+
+# ---------------------------------------------------------------------------- v2tc
+@pytest.mark.parametrize("to", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_device_pairs_every_code(cuda, fmt, to):
+    """``fp8x4_to_pairs`` compiled for this GPU (sm_89+: the cvt path the tensor-core
+    partial widens its byte ring with) gives the bits of the emulator's bit path and of
+    ml_dtypes (``tests/test_v2tc_fp8.py``) on all 256 codes."""
+    import cupy as cp
+    from test_v2tc_fp8 import check_pairs, run_pairs_kernel
+
+    from paged_decode.backends.cuda_launch import COMPILE_OPTIONS
+
+    def on_gpu(src, name, words):
+        mod = cp.RawModule(code=src, options=COMPILE_OPTIONS, name_expressions=[name])
+        pairs = cp.full(128, 0xDEADBEEF, cp.uint32)
+        mod.get_function(name)((1,), (64,), (cp.asarray(words), pairs))
+        return cp.asnumpy(pairs)
+    check_pairs(fmt, to, run_pairs_kernel(fmt, to, on_gpu))
+
+
+@pytest.mark.parametrize("fmt,q_dtype", [("float8_e4m3fn", "float16"),
+                                         ("float8_e5m2", "bfloat16")])
+@pytest.mark.parametrize("hq,hkv,d,p,ctx", [(32, 8, 128, 16, 2048), (28, 4, 128, 16, 1500),
+                                            (32, 2, 64, 1, 700), (64, 2, 256, 64, 900),
+                                            (8, 8, 96, 3, 333)])
+def test_v2tc_fp8_on_cuda(cuda, fmt, q_dtype, hq, hkv, d, p, ctx):
+    """The tensor-core partial over fp8 pools on the GPU (the byte ring, the cvt widen
+    into the warps' scratch tiles, mma.sync) against the float64 oracle on the dequantized
+    values: GQA 4/7/16/32/1, head dims 64-256, pages 1-64, one chunk and split, q's dtype
+    and float32 outputs, CuPy bytes and torch fp8 tensors."""
+    import cupy as cp
+    from helpers import tc_fp8_out_tol
+
+    from paged_decode.problems import ProblemSpec, make_problem
+    from paged_decode.specs import v2tc_ctas_per_chunk
+    pr = make_problem(ProblemSpec(3, ctx, hq, hkv, d, p, q_dtype, fmt, seed=hq + d))
+    ks, vs = 0.37, 2.5
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, k_scale=ks,
+                                 v_scale=vs)
+    q = cp.asarray(pr.q)
+    kd, vd = (cp.asarray(fp8.codes(x)) for x in (pr.k_pages, pr.v_pages))
+    for ppc in (None, 10 ** 6):
+        plan = pd.plan_decode(pr.table, hq, hkv, d, device=cuda.device_info(),
+                              pages_per_chunk=ppc, ctas_per_chunk=v2tc_ctas_per_chunk(hq, hkv))
+        for od in (["float32"] if plan.needs_merge else ["float32", q_dtype]):
+            out, lse = pd.decode(q, kd, vd, pr.table, plan, path="v2tc", return_lse=True,
+                                 out_dtype=od, kv_dtype=fmt, k_scale=ks, v_scale=vs)
+            o = pd.last_outcome()
+            assert o.path.startswith("v2tc") and f"kv {fmt}" in o.detail, o
+            assert_matches_oracle(cuda.to_numpy(out), cuda.to_numpy(lse), ref, ref_lse, od,
+                                  f"{o}", tol=tc_fp8_out_tol(q_dtype, od))
+    torch = pytest.importorskip("torch")
+    kt, vt = (torch.from_numpy(fp8.codes(x).copy()).cuda().view(getattr(torch, fmt))
+              for x in (pr.k_pages, pr.v_pages))
+    out = pd.decode(torch.from_numpy(pr.q.view(np.uint16)).cuda().view(getattr(torch, q_dtype)),
+                    kt, vt, pr.table, path="v2tc", out_dtype="float32", k_scale=ks, v_scale=vs)
+    assert_matches_oracle(out.cpu().numpy(), None, ref, None, "float32", "torch fp8",
+                          tol=tc_fp8_out_tol(q_dtype, "float32"))

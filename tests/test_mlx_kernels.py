@@ -227,9 +227,10 @@ def test_v2tc_arguments_rows_and_simdgroups():
                                         "pages_per_chunk")] == [hq, hkv, tiles, 1]
         assert ins["scale_log2"].item() == float(np.float32(0.3 * LOG2E))
         mdt = mx.float16 if dt == "float16" else mx.bfloat16
+        assert ins["v_scale"].item() == 1.0
         assert c["template"] == [("T", mdt), ("TO", mx.float32), ("HEAD_DIM", d),
                                  ("PAGE_SIZE", 16), ("NUM_WARPS", sgs), ("SOFT_CAP", False),
-                                 ("SINK", False), ("ROWS", rows)]
+                                 ("SINK", False), ("ROWS", rows), ("KV_FP8", 0)]
         assert c["threadgroup"] == (32 * sgs, 1, 1)
         assert c["grid"] == (plan.num_chunks * 32 * sgs, hkv * tiles, 1)
         assert c["output_shapes"] == [[plan.num_chunks, hq, d], [plan.num_chunks, hq]]

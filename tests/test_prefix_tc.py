@@ -150,7 +150,7 @@ def test_barrier_and_wait_mutants_need_the_new_schedules(name):
     ("      fetch(tile + 2);                            // consumed",
      "      fetch(tile + 1);                            // consumed"),
     # reads KV head 0 for every CTA
-    ("+ (long long)kvh * D + piece * 8", "+ piece * 8"),
+    ("+ (long long)kvh * D + piece * PER", "+ piece * PER"),
     # takes the members' rows member-major (h = m * G + g without the KV head)
     ("kvh * group + g) * D + d]", "g) * D + d]"),
     # drops the mask of tokens past the chunk (zero-filled rows then get weight)

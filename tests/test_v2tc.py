@@ -224,9 +224,10 @@ def test_v2tc_metal_geometry():
     spec = v2tc_metal_spec("bfloat16", "float32", 128, 16, 7)
     assert (spec.heads_per_cta, spec.num_warps, spec.stages) == (8, 3, 0)
     assert tc.KERNEL.metal_kernel.template == ("T", "TO", "HEAD_DIM", "PAGE_SIZE",
-                                               "NUM_WARPS", "SOFT_CAP", "SINK", "ROWS")
+                                               "NUM_WARPS", "SOFT_CAP", "SINK", "ROWS",
+                                               "KV_FP8")
     assert [v for _, v in tc.KERNEL.metal_template(spec)][2:] == [128, 16, 3, False, False,
-                                                                   8]
+                                                                   8, 0]
     # the CUDA dialect's template is unchanged by the Metal-only parameter
     assert "ROWS" not in tc.KERNEL.cuda_name_expression(spec)
 
@@ -313,8 +314,9 @@ def test_v2tc_is_refused_without_the_kernel(be):
 @needs_emulator
 @pytest.mark.parametrize("name", ["emulated-cuda", "emulated-metal"])
 @pytest.mark.parametrize("q_dtype,kv_dtype,hq,hkv,match", [
-    ("float32", "float32", 8, 2, r"path 'v2tc' needs q and the pools both one of \('float16', "
-                                 r"'bfloat16'\), got q float32 and pools float32"),
+    ("float32", "float32", 8, 2, r"path 'v2tc' needs q one of \('float16', 'bfloat16'\) and "
+                                 r"the pools in q's dtype or one of \('float8_e4m3fn', "
+                                 r"'float8_e5m2'\), got q float32 and pools float32"),
     ("float32", "float16", 8, 2, r"path 'v2tc' needs .* got q float32 and pools float16"),
     ("bfloat16", "float16", 8, 2, r"path 'v2tc' needs .* got q bfloat16 and pools float16"),
     ("float16", "float16", 40, 1, r"path 'v2tc' takes at most 32 query heads per KV head, "

@@ -362,7 +362,8 @@ def test_engine_step_runs_v2tc_with_cap_and_sinks(backend_name, monkeypatch):
 # ---------------------------------------------------------------------------- specializations
 def test_variants_are_template_specializations_after_stages():
     """SOFT_CAP and SINK follow STAGES in the CUDA template (and NUM_WARPS in Metal's,
-    before its ROWS); the URI names them, and a plain call compiles the plain kernel."""
+    before its ROWS and KV_FP8); the URI names them, and a plain call compiles the plain
+    kernel."""
     kd = decode_v2_tc.KERNEL
     assert kd.template[-3:] == ("STAGES", "SOFT_CAP", "SINK")
     plain = v2tc_spec("float16", "float32", 128, 16)
@@ -372,7 +373,7 @@ def test_variants_are_template_specializations_after_stages():
     assert kd.cuda_name_expression(plain).endswith(", false, false>")
     assert kd.cuda_name_expression(both).endswith(", true, true>")
     m = v2tc_metal_spec("bfloat16", "float32", 64, 16, 7, soft_cap=True)
-    assert [n for n, _ in kd.metal_template(m)][-3:] == ["SOFT_CAP", "SINK", "ROWS"]
+    assert [n for n, _ in kd.metal_template(m)][-4:] == ["SOFT_CAP", "SINK", "ROWS", "KV_FP8"]
     assert m.uri.endswith("_softcap")
     assert "sinks" in decode_v2_tc.METAL_INPUTS and "soft_cap_log2" in decode_v2_tc.METAL_INPUTS
 

@@ -64,13 +64,16 @@
 #               verified against the oracle first) at 32 x 4K (the target: T = 4 within
 #               1.3x of T = 1) and 8 x 8K, Llama-3-8B heads, float16 -> $OUT/multitoken.json
 #   fp8         issue #14 item 1 (run fi first): the fp8 GPU tests (tests/test_fp8_gpu.py: the
-#               sm_90 cvt widen over all 256 codes, decode and append on CuPy bytes and torch
-#               fp8 tensors), then float16 pools against float8_e4m3fn pools (and e5m2, v2
-#               only) at 32/8 x 128, float16 queries, batch 8/32/128 x 8K/32K (float16 K/V
-#               of 256 MB to 8 GB; target: fp8 >= 1.8x faster than float16 in GPU time),
-#               our v2 and v1 beside FlashInfer's decode on the same fp8 pools (target:
-#               <= 0.95x FlashInfer's time where it runs), and the v2 partial's registers
-#               with float16 and fp8 pools ($OUT/fp8_regs.txt)
+#               sm_90 cvt widens over all 256 codes, decode (v2tc too) and append on CuPy
+#               bytes and torch fp8 tensors), then float16 pools against float8_e4m3fn pools
+#               (and e5m2, v2 and v2tc) at 32/8 x 128, float16 queries, batch 8/32/128 x
+#               8K/32K (float16 K/V of 256 MB to 8 GB; target: fp8 >= 1.8x faster than
+#               float16 in GPU time): our v2 and v2tc beside FlashInfer's tensor-core decode
+#               on the same pools (target: <= 0.95x FlashInfer's fp8 time), joined into one
+#               side-by-side table ($OUT/fp8_table.md, bench/device/fp8_table.py), and the
+#               v2 and v2tc partials' registers with float16 and fp8 pools ($OUT/fp8_regs.txt).
+#               The benches get 180, 180 and 100 s (BENCH_TIMEOUT) to keep the step within
+#               one 600 s device command: run fi in a command before it
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
@@ -300,19 +303,22 @@ step_fp8() {
   # of a row, twice float16's: q and accumulator registers double)
   python3 - <<'PY' 2>&1 | tee -a "$OUT/fp8_regs.txt"
 from paged_decode.backends.cuda import compiled
-from paged_decode.specs import v2_spec
+from paged_decode.specs import v2_spec, v2tc_spec
 for kv in ("float16", "float8_e4m3fn", "float8_e5m2"):
-    for qh in (1, 4, 8):
-        for o in ("float16", "float32"):
-            spec = v2_spec("float16", kv, o, 128, 16, qh)
+    for o in ("float16", "float32"):
+        specs = [v2_spec("float16", kv, o, 128, 16, qh) for qh in (1, 4, 8)]
+        specs.append(v2tc_spec(kv, o, 128, 16, q_dtype="float16"))
+        for spec in specs:
             a = compiled(spec).attributes
             print(f"{spec.uri}: regs {a['num_regs']} local {a['local_size_bytes']} B")
 PY
-  local arms=${BENCH_ARMS:-v2,v1,flashinfer,flashinfer-tc}
+  local arms=${BENCH_ARMS:-v2,v2tc,flashinfer-tc}
   local cells="--preset targets --context 8192 --context 32768 --batch 8 --batch 32 --batch 128"
-  run_bench fp8_f16 $cells --arms $arms
-  run_bench fp8_e4m3 $cells --kv-dtype float8_e4m3fn --arms $arms
-  run_bench fp8_e5m2 $cells --kv-dtype float8_e5m2 --arms v2
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-180} run_bench fp8_f16 $cells --arms $arms
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-180} run_bench fp8_e4m3 $cells --kv-dtype float8_e4m3fn --arms $arms
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-100} run_bench fp8_e5m2 $cells --kv-dtype float8_e5m2 --arms v2,v2tc
+  python3 bench/device/fp8_table.py "$OUT/fp8_table.md" "$OUT"/bench_fp8_f16.json \
+    "$OUT"/bench_fp8_e4m3.json "$OUT"/bench_fp8_e5m2.json 2>&1 | tail -12
 }
 
 # move what the steps wrote to $OUT into the scratch folder and pack it all

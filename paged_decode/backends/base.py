@@ -281,12 +281,13 @@ class Backend(ABC):
 
     def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                    plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
-                   soft_cap: float | None = None, sinks: Any = None) -> None:
+                   soft_cap: float | None = None, sinks: Any = None,
+                   kv_dtype: str | None = None, v_scale: float = 1.0) -> None:
         """The tensor-core v2 partial (``kernels/decode_v2_tc.py``): ``partial``'s arrays
         and contract (``soft_cap`` and ``sinks`` included: sinks only for a partial that
-        writes the output), for float16 / bfloat16 pools with ``q`` in their dtype and a
-        GQA group of at most 32; only where ``tensor_core_decode`` (this default
-        raises)."""
+        writes the output), for ``q`` float16 / bfloat16 with pools in its dtype or fp8
+        (``kv_dtype`` and ``v_scale`` as for ``partial``) and a GQA group of at most 32;
+        only where ``tensor_core_decode`` (this default raises)."""
         raise UnsupportedProblemError(f"backend {self.name!r} has no tensor-core decode "
                                       "partial (path 'v2tc' runs on 'cuda', "
                                       "'emulated-cuda', 'metal' and 'emulated-metal')")

@@ -113,9 +113,10 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
 
 
 def _host(a: Any) -> np.ndarray:
-    """An input as a C-contiguous numpy array (index arrays as int32)."""
+    """An input as a C-contiguous numpy array (index arrays as int32; ``uint8`` arrays are
+    fp8 pools' codes, kept as bytes)."""
     arr = np.ascontiguousarray(a)
-    return arr.astype(np.int32) if arr.dtype.kind in "iu" else arr
+    return arr.astype(np.int32) if arr.dtype.kind in "iu" and arr.dtype != np.uint8 else arr
 
 
 def _rows(pages: np.ndarray, *rows: Any) -> list[np.ndarray]:

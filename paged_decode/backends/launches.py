@@ -30,6 +30,7 @@ from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported fo
     PREFIX_TILE_ROWS,
     SUPPORTED_HEAD_DIMS,
     V2TC_DTYPES,
+    V2TC_FP8,
     V2TC_MAX_GROUP,
     KernelSpec,
     append_fp8_spec,
@@ -81,15 +82,17 @@ def support(problem: Problem, tensor_cores: bool = False) -> Support:
     """Whether the CUDA kernels have a specialization for ``problem`` (``path="merge"``:
     the merge alone, which reads float4 slices of any head dim that is a multiple of 4;
     ``path="v2tc"``: the tensor-core v2 partial, which needs a backend that runs it,
-    ``tensor_cores``, 16-bit pools with q in their dtype and a GQA group of at most 32)."""
+    ``tensor_cores``, q float16 or bfloat16 with pools in its dtype or fp8, and a GQA group
+    of at most 32)."""
     if problem.path == "v2tc":
         if not tensor_cores:
             return Support(False, f"path 'v2tc' is the tensor-core partial, which this "
                                   f"backend does not run ({V2TC_RUNS_ON})")
         if not v2tc_fits(problem.q_dtype, problem.kv_dtype):
-            return Support(False, f"path 'v2tc' needs q and the pools both one of "
-                                  f"{V2TC_DTYPES}, got q {problem.q_dtype} and pools "
-                                  f"{problem.kv_dtype} (path 'v2' runs any dtype)")
+            return Support(False, f"path 'v2tc' needs q one of {V2TC_DTYPES} and the pools "
+                                  f"in q's dtype or one of {V2TC_FP8}, got q "
+                                  f"{problem.q_dtype} and pools {problem.kv_dtype} (path "
+                                  f"'v2' runs any dtype)")
         group = problem.num_qo_heads // problem.num_kv_heads
         if group > V2TC_MAX_GROUP:
             return Support(False, f"path 'v2tc' takes at most {V2TC_MAX_GROUP} query heads "
@@ -169,23 +172,28 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
                 q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                 request_indices: Any, kv_tile_indices: Any, v_out: Any,
                 lse_out: Any, metal: bool = False, soft_cap: float | None = None,
-                sinks: Any = None) -> Launch:
+                sinks: Any = None, q_dtype: str | None = None, v_scale: float = 1.0) -> Launch:
     """The tensor-core v2 partial (``kernels/decode_v2_tc.py``): grid (C chunks, Hkv *
-    row_tiles), the v2 partial's arguments with ``row_tiles`` for ``q_groups``; ``metal``:
-    the Metal dialect's specialization (its rows per threadgroup and SIMD groups), the
-    same grid and arguments. ``soft_cap`` and ``sinks`` as for ``partial_launch`` (sinks
-    only for a partial that writes the output)."""
+    row_tiles), the v2 partial's arguments with ``row_tiles`` for ``q_groups``, then
+    ``soft_cap_log2`` and ``v_scale`` (an fp8 pool's V scale, as for ``partial_launch``;
+    ``q_dtype``: q's dtype, the pools' when ``None``); ``metal``: the Metal dialect's
+    specialization (its rows per threadgroup and SIMD groups), the same grid and
+    arguments. ``soft_cap`` and ``sinks`` as for ``partial_launch`` (sinks only for a
+    partial that writes the output)."""
     flags = {"soft_cap": soft_cap is not None, "sink": sinks is not None}
     if metal:
         spec = v2tc_metal_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size,
-                               plan.num_qo_heads // plan.num_kv_heads, **flags)
+                               plan.num_qo_heads // plan.num_kv_heads, q_dtype=q_dtype,
+                               **flags)
     else:
-        spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size, **flags)
+        spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size, q_dtype=q_dtype,
+                         **flags)
     tiles = v2tc_row_tiles(plan.num_qo_heads, plan.num_kv_heads)
     args = _chunk_args(plan, sm_scale, ("row_tiles", tiles), q, k_pages, v_pages, table,
                        request_indices, kv_tile_indices, v_out, lse_out,
                        sinks=q if sinks is None else sinks)
     args.append(Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"))
+    args.append(Arg("v_scale", np.float32(v_scale), "scalar"))
     return _launch(spec, (plan.num_chunks, plan.num_kv_heads * tiles), args)
 
 

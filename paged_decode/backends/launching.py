@@ -104,18 +104,21 @@ class LaunchingBackend(Backend):
 
     def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                    plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
-                   soft_cap: float | None = None, sinks: Any = None) -> None:
+                   soft_cap: float | None = None, sinks: Any = None,
+                   kv_dtype: str | None = None, v_scale: float = 1.0) -> None:
         if not self.tensor_core_decode:
             super().partial_tc(q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out,
-                               soft_cap=soft_cap, sinks=sinks)
+                               soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype,
+                               v_scale=v_scale)
         self.check_pools("decode", k_pages, v_pages)
         request_indices, kv_tile_indices = self.plan_arrays(plan)
         self._run(launches.v2tc_launch(
-            kv_dtype=self.dtype_of(k_pages), out_dtype=self.dtype_of(v_out), plan=plan,
-            sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
+            kv_dtype=kv_dtype or self.dtype_of(k_pages), out_dtype=self.dtype_of(v_out),
+            plan=plan, sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
             table=self.table_arrays(table), request_indices=request_indices,
             kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out,
-            metal=self.metal_dialect, soft_cap=soft_cap, sinks=sinks))
+            metal=self.metal_dialect, soft_cap=soft_cap, sinks=sinks,
+            q_dtype=self.dtype_of(q), v_scale=v_scale))
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
               rows: Any = None, *, sinks: Any = None) -> None:

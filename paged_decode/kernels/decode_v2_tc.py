@@ -2,14 +2,15 @@
 its Metal dialect on ``simdgroup_matrix`` (below ``CUDA_SOURCE``; it has run only on the
 CPU emulator, never on Apple hardware).
 
-The same work and contract as the v2 partial (``decode_v2.py``, ``Backend.partial``), for
-16-bit pools: ``q [B, Hq, D]`` (the pools' dtype, float16 or bfloat16), ``k_pages, v_pages
-[num_pages, P, Hkv, D]``, the CSR arrays, the plan's ``request_indices [C]`` /
-``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each row normalized by its own softmax
-denominator; float32 for the merge, or the output dtype when the plan needs no merge) and
-``lse_out [C, Hq]`` float32 in log2 units. An empty chunk writes zeros and -inf; a head
-with a non-finite score in the chunk writes NaN (output row and LSE). Pool offsets are
-64-bit.
+The same work and contract as the v2 partial (``decode_v2.py``, ``Backend.partial``):
+``q [B, Hq, D]`` float16 or bfloat16 (T, the mma operands' type), ``k_pages, v_pages
+[num_pages, P, Hkv, D]`` of q's dtype or fp8 codes (TKV; one byte each), the CSR arrays,
+the plan's ``request_indices [C]`` / ``kv_tile_indices [C]`` -> ``v_out [C, Hq, D]`` (each
+row normalized by its own softmax denominator; float32 for the merge, or the output dtype
+when the plan needs no merge) and ``lse_out [C, Hq]`` float32 in log2 units. An empty
+chunk writes zeros and -inf; a head with a non-finite score in the chunk writes NaN
+(output row and LSE). Pool offsets are 64-bit. ``v_scale`` (float32) multiplies every
+row: an fp8 pool's V scale (its K scale is in ``scale_log2``), 1 for 16-bit pools.
 
 Tiling: one CTA per (chunk, KV head, row tile). The G query heads of a KV head are the M
 dimension of ``mma.m16n8k16`` tiles: 16 rows per CTA (rows past G are zero and never
@@ -27,9 +28,16 @@ stage may come from different pages (any page size 1-256, a first page offset): 
 token's page is looked up on its own (one thread per token of a stage, a stage ahead of the
 copies that use it, through shared memory).
 
+fp8 pools (``docs/tensor-core-decode.md``, "fp8 pools"): the ring holds the codes (16
+per 16-byte piece, unpadded byte rows), and after a stage's barrier each warp widens only
+its own 16 K and V rows, exactly, into a per-warp 16-bit scratch tile of the padded layout
+the tile phases read (``widen_rows``, ``fp8x4_to_pairs``), between two ``__syncwarp()``:
+no CTA barrier is added. A 16-bit pool (TKV = T) compiles to the kernel without them.
+
 Metal: the same grid, contract and combine with 8 x 8 ``simdgroup_matrix`` tiles, 8 or 16
 rows per threadgroup, SIMD groups of 8 tokens per stage, a double buffer of ordinary loads
-(the comment above ``METAL_INPUTS`` has the details).
+(the comment above ``METAL_INPUTS`` has the details); fp8 codes are widened into T as
+they are staged.
 
 Variants (``docs/variants.md``), both dialects: ``SOFT_CAP`` caps each scaled score with
 the shared ``logit`` (``soft_cap_log2`` = c * log2(e)); ``SINK`` joins ``sinks [Hq]``
@@ -41,7 +49,7 @@ table (first page offsets), no parameter.
 from __future__ import annotations
 
 from .common import CUDA_COMMON, METAL_COMMON
-from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue
+from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue, metal_fp8
 from .mma import CUDA_MMA
 
 NUM_WARPS = 4
@@ -63,40 +71,81 @@ def tile_tokens(num_warps: int = NUM_WARPS) -> int:
     return TOKENS_PER_WARP * num_warps
 
 
+def kv_bytes(kv_dtype: str) -> int:
+    """Bytes of one pool element: 1 for the fp8 formats (a byte ring), else 2."""
+    return 1 if metal_fp8(kv_dtype) else 2
+
+
 def _row_bytes(head_dim: int) -> int:
     return (head_dim + SMEM_PAD) * 2
 
 
-def stage_bytes(head_dim: int, num_warps: int = NUM_WARPS) -> int:
-    """Shared memory of one ring stage: KT tokens of K and of V, padded 16-bit rows."""
-    return 2 * tile_tokens(num_warps) * _row_bytes(head_dim)
+def _ring_row_bytes(head_dim: int, elem: int) -> int:
+    # 16-bit rows padded (ldmatrix reads them); byte rows unpadded (read front to back)
+    return _row_bytes(head_dim) if elem == 2 else head_dim
 
 
-def dynamic_smem_bytes(head_dim: int, num_warps: int, stages: int) -> int:
-    """The Q tile plus the K/V ring (the warps' combine reuses the ring after the loop)."""
-    return ROWS * _row_bytes(head_dim) + stages * stage_bytes(head_dim, num_warps)
+def stage_bytes(head_dim: int, num_warps: int = NUM_WARPS, elem: int = 2) -> int:
+    """Shared memory of one ring stage: KT tokens of K and of V, padded 16-bit rows
+    (``elem`` 2) or unpadded fp8 byte rows (``elem`` 1)."""
+    return 2 * tile_tokens(num_warps) * _ring_row_bytes(head_dim, elem)
 
 
-def max_stages(head_dim: int, num_warps: int = NUM_WARPS) -> int:
+def _fixed_bytes(head_dim: int, num_warps: int, elem: int) -> int:
+    # the Q tile, and for a byte ring each warp's 16-bit scratch tile of 16 K and 16 V rows
+    scratch = num_warps * 2 * TOKENS_PER_WARP * _row_bytes(head_dim) if elem == 1 else 0
+    return ROWS * _row_bytes(head_dim) + scratch
+
+
+def dynamic_smem_bytes(head_dim: int, num_warps: int, stages: int, elem: int = 2) -> int:
+    """The Q tile, the K/V ring (``elem``: bytes per pool element) and, for fp8, the warps'
+    scratch tiles (the warps' combine reuses the ring after the loop)."""
+    return (_fixed_bytes(head_dim, num_warps, elem)
+            + stages * stage_bytes(head_dim, num_warps, elem))
+
+
+def max_stages(head_dim: int, num_warps: int = NUM_WARPS, elem: int = 2) -> int:
     """The deepest ring one block's dynamic shared memory holds."""
-    return (MAX_DYNAMIC_SMEM - ROWS * _row_bytes(head_dim)) // stage_bytes(head_dim, num_warps)
+    return ((MAX_DYNAMIC_SMEM - _fixed_bytes(head_dim, num_warps, elem))
+            // stage_bytes(head_dim, num_warps, elem))
 
 
 CUDA_BODY = r"""
 namespace pd {
 extern __shared__ __align__(16) unsigned char pd_tc_smem[];
+
+// A warp's 16 K or V rows `src` of fp8 format TKV (unpadded byte rows of D) widened,
+// exactly, into 16-bit T rows of LD elements at `dst`. Lane `lane` takes 8 consecutive
+// bytes per step (a warp step reads 256 consecutive bytes and writes whole 16-byte pieces
+// of the padded rows).
+template <typename TKV, typename T, int D, int LD>
+__device__ __forceinline__ void widen_rows(T* dst, const TKV* src, int lane) {
+  constexpr int UNITS = 16 * D / 8;              // 8-byte units of the 16 rows
+  static_assert(UNITS % 32 == 0, "the rows' units must split evenly over the lanes");
+#pragma unroll
+  for (int j = 0; j < UNITS / 32; ++j) {
+    const int u = j * 32 + lane, r = u / (D / 8), c8 = u % (D / 8);
+    const uint2 w = *reinterpret_cast<const uint2*>(src + r * D + c8 * 8);
+    unsigned lo[2], hi[2];
+    fp8x4_to_pairs<TKV, Pair<T>>(w.x, lo);
+    fp8x4_to_pairs<TKV, Pair<T>>(w.y, hi);
+    *reinterpret_cast<uint4*>(dst + r * LD + c8 * 8) = make_uint4(lo[0], lo[1], hi[0], hi[1]);
+  }
+}
 }  // namespace pd
 
 // grid: (C chunks, Hkv * row_tiles), the row tile fastest; block: NUM_WARPS * 32 threads.
+// T: the queries' and the mma operands' type; TKV: the pools' element, T itself or an fp8
+// format (pd::fp8_e4m3 / pd::fp8_e5m2: a byte ring, widened per warp into scratch tiles).
 // SOFT_CAP: scores capped at soft_cap_log2 (log2 units, ``logit``); SINK: the heads'
 // sinks join the final combine (only where the kernel writes the output: merged partials
 // never hold a sink, the merge adds it once).
-template <typename T, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS, int STAGES,
-          bool SOFT_CAP, bool SINK>
+template <typename T, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS,
+          int STAGES, bool SOFT_CAP, bool SINK>
 __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const T* __restrict__ q,                     // [B, Hq, D]
-    const T* __restrict__ k_pages,               // [num_pages, P, Hkv, D]
-    const T* __restrict__ v_pages,               // [num_pages, P, Hkv, D]
+    const TKV* __restrict__ k_pages,             // [num_pages, P, Hkv, D]
+    const TKV* __restrict__ v_pages,             // [num_pages, P, Hkv, D]
     const int* __restrict__ indices,             // [total_pages]
     const int* __restrict__ indptr,              // [B + 1]
     const int* __restrict__ last_page_len,       // [B]
@@ -107,12 +156,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     TO* __restrict__ v_out,                      // [C, Hq, D]
     float* __restrict__ lse_out,                 // [C, Hq], log2
     int num_qo_heads, int num_kv_heads, int row_tiles, int pages_per_chunk, float scale_log2,
-    float soft_cap_log2) {
+    float soft_cap_log2, float v_scale) {
   using namespace pd;
   constexpr int D = HEAD_DIM;
-  constexpr int LD = D + 8;                      // padded smem row, in elements
+  constexpr int LD = D + 8;                      // padded 16-bit smem row, in elements
+  constexpr bool FP8 = sizeof(TKV) == 1;         // a byte ring, widened into scratch
+  // ring row, in TKV elements: 16-bit rows padded for ldmatrix; byte rows unpadded (each
+  // warp reads its rows front to back, so consecutive lanes read consecutive bytes)
+  constexpr int RLD = FP8 ? D : LD;
   constexpr int THREADS = NUM_WARPS * 32;
-  constexpr int PIECES = D / 8;                  // 16-byte pieces per row
+  constexpr int PIECES = D * (int)sizeof(TKV) / 16;   // 16-byte pieces per ring row
   constexpr int KT = 16 * NUM_WARPS;             // tokens per stage, 16 per warp
   constexpr int NT = 2;                          // 8-token column tiles of a warp's S
   constexpr int DT = D / 8;                      // 8-wide column tiles of O
@@ -123,8 +176,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 
   unsigned char* smem = pd_tc_smem;
   T* qs = reinterpret_cast<T*>(smem);            // [16][LD]
-  T* ks = qs + 16 * LD;                          // [STAGES][KT][LD]
-  T* vs = ks + STAGES * KT * LD;                 // [STAGES][KT][LD]
+  TKV* ks = reinterpret_cast<TKV*>(qs + 16 * LD);   // [STAGES][KT][RLD]
+  TKV* vs = ks + STAGES * KT * RLD;              // [STAGES][KT][RLD]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
@@ -174,9 +227,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
       for (int j = 0; j < PER_THREAD; ++j) {
         const int e = tid + j * THREADS, tok = e / PIECES, piece = e % PIECES;
         const int i = stage * KT + tok;                                // token in the range
-        stage_kv_piece<T, D>(ks + (slot * KT + tok) * LD, vs + (slot * KT + tok) * LD, k_pages,
-                             v_pages, sm_ids[slot][tok], (a_begin + i) % PAGE_SIZE, kvh, piece,
-                             i < n_tok, page_stride, row_stride);
+        stage_kv_piece<TKV, D>(ks + (slot * KT + tok) * RLD, vs + (slot * KT + tok) * RLD,
+                               k_pages, v_pages, sm_ids[slot][tok], (a_begin + i) % PAGE_SIZE,
+                               kvh, piece, i < n_tok, page_stride, row_stride);
       }
     }
     cp_async_commit();
@@ -207,11 +260,28 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const int slot = stage % STAGES;
     const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
     if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out
+      const T* kt;
+      const T* vt;
+      if constexpr (FP8) {
+        // widen this warp's 16 K and V ring rows into its scratch tile ([2][16][LD],
+        // after the ring): only this warp reads it, so warp barriers order it (the
+        // first: its reads of the last stage's scratch are done)
+        T* scratch = reinterpret_cast<T*>(vs + STAGES * KT * RLD) + warp * 2 * 16 * LD;
+        __syncwarp();
+        widen_rows<TKV, T, D, LD>(scratch, ks + (slot * KT + warp * 16) * RLD, lane);
+        widen_rows<TKV, T, D, LD>(scratch + 16 * LD, vs + (slot * KT + warp * 16) * RLD, lane);
+        __syncwarp();
+        kt = scratch;
+        vt = scratch + 16 * LD;
+      } else {
+        kt = reinterpret_cast<const T*>(ks + (slot * KT + warp * 16) * RLD);
+        vt = reinterpret_cast<const T*>(vs + (slot * KT + warp * 16) * RLD);
+      }
       float s[NT][4];
-      qk_tile<T, D, LD, NT>(s, qs, ks + (slot * KT + warp * 16) * LD);
+      qk_tile<T, D, LD, NT>(s, qs, kt);
       softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
                                      soft_cap_log2);
-      pv_tile<T, LD, NT, DT>(o, s, vs + (slot * KT + warp * 16) * LD);
+      pv_tile<T, LD, NT, DT>(o, s, vt);
     }
   }
   cp_async_wait<0>();                            // no copy may outlive the loop
@@ -257,7 +327,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     // survives its weight of 0): NaN output and LSE, never the empty answer
     const bool live = !(den <= 0.f);
     const long long out_row = (long long)c * num_qo_heads + h0 + i;
-    v_out[out_row * D + d] = from_float<TO>(live ? num / den : 0.f);
+    // v_scale: an fp8 pool's V scale (1 for 16-bit pools; the K scale is in scale_log2)
+    v_out[out_row * D + d] = from_float<TO>(live ? num / den * v_scale : 0.f);
     if (d == 0) lse_out[out_row] = live ? mx + log2f(den) : -PD_INF;
   }
 }
@@ -284,9 +355,11 @@ CUDA_SOURCE = CUDA_COMMON + CUDA_MMA + CUDA_BODY
 # Inputs (in order): q, k_pages, v_pages, indices, indptr, last_page_len,
 # first_page_offset, request_indices, kv_tile_indices, sinks ([Hq] float32 with SINK, a
 # stand-in otherwise), num_qo_heads, num_kv_heads, row_tiles, pages_per_chunk (0-d
-# int32), scale_log2, soft_cap_log2 (0-d float32); outputs: v_out, lse_out. Template
-# arguments, in order: T, TO (dtypes), HEAD_DIM, PAGE_SIZE, NUM_WARPS, SOFT_CAP, SINK,
-# ROWS. Launch: grid (C * NUM_WARPS * 32, Hkv * row_tiles, 1) threads, threadgroup
+# int32), scale_log2, soft_cap_log2, v_scale (0-d float32); outputs: v_out, lse_out.
+# Template arguments, in order: T, TO (dtypes: T is q's; fp8 pools are uint8_t),
+# HEAD_DIM, PAGE_SIZE, NUM_WARPS, SOFT_CAP, SINK, ROWS, KV_FP8 (the pools' fp8 format, 0
+# for none: ``kernel_def.metal_fp8``; the codes are widened into T as they are staged).
+# Launch: grid (C * NUM_WARPS * 32, Hkv * row_tiles, 1) threads, threadgroup
 # (NUM_WARPS * 32, 1, 1).
 METAL_TILE = 8                    # simdgroup_matrix rows, columns and depth
 # 16 bytes of padding per threadgroup row, as MLX's steel attention pads its tiles (the
@@ -297,7 +370,7 @@ METAL_MAX_SIMDGROUPS = 4
 METAL_INPUTS = ("q", "k_pages", "v_pages", "indices", "indptr", "last_page_len",
                 "first_page_offset", "request_indices", "kv_tile_indices", "sinks",
                 "num_qo_heads", "num_kv_heads", "row_tiles", "pages_per_chunk", "scale_log2",
-                "soft_cap_log2")
+                "soft_cap_log2", "v_scale")
 METAL_OUTPUTS = ("v_out", "lse_out")
 
 
@@ -373,9 +446,10 @@ inline int tile_col(uint lane) { return int((lane / 4 & 2) * 2 + (lane % 2) * 2)
 // Copy stage `stage`'s KT tokens of K and V into one buffer (K rows [0, KT), V rows [KT,
 // 2 KT), LD apart), tokens past the range zero-filled (their scores are masked and their
 // zero V rows keep P V finite). Each token's page is looked up on its own: a stage may
-// span pages of any size, from any first page offset. Every thread takes part.
-template <typename T, int HEAD_DIM, int PAGE_SIZE, int KT, int LD, int THREADS, typename KP,
-          typename IP>
+// span pages of any size, from any first page offset. Every thread takes part. FP8: the
+// fp8 format of uint8_t pools (0: pools of T), widened exactly by load4kv on the way in.
+template <typename T, int HEAD_DIM, int PAGE_SIZE, int KT, int LD, int THREADS, int FP8,
+          typename KP, typename IP>
 inline void stage_kv(threadgroup T* buf, KP k_pages, KP v_pages, IP page_ids, long a_begin,
                      int n_tok, int stage, long head_off, long row_stride, uint tid) {
   constexpr int PIECES = HEAD_DIM / 4;             // 4-element pieces per row
@@ -388,9 +462,17 @@ inline void stage_kv(threadgroup T* buf, KP k_pages, KP v_pages, IP page_ids, lo
       const long a = a_begin + i;                  // entry in the request's pages
       const long off = (long(page_ids[a / PAGE_SIZE]) * PAGE_SIZE + a % PAGE_SIZE) * row_stride
                        + head_off + d;
-      for (int j = 0; j < 4; ++j) {
-        kd[j] = k_pages[off + j];
-        vd[j] = v_pages[off + j];
+      if (FP8 == 0) {
+        for (int j = 0; j < 4; ++j) {
+          kd[j] = k_pages[off + j];
+          vd[j] = v_pages[off + j];
+        }
+      } else {
+        const float4 kf = load4kv<FP8>(k_pages + off), vf = load4kv<FP8>(v_pages + off);
+        for (int j = 0; j < 4; ++j) {
+          kd[j] = T(kf[j]);
+          vd[j] = T(vf[j]);
+        }
       }
     } else {
       for (int j = 0; j < 4; ++j) {
@@ -509,14 +591,14 @@ METAL_SOURCE = r"""
   const long head_off = long(kvh) * HEAD_DIM;
   const auto page_ids = indices + pb;             // device or constant space (MLX's choice)
   if (n_stages > 0)
-    pd::stage_kv<T, HEAD_DIM, PAGE_SIZE, KT, LD, S::THREADS>(
+    pd::stage_kv<T, HEAD_DIM, PAGE_SIZE, KT, LD, S::THREADS, KV_FP8>(
         kv, k_pages, v_pages, page_ids, a_begin, n_tok, 0, head_off, row_stride, tid);
   for (int stage = 0; stage < n_stages; ++stage) {
     // stage `stage`'s copies are visible, and every SIMD group is done with stage - 1,
     // whose buffer the copy below refills
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (stage + 1 < n_stages)
-      pd::stage_kv<T, HEAD_DIM, PAGE_SIZE, KT, LD, S::THREADS>(
+      pd::stage_kv<T, HEAD_DIM, PAGE_SIZE, KT, LD, S::THREADS, KV_FP8>(
           kv + ((stage + 1) % 2) * S::BUF, k_pages, v_pages, page_ids, a_begin, n_tok,
           stage + 1, head_off, row_stride, tid);
     threadgroup const T* buf = kv + (stage % 2) * S::BUF;
@@ -572,24 +654,29 @@ METAL_SOURCE = r"""
     // LSE, never the empty answer
     const bool live = !(den <= 0.0f);
     const long out_row = long(c) * num_qo_heads + h0 + i;
-    v_out[out_row * HEAD_DIM + d] = pd::from_float<TO>(live ? num / den : 0.0f);
+    // v_scale: an fp8 pool's V scale (1 for 16-bit pools; the K scale is in scale_log2)
+    v_out[out_row * HEAD_DIM + d] = pd::from_float<TO>(live ? num / den * v_scale : 0.0f);
     if (d == 0) lse_out[out_row] = live ? mx + log2(den) : -INFINITY;
   }
 """
 
 
 def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
-    return {"T": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype), "HEAD_DIM": spec.head_dim,
-            "PAGE_SIZE": spec.page_size, "NUM_WARPS": spec.num_warps, "STAGES": spec.stages,
-            "SOFT_CAP": spec.soft_cap, "SINK": spec.sink, "ROWS": spec.heads_per_cta}
+    return {"T": Dtype(spec.q_dtype), "TKV": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype),
+            "HEAD_DIM": spec.head_dim, "PAGE_SIZE": spec.page_size,
+            "NUM_WARPS": spec.num_warps, "STAGES": spec.stages, "SOFT_CAP": spec.soft_cap,
+            "SINK": spec.sink, "ROWS": spec.heads_per_cta, "KV_FP8": metal_fp8(spec.kv_dtype)}
 
 
 KERNEL = KernelDef(
     kernel="v2tc", cuda_name="pd_decode_v2_tc", cuda_source=CUDA_SOURCE,
-    template=("T", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS", "STAGES", "SOFT_CAP", "SINK"),
+    template=("T", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS", "STAGES", "SOFT_CAP",
+              "SINK"),
     arguments=_arguments, threads=lambda spec: spec.num_warps * 32,
-    dynamic_smem=lambda spec: dynamic_smem_bytes(spec.head_dim, spec.num_warps, spec.stages),
+    dynamic_smem=lambda spec: dynamic_smem_bytes(spec.head_dim, spec.num_warps, spec.stages,
+                                                 kv_bytes(spec.kv_dtype)),
     metal=MetalKernel(METAL_HEADER, METAL_SOURCE, METAL_INPUTS, METAL_OUTPUTS),
     # Metal has a fixed double buffer, and its row count per threadgroup (8 or 16: CUDA's
-    # mma tile is always 16) is a template argument
-    cuda_only=("STAGES",), metal_only=("ROWS",))
+    # mma tile is always 16) is a template argument; its pools' element is the array's own
+    # (uint8_t for fp8), the format a number
+    cuda_only=("TKV", "STAGES"), metal_only=("ROWS", "KV_FP8"))

@@ -2,7 +2,9 @@
 
 ``fp8_to_float<FMT>`` (a byte to its exact float value) is what every kernel that reads
 an fp8 pool calls, through ``widen_piece<fp8_e4m3 / fp8_e5m2>`` in CUDA (8 bytes, half of
-a 16-byte ring piece that two lanes share) and ``load4kv`` in Metal; ``fp8_from_float<FMT>`` (``saturate(round_ne(x))``, NaN kept) is the append
+a 16-byte ring piece that two lanes share), ``fp8x4_to_pairs`` (4 bytes to two 16-bit
+pairs: the tensor-core partial's byte ring into its 16-bit scratch tile) and ``load4kv``
+in Metal; ``fp8_from_float<FMT>`` (``saturate(round_ne(x))``, NaN kept) is the append
 kernel's quantization. Both are written with integer and exact float operations only
 (no intrinsics), so the CPU emulator runs the very text the GPU compiles, and tests check
 them over all 256 codes and against ``ml_dtypes`` rounding (``tests/test_fp8.py``).
@@ -14,7 +16,8 @@ max 448) and e5m2 (bias 15, IEEE infinities and NaNs, max 57344). A normal code
 computed as an exact float product (no float32 subnormal is involved, so flushing
 denormals cannot change it).
 
-On sm_89 and later the CUDA widen (8 bytes, half of a 16-byte ring piece) uses the hardware ``cvt.rn.f16x2.e4m3x2``
+On sm_89 and later the CUDA widen (8 bytes, half of a 16-byte ring piece) and
+``fp8x4_to_pairs`` use the hardware ``cvt.rn.f16x2.e4m3x2``
 / ``e5m2x2`` (exact: every fp8 value is a float16), then float16 -> float32; elsewhere,
 and on the emulator, the scalar routine. Only the GPU tests (``tests/test_fp8_gpu.py``)
 check that path.
@@ -112,6 +115,34 @@ __device__ __forceinline__ void widen_fp8(const uint4& u, float* f, int sel) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) f[i] = fp8_to_float<T>((w[i / 4] >> (8 * (i % 4))) & 0xffu);
 #endif
+}
+
+// Four fp8 codes of format T (the bytes of w, the lowest first) as two pairs of 16-bit
+// values, the lower code in the lower half, packed by PACK (mma.py's Pair<__half> or
+// Pair<__nv_bfloat16>): exact, every fp8 value being both a float16 and a bfloat16. The
+// tensor-core partial widens its byte ring with it (8 codes into one 16-byte row piece).
+// sm_89+: cvt.rn.f16x2.e4m3x2 / e5m2x2 per pair (bfloat16 then repacked through float, exact);
+// elsewhere, and on the emulator, fp8_to_float per code.
+template <typename T, typename PACK>
+__device__ __forceinline__ void fp8x4_to_pairs(unsigned w, unsigned (&p)[2]) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    const unsigned short pair = (unsigned short)(w >> (16 * j));
+    unsigned h2;
+    if (FP8<T>::FN) asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+    else asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(pair));
+    if constexpr (PACK::BF16) {
+      const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+      p[j] = PACK::pack(t.x, t.y);
+    } else {
+      p[j] = h2;
+    }
+#else
+    p[j] = PACK::pack(fp8_to_float<T>((w >> (16 * j)) & 0xffu),
+                      fp8_to_float<T>((w >> (16 * j + 8)) & 0xffu));
+#endif
+  }
 }
 
 // fp8 pools: 8 elements per lane and load (half of a shared 16-byte piece).

@@ -119,23 +119,25 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
 #endif
 }
 
-// Staging: piece `piece` (16 bytes) of the K and V rows of one token (entry `entry` of
-// pool page `page`, KV head `kvh`) into its padded shared-memory rows `ks` / `vs` with
-// cp.async; `ok` false zero-fills both without reading global memory.
+// Staging: piece `piece` (16 bytes: 8 16-bit elements or 16 fp8 codes) of the K and V
+// rows of one token (entry `entry` of pool page `page`, KV head `kvh`) into its
+// shared-memory rows `ks` / `vs` with cp.async; `ok` false zero-fills both without
+// reading global memory.
 template <typename T, int D>
 __device__ __forceinline__ void stage_kv_piece(T* ks, T* vs, const T* k_pages, const T* v_pages,
                                                int page, int entry, int kvh, int piece, bool ok,
                                                long long page_stride, long long row_stride) {
+  constexpr int PER = 16 / (int)sizeof(T);       // elements per piece
   const T* kp = k_pages;
   const T* vp = v_pages;
   if (ok) {
     const long long off = (long long)page * page_stride
-                          + (long long)entry * row_stride + (long long)kvh * D + piece * 8;
+                          + (long long)entry * row_stride + (long long)kvh * D + piece * PER;
     kp += off;
     vp += off;
   }
-  cp_async16(ks + piece * 8, kp, ok);
-  cp_async16(vs + piece * 8, vp, ok);
+  cp_async16(ks + piece * PER, kp, ok);
+  cp_async16(vs + piece * PER, vp, ok);
 }
 
 // Phase: s = Q K^T (16 rows x 8 NT tokens) for one warp: `qw` points at the warp's 16
