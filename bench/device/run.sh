@@ -63,6 +63,10 @@
 #               T = 1, 2, 4, 8 query tokens per request on v2 and v2tc (prepared, each
 #               verified against the oracle first) at 32 x 4K (the target: T = 4 within
 #               1.3x of T = 1) and 8 x 8K, Llama-3-8B heads, float16 -> $OUT/multitoken.json
+#   tc-quick    session 7's short run: GPU tests of fp8, variants, the step and multi-token,
+#               then v2tc against FlashInfer tensor cores at two cells each for fp8 (8 / 32
+#               x 8K), soft cap, sinks and window (batch 8, 4K / 32K), then memcheck over
+#               the v2tc GPU tests (run fi first)
 #   fp8         issue #14 item 1 (run fi first): the fp8 GPU tests (tests/test_fp8_gpu.py: the
 #               sm_90 cvt widens over all 256 codes, decode (v2tc too) and append on CuPy
 #               bytes and torch fp8 tensors), then float16 pools against float8_e4m3fn pools
@@ -319,6 +323,29 @@ PY
   BENCH_TIMEOUT=${BENCH_TIMEOUT:-100} run_bench fp8_e5m2 $cells --kv-dtype float8_e5m2 --arms v2,v2tc
   python3 bench/device/fp8_table.py "$OUT/fp8_table.md" "$OUT"/bench_fp8_f16.json \
     "$OUT"/bench_fp8_e4m3.json "$OUT"/bench_fp8_e5m2.json 2>&1 | tail -12
+}
+
+# the new tensor-core variants in one short command (session 7): the GPU tests of fp8, the
+# variants and the step, then #14's targets at two cells each (8 x 8K and 32 x 8K for fp8:
+# float16 K/V of 268 MB and 1 GB; batch 8 at 4K / 32K for the variants), v2tc beside
+# FlashInfer's tensor-core decode (run fi first), then memcheck over v2tc's GPU tests
+step_tc_quick() {
+  timeout 150 python3 -m pytest -q -m gpu -rs tests/test_fp8_gpu.py tests/test_variants_gpu.py \
+    tests/test_engine_step_gpu.py tests/test_multitoken_gpu.py > "$L/tc_quick_tests.log" 2>&1
+  echo "tc-quick gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/tc_quick_tests.log" | tail -8
+  local a=v2tc,flashinfer-tc c8="--preset targets --context 8192 --batch 8 --batch 32"
+  local cv="--preset targets --context 4096 --context 32768 --batch 8"
+  BENCH_TIMEOUT=60 run_bench q_fp8_f16 $c8 --arms v2,$a | tail -6
+  BENCH_TIMEOUT=60 run_bench q_fp8_e4m3 $c8 --kv-dtype float8_e4m3fn --arms v2,$a | tail -6
+  BENCH_TIMEOUT=45 run_bench q_plain $cv --arms $a | tail -6
+  BENCH_TIMEOUT=45 run_bench q_softcap $cv --soft-cap 30 --arms $a | tail -6
+  BENCH_TIMEOUT=30 run_bench q_sinks $cv --sinks --arms v2tc | tail -6
+  BENCH_TIMEOUT=40 run_bench q_window --preset targets --context 32768 --batch 8 \
+    --window-left 4095 --arms $a | tail -6
+  PAGED_DECODE_PLAIN_MALLOC=1 timeout 100 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    python3 -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_variants_gpu.py -k v2tc \
+    > "$L/tc_quick_memcheck.log" 2>&1
+  echo "v2tc memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$L/tc_quick_memcheck.log" | tail -3
 }
 
 # move what the steps wrote to $OUT into the scratch folder and pack it all
