@@ -137,15 +137,21 @@ def check_window(fn: str, window_left: Any) -> int:
     return check_int(fn, "window_left", window_left, -1)
 
 
+#: the soft caps the kernels take: the cap in log2 units and its reciprocal stay normal
+#: float32 numbers (the CUDA kernels multiply by 1 / cap); a larger cap is no cap (None)
+SOFT_CAP_RANGE = (1e-30, 1e30)
+
+
 def check_soft_cap(fn: str, logits_soft_cap: Any) -> float | None:
-    """``logits_soft_cap``: ``None`` or a finite real number > 0 (not a bool)."""
+    """``logits_soft_cap``: ``None`` or a real number in ``SOFT_CAP_RANGE`` (not a bool)."""
     if logits_soft_cap is None:
         return None
     ok = (isinstance(logits_soft_cap, (int, float, np.integer, np.floating))
           and not isinstance(logits_soft_cap, (bool, np.bool_)))
-    if not ok or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0:
+    lo, hi = SOFT_CAP_RANGE
+    if not ok or not math.isfinite(logits_soft_cap) or not lo <= logits_soft_cap <= hi:
         raise InvalidArgumentError(f"{fn}: logits_soft_cap must be None or a finite number "
-                                   f"> 0, got {logits_soft_cap!r}")
+                                   f"in [{lo:g}, {hi:g}], got {logits_soft_cap!r}")
     return float(logits_soft_cap)
 
 

@@ -79,13 +79,16 @@ def _codes_of(fmt: str) -> tuple[np.ndarray, np.ndarray]:
     return codes, codes.view(fp8.numpy_fp8(fmt)).astype(np.float32)
 
 
-def _check_conversions(fmt, widened, scalar, x, q):
+def _check_conversions(fmt, widened, scalar, x, q, nan_sign=True):
+    """Widened codes equal ml_dtypes' values (signed zeros with their sign; NaN codes as
+    NaNs, of their sign unless ``nan_sign`` is off: the sm_89+ ``cvt`` returns NaNs with
+    the sign cleared, measured on the H200 in run S7-R3), quantized inputs its codes."""
     _, want = _codes_of(fmt)
     for got in (widened, scalar):
         same = (got == want) | (np.isnan(got) & np.isnan(want))
         assert same.all(), np.flatnonzero(~same)[:8]
-        # signed zeros keep their sign
-        assert (np.signbit(got) == np.signbit(want)).all()
+        signed = slice(None) if nan_sign else ~np.isnan(want)
+        assert (np.signbit(got[signed]) == np.signbit(want[signed])).all()
     exp = fp8.quantize(x, fmt).view(np.uint8)
     bad = np.flatnonzero(q != exp)
     assert bad.size == 0, [(x[i], int(q[i]), int(exp[i])) for i in bad[:8]]

@@ -394,17 +394,22 @@ def test_paths_without_a_variant_refuse_it_in_one_place():
             check_path("decode", "cuda", "future", v)
 
 
+CAP_MSG = r"logits_soft_cap must be None or a finite number in \[1e-30, 1e\+30\], got "
 BAD = [
     ("window_left", -2, "window_left must be an integer >= -1, got -2"),
     ("window_left", 2.0, "window_left must be an integer >= -1, got 2.0"),
     ("window_left", True, "window_left must be an integer >= -1, got True"),
     ("window_left", "8", "window_left must be an integer >= -1, got '8'"),
-    ("logits_soft_cap", 0.0, "logits_soft_cap must be None or a finite number > 0, got 0.0"),
-    ("logits_soft_cap", -1.0, "logits_soft_cap must be None or a finite number > 0, got -1.0"),
-    ("logits_soft_cap", math.inf, "logits_soft_cap must be None or a finite number > 0, got inf"),
-    ("logits_soft_cap", math.nan, "logits_soft_cap must be None or a finite number > 0, got nan"),
-    ("logits_soft_cap", "30", "logits_soft_cap must be None or a finite number > 0, got '30'"),
-    ("logits_soft_cap", True, "logits_soft_cap must be None or a finite number > 0, got True"),
+    ("logits_soft_cap", 0.0, CAP_MSG + "0.0"),
+    ("logits_soft_cap", -1.0, CAP_MSG + "-1.0"),
+    ("logits_soft_cap", math.inf, CAP_MSG + "inf"),
+    ("logits_soft_cap", math.nan, CAP_MSG + "nan"),
+    ("logits_soft_cap", "30", CAP_MSG + "'30'"),
+    ("logits_soft_cap", True, CAP_MSG + "True"),
+    # the kernels multiply by 1 / cap: a cap whose reciprocal would leave float32's normal
+    # numbers is refused (a larger cap is no cap: None)
+    ("logits_soft_cap", 1e-31, CAP_MSG + "1e-31"),
+    ("logits_soft_cap", 1e31, CAP_MSG + r"1e\+31"),
     ("sinks", np.zeros(HQ + 1, np.float32), r"sinks must have shape \[Hq\] = \[8\], got \[9\]"),
     ("sinks", np.zeros((1, HQ), np.float32), r"sinks must have shape \[Hq\] = \[8\], got \[1, 8\]"),
     ("sinks", np.zeros(HQ, np.float16), "sinks must be float32, got float16"),

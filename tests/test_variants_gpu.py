@@ -148,3 +148,21 @@ def test_v2tc_variants_match_oracle_on_cuda(cuda, variant, dtype, hq, hkv):
             tol = max(PREFIX_RTOL[dtype], OUT_RTOL[od])
             assert max_rel_error(cp.asnumpy(out), ref) <= tol, what
             assert lse_error(cp.asnumpy(lse), ref_lse) <= LSE_ATOL, what
+
+
+@pytest.mark.parametrize("cap", [1e-30, 0.7, 43.28, 1e9, 1e30], ids=str)
+def test_soft_capped_logit_on_the_gpu(cap):
+    """The CUDA logit under a cap on this GPU's exp2 and reciprocal approximations
+    (``tests/test_soft_cap_logit.py`` runs the same kernel on the emulator): within its
+    tolerance of ``c * tanh(x / c)`` in float64 over the same score sweep."""
+    import cupy as cp
+    from test_soft_cap_logit import LOGIT_TEST, check_logits, scores
+
+    from paged_decode.backends.cuda_launch import COMPILE_OPTIONS
+    x = scores(cap)
+    mod = cp.RawModule(code=LOGIT_TEST, options=COMPILE_OPTIONS,
+                       name_expressions=["pd_logit_test"])
+    out = cp.full(x.size, np.nan, cp.float32)
+    mod.get_function("pd_logit_test")((1,), (128,), (cp.asarray(x), out, np.float32(cap),
+                                                      np.int32(x.size)))
+    check_logits(cap, x, cp.asnumpy(out))

@@ -67,6 +67,8 @@
 #               then v2tc against FlashInfer tensor cores at two cells each for fp8 (8 / 32
 #               x 8K), soft cap, sinks and window (batch 8, 4K / 32K), then memcheck over
 #               the v2tc GPU tests (run fi first)
+#   softcap-quick  the soft cap's GPU tests and v2 / v2tc with and without a cap of 30 at
+#               batch 8 x 4K / 32K (session 7)
 #   fp8         issue #14 item 1 (run fi first): the fp8 GPU tests (tests/test_fp8_gpu.py: the
 #               sm_90 cvt widens over all 256 codes, decode (v2tc too) and append on CuPy
 #               bytes and torch fp8 tensors), then float16 pools against float8_e4m3fn pools
@@ -346,6 +348,18 @@ step_tc_quick() {
     python3 -m pytest -q -m gpu tests/test_fp8_gpu.py tests/test_variants_gpu.py -k v2tc \
     > "$L/tc_quick_memcheck.log" 2>&1
   echo "v2tc memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$L/tc_quick_memcheck.log" | tail -3
+}
+
+# the soft cap on the hardware exp2 / reciprocal tanh (session 7, after tc-quick): its GPU
+# tests (the logit sweep, every path with a cap), the fp8 widening tests, then v2 and
+# v2tc with and without a cap of 30 at batch 8 x 4K / 32K (#14: within 3% of plain)
+step_softcap_quick() {
+  timeout 120 python3 -m pytest -q -m gpu -rs tests/test_variants_gpu.py -k "cap or logit" \
+    tests/test_fp8_gpu.py > "$L/softcap_tests.log" 2>&1
+  echo "softcap gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/softcap_tests.log" | tail -8
+  local cv="--preset targets --context 4096 --context 32768 --batch 8 --arms v2,v2tc"
+  BENCH_TIMEOUT=50 run_bench s_plain $cv | tail -5
+  BENCH_TIMEOUT=50 run_bench s_softcap $cv --soft-cap 30 | tail -5
 }
 
 # move what the steps wrote to $OUT into the scratch folder and pack it all
