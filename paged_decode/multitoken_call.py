@@ -39,7 +39,7 @@ from .outcome import DecodeOutcome
 from .page_table import PageTable
 from .plan import DecodePlan, make_plan
 from .specs import v2tc_ctas_per_chunk
-from .variants import Variant, check_path
+from .variants import Variant, check_path, missing_variants
 
 _plans_lock = threading.Lock()
 #: a pieces table -> its plans, by (path's CTAs per chunk, device name, geometry)
@@ -174,8 +174,9 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
     else:
         check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
         plan.check(fn, table, a.hq, a.hkv, a.d, w, qt.max_tokens)
-    if path == "auto":
-        chosen, reason = choose_path(be, table, plan)
+    if path == "auto":   # the crossover cell of the common pass's folded group (T x G)
+        chosen, reason = choose_path(be, table, plan.folded(),
+                                     _auto_paths(be, a, plan.query_tokens))
     else:
         chosen, reason = path, "requested"
     fold = plan.query_tokens
@@ -209,6 +210,17 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
                           unfold_d, _device_index(be, split.piece_token),
                           _device_index(be, split.merge_rows), out_a, lse_a,
                           out_a.reshape(n, a.hq, a.d), lse_a.reshape(n, a.hq), outcome)
+
+
+def _auto_paths(be: Backend, a: CallArgs, fold: int) -> tuple[str, ...]:
+    """The paths ``auto`` may take for a multi-token call: v2, v2tc or v1 where the backend
+    runs both passes (``_check_support``) and the path implements the call's variants
+    (v2 when none does: its checks then name what is missing)."""
+    paths = tuple(p for p in ("v2", "v2tc", "v1")
+                  if not missing_variants(p, a.variant)
+                  and all(be.supports(Problem(a.q_dt, a.kv_dt, heads, a.hkv, a.d, a.p, p))
+                          for heads in (a.hq * fold, a.hq)))
+    return paths or ("v2",)
 
 
 def _check_support(fn: str, be: Backend, a: CallArgs, path: str, fold: int) -> None:

@@ -426,3 +426,30 @@ def test_bench_times_the_v2tc_arm_with_every_variant(tmp_path):
     assert arm["verified"] and arm["ran"] in ("v2tc", "v2tc+merge"), arm
     assert arm["max_rel_error"] <= tc_out_tol("float16", "float16") and arm["call"], arm
     assert "W100" in res.output and "cap30" in res.output and "sinks" in res.output
+
+
+def test_auto_reads_the_folded_group_for_several_query_tokens(monkeypatch):
+    """A multi-token ``auto`` call looks up the crossover cell of its common pass's
+    folded group (T x G): a table with v2 fastest at G and v2tc at T x G picks v2tc for
+    T = 4 query tokens and v2 for one; the multi-token answer matches the oracle."""
+    from paged_decode import call as call_mod
+    from paged_decode.crossover import Cell, CrossoverTable
+    be = get_backend("emulated-cuda")
+    table = CrossoverTable("test", "test.json", (
+        Cell(2, 40, 16, 2, "v2", {"v2": 1.0, "v2tc": 2.0, "v1": 3.0}),
+        Cell(2, 40, 16, 8, "v2tc", {"v2": 2.0, "v2tc": 1.0, "v1": 3.0})))
+    monkeypatch.setattr(call_mod, "table_for", lambda name: table)
+    pr = make_problem(ProblemSpec(2, 40, 4, 2, 64, 16, "float16", seed=81))
+    rng = np.random.default_rng(82)
+    q4 = rng.standard_normal((2, 4, 4, 64)).astype(np.float16)
+    out = pd.decode(q4, pr.k_pages, pr.v_pages, pr.table, backend=be, out_dtype="float32")
+    o = pd.last_outcome()
+    assert o.path == "v2tc+merge" and "auto: v2tc" in o.reason and "G8" in o.reason, o
+    qo = np.arange(3) * 4
+    ref, _ = oracle_decode(q4.reshape(8, 4, 64), pr.k_pages, pr.v_pages, pr.table,
+                           qo_indptr=qo)
+    assert_matches_oracle(np.asarray(out).reshape(8, 4, 64), None, ref, None, "float32",
+                          "auto multi-token", tol=tc_out_tol("float16", "float32"))
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend=be, out_dtype="float32")
+    o = pd.last_outcome()
+    assert o.path.startswith("v2") and not o.path.startswith("v2tc"), o
