@@ -60,6 +60,10 @@ class DecodeStep:
         num_qo_heads: query heads (a multiple of the pool's KV heads).
         capacity: rows (``>= len(seqs)``; padding rows after the sequences): the batch
             size a captured graph is made for.
+        page_capacity: page ids the device table holds before it grows (default: twice
+            the batch's pages, at least 64; ``PagePool.step_table``). Growing makes a new
+            buffer, which a captured step must be captured again for (``stale``), so an
+            engine sizes it for the contexts it serves.
         headroom: tokens each sequence may grow by before a replan (default 64: one
             replan per 64 steps at most).
         logits_soft_cap, sinks: decode variants for every layer (``docs/variants.md``;
@@ -72,7 +76,8 @@ class DecodeStep:
     """
 
     def __init__(self, pool: PagePool, seqs: Sequence[int] | np.ndarray, *,
-                 num_qo_heads: int, capacity: int | None = None, headroom: int = 64,
+                 num_qo_heads: int, capacity: int | None = None,
+                 page_capacity: int | None = None, headroom: int = 64,
                  sm_scale: float | None = None, path: str = "v2",
                  out_dtype: str | None = None, logits_soft_cap: float | None = None,
                  sinks: Any = None) -> None:
@@ -93,7 +98,7 @@ class DecodeStep:
         #: decode's variant keywords, checked by the first decode (the same for each layer)
         self.variants = {"logits_soft_cap": logits_soft_cap, "sinks": sinks}
         self.num_layers = pool.num_layers or 1
-        self.table = pool.step_table(seqs, capacity=capacity)
+        self.table = pool.step_table(seqs, capacity=capacity, page_capacity=page_capacity)
         self.plan = self._plan()
         #: begins the plan surely serves without a check (``DecodePlan.tokens_left``: a
         #: begin adds one token per row); any other change to the pool or the batch (seen

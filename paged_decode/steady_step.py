@@ -168,8 +168,8 @@ class SteadyBegin:
             return None
         if self.s == self.k:                            # work out the next ones
             k = self.k
-            if k:
-                self.cols_left -= int(np.count_nonzero(self.new))
+            if k:   # each row's page list grew by its fresh pages: the room left
+                self.cols_left -= int((self.npg[k] - self.npg[0]).max())
                 self._lookahead(self.npg[k], self.fil[k], self.last[k], self.tpages[k])
             if not self.k:
                 return None

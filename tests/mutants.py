@@ -391,6 +391,12 @@ MUTANTS: tuple[Mutant, ...] = (
        "            latest > 0, ids[np.maximum(latest, 0), np.arange(n)], last)])",
        [STEADY + "test_steady_begins_equal_general_ones_through_outside_changes[reference]"],
        "a page taken at the lookahead's first begin is forgotten: later tokens go to the old one"),
+    _m("py-steady-room-spent-per-begin", "python", ("paged_decode.steady_step",),
+       "                self.cols_left -= int((self.npg[k] - self.npg[0]).max())",
+       "                self.cols_left -= int(np.count_nonzero(self.new))",
+       [STEADY + "test_a_long_steady_loop_takes_one_general_begin"],
+       "the lookahead spends a page-list entry per begin, not per fresh page: the loop "
+       "falls back to the general path every few dozen begins"),
     _m("py-steady-arms-on-a-shared-page", "python", ("paged_decode.steady_step",),
        "        if not (pool._ref[last] == 1).all():\n            return None\n", "",
        [STEADY + "test_arming_refuses_what_is_not_the_steady_case"],
