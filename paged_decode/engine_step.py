@@ -98,7 +98,8 @@ class DecodeStep:
         #: decode's variant keywords, checked by the first decode (the same for each layer)
         self.variants = {"logits_soft_cap": logits_soft_cap, "sinks": sinks}
         self.num_layers = pool.num_layers or 1
-        self.table = pool.step_table(seqs, capacity=capacity, page_capacity=page_capacity)
+        self.table = pool.step_table(seqs, capacity=capacity, page_capacity=page_capacity,
+                                     fn=fn)
         self.plan = self._plan()
         #: begins the plan surely serves without a check (``DecodePlan.tokens_left``: a
         #: begin adds one token per row); any other change to the pool or the batch (seen

@@ -468,14 +468,16 @@ class PagePool:
         return self._append("PagePool.reserve_batch", ids, rows, None, None, None, 0, 0)
 
     def step_table(self, seqs: Sequence[int] | np.ndarray, *, capacity: int | None = None,
-                   page_capacity: int | None = None) -> StepTable:
+                   page_capacity: int | None = None,
+                   fn: str = "PagePool.step_table") -> StepTable:
         """A device-resident page table of ``seqs`` (in order) that follows this pool:
         every later append, trim and free reaches it, and ``decode`` brings its device
         copy up to date with one small copy (``paged_decode.step_table``). ``capacity``:
         rows (``>= len(seqs)``; the rest are empty padding rows); ``page_capacity``: page
         ids the device buffer holds before it grows (default: twice the batch's pages,
-        at least 64)."""
-        return StepTable(self, seqs, capacity=capacity, page_capacity=page_capacity)
+        at least 64); ``fn``: the name its errors carry (a caller's own, e.g.
+        ``DecodeStep``)."""
+        return StepTable(self, seqs, capacity=capacity, page_capacity=page_capacity, fn=fn)
 
     def write_layer(self, batch: AppendedBatch, k: Any, v: Any, *, layer: int) -> None:
         """Write layer ``layer``'s rows of the tokens ``batch`` appended: ``k, v [N, Hkv,

@@ -265,3 +265,16 @@ def test_the_plan_serves_the_table_after_every_begin():
         assert step.plan.mismatch(step.table) is None
         assert step._unchecked_begins <= step.plan.tokens_left(step.table)
     assert step.replans >= 3 and skipped >= 30
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"page_capacity": 0}, "page_capacity must be a positive integer or None, got 0"),
+    ({"page_capacity": "64"}, "page_capacity must be a positive integer or None, got '64'"),
+    ({"page_capacity": 1}, "page_capacity must hold the batch's"),
+    ({"capacity": 2}, "capacity must be at least the number of sequences"),
+])
+def test_table_sizes_are_checked_in_the_step_s_name(kw, msg):
+    rng = np.random.default_rng(9)
+    pool, step = _setup("reference", rng)
+    with pytest.raises(InvalidArgumentError, match=f"^DecodeStep: {msg}"):
+        pd.DecodeStep(pool, step.sequences[:4].tolist(), num_qo_heads=HQ, **kw)
