@@ -836,14 +836,9 @@ METAL_SOURCE = r"""
   const long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];
   const long pb = indptr[r], npages = indptr[r + 1] - pb;
   const long fpo = first_page_offset[r];
-  long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_page_len[r] - fpo : 0;
-  seq = seq < 0 ? 0 : seq;
-  const long page_begin = tile * pages_per_chunk;
-  const long page_end = page_begin + pages_per_chunk < npages ? page_begin + pages_per_chunk : npages;
-  long t_begin = page_begin * PAGE_SIZE - fpo;
-  t_begin = t_begin < 0 ? 0 : (t_begin > seq ? seq : t_begin);
-  long t_end = page_end >= npages ? seq : page_end * PAGE_SIZE - fpo;
-  t_end = t_end < 0 ? 0 : (t_end > seq ? seq : t_end);
+  const pd::TokenRange range = pd::chunk_tokens<PAGE_SIZE>(npages, last_page_len[r], fpo,
+                                                           tile, pages_per_chunk);
+  const long t_begin = range.t_begin, t_end = range.t_end;
 
   typedef pd::Combine<HEAD_DIM, QH, NUM_WARPS> CB;
   threadgroup float sm_m[CB::STATE];

@@ -401,26 +401,6 @@ def metal_simdgroups(head_dim: int) -> int:
 METAL_TC = r"""
 namespace pd {
 
-// The visible tokens [t_begin, t_end) of chunk `tile` of a request: CUDA's chunk_tokens
-// (token t lives at entry fpo + t of the request's pages; a chunk past the end, or of an
-// empty request, is empty).
-struct TokenRange { long t_begin, t_end; };
-template <int PAGE_SIZE>
-inline TokenRange chunk_tokens(long npages, long last_len, long fpo, long tile, long ppc) {
-  long seq = npages > 0 ? (npages - 1) * PAGE_SIZE + last_len - fpo : 0;
-  seq = seq < 0 ? 0 : seq;
-  const long page_begin = tile * ppc;
-  const long page_end = page_begin + ppc < npages ? page_begin + ppc : npages;
-  long t_begin = page_begin * PAGE_SIZE - fpo;
-  t_begin = t_begin < 0 ? 0 : (t_begin > seq ? seq : t_begin);
-  long t_end = page_end >= npages ? seq : page_end * PAGE_SIZE - fpo;
-  t_end = t_end < 0 ? 0 : (t_end > seq ? seq : t_end);
-  TokenRange range;
-  range.t_begin = t_begin;
-  range.t_end = t_end;
-  return range;
-}
-
 // Shapes of one threadgroup (template arguments of the body).
 template <int HEAD_DIM, int NUM_WARPS, int ROWS>
 struct TcShape {
