@@ -255,3 +255,9 @@ def tc_fp8_out_tol(q_dtype: str, out_dtype: str) -> float:
     it is ``tc_out_tol`` of q's dtype (the mma's rounding of the softmax weights) plus the
     two float32 roundings of the scales (``fp8_out_tol``)."""
     return tc_out_tol(q_dtype, out_dtype) + 2 * 2.0 ** -24
+
+
+def sinks_for(hq: int, seed: int = 3) -> np.ndarray:
+    """``[hq]`` float32 attention sinks around the scores' scale (|s| ~ 1-3), so each takes
+    a visible share of the softmax weight (natural-log units)."""
+    return (np.random.default_rng(seed).standard_normal(hq) * 2).astype(np.float32)

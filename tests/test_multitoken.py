@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, tc_out_tol
+from helpers import assert_matches_oracle, sinks_for, tc_out_tol
 
 import paged_decode as pd
 from paged_decode import get_backend
@@ -44,7 +44,7 @@ def _problem(lengths, counts, *, hq=8, page_size=16, dtype="float16", seed=0,
 
 
 def _sinks(hq=8):
-    return (np.random.default_rng(3).standard_normal(hq) * 2).astype(np.float32)
+    return sinks_for(hq)
 
 
 def _decode(be, pr, q, qo_indptr, *, path="v2", ppc=None, out_dtype="float32", plan=None,

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import LSE_ATOL, assert_matches_oracle, table_of, tc_out_tol
+from helpers import LSE_ATOL, assert_matches_oracle, sinks_for, table_of, tc_out_tol
 
 import paged_decode as pd
 from paged_decode import crossover, get_backend
@@ -44,11 +44,6 @@ SINGLE = 10 ** 6          # pages per chunk: one chunk per request (the final st
 SPLITS = {"one": SINGLE, "split": 1}
 
 
-def _sinks(hq: int, seed: int = 3) -> np.ndarray:
-    # around the scores' scale (|s| ~ 1-3): each sink takes a visible share of the weight
-    return (np.random.default_rng(seed).standard_normal(hq) * 2).astype(np.float32)
-
-
 #: by test id: windows smaller than a page, crossing pages, of 0 and longer than every
 #: context; the cap alone (tight: it bends most scores), the sinks alone, cap and sinks,
 #: and all three
@@ -67,7 +62,7 @@ VARIANTS = {
 def _kw(variant: dict, hq: int) -> dict:
     kw = dict(variant)
     if kw.get("sinks"):
-        kw["sinks"] = _sinks(hq)
+        kw["sinks"] = sinks_for(hq)
     return kw
 
 
@@ -138,7 +133,7 @@ GEOMETRIES = [
 def test_every_geometry_with_all_variants(backend_name, spec, ppcs):
     be = get_backend(backend_name)
     pr = make_problem(spec)
-    kw = {"window_left": 29, "logits_soft_cap": 2.5, "sinks": _sinks(spec.num_qo_heads)}
+    kw = {"window_left": 29, "logits_soft_cap": 2.5, "sinks": sinks_for(spec.num_qo_heads)}
     run_v2tc_variant(be, pr, kw, ppcs)
 
 
@@ -149,7 +144,7 @@ def test_ragged_batch_with_empty_requests_and_offsets(backend_name):
     be = get_backend(backend_name)
     pr = make_problem(ProblemSpec(6, 0, 8, 2, 64, 16, seed=49),
                       lengths=[70, 0, 33, 1, 129, 0], offsets=[3, 0, 15, 0, 9, 0])
-    kw = {"window_left": 40, "logits_soft_cap": 2.0, "sinks": _sinks(8)}
+    kw = {"window_left": 40, "logits_soft_cap": 2.0, "sinks": sinks_for(8)}
     run_v2tc_variant(be, pr, kw, [None, 1, SINGLE])
 
 
@@ -169,7 +164,7 @@ def test_sinks_over_empty_requests_give_zeros_and_the_sinks_lse(backend_name, sp
     LSE = sink * log2(e), in the final store and through the merge; an all-empty batch
     too (every chunk of the plan empty)."""
     be = get_backend(backend_name)
-    sk = _sinks(8)
+    sk = sinks_for(8)
     for lengths in ([0, 45, 0, 17], [0, 0]):
         pr = _empty_problem(lengths)
         ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, sinks=sk)
@@ -223,7 +218,7 @@ def test_non_finite_rules_hold_with_variants(backend_name):
     pr = make_problem(ProblemSpec(3, 70, 8, 2, 64, 16, seed=0))
     k = pr.k_pages.copy()
     k[int(pr.table.request_pages(1)[-1]), 0, 1, 0] = np.inf     # request 1, KV head 1
-    sk = _sinks(8)
+    sk = sinks_for(8)
     sk[0], sk[1], sk[2] = np.nan, np.inf, -np.inf
     kw = {"logits_soft_cap": 1.0, "sinks": sk}
     ref, ref_lse = oracle_decode(pr.q, k, pr.v_pages, pr.table, **kw)
@@ -291,7 +286,7 @@ def test_auto_chooses_v2tc_for_calls_with_variants(backend_name, tmp_path, monke
     be = get_backend(backend_name)
     pr = make_problem(ProblemSpec(2, 90, 8, 2, 64, 16, seed=71))
     _crossover_to_v2tc(tmp_path, monkeypatch, be, pr)
-    kw = {"window_left": 33, "logits_soft_cap": 2.0, "sinks": _sinks(8)}
+    kw = {"window_left": 33, "logits_soft_cap": 2.0, "sinks": sinks_for(8)}
     ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **kw)
     out, lse = pd.decode(be.asarray(pr.q), be.asarray(pr.k_pages), be.asarray(pr.v_pages),
                          pr.table, return_lse=True, out_dtype="float32", backend=be,
@@ -307,10 +302,10 @@ def test_auto_chooses_v2tc_for_calls_with_variants(backend_name, tmp_path, monke
     assert pd.last_outcome().path.startswith("v2") and "v2tc" not in pd.last_outcome().path
 
 
-def test_prepared_v2tc_keeps_its_variants_and_reads_bound_sinks():
+def test_prepared_v2tc_keeps_its_variants_and_reads_boundsinks_for():
     be = get_backend("emulated-cuda")
     pr = make_problem(ProblemSpec(3, 90, 8, 2, 64, 16, seed=53))
-    sk = _sinks(8)
+    sk = sinks_for(8)
     for ppc in (2, SINGLE):
         plan = pd.plan_decode(pr.table, 8, 2, 64, device=be.device_info(), pages_per_chunk=ppc,
                               window_left=20)
@@ -328,7 +323,7 @@ def test_prepared_v2tc_keeps_its_variants_and_reads_bound_sinks():
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_engine_step_runs_v2tc_with_cap_and_sinks(backend_name, monkeypatch):
+def test_engine_step_runs_v2tc_with_cap_andsinks_for(backend_name, monkeypatch):
     monkeypatch.setenv("PAGED_DECODE_POISON", "1")
     rng = np.random.default_rng(9)
     layers, hkv, d, hq, p = 2, 2, 64, 8, 4
@@ -393,7 +388,7 @@ def test_merged_partials_never_hold_the_sink(backend_name):
         return launch
 
     pr = make_problem(ProblemSpec(2, 60, 8, 2, 64, 16, seed=72))
-    sk = be.asarray(_sinks(8))
+    sk = be.asarray(sinks_for(8))
     mp = pytest.MonkeyPatch()
     mp.setattr(launches, "v2tc_launch", spy)
     try:

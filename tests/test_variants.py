@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import LSE_ATOL, assert_matches_oracle, table_of
+from helpers import LSE_ATOL, assert_matches_oracle, sinks_for, table_of
 
 import paged_decode as pd
 from paged_decode import get_backend
@@ -32,8 +32,7 @@ HQ, HKV, D, P = 8, 2, 64, 16
 
 
 def _sinks(hq: int = HQ, seed: int = 3) -> np.ndarray:
-    # around the scores' scale (|s| ~ 1-3): each sink takes a visible share of the weight
-    return (np.random.default_rng(seed).standard_normal(hq) * 2).astype(np.float32)
+    return sinks_for(hq, seed)
 
 
 #: the variants, by test id: window smaller than a page, crossing pages, W = 0, longer

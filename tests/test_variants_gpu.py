@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import LSE_ATOL, OUT_RTOL, PREFIX_RTOL
+from helpers import LSE_ATOL, OUT_RTOL, PREFIX_RTOL, sinks_for
 
 import paged_decode as pd
 from paged_decode.backends import availability
@@ -24,7 +24,7 @@ PATHS = [("v2", 10 ** 6), ("v2", 4), ("v1", None), ("gather", None)]
 
 
 def _sinks(hq=HQ):
-    return (np.random.default_rng(3).standard_normal(hq) * 2).astype(np.float32)
+    return sinks_for(hq)
 
 
 VARIANTS = {
