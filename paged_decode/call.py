@@ -116,13 +116,16 @@ def choose_path(backend: Backend, table: Table, plan: DecodePlan,
     return best, f"auto: {best} was the fastest this call can run at {where}"
 
 
-def runnable_paths(be: Backend, a: CallArgs) -> tuple[str, ...]:
-    """The paths the crossover may pick for this call: those the backend supports
-    for its geometry and dtypes and that implement its variants (v2 when none does: its
-    checks then name what is missing)."""
-    paths = tuple(p for p in PATHS[1:]
-                  if be.supports(call_problem(a, p)) and not missing_variants(p, a.variant))
-    return paths or ("v2",)
+def runnable_paths(be: Backend, a: CallArgs, fold: int = 1,
+                   paths: tuple[str, ...] = PATHS[1:]) -> tuple[str, ...]:
+    """The paths of ``paths`` the crossover may pick for this call: those the backend
+    supports for its geometry and dtypes (at ``a.hq`` query heads and, for a multi-token
+    call's common pass, at ``fold x a.hq``) and that implement its variants (v2 when none
+    does: its checks then name what is missing)."""
+    heads = {a.hq, a.hq * fold}
+    ok = tuple(p for p in paths if not missing_variants(p, a.variant)
+               and all(be.supports(call_problem(a, p, h)) for h in heads))
+    return ok or ("v2",)
 
 
 @dataclass(frozen=True)
@@ -324,9 +327,11 @@ def cascade_call(fn: str, be: Backend, a: CallArgs, cascade: Any, path: str,
     return CascadeCall(cplan, out_a, lse_a, tc, outcome), why
 
 
-def call_problem(a: CallArgs, path: str) -> Problem:
-    """The ``Problem`` a backend's ``supports`` judges for call ``a`` on ``path``."""
-    return Problem(a.q_dt, a.kv_dt, a.hq, a.hkv, a.d, a.p, path)
+def call_problem(a: CallArgs, path: str, num_qo_heads: int | None = None) -> Problem:
+    """The ``Problem`` a backend's ``supports`` judges for call ``a`` on ``path`` (at
+    ``num_qo_heads`` query heads: a multi-token pass's; default the call's)."""
+    return Problem(a.q_dt, a.kv_dt, a.hq if num_qo_heads is None else num_qo_heads, a.hkv,
+                   a.d, a.p, path)
 
 
 def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:

@@ -30,8 +30,16 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import Backend, Problem
-from .call import CallArgs, choose_path, host_table, output_buffer, run_path
+from .backends import Backend
+from .call import (
+    CallArgs,
+    call_problem,
+    choose_path,
+    host_table,
+    output_buffer,
+    run_path,
+    runnable_paths,
+)
 from .cascade import _device_index
 from .errors import UnsupportedProblemError, check_type
 from .multitoken import TokenSplit, fold_rows, split_tokens
@@ -39,7 +47,7 @@ from .outcome import DecodeOutcome
 from .page_table import PageTable
 from .plan import DecodePlan, make_plan
 from .specs import v2tc_ctas_per_chunk
-from .variants import Variant, check_path, missing_variants
+from .variants import Variant, check_path
 
 _plans_lock = threading.Lock()
 #: a pieces table -> its plans, by (path's CTAs per chunk, device name, geometry)
@@ -147,6 +155,10 @@ class MultiTokenCall:
         return xp.concatenate(vs, axis=0), xp.concatenate(ls, axis=0)
 
 
+#: the paths a multi-token ``auto`` call chooses among (the crossover's, less gather)
+AUTO_PATHS = ("v2", "v2tc", "v1")
+
+
 def refuse_cascade(fn: str, cascade: Any) -> None:
     """Cascade has no multi-token form: ``cascade=True`` or a cascade plan is refused (the
     automatic rule, ``None``, and ``False`` run the multi-token call flat)."""
@@ -176,7 +188,7 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
         plan.check(fn, table, a.hq, a.hkv, a.d, w, qt.max_tokens)
     if path == "auto":   # the crossover cell of the common pass's folded group (T x G)
         chosen, reason = choose_path(be, table, plan.folded(),
-                                     _auto_paths(be, a, plan.query_tokens))
+                                     runnable_paths(be, a, plan.query_tokens, AUTO_PATHS))
     else:
         chosen, reason = path, "requested"
     fold = plan.query_tokens
@@ -212,17 +224,6 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
                           out_a.reshape(n, a.hq, a.d), lse_a.reshape(n, a.hq), outcome)
 
 
-def _auto_paths(be: Backend, a: CallArgs, fold: int) -> tuple[str, ...]:
-    """The paths ``auto`` may take for a multi-token call: v2, v2tc or v1 where the backend
-    runs both passes (``_check_support``) and the path implements the call's variants
-    (v2 when none does: its checks then name what is missing)."""
-    paths = tuple(p for p in ("v2", "v2tc", "v1")
-                  if not missing_variants(p, a.variant)
-                  and all(be.supports(Problem(a.q_dt, a.kv_dt, heads, a.hkv, a.d, a.p, p))
-                          for heads in (a.hq * fold, a.hq)))
-    return paths or ("v2",)
-
-
 def _check_support(fn: str, be: Backend, a: CallArgs, path: str, fold: int) -> None:
     """Both passes of ``path``: the common pass at ``fold x`` the group, the pieces pass
     at the group."""
@@ -230,7 +231,7 @@ def _check_support(fn: str, be: Backend, a: CallArgs, path: str, fold: int) -> N
     for heads, what in ((a.hq * fold, f"the common pass ({fold} query tokens x GQA group "
                                       f"{g} = {fold * g} query rows per KV head)"),
                         (a.hq, "the pieces pass")):
-        sup = be.supports(Problem(a.q_dt, a.kv_dt, heads, a.hkv, a.d, a.p, path))
+        sup = be.supports(call_problem(a, path, heads))
         if not sup:
             raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run path "
                                           f"{path!r} for {what}: {sup.reason}")
