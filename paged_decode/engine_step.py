@@ -38,7 +38,7 @@ from .backends import c_contiguous
 from .call import LAUNCH_PATHS
 from .decode import decode
 from .errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemError, check_int
-from .kernels.append import AppendWrite
+from .kernels.append import AppendWrite, table_row_desc
 from .plan import DecodePlan, make_plan
 from .pool import AppendedBatch, PagePool
 from .prepared import layouts, prepare_decode
@@ -152,10 +152,7 @@ class DecodeStep:
         else:
             rows, ids, pool_rows = self.table.live_rows()
             batch = self.pool._reserve_rows(ids, pool_rows)
-            desc = np.zeros((5, self.capacity), np.int32)
-            w = batch.write.desc                 # one column per sequence, in order
-            desc[:, :w.shape[1]] = w
-            desc[2, :w.shape[1]] = rows - w[3]   # slot lo takes row (table row)
+            desc = table_row_desc(batch.write.desc, rows, self.capacity)
         self._pool_version = self.pool._version
         with self.backend.launch_context(self.pool.k if like is None else like):
             if steady is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels.append import AppendWrite
+from .kernels.append import AppendWrite, table_row_desc
 from .pool import AppendedBatch, PagePool
 from .step_table import StepTable
 
@@ -137,10 +137,7 @@ class SteadyBegin:
         w[:, 2] = np.arange(n) - lo
         w[:, 3] = lo
         w[:, 4] = lo + 1
-        desc = np.zeros((k, 5, cap), np.int32)
-        desc[:, :, :n] = w
-        desc[:, 2, :n] = self.trow - lo
-        self.full, self.w, self.desc = full, w, desc
+        self.full, self.w, self.desc = full, w, table_row_desc(w, self.trow, cap)
         self.taken, self.at = taken, np.concatenate([[0], total[:k]])
         self.pos = (self.base + self.npg[:k])[full]     # entry npg of the row, per page
         # the table: rows keep their pages and gain their fresh one

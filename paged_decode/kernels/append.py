@@ -122,6 +122,19 @@ class AppendWrite:
         return c_dst, c_src, w_dst, w_src
 
 
+def table_row_desc(desc: np.ndarray, rows: np.ndarray, capacity: int) -> np.ndarray:
+    """An engine step's descriptor: ``desc`` (int32 ``[..., 5, n]``, one column per live
+    sequence, ``row0`` counted in the call's rows) with ``row0`` counted in the step
+    table's rows instead (``rows`` int64 ``[n]``: each sequence's table row), padded with
+    empty columns to ``capacity`` (int32 ``[..., 5, capacity]``; the kernel reads the
+    step's ``[capacity, Hkv, D]`` rows)."""
+    n = desc.shape[-1]
+    out = np.zeros((*desc.shape[:-1], capacity), np.int32)
+    out[..., :n] = desc
+    out[..., 2, :n] = rows - desc[..., 3, :]      # slot lo takes row (table row)
+    return out
+
+
 # ---------------------------------------------------------------------------- CUDA
 # Template parameter: VEC (bytes per word). Scalars: T (columns of desc), N (rows per
 # layer), row_words (words per K/V row), page_size, num_pages; grid_layer0 (the layer of
