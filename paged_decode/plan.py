@@ -213,8 +213,13 @@ class DecodePlan:
         """How many more tokens every request of ``table`` may gain, one per request at a
         time, with this plan still serving it: ``min`` over requests of the token room
         left in the ``chunks_per_request * pages_per_chunk`` pages the plan covers (0 when
-        it does not serve ``table`` now, or has a window, whose table moves otherwise)."""
-        if self.window_left >= 0 or self.mismatch(table) is not None:
+        it does not serve ``table`` now, or has a window, whose table moves otherwise). A
+        request outgrows its chunks (``mismatch``) exactly when its room is negative, so
+        this is ``mismatch``'s chunk test too, not run again here."""
+        check_type("DecodePlan.tokens_left", "table", table, (PageTable, StepTable),
+                   "a PageTable or StepTable")
+        if (self.window_left >= 0 or table.batch_size != self.batch_size
+                or table.page_size != self.page_size):
             return 0
         pages = np.asarray(table.pages_per_request, np.int64)
         if not pages.size:
@@ -222,7 +227,7 @@ class DecodePlan:
         P = self.page_size
         room = (self.chunks_per_request * self.pages_per_chunk - pages) * P
         room += np.where(pages > 0, P - np.asarray(table.last_page_len, np.int64), 0)
-        return int(room.min())
+        return max(0, int(room.min()))
 
     def folded(self) -> DecodePlan:
         """The plan as the kernels of a multi-token call's common pass see it

@@ -258,12 +258,15 @@ def test_the_plan_serves_the_table_after_every_begin():
     its table (a prepared CUDA launch does not check again), over many replans."""
     rng = np.random.default_rng(6)
     pool, step = _setup("reference", rng, headroom=2)
+    first = step.plan            # outgrown along the way: no room left once it mismatches
     skipped = 0
     for _ in range(60):
         skipped += step._unchecked_begins > 0
         step.begin()
         assert step.plan.mismatch(step.table) is None
         assert step._unchecked_begins <= step.plan.tokens_left(step.table)
+        if first.mismatch(step.table) is not None:
+            assert first.tokens_left(step.table) == 0
     assert step.replans >= 3 and skipped >= 30
 
 
