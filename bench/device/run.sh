@@ -46,7 +46,13 @@
 #               its gpu tests (cuda backend, torch CUDA tensors, float32 token equality),
 #               then examples/generate_transformers.py at Llama-3-8B heads x 16 layers,
 #               float16, batch 32, 1K-token prompts (512 shared), 64 new tokens, against
-#               transformers' dynamic and static caches -> $OUT/generate_*.json
+#               transformers' dynamic and static caches -> $OUT/generate_*.json;
+#               GENERATE_TEST_K narrows the tests, GENERATE_NOISE=1 adds
+#               bench/device/generate_noise.py (the float32 logit floor of a batch layout)
+#   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
+#   v2tc-race   racecheck (synccheck too with V2TC_SYNC=1) over a v2tc subset (RACE_TIMEOUT)
+#   generate-profile  bench/device/profile_generate.py: prefill / decode-step split, cProfile
+#               and torch profiler tables of generation through paged-decode and transformers
 #   v2tc        the tensor-core v2 partial (#17) against v2 and FlashInfer (run fi first) over
 #               #17's target cells: the targets preset (cold and warm L2), every models
 #               layout at 8 x 8K and 32 x 2K, and bfloat16 at 8 x 8K
@@ -231,13 +237,25 @@ step_fi_compat() {
 }
 
 step_generate() {
-  timeout 240 python3 -m pytest -q -rs -m gpu tests/test_integration_transformers.py \
+  timeout ${GENERATE_TEST_TIMEOUT:-240} python3 -m pytest -q -rs -m gpu \
+    tests/test_integration_transformers.py ${GENERATE_TEST_K:+-k "$GENERATE_TEST_K"} \
     2>&1 | tee "$L/generate_tests.txt" | tail -15
   echo "generate tests rc=$?"
+  if [ -n "${GENERATE_NOISE:-}" ]; then
+    timeout 200 python3 bench/device/generate_noise.py "$OUT/generate_noise.json" \
+      2>&1 | tee "$L/generate_noise.txt" | tail -4
+    echo "generate noise rc=$?"
+  fi
   timeout 300 python3 examples/generate_transformers.py --model-config llama3-8b-16l \
     --dtype float16 --batch 32 --prefix-len 512 --prompt-len 512 --new 64 --repeats 2 \
     --json "$OUT/generate_llama3_8b_16l.json" 2>&1 | tee "$L/generate_bench.txt" | tail -12
   echo "generate bench rc=$?"
+}
+
+step_generate_profile() {
+  timeout ${PROFILE_TIMEOUT:-240} python3 bench/device/profile_generate.py "$OUT/generate_profile.txt" \
+    > "$L/generate_profile.log" 2>&1
+  echo "generate profile rc=$?"; tail -6 "$L/generate_profile.log"
 }
 
 step_v2tc() { step_v2tc_targets; step_v2tc_models; }
@@ -360,6 +378,36 @@ step_softcap_quick() {
   local cv="--preset targets --context 4096 --context 32768 --batch 8 --arms v2,v2tc"
   BENCH_TIMEOUT=50 run_bench s_plain $cv | tail -5
   BENCH_TIMEOUT=50 run_bench s_softcap $cv --soft-cap 30 | tail -5
+}
+
+# v2tc over fp8 pools at ring depths 2/3/4 (4 warps) and 2/3 (8 warps), float16 v2tc
+# beside them, 8/32/128 x 8K/32K at Llama-3-8B heads: the fp8 stage holds half float16's
+# bytes, so the default depth (float16's) may leave DRAM requests unissued (session 8)
+step_fp8_stages() {
+  local c="--preset targets --context 8192 --context 32768 --batch 8 --batch 32 --batch 128"
+  BENCH_TIMEOUT=45 run_bench fst_f16 $c --arms v2tc | tail -8
+  local w st
+  for w in 4 8; do
+    for st in 2 3 4; do
+      [ "$w" = 8 ] && [ "$st" = 4 ] && continue
+      PAGED_DECODE_TC_WARPS=$w PAGED_DECODE_STAGES=$st BENCH_TIMEOUT=45 \
+        run_bench "fst_w${w}_s$st" $c --kv-dtype float8_e4m3fn --arms v2tc | tail -8
+    done
+  done
+}
+# racecheck (then synccheck, if V2TC_SYNC=1) over a v2tc subset: every float16 / bfloat16
+# geometry of test_cuda_gpu, the fp8 pools, and the four-variant specializations
+step_v2tc_race() {
+  local tool
+  for tool in racecheck ${V2TC_SYNC:+synccheck}; do
+    PAGED_DECODE_PLAIN_MALLOC=1 timeout ${RACE_TIMEOUT:-170} compute-sanitizer --tool $tool \
+      --error-exitcode 3 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_cuda_gpu.py \
+      tests/test_fp8_gpu.py tests/test_variants_gpu.py -k "v2tc and (oracle or empty or fp8 or all)" \
+      > "$L/v2tc_$tool.log" 2>&1
+    echo "v2tc $tool rc=$?"
+    grep -cE "PASSED" "$L/v2tc_$tool.log"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|FAILED|passed|failed" "$L/v2tc_$tool.log" | tail -5
+  done
 }
 
 # move what the steps wrote to $OUT into the scratch folder and pack it all
