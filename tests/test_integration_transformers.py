@@ -191,8 +191,20 @@ def test_unsupported_attention_arguments_are_refused():
                     reason=f"CUDA backend unavailable: {pd.backends.availability('cuda').reason}")
 @pytest.mark.parametrize("name", [*MODELS, "llama3-8b-16l"])
 def test_greedy_tokens_equal_the_dynamic_cache_on_cuda(name):
+    """On the GPU: the cascade and the flat engine-step decode. For the 16-layer model the
+    near-tie guard is measured against transformers' own float32 floor: running the
+    prompts one at a time moved its logits by 3.1e-3 against a smallest top-2 gap of
+    5.5e-3 (run S8-R1, bench/device/generate_noise.py), so half the gap cannot be asked
+    of any second run; paged-decode's must stay within 1.5x that floor instead."""
     model = transformers_model(name, seed=0, device="cuda")
     prompts = ragged_prompts(model.config.vocab_size, seed=1)
     ref = pt.framework_generate(model, prompts, NEW)
-    got = pt.generate(model, prompts, NEW, cascade=True, return_logits=True)
-    assert_same_greedy(ref.tokens, ref.logits.cpu(), got.tokens, got.logits.cpu())
+    floor = None
+    if model.config.num_hidden_layers > 2:
+        alone = [pt.framework_generate(model, [p], NEW) for p in prompts]
+        assert [a.tokens[0] for a in alone] == ref.tokens
+        floor = float((torch.cat([a.logits for a in alone], 1) - ref.logits).abs().max())
+    for cascade in (True, None):
+        got = pt.generate(model, prompts, NEW, cascade=cascade, return_logits=True)
+        assert_same_greedy(ref.tokens, ref.logits.cpu(), got.tokens, got.logits.cpu(),
+                           floor=floor)

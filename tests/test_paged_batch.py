@@ -163,3 +163,81 @@ def test_model_geometry_checks(kw, error, match):
     args.update(kw)
     with pytest.raises(error, match="m: .*" + match):
         check_attention("m", **args)
+
+
+def _engine_pair(rng):
+    """Two batches fed the same rows: a prefix forked 3 ways, ragged tails; one runs its
+    decode steps through the engine step."""
+    out = []
+    for engine in (True, False):
+        batch = make(step_engine=engine)
+        batch.start(1)
+        forward(batch, np.random.default_rng(5), [6])
+        batch.fork(3)
+        forward(batch, np.random.default_rng(6), [2, 0, 5])
+        out.append(batch)
+    return out
+
+
+def test_step_engine_decode_steps_match_the_plain_path_and_the_oracle(rng):
+    """Decode steps through the DecodeStep (page boundaries crossed every few steps) give
+    the plain path's outputs, and the oracle's, in every layer; the engine ran them."""
+    eng, plain = _engine_pair(rng)
+    for step in range(9):
+        k, v = rows(rng, 3), rows(rng, 3)
+        for b in (eng, plain):
+            b.begin(None)
+        for layer in range(L):
+            q = rng.standard_normal((3, HQ, D)).astype(np.float32)
+            got = []
+            for b in (eng, plain):
+                b.append(layer, k[layer], v[layer])
+                got.append(np.array(b.decode(layer, q, 0.125)))
+            pk, pv = eng.pool.layer(layer)
+            want = oracle_decode(q, pk, pv, eng.pool.page_table(eng.seqs), sm_scale=0.125)[0]
+            tol = 1e-5 * np.abs(want).max()
+            assert np.abs(got[0] - want).max() <= tol, (step, layer)
+            assert np.abs(got[0] - got[1]).max() <= tol, (step, layer)
+        assert eng.lengths.tolist() == plain.lengths.tolist() == [9 + step, 7 + step, 12 + step]
+    assert eng._engine is not None and eng._engine.steps == 9
+    assert plain._engine is None
+
+
+def test_step_engine_outputs_start_poisoned_and_are_written(rng):
+    """The engine's output buffers start as NaN (so a decode that writes nothing shows)."""
+    eng, _ = _engine_pair(rng)
+    eng.begin(None)
+    outs = eng._buffers()[3]
+    assert all(np.isnan(np.asarray(o)).all() for o in outs)
+    k, v = rows(rng, 3), rows(rng, 3)
+    for layer in range(L):
+        eng.append(layer, k[layer], v[layer])
+        got = eng.decode(layer, rng.standard_normal((3, HQ, D)).astype(np.float32), 0.125)
+        assert np.isfinite(np.asarray(got)).all()
+
+
+def test_step_engine_refusals(rng):
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch: step_engine runs flat "
+                       r"decodes; it cannot be combined with cascade=True"):
+        make(step_engine=True, cascade=True)
+    eng, _ = _engine_pair(rng)
+    eng.begin(None)
+    k = rows(rng, 3)
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.append: k must be \[3, 2, 64\] "
+                       r"in a decode step \(one row per sequence\), got \[2, 2, 64\]"):
+        eng.append(0, k[0][:2], k[0])
+    eng.append(0, k[0], k[0])
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.gather: a decode step of a "
+                       r"step_engine batch decodes every layer \(call decode, not gather\)"):
+        eng.gather(0)
+    q = np.zeros((3, HQ, D), np.float32)
+    eng.decode(0, q, 0.125)
+    eng.append(1, k[1], k[1])
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.decode: sm_scale must stay "
+                       r"0.125 across a step_engine batch's layers, got 0.25"):
+        eng.decode(1, q, 0.25)
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.decode: q must be \[3, 4, 64\]"):
+        eng.decode(1, q[:, :2], 0.125)
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.decode: q must be float32 "
+                       r"\(the pool's dtype\), got float64"):
+        eng.decode(1, q.astype(np.float64), 0.125)

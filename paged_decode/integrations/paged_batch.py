@@ -8,8 +8,11 @@ layer into the same slots. A flat decode reads the batch's device-resident step 
 (``pool.step_table``: it follows the appends with one small delta copy per step, no host
 table rebuilt) under a plan with headroom, replanned only when a sequence outgrows it; a
 cascade decode (``cascade=True``) reads the host ``page_table``, built once per step,
-whose shared prefix it detects. The framework integrations call nothing else of
-paged-decode.
+whose shared prefix it detects. With ``step_engine=True``, decode steps (one new token
+per sequence, every layer decoded) run through a ``DecodeStep`` instead: one ``begin``
+per forward, and per layer a copy of the new K/V and q into fixed buffers and two
+prepared launches, no validation or planning per call (``docs/engine.md``). The
+framework integrations call nothing else of paged-decode.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from ..call import plan_decode
+from ..call import choose_path, plan_decode
 from ..cascade import CascadePlan, detect_shared_prefix
 from ..decode import decode
+from ..engine_step import DecodeStep
 from ..errors import InvalidArgumentError, check_int
 from ..page_table import PageTable
 from ..plan import DecodePlan
@@ -44,6 +48,10 @@ class PagedBatch:
             as a cascade (``detect_shared_prefix(min_shared_pages=1)``), the shared pages
             read once per group, over the host table; ``None`` or ``False``: flat, over
             the device-resident step table.
+        step_engine: run decode steps (``begin(None)``) through a ``DecodeStep`` (flat
+            decodes only: ``cascade`` must not be ``True``). Such a forward must
+            ``decode`` every layer it appends (``gather`` is refused), with backend
+            arrays of one kind (e.g. torch tensors) and one ``sm_scale`` throughout.
 
     A forward is ``begin(counts)``, then ``append(layer, k, v)`` for layers ``0 .. L-1``
     in order, each followed by that layer's ``decode`` or ``gather``.
@@ -51,7 +59,8 @@ class PagedBatch:
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int,
                  num_kv_heads: int, num_qo_heads: int, head_dim: int, dtype: str,
-                 backend: Any = None, cascade: Any = None) -> None:
+                 backend: Any = None, cascade: Any = None,
+                 step_engine: bool = False) -> None:
         fn = "PagedBatch"
         self.num_layers = check_int(fn, "num_layers", num_layers)
         self.num_qo_heads = check_int(fn, "num_qo_heads", num_qo_heads)
@@ -61,6 +70,16 @@ class PagedBatch:
         self.pool = PagePool(num_pages, page_size, num_kv_heads, head_dim, dtype,
                              num_layers=self.num_layers, backend=backend)
         self.cascade = cascade
+        if step_engine and cascade is True:
+            raise InvalidArgumentError(f"{fn}: step_engine runs flat decodes; it cannot be "
+                                       "combined with cascade=True")
+        self.step_engine = bool(step_engine)
+        #: the decode steps' engine step, made at the first decode step of a batch
+        self._engine: DecodeStep | None = None
+        #: its fixed buffers: k, v [B, Hkv, D], q [B, Hq, D], one out [B, Hq, D] per layer
+        self._engine_bufs: tuple[Any, Any, Any, list[Any]] | None = None
+        self._like: Any = None           # an empty array of the appended arrays' kind
+        self._engine_scale: float | None = None
         self.seqs: list[int] = []
         self._counts: np.ndarray | None = None
         self._appended: AppendedBatch | None = None
@@ -78,7 +97,7 @@ class PagedBatch:
         self._drop()
         self.seqs = [self.pool.new_sequence() for _ in range(check_int(
             "PagedBatch.start", "n", n))]
-        self._step = None
+        self._step, self._engine, self._engine_bufs = None, None, None
 
     def fork(self, n: int) -> None:
         """The batch of one becomes ``n`` sequences sharing its pages (``PagePool.fork``);
@@ -91,12 +110,13 @@ class PagedBatch:
         src = self.seqs[0]
         self.seqs = [self.pool.fork(src) for _ in range(check_int(fn, "n", n))]
         self.pool.free(src)
-        self._table, self._step = None, None
+        self._table, self._step, self._engine, self._engine_bufs = None, None, None, None
 
     def _drop(self) -> None:
         for s in self.seqs:
             self.pool.free(s)
         self.seqs, self._table, self._plan, self._step = [], None, None, None
+        self._engine, self._engine_bufs = None, None
 
     def close(self) -> None:
         """Free every sequence (the pages return to the pool)."""
@@ -115,6 +135,13 @@ class PagedBatch:
                                            f"non-negative integers, got {c.tolist()}")
             counts = c
         self._counts, self._next_layer = counts, 0
+        if counts is None and self.step_engine:
+            if self._engine is None:
+                self._engine = self._make_engine()
+            # on the stream of the engine's arrays (made at the first append, e.g. torch
+            # tensors: torch's current stream), like its appends and decodes
+            self._engine.begin(like=self._buffers()[2])
+            self._table = None
 
     def append(self, layer: int, k: Any, v: Any) -> None:
         """Append layer ``layer``'s new rows ``k, v [N, Hkv, D]`` (the sequences' rows in
@@ -123,7 +150,15 @@ class PagedBatch:
         if layer != self._next_layer:
             raise InvalidArgumentError(f"{fn}: layer must be {self._next_layer} (layers are "
                                        f"appended in order, once per forward), got {layer!r}")
-        if layer == 0:
+        if self.step_engine and self._like is None:
+            self._like = _exemplar(k)          # the engine's buffers take k's kind
+        if self._engine_step():
+            assert self._engine is not None
+            kb, vb, _, _ = self._buffers()
+            self._fill(fn, "k", kb, k)
+            self._fill(fn, "v", vb, v)
+            self._engine.append(layer, kb, vb)
+        elif layer == 0:
             self._appended = self.pool.append_batch(self.seqs, k, v, counts=self._counts,
                                                     layer=0)
             self._table = self.pool.page_table(self.seqs)
@@ -148,13 +183,18 @@ class PagedBatch:
     @property
     def lengths(self) -> np.ndarray:
         """Visible tokens per sequence, int32 ``[B]``."""
+        if self._engine is not None and self._table is None:
+            return self._engine.table.visible_lens.astype(np.int32)
         return self.table.visible_lens
 
     def decode(self, layer: int, q: Any, sm_scale: float) -> Any:
         """Decode attention of layer ``layer`` (appended this forward): ``q [B, Hq, D]``
         (one query per sequence) over every visible token -> ``[B, Hq, D]`` in ``q``'s
         dtype, the kind ``decode`` returns for the pool's backend."""
-        self._check_appended("PagedBatch.decode", layer)
+        fn = "PagedBatch.decode"
+        self._check_appended(fn, layer)
+        if self._engine_step():
+            return self._engine_decode(fn, layer, q, sm_scale)
         k, v = self.pool.layer(layer)
         if self.cascade is not True:            # flat: the device-resident step table
             if self._step is None:
@@ -189,6 +229,9 @@ class PagedBatch:
         padding holds some valid slot's data: callers mask it."""
         fn = "PagedBatch.gather"
         self._check_appended(fn, layer)
+        if self._engine_step():
+            raise InvalidArgumentError(f"{fn}: a decode step of a step_engine batch decodes "
+                                       "every layer (call decode, not gather)")
         t = self.table
         r = np.arange(len(self.seqs)) if rows is None else np.asarray(rows, np.int64)
         n = t.visible_lens[r].astype(np.int64)
@@ -209,6 +252,63 @@ class PagedBatch:
         shape = (r.size, w, self.pool.num_kv_heads, self.pool.head_dim)
         return (k.reshape(flat)[idx].reshape(shape), v.reshape(flat)[idx].reshape(shape))
 
+    # ------------------------------------------------------------------ the engine step
+    def _engine_step(self) -> bool:
+        """Whether this forward is a decode step run by the engine step."""
+        return self._engine is not None and self._counts is None and self.step_engine
+
+    def _make_engine(self) -> DecodeStep:
+        """A ``DecodeStep`` over the batch, on the path ``decode``'s automatic rule takes
+        for it (the crossover table; 16-bit pools may take the tensor-core partial)."""
+        be, pool = self.pool.backend, self.pool
+        st = pool.step_table(self.seqs)
+        plan = plan_decode(st, self.num_qo_heads, pool.num_kv_heads, pool.head_dim,
+                           backend=be.name)
+        allowed = ("v2", "v2tc", "v1") if pool.dtype in ("float16", "bfloat16") \
+            else ("v2", "v1")
+        path = choose_path(be, st, plan, allowed)[0] if be.auto_path() is None else "v2"
+        del st
+        return DecodeStep(pool, self.seqs, num_qo_heads=self.num_qo_heads, path=path,
+                          headroom=HEADROOM)
+
+    def _buffers(self) -> tuple[Any, Any, Any, list[Any]]:
+        """The engine's fixed buffers for the current batch, made once in the kind of the
+        arrays the forwards append (torch tensors on their device, else the backend's)."""
+        if self._engine_bufs is None:
+            b, hkv, d = len(self.seqs), self.pool.num_kv_heads, self.pool.head_dim
+            hq, like, be, dt = self.num_qo_heads, self._like, self.pool.backend, self.pool.dtype
+            self._engine_bufs = (_empty_like_kind(like, (b, hkv, d), dt, be),
+                                 _empty_like_kind(like, (b, hkv, d), dt, be),
+                                 _empty_like_kind(like, (b, hq, d), dt, be),
+                                 [_empty_like_kind(like, (b, hq, d), dt, be)
+                                  for _ in range(self.num_layers)])
+        return self._engine_bufs
+
+    def _fill(self, fn: str, name: str, buf: Any, x: Any) -> None:
+        """``buf[...] = x`` (same shape; the forward's rows in batch order)."""
+        if tuple(getattr(x, "shape", ())) != tuple(buf.shape):
+            raise InvalidArgumentError(f"{fn}: {name} must be {list(buf.shape)} in a decode "
+                                       f"step (one row per sequence), got "
+                                       f"{list(getattr(x, 'shape', ()))}")
+        got = str(getattr(x, "dtype", "")).replace("torch.", "")
+        if got != self.pool.dtype:        # a copy would cast it silently
+            raise InvalidArgumentError(f"{fn}: {name} must be {self.pool.dtype} (the pool's "
+                                       f"dtype), got {got or type(x).__name__}")
+        _copy_into(buf, x)
+
+    def _engine_decode(self, fn: str, layer: int, q: Any, sm_scale: float) -> Any:
+        assert self._engine is not None
+        scale = float(sm_scale)
+        if self._engine.sm_scale is None:
+            self._engine.sm_scale = scale
+        elif scale != self._engine.sm_scale:
+            raise InvalidArgumentError(f"{fn}: sm_scale must stay {self._engine.sm_scale} "
+                                       f"across a step_engine batch's layers, got {scale}")
+        _, _, qb, outs = self._buffers()
+        self._fill(fn, "q", qb, q)
+        out = outs[layer]
+        return self._engine.decode(layer, qb, out=out)
+
     # ------------------------------------------------------------------ order checks
     def _check_between(self, fn: str) -> None:
         if self._next_layer not in (0, self.num_layers):
@@ -220,3 +320,36 @@ class PagedBatch:
         if layer != self._next_layer - 1:
             raise InvalidArgumentError(f"{fn}: layer {layer!r} is not the layer appended "
                                        f"last in this forward ({self._next_layer - 1})")
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def _exemplar(x: Any) -> Any:
+    """What ``_empty_like_kind`` needs of ``x``: an empty tensor on its device for a torch
+    tensor (holding none of its memory), else ``None`` (the backend's own arrays)."""
+    return x.new_empty((0,)) if _is_torch(x) else None
+
+
+def _empty_like_kind(like: Any, shape: tuple[int, ...], dtype: str, backend: Any) -> Any:
+    """A NaN-filled array of ``shape`` in ``dtype`` (an output never written shows): a
+    torch tensor on ``like``'s device for a torch ``like``, else the backend's own."""
+    if _is_torch(like):
+        import torch
+        return torch.full(shape, float("nan"), dtype=getattr(torch, dtype), device=like.device)
+    return backend.asarray(np.full(shape, np.nan, _np_dtype(dtype)))
+
+
+def _np_dtype(dtype: str) -> Any:
+    from ..dtypes import numpy_dtype
+    return numpy_dtype(dtype)
+
+
+def _copy_into(buf: Any, x: Any) -> None:
+    """``buf[...] = x`` for torch tensors (``copy_``, any strides) and array kinds with
+    item assignment."""
+    if hasattr(buf, "copy_"):
+        buf.copy_(x)
+    else:
+        buf[...] = x

@@ -64,9 +64,10 @@ def transformers_model(name: str, *, seed: int = 0, dtype: str = "float32",
     else:
         config = transformers.GemmaConfig(**common, hidden_act="gelu_pytorch_tanh")
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
-    return model.to(device).eval()
+    with torch.device(device):        # initialised where it runs (a CPU init of 3.5B
+        model = transformers.AutoModelForCausalLM.from_config(   # weights takes minutes)
+            config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    return model.eval()
 
 
 def mlx_lm_model(name: str, *, seed: int = 0, dtype: str = "float32",

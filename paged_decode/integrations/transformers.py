@@ -255,7 +255,7 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
                                                                         num_pages),
                        page_size=page_size, num_kv_heads=geo.num_kv_heads,
                        num_qo_heads=geo.num_heads, head_dim=geo.head_dim, dtype=geo.dtype,
-                       backend=backend, cascade=cascade)
+                       backend=backend, cascade=cascade, step_engine=cascade is not True)
     cache = PagedCache(paged)
     kw = _cache_kwarg(model)
 
