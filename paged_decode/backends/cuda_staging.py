@@ -15,6 +15,7 @@ overwriting a buffer still to be read).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +45,18 @@ class _Slot:
 
 
 class PinnedStaging:
-    """Reused pinned buffers, ``DEPTH`` per (device, destination address)."""
+    """Reused pinned buffers, ``DEPTH`` per (device, destination address).
 
-    def __init__(self) -> None:
+    ``cuda``: the module whose ``cuda.get_current_stream``, ``cuda.Event`` and
+    ``cuda.runtime.memcpyAsync`` are used, and ``pinned(nbytes)``, the allocator of host
+    buffers (default: CuPy and pinned memory; tests pass a model of asynchronous copies).
+    """
+
+    def __init__(self, cuda: Any = None, pinned: Callable[[int], np.ndarray] | None = None
+                 ) -> None:
         self._slots: OrderedDict[tuple[int, int], _Slot] = OrderedDict()
+        self._cp = cp if cuda is None else cuda
+        self._pinned = _pinned if pinned is None else pinned
 
     def copy(self, dst: Any, *parts: np.ndarray) -> None:
         """Copy ``parts`` (C-contiguous, one after the other; at most ``dst.nbytes``
@@ -61,20 +70,21 @@ class PinnedStaging:
         if slot is None or slot.hosts[0].nbytes < n:
             if slot is not None:          # its buffers go back to the pinned pool
                 slot.wait()
-            slot = _Slot([_pinned(max(n, 256)) for _ in range(DEPTH)], [None] * DEPTH)
+            slot = _Slot([self._pinned(max(n, 256)) for _ in range(DEPTH)], [None] * DEPTH)
         i = slot.turn
         if slot.done[i] is not None:
             slot.done[i].synchronize()    # the last copy from this buffer has read it
         else:
-            slot.done[i] = cp.cuda.Event(disable_timing=True)
+            slot.done[i] = self._cp.cuda.Event(disable_timing=True)
         host = slot.hosts[i]
         at = 0
         for p in parts:
             m = int(p.nbytes)
             host[at:at + m] = np.ascontiguousarray(p).reshape(-1).view(np.uint8)
             at += m
-        stream = cp.cuda.get_current_stream()
-        cp.cuda.runtime.memcpyAsync(int(dst.data.ptr), host.ctypes.data, n, _H2D, stream.ptr)
+        stream = self._cp.cuda.get_current_stream()
+        self._cp.cuda.runtime.memcpyAsync(int(dst.data.ptr), host.ctypes.data, n, _H2D,
+                                          stream.ptr)
         slot.done[i].record(stream)
         slot.turn = (i + 1) % DEPTH
         self._slots[key] = slot

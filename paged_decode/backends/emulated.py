@@ -110,6 +110,26 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
             else:
                 np.copyto(op[1], op[2])
 
+    #: the launches ``compile_launches`` records, ``None`` when not recording
+    _recording: list[launches.Launch] | None = None
+
+    def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
+        """As the CUDA backend's: the launches ``run`` makes are recorded (nothing runs)
+        and the callable replays them on the same arrays, without ``run``'s host code
+        (so work left out of the launches, or an array rebound since, shows)."""
+        outer, self._recording = self._recording, []
+        try:
+            run()
+            recorded = tuple(self._recording)
+        finally:
+            self._recording = outer
+
+        def replay() -> None:
+            for lc in recorded:
+                self._run(lc)
+        replay.launches = recorded  # type: ignore[attr-defined]
+        return replay
+
     def device_copy(self, dst: Any, src: Any) -> None:
         if self._graph is not None:
             self._graph.append(("copy", dst, src))
@@ -122,6 +142,9 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
         capture records, it joins the graph instead."""
         from ..emulator import Buffer, launch
         if lc.empty:
+            return
+        if self._recording is not None:
+            self._recording.append(lc)
             return
         if self._graph is not None:
             self._graph.append(("launch", lc))
@@ -213,6 +236,10 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
         outputs on the host, which a list of launches would leave out."""
         run()
         return None, None
+
+    def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
+        """``run`` itself (the Metal dialect's outputs are adopted on the host)."""
+        return run
 
     def metal_kernel(self, spec: KernelSpec) -> MetalKernel:
         """The Metal header and body run for ``spec`` (a hook tests override with mutants)."""
