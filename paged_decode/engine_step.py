@@ -141,9 +141,11 @@ class DecodeStep:
 
     def begin(self, like: Any = None) -> AppendedBatch:
         """Start a step: one new token slot per live sequence (``reserve_batch``), the
-        table's device copy brought up to date, the append descriptor loaded, a replan
-        if a sequence outgrew the plan. Device work runs on the stream of ``like`` (an
-        engine array; default: the pool's ``k``). Returns the reservation."""
+        table delta and the append descriptor sent in one copy (the table's device
+        update is left pending: a replayed graph starts with it, an eager step's first
+        append or decode runs it), a replan if a sequence outgrew the plan. Device work
+        runs on the stream of ``like`` (an engine array; default: the pool's ``k``).
+        Returns the reservation."""
         if self.pool._version != self._pool_version:   # changed outside this step
             self._unchecked_begins = 0                  # (advance sees it too)
         steady = self._steady.advance() if self._steady is not None else None

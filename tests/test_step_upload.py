@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from helpers import assert_matches_oracle
+from test_engine_step import HKV, HQ, D, L, P
+from test_engine_step import _setup as engine_setup
 
 import paged_decode as pd
 from paged_decode.backends import cuda_staging
@@ -25,20 +27,11 @@ from paged_decode.reference import oracle_decode
 from paged_decode.step_upload import StepUpload
 
 BACKENDS = ["reference", "emulated-cuda", "emulated-metal"]
-L, HKV, D, HQ, P = 2, 2, 64, 4, 4
 
 
-def _setup(backend, capacity=6, headroom=16, seed=1):
-    rng = np.random.default_rng(seed)
-    pool = pd.PagePool(96, P, HKV, D, "float32", num_layers=L, backend=backend)
-    seqs = [pool.new_sequence() for _ in range(3)]
-    for s, n in zip(seqs, [5, 2, 10]):
-        x = rng.standard_normal((L, n, HKV, D)).astype(np.float32)
-        pool.append(s, x, x)
-    fork = pool.fork(seqs[2])           # a shared partial last page: copy-on-write
-    step = pd.DecodeStep(pool, [*seqs, fork], num_qo_heads=HQ, capacity=capacity,
-                         headroom=headroom)
-    return pool, step
+def _setup(backend, headroom=16, seed=1):
+    """test_engine_step's pool and step (a fork: copy-on-write), more headroom."""
+    return engine_setup(backend, np.random.default_rng(seed), headroom=headroom)
 
 
 def _raw(step):

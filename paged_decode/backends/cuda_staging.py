@@ -70,7 +70,9 @@ class PinnedStaging:
         if slot is None or slot.hosts[0].nbytes < n:
             if slot is not None:          # its buffers go back to the pinned pool
                 slot.wait()
-            slot = _Slot([self._pinned(max(n, 256)) for _ in range(DEPTH)], [None] * DEPTH)
+            # room for the whole destination (up to 1 MiB): a step's upload varies in size
+            size = max(n, 256, min(int(dst.nbytes), 1 << 20))
+            slot = _Slot([self._pinned(size) for _ in range(DEPTH)], [None] * DEPTH)
         i = slot.turn
         if slot.done[i] is not None:
             slot.done[i].synchronize()    # the last copy from this buffer has read it
