@@ -248,7 +248,7 @@ class _AsyncModel:
             model.queue.append(lambda: ctypes.memmove(dst, src, n))
 
         self.done = 0
-        self.cuda = SimpleNamespace(SimpleNamespace=None, Event=Event,
+        self.cuda = SimpleNamespace(Event=Event,
                                     get_current_stream=lambda: stream,
                                     runtime=SimpleNamespace(memcpyAsync=memcpy))
 
