@@ -15,12 +15,13 @@ step to step, so the loop pays only for what changes::
     step.begin(); graph.replay()
 
 What each piece costs: ``begin`` is ``PagePool.reserve_batch`` (vectorized bookkeeping;
-a launch only for copy-on-write copies), the step table's flush (one small host-to-device
-copy of the changed page ids and one table-update launch, ``paged_decode.step_table``),
-one small copy of the append descriptor into a fixed device buffer, and a replan only when
-a sequence outgrows the plan's ``headroom`` (``replans`` counts them; a replan makes a
-captured graph stale, and ``needs_capture`` says so). ``append`` and ``decode`` launch
-kernels on fixed buffers, so a CUDA graph can hold them.
+a launch only for copy-on-write copies), **one** small host-to-device copy of the step
+table's delta (the changed page ids) and the append descriptor into the table's fixed
+staging buffer (``paged_decode.step_upload``), and a replan only when a sequence
+outgrows the plan's ``headroom`` (``replans`` counts them; a replan makes a captured
+graph stale, and ``stale`` says so). The table-update launch is left pending: a captured
+graph starts with it, an eager step runs it before its first append or decode.
+``append`` and ``decode`` launch kernels on fixed buffers, so a CUDA graph can hold them.
 
 Rows: row ``i`` of ``q``, ``k``, ``v`` and ``out`` is the table's row ``i``
 (``table.sequences[i]``; ``-1``: a padding row, whose rows are ignored and whose output
@@ -111,13 +112,12 @@ class DecodeStep:
         #: the steady begins' state (``steady_step.py``), armed by each general begin
         self._steady: SteadyBegin | None = None
         self._batch: AppendedBatch | None = None
-        #: the CUDA-dialect append reads its descriptor from a fixed device buffer (a
-        #: captured graph keeps its address); the others take the host array per call
-        self._device_desc = bool(getattr(self.backend, "in_place_append", False)
-                                 and self.backend.reads_step_tables)
-        host = np.zeros((5, self.capacity), np.int32)
-        with self.backend.launch_context(pool.k):           # on the pool's device
-            self._desc: Any = self.backend.table_buffer(host) if self._device_desc else host
+        #: the CUDA-dialect append reads its descriptor from the table's staging buffer
+        #: (``step_upload.py``: fixed address, which a captured graph keeps; it travels
+        #: with the table delta in one copy); the others take the host array per call
+        self._device_desc = self.table.upload.staged
+        self._desc: Any = (self.table.upload.desc if self._device_desc
+                           else np.zeros((5, self.capacity), np.int32))
         self._prepared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
         self._layers = [pool.layer(i) for i in range(self.num_layers)]
 
@@ -141,9 +141,11 @@ class DecodeStep:
 
     def begin(self, like: Any = None) -> AppendedBatch:
         """Start a step: one new token slot per live sequence (``reserve_batch``), the
-        table's device copy brought up to date, the append descriptor loaded, a replan
-        if a sequence outgrew the plan. Device work runs on the stream of ``like`` (an
-        engine array; default: the pool's ``k``). Returns the reservation."""
+        table delta and the append descriptor sent in one copy (the table's device
+        update is left pending: a replayed graph starts with it, an eager step's first
+        append or decode runs it), a replan if a sequence outgrew the plan. Device work
+        runs on the stream of ``like`` (an engine array; default: the pool's ``k``).
+        Returns the reservation."""
         if self.pool._version != self._pool_version:   # changed outside this step
             self._unchecked_begins = 0                  # (advance sees it too)
         steady = self._steady.advance() if self._steady is not None else None
@@ -154,15 +156,15 @@ class DecodeStep:
             batch = self.pool._reserve_rows(ids, pool_rows)
             desc = table_row_desc(batch.write.desc, rows, self.capacity)
         self._pool_version = self.pool._version
+        # the host part only: one upload of the table delta and the descriptor; the
+        # device update is pending until the step's first device work (in the graph on
+        # replay, else before the first append or decode, or another reader's)
         with self.backend.launch_context(self.pool.k if like is None else like):
-            if steady is not None:
-                self.table._commit_delta(steady[2], steady[3])
-            else:
-                self.table.update_device()
-            if self._device_desc:
-                self._desc = self.backend.load_int32(self._desc, desc)
-            else:      # array ops and the Metal dialect read the host descriptor
-                self._desc = desc
+            self.table.send(desc if self._device_desc else None,
+                            (steady[2], steady[3]) if steady is not None else None)
+        # the staging buffer's view (a new one only with a new table buffer); array ops
+        # and the Metal dialect read the host descriptor
+        self._desc = self.table.upload.desc if self._device_desc else desc
         if steady is None:                       # the next begins may be steady ones
             self._steady = SteadyBegin.arm(self.pool, self.table)
         if self._unchecked_begins > 0:
@@ -183,7 +185,8 @@ class DecodeStep:
         layer = check_int(fn, "layer", layer, 0, self.num_layers - 1)
         if batch.write.num_touched == 0:
             return
-        key = ("append", layer, id(k), id(v))
+        self._apply_pending(k)
+        key = ("append", layer, id(k), id(v), self.table.layout)
         hit = self._prepared.get(key)
         if hit is not None and hit[0][0] is k and hit[0][1] is v \
                 and layouts((k, v)) == hit[0][2]:
@@ -225,10 +228,12 @@ class DecodeStep:
                 f"{fn}: multi-token decode (q [B, T, Hq, D]) is not part of the engine step "
                 "yet (its slots append one token per sequence); call decode with the "
                 "step's page table and qo_indptr (docs/multi-token.md)")
-        if self.table.pending:     # the pool changed outside begin(): follow it here
+        if self.table.changed:     # the pool changed outside begin(): follow it here
             with self.backend.launch_context(q):
                 self.table.update_device()
             self._replan_if_needed()
+        else:
+            self._apply_pending(q)
         k, v = self._layers[layer]
         if out is None or (return_lse and lse is None) or self.backend.functional_outputs:
             return decode(q, k, v, self.table, self.plan, path=self.path,
@@ -269,6 +274,13 @@ class DecodeStep:
                          device=self.backend.device_info(), headroom=self.headroom,
                          hint=hint, ctas_per_chunk=ctas, fn="DecodeStep")
 
+    def _apply_pending(self, like: Any) -> None:
+        """The table update ``begin`` left pending, on ``like``'s stream before the
+        step's first launch (eager steps; a replayed graph makes it itself)."""
+        if self.table.pending:
+            with self.backend.launch_context(like):
+                self.table.apply_pending()
+
     def _replan_if_needed(self) -> None:
         left = self.plan.tokens_left(self.table)
         if left == 0 and self.plan.mismatch(self.table) is not None:
@@ -298,8 +310,12 @@ class CapturedStep:
         self._plan, self._layout = step.plan, step.table.layout
         self._last = step.steps
         # the capture stream is kept with the graph: the step's workspaces were first
-        # allocated on it (CUDA keeps them per stream while their plan lives)
-        self.graph, self._stream = step.backend.capture_graph(lambda: body(step))
+        # allocated on it (CUDA keeps them per stream while their plan lives). The graph
+        # starts with the table update (from the staging buffer each begin writes), so a
+        # replay applies its begin's delta; the eager run applies the pending one itself
+        table = step.table
+        self.graph, self._stream = step.backend.capture_graph(
+            lambda: body(step), table.record_update if table.upload.staged else None)
 
     @property
     def stale(self) -> bool:
@@ -322,9 +338,10 @@ class CapturedStep:
                                  "slots would be written twice)")
         self._last = s.steps
         if self.graph is None:
-            self.body(s)
+            self.body(s)           # its first append or decode applies the table update
         else:
             s.backend.replay_graph(self.graph, s.pool.k if like is None else like)
+            s.table.replayed()     # the graph's first work was the update
 
 
 __all__ = ["CapturedStep", "DecodeStep", "StaleStepError"]

@@ -157,7 +157,7 @@ class SteadyBegin:
         """One token slot for every live row: the pool's bookkeeping committed and
         ``(batch, desc, delta, npages)`` returned (the step's descriptor, int32 ``[5,
         capacity]``; the table's delta and its new pages per row, int64 ``[capacity]``,
-        for ``StepTable._commit_delta``); or ``None``, with nothing changed, when this is
+        for ``StepTable.send``); or ``None``, with nothing changed, when this is
         not the steady case."""
         pool, table = self.pool, self.table
         if (pool._version != self.version or table.layout != self.layout or table._dirty

@@ -1,13 +1,23 @@
 """A decode batch's page table that lives on the device and follows its pool in place.
 
 ``PagePool.step_table(seqs)`` makes one. The pool tells the table about every change to
-its sequences (appends, front trims, frees); the table accumulates what changed, and
-``flush`` (which ``decode`` calls) brings the device copy up to date with **one** small
-host-to-device copy (a delta: the new per-row header and the changed page ids only) and
-one launch of the table-update kernel (``kernels/table_update.py``). Nothing is rebuilt
-or re-validated per step: the pool produced every entry. ``page_table()`` builds the
-immutable, validated host ``PageTable`` on request (for inspection, cascade detection and
-the array-op paths).
+its sequences (appends, front trims, frees); the table accumulates what changed. Bringing
+the device copy up to date takes two parts:
+
+- ``send`` (host): the delta (the new per-row header and the changed page ids only) is
+  built and sent with **one** small host-to-device copy (``step_upload.py``; an engine
+  step's append descriptor travels in the same copy); the device update is then
+  *pending*;
+- ``apply_pending`` (device): the table-update launch (``kernels/table_update.py``;
+  on the CUDA dialect after a device-to-device copy of the buffer into a scratch one).
+
+``flush`` (which ``decode`` calls) does both. ``DecodeStep.begin`` does only the first:
+the update runs as the step's first device work, inside the captured graph on replay
+(``record_update``), or eagerly before the first reader of the device table
+(``device_arrays``, ``page_table``, ``flush``, a decode, the step's append / decode).
+Nothing is rebuilt or re-validated per step: the pool produced every entry.
+``page_table()`` builds the immutable, validated host ``PageTable`` on request (for
+inspection, cascade detection and the array-op paths).
 
 Rows: ``capacity`` rows; row ``i`` is ``sequences[i]`` (``-1``: an empty padding row that
 decodes to zeros and a ``-inf`` LSE). A decode through a step table takes ``q
@@ -31,6 +41,7 @@ import numpy as np
 from .errors import InvalidArgumentError, check_int
 from .kernels.table_update import delta_header_words, table_views, table_words
 from .page_table import PageTable
+from .step_upload import StepUpload
 
 _CLEAN = np.iinfo(np.int64).max // 4       # "no page changed" in _dirty_from
 
@@ -56,6 +67,10 @@ class StepTable:
     _mirror: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
     _buf: Any                    # the device buffer (int32, TABLE_SECTIONS)
     _scratch: Any                # the old table during a CUDA-dialect update
+    upload: StepUpload           # the one-copy staging of the delta (and a step's desc)
+    _device_pending: bool        # a delta was sent and not yet applied on the device
+    _pending_delta: Any          # what the update reads: the staged view or a host delta
+    _staged_idem: bool           # applying the staged delta again changes nothing
     _view: tuple[int, PageTable] | None
     _live: np.ndarray            # bool: rows holding a sequence
     _pr: np.ndarray              # pool row of each table row (0 for padding)
@@ -156,12 +171,19 @@ class StepTable:
 
     @property
     def pending(self) -> bool:
-        """Whether the pool changed the batch since the last ``flush``."""
+        """Whether the device copy is behind: the pool changed the batch since the last
+        ``send`` (``changed``), or a sent delta waits for its device update."""
+        return self._dirty or self._device_pending
+
+    @property
+    def changed(self) -> bool:
+        """Whether the pool changed the batch since the last ``send`` (or ``flush``)."""
         return self._dirty
 
     @property
     def buffer(self) -> Any:
-        """The device buffer (int32, ``kernels/table_update.TABLE_SECTIONS``)."""
+        """The device buffer (int32, ``kernels/table_update.TABLE_SECTIONS``), current
+        after ``flush`` (the address, for checks, at any time)."""
         return self._buf
 
     def device_arrays(self) -> tuple[Any, Any, Any, Any]:
@@ -245,10 +267,11 @@ class StepTable:
     # ------------------------------------------------------------------ the device update
     def flush(self) -> bool:
         """Bring the device copy up to date, on the device of the table's buffer and the
-        current stream there: one host-to-device copy of the delta and one table-update
-        launch, or nothing when the pool changed nothing. Returns whether it updated.
-        ``decode`` calls it on its own stream (``update_device``)."""
-        if not self._dirty:
+        current stream there: the delta's one host-to-device copy and the table-update
+        launch (or what of them is still pending; nothing when the pool changed nothing).
+        Returns whether it updated. ``decode`` calls it on its own stream
+        (``update_device``)."""
+        if not self.pending:
             return False
         with self.backend.launch_context(self._buf):
             return self.update_device()
@@ -256,8 +279,78 @@ class StepTable:
     def update_device(self) -> bool:
         """``flush`` inside the launch context the caller entered (the stream a decode
         runs on, so the update is ordered before its kernels)."""
-        if not self._dirty:
+        if self._dirty:
+            self.send()
+        return self.apply_pending()
+
+    def send(self, desc: np.ndarray | None = None,
+             steady: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """The host part of an update, on the current stream: the delta of what the pool
+        changed (or ``steady``'s precomputed ``(delta, npages)``, ``steady_step.py``) and
+        ``desc`` (an engine step's append descriptor, int32 ``[5, capacity]``, into
+        ``upload.desc``) in one copy; the device update is then pending
+        (``apply_pending``, or a captured step's ``record_update``). A delta sent before
+        and not yet applied is applied first (its staging is about to be overwritten)."""
+        if self._device_pending:
+            self.apply_pending()
+        delta = npages = None
+        idem = True
+        if steady is not None:                  # rows in place, nothing trimmed
+            delta, npages = steady
+        elif self._dirty:
+            idem = self._simple
+            delta, npages = self._general_delta()
+        elif desc is not None and not self._staged_idem:
+            # a graph re-applies the staged delta on replay: make it a no-op first
+            delta = self._identity_delta()
+        target = self.upload.send(desc, delta)
+        if delta is None:
+            return
+        self._staged_idem = idem
+        if npages is None:                      # the identity: nothing to apply
+            return
+        self._pending_delta = target
+        self._device_pending = True
+        self._npages = npages
+        self._npages_total = int(delta[self._cap])
+        self._mirror_src = delta
+        self._mirror = None
+        self._dirty = False
+        self.version += 1
+
+    def apply_pending(self) -> bool:
+        """The device part of an update: the table-update launch over the sent delta, on
+        the current stream (returns whether there was one). After it, the staged delta
+        is one a replayed graph may apply again harmlessly (``record_update``)."""
+        if not self._device_pending:
             return False
+        buf = self._buf
+        self._buf = self.backend.update_table(buf, self._pending_delta, self._cap,
+                                              self._pcap, scratch=self._scratch)
+        self._device_pending = False
+        if self._buf is not buf:                # a new buffer (Metal): new views
+            self._views = self._make_views()
+        if not self._staged_idem and self.upload.staged:
+            # rows moved or trimmed: applied twice it would move them twice
+            self.upload.send(None, self._identity_delta())
+            self._staged_idem = True
+        return True
+
+    def record_update(self) -> None:
+        """The device update from the staging buffer, made unconditionally: the first
+        work a captured step records (``DecodeStep.capture``), so that each replay
+        applies the delta its ``begin`` sent. Only with a staging buffer."""
+        self.backend.update_table(self._buf, self.upload.delta, self._cap, self._pcap,
+                                  scratch=self._scratch)
+
+    def replayed(self) -> None:
+        """A captured step applied the staged delta on the device (``CapturedStep``)."""
+        self._device_pending = False
+
+    def _general_delta(self) -> tuple[np.ndarray, np.ndarray]:
+        """The delta of everything the pool changed since the last send (int32,
+        ``DELTA_SECTIONS``) and the new pages per row (int64 ``[capacity]``); the table's
+        pending bookkeeping is reset (it grows first when the pages outgrow it)."""
         S, P, cap = self.pool._seqs, self.page_size, self._cap
         pr = self._pr
         npages = S.npages[pr]
@@ -304,34 +397,29 @@ class StepTable:
                 rep = np.repeat(rows, changed[rows])
                 within = np.arange(m) - np.repeat(cind[rows].astype(np.int64), changed[rows])
                 delta[h:] = S.pages[pr[rep], S.head[pr[rep]] + keep[rep] + within]
-        self._commit_delta(delta, npages)
         if not self._simple:
             self._src = np.where(self._live, self._rows, -1)
             self._front = np.zeros(cap, np.int64)
             self._simple = True
         self._dirty_from = np.full(cap, _CLEAN, np.int64)
-        return True
+        return delta, npages
 
-    def _commit_delta(self, delta: np.ndarray, npages: np.ndarray) -> None:
-        """Send ``delta`` (int32, ``kernels/table_update.DELTA_SECTIONS``) to the device
-        table and make it the host mirror: ``npages`` int64 ``[capacity]`` are the new
-        pages per row. (``update_device`` and the steady begin, ``steady_step.py``.)"""
-        buf = self._buf
-        self._buf = self.backend.update_table(buf, delta, self._cap, self._pcap,
-                                              scratch=self._scratch)
-        self._npages = npages
-        self._npages_total = int(delta[self._cap])
-        self._mirror_src = delta
-        self._mirror = None
-        self._dirty = False
-        self.version += 1
-        if self._buf is not buf:                # a new buffer (Metal): new views
-            self._views = self._make_views()
+    def _identity_delta(self) -> np.ndarray:
+        """A delta that leaves the device table as it is (every row keeps its pages in
+        place): what the staging holds once a delta that moves rows was applied."""
+        cap = self._cap
+        d = np.zeros(delta_header_words(cap), np.int32)
+        d[:3 * cap + 1] = self._mirror_src[:3 * cap + 1]
+        d[3 * cap + 1:4 * cap + 1] = np.where(self._npages > 0, self._rows, -1)
+        d[5 * cap + 1:6 * cap + 1] = self._npages
+        return d
 
     def _mirrors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The host views (pages per row, visible lengths, last-page lengths, first-page
-        offsets; read-only, int64 / int32), built from the last delta on first use."""
-        self._require_flushed()
+        offsets; read-only, int64 / int32), built from the last delta on first use (host
+        state: a sent delta's device update may still be pending)."""
+        if self._dirty:
+            self.flush()
         if self._mirror is None:
             cap, P = self._cap, self.page_size
             npages = self._npages.copy()
@@ -361,6 +449,8 @@ class StepTable:
         with self.backend.launch_context(self.pool.k):   # on the pool's device
             self._buf = self.backend.table_buffer(host)
             self._scratch = self.backend.table_buffer(host)
+            self.upload = StepUpload(self.backend, self._cap, self._pcap)
+        self._device_pending, self._pending_delta, self._staged_idem = False, None, True
         self._npages = np.zeros(self._cap, np.int64)
         self._npages_total = 0
         self._views = self._make_views()
@@ -413,7 +503,8 @@ class StepTable:
         return (v["indices"], v["indptr"], v["last_page_len"], v["first_page_offset"])
 
     def _require_flushed(self) -> None:
-        if self._dirty:
+        """Before reading the device table (or its view): nothing pending."""
+        if self.pending:
             self.flush()
 
     def _build_view(self) -> PageTable:

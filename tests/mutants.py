@@ -248,6 +248,7 @@ VAR_ORACLE = VAR + "test_variants_match_oracle"
 VAR_NAN = VAR + "test_non_finite_rules_hold_with_variants"
 STEP = "tests/test_step_table.py::"
 STEADY = "tests/test_steady_step.py::"
+UPLOAD = "tests/test_step_upload.py::"
 MT = "tests/test_multitoken.py::"
 FP8 = "tests/test_fp8.py::"
 FP8_ORACLE = FP8 + "test_fp8_decode_matches_oracle"
@@ -405,6 +406,35 @@ MUTANTS: tuple[Mutant, ...] = (
        '        self._fill(fn, "q", qb, q)\n', "",
        ["tests/test_paged_batch.py::test_step_engine_decode_steps_match_the_plain_path_and_the_oracle"],
        "the engine step's decode reads its q buffer without this layer's queries"),
+    _m("py-step-decode-skips-the-pending-update", "python", ("paged_decode.engine_step",),
+       "        else:\n            self._apply_pending(q)\n", "",
+       [UPLOAD + "test_the_pending_update_is_applied_before_every_reader"
+                 "[emulated-cuda-step-decode]"],
+       "a step's decode before its appends reads the table of the previous step"),
+    _m("py-table-view-skips-the-pending-update", "python", ("paged_decode.step_table",),
+       "        if self.pending:\n            self.flush()\n",
+       "        if self._dirty:\n            self.flush()\n",
+       [UPLOAD + "test_the_pending_update_is_applied_before_every_reader[reference-page_table]",
+        UPLOAD + "test_the_pending_update_is_applied_before_every_reader"
+                 "[emulated-cuda-device_arrays]"],
+       "the table's readers (page_table, device_arrays) only follow host changes: a sent "
+       "delta is never applied for them"),
+    _m("py-captured-step-without-the-update", "python", ("paged_decode.engine_step",),
+       "            lambda: body(step), table.record_update if table.upload.staged else None)",
+       "            lambda: body(step), None)",
+       [UPLOAD + "test_a_captured_replay_equals_the_eager_step_and_the_oracle[emulated-cuda]"],
+       "the graph leaves out the table update: every replay decodes the capture's table"),
+    _m("py-moving-delta-applied-twice", "python", ("paged_decode.step_table",),
+       "        if not self._staged_idem and self.upload.staged:",
+       "        if False:",
+       [UPLOAD + "test_a_replay_after_an_eager_read_of_a_moving_delta"],
+       "a trim's delta, applied by a reader and then again by the graph, trims twice"),
+    _m("py-pinned-buffer-rewritten-while-read", "python",
+       ("paged_decode.backends.cuda_staging",),
+       "            slot.done[i].synchronize()    # the last copy from this buffer has read it",
+       "            pass",
+       [UPLOAD + "test_pinned_buffers_are_not_rewritten_before_their_copy_ran"],
+       "the host rewrites a pinned buffer an earlier asynchronous copy has not read yet"),
     _m("py-plan-tokens-left-off-by-one", "python", ("paged_decode.plan",),
        "        room += np.where(pages > 0, P - np.asarray(table.last_page_len, np.int64), 0)",
        "        room += np.where(pages > 0, P + 1 - np.asarray(table.last_page_len, np.int64), 0)",

@@ -1,8 +1,10 @@
 """The engine step (``DecodeStep``): begin / append / decode for every layer, eager and
 captured, against the float64 oracle on the host table of every step.
 
-On the CPU the "captured" replay re-runs the recorded body (``Backend.capture_graph``);
-the CUDA graph itself is exercised in tests/test_cuda_graphs.py on a GPU.
+On the CPU the "captured" replay of ``emulated-cuda`` replays its recorded launches and
+device copies (``Backend.capture_graph``, a model of a CUDA graph); elsewhere it re-runs
+the body. The CUDA graph itself is exercised in tests/test_cuda_graphs.py and
+tests/test_engine_step_gpu.py on a GPU.
 """
 
 from __future__ import annotations

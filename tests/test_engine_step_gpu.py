@@ -2,7 +2,10 @@
 GPU is missing): the device table equals the pool's after random operations, eager and
 CUDA-graph-captured steps match the float64 oracle through copy-on-write, page crossings
 and replans, the update runs on the caller's (torch) stream, and a captured step refuses
-to replay once stale. Not run yet where this was written (no GPU in that session).
+to replay once stale; a captured loop makes one upload per begin and nothing else but
+the graph launch per replay (the table update is in the graph), also after a reader
+applied a trim's update eagerly. The last two were not run yet where they were written
+(no GPU in that session).
 """
 
 from __future__ import annotations
@@ -127,3 +130,57 @@ def test_a_stale_graph_is_refused_on_cuda():
     assert graph.stale
     with pytest.raises(pd.StaleStepError):
         graph.replay()
+
+
+def _one_layer_captured(seed):
+    """A float16 step, random q and k rows, and a captured append + decode of layer 0."""
+    import cupy as cp
+    pool, step = _engine("float16", headroom=32)
+    cap, dt = step.capacity, pool.k.dtype
+    rng = np.random.default_rng(seed)
+    q = cp.asarray(rng.standard_normal((cap, HQ, D))).astype(dt)
+    k = cp.asarray(rng.standard_normal((cap, HKV, D))).astype(dt)
+    out = cp.full((cap, HQ, D), cp.nan, dt)
+    step.begin()
+    graph = step.capture(lambda st: (st.append(0, k, k), st.decode(0, q, out=out)))
+    return pool, step, q, out, graph
+
+
+def test_one_upload_per_begin_and_the_update_in_the_graph_on_cuda():
+    """The host's CUDA calls of a captured loop (``DeviceCalls``): a steady begin makes one
+    upload, a replay only the graph launch (the table update is in the graph), and the
+    results follow the oracle over page crossings."""
+    import cupy as cp
+
+    from paged_decode.bench.device_calls import DeviceCalls
+    pool, step, q, out, graph = _one_layer_captured(6)
+    with DeviceCalls(step.backend) as calls:
+        for it in range(2 * P + 1):
+            step.begin()
+            assert calls.take() == {"stage_int32": 1}, f"begin {it}"
+            graph.replay()
+            assert calls.take() == {"replay_graph": 1}, f"replay {it}"
+            cp.cuda.Device().synchronize()
+            kp, vp = pool.layer(0)
+            want, _ = oracle_decode(cp.asnumpy(q), cp.asnumpy(kp), cp.asnumpy(vp),
+                                    step.table.page_table())
+            assert_matches_oracle(cp.asnumpy(out).astype(np.float32), None, want, None,
+                                  "float16", f"step {it}")
+    assert not graph.stale
+
+
+def test_a_replay_after_an_eager_read_of_a_trim_on_cuda():
+    import cupy as cp
+    pool, step, q, out, graph = _one_layer_captured(7)
+    for it, row in enumerate([3, 2, 3]):
+        pool.trim_front(int(step.sequences[row]), P)   # a delta that moves pages
+        step.begin()
+        step.table.page_table()                        # applied eagerly
+        graph.replay()                                 # its update must change nothing
+        cp.cuda.Device().synchronize()
+        assert_matches_pool(step.table)
+        kp, vp = pool.layer(0)
+        want, _ = oracle_decode(cp.asnumpy(q), cp.asnumpy(kp), cp.asnumpy(vp),
+                                step.table.page_table())
+        assert_matches_oracle(cp.asnumpy(out).astype(np.float32), None, want, None,
+                              "float16", f"step {it}")

@@ -54,6 +54,7 @@ def _state(pool, step, be):
                desc=np.asarray(be.to_numpy(step._desc)).copy(),
                npages=t.pages_per_request.copy(), visible=t.visible_lens.copy(),
                lpl=t.last_page_len.copy(), fpo=t.first_page_offset.copy())
+    t.flush()                  # the device update a begin leaves pending
     buf = np.asarray(be.to_numpy(t.buffer))
     cap = t.capacity
     out["header"] = buf[:3 * cap + 1].copy()

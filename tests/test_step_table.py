@@ -23,6 +23,7 @@ from paged_decode.kernels.table_update import (
     table_words,
 )
 from paged_decode.reference import oracle_decode
+from paged_decode.step_upload import StepUpload
 
 BACKENDS = ["reference", "emulated-cuda", "emulated-metal"]
 HKV, D = 2, 64
@@ -95,21 +96,26 @@ def test_a_decode_step_uploads_only_what_changed(backend, monkeypatch):
         pool.append(s, rows(rng, 4 * i + 2), rows(rng, 4 * i + 2))
     st = pool.step_table(seqs)
     be = pool.backend
-    sent = []
-    real = type(be).update_table
+    sent, updates = [], []
+    real_send, real_update = StepUpload.send, type(be).update_table
 
-    def spy(self, buf, delta, cap, page_cap, *, scratch):
+    def spy_send(self, desc, delta):
         sent.append(delta.copy())
-        return real(self, buf, delta, cap, page_cap, scratch=scratch)
+        return real_send(self, desc, delta)
 
-    monkeypatch.setattr(type(be), "update_table", spy)
+    def spy_update(self, buf, delta, cap, page_cap, *, scratch):
+        updates.append(cap)
+        return real_update(self, buf, delta, cap, page_cap, scratch=scratch)
+
+    monkeypatch.setattr(StepUpload, "send", spy_send)
+    monkeypatch.setattr(type(be), "update_table", spy_update)
     assert not st.flush()                    # nothing changed: nothing sent
     for step in range(6):
         before = [pool.seq_len(s) for s in seqs]
         pool.append_batch(seqs, rows(rng, 8), rows(rng, 8))
         st.flush()
         crossed = sum(n % 4 == 0 for n in before)     # a full last page: a new page
-        assert len(sent) == step + 1
+        assert len(sent) == len(updates) == step + 1  # one upload, one update each
         assert sent[-1].size == delta_header_words(8) + crossed
         assert_matches_pool(st)
 

@@ -4,15 +4,20 @@ cProfile of the captured loop, and every launch's GPU time.
 Usage: python3 bench/device/profile_engine.py OUT_JSON [BATCH ...]   (default 8 64 128)
 
 Per batch (the engine suite's case: float16, 32/8 x 128, page 16, 32 layers, ragged 1K):
-- host: median microseconds of ``begin``'s parts (the general begin's ``_reserve_rows``
-  and table flush, the steady begin's ``SteadyBegin.advance`` and ``_commit_delta``, the
-  descriptor upload, the replan check) and of the graph replay call, over 30 steps;
+- host: median microseconds of ``begin``'s parts (the general begin's ``_reserve_rows``,
+  the steady begin's ``SteadyBegin.advance``, ``StepTable.send`` with its one upload
+  ``stage_int32`` of the table delta and the append descriptor, the replan check) and of
+  the graph replay call (``replay_graph``), over 30 steps; the host's device calls per
+  begin and per replay (``DeviceCalls``: one upload per begin and no table update outside
+  the graph expected), and the host time of an eager step's pending table update
+  (``apply_pending``: a device copy and a recorded launch);
 - the top functions of a cProfile of 20 captured steps (tottime), to the log;
 - GPU: the step's launches queued behind a spin kernel (so the host is ahead and the
   GPU runs them back to back), a CUDA event after each ``begin`` / ``append`` /
   ``decode`` call; the event deltas are each call's GPU time (a call's kernels plus the
-  gap to the next); their sum is the step's kernel sum. The captured graph's GPU time
-  (events around a replay) is measured in the same process.
+  gap to the next; ``update``: the table update an eager step runs first); their sum is
+  the step's kernel sum. The captured graph's GPU time (events around a replay; it
+  starts with the table update) is measured in the same process.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import cupy as cp
 import numpy as np
 
 from paged_decode.backends import get_backend
+from paged_decode.bench.device_calls import DeviceCalls
 from paged_decode.bench.engine import _pool
 from paged_decode.bench.engine_case import EngineCase
 from paged_decode.engine_step import DecodeStep
@@ -62,7 +68,7 @@ def med(xs):
 
 def profile(batch: int) -> dict:
     be = get_backend("cuda")
-    case = EngineCase(batch, steps=80)        # the pool holds 80 steps of growth
+    case = EngineCase(batch, steps=100)       # the pool holds 100 steps of growth (84 run)
     pool, seqs = _pool(be, case, 0)
     step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom)
     cap = step.capacity
@@ -87,32 +93,51 @@ def profile(batch: int) -> dict:
 
     # ---- host parts of begin() and of the replay
     acc: dict = {}
-    timed(step.pool, "_reserve_rows", acc)          # the general begin's parts
-    timed(step.table, "update_device", acc)
-    timed(SteadyBegin, "advance", acc)              # the steady begin's parts
-    timed(step.table, "_commit_delta", acc)
-    timed(be, "load_int32", acc)
+    timed(step.pool, "_reserve_rows", acc)          # the general begin's part
+    timed(SteadyBegin, "advance", acc)              # the steady begin's part
+    timed(step.table, "send", acc)                  # the delta + descriptor upload
+    timed(be, "stage_int32", acc)                   # its one copy
     timed(step, "_replan_if_needed", acc)
+    timed(be, "replay_graph", acc)
     step.begin()
     graph = step.capture(body)
     cp.cuda.Device().synchronize()
     acc.clear()
-    begins, replays = [], []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        step.begin()
-        t1 = time.perf_counter()
-        if graph.stale:
-            graph = step.capture(body)
-        else:
-            graph.replay()
-        t2 = time.perf_counter()
-        cp.cuda.Device().synchronize()
-        begins.append(t1 - t0)
-        replays.append(t2 - t1)
+    begins, replays, calls_begin, calls_replay = [], [], [], []
+    with DeviceCalls(be) as calls:
+        for _ in range(30):
+            t0 = time.perf_counter()
+            step.begin()
+            t1 = time.perf_counter()
+            calls_begin.append(calls.take())
+            if graph.stale:
+                graph = step.capture(body)
+                calls.take()
+            else:
+                graph.replay()
+                calls_replay.append(calls.take())
+            t2 = time.perf_counter()
+            cp.cuda.Device().synchronize()
+            begins.append(t1 - t0)
+            replays.append(t2 - t1)
     host = {k: med(v) for k, v in acc.items()}
     host["begin"] = med(begins)
     host["replay"] = med(replays)
+    # an eager step's pending update (the device copy and the recorded launch), host time
+    updates = []
+    for _ in range(20):
+        step.begin()
+        t0 = time.perf_counter()
+        step.table.apply_pending()
+        updates.append(time.perf_counter() - t0)
+        body(step)
+        cp.cuda.Device().synchronize()
+    host["apply_pending"] = med(updates)
+    device_calls = {"per_begin": calls_begin[-1] if calls_begin else {},
+                    "per_replay": calls_replay[-1] if calls_replay else {},
+                    "begins_counted": len(calls_begin), "replays_counted": len(calls_replay),
+                    "all_begins_alike": all(c == calls_begin[-1] for c in calls_begin[1:]),
+                    "all_replays_alike": all(c == calls_replay[-1] for c in calls_replay)}
 
     # ---- cProfile of 20 captured steps
     pr = cProfile.Profile()
@@ -131,7 +156,7 @@ def profile(batch: int) -> dict:
 
     # ---- GPU time per call, queued behind a spin
     stream = cp.cuda.get_current_stream()
-    per: dict = {"begin": [], "append": [], "decode": []}
+    per: dict = {"begin": [], "update": [], "append": [], "decode": []}
     graph_gpu = []
     for _ in range(5):
         cp.cuda.Device().synchronize()
@@ -141,6 +166,9 @@ def profile(batch: int) -> dict:
         step.begin()
         ev.append(stream.record())
         names.append("begin")
+        step.table.apply_pending()          # what the first append would run
+        ev.append(stream.record())
+        names.append("update")
         for layer in range(case.layers):
             step.append(layer, ks[layer], ks[layer])
             ev.append(stream.record())
@@ -173,7 +201,8 @@ def profile(batch: int) -> dict:
         rec = getattr(getattr(fnc, "_launch", fnc), "launches", None)
         if rec is not None:
             launches[str(key[0])] = launches.get(str(key[0]), 0) + len(rec)
-    res = {"batch": batch, "host_us": host, "gpu_us": gpu, "plan": {
+    res = {"batch": batch, "host_us": host, "device_calls": device_calls, "gpu_us": gpu,
+           "plan": {
         "pages_per_chunk": step.plan.pages_per_chunk,
         "chunks": int(step.plan.request_indices.size),
         "max_chunks_per_request": int(step.plan.chunks_per_request.max())},

@@ -59,8 +59,10 @@
 #   v2tc-targets / v2tc-models  the two halves of v2tc
 #   tune-tc     bench/device/tune_tc.py: v2tc CTA target x ring depth on GQA 4/7/8/16 cells,
 #               and the plan's ragged_split on ragged batches (v2, v2tc); TUNE_TC_PARTS
-#   engine-profile  bench/device/profile_engine.py: host parts of begin / replay, a cProfile
-#               of the captured loop and each call's GPU time at batch 8/64/128
+#   engine-profile  bench/device/profile_engine.py: host parts of begin / replay (the one
+#               upload per begin, the table update inside the graph: device calls counted
+#               per begin / replay), a cProfile of the captured loop and each call's GPU
+#               time (the table update's too) at batch 8/64/128
 #   v2tc-sanitize  compute-sanitizer memcheck, racecheck and synccheck over the v2tc GPU
 #               tests (-k v2tc; the graph-capture tests included)
 #   ncu-stalls  warp stall reasons (per issued instruction) of v2tc and v2 at 8 x 8K, 32/2 and 32/8
@@ -278,7 +280,7 @@ step_tune_tc() {
 step_engine_profile() {
   timeout 300 python3 bench/device/profile_engine.py "$OUT/engine_profile.json" \
     > "$OUT/engine_profile.txt" 2>&1
-  echo "engine profile rc=$?"; grep -E '"(begin|replay|_reserve_rows|update_device|load_int32|_replan_if_needed|append|decode|kernel_sum|captured_graph|batch)"' "$OUT/engine_profile.txt" | tr -s ' ' | paste -sd' ' | fold -w 2000
+  echo "engine profile rc=$?"; grep -E '"(begin|replay|_reserve_rows|advance|send|stage_int32|apply_pending|replay_graph|update_table|graph:table_update|_replan_if_needed|update|append|decode|kernel_sum|captured_graph|batch)"' "$OUT/engine_profile.txt" | tr -s ' ' | paste -sd' ' | fold -w 2000
 }
 step_v2tc_sanitize() {
   local tool

@@ -230,31 +230,43 @@ class Backend(ABC):
         table's buffer, ``kernels/table_update.py``). Default: a numpy copy."""
         return np.array(host, np.int32)
 
-    def load_int32(self, dst: Any, host: np.ndarray) -> Any:
-        """``host`` (int32) copied into the fixed buffer ``dst`` on the current stream;
-        returns the buffer holding it (``dst``, or a new array on MLX)."""
-        dst[...] = host
-        return dst
+    def staging_buffer(self, words: int) -> Any:
+        """A fixed int32 device buffer of ``words`` words for a step's one upload
+        (``step_upload.StepUpload``), or ``None`` where the step keeps host arrays (the
+        default: the array-op backends, the Metal dialect)."""
+        return None
+
+    def stage_int32(self, dst: Any, *parts: np.ndarray) -> None:
+        """``parts`` (int32, C-contiguous) one after the other into the start of the
+        staging buffer ``dst`` with one host-to-device copy on the current stream."""
+        at = 0
+        for p in parts:
+            dst[at:at + p.size] = p.reshape(-1)
+            at += p.size
 
     def replay_graph(self, graph: Any, like: Any) -> None:
         """Launch a graph of ``capture_graph`` on the current stream of ``like``'s
-        framework (after the work queued there: a step's table update)."""
+        framework (after the work queued there: a step's upload)."""
         raise NotImplementedError(f"{self.name} backend has no graphs")
 
-    def capture_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
-        """``(graph, stream)``: a graph replaying the launches ``run`` makes (a CUDA graph
-        on the ``cuda`` backend, after one eager run; ``replay_graph`` launches it on the
-        caller's stream) and the stream it was captured on, to keep alive with it;
-        ``(None, None)`` where there are no graphs: the caller then runs ``run`` again."""
+    def capture_graph(self, run: Callable[[], Any],
+                      prologue: Callable[[], Any] | None = None) -> tuple[Any, Any]:
+        """``(graph, stream)``: a graph replaying the device work of ``prologue`` (if
+        given) then ``run`` (a CUDA graph on the ``cuda`` backend, after one eager run of
+        ``run`` alone; ``replay_graph`` launches it on the caller's stream) and the stream
+        it was captured on, to keep alive with it; ``(None, None)`` where there are no
+        graphs: ``run`` ran once, and the caller runs it again per replay (``prologue``
+        is then the caller's to run: a step's table update runs eagerly there)."""
         run()
         return None, None
 
     def update_table(self, buf: Any, delta: np.ndarray, cap: int, page_cap: int, *,
                      scratch: Any) -> Any:
-        """Apply a step-table ``delta`` (host int32, ``kernels/table_update.py``) to the
-        table buffer ``buf`` on the current stream; returns the buffer holding the new
-        table (``buf`` itself where it is updated in place). ``scratch`` is a buffer like
-        ``buf`` the update may overwrite. Default: the array-op contract, in place."""
+        """Apply a step-table ``delta`` (int32, ``kernels/table_update.py``: a host array,
+        or the device view ``StepUpload.delta`` where there is staging) to the table
+        buffer ``buf`` on the current stream; returns the buffer holding the new table
+        (``buf`` itself where it is updated in place). ``scratch`` is a buffer like ``buf``
+        the update may overwrite. Default: the array-op contract, in place."""
         buf[...] = apply_delta(np.asarray(buf), delta, cap)
         return buf
 

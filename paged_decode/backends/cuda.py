@@ -53,7 +53,7 @@ class CudaBackend(LaunchingBackend):
     def __init__(self) -> None:
         self._caches = DeviceCaches(self.empty)
         self._recording = threading.local()
-        #: per-step uploads (load_int32, update_table): pinned buffers, device deltas and
+        #: per-step uploads (stage_int32, update_table): pinned buffers, device deltas and
         #: recorded table-update launches, by address (least recently used dropped)
         self._staging = cuda_staging.PinnedStaging()
         self._deltas: OrderedDict[tuple[int, int], Any] = OrderedDict()
@@ -149,29 +149,30 @@ class CudaBackend(LaunchingBackend):
         a CUDA graph)."""
         return self._caches.scratch(owner, tag, shape, dtype)
 
-    def load_int32(self, dst: Any, host: np.ndarray) -> Any:
-        """``host`` into ``dst`` (same shape) on the current stream, through a reused
-        pinned buffer (``cuda_staging``)."""
-        h = np.ascontiguousarray(host, np.int32)
-        if h.shape != tuple(dst.shape):
-            raise InvalidArgumentError(f"load_int32: host shape {h.shape} != the buffer's "
-                                       f"{tuple(dst.shape)}")
-        self._staging.copy(dst, h)
-        return dst
+    def stage_int32(self, dst: Any, *parts: np.ndarray) -> None:
+        """``parts`` into the start of ``dst`` with one ``cudaMemcpyAsync`` on the current
+        stream, through a reused pinned buffer (``cuda_staging``)."""
+        self._staging.copy(dst, *parts)
 
-    def update_table(self, buf: Any, delta: np.ndarray, cap: int, page_cap: int, *,
+    def update_table(self, buf: Any, delta: Any, cap: int, page_cap: int, *,
                      scratch: Any) -> Any:
         """The in-place table update (``LaunchingBackend.update_table``) without per-step
-        allocation: the delta goes through a pinned buffer into a device buffer kept per
-        table buffer, ``buf`` is copied to ``scratch`` with one ``cudaMemcpyAsync``, and
-        the update kernel is a recorded launch on these fixed addresses."""
+        allocation: ``buf`` is copied to ``scratch`` with one ``cudaMemcpyAsync`` and the
+        update kernel is a recorded launch on fixed addresses, reading ``delta`` where it
+        is (a step's staging buffer, ``step_upload.py``: nothing is uploaded here, so a
+        graph can hold the update), or, for a host delta, from a device buffer kept per
+        table buffer that it is first copied into through a pinned buffer."""
         dev = int(buf.device.id)
-        key = (dev, int(buf.data.ptr))
-        d = self._deltas.pop(key, None)
-        if d is None or d.size < delta.size:
-            d = cp.empty(max(int(delta.size), 2 * (d.size if d is not None else 0)), np.int32)
-        cuda_staging.remember(self._deltas, key, d)
-        self._staging.copy(d, np.ascontiguousarray(delta, np.int32))
+        if isinstance(delta, cp.ndarray):
+            d = delta
+        else:
+            key = (dev, int(buf.data.ptr))
+            d = self._deltas.pop(key, None)
+            if d is None or d.size < delta.size:
+                d = cp.empty(max(int(delta.size), 2 * (d.size if d is not None else 0)),
+                             np.int32)
+            cuda_staging.remember(self._deltas, key, d)
+            self._staging.copy(d, np.ascontiguousarray(delta, np.int32))
         cuda_staging.copy_device(scratch, buf)
         lkey = (dev, int(buf.data.ptr), int(scratch.data.ptr), int(d.data.ptr), cap, page_cap)
         replay = self._table_updates.pop(lkey, None)
@@ -191,11 +192,13 @@ class CudaBackend(LaunchingBackend):
         """Wait for every stream of the current device (host timers of whole steps)."""
         cp.cuda.Device().synchronize()
 
-    def capture_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
-        """One eager run on a fresh stream (compiles, allocates the workspaces there),
-        then a capture of ``run`` on it in global mode (host syncs and allocations inside
-        the capture fail loudly). The eager run is ordered after the work queued on the
-        current stream (a step's table update) and before what is queued there next."""
+    def capture_graph(self, run: Callable[[], Any],
+                      prologue: Callable[[], Any] | None = None) -> tuple[Any, Any]:
+        """One eager run of ``run`` on a fresh stream (compiles, allocates the workspaces
+        there), then a capture of ``prologue`` and ``run`` on it in global mode (host
+        syncs and allocations inside the capture fail loudly). The eager run is ordered
+        after the work queued on the current stream (a step's upload) and before what is
+        queued there next."""
         caller = cp.cuda.get_current_stream()
         stream = cp.cuda.Stream(non_blocking=True)
         stream.wait_event(caller.record())
@@ -203,6 +206,8 @@ class CudaBackend(LaunchingBackend):
             run()
             stream.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
             try:
+                if prologue is not None:
+                    prologue()
                 run()
             finally:
                 graph = stream.end_capture()

@@ -1,17 +1,21 @@
 """Small per-step host-to-device copies for the ``cuda`` backend, without allocation.
 
-An engine step uploads a few kilobytes every step (a step table's delta, the append
-descriptor). ``cupy.array`` and ``ndarray.set`` allocate or stage pageable memory on
-every call. Here each destination gets a pinned host buffer that is reused: the host
-writes into it, one ``cudaMemcpyAsync`` on the current stream copies it, and an event
-recorded after the copy tells the next write to the same buffer when the copy has read
-it (normally long before; a host running steps ahead waits there instead of
-overwriting a buffer still being read).
+An engine step uploads a few kilobytes every step (``step_upload.StepUpload``: the
+append descriptor and the table delta in one copy). ``cupy.array`` and ``ndarray.set``
+allocate or stage pageable memory on every call. Here each destination gets ``DEPTH``
+pinned host buffers used in turn: the host writes into one, one ``cudaMemcpyAsync`` on
+the current stream copies it, and an event recorded after the copy says when the copy
+has read it. An asynchronous copy reads its pinned source when the stream reaches it,
+not when it is queued, so the host must not write a buffer before the last copy from it
+has run: before reusing one, the host waits for its event (normally long done; a host
+running more than ``DEPTH - 1`` steps ahead of the GPU waits there instead of
+overwriting a buffer still to be read).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,39 +25,73 @@ from .cuda_arrays import cp
 
 #: destinations whose buffers are kept (least recently used dropped first)
 SLOTS = 64
+#: pinned buffers per destination, used in turn (the host may queue this many copies
+#: to one destination before it waits for the oldest)
+DEPTH = 2
 _H2D, _D2D = 1, 3      # cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice
 
 
 @dataclass
 class _Slot:
-    host: np.ndarray        # pinned, uint8
-    done: Any               # cupy Event recorded after the slot's last copy
+    hosts: list[np.ndarray]     # DEPTH pinned uint8 buffers
+    done: list[Any]             # per buffer: cupy Event recorded after its last copy
+    turn: int = 0               # the buffer the next copy uses
+
+    def wait(self) -> None:
+        """Until every copy from these buffers has read them."""
+        for ev in self.done:
+            if ev is not None:
+                ev.synchronize()
 
 
 class PinnedStaging:
-    """Reused pinned buffers, one per (device, destination address)."""
+    """Reused pinned buffers, ``DEPTH`` per (device, destination address).
 
-    def __init__(self) -> None:
+    ``cuda``: the module whose ``cuda.get_current_stream``, ``cuda.Event`` and
+    ``cuda.runtime.memcpyAsync`` are used, and ``pinned(nbytes)``, the allocator of host
+    buffers (default: CuPy and pinned memory; tests pass a model of asynchronous copies).
+    """
+
+    def __init__(self, cuda: Any = None, pinned: Callable[[int], np.ndarray] | None = None
+                 ) -> None:
         self._slots: OrderedDict[tuple[int, int], _Slot] = OrderedDict()
+        self._cp = cp if cuda is None else cuda
+        self._pinned = _pinned if pinned is None else pinned
 
-    def copy(self, dst: Any, host: np.ndarray) -> None:
-        """Copy ``host`` (C-contiguous; at most ``dst.nbytes`` bytes) into the start of the
-        device array ``dst`` on the current stream."""
-        n = int(host.nbytes)
+    def copy(self, dst: Any, *parts: np.ndarray) -> None:
+        """Copy ``parts`` (C-contiguous, one after the other; at most ``dst.nbytes``
+        bytes in all) into the start of the device array ``dst``: one ``cudaMemcpyAsync``
+        on the current stream."""
+        n = sum(int(p.nbytes) for p in parts)
         if n > int(dst.nbytes):
             raise ValueError(f"PinnedStaging.copy: {n} bytes into a {dst.nbytes}-byte array")
         key = (int(dst.device.id), int(dst.data.ptr))
         slot = self._slots.pop(key, None)
-        if slot is None or slot.host.nbytes < n:
-            slot = _Slot(_pinned(max(n, 256)), cp.cuda.Event(disable_timing=True))
+        if slot is None or slot.hosts[0].nbytes < n:
+            if slot is not None:          # its buffers go back to the pinned pool
+                slot.wait()
+            # room for the whole destination (up to 1 MiB): a step's upload varies in size
+            size = max(n, 256, min(int(dst.nbytes), 1 << 20))
+            slot = _Slot([self._pinned(size) for _ in range(DEPTH)], [None] * DEPTH)
+        i = slot.turn
+        if slot.done[i] is not None:
+            slot.done[i].synchronize()    # the last copy from this buffer has read it
         else:
-            slot.done.synchronize()       # the last copy from this buffer has read it
-        view = slot.host[:n]
-        view[...] = np.frombuffer(np.ascontiguousarray(host).data, np.uint8)
-        stream = cp.cuda.get_current_stream()
-        cp.cuda.runtime.memcpyAsync(int(dst.data.ptr), view.ctypes.data, n, _H2D, stream.ptr)
-        slot.done.record(stream)
-        remember(self._slots, key, slot)
+            slot.done[i] = self._cp.cuda.Event(disable_timing=True)
+        host = slot.hosts[i]
+        at = 0
+        for p in parts:
+            m = int(p.nbytes)
+            host[at:at + m] = np.ascontiguousarray(p).reshape(-1).view(np.uint8)
+            at += m
+        stream = self._cp.cuda.get_current_stream()
+        self._cp.cuda.runtime.memcpyAsync(int(dst.data.ptr), host.ctypes.data, n, _H2D,
+                                          stream.ptr)
+        slot.done[i].record(stream)
+        slot.turn = (i + 1) % DEPTH
+        self._slots[key] = slot
+        while len(self._slots) > SLOTS:   # least recently used out, once its copies ran
+            self._slots.popitem(last=False)[1].wait()
 
 
 def remember(cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:

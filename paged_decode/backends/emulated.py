@@ -17,6 +17,7 @@ Explicit choice only (``backend="emulated-cuda"``, ``PAGED_DECODE_BACKEND`` or
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -78,11 +79,75 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
         """The CUDA source compiled for ``spec`` (a hook tests override with mutants)."""
         return cuda_source(spec.kernel)
 
+    # ----------------------------------------------------------- graphs
+    #: the operations a capture records (``capture_graph``), ``None`` when not capturing
+    _graph: list[tuple[Any, ...]] | None = None
+
+    def capture_graph(self, run: Callable[[], Any],
+                      prologue: Callable[[], Any] | None = None) -> tuple[Any, Any]:
+        """A model of CUDA graph capture: one eager run of ``run``, then ``prologue`` and
+        ``run`` recorded, not run: their launches (``_run``) and device copies
+        (``device_copy``) become a list of operations on the same arrays, which
+        ``replay_graph`` runs again. Like a CUDA graph, a replay reads whatever those
+        arrays hold then and runs none of the host code that made the calls (so a
+        launch on an array rebound since capture, or host work left out of the graph,
+        shows in the results)."""
+        run()
+        self._graph = []
+        try:
+            if prologue is not None:
+                prologue()
+            run()
+            graph = tuple(self._graph)
+        finally:
+            self._graph = None
+        return graph, None
+
+    def replay_graph(self, graph: Any, like: Any) -> None:
+        for op in graph:
+            if op[0] == "launch":
+                self._run(op[1])
+            else:
+                np.copyto(op[1], op[2])
+
+    #: the launches ``compile_launches`` records, ``None`` when not recording
+    _recording: list[launches.Launch] | None = None
+
+    def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
+        """As the CUDA backend's: the launches ``run`` makes are recorded (nothing runs)
+        and the callable replays them on the same arrays, without ``run``'s host code
+        (so work left out of the launches, or an array rebound since, shows)."""
+        outer, self._recording = self._recording, []
+        try:
+            run()
+            recorded = tuple(self._recording)
+        finally:
+            self._recording = outer
+
+        def replay() -> None:
+            for lc in recorded:
+                self._run(lc)
+        replay.launches = recorded  # type: ignore[attr-defined]
+        return replay
+
+    def device_copy(self, dst: Any, src: Any) -> None:
+        if self._graph is not None:
+            self._graph.append(("copy", dst, src))
+            return
+        np.copyto(dst, src)
+
     def _run(self, lc: launches.Launch) -> None:
         """Run a ``Launch`` on the emulator: inputs are copied into guarded buffers and
-        outputs written back (C-contiguous stand-ins when the caller's are not)."""
+        outputs written back (C-contiguous stand-ins when the caller's are not); while a
+        capture records, it joins the graph instead."""
         from ..emulator import Buffer, launch
         if lc.empty:
+            return
+        if self._recording is not None:
+            self._recording.append(lc)
+            return
+        if self._graph is not None:
+            self._graph.append(("launch", lc))
             return
         outs = [a.value for a in lc.args if a.role == "out"]
         with _Outputs(*outs) as tmp:
@@ -164,6 +229,17 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
         d = super().describe()
         d["device"] = "CPU (emulated Metal, MLX metal_kernel signature)"
         return d
+
+    def capture_graph(self, run: Callable[[], Any],
+                      prologue: Callable[[], Any] | None = None) -> tuple[Any, Any]:
+        """No graphs (as on ``metal``): the append and the table update adopt their
+        outputs on the host, which a list of launches would leave out."""
+        run()
+        return None, None
+
+    def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
+        """``run`` itself (the Metal dialect's outputs are adopted on the host)."""
+        return run
 
     def metal_kernel(self, spec: KernelSpec) -> MetalKernel:
         """The Metal header and body run for ``spec`` (a hook tests override with mutants)."""

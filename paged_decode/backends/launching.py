@@ -220,7 +220,7 @@ class LaunchingBackend(Backend):
         graphs stay valid); Metal dialect: a new buffer (``adopt_table`` delivers it)."""
         d = self.index_array(delta)
         if self.in_place_append:
-            self.array_module().copyto(scratch, buf)
+            self.device_copy(scratch, buf)
             self._run(launches.table_update_launch(cap=cap, page_cap=page_cap, old=scratch,
                                                    delta=d, new=buf))
             return buf
@@ -228,6 +228,16 @@ class LaunchingBackend(Backend):
         self._run(launches.table_update_launch(cap=cap, page_cap=page_cap, old=buf,
                                                delta=d, new=new))
         return self.adopt_table(buf, new)
+
+    def staging_buffer(self, words: int) -> Any:
+        """The CUDA dialect reads its append descriptor and table delta from one device
+        buffer (``step_upload.py``); the Metal dialect keeps host arrays (``None``)."""
+        return self.table_buffer(np.zeros(words, np.int32)) if self.in_place_append else None
+
+    def device_copy(self, dst: Any, src: Any) -> None:
+        """``dst[...] = src`` on the device, same-size int32 buffers (a CUDA-dialect table
+        update's copy of the old table)."""
+        self.array_module().copyto(dst, src)
 
     def int32_empty(self, n: int) -> Any:
         """A fresh int32 array of ``n`` elements (a Metal-dialect update's output)."""

@@ -224,9 +224,6 @@ class MlxBackend(Backend):
     def table_buffer(self, host: np.ndarray) -> Any:
         return mx.array(np.asarray(host, np.int32))
 
-    def load_int32(self, dst: Any, host: np.ndarray) -> Any:
-        return mx.array(np.asarray(host, np.int32))
-
     def update_table(self, buf: Any, delta: np.ndarray, cap: int, page_cap: int, *,
                      scratch: Any) -> Any:
         """The array-op contract on a host copy (MLX arrays are rebound, not written)."""
