@@ -49,6 +49,8 @@
 #               transformers' dynamic and static caches -> $OUT/generate_*.json;
 #               GENERATE_TEST_K narrows the tests, GENERATE_NOISE=1 adds
 #               bench/device/generate_noise.py (the float32 logit floor of a batch layout)
+#   tests       the GPU tests of TESTS (files; default fp8, engine step, transformers), TESTS_K
+#   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS)
 #   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
 #   v2tc-race   racecheck (synccheck too with V2TC_SYNC=1) over a v2tc subset (RACE_TIMEOUT)
 #   generate-profile  bench/device/profile_generate.py: prefill / decode-step split, cProfile
@@ -382,6 +384,22 @@ step_softcap_quick() {
   BENCH_TIMEOUT=50 run_bench s_softcap $cv --soft-cap 30 | tail -5
 }
 
+# the GPU tests of the files in TESTS (default: fp8, the engine step, the transformers
+# integration), TESTS_K narrowing them
+step_tests() {
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -rs \
+    ${TESTS:-tests/test_fp8_gpu.py tests/test_engine_step_gpu.py tests/test_integration_transformers.py} \
+    ${TESTS_K:+-k "$TESTS_K"} > "$L/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/tests.log" | tail -12
+}
+# v2tc over float16 and float8_e4m3fn pools (float16 queries) at 8/32/128 x 8K/32K,
+# Llama-3-8B heads, side by side (FP8_QUICK_ARMS: add flashinfer-tc after fi)
+step_fp8_quick() {
+  local c="--preset targets --context 8192 --context 32768 --batch 8 --batch 32 --batch 128"
+  local arms=${FP8_QUICK_ARMS:-v2tc}
+  BENCH_TIMEOUT=60 run_bench fq_f16 $c --arms $arms | tail -9
+  BENCH_TIMEOUT=60 run_bench fq_e4m3 $c --kv-dtype float8_e4m3fn --arms $arms | tail -9
+}
 # v2tc over fp8 pools at ring depths 2/3/4 (4 warps) and 2/3 (8 warps), float16 v2tc
 # beside them, 8/32/128 x 8K/32K at Llama-3-8B heads: the fp8 stage holds half float16's
 # bytes, so the default depth (float16's) may leave DRAM requests unissued (session 8)

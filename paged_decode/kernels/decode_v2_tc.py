@@ -29,10 +29,12 @@ token's page is looked up on its own (one thread per token of a stage, a stage a
 copies that use it, through shared memory).
 
 fp8 pools (``docs/tensor-core-decode.md``, "fp8 pools"): the ring holds the codes (16
-per 16-byte piece, unpadded byte rows), and after a stage's barrier each warp widens only
-its own 16 K and V rows, exactly, into a per-warp 16-bit scratch tile of the padded layout
-the tile phases read (``widen_rows``, ``fp8x4_to_pairs``), between two ``__syncwarp()``:
-no CTA barrier is added. A 16-bit pool (TKV = T) compiles to the kernel without them.
+per 16-byte piece, byte rows padded by 16), and the fp8 tile phases (``qk_tile_fp8``,
+``pv_tile_fp8``) read them with the same ``ldmatrix`` as 16-bit rows, widening each
+register's four codes exactly (``fp8x4_to_pairs``) into the mma's operand pairs: K's
+columns come in a permuted order that the Q tile is stored in too (``q_column``), V's as
+even and odd output tiles that the combine puts back in order. No 16-bit copy of a stage
+is made. A 16-bit pool (TKV = T) compiles to the kernel without them.
 
 Metal: the same grid, contract and combine with 8 x 8 ``simdgroup_matrix`` tiles, 8 or 16
 rows per threadgroup, SIMD groups of 8 tokens per stage, a double buffer of ordinary loads
@@ -81,25 +83,26 @@ def _row_bytes(head_dim: int) -> int:
 
 
 def _ring_row_bytes(head_dim: int, elem: int) -> int:
-    # 16-bit rows padded (ldmatrix reads them); byte rows unpadded (read front to back)
-    return _row_bytes(head_dim) if elem == 2 else head_dim
+    # padded by 16 bytes (ldmatrix reads both kinds: its 8 rows in distinct banks)
+    return _row_bytes(head_dim) if elem == 2 else head_dim + 16
 
 
 def stage_bytes(head_dim: int, num_warps: int = NUM_WARPS, elem: int = 2) -> int:
     """Shared memory of one ring stage: KT tokens of K and of V, padded 16-bit rows
-    (``elem`` 2) or unpadded fp8 byte rows (``elem`` 1)."""
+    (``elem`` 2) or padded fp8 byte rows (``elem`` 1)."""
     return 2 * tile_tokens(num_warps) * _ring_row_bytes(head_dim, elem)
 
 
 def _fixed_bytes(head_dim: int, num_warps: int, elem: int) -> int:
-    # the Q tile, and for a byte ring each warp's 16-bit scratch tile of 16 K and 16 V rows
-    scratch = num_warps * 2 * TOKENS_PER_WARP * _row_bytes(head_dim) if elem == 1 else 0
-    return ROWS * _row_bytes(head_dim) + scratch
+    # the Q tile (the ring holds the combine's float32 rows after the loop: 16 per warp,
+    # which two stages of either element size cover)
+    assert 2 * stage_bytes(head_dim, num_warps, elem) >= num_warps * ROWS * head_dim * 4
+    return ROWS * _row_bytes(head_dim)
 
 
 def dynamic_smem_bytes(head_dim: int, num_warps: int, stages: int, elem: int = 2) -> int:
-    """The Q tile, the K/V ring (``elem``: bytes per pool element) and, for fp8, the warps'
-    scratch tiles (the warps' combine reuses the ring after the loop)."""
+    """The Q tile and the K/V ring (``elem``: bytes per pool element; the warps' combine
+    reuses the ring after the loop)."""
     return (_fixed_bytes(head_dim, num_warps, elem)
             + stages * stage_bytes(head_dim, num_warps, elem))
 
@@ -114,29 +117,93 @@ CUDA_BODY = r"""
 namespace pd {
 extern __shared__ __align__(16) unsigned char pd_tc_smem[];
 
-// A warp's 16 K or V rows `src` of fp8 format TKV (unpadded byte rows of D) widened,
-// exactly, into 16-bit T rows of LD elements at `dst`. Lane `lane` takes 8 consecutive
-// bytes per step (a warp step reads 256 consecutive bytes and writes whole 16-byte pieces
-// of the padded rows).
-template <typename TKV, typename T, int D, int LD>
-__device__ __forceinline__ void widen_rows(T* dst, const TKV* src, int lane) {
-  constexpr int UNITS = 16 * D / 8;              // 8-byte units of the 16 rows
-  static_assert(UNITS % 32 == 0, "the rows' units must split evenly over the lanes");
+// fp8 pools: the tile phases on the byte ring itself, each code widened in registers
+// (fp8x4_to_pairs, exact) right where the mma takes it, no 16-bit copy of the stage.
+// ldmatrix reads a byte row of 16 codes as eight 16-bit elements, so:
+// - K (non-transposed): lane (grp, tig) gets codes 4 tig .. 4 tig + 3 of token grp of a
+//   16-column chunk. They are the mma's B pair (2 tig, 2 tig + 1) and pair (2 tig + 8,
+//   2 tig + 9) when the Q tile holds each chunk's columns in that order (``q_column``):
+//   a dot product does not care how its terms are numbered, only that Q and K agree.
+// - V (transposed): lane (grp, tig) gets codes 2 grp, 2 grp + 1 of tokens 2 tig and
+//   2 tig + 1; regrouped by token they are the B pairs of output columns 2 grp (even
+//   tile) and 2 grp + 1 (odd tile), so O's chunk c is two 8-column tiles, o[2c] holding
+//   columns c * 16 + 2 n and o[2c + 1] columns c * 16 + 2 n + 1 (n its mma column),
+//   put back in order by the combine.
+
+// The chunk column whose value the Q tile holds at column `k` (0-15) of a chunk.
+__device__ __forceinline__ int q_column(int k) {
+  return k < 8 ? 4 * (k >> 1) + (k & 1) : 4 * ((k - 8) >> 1) + 2 + (k & 1);
+}
+
+// s = Q K^T (16 rows x 16 tokens, NT = 2 tiles of 8) for one warp over fp8 K rows `kt`
+// (RLD bytes apart, 16-byte aligned); `qw`: the Q tile in q_column order.
+template <typename TKV, typename T, int D, int RLD, int LD>
+__device__ __forceinline__ void qk_tile_fp8(float (&s)[2][4], const T* qw, const unsigned char* kt) {
+  static_assert(D % 32 == 0, "fp8 K is read 32 columns (two chunks) at a time");
+  const int lane = threadIdx.x & 31;
+  const int lrow = lane & 7, lm = lane >> 3, lhi = lm & 1, lq = lane >> 4;
 #pragma unroll
-  for (int j = 0; j < UNITS / 32; ++j) {
-    const int u = j * 32 + lane, r = u / (D / 8), c8 = u % (D / 8);
-    const uint2 w = *reinterpret_cast<const uint2*>(src + r * D + c8 * 8);
-    unsigned lo[2], hi[2];
-    fp8x4_to_pairs<TKV, Pair<T>>(w.x, lo);
-    fp8x4_to_pairs<TKV, Pair<T>>(w.y, hi);
-    *reinterpret_cast<uint4*>(dst + r * LD + c8 * 8) = make_uint4(lo[0], lo[1], hi[0], hi[1]);
+  for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int cc = 0; cc < D / 32; ++cc) {
+    unsigned kr[4];                  // matrix m: tokens 8 (m >> 1) + 0-7, chunk 2 cc + (m & 1)
+    ldsm_x4<false>(kr, kt + ((lm >> 1) * 8 + lrow) * RLD + (2 * cc + (lm & 1)) * 16);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      unsigned a[4];
+      ldsm_x4<false>(a, qw + (lrow + 8 * lhi) * LD + (2 * cc + h) * 16 + 8 * lq);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        unsigned b[2];
+        fp8x4_to_pairs<TKV, Pair<T>>(kr[2 * n + h], b);
+        mma_16816<T>(s[n], a, b);
+      }
+    }
+  }
+}
+
+// A transposed ldmatrix register of fp8 V, codes (token 2 tig: columns 2 grp, 2 grp + 1;
+// token 2 tig + 1: the same columns), regrouped by column: (2 tig, 2 tig + 1) of column
+// 2 grp in the low half, of column 2 grp + 1 in the high half (one byte permute).
+__device__ __forceinline__ unsigned codes_by_column(unsigned w) {
+  return (w & 0xffu) | ((w >> 8) & 0xff00u) | ((w << 8) & 0xff0000u) | (w & 0xff000000u);
+}
+
+// o += P V for one warp over fp8 V rows `vt` (16 tokens, RLD bytes apart): P is
+// softmax_tile's s as in pv_tile; o in the even / odd tile order above.
+template <typename TKV, typename T, int D, int RLD, int DT>
+__device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[2][4],
+                                            const unsigned char* vt) {
+  static_assert(DT == D / 8 && D % 32 == 0, "fp8 V is read 32 columns (two chunks) at a time");
+  const int lane = threadIdx.x & 31;
+  const int lrow = lane & 7, lm = lane >> 3;
+  unsigned a[4];
+  a[0] = Pair<T>::pack(s[0][0], s[0][1]);
+  a[1] = Pair<T>::pack(s[0][2], s[0][3]);
+  a[2] = Pair<T>::pack(s[1][0], s[1][1]);
+  a[3] = Pair<T>::pack(s[1][2], s[1][3]);
+#pragma unroll
+  for (int cc = 0; cc < D / 32; ++cc) {
+    unsigned vr[4];                  // matrix m: tokens 8 (m & 1) + 0-7, chunk 2 cc + (m >> 1)
+    ldsm_x4<true>(vr, vt + ((lm & 1) * 8 + lrow) * RLD + (2 * cc + (lm >> 1)) * 16);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // tokens 0-7 (lo) and 8-15 (hi) of the k step; [0]: the even column, [1]: the odd
+      unsigned lo[2], hi[2];
+      fp8x4_to_pairs<TKV, Pair<T>>(codes_by_column(vr[2 * h]), lo);
+      fp8x4_to_pairs<TKV, Pair<T>>(codes_by_column(vr[2 * h + 1]), hi);
+      const unsigned be[2] = {lo[0], hi[0]}, bo[2] = {lo[1], hi[1]};
+      mma_16816<T>(o[2 * (2 * cc + h)], a, be);
+      mma_16816<T>(o[2 * (2 * cc + h) + 1], a, bo);
+    }
   }
 }
 }  // namespace pd
 
 // grid: (C chunks, Hkv * row_tiles), the row tile fastest; block: NUM_WARPS * 32 threads.
 // T: the queries' and the mma operands' type; TKV: the pools' element, T itself or an fp8
-// format (pd::fp8_e4m3 / pd::fp8_e5m2: a byte ring, widened per warp into scratch tiles).
+// format (pd::fp8_e4m3 / pd::fp8_e5m2: a byte ring, widened in registers by the fp8 tile
+// phases above).
 // SOFT_CAP: scores capped at soft_cap_log2 (log2 units, ``logit``); SINK: the heads'
 // sinks join the final combine (only where the kernel writes the output: merged partials
 // never hold a sink, the merge adds it once).
@@ -160,10 +227,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   using namespace pd;
   constexpr int D = HEAD_DIM;
   constexpr int LD = D + 8;                      // padded 16-bit smem row, in elements
-  constexpr bool FP8 = sizeof(TKV) == 1;         // a byte ring, widened into scratch
-  // ring row, in TKV elements: 16-bit rows padded for ldmatrix; byte rows unpadded (each
-  // warp reads its rows front to back, so consecutive lanes read consecutive bytes)
-  constexpr int RLD = FP8 ? D : LD;
+  constexpr bool FP8 = sizeof(TKV) == 1;         // a byte ring, widened in registers
+  // ring row, in TKV elements, padded by 16 bytes so that the 8 rows of an ldmatrix
+  // matrix fall in distinct banks (16-bit rows: D + 8 elements; byte rows: D + 16 codes)
+  constexpr int RLD = FP8 ? D + 16 : LD;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int PIECES = D * (int)sizeof(TKV) / 16;   // 16-byte pieces per ring row
   constexpr int KT = 16 * NUM_WARPS;             // tokens per stage, 16 per warp
@@ -200,10 +267,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   const int* __restrict__ page_ids = indices + pb;
 
   // Q tile: row i is query head h0 + i (zeros past the group; made visible to every warp
-  // by the first barrier of the loop)
+  // by the first barrier of the loop); over fp8 pools each chunk's columns in q_column order
   for (int e = tid; e < 16 * D; e += THREADS) {
     const int i = e / D, d = e % D;
-    qs[i * LD + d] = i < rows ? q[((long long)r * num_qo_heads + h0 + i) * D + d] : from_float<T>(0.f);
+    const int src = FP8 ? (d & ~15) + q_column(d & 15) : d;
+    qs[i * LD + d] = i < rows ? q[((long long)r * num_qo_heads + h0 + i) * D + src] : from_float<T>(0.f);
   }
 
   const long long row_stride = (long long)num_kv_heads * D;            // elements per token
@@ -260,28 +328,22 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const int slot = stage % STAGES;
     const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
     if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out
-      const T* kt;
-      const T* vt;
-      if constexpr (FP8) {
-        // widen this warp's 16 K and V ring rows into its scratch tile ([2][16][LD],
-        // after the ring): only this warp reads it, so warp barriers order it (the
-        // first: its reads of the last stage's scratch are done)
-        T* scratch = reinterpret_cast<T*>(vs + STAGES * KT * RLD) + warp * 2 * 16 * LD;
-        __syncwarp();
-        widen_rows<TKV, T, D, LD>(scratch, ks + (slot * KT + warp * 16) * RLD, lane);
-        widen_rows<TKV, T, D, LD>(scratch + 16 * LD, vs + (slot * KT + warp * 16) * RLD, lane);
-        __syncwarp();
-        kt = scratch;
-        vt = scratch + 16 * LD;
-      } else {
-        kt = reinterpret_cast<const T*>(ks + (slot * KT + warp * 16) * RLD);
-        vt = reinterpret_cast<const T*>(vs + (slot * KT + warp * 16) * RLD);
-      }
       float s[NT][4];
-      qk_tile<T, D, LD, NT>(s, qs, kt);
-      softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
-                                     soft_cap_log2);
-      pv_tile<T, LD, NT, DT>(o, s, vt);
+      if constexpr (FP8) {
+        const unsigned char* kt = reinterpret_cast<const unsigned char*>(ks + (slot * KT + warp * 16) * RLD);
+        const unsigned char* vt = reinterpret_cast<const unsigned char*>(vs + (slot * KT + warp * 16) * RLD);
+        qk_tile_fp8<TKV, T, D, RLD, LD>(s, qs, kt);
+        softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
+                                       soft_cap_log2);
+        pv_tile_fp8<TKV, T, D, RLD, DT>(o, s, vt);
+      } else {
+        const T* kt = reinterpret_cast<const T*>(ks + (slot * KT + warp * 16) * RLD);
+        const T* vt = reinterpret_cast<const T*>(vs + (slot * KT + warp * 16) * RLD);
+        qk_tile<T, D, LD, NT>(s, qs, kt);
+        softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
+                                       soft_cap_log2);
+        pv_tile<T, LD, NT, DT>(o, s, vt);
+      }
     }
   }
   cp_async_wait<0>();                            // no copy may outlive the loop
@@ -298,10 +360,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   for (int h = 0; h < 2; ++h) {
     const int i = grp + 8 * h;
     if (tig == 0) { sm_m[warp][i] = m_run[h]; sm_l[warp][i] = l_run[h]; }
+    float* row = comb + (warp * 16 + i) * D;
+    if constexpr (FP8) {             // o[2c] / o[2c + 1]: chunk c's even / odd columns
 #pragma unroll
-    for (int j = 0; j < DT; ++j)
-      *reinterpret_cast<float2*>(comb + (warp * 16 + i) * D + j * 8 + 2 * tig) =
-          make_float2(o[j][2 * h], o[j][2 * h + 1]);
+      for (int c16 = 0; c16 < DT / 2; ++c16)
+        *reinterpret_cast<float4*>(row + c16 * 16 + 4 * tig) =
+            make_float4(o[2 * c16][2 * h], o[2 * c16 + 1][2 * h], o[2 * c16][2 * h + 1],
+                        o[2 * c16 + 1][2 * h + 1]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < DT; ++j)
+        *reinterpret_cast<float2*>(row + j * 8 + 2 * tig) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+    }
   }
   __syncthreads();
   for (int e = tid; e < rows * D; e += THREADS) {
