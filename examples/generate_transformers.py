@@ -22,7 +22,8 @@ def main() -> None:
     args = _common.parse(__doc__.splitlines()[0], ("reference", "cuda", "emulated-cuda"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers_model(args.model_config, seed=args.seed, dtype=args.dtype,
-                               layers=args.layers, device=device)
+                               layers=args.layers, device=device,
+                               init_on_device=device == "cuda")
     geo = pt.check_model("example", model, args.page_size)
     prompts = _common.prompts(args, geo.vocab_size)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -181,8 +181,9 @@ def profile(batch: int) -> dict:
             per[n].append(cp.cuda.get_elapsed_time(a, b) * 1e3)
         # the captured graph's GPU time, also behind a spin
         step.begin()
-        if graph.stale:
+        if graph.stale:                     # a replan: the capture ran the step once
             graph = step.capture(body)
+            step.begin()
         cp.cuda.Device().synchronize()
         spin(5.0)
         e0 = stream.record()

@@ -42,7 +42,8 @@ def timed(run) -> float:
 def main() -> None:
     out_path = sys.argv[1]
     new = int(sys.argv[2]) if len(sys.argv) > 2 else 64
-    model = transformers_model("llama3-8b-16l", seed=0, dtype="float16", device="cuda")
+    model = transformers_model("llama3-8b-16l", seed=0, dtype="float16", device="cuda",
+                               init_on_device=True)
     ps = prompts(model.config.vocab_size)
     arms = {"paged": lambda n: pt.generate(model, ps, n),
             "paged-cascade": lambda n: pt.generate(model, ps, n, cascade=True),

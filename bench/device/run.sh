@@ -393,12 +393,13 @@ step_tests() {
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/tests.log" | tail -12
 }
 # v2tc over float16 and float8_e4m3fn pools (float16 queries) at 8/32/128 x 8K/32K,
-# Llama-3-8B heads, side by side (FP8_QUICK_ARMS: add flashinfer-tc after fi)
+# Llama-3-8B heads, side by side (FP8_QUICK_ARMS: add flashinfer-tc after fi;
+# FP8_QUICK_F16=0 skips the float16 pools)
 step_fp8_quick() {
   local c="--preset targets --context 8192 --context 32768 --batch 8 --batch 32 --batch 128"
   local arms=${FP8_QUICK_ARMS:-v2tc}
-  BENCH_TIMEOUT=60 run_bench fq_f16 $c --arms $arms | tail -9
-  BENCH_TIMEOUT=60 run_bench fq_e4m3 $c --kv-dtype float8_e4m3fn --arms $arms | tail -9
+  [ "${FP8_QUICK_F16:-1}" = 1 ] && BENCH_TIMEOUT=60 run_bench fq_f16 $c --arms $arms | tail -9
+  BENCH_TIMEOUT=${FP8_QUICK_TIMEOUT:-60} run_bench fq_e4m3 $c --kv-dtype float8_e4m3fn --arms $arms | tail -9
 }
 # v2tc over fp8 pools at ring depths 2/3/4 (4 warps) and 2/3 (8 warps), float16 v2tc
 # beside them, 8/32/128 x 8K/32K at Llama-3-8B heads: the fp8 stage holds half float16's
