@@ -248,7 +248,8 @@ class PagedBatch:
         slots = np.where(pos >= 0, page.astype(np.int64) * p + tok % p, 0)
         k, v = self.pool.layer(layer)
         flat = (self.pool.num_pages * p, self.pool.num_kv_heads, self.pool.head_dim)
-        idx = self.pool.backend.asarray(slots.reshape(-1))
+        with self.pool.backend.launch_context(self.pool.k):      # on the pool's device
+            idx = self.pool.backend.asarray(slots.reshape(-1))
         shape = (r.size, w, self.pool.num_kv_heads, self.pool.head_dim)
         return (k.reshape(flat)[idx].reshape(shape), v.reshape(flat)[idx].reshape(shape))
 
@@ -277,11 +278,12 @@ class PagedBatch:
         if self._engine_bufs is None:
             b, hkv, d = len(self.seqs), self.pool.num_kv_heads, self.pool.head_dim
             hq, like, be, dt = self.num_qo_heads, self._like, self.pool.backend, self.pool.dtype
-            self._engine_bufs = (_empty_like_kind(like, (b, hkv, d), dt, be),
-                                 _empty_like_kind(like, (b, hkv, d), dt, be),
-                                 _empty_like_kind(like, (b, hq, d), dt, be),
-                                 [_empty_like_kind(like, (b, hq, d), dt, be)
-                                  for _ in range(self.num_layers)])
+            with be.launch_context(self.pool.k):     # backend arrays on the pool's device
+                self._engine_bufs = (_empty_like_kind(like, (b, hkv, d), dt, be),
+                                     _empty_like_kind(like, (b, hkv, d), dt, be),
+                                     _empty_like_kind(like, (b, hq, d), dt, be),
+                                     [_empty_like_kind(like, (b, hq, d), dt, be)
+                                      for _ in range(self.num_layers)])
         return self._engine_bufs
 
     def _fill(self, fn: str, name: str, buf: Any, x: Any) -> None:
