@@ -91,6 +91,7 @@
 #               The benches get 180, 180 and 100 s (BENCH_TIMEOUT) to keep the step within
 #               one 600 s device command: run fi in a command before it
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
+# NCU_KV_DTYPE / NCU_BATCH (the ncu steps over fp8 pools / another batch than 8),
 # BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
 source bench/device/setup.sh
 set -o pipefail
@@ -302,7 +303,8 @@ ncu_cells() {
     for arm in v2tc v2; do
       echo "== $arm heads $heads" >> "$file"
       timeout 100 ncu -k regex:pd_decode_v2 -c 1 --section SpeedOfLight --section Occupancy \
-        "$@" python3 bench/device/profile_v2.py 8 8192 0 $arm $heads >> "$file" 2>&1
+        "$@" python3 bench/device/profile_v2.py ${NCU_BATCH:-8} 8192 0 $arm $heads \
+        ${NCU_KV_DTYPE:-} >> "$file" 2>&1
     done
   done
 }
