@@ -52,6 +52,7 @@
 #   tests       the GPU tests of TESTS (files; default fp8, engine step, transformers), TESTS_K
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS)
 #   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
+#   fp8-residency  the fp8 v2tc path at plan CTA targets 264-1056 x ring depths 2 / 3
 #   v2tc-race   racecheck (synccheck too with V2TC_SYNC=1) over a v2tc subset (RACE_TIMEOUT)
 #   generate-profile  bench/device/profile_generate.py: prefill / decode-step split, cProfile
 #               and torch profiler tables of generation through paged-decode and transformers
@@ -415,6 +416,18 @@ step_fp8_stages() {
       [ "$w" = 8 ] && [ "$st" = 4 ] && continue
       PAGED_DECODE_TC_WARPS=$w PAGED_DECODE_STAGES=$st BENCH_TIMEOUT=45 \
         run_bench "fst_w${w}_s$st" $c --kv-dtype float8_e4m3fn --arms v2tc | tail -8
+    done
+  done
+}
+# the register-widening fp8 path (session 8: 41 KB and 128 registers per CTA, 4 resident
+# per SM where float16's 3 are) at plan CTA targets 264 / 528 / 792 / 1056 x ring depths
+# 2 / 3, batch 8 / 32 x 8K / 32K, where it reads at 2.1-2.9 TB/s
+step_fp8_residency() {
+  local c="--preset targets --context 8192 --context 32768 --batch 8 --batch 32" tgt st
+  for st in 2 3; do
+    for tgt in 264 528 792 1056; do
+      PAGED_DECODE_STAGES=$st PAGED_DECODE_TARGET_CTAS=$tgt BENCH_TIMEOUT=40 \
+        run_bench "fres_s${st}_t$tgt" $c --kv-dtype float8_e4m3fn --arms v2tc | tail -6
     done
   done
 }
