@@ -712,8 +712,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [V2TC_CASE + "[d64-g1-ps16-f16]"],
        "a wrong A fragment: rows 8-15 and columns +8 swapped in the Q ldmatrix addresses"),
     _m("v2tc-c-fragment-columns", "cuda", ("v2tc",),
-       "comb + (warp * 16 + i) * D + j * 8 + 2 * tig) =",
-       "comb + (warp * 16 + i) * D + j * 8 + tig) =", [V2TC_CASE + "[d64-g1-ps16-f16]"],
+       "*reinterpret_cast<float2*>(row + j * 8 + 2 * tig) =",
+       "*reinterpret_cast<float2*>(row + j * 8 + tig) =", [V2TC_CASE + "[d64-g1-ps16-f16]"],
        "the accumulator fragment stored with the A-operand column mapping of one element "
        "per lane"),
     _m("v2tc-padded-rows-written", "cuda", ("v2tc",),

@@ -328,22 +328,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const int slot = stage % STAGES;
     const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
     if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out
+      const TKV* kt = ks + (slot * KT + warp * 16) * RLD;
+      const TKV* vt = vs + (slot * KT + warp * 16) * RLD;
       float s[NT][4];
-      if constexpr (FP8) {
-        const unsigned char* kt = reinterpret_cast<const unsigned char*>(ks + (slot * KT + warp * 16) * RLD);
-        const unsigned char* vt = reinterpret_cast<const unsigned char*>(vs + (slot * KT + warp * 16) * RLD);
-        qk_tile_fp8<TKV, T, D, RLD, LD>(s, qs, kt);
-        softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
-                                       soft_cap_log2);
-        pv_tile_fp8<TKV, T, D, RLD, DT>(o, s, vt);
-      } else {
-        const T* kt = reinterpret_cast<const T*>(ks + (slot * KT + warp * 16) * RLD);
-        const T* vt = reinterpret_cast<const T*>(vs + (slot * KT + warp * 16) * RLD);
-        qk_tile<T, D, LD, NT>(s, qs, kt);
-        softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
-                                       soft_cap_log2);
-        pv_tile<T, LD, NT, DT>(o, s, vt);
-      }
+      if constexpr (FP8) qk_tile_fp8<TKV, T, D, RLD, LD>(s, qs, reinterpret_cast<const unsigned char*>(kt));
+      else qk_tile<T, D, LD, NT>(s, qs, reinterpret_cast<const T*>(kt));
+      softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
+                                     soft_cap_log2);
+      if constexpr (FP8) pv_tile_fp8<TKV, T, D, RLD, DT>(o, s, reinterpret_cast<const unsigned char*>(vt));
+      else pv_tile<T, LD, NT, DT>(o, s, reinterpret_cast<const T*>(vt));
     }
   }
   cp_async_wait<0>();                            // no copy may outlive the loop
