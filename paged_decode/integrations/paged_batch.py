@@ -299,6 +299,9 @@ class PagedBatch:
         _copy_into(buf, x)
 
     def _engine_decode(self, fn: str, layer: int, q: Any, sm_scale: float) -> Any:
+        """The engine step's decode of ``layer``: ``q [B, Hq, D]`` (the pool's dtype)
+        copied into the step's q buffer -> the layer's own output buffer ``[B, Hq, D]``.
+        The first call fixes the step's ``sm_scale`` (its prepared launches hold it)."""
         assert self._engine is not None
         scale = float(sm_scale)
         if self._engine.sm_scale is None:
