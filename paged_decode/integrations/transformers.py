@@ -8,8 +8,10 @@ The seams are transformers' own extension points, no model code is patched:
   the one adapter ``paged_batch.PagedBatch``.
 - **AttentionInterface**: ``paged_attention`` is registered as ``"paged_decode"``; the
   model runs with ``attn_implementation="paged_decode"`` (set for the call, restored
-  after). Decode steps run ``paged_decode.decode`` on the pool's pages; prefill runs torch
-  SDPA per sequence over its K/V gathered from the pool. transformers builds no mask for
+  after). Decode steps run on the pool's pages: through a ``DecodeStep`` (prepared
+  append and decode launches per layer, ``PagedBatch(step_engine=True)``) for a flat
+  decode, through ``paged_decode.decode`` for a cascade; prefill runs torch SDPA per
+  sequence over its K/V gathered from the pool. transformers builds no mask for
   an implementation without a registered mask function, so the page table is the mask.
 
 Batches are packed: one forward takes ``input_ids [1, N]`` holding every sequence's new
