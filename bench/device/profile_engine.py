@@ -7,10 +7,11 @@ Per batch (the engine suite's case: float16, 32/8 x 128, page 16, 32 layers, rag
 - host: median microseconds of ``begin``'s parts (the general begin's ``_reserve_rows``,
   the steady begin's ``SteadyBegin.advance``, ``StepTable.send`` with its one upload
   ``stage_int32`` of the table delta and the append descriptor, the replan check) and of
-  the graph replay call (``replay_graph``), over 30 steps; the host's device calls per
-  begin and per replay (``DeviceCalls``: one upload per begin and no table update outside
-  the graph expected), and the host time of an eager step's pending table update
-  (``apply_pending``: a device copy and a recorded launch);
+  the graph replay call (``replay_graph``), over 30 steps; the upload's parts (its event
+  wait, ``cudaMemcpyAsync``, event record and the rest: ``bench.staging_timer``); the
+  host's device calls per begin and per replay (``DeviceCalls``: one upload per begin and
+  no table update outside the graph expected), and the host time of an eager step's
+  pending table update (``apply_pending``: a device copy and a recorded launch);
 - the top functions of a cProfile of 20 captured steps (tottime), to the log;
 - GPU: the step's launches queued behind a spin kernel (so the host is ahead and the
   GPU runs them back to back), a CUDA event after each ``begin`` / ``append`` /
@@ -33,9 +34,11 @@ import cupy as cp
 import numpy as np
 
 from paged_decode.backends import get_backend
+from paged_decode.backends.cuda_staging import PinnedStaging
 from paged_decode.bench.device_calls import DeviceCalls
 from paged_decode.bench.engine import _pool
 from paged_decode.bench.engine_case import EngineCase
+from paged_decode.bench.staging_timer import PARTS, TimedCuda
 from paged_decode.engine_step import DecodeStep
 from paged_decode.steady_step import SteadyBegin
 
@@ -123,6 +126,26 @@ def profile(batch: int) -> dict:
     host = {k: med(v) for k, v in acc.items()}
     host["begin"] = med(begins)
     host["replay"] = med(replays)
+    # the one upload's parts: its CUDA calls timed through the staging's cuda module (a
+    # new staging: its first two uploads allocate pinned buffers and are left out)
+    staging, timer = be._staging, TimedCuda(cp)
+    be._staging = PinnedStaging(cuda=timer)
+    first = len(acc.get("stage_int32", []))
+    for i in range(32):
+        if i == 2:
+            timer.clear()
+            first = len(acc.get("stage_int32", []))
+        step.begin()
+        if graph.stale:
+            graph = step.capture(body)
+        else:
+            graph.replay()
+        cp.cuda.Device().synchronize()
+    be._staging = staging
+    upload = {"total": med(acc.get("stage_int32", [])[first:])}
+    upload.update({part: med(timer.seconds.get(part, [])) for part in PARTS})
+    upload["rest"] = upload["total"] - sum(upload[p] for p in PARTS if upload[p] == upload[p])
+    host["upload_parts"] = upload
     # an eager step's pending update (the device copy and the recorded launch), host time
     updates = []
     for _ in range(20):
