@@ -241,3 +241,24 @@ def test_step_engine_refusals(rng):
     with pytest.raises(InvalidArgumentError, match=r"PagedBatch.decode: q must be float32 "
                        r"\(the pool's dtype\), got float64"):
         eng.decode(1, q.astype(np.float64), 0.125)
+
+
+def test_step_engine_takes_strided_views(rng):
+    """The engine step copies k, v and q into its buffers whatever their strides (the
+    transformers adapter passes transposed views): the same outputs as contiguous rows."""
+    a, _ = _engine_pair(rng)
+    b, _ = _engine_pair(rng)
+    for _ in range(3):
+        kt = np.ascontiguousarray(rows(rng, 3).transpose(0, 2, 1, 3))   # [L, Hkv, 3, D]
+        vt = np.ascontiguousarray(rows(rng, 3).transpose(0, 2, 1, 3))
+        k, v = kt.swapaxes(1, 2), vt.swapaxes(1, 2)          # [L, 3, Hkv, D] views
+        assert not k[0].flags.c_contiguous
+        a.begin(None)
+        b.begin(None)
+        for layer in range(L):
+            qt = rng.standard_normal((HQ, 3, D)).astype(np.float32)
+            a.append(layer, k[layer], v[layer])
+            b.append(layer, np.ascontiguousarray(k[layer]), np.ascontiguousarray(v[layer]))
+            got = np.array(a.decode(layer, qt.swapaxes(0, 1), 0.125))
+            want = np.array(b.decode(layer, np.ascontiguousarray(qt.swapaxes(0, 1)), 0.125))
+            np.testing.assert_array_equal(got, want)

@@ -95,7 +95,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     q = query[0].transpose(0, 1)                                  # [N, Hq, D]
     counts = batch.counts
     if counts is None:                                            # decode: one query each
-        out = to_torch(batch.decode(layer, q.contiguous(), scale), query)
+        # the engine step copies q into its own buffer (any strides): no copy here
+        out = to_torch(batch.decode(layer, q if batch.step_engine else q.contiguous(), scale),
+                       query)
         return out[None], None
     out = torch.empty_like(q)
     k_all, v_all = batch.gather(layer)                            # [B, W, Hkv, D], left-padded
@@ -143,8 +145,10 @@ class PagedCacheLayer(CacheLayerMixin):
             raise InvalidArgumentError(
                 "PagedCacheLayer.update: key_states must be [1, Hkv, N, D] (a packed batch, "
                 f"as generate runs the model), got {list(key_states.shape)}")
-        self.batch.append(self.layer, key_states[0].transpose(0, 1).contiguous(),
-                          value_states[0].transpose(0, 1).contiguous())
+        k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+        if not (self.batch.step_engine and self.batch.counts is None):
+            k, v = k.contiguous(), v.contiguous()   # the engine step copies views itself
+        self.batch.append(self.layer, k, v)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
