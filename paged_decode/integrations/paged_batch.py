@@ -22,14 +22,17 @@ from typing import Any
 
 import numpy as np
 
+from ..backends import array_kind
 from ..call import choose_path, plan_decode
 from ..cascade import CascadePlan, detect_shared_prefix
 from ..decode import decode
+from ..dtypes import numpy_dtype
 from ..engine_step import DecodeStep
 from ..errors import InvalidArgumentError, check_int
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..pool import AppendedBatch, PagePool
+from ..specs import v2tc_fits
 from ..step_table import StepTable
 
 #: tokens a flat decode's plan is made to grow by (one replan per 64 decode steps at most)
@@ -79,7 +82,6 @@ class PagedBatch:
         #: its fixed buffers: k, v [B, Hkv, D], q [B, Hq, D], one out [B, Hq, D] per layer
         self._engine_bufs: tuple[Any, Any, Any, list[Any]] | None = None
         self._like: Any = None           # an empty array of the appended arrays' kind
-        self._engine_scale: float | None = None
         self.seqs: list[int] = []
         self._counts: np.ndarray | None = None
         self._appended: AppendedBatch | None = None
@@ -152,7 +154,7 @@ class PagedBatch:
                                        f"appended in order, once per forward), got {layer!r}")
         if self.step_engine and self._like is None:
             self._like = _exemplar(k)          # the engine's buffers take k's kind
-        if self._engine_step():
+        if self.in_engine_step:
             assert self._engine is not None
             kb, vb, _, _ = self._buffers()
             self._fill(fn, "k", kb, k)
@@ -193,7 +195,7 @@ class PagedBatch:
         dtype, the kind ``decode`` returns for the pool's backend."""
         fn = "PagedBatch.decode"
         self._check_appended(fn, layer)
-        if self._engine_step():
+        if self.in_engine_step:
             return self._engine_decode(fn, layer, q, sm_scale)
         k, v = self.pool.layer(layer)
         if self.cascade is not True:            # flat: the device-resident step table
@@ -229,7 +231,7 @@ class PagedBatch:
         padding holds some valid slot's data: callers mask it."""
         fn = "PagedBatch.gather"
         self._check_appended(fn, layer)
-        if self._engine_step():
+        if self.in_engine_step:
             raise InvalidArgumentError(f"{fn}: a decode step of a step_engine batch decodes "
                                        "every layer (call decode, not gather)")
         t = self.table
@@ -254,21 +256,25 @@ class PagedBatch:
         return (k.reshape(flat)[idx].reshape(shape), v.reshape(flat)[idx].reshape(shape))
 
     # ------------------------------------------------------------------ the engine step
-    def _engine_step(self) -> bool:
-        """Whether this forward is a decode step run by the engine step."""
+    @property
+    def in_engine_step(self) -> bool:
+        """Whether the forward in progress is a decode step run by the engine step (its
+        ``append`` / ``decode`` copy their arrays, of any strides, into fixed buffers)."""
         return self._engine is not None and self._counts is None and self.step_engine
 
     def _make_engine(self) -> DecodeStep:
         """A ``DecodeStep`` over the batch, on the path ``decode``'s automatic rule takes
-        for it (the crossover table; 16-bit pools may take the tensor-core partial)."""
+        for it (the crossover table at the batch's current host table; 16-bit pools may
+        take the tensor-core partial)."""
         be, pool = self.pool.backend, self.pool
-        st = pool.step_table(self.seqs)
-        plan = plan_decode(st, self.num_qo_heads, pool.num_kv_heads, pool.head_dim,
-                           backend=be.name)
-        allowed = ("v2", "v2tc", "v1") if pool.dtype in ("float16", "bfloat16") \
-            else ("v2", "v1")
-        path = choose_path(be, st, plan, allowed)[0] if be.auto_path() is None else "v2"
-        del st
+        path = "v2"
+        if be.auto_path() is None:
+            table = self.table
+            plan = plan_decode(table, self.num_qo_heads, pool.num_kv_heads, pool.head_dim,
+                               backend=be.name)
+            allowed = ("v2", "v2tc", "v1") if v2tc_fits(pool.dtype, pool.dtype) \
+                else ("v2", "v1")
+            path = choose_path(be, table, plan, allowed)[0]
         return DecodeStep(pool, self.seqs, num_qo_heads=self.num_qo_heads, path=path,
                           headroom=HEADROOM)
 
@@ -327,28 +333,19 @@ class PagedBatch:
                                        f"last in this forward ({self._next_layer - 1})")
 
 
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.split(".")[0] == "torch"
-
-
 def _exemplar(x: Any) -> Any:
     """What ``_empty_like_kind`` needs of ``x``: an empty tensor on its device for a torch
     tensor (holding none of its memory), else ``None`` (the backend's own arrays)."""
-    return x.new_empty((0,)) if _is_torch(x) else None
+    return x.new_empty((0,)) if array_kind(x) == "torch" else None
 
 
 def _empty_like_kind(like: Any, shape: tuple[int, ...], dtype: str, backend: Any) -> Any:
     """A NaN-filled array of ``shape`` in ``dtype`` (an output never written shows): a
     torch tensor on ``like``'s device for a torch ``like``, else the backend's own."""
-    if _is_torch(like):
+    if array_kind(like) == "torch":
         import torch
         return torch.full(shape, float("nan"), dtype=getattr(torch, dtype), device=like.device)
-    return backend.asarray(np.full(shape, np.nan, _np_dtype(dtype)))
-
-
-def _np_dtype(dtype: str) -> Any:
-    from ..dtypes import numpy_dtype
-    return numpy_dtype(dtype)
+    return backend.asarray(np.full(shape, np.nan, numpy_dtype(dtype)))
 
 
 def _copy_into(buf: Any, x: Any) -> None:

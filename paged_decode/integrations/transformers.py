@@ -96,8 +96,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     counts = batch.counts
     if counts is None:                                            # decode: one query each
         # the engine step copies q into its own buffer (any strides): no copy here
-        out = to_torch(batch.decode(layer, q if batch.step_engine else q.contiguous(), scale),
-                       query)
+        out = to_torch(batch.decode(layer, q if batch.in_engine_step else q.contiguous(),
+                                    scale), query)
         return out[None], None
     out = torch.empty_like(q)
     k_all, v_all = batch.gather(layer)                            # [B, W, Hkv, D], left-padded
@@ -146,7 +146,7 @@ class PagedCacheLayer(CacheLayerMixin):
                 "PagedCacheLayer.update: key_states must be [1, Hkv, N, D] (a packed batch, "
                 f"as generate runs the model), got {list(key_states.shape)}")
         k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
-        if not (self.batch.step_engine and self.batch.counts is None):
+        if not self.batch.in_engine_step:
             k, v = k.contiguous(), v.contiguous()   # the engine step copies views itself
         self.batch.append(self.layer, k, v)
         return key_states, value_states
