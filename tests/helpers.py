@@ -266,6 +266,29 @@ def tc_fp8_out_tol(q_dtype: str, out_dtype: str) -> float:
     return tc_out_tol(q_dtype, out_dtype) + 2 * 2.0 ** -24
 
 
+#: decode variants by test id (the variant tests of every path): windows smaller than a
+#: page, crossing pages, of 0 and longer than every context; the cap alone; the sinks
+#: alone; all three. ``"sinks": True`` stands for per-head sinks (``variant_kwargs``).
+VARIANTS: dict[str, dict] = {
+    "w5": {"window_left": 5},
+    "w37": {"window_left": 37},
+    "w0": {"window_left": 0},
+    "w9999": {"window_left": 9999},
+    "cap": {"logits_soft_cap": 1.5},
+    "sinks": {"sinks": True},
+    "all": {"window_left": 21, "logits_soft_cap": 2.0, "sinks": True},
+}
+
+
+def variant_kwargs(variant: dict, hq: int, seed: int = 3) -> dict:
+    """A variant table's entry as ``decode``'s keywords: ``"sinks": True`` becomes
+    ``sinks_for(hq, seed)`` (host float32 ``[hq]``)."""
+    kw = dict(variant)
+    if kw.get("sinks"):
+        kw["sinks"] = sinks_for(hq, seed)
+    return kw
+
+
 def sinks_for(hq: int, seed: int = 3) -> np.ndarray:
     """``[hq]`` float32 attention sinks around the scores' scale (|s| ~ 1-3), so each takes
     a visible share of the softmax weight (natural-log units)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, sinks_for, tc_out_tol
+from helpers import assert_matches_oracle, sinks_for, tc_out_tol, variant_kwargs
 
 import paged_decode as pd
 from paged_decode import get_backend
@@ -216,8 +216,8 @@ VARIANTS = {
     "w2": {"window_left": 2},                        # shorter than T - 1: no common range
     "w9": {"window_left": 9},                        # crossing pages, a common range
     "cap": {"logits_soft_cap": 1.5},
-    "sinks": {"sinks": "sinks"},
-    "all": {"window_left": 21, "logits_soft_cap": 2.0, "sinks": "sinks"},
+    "sinks": {"sinks": True},
+    "all": {"window_left": 21, "logits_soft_cap": 2.0, "sinks": True},
 }
 
 
@@ -226,9 +226,7 @@ VARIANTS = {
 def test_variants_match_oracle(backend_name, variant):
     """Windows end at each token's own position; the sinks enter each token's merge
     once; the cap applies in both passes."""
-    kw = dict(VARIANTS[variant])
-    if "sinks" in kw:
-        kw["sinks"] = _sinks()
+    kw = variant_kwargs(VARIANTS[variant], 8)
     pr, q, qi = _problem([6, 50, 40], [6, 5, 1], page_size=4, offsets=[1, 3, 0], seed=11)
     o = _check(backend_name, pr, q, qi, ppc=2, **kw)
     for name in kw:

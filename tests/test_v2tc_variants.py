@@ -23,7 +23,8 @@ import math
 
 import numpy as np
 import pytest
-from helpers import LSE_ATOL, assert_matches_oracle, sinks_for, table_of, tc_out_tol
+from helpers import LSE_ATOL, assert_matches_oracle, sinks_for, table_of, tc_out_tol, variant_kwargs
+from helpers import VARIANTS as BASE_VARIANTS
 
 import paged_decode as pd
 from paged_decode import crossover, get_backend
@@ -44,26 +45,10 @@ SINGLE = 10 ** 6          # pages per chunk: one chunk per request (the final st
 SPLITS = {"one": SINGLE, "split": 1}
 
 
-#: by test id: windows smaller than a page, crossing pages, of 0 and longer than every
-#: context; the cap alone (tight: it bends most scores), the sinks alone, cap and sinks,
-#: and all three
-VARIANTS = {
-    "w5": {"window_left": 5},
-    "w37": {"window_left": 37},
-    "w0": {"window_left": 0},
-    "w9999": {"window_left": 9999},
-    "cap": {"logits_soft_cap": 1.5},
-    "sinks": {"sinks": True},
-    "cap-sinks": {"logits_soft_cap": 3.0, "sinks": True},
-    "all": {"window_left": 21, "logits_soft_cap": 2.0, "sinks": True},
-}
-
-
-def _kw(variant: dict, hq: int) -> dict:
-    kw = dict(variant)
-    if kw.get("sinks"):
-        kw["sinks"] = sinks_for(hq)
-    return kw
+#: the variant tests' table (``helpers.VARIANTS``) with cap and sinks together, before
+#: all three
+VARIANTS = {**{k: v for k, v in BASE_VARIANTS.items() if k != "all"},
+            "cap-sinks": {"logits_soft_cap": 3.0, "sinks": True}, "all": BASE_VARIANTS["all"]}
 
 
 def run_v2tc_variant(be, pr, kw: dict, ppcs, *, out_dtypes=None) -> list:
@@ -107,7 +92,7 @@ def run_v2tc_variant(be, pr, kw: dict, ppcs, *, out_dtypes=None) -> list:
 def test_each_variant_alone_and_combined(backend_name, variant, split):
     be = get_backend(backend_name)
     pr = make_problem(ProblemSpec(3, 70, 8, 2, 64, 16, seed=0))   # mid-page starts
-    plans = run_v2tc_variant(be, pr, _kw(VARIANTS[variant], 8), [SPLITS[split]])
+    plans = run_v2tc_variant(be, pr, variant_kwargs(VARIANTS[variant], 8), [SPLITS[split]])
     # one chunk: the partial's store; split: the merge (W = 0 leaves one page)
     assert plans[0].needs_merge == (split == "split" and variant != "w0")
 
@@ -244,7 +229,7 @@ def test_multi_token_calls_run_v2tc_with_variants(backend_name, variant):
     """Multi-token decode on v2tc: each token's window ends at its own position (the
     split), the cap applies in both passes, the sinks enter each token's merge once."""
     be = get_backend(backend_name)
-    kw = _kw(VARIANTS[variant], 8)
+    kw = variant_kwargs(VARIANTS[variant], 8)
     pr = make_problem(ProblemSpec(3, 0, 8, 2, 64, 4, seed=11), lengths=[6, 50, 40],
                       offsets=[1, 3, 0])
     counts = [4, 4, 1]
@@ -302,7 +287,7 @@ def test_auto_chooses_v2tc_for_calls_with_variants(backend_name, tmp_path, monke
     assert pd.last_outcome().path.startswith("v2") and "v2tc" not in pd.last_outcome().path
 
 
-def test_prepared_v2tc_keeps_its_variants_and_reads_boundsinks_for():
+def test_prepared_v2tc_keeps_its_variants_and_reads_bound_sinks():
     be = get_backend("emulated-cuda")
     pr = make_problem(ProblemSpec(3, 90, 8, 2, 64, 16, seed=53))
     sk = sinks_for(8)
@@ -323,7 +308,7 @@ def test_prepared_v2tc_keeps_its_variants_and_reads_boundsinks_for():
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_engine_step_runs_v2tc_with_cap_andsinks_for(backend_name, monkeypatch):
+def test_engine_step_runs_v2tc_with_cap_and_sinks(backend_name, monkeypatch):
     monkeypatch.setenv("PAGED_DECODE_POISON", "1")
     rng = np.random.default_rng(9)
     layers, hkv, d, hq, p = 2, 2, 64, 8, 4

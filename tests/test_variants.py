@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import LSE_ATOL, assert_matches_oracle, sinks_for, table_of
+from helpers import LSE_ATOL, VARIANTS, assert_matches_oracle, sinks_for, table_of, variant_kwargs
 
 import paged_decode as pd
 from paged_decode import get_backend
@@ -35,27 +35,13 @@ def _sinks(hq: int = HQ, seed: int = 3) -> np.ndarray:
     return sinks_for(hq, seed)
 
 
-#: the variants, by test id: window smaller than a page, crossing pages, W = 0, longer
-#: than every context; cap alone; sinks alone; all three
-VARIANTS = {
-    "w5": {"window_left": 5},
-    "w37": {"window_left": 37},
-    "w0": {"window_left": 0},
-    "w9999": {"window_left": 9999},
-    "cap": {"logits_soft_cap": 1.5},
-    "sinks": {"sinks": "sinks"},
-    "all": {"window_left": 21, "logits_soft_cap": 2.0, "sinks": "sinks"},
-}
 #: (path, pages_per_chunk): v2 one chunk per request (the partial stores the output), v2
 #: split to single pages (the merge), v1, the gather arm
 PATHS = [("v2", 10 ** 6), ("v2", 1), ("v1", None), ("gather", None)]
 
 
 def _kw(name: str, hq: int = HQ) -> dict:
-    kw = dict(VARIANTS[name])
-    if "sinks" in kw:
-        kw["sinks"] = _sinks(hq)
-    return kw
+    return variant_kwargs(VARIANTS[name], hq)
 
 
 def _problem(dtype: str = "float16", hq: int = HQ, seed: int = 0):

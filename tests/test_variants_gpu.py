@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import LSE_ATOL, OUT_RTOL, PREFIX_RTOL, sinks_for
+from helpers import LSE_ATOL, OUT_RTOL, PREFIX_RTOL, sinks_for, variant_kwargs
 
 import paged_decode as pd
 from paged_decode.backends import availability
@@ -32,8 +32,8 @@ VARIANTS = {
     "window-mid-page": {"window_left": 997},
     "cap": {"logits_soft_cap": 30.0},
     "cap-tight": {"logits_soft_cap": 1.0},
-    "sinks": {"sinks": "sinks"},
-    "all": {"window_left": 777, "logits_soft_cap": 5.0, "sinks": "sinks"},
+    "sinks": {"sinks": True},
+    "all": {"window_left": 777, "logits_soft_cap": 5.0, "sinks": True},
 }
 
 
@@ -47,9 +47,7 @@ def cuda():
 def test_variants_match_oracle_on_cuda(cuda, variant, dtype):
     import cupy as cp
     pr = make_problem(ProblemSpec(4, 3000, HQ, HKV, D, 16, dtype, dtype, seed=5))
-    kw = dict(VARIANTS[variant])
-    if "sinks" in kw:
-        kw["sinks"] = _sinks()
+    kw = variant_kwargs(VARIANTS[variant], HQ)
     ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **kw)
     q, k, v = (cuda.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
     kwc = {**kw, "sinks": None if "sinks" not in kw else cp.asarray(kw["sinks"])}
@@ -129,9 +127,7 @@ def test_v2tc_variants_match_oracle_on_cuda(cuda, variant, dtype, hq, hkv):
 
     from paged_decode.specs import v2tc_ctas_per_chunk
     pr = make_problem(ProblemSpec(4, 3000, hq, hkv, D, 16, dtype, dtype, seed=6))
-    kw = dict(VARIANTS[variant])
-    if "sinks" in kw:
-        kw["sinks"] = _sinks(hq)
+    kw = variant_kwargs(VARIANTS[variant], hq)
     ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **kw)
     q, k, v = (cuda.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
     kwc = {**kw, "sinks": None if "sinks" not in kw else cp.asarray(kw["sinks"])}
