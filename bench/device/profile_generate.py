@@ -11,24 +11,22 @@ The model and prompts are the example's (``examples/generate_transformers.py
 
 import cProfile
 import io
+import os
 import pstats
 import sys
 import time
+from types import SimpleNamespace
 
-import numpy as np
 import torch
 
-from paged_decode.integrations import transformers as pt
-from paged_decode.integrations.random_models import transformers_model
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+import _common  # noqa: E402  (the example's prompts)
 
-BATCH, PREFIX, TAIL = 32, 512, 512
+from paged_decode.integrations import transformers as pt  # noqa: E402
+from paged_decode.integrations.random_models import transformers_model  # noqa: E402
 
-
-def prompts(vocab: int) -> list[list[int]]:
-    g = np.random.default_rng(1)
-    head = g.integers(0, vocab, PREFIX).tolist()
-    tails = np.linspace(1, TAIL, BATCH).round().astype(int)[::-1]
-    return [head + g.integers(0, vocab, int(n)).tolist() for n in tails]
+#: the example's arguments (seed 0; ``_common.prompts`` draws with seed + 1)
+ARGS = SimpleNamespace(seed=0, batch=32, prefix_len=512, prompt_len=512)
 
 
 def timed(run) -> float:
@@ -44,7 +42,7 @@ def main() -> None:
     new = int(sys.argv[2]) if len(sys.argv) > 2 else 64
     model = transformers_model("llama3-8b-16l", seed=0, dtype="float16", device="cuda",
                                init_on_device=True)
-    ps = prompts(model.config.vocab_size)
+    ps = _common.prompts(ARGS, model.config.vocab_size)
     arms = {"paged": lambda n: pt.generate(model, ps, n),
             "paged-cascade": lambda n: pt.generate(model, ps, n, cascade=True),
             "dynamic": lambda n: pt.framework_generate(model, ps, n),
