@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, tc_out_tol
+from helpers import assert_matches_oracle, tc_fp8_out_tol, tc_out_tol
 
 import paged_decode as pd
 from paged_decode import UnsupportedProblemError
@@ -46,28 +46,34 @@ def metal():
     return pd.get_backend("emulated-metal")
 
 
-def run_v2tc(be, spec: ProblemSpec, ppcs, *, lengths=None, offsets=None) -> None:
+def run_v2tc(be, spec: ProblemSpec, ppcs, *, lengths=None, offsets=None, k_scale=None,
+             v_scale=None) -> None:
     """Decode ``spec``'s random problem on ``path="v2tc"`` under each forced
     ``pages_per_chunk`` (``None``: the plan searched for the tensor-core partial's CTAs)
-    and compare with the float64 oracle: float32 outputs always, and the 16-bit output
-    written by the partial itself when a plan needs no merge."""
+    and compare with the float64 oracle: float32 outputs always, and q's dtype written by
+    the partial itself when a plan needs no merge. Pools of an fp8 ``spec.kv_dtype`` take
+    ``k_scale`` / ``v_scale`` (the oracle on the dequantized values; the outcome must
+    name the format)."""
+    fp8 = k_scale is not None
+    scales = {"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}
     pr = make_problem(spec, lengths=lengths, offsets=offsets)
-    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **scales)
     q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))   # cupy on "cuda"
     hq, hkv, d = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
+    kw = {"kv_dtype": spec.kv_dtype, **scales} if fp8 else {}
     for ppc in ppcs:
         plan = pd.plan_decode(pr.table, hq, hkv, d, device=be.device_info(),
                               pages_per_chunk=ppc, ctas_per_chunk=v2tc_ctas_per_chunk(hq, hkv))
-        outs = ["float32"] if plan.needs_merge else ["float32", spec.kv_dtype]
+        outs = ["float32"] if plan.needs_merge else ["float32", spec.q_dtype]
         for od in outs:
             out, lse = pd.decode(q, k, v, pr.table, plan, path="v2tc", return_lse=True,
-                                 out_dtype=od, backend=be)
-            ran = pd.last_outcome().path
-            assert ran == ("v2tc+merge" if plan.needs_merge else "v2tc"), ran
+                                 out_dtype=od, backend=be, **kw)
+            o = pd.last_outcome()
+            assert o.path == ("v2tc+merge" if plan.needs_merge else "v2tc"), o
+            assert not fp8 or f"kv {spec.kv_dtype}" in o.detail, o
+            tol = tc_fp8_out_tol(spec.q_dtype, od) if fp8 else tc_out_tol(spec.kv_dtype, od)
             assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), ref, ref_lse, od,
-                                  f"{spec.label} ppc={ppc} {od}",
-                                  tol=tc_out_tol(spec.kv_dtype, od))
-
+                                  f"{be.name} {spec.label} ppc={ppc} {od}", tol=tol)
 
 CASES = [
     ("d64-g1-ps16-f16", ProblemSpec(3, 70, 4, 4, 64, 16, seed=41), [None, SINGLE]),

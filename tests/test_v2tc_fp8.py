@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import assert_matches_oracle, tc_fp8_out_tol
+from test_v2tc import run_v2tc
 
 import paged_decode as pd
 from paged_decode import UnsupportedProblemError, fp8
@@ -110,28 +111,9 @@ def fp8_problem(spec: ProblemSpec, *, lengths=None, offsets=None):
 
 
 def run_fp8_v2tc(be, spec: ProblemSpec, ppcs, *, lengths=None, offsets=None) -> None:
-    """Decode on ``path="v2tc"`` under each forced ``pages_per_chunk`` (``None``: the plan
-    searched for the tensor-core partial's CTAs): float32 outputs always, q's dtype where
-    the partial writes the output itself; against the oracle, the outcome naming the
-    format and scales."""
-    pr, ref, ref_lse = fp8_problem(spec, lengths=lengths, offsets=offsets)
-    q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
-    hq, hkv, d = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
-    for ppc in ppcs:
-        plan = pd.plan_decode(pr.table, hq, hkv, d, device=be.device_info(),
-                              pages_per_chunk=ppc, ctas_per_chunk=v2tc_ctas_per_chunk(hq, hkv))
-        outs = ["float32"] if plan.needs_merge else ["float32", spec.q_dtype]
-        for od in outs:
-            out, lse = pd.decode(q, k, v, pr.table, plan, path="v2tc", return_lse=True,
-                                 out_dtype=od, backend=be, kv_dtype=spec.kv_dtype,
-                                 k_scale=K_SCALE, v_scale=V_SCALE)
-            o = pd.last_outcome()
-            assert o.path == ("v2tc+merge" if plan.needs_merge else "v2tc"), o
-            assert f"kv {spec.kv_dtype}" in o.detail, o
-            assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), ref, ref_lse, od,
-                                  f"{be.name} {spec.label} ppc={ppc} {od}",
-                                  tol=tc_fp8_out_tol(spec.q_dtype, od))
-
+    """``test_v2tc.run_v2tc`` over fp8 pools with the module's scales."""
+    run_v2tc(be, spec, ppcs, lengths=lengths, offsets=offsets, k_scale=K_SCALE,
+             v_scale=V_SCALE)
 
 E4, E5, F16, BF16 = "float8_e4m3fn", "float8_e5m2", "float16", "bfloat16"
 CASES = [
