@@ -159,14 +159,18 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @main.command()
 @click.option("--backend", default=None, help="Backend to time (default: automatic).")
 @click.option("--suite", default="decode", show_default=True,
-              type=click.Choice(["decode", "cascade", "cascade-rule", "sparse", "engine"]),
+              type=click.Choice(["decode", "cascade", "cascade-rule", "forks", "sparse",
+                                 "engine"]),
               help="engine: an engine's decode loop (--layers, --steps; batch {8,64,128} "
                    "at context 1K unless --batch / --context; arms eager, captured and "
                    "flashinfer: append + table update + decode of every layer per step); "
                    "decode: gather/v1/v2 over --preset; cascade: flat v2 vs cascade "
                    "(tensor-core level 0, and v2 level 0 where both exist) over shared "
                    "prefixes {2K,8K,32K} x batch {4,8,32,128}, suffix 256; cascade-rule: "
-                   "the same arms over short prefixes {128..2K} x batch {2..128}; sparse: "
+                   "the same arms over short prefixes {128..2K} x batch {2..128}; forks: "
+                   "flat v2, v2tc and FlashInfer (CUDA and tensor cores) beside cascade over "
+                   "pages shared by every request (32 x 8K, 8 x 8K, 64/128 x 1K, 128 x 2K "
+                   "shared, suffix 256); sparse: "
                    "dense masked vs fused over context {4K,16K,64K} x sparsity {2..32}x.")
 @click.option("--preset", default=None,
               help="Case preset: adr (gather/v1/v2 GPU sweep, pages 16/32/64), targets "

@@ -9,7 +9,13 @@ from click.testing import CliRunner
 
 from paged_decode.bench.report import table
 from paged_decode.bench.runner import ArmResult, BenchResult
-from paged_decode.bench.suites import CascadeCase, SparseCase, bench_cascade, bench_sparse
+from paged_decode.bench.suites import (
+    CascadeCase,
+    SparseCase,
+    bench_cascade,
+    bench_forks,
+    bench_sparse,
+)
 from paged_decode.cli import main
 
 
@@ -90,6 +96,19 @@ def test_suites_run_small_cases_and_verify():
                      warmup=1, reps=6, cold_l2=False)
     assert s.arms["fused"].ran == "sparse" and s.arms["masked"].ran == "sparse-masked"
     assert all(a.verified for a in s.arms.values())
+
+
+def test_forks_suite_runs_every_flat_arm_it_can_and_says_why_not_the_others():
+    from paged_decode import get_backend
+    be = get_backend("emulated-cuda")     # runs v2tc's CUDA body under the emulator
+    f = bench_forks(be, CascadeCase(4, 64, 32, num_qo_heads=8, num_kv_heads=2, head_dim=64),
+                    warmup=1, reps=3, cold_l2=False)
+    assert f.arms["v2"].ran in ("v2", "v2+merge") and f.arms["v2tc"].ran in ("v2tc",
+                                                                                "v2tc+merge")
+    assert f.arms["cascade"].ran == "cascade"
+    assert all(f.arms[a].verified for a in ("v2", "v2tc", "cascade"))
+    for fi in ("flashinfer", "flashinfer-tc"):   # no GPU here: unavailable, with the reason
+        assert f.arms[fi].ran == "unavailable" and "cuda backend" in f.arms[fi].note
 
 
 def test_a_fallen_back_arm_withholds_the_comparison():

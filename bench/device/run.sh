@@ -29,6 +29,8 @@
 #   models      bench --preset models with v2, sdpa, flashinfer, flashinfer-tc (run fi first)
 #   cascade     bench --suite cascade
 #   cascade-rule  bench --suite cascade-rule (short prefixes: where cascade starts to pay)
+#   forks       bench --suite forks: flat decode over pages every request shares, v2 /
+#               v2tc / FlashInfer beside cascade (run fi first)
 #   sparse      bench --suite sparse
 #   prefix-tile-ab  the cascade suite at prefix tile 64/32 x resident CTAs per SM 2/3/4,
 #               with each tile's register use
@@ -178,6 +180,7 @@ step_decode_variants() {
 step_models() { run_bench models --preset models --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc}; }
 step_cascade() { run_bench cascade --suite cascade; }
 step_cascade_rule() { run_bench cascade-rule --suite cascade-rule; }
+step_forks() { run_bench forks --suite forks; }
 step_sparse() { run_bench sparse --suite sparse; }
 step_regs() {
   python3 - <<'PY' 2>&1 | tee -a "$L/regs.txt"

@@ -1,5 +1,7 @@
-"""The cascade and sparse benchmark suites (issue 6): flat v2 against cascade over shared
-prefixes, and the dense masked path against fused sparse decode.
+"""The cascade, forks and sparse benchmark suites: flat v2 against cascade over shared
+prefixes (issue 6); flat decode over shared pages on every flat arm, ours and FlashInfer's,
+beside cascade (``forks``: whether an arm reads pages shared by many requests from L2, issue
+17); the dense masked path against fused sparse decode.
 
 Cases run on the GPU with device-generated data; each arm is verified against the float64
 oracle (requests 0 and B-1) before it is timed, and must run the path it stands for (an
@@ -23,7 +25,8 @@ from ..dtypes import numpy_dtype
 from ..page_table import PageTable
 from ..reference import attention_f64, max_rel_error
 from ..sparse import make_selection, sparse_decode
-from .runner import TOLERANCE, BenchResult, _verify, time_arm
+from .arms import EXPECTED, ArmUnavailable, make_arm
+from .runner import TOLERANCE, ArmResult, BenchResult, _verify, time_arm, verifier
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,10 @@ SUITES: dict[str, Callable[[], list[Any]]] = {
     "cascade-rule": lambda: [CascadeCase(b, s) for s, b in
                              itertools.product([128, 256, 512, 1024, 2048],
                                                [2, 4, 8, 16, 32, 64, 128])],
+    # flat decode over pages every request shares (#17's 32 forks of one 8K prompt, and
+    # engine-step-sized batches over 1K-2K prompts): every flat arm beside cascade
+    "forks": lambda: [CascadeCase(b, s) for s, b in
+                      ((8192, 32), (8192, 8), (1024, 64), (1024, 128), (2048, 128))],
     "sparse": lambda: [SparseCase(4, c, x) for c, x in
                        itertools.product([4096, 16384, 65536], [2, 4, 8, 16, 32])],
 }
@@ -115,6 +122,44 @@ def cascade_problem(be: Backend, case: CascadeCase) -> tuple[Any, Any, Any, Page
     k, v = _random(be, shape, case.dtype, 1), _random(be, shape, case.dtype, 2)
     q = _random(be, (case.batch, case.num_qo_heads, case.head_dim), case.dtype, 3)
     return q, k, v, table
+
+
+#: the forks suite's flat arms (``bench.arms``) beside its cascade arm
+FORK_ARMS = ("v2", "v2tc", "flashinfer", "flashinfer-tc")
+
+
+def bench_forks(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
+                cold_l2: bool, graph: bool = True) -> BenchResult:
+    """Every flat arm of ``FORK_ARMS`` (each on its own plan of the flat table) and cascade,
+    on one case; each verified against the oracle before it is timed. An arm that cannot
+    run here is reported unverified with the reason."""
+    q, k, v, table = cascade_problem(be, case)
+    geo = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
+    with be.launch_context(q):
+        plan = plan_decode(table, *geo, device=be.device_info())
+        cplan = plan_cascade(table, *geo, device=be.device_info(), min_shared_pages=1)
+    scale = 1.0 / float(np.sqrt(case.head_dim))
+    arms: dict[str, ArmResult] = {}
+    for name in FORK_ARMS:
+        try:
+            a = make_arm(name, be, q, k, v, table, plan, scale)
+        except ArmUnavailable as exc:
+            arms[name] = ArmResult(name, "unavailable", float("nan"), False,
+                                   expected=EXPECTED.get(name, ()), note=str(exc))
+            continue
+        arms[name] = time_arm(be, name, a.call, verifier(be, a, q, k, v, table),
+                              case.io_bytes(), TOLERANCE[case.dtype], a.expected,
+                              warmup=warmup, reps=reps, cold_l2=cold_l2, ran=a.ran,
+                              graph=graph,
+                              check_output=lambda o: _verify(be, o, q, k, v, table))
+        del a
+    with be.launch_context(q):
+        out = be.empty(tuple(q.shape), case.dtype)
+    arms["cascade"] = time_arm(
+        be, "cascade", lambda: decode(q, k, v, table, out=out, cascade=cplan, backend=be),
+        lambda: _verify(be, out, q, k, v, table), case.cascade_bytes(), TOLERANCE[case.dtype],
+        ("cascade",), warmup=warmup, reps=reps, cold_l2=cold_l2, graph=graph)
+    return BenchResult(case, plan.num_chunks, plan.pages_per_chunk, arms)
 
 
 def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
@@ -185,12 +230,13 @@ def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
 
 def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30, cold_l2: bool = True,
               graph: bool = True, progress: Any = None) -> list[BenchResult]:
-    """All cases of suite ``name`` (``"cascade"``, ``"cascade-rule"`` or ``"sparse"``) on
+    """All cases of suite ``name`` (``"cascade"``, ``"cascade-rule"``, ``"forks"`` or
+    ``"sparse"``) on
     ``be``."""
     if name not in SUITES:
         raise ValueError(f"bench: suite must be one of decode, {', '.join(SUITES)}, "
                          f"got {name!r}")
-    fn = bench_sparse if name == "sparse" else bench_cascade
+    fn = {"sparse": bench_sparse, "forks": bench_forks}.get(name, bench_cascade)
     results = []
     for case in SUITES[name]():
         r = fn(be, case, warmup=warmup, reps=reps, cold_l2=cold_l2, graph=graph)
