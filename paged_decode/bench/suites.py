@@ -236,8 +236,9 @@ def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30, cold_l
     if name not in SUITES:
         raise ValueError(f"bench: suite must be one of decode, {', '.join(SUITES)}, "
                          f"got {name!r}")
-    fn: Callable[..., BenchResult] = {"sparse": bench_sparse, "forks": bench_forks}.get(
-        name, bench_cascade)
+    by_suite: dict[str, Callable[..., BenchResult]] = {"sparse": bench_sparse,
+                                                        "forks": bench_forks}
+    fn = by_suite.get(name, bench_cascade)
     results = []
     for case in SUITES[name]():
         r = fn(be, case, warmup=warmup, reps=reps, cold_l2=cold_l2, graph=graph)
