@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -188,3 +189,24 @@ def test_an_engine_arm_with_a_wrong_answer_fails_verification():
     assert not EngineArm("eager", True, "float32", errors=[1e-6, 3e-2]).verified
     assert not EngineArm("eager", True, "float32", errors=[float("nan")]).verified
     assert not EngineArm("eager", True, "float32").verified
+
+
+def test_v2tc_arm_keeps_a_plan_made_for_its_ctas_and_replans_any_other():
+    # a sweep's plan (its own chunk size, v2tc's CTAs per chunk) must be the one timed
+    from paged_decode import get_backend, plan_decode
+    from paged_decode.bench.arms import make_arm
+    from paged_decode.problems import make_table
+    from paged_decode.specs import v2tc_ctas_per_chunk
+    be = get_backend("emulated-cuda")
+    rng = np.random.default_rng(0)
+    table, n = make_table([64, 40], 16, rng=rng)
+    q = rng.standard_normal((2, 32, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((n, 16, 2, 64)).astype(np.float16) for _ in range(2))
+    tc = v2tc_ctas_per_chunk(32, 2)
+    mine = plan_decode(table, 32, 2, 64, device=be.device_info(), pages_per_chunk=1,
+                       ctas_per_chunk=tc)
+    assert make_arm("v2tc", be, q, k, v, table, mine, 0.125).call.plan is mine
+    v2_plan = plan_decode(table, 32, 2, 64, device=be.device_info())
+    assert v2_plan.ctas_per_chunk != tc            # GQA 16: v2 splits the group, v2tc not
+    got = make_arm("v2tc", be, q, k, v, table, v2_plan, 0.125).call.plan
+    assert got is not v2_plan and got.ctas_per_chunk == tc

@@ -31,6 +31,8 @@
 #   cascade-rule  bench --suite cascade-rule (short prefixes: where cascade starts to pay)
 #   forks       bench --suite forks: flat decode over pages every request shares, v2 /
 #               v2tc / FlashInfer beside cascade (run fi first)
+#   tune-forks  bench/device/tune_forks.py: v2 and v2tc over shared and private pages at plan
+#               CTA targets 264-2112 (v2tc also at 8 warps)
 #   sparse      bench --suite sparse
 #   prefix-tile-ab  the cascade suite at prefix tile 64/32 x resident CTAs per SM 2/3/4,
 #               with each tile's register use
@@ -181,6 +183,11 @@ step_models() { run_bench models --preset models --arms ${BENCH_ARMS:-v2,sdpa,fl
 step_cascade() { run_bench cascade --suite cascade; }
 step_cascade_rule() { run_bench cascade-rule --suite cascade-rule; }
 step_forks() { run_bench forks --suite forks; }
+step_tune_forks() {
+  timeout ${TUNE_TIMEOUT:-240} python3 bench/device/tune_forks.py "$OUT/tune_forks.json" \
+    2>&1 | tee "$L/tune_forks.txt" | tail -60
+  echo "tune-forks rc=$?"
+}
 step_sparse() { run_bench sparse --suite sparse; }
 step_regs() {
   python3 - <<'PY' 2>&1 | tee -a "$L/regs.txt"

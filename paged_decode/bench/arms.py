@@ -62,11 +62,13 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
     if name in OURS:
         with be.launch_context(q):
             out = be.empty(tuple(q.shape), be.dtype_of(q))
-        if name == "v2tc":     # the same split search (and window), for its CTAs
+        tc_ctas = v2tc_ctas_per_chunk(plan.num_qo_heads, plan.num_kv_heads)
+        if name == "v2tc" and plan.ctas_per_chunk != tc_ctas:
+            # the same split search (and window) for v2tc's CTAs; a plan already made for
+            # them (a sweep's target or chunk size) is kept
             plan = plan_decode(table, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
                                device=be.device_info(), window_left=plan.window_left,
-                               ctas_per_chunk=v2tc_ctas_per_chunk(plan.num_qo_heads,
-                                                                  plan.num_kv_heads))
+                               ctas_per_chunk=tc_ctas)
         try:
             prep = prepare_decode(q, k, v, table, plan, path=name, out=out,
                                   sm_scale=sm_scale, backend=be, **vk)
