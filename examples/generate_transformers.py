@@ -31,20 +31,31 @@ def main() -> None:
     dense = _common.kv_bytes(geo.num_layers, args.batch * (max(map(len, prompts)) + args.new),
                              geo.num_kv_heads, geo.head_dim, item)
     rows = []
-    for arm, cache in (("transformers dynamic cache (sdpa)", None),
-                       ("transformers static cache (sdpa)", "static")):
-        out, s = _common.timed(lambda c=cache: pt.framework_generate(
-            model, prompts, args.new, cache_implementation=c), args.repeats, sync)
+    # on CUDA, generate compiles the forward itself for a static cache (torch.compile);
+    # the uncompiled static arm is the same cache in eager mode
+    for arm, cache, compiled in (("transformers dynamic cache (sdpa)", None, True),
+                                 ("transformers static cache (sdpa)", "static", True),
+                                 ("transformers static, not compiled", "static", False)):
+        if not compiled and device != "cuda":
+            continue                       # generate compiles only on accelerators
+        out, s = _common.timed(lambda c=cache, k=compiled: pt.framework_generate(
+            model, prompts, args.new, cache_implementation=c, compile=k), args.repeats, sync)
         rows.append(dict(arm=arm, seconds=s, tokens=out.tokens, kv_bytes=dense))
     pages = prompt_batch("example", prompts, args.new, vocab_size=geo.vocab_size,
                          max_positions=None).pages_needed(args.page_size)
     paged_bytes = _common.kv_bytes(geo.num_layers, pages * args.page_size,
                                    geo.num_kv_heads, geo.head_dim, item)
-    for arm, cascade in (("paged-decode", None), ("paged-decode, cascade", True)):
-        out, s = _common.timed(lambda c=cascade: pt.generate(
+    # paged-decode's default on CUDA replays each decode step from a CUDA graph; the
+    # eager arm runs the same steps op by op
+    arms = [("paged-decode", None, None), ("paged-decode, cascade", True, None)]
+    if device == "cuda":
+        arms.insert(1, ("paged-decode, eager steps", None, False))
+    for arm, cascade, graph in arms:
+        out, s = _common.timed(lambda c=cascade, g=graph: pt.generate(
             model, prompts, args.new, backend=args.backend, page_size=args.page_size,
-            cascade=c), args.repeats, sync)
-        rows.append(dict(arm=arm, seconds=s, tokens=out.tokens, kv_bytes=paged_bytes))
+            cascade=c, cuda_graph=g), args.repeats, sync)
+        rows.append(dict(arm=arm, seconds=s, tokens=out.tokens, kv_bytes=paged_bytes,
+                         decode_steps=out.decode_steps, captures=out.captures))
     _common.report(args, rows, "transformers dynamic cache (sdpa)")
 
 

@@ -58,6 +58,16 @@ def test_the_automatic_rule_decodes_flat_and_equal():
     assert pd.last_outcome().path != "cascade"
 
 
+def test_cuda_graph_steps_need_a_cuda_model_and_say_how_steps_ran():
+    model, prompts, ref = reference("llama")
+    with pytest.raises(InvalidArgumentError, match=r"generate: cuda_graph=True needs a model "
+                                                   r"on a CUDA device.*got device cpu"):
+        pt.generate(model, prompts, 2, cuda_graph=True)
+    got = pt.generate(model, prompts, 2)          # the default on the CPU: eager steps
+    assert got.decode_steps == "eager" and got.captures == 0 == got.replays
+    assert got.tokens == [t[:2] for t in ref.tokens]
+
+
 def test_greedy_tokens_equal_the_static_cache_without_sharing():
     model = transformers_model("llama", seed=2)
     prompts = ragged_prompts(model.config.vocab_size, seed=3, prefix=0, tails=(9, 33, 2, 20))
@@ -209,3 +219,39 @@ def test_greedy_tokens_equal_the_dynamic_cache_on_cuda(name):
         got = pt.generate(model, prompts, NEW, cascade=cascade, return_logits=True)
         assert_same_greedy(ref.tokens, ref.logits.cpu(), got.tokens, got.logits.cpu(),
                            floor=floor)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with a CUDA GPU")
+@pytest.mark.skipif(not pd.backends.availability("cuda").ok,
+                    reason=f"CUDA backend unavailable: {pd.backends.availability('cuda').reason}")
+def test_cuda_graph_steps_equal_eager_steps_and_capture_again_after_a_replan(monkeypatch):
+    """The decode forward replayed from a CUDA graph (the default on CUDA) gives the eager
+    steps' logits; a replan (forced every 8 steps here) makes a new capture, and a graph
+    replayed past one would read the old plan's launches."""
+    from paged_decode.engine_step import DecodeStep
+    model = transformers_model("llama", seed=0, device="cuda")
+    prompts = ragged_prompts(model.config.vocab_size, seed=1)
+    eager = pt.generate(model, prompts, NEW, cuda_graph=False, return_logits=True)
+    graphed = pt.generate(model, prompts, NEW, return_logits=True)
+    assert eager.decode_steps == "eager"
+    assert (graphed.decode_steps, graphed.captures, graphed.replays) == ("cuda graph", 1,
+                                                                          NEW - 2)
+    assert_same_greedy(eager.tokens, eager.logits.cpu(), graphed.tokens,
+                       graphed.logits.cpu())
+    assert float((graphed.logits - eager.logits).abs().max()) <= 1e-4
+
+    begin = DecodeStep.begin
+
+    def replan_every_8(self, like=None):
+        batch = begin(self, like)
+        if self.steps % 8 == 0:
+            self.plan = self._plan()       # a new plan object: launches prepared again
+            self._prepared.clear()
+        return batch
+    monkeypatch.setattr(DecodeStep, "begin", replan_every_8)
+    again = pt.generate(model, prompts, NEW, cuda_graph=True, return_logits=True)
+    steps = NEW - 1                        # the first token comes from the prefill
+    assert again.captures == 1 + steps // 8 and again.replays == steps - again.captures
+    assert_same_greedy(eager.tokens, eager.logits.cpu(), again.tokens, again.logits.cpu())
+    assert float((again.logits - eager.logits).abs().max()) <= 1e-4

@@ -262,3 +262,45 @@ def test_step_engine_takes_strided_views(rng):
             got = np.array(a.decode(layer, qt.swapaxes(0, 1), 0.125))
             want = np.array(b.decode(layer, np.ascontiguousarray(qt.swapaxes(0, 1)), 0.125))
             np.testing.assert_array_equal(got, want)
+
+
+def test_begin_capture_reruns_a_finished_decode_step_and_refuses_anything_else(rng):
+    """``begin_capture`` (``decode_graph.DecodeGraph``): only after a decode step's eager
+    forward on a backend with a staging buffer; the table update it records applied again
+    and the forward run again give the same outputs (same slots, same rows), and
+    ``replayed`` closes the forward."""
+    ref, _ = _engine_pair(rng)
+    ref.begin(None)
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.begin_capture: only a "
+                       r"step_engine batch's decode step on the cuda backend"):
+        ref.begin_capture()
+    batch = PagedBatch(num_layers=L, num_pages=64, page_size=P, num_kv_heads=HKV,
+                       num_qo_heads=HQ, head_dim=D, dtype="float32",
+                       backend="emulated-cuda", step_engine=True)
+    batch.start(1)
+    forward(batch, np.random.default_rng(5), [6])
+    batch.fork(3)
+    forward(batch, np.random.default_rng(6), [2, 0, 5])
+    k, v = rows(rng, 3), rows(rng, 3)
+    q = rng.standard_normal((L, 3, HQ, D)).astype(np.float32)
+    batch.begin(None)
+    batch.append(0, k[0], v[0])
+    with pytest.raises(InvalidArgumentError, match=r"PagedBatch.begin_capture: run the step's "
+                       r"forward once eagerly first \(it appended 1 of 3 layers\)"):
+        batch.begin_capture()
+    first = [np.array(batch.decode(0, q[0], 0.125))]
+    for layer in range(1, L):
+        batch.append(layer, k[layer], v[layer])
+        first.append(np.array(batch.decode(layer, q[layer], 0.125)))
+    batch.begin_capture()
+    for layer in range(L):                    # the same forward again
+        batch.append(layer, k[layer], v[layer])
+        again = np.array(batch.decode(layer, q[layer], 0.125))
+        assert np.array_equal(again, first[layer]), layer
+    pk, pv = batch.pool.layer(L - 1)
+    want = oracle_decode(q[L - 1], pk, pv, batch.pool.page_table(batch.seqs),
+                         sm_scale=0.125)[0]
+    assert np.abs(first[L - 1] - want).max() <= 1e-5 * np.abs(want).max()
+    batch.replayed()
+    batch.begin(None)                         # the forward is closed: the next step starts
+    assert batch.lengths.tolist() == [10, 8, 13]

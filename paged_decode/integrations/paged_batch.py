@@ -262,6 +262,40 @@ class PagedBatch:
         ``append`` / ``decode`` copy their arrays, of any strides, into fixed buffers)."""
         return self._engine is not None and self._counts is None and self.step_engine
 
+    # ------------------------------------------------------------------ captured forwards
+    def graph_state(self) -> tuple[Any, ...]:
+        """What a decode forward captured in a CUDA graph depends on: the engine step,
+        its plan and its table buffer's layout. When this changes (a replan, a grown
+        table, a new batch), a capture made before must not be replayed: capture again."""
+        e = self._engine
+        return (None,) if e is None else (e, e.plan, e.table.layout)
+
+    def begin_capture(self) -> None:
+        """Inside a stream capture, right after the eager run of this decode step's
+        forward: the forward's layers may run again (the same slots get the same rows),
+        and the engine step's table update from its staging buffer is recorded first, so
+        each replay applies what the ``begin`` before it sent (``DecodeStep.capture``
+        does the same). Needs a decode step on a backend with a staging buffer (CUDA)."""
+        fn = "PagedBatch.begin_capture"
+        e = self._engine
+        if not self.in_engine_step or e is None or not e.table.upload.staged:
+            raise InvalidArgumentError(f"{fn}: only a step_engine batch's decode step on the "
+                                       "cuda backend can be captured (begin(None) first)")
+        if self._next_layer != self.num_layers:
+            raise InvalidArgumentError(f"{fn}: run the step's forward once eagerly first "
+                                       f"(it appended {self._next_layer} of {self.num_layers} "
+                                       "layers)")
+        self._next_layer = 0
+        with self.pool.backend.launch_context(self._buffers()[2]):
+            e.table.record_update()
+
+    def replayed(self) -> None:
+        """A captured decode forward was replayed after this step's ``begin``: its first
+        work applied the table update, and every layer was appended and decoded."""
+        assert self._engine is not None
+        self._engine.table.replayed()
+        self._next_layer = self.num_layers
+
     def _make_engine(self) -> DecodeStep:
         """A ``DecodeStep`` over the batch, on the path ``decode``'s automatic rule takes
         for it (the crossover table at the batch's current host table; 16-bit pools may

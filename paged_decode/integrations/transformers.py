@@ -40,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
                       "pip install 'paged-decode[transformers]'") from exc
 
 from ..errors import InvalidArgumentError, UnsupportedProblemError
+from .decode_graph import DecodeGraph
 from .model_checks import Geometry, check_attention, refuse
 from .paged_batch import PagedBatch
 from .prompts import pool_pages, prompt_batch
@@ -226,16 +227,21 @@ def _cache_kwarg(model: Any) -> str:
 @dataclass(frozen=True)
 class Generation:
     """``tokens[i]``: the new token ids of prompt ``i``; ``logits``: ``[steps, B, V]``
-    float32 (the logits each token was chosen from; ``None`` unless asked for)."""
+    float32 (the logits each token was chosen from; ``None`` unless asked for).
+    ``decode_steps``: how the decode steps ran (``"eager"``, or ``"cuda graph"`` with
+    ``captures`` captures and ``replays`` replays, ``decode_graph.DecodeGraph``)."""
 
     tokens: list[list[int]]
     logits: torch.Tensor | None
+    decode_steps: str = "eager"
+    captures: int = 0
+    replays: int = 0
 
 
 def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
              backend: Any = None, page_size: int = 16, num_pages: int | None = None,
              cascade: Any = None, share_prefix: bool = True,
-             return_logits: bool = False) -> Generation:
+             return_logits: bool = False, cuda_graph: bool | None = None) -> Generation:
     """Greedy generation of exactly ``max_new_tokens`` tokens (no stop tokens) for every
     prompt, the K/V in a ``PagePool``.
 
@@ -249,6 +255,12 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
         cascade: passed to ``decode`` (``True`` reads the forked prefix once per step).
         share_prefix: prefill the prompts' common prefix once and fork it.
         return_logits: also return every step's logits.
+        cuda_graph: replay every decode step's forward (the model's ops and paged-decode's
+            appends and decodes, all layers) from a CUDA graph (``DecodeGraph``), captured
+            at the first decode step and again after a replan; the host then does one
+            ``begin`` and one replay per step, with no synchronization. ``None``: when the
+            model is on a CUDA device, the backend is ``cuda`` and the decode is flat
+            (not ``cascade=True``); ``True`` requires exactly that.
     """
     fn = "generate"
     geo = check_model(fn, model, page_size)
@@ -262,6 +274,15 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
                        page_size=page_size, num_kv_heads=geo.num_kv_heads,
                        num_qo_heads=geo.num_heads, head_dim=geo.head_dim, dtype=geo.dtype,
                        backend=backend, cascade=cascade, step_engine=cascade is not True)
+    graphable = device.type == "cuda" and paged.pool.backend.name == "cuda" \
+        and paged.step_engine
+    if cuda_graph and not graphable:
+        paged.close()
+        raise InvalidArgumentError(
+            f"{fn}: cuda_graph=True needs a model on a CUDA device, the cuda backend and a "
+            f"flat decode (cascade not True); got device {device.type}, backend "
+            f"{paged.pool.backend.name!r}, cascade={cascade!r}")
+    use_graph = graphable if cuda_graph is None else bool(cuda_graph)
     cache = PagedCache(paged)
     kw = _cache_kwarg(model)
 
@@ -275,7 +296,16 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
                     use_cache=True, logits_to_keep=last, paged_batch=paged, **{kw: cache})
         return out.logits[0].float()                              # [B, V]
 
-    steps: list[torch.Tensor] = []
+    def decode_forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # a decode step on device inputs (DecodeGraph's buffers): begin has run
+        out = model(input_ids=ids, position_ids=positions, use_cache=True,
+                    logits_to_keep=every, paged_batch=paged, **{kw: cache})
+        return out.logits[0].float()
+
+    every = torch.arange(batch.size, device=device)
+    steps: list[torch.Tensor] = []            # every step's logits (return_logits)
+    chosen: list[torch.Tensor] = []           # every step's tokens [B], on the device
+    graph: DecodeGraph | None = None
     try:
         with torch.inference_mode(), attn_implementation(model, ATTN_NAME):
             if batch.prefix_len:
@@ -287,25 +317,38 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
             suffixes = batch.suffixes
             pos = np.concatenate([batch.prefix_len + np.arange(len(s)) for s in suffixes])
             logits = forward([t for s in suffixes for t in s], pos, [len(s) for s in suffixes])
+            if use_graph:
+                graph = DecodeGraph(decode_forward, paged, batch.size, device)
             for _ in range(batch.max_new_tokens):
-                steps.append(logits)
                 nxt = logits.argmax(-1)
-                if len(steps) == batch.max_new_tokens:
+                chosen.append(nxt)
+                if return_logits:        # a replay overwrites the graph's logits
+                    steps.append(logits if graph is None else logits.clone())
+                if len(chosen) == batch.max_new_tokens:
                     break
-                logits = forward(nxt.tolist(), paged.lengths.astype(np.int64), None)
+                if graph is not None:
+                    logits = graph.step(nxt, paged.lengths)
+                else:
+                    logits = forward(nxt.tolist(), paged.lengths.astype(np.int64), None)
     finally:
         paged.close()
-    tokens = torch.stack([s.argmax(-1) for s in steps], 1).tolist()
-    return Generation(tokens, torch.stack(steps) if return_logits else None)
+    tokens = torch.stack(chosen, 1).tolist()
+    if graph is None:
+        return Generation(tokens, torch.stack(steps) if return_logits else None)
+    return Generation(tokens, torch.stack(steps) if return_logits else None,
+                      decode_steps="cuda graph", captures=graph.captures,
+                      replays=graph.replays)
 
 
 def framework_generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
                        attn: str = "sdpa", cache_implementation: str | None = None,
-                       ) -> Generation:
+                       compile: bool = True) -> Generation:
     """The same greedy run through transformers' own ``generate`` and cache (dynamic by
     default; ``cache_implementation="static"`` for its static cache), prompts left-padded:
     the comparison every test and example makes. Stop tokens are off, so exactly
-    ``max_new_tokens`` come back; ``logits`` holds the raw logits of every step."""
+    ``max_new_tokens`` come back; ``logits`` holds the raw logits of every step.
+    ``compile=False`` sets ``disable_compile``: with a static cache on a CUDA device,
+    ``generate`` otherwise compiles the model's forward (``torch.compile``) itself."""
     fn = "framework_generate"
     geo = check_model(fn, model)
     batch = prompt_batch(fn, prompts, max_new_tokens, vocab_size=geo.vocab_size,
@@ -320,7 +363,7 @@ def framework_generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, 
     config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
     config.update(eos_token_id=None, pad_token_id=0, max_new_tokens=max_new_tokens,
                   do_sample=False, return_dict_in_generate=True, output_logits=True,
-                  cache_implementation=cache_implementation)
+                  cache_implementation=cache_implementation, disable_compile=not compile)
     with torch.inference_mode(), attn_implementation(model, attn):
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     tokens = out.sequences[:, width:].tolist()
