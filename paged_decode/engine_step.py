@@ -208,11 +208,15 @@ class DecodeStep:
         # C-contiguous) are recorded, others are converted per call
         as_is = kb.dtype == vb.dtype and (kb.dtype == pool.k.dtype or bool(pool._fp8_kw()))
         if self._device_desc and as_is and c_contiguous(kb) and c_contiguous(vb):
-            replay = self.backend.compile_launches(run, like=kb)
+            # like=k, the caller's array: replays go to its framework's current stream
+            # (torch's for torch tensors, so a torch graph captures them), not to the
+            # stream of kb, the backend's view
+            replay = self.backend.compile_launches(run, like=k)
             self._prepared[key] = ((k, v, layouts((k, v))), replay)
             replay()
             return
-        run()
+        with self.backend.launch_context(k):    # the caller's stream, as replays use
+            run()
         if self.backend.functional_outputs:      # MLX: the pool arrays were rebound
             self._layers = [pool.layer(i) for i in range(self.num_layers)]
 
@@ -266,6 +270,36 @@ class DecodeStep:
         self._current("DecodeStep.capture")
         return CapturedStep(self, body)
 
+    # ------------------------------------------------------------ the caller's own graph
+    @property
+    def launch_state(self) -> tuple[Any, int]:
+        """What captured launches of this step depend on: ``(plan, table layout)``. A
+        graph captured under one value must not be replayed under another (a replan, a
+        grown table): capture again."""
+        return self.plan, self.table.layout
+
+    def record_update(self, like: Any = None) -> None:
+        """For a step captured in the caller's own CUDA graph (e.g. ``torch.cuda.graph``
+        around a model forward that calls ``append`` and ``decode``): call it inside the
+        capture, before the first ``append``, after one eager run of the same calls on
+        the capture stream (it compiles and allocates there). It records the table
+        update each ``begin`` leaves pending, from the staging buffer that ``begin``
+        writes, on the current stream of ``like`` (default: the pool's ``k``). After each
+        later ``begin``, replay the graph and call ``replayed``. Only on the ``cuda``
+        backend (a staging buffer)."""
+        fn = "DecodeStep.record_update"
+        self._current(fn)
+        if not self.table.upload.staged:
+            raise InvalidArgumentError(f"{fn}: the {self.backend.name!r} backend has no "
+                                       "staging buffer for a graph to read (cuda only)")
+        with self.backend.launch_context(self.pool.k if like is None else like):
+            self.table.record_update()
+
+    def replayed(self) -> None:
+        """The caller's graph (``record_update``) replayed this step's update and calls."""
+        self._current("DecodeStep.replayed")
+        self.table.replayed()
+
     # ------------------------------------------------------------------ internals
     def _plan(self, hint: int | None = None) -> DecodePlan:
         hkv = self.pool.num_kv_heads
@@ -307,7 +341,7 @@ class CapturedStep:
 
     def __init__(self, step: DecodeStep, body: Callable[[DecodeStep], Any]) -> None:
         self.step, self.body = step, body
-        self._plan, self._layout = step.plan, step.table.layout
+        self._state = step.launch_state
         self._last = step.steps
         # the capture stream is kept with the graph: the step's workspaces were first
         # allocated on it (CUDA keeps them per stream while their plan lives). The graph
@@ -321,7 +355,8 @@ class CapturedStep:
     def stale(self) -> bool:
         """Whether the step's launches changed since capture (a replan, a new table
         buffer): replay would be wrong."""
-        return self.step.plan is not self._plan or self.step.table.layout != self._layout
+        plan, layout = self.step.launch_state
+        return plan is not self._state[0] or layout != self._state[1]
 
     def replay(self, like: Any = None) -> None:
         """Replay the step on the current stream of ``like`` (an engine array; default:

@@ -406,6 +406,23 @@ MUTANTS: tuple[Mutant, ...] = (
        '        self._fill(fn, "q", qb, q)\n', "",
        ["tests/test_paged_batch.py::test_step_engine_decode_steps_match_the_plain_path_and_the_oracle"],
        "the engine step's decode reads its q buffer without this layer's queries"),
+    _m("py-step-append-recorded-on-the-backend-view", "python", ("paged_decode.engine_step",),
+       "compile_launches(run, like=k)", "compile_launches(run, like=kb)",
+       ["tests/test_engine_step.py::test_recorded_launches_follow_the_caller_s_arrays_not_the_"
+        "backend_s_views"],
+       "the recorded append takes CuPy's stream, not the torch caller's (a torch graph "
+       "misses it)"),
+    _m("py-step-record-update-records-nothing", "python", ("paged_decode.engine_step",),
+       "            self.table.record_update()\n", "            pass\n",
+       ["tests/test_engine_step.py::test_a_step_in_the_caller_s_own_graph_replays_each_"
+        "begin_s_update"],
+       "a step in the caller's graph replays without its begin's table update"),
+    _m("py-paged-batch-capture-without-the-update", "python",
+       ("paged_decode.integrations.paged_batch",),
+       "        e.record_update(like=self._buffers()[2])\n", "",
+       ["tests/test_paged_batch.py::test_a_recorded_decode_forward_replays_each_begin_s_"
+        "slots_and_table"],
+       "a captured decode forward replays the capture step's table and slots"),
     _m("py-step-decode-skips-the-pending-update", "python", ("paged_decode.engine_step",),
        "        else:\n            self._apply_pending(q)\n", "",
        [UPLOAD + "test_the_pending_update_is_applied_before_every_reader"

@@ -283,3 +283,82 @@ def test_table_sizes_are_checked_in_the_step_s_name(kw, msg):
     pool, step = _setup("reference", rng)
     with pytest.raises(InvalidArgumentError, match=f"^DecodeStep: {msg}"):
         pd.DecodeStep(pool, step.sequences[:4].tolist(), num_qo_heads=HQ, **kw)
+
+
+def test_recorded_launches_follow_the_caller_s_arrays_not_the_backend_s_views(monkeypatch):
+    """The recorded append is made on the caller's ``k`` (its framework's stream at each
+    call: torch's for torch tensors, which a torch CUDA graph captures), never on the
+    backend's view of it (CuPy's stream: a torch graph would miss the append, S9 device
+    run). Here the caller's arrays are torch CPU tensors over emulated CUDA."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    pool, step = _setup("emulated-cuda", rng)
+    likes = []
+    real = step.backend.compile_launches
+
+    def recording(run, like):
+        likes.append(like)
+        return real(run, like)
+    monkeypatch.setattr(step.backend, "compile_launches", recording)
+    k = torch.from_numpy(rng.standard_normal((6, HKV, D)).astype(np.float32))
+    q = torch.from_numpy(rng.standard_normal((6, HQ, D)).astype(np.float32))
+    out = torch.empty((6, HQ, D))
+    step.begin()
+    step.append(0, k, k)
+    step.decode(0, q, out=out)
+    assert likes and all(isinstance(x, torch.Tensor) for x in likes), \
+        [type(x).__name__ for x in likes]
+    assert likes[0] is k
+    np.testing.assert_allclose(out.numpy()[:4], _oracle(pool, step, 0, q.numpy())[0][:4],
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_a_step_in_the_caller_s_own_graph_replays_each_begin_s_update(monkeypatch):
+    """``record_update`` / ``replayed`` / ``launch_state`` (a torch CUDA graph around a
+    model forward, ``integrations.decode_graph``), modelled by emulated CUDA's recorded
+    graphs: each replay must apply its own begin's delta through the recorded update
+    alone. Every step matches the oracle through replans (headroom 4), captured again when
+    ``launch_state`` changes."""
+    monkeypatch.setenv("PAGED_DECODE_POISON", "1")
+    rng = np.random.default_rng(4)
+    pool, step = _setup("emulated-cuda", rng)
+    cap = step.capacity
+    q = [np.empty((cap, HQ, D), np.float32) for _ in range(L)]
+    ks = [np.empty((cap, HKV, D), np.float32) for _ in range(L)]
+    outs = [np.full((cap, HQ, D), np.nan, np.float32) for _ in range(L)]
+
+    def body():
+        for layer in range(L):
+            step.append(layer, ks[layer], ks[layer])
+            step.decode(layer, q[layer], out=outs[layer])
+
+    state, captures, graph = None, 0, None
+    for it in range(10):
+        for layer in range(L):
+            q[layer][...] = rng.standard_normal((cap, HQ, D))
+            ks[layer][...] = rng.standard_normal((cap, HKV, D))
+        step.begin()
+        if state != step.launch_state:
+            # an eager run of the calls, then a recording of [the update, the calls]: the
+            # emulated graph holds launches and device copies, no Python
+            graph, _ = step.backend.capture_graph(body, step.record_update)
+            state, captures = step.launch_state, captures + 1
+        else:
+            step.backend.replay_graph(graph, ks[0])
+            step.replayed()
+        assert not step.table.pending
+        for layer in range(L):
+            want, _ = _oracle(pool, step, layer, q[layer])
+            assert_matches_oracle(outs[layer], None, want, None, "float32",
+                                  f"step {it} layer {layer}")
+    assert step.replans >= 1 and captures == 1 + step.replans
+
+
+def test_record_update_needs_a_staging_buffer_and_a_begin():
+    pool, step = _setup("reference", np.random.default_rng(0))
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep.record_update: call begin"):
+        step.record_update()
+    step.begin()
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep.record_update: the "
+                       r"'reference' backend has no staging buffer"):
+        step.record_update()

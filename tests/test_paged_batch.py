@@ -16,9 +16,9 @@ from paged_decode.reference import oracle_decode
 L, HKV, HQ, D, P = 3, 2, 4, 64, 4
 
 
-def make(num_pages=64, **kw):
+def make(num_pages=64, backend="reference", **kw):
     return PagedBatch(num_layers=L, num_pages=num_pages, page_size=P, num_kv_heads=HKV,
-                      num_qo_heads=HQ, head_dim=D, dtype="float32", backend="reference", **kw)
+                      num_qo_heads=HQ, head_dim=D, dtype="float32", backend=backend, **kw)
 
 
 def rows(rng, n):
@@ -165,18 +165,20 @@ def test_model_geometry_checks(kw, error, match):
         check_attention("m", **args)
 
 
+def _forked(backend="reference", step_engine=False):
+    """A batch after its prefill: a 6-token prefix forked 3 ways, tails of 2, 0 and 5
+    (the same rows every time)."""
+    batch = make(backend=backend, step_engine=step_engine)
+    batch.start(1)
+    forward(batch, np.random.default_rng(5), [6])
+    batch.fork(3)
+    forward(batch, np.random.default_rng(6), [2, 0, 5])
+    return batch
+
+
 def _engine_pair(rng):
-    """Two batches fed the same rows: a prefix forked 3 ways, ragged tails; one runs its
-    decode steps through the engine step."""
-    out = []
-    for engine in (True, False):
-        batch = make(step_engine=engine)
-        batch.start(1)
-        forward(batch, np.random.default_rng(5), [6])
-        batch.fork(3)
-        forward(batch, np.random.default_rng(6), [2, 0, 5])
-        out.append(batch)
-    return out
+    """Two batches fed the same rows; one runs its decode steps through the engine step."""
+    return [_forked(step_engine=True), _forked()]
 
 
 def test_step_engine_decode_steps_match_the_plain_path_and_the_oracle(rng):
@@ -274,13 +276,7 @@ def test_begin_capture_reruns_a_finished_decode_step_and_refuses_anything_else(r
     with pytest.raises(InvalidArgumentError, match=r"PagedBatch.begin_capture: only a "
                        r"step_engine batch's decode step on the cuda backend"):
         ref.begin_capture()
-    batch = PagedBatch(num_layers=L, num_pages=64, page_size=P, num_kv_heads=HKV,
-                       num_qo_heads=HQ, head_dim=D, dtype="float32",
-                       backend="emulated-cuda", step_engine=True)
-    batch.start(1)
-    forward(batch, np.random.default_rng(5), [6])
-    batch.fork(3)
-    forward(batch, np.random.default_rng(6), [2, 0, 5])
+    batch = _forked("emulated-cuda", step_engine=True)
     k, v = rows(rng, 3), rows(rng, 3)
     q = rng.standard_normal((L, 3, HQ, D)).astype(np.float32)
     batch.begin(None)
@@ -304,3 +300,46 @@ def test_begin_capture_reruns_a_finished_decode_step_and_refuses_anything_else(r
     batch.replayed()
     batch.begin(None)                         # the forward is closed: the next step starts
     assert batch.lengths.tolist() == [10, 8, 13]
+
+
+def test_a_recorded_decode_forward_replays_each_begin_s_slots_and_table(rng):
+    """``begin_capture`` inside a recording (emulated CUDA's graph: launches and device
+    copies, no Python) of a decode forward, replayed after later begins: every layer's
+    output matches the oracle, so the replays applied each begin's table update and
+    wrote its slots. (Every layer takes the same rows here: the emulated graph does not
+    hold the host copies into the engine's buffers, which a torch graph holds, so the
+    test writes them before each replay.)"""
+    batch = _forked("emulated-cuda", step_engine=True)
+    k, v, q = (np.zeros((3, HKV, D), np.float32), np.zeros((3, HKV, D), np.float32),
+               np.zeros((3, HQ, D), np.float32))
+
+    def fwd():
+        for layer in range(L):
+            batch.append(layer, k, v)
+            batch.decode(layer, q, 0.125)
+
+    graph = None
+    for step in range(8):                      # page boundaries every 4 tokens
+        k[...], v[...] = rng.standard_normal(k.shape), rng.standard_normal(v.shape)
+        q[...] = rng.standard_normal(q.shape)
+        batch.begin(None)
+        if graph is None:
+            graph, _ = batch.pool.backend.capture_graph(fwd, batch.begin_capture)
+        else:
+            kb, vb, qb, _ = batch._buffers()
+            kb[...], vb[...], qb[...] = k, v, q
+            batch.pool.backend.replay_graph(graph, qb)
+            batch.replayed()
+        outs = batch._buffers()[3]
+        table = batch.pool.page_table(batch.seqs)
+        for layer in range(L):
+            pk, pv = batch.pool.layer(layer)
+            for r in range(3):                 # the step's rows landed in its new slots
+                n = int(table.visible_lens[r]) - 1 + int(table.first_page_offset[r])
+                page = table.request_pages(r)[n // P]
+                assert np.array_equal(np.asarray(pk)[page, n % P], k[r]), (step, layer, r)
+                assert np.array_equal(np.asarray(pv)[page, n % P], v[r]), (step, layer, r)
+            want = oracle_decode(q, pk, pv, table, sm_scale=0.125)[0]
+            assert np.abs(np.asarray(outs[layer]) - want).max() <= 1e-5 * np.abs(want).max(), \
+                (step, layer)
+    assert batch.lengths.tolist() == [16, 14, 19]

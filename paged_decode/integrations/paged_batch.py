@@ -268,7 +268,7 @@ class PagedBatch:
         its plan and its table buffer's layout. When this changes (a replan, a grown
         table, a new batch), a capture made before must not be replayed: capture again."""
         e = self._engine
-        return (None,) if e is None else (e, e.plan, e.table.layout)
+        return (None,) if e is None else (e, *e.launch_state)
 
     def begin_capture(self) -> None:
         """Inside a stream capture, right after the eager run of this decode step's
@@ -286,14 +286,13 @@ class PagedBatch:
                                        f"(it appended {self._next_layer} of {self.num_layers} "
                                        "layers)")
         self._next_layer = 0
-        with self.pool.backend.launch_context(self._buffers()[2]):
-            e.table.record_update()
+        e.record_update(like=self._buffers()[2])
 
     def replayed(self) -> None:
         """A captured decode forward was replayed after this step's ``begin``: its first
         work applied the table update, and every layer was appended and decoded."""
         assert self._engine is not None
-        self._engine.table.replayed()
+        self._engine.replayed()
         self._next_layer = self.num_layers
 
     def _make_engine(self) -> DecodeStep:
