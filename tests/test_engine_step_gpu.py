@@ -4,8 +4,9 @@ CUDA-graph-captured steps match the float64 oracle through copy-on-write, page c
 and replans, the update runs on the caller's (torch) stream, and a captured step refuses
 to replay once stale; a captured loop makes one upload per begin and nothing else but
 the graph launch per replay (the table update is in the graph), also after a reader
-applied a trim's update eagerly. The last two were not run yet where they were written
-(no GPU in that session).
+applied a trim's update eagerly; a step inside a torch CUDA graph of the caller's forward
+(``record_update``) matches the oracle through replans. That last one was written in
+session 9 after its device time was spent and has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -184,3 +185,65 @@ def test_a_replay_after_an_eager_read_of_a_trim_on_cuda():
                                 step.table.page_table())
         assert_matches_oracle(cp.asnumpy(out).astype(np.float32), None, want, None,
                               "float16", f"step {it}")
+
+
+def test_a_step_inside_a_torch_graph_of_the_caller_s_forward():
+    """``record_update`` / ``replayed`` / ``launch_state``: a torch CUDA graph holds the
+    caller's own ops (k, v and q made from input buffers) and the step's appends and
+    decodes of every layer, captured again after each replan. Every step matches the
+    oracle, and each step's rows land in its new slots (S9-R3's bug: the append missing
+    from a torch graph wrote the capture step's slots)."""
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+    pool, step = _engine("float16")
+    cap, f16 = step.capacity, torch.float16
+    src_k = torch.zeros(cap, HKV, D, device="cuda", dtype=f16)
+    src_q = torch.zeros(cap, HQ, D, device="cuda", dtype=f16)
+    outs = [torch.full((cap, HQ, D), float("nan"), device="cuda", dtype=f16)
+            for _ in range(L)]
+    kbuf, qbuf = torch.empty_like(src_k), torch.empty_like(src_q)   # fixed, as engines do
+
+    def forward():
+        for layer in range(L):
+            kbuf.copy_(src_k * (layer + 1))       # the caller's ops, inside the graph
+            qbuf.copy_(src_q + layer)
+            step.append(layer, kbuf, kbuf)
+            step.decode(layer, qbuf, out=outs[layer])
+
+    s, graph, state, captures = torch.cuda.Stream(), None, None, 0
+    rng = np.random.default_rng(9)
+    for it in range(12):
+        src_k.copy_(torch.from_numpy(rng.standard_normal((cap, HKV, D))).to(f16))
+        src_q.copy_(torch.from_numpy(rng.standard_normal((cap, HQ, D))).to(f16))
+        step.begin(like=src_q)
+        if state != step.launch_state:
+            graph = None
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                forward()                          # eager: compiles, allocates on s
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=s):
+                    step.record_update(like=src_q)
+                    forward()
+            torch.cuda.current_stream().wait_stream(s)
+            state, captures = step.launch_state, captures + 1
+        else:
+            graph.replay()
+            step.replayed()
+        torch.cuda.synchronize()
+        table = step.table.page_table()
+        for layer in range(L):
+            kp, vp = pool.layer(layer)
+            kh = cp.asnumpy(kp)
+            want_k = (src_k * (layer + 1)).cpu().numpy()
+            for r in range(len(step.sequences)):
+                if step.sequences[r] < 0:
+                    continue
+                n = int(table.visible_lens[r]) - 1 + int(table.first_page_offset[r])
+                page = table.request_pages(r)[n // P]
+                np.testing.assert_array_equal(kh[page, n % P], want_k[r],
+                                              err_msg=f"step {it} layer {layer} row {r}")
+            want, _ = oracle_decode((src_q + layer).cpu().numpy(), kh, cp.asnumpy(vp), table)
+            assert_matches_oracle(outs[layer].float().cpu().numpy(), None, want, None,
+                                  "float16", f"step {it} layer {layer}")
+    assert step.replans >= 1 and captures == 1 + step.replans
