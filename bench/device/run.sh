@@ -58,6 +58,8 @@
 #   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
 #   fp8-residency  the fp8 v2tc path at plan CTA targets 264-1056 x ring depths 2 / 3
 #   v2tc-race   racecheck (synccheck too with V2TC_SYNC=1) over a v2tc subset (RACE_TIMEOUT)
+#   decode-graph-debug  bench/device/debug_decode_graph.py: a CUDA-graph decode step against
+#               the eager one (per-step logits, positions, layer-0 K rows, launch streams)
 #   generate-profile  bench/device/profile_generate.py: prefill / decode-step split, cProfile
 #               and torch profiler tables of generation through paged-decode and transformers
 #   v2tc        the tensor-core v2 partial (#17) against v2 and FlashInfer (run fi first) over
@@ -268,6 +270,11 @@ step_generate() {
   echo "generate bench rc=$?"
 }
 
+step_decode_graph_debug() {
+  timeout 200 python3 bench/device/debug_decode_graph.py ${DEBUG_MODEL:-llama} \
+    > "$L/decode_graph_debug.txt" 2>&1
+  echo "decode-graph-debug rc=$?"; grep -vE "^   \(" "$L/decode_graph_debug.txt" | tail -30
+}
 step_generate_profile() {
   timeout ${PROFILE_TIMEOUT:-240} python3 bench/device/profile_generate.py "$OUT/generate_profile.txt" \
     > "$L/generate_profile.log" 2>&1
