@@ -355,8 +355,7 @@ class CapturedStep:
     def stale(self) -> bool:
         """Whether the step's launches changed since capture (a replan, a new table
         buffer): replay would be wrong."""
-        plan, layout = self.step.launch_state
-        return plan is not self._state[0] or layout != self._state[1]
+        return self.step.launch_state != self._state     # plans compare by identity
 
     def replay(self, like: Any = None) -> None:
         """Replay the step on the current stream of ``like`` (an engine array; default:

@@ -28,6 +28,7 @@ from ..dtypes import numpy_dtype
 from ..fp8 import is_fp8
 from ..outcome import last_outcome
 from ..page_table import PageTable
+from ..plan import DecodePlan
 from ..problems import make_table
 from ..reference import attention_f64, max_rel_error
 from . import timing
@@ -266,21 +267,34 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather
     plan = plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
                        device=be.device_info(), window_left=case.window_left)
     scale = 1.0 / float(np.sqrt(case.head_dim))
+    results = time_arms(be, arms, q, k, v, table, plan, scale, case.io_bytes(),
+                        TOLERANCE[case.dtype], vk, warmup=warmup, reps=reps,
+                        cold_l2=cold_l2, graph=graph)
+    return BenchResult(case, plan.num_chunks, plan.pages_per_chunk, results)
+
+
+def time_arms(be: Backend, arms: tuple[str, ...], q: Any, k: Any, v: Any, table: PageTable,
+              plan: DecodePlan, sm_scale: float, nbytes: int, tolerance: float,
+              variants: dict[str, Any] | None = None, *, warmup: int, reps: int,
+              cold_l2: bool, graph: bool = True) -> dict[str, ArmResult]:
+    """Build (``make_arm``), verify and time each of ``arms`` on one problem; an arm that
+    cannot run here (``ArmUnavailable``) is reported unverified with the reason in
+    ``note``."""
     results = {}
     for arm in arms:
         try:
-            a = make_arm(arm, be, q, k, v, table, plan, scale, vk)
+            a = make_arm(arm, be, q, k, v, table, plan, sm_scale, variants)
         except ArmUnavailable as exc:
             results[arm] = ArmResult(arm, "unavailable", float("nan"), False,
                                      expected=EXPECTED.get(arm, ()), note=str(exc))
             continue
-        results[arm] = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table, vk),
-                                case.io_bytes(), TOLERANCE[case.dtype],
-                                a.expected, warmup=warmup, reps=reps, cold_l2=cold_l2,
-                                ran=a.ran, api_call=a.api_call, graph=graph,
-                                check_output=lambda o: _verify(be, o, q, k, v, table, vk))
+        results[arm] = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table, variants),
+                                nbytes, tolerance, a.expected, warmup=warmup, reps=reps,
+                                cold_l2=cold_l2, ran=a.ran, api_call=a.api_call, graph=graph,
+                                check_output=lambda o: _verify(be, o, q, k, v, table,
+                                                               variants))
         del a
-    return BenchResult(case, plan.num_chunks, plan.pages_per_chunk, results)
+    return results
 
 
 def run_bench(cases: list[BenchCase], *, backend: str | Backend | None = None,

@@ -25,8 +25,7 @@ from ..dtypes import numpy_dtype
 from ..page_table import PageTable
 from ..reference import attention_f64, max_rel_error
 from ..sparse import make_selection, sparse_decode
-from .arms import EXPECTED, ArmUnavailable, make_arm
-from .runner import TOLERANCE, ArmResult, BenchResult, _verify, time_arm, verifier
+from .runner import TOLERANCE, BenchResult, _verify, time_arm, time_arms
 
 
 @dataclass(frozen=True)
@@ -138,21 +137,9 @@ def bench_forks(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
     with be.launch_context(q):
         plan = plan_decode(table, *geo, device=be.device_info())
         cplan = plan_cascade(table, *geo, device=be.device_info(), min_shared_pages=1)
-    scale = 1.0 / float(np.sqrt(case.head_dim))
-    arms: dict[str, ArmResult] = {}
-    for name in FORK_ARMS:
-        try:
-            a = make_arm(name, be, q, k, v, table, plan, scale)
-        except ArmUnavailable as exc:
-            arms[name] = ArmResult(name, "unavailable", float("nan"), False,
-                                   expected=EXPECTED.get(name, ()), note=str(exc))
-            continue
-        arms[name] = time_arm(be, name, a.call, verifier(be, a, q, k, v, table),
-                              case.io_bytes(), TOLERANCE[case.dtype], a.expected,
-                              warmup=warmup, reps=reps, cold_l2=cold_l2, ran=a.ran,
-                              graph=graph,
-                              check_output=lambda o: _verify(be, o, q, k, v, table))
-        del a
+    arms = time_arms(be, FORK_ARMS, q, k, v, table, plan, 1.0 / float(np.sqrt(case.head_dim)),
+                     case.io_bytes(), TOLERANCE[case.dtype], warmup=warmup, reps=reps,
+                     cold_l2=cold_l2, graph=graph)
     with be.launch_context(q):
         out = be.empty(tuple(q.shape), case.dtype)
     arms["cascade"] = time_arm(

@@ -282,27 +282,26 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
             f"{fn}: cuda_graph=True needs a model on a CUDA device, the cuda backend and a "
             f"flat decode (cascade not True); got device {device.type}, backend "
             f"{paged.pool.backend.name!r}, cascade={cascade!r}")
-    use_graph = graphable if cuda_graph is None else bool(cuda_graph)
+    use_graph = graphable and cuda_graph is not False
     cache = PagedCache(paged)
     kw = _cache_kwarg(model)
+
+    def run(ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The model on ``ids, positions [1, N]`` (begin has run) -> the logits of the
+        positions ``keep`` ``[B, V]`` float32."""
+        out = model(input_ids=ids, position_ids=positions, use_cache=True,
+                    logits_to_keep=keep, paged_batch=paged, **{kw: cache})
+        return out.logits[0].float()
 
     def forward(ids: list[int], positions: np.ndarray, counts: list[int] | None,
                 ) -> torch.Tensor:
         paged.begin(counts)
         c = np.ones(len(paged.seqs), np.int64) if counts is None else np.asarray(counts)
-        last = torch.as_tensor(np.cumsum(c) - 1, device=device)
-        out = model(input_ids=torch.tensor([ids], device=device),
-                    position_ids=torch.as_tensor(positions[None], device=device),
-                    use_cache=True, logits_to_keep=last, paged_batch=paged, **{kw: cache})
-        return out.logits[0].float()                              # [B, V]
+        return run(torch.tensor([ids], device=device),
+                   torch.as_tensor(positions[None], device=device),
+                   torch.as_tensor(np.cumsum(c) - 1, device=device))
 
-    def decode_forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # a decode step on device inputs (DecodeGraph's buffers): begin has run
-        out = model(input_ids=ids, position_ids=positions, use_cache=True,
-                    logits_to_keep=every, paged_batch=paged, **{kw: cache})
-        return out.logits[0].float()
-
-    every = torch.arange(batch.size, device=device)
+    every = torch.arange(batch.size, device=device)   # a decode step keeps every position
     steps: list[torch.Tensor] = []            # every step's logits (return_logits)
     chosen: list[torch.Tensor] = []           # every step's tokens [B], on the device
     graph: DecodeGraph | None = None
@@ -318,7 +317,8 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
             pos = np.concatenate([batch.prefix_len + np.arange(len(s)) for s in suffixes])
             logits = forward([t for s in suffixes for t in s], pos, [len(s) for s in suffixes])
             if use_graph:
-                graph = DecodeGraph(decode_forward, paged, batch.size, device)
+                graph = DecodeGraph(lambda ids, positions: run(ids, positions, every),
+                                    paged, batch.size, device)
             for _ in range(batch.max_new_tokens):
                 nxt = logits.argmax(-1)
                 chosen.append(nxt)
@@ -333,11 +333,11 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
     finally:
         paged.close()
     tokens = torch.stack(chosen, 1).tolist()
+    logits_out = torch.stack(steps) if return_logits else None
     if graph is None:
-        return Generation(tokens, torch.stack(steps) if return_logits else None)
-    return Generation(tokens, torch.stack(steps) if return_logits else None,
-                      decode_steps="cuda graph", captures=graph.captures,
-                      replays=graph.replays)
+        return Generation(tokens, logits_out)
+    return Generation(tokens, logits_out, decode_steps="cuda graph",
+                      captures=graph.captures, replays=graph.replays)
 
 
 def framework_generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
