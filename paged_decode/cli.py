@@ -228,7 +228,9 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @click.option("--model", default=None,
               help="engine suite: the attention heads of a models-preset layout (e.g. "
                    "qwen2-7b, llama3-70b-tp8; default llama3-8b on a GPU). Arms eager-tc "
-                   "and captured-tc (the tensor-core partial) are named with --arms.")
+                   "and captured-tc (the tensor-core partial) are named with --arms. "
+                   "decode suite: only the preset's cases of that layout (models, "
+                   "crossover).")
 def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
           reps: int, warmup: int, warm_l2: bool, no_graph: bool, plot_path: str | None,
@@ -257,6 +259,16 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                              pages=list(pages), dtype=dtype)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
+    if model is not None:
+        if suite != "decode":
+            raise click.ClickException(f"bench: --model selects the engine suite's heads or "
+                                       f"the decode suite's cases, not --suite {suite}")
+        kept = [c for c in cases if c.model == model]
+        if not kept:
+            have = ", ".join(dict.fromkeys(c.model for c in cases))
+            raise click.ClickException(f"bench: --model must name a layout of preset {name} "
+                                       f"({have}), got {model!r}")
+        cases = kept
     if window_left >= 0 or soft_cap or sinks:
         if suite != "decode":
             raise click.ClickException("bench: --window-left, --soft-cap and --sinks apply "

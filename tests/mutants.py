@@ -219,6 +219,24 @@ def _m(name: str, dialect: str, kernels: tuple[str, ...], old: str, new: str,
     return Mutant(name, Mutation(dialect, kernels, old, new), tuple(tests), why)
 
 
+#: the planted bugs of the GPU modules' negative controls (tests/test_cuda_gpu.py), which
+#: compile a mutated source with CuPy on the GPU: tests/test_mutants.py checks on the CPU
+#: that each still applies exactly once, so a kernel edit cannot leave one stale until a
+#: device run (as S10-R2 met)
+GPU_NEGATIVE_CONTROLS: dict[str, Mutation] = {
+    # the v2 partial reads page t // P of the pool instead of indices[indptr[r] + t // P]
+    "v2-ignores-indices": Mutation("cuda", ("v2",), "page_ids[a / PAGE_SIZE]",
+                                   "(a / PAGE_SIZE)"),
+    # the v2 partial forgets first_page_offset (odd requests start mid-page)
+    "v2-drops-first-page-offset": Mutation("cuda", ("v2",),
+                                           "const int a_begin = (int)(fpo + t_begin)",
+                                           "const int a_begin = (int)(t_begin)"),
+    # the tensor-core partial's token rows take page t // P of the pool
+    "v2tc-ignores-indices": Mutation("cuda", ("v2tc",), "(unsigned)page_ids[a / PAGE_SIZE]",
+                                     "(a / PAGE_SIZE)"),
+}
+
+
 # the killing tests, by node id (parametrizations of tests/test_emulated_oracle.py etc.)
 ORACLE = "tests/test_emulated_oracle.py::"
 LANES = ORACLE + "test_every_lane_geometry"
@@ -448,7 +466,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "a trim's delta, applied by a reader and then again by the graph, trims twice"),
     _m("py-pinned-buffer-rewritten-while-read", "python",
        ("paged_decode.backends.cuda_staging",),
-       "            slot.done[i].synchronize()    # the last copy from this buffer has read it",
+       "            done.synchronize()            # the last copy from this buffer has read it",
        "            pass",
        [UPLOAD + "test_pinned_buffers_are_not_rewritten_before_their_copy_ran"],
        "the host rewrites a pinned buffer an earlier asynchronous copy has not read yet"),
@@ -708,11 +726,11 @@ MUTANTS: tuple[Mutant, ...] = (
        [V2TC_LONG], "a ring slot refilled while other warps still read it (and other "
                     "threads' copies read before they landed)"),
     _m("v2tc-page-ids-into-the-slot-being-read", "cuda", ("v2tc",),
-       "sm_ids[(stage + STAGES - 1) % STAGES][tid] = next_id;",
-       "sm_ids[stage % STAGES][tid] = next_id;", [V2TC_LONG],
-       "the prefetched page ids stored over the slot of the stage being issued"),
+       "sm_rows[(stage + STAGES - 1) % STAGES][tid] = next_row;",
+       "sm_rows[stage % STAGES][tid] = next_row;", [V2TC_LONG],
+       "the prefetched token rows stored over the slot of the stage being issued"),
     _m("v2tc-page-boundary-off-by-one", "cuda", ("v2tc",),
-       "page_ids[(a_begin + i) / PAGE_SIZE]", "page_ids[(a_begin + i - 1) / PAGE_SIZE]",
+       "(unsigned)page_ids[a / PAGE_SIZE]", "(unsigned)page_ids[(int)(a - 1) / PAGE_SIZE]",
        [V2TC_CASE + "[d128-g2-ps3-bf16]"],
        "the first token of every page looked up in the page before"),
     _m("v2tc-first-page-offset-dropped", "cuda", ("v2tc",),
@@ -720,9 +738,19 @@ MUTANTS: tuple[Mutant, ...] = (
        [V2TC + "test_v2tc_ragged_batch_with_empty_requests[emulated-cuda]"],
        "tokens read from the page start of a request that starts mid-page"),
     _m("tc-accumulator-not-rescaled", "cuda", ("prefix", "v2tc"),
-       "    o[j][0] *= alpha[0]; o[j][1] *= alpha[0];\n"
-       "    o[j][2] *= alpha[1]; o[j][3] *= alpha[1];\n",
+       "      o[j][0] *= alpha[0]; o[j][1] *= alpha[0];\n"
+       "      o[j][2] *= alpha[1]; o[j][3] *= alpha[1];\n",
        "", [V2TC_LONG], "O accumulated across tiles without the online-softmax rescale"),
+    _m("tc-rescale-only-when-every-lane-grew", "cuda", ("prefix", "v2tc"),
+       "if (__any_sync(0xffffffffu, grew)) {", "if (__all_sync(0xffffffffu, grew)) {",
+       [V2TC_LONG], "the skipped rescale taken for the whole warp when one lane's rows "
+                    "did not grow"),
+    _m("tc-rescale-skipped-for-small-growth", "cuda", ("prefix", "v2tc"),
+       "grew |= m_new > m_run[h];", "grew |= m_new > m_run[h] + 1.f;", [V2TC_LONG],
+       "O left at a stale scale when a row's max grows by less than one (log2 units)"),
+    _m("v2tc-token-row-entry-dropped", "cuda", ("v2tc",),
+       "* PAGE_SIZE + a % PAGE_SIZE;", "* PAGE_SIZE;", [V2TC_CASE + "[d64-g1-ps16-f16]"],
+       "every token of a page read from the page's first row"),
     _m("tc-q-fragment-rows-swapped", "cuda", ("prefix", "v2tc"),
        "ldsm_x4<false>(a, qw + (lrow + 8 * lhi) * LD + kk * 16 + 8 * lq);",
        "ldsm_x4<false>(a, qw + (lrow + 8 * lq) * LD + kk * 16 + 8 * lhi);",
@@ -772,8 +800,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "from_float<TO>(live ? num / den * v_scale : 0.f)", "from_float<TO>(live ? num / den : 0.f)",
        [V2TC_FP8_E4, V2TC_FP8 + "test_v2tc_fp8_scales_are_applied[emulated-cuda]"],
        "the V scale left out of v2tc's store: outputs in stored units"),
-    _m("v2tc-fp8-byte-piece-offset", "cuda", ("prefix", "v2tc"),
-       "constexpr int PER = 16 / (int)sizeof(T);", "constexpr int PER = 8;", [V2TC_FP8_E4],
+    _m("v2tc-fp8-byte-piece-offset", "cuda", ("v2tc",),
+       "piece * (16 / (int)sizeof(TKV));", "piece * 8;", [V2TC_FP8_E4],
        "a byte ring's 16-byte pieces copied 8 elements apart, as 16-bit pieces are"),
     _m("v2tc-fp8-exponent-bias", "cuda", ("v2tc",),
        "__uint_as_float(((e + 127u - (unsigned)FP8<T>::BIAS) << 23)",

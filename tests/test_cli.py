@@ -163,6 +163,24 @@ def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path):
     assert bad.exit_code != 0 and "--model must be one of" in bad.output
 
 
+def test_bench_model_selects_one_layout_of_a_decode_preset(run, tmp_path):
+    out = tmp_path / "qwen.json"
+    res = run("bench", "--backend", "reference", "--preset", "models", "--model", "qwen2-7b",
+              "--context", "48", "--batch", "2", "--arms", "v2", "--reps", "1", "--warmup", "0",
+              "--json", str(out))
+    assert res.exit_code == 0, res.output
+    cases = json.loads(out.read_text())["results"]
+    assert [c["case"]["model"] for c in cases] == ["qwen2-7b"]
+    assert "qwen2-7b B2 ctx48" in res.output and "llama3-8b" not in res.output
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--preset", "models",
+                                    "--model", "llama9", "--context", "48", "--batch", "2"])
+    assert bad.exit_code != 0 and "--model must name a layout of preset models" in bad.output
+    assert "qwen2-7b" in bad.output and "got 'llama9'" in bad.output
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "forks",
+                                    "--model", "qwen2-7b"])
+    assert bad.exit_code != 0 and "not --suite forks" in bad.output
+
+
 def test_bench_engine_suite_model_heads_and_tensor_core_arms(run, tmp_path):
     # the reference backend has no tensor-core partial: those arms are reported, not run
     res = run("bench", "--backend", "reference", "--suite", "engine", "--layers", "2",

@@ -72,6 +72,15 @@ def test_cuda_core_group_sizes_refused(group):
     fa.check_group_size(4 * group, 4, use_tensor_cores=False, version="0.4.0")
 
 
+def test_tensor_core_arm_is_not_run_at_head_dim_96_on_0_3():
+    # S10-R4: an illegal address at 32/32 x 96 ends the bench process's CUDA context
+    with pytest.raises(ValueError, match="illegal memory access at head_dim 96"):
+        fa.check_head_dim(96, use_tensor_cores=True, version="0.3.1")
+    fa.check_head_dim(96, use_tensor_cores=False, version="0.3.1")
+    fa.check_head_dim(128, use_tensor_cores=True, version="0.3.1")
+    fa.check_head_dim(96, use_tensor_cores=True, version="0.4.0")
+
+
 def test_dtypes():
     fa.check_dtypes("float16", "float16")
     fa.check_dtypes(np.dtype("float16"), "float8_e4m3fn")

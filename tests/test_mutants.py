@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from mutants import (
+    GPU_NEGATIVE_CONTROLS,
     KERNELS,
     METAL_KERNELS,
     MUTANTS,
@@ -30,6 +31,22 @@ ISSUE_18 = ("cuda-acc-rounded-to-kv-type", "metal-acc-in-kv-type", "cuda-merge-n
             "cuda-merge-gather-max-wrong-row", "metal-k-stride-d256-f32",
             "metal-group-sum-16-as-simd-sum", "prefix-no-barrier-before-refill",
             "prefix-no-cp-async-wait")
+
+
+@pytest.mark.parametrize("name", list(GPU_NEGATIVE_CONTROLS))
+def test_gpu_negative_control_applies_once(name):
+    # the GPU modules compile these on the device; a stale one must fail here, on the CPU
+    mutation = GPU_NEGATIVE_CONTROLS[name]
+    mutation.check()
+    assert len(mutation.kernels) == 1 and mutation.old != mutation.new
+
+
+def test_a_stale_gpu_negative_control_is_caught():
+    from dataclasses import replace
+    stale = replace(GPU_NEGATIVE_CONTROLS["v2tc-ignores-indices"],
+                    old="page_ids[(a_begin + i) / PAGE_SIZE]")
+    with pytest.raises(StaleMutation, match="occurs 0 times"):
+        stale.check()
 
 
 @pytest.mark.parametrize("mt", MUTANTS, ids=[m.name for m in MUTANTS])

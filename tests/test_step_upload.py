@@ -266,7 +266,7 @@ class _DeviceArray:
     def __init__(self, n):
         self.arr = np.zeros(n, np.int32)
         self.nbytes = self.arr.nbytes
-        self.data = SimpleNamespace(ptr=self.arr.ctypes.data)
+        self.data = SimpleNamespace(ptr=self.arr.ctypes.data, device_id=0)
         self.device = SimpleNamespace(id=0)
 
 

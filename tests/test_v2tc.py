@@ -337,6 +337,28 @@ def test_v2tc_refuses_what_its_kernel_cannot_take(name, q_dtype, kv_dtype, hq, h
     pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2", backend=name)
 
 
+def test_v2tc_cuda_dialect_refuses_pools_of_2_pow_32_rows():
+    # its staged token rows are 32-bit; a pool that large cannot be allocated here, so the
+    # launch is built from a stand-in with the pool's shape
+    from types import SimpleNamespace
+
+    from paged_decode.backends.launches import V2TC_MAX_POOL_ROWS, v2tc_launch
+    pr = _problem()
+    plan = pd.plan_decode(pr.table, 8, 2, 64)
+    pages = V2TC_MAX_POOL_ROWS // 16 + 1                 # 2^32 rows at page size 16
+    huge = SimpleNamespace(shape=(pages, 16, 2, 64))
+    kw = dict(kv_dtype="float16", out_dtype="float32", plan=plan, sm_scale=0.125, q=pr.q,
+              k_pages=huge, v_pages=huge, table=(), request_indices=None,
+              kv_tile_indices=None, v_out=None, lse_out=None)
+    with pytest.raises(UnsupportedProblemError,
+                       match=rf"decode: path 'v2tc' addresses pool rows in 32 bits: k_pages "
+                             rf"holds {pages} pages of 16 tokens \({pages * 16} rows\), at most "
+                             rf"{V2TC_MAX_POOL_ROWS} rows; path 'v2' takes larger pools"):
+        v2tc_launch(**kw)
+    v2tc_launch(**{**kw, "k_pages": SimpleNamespace(shape=(pages - 1, 16, 2, 64))})
+    v2tc_launch(**kw, metal=True)           # the Metal dialect has 64-bit offsets
+
+
 def test_v2tc_is_a_documented_path():
     from paged_decode.call import PATHS
     assert "v2tc" in PATHS

@@ -80,6 +80,13 @@
 #               T = 1, 2, 4, 8 query tokens per request on v2 and v2tc (prepared, each
 #               verified against the oracle first) at 32 x 4K (the target: T = 4 within
 #               1.3x of T = 1) and 8 x 8K, Llama-3-8B heads, float16 -> $OUT/multitoken.json
+#   tc-speed    session 10's v2tc (token-row copies, skipped rescale): the GPU tests of the
+#               kernel files, then v2 / v2tc / FlashInfer tensor cores over the targets
+#               preset, the models layouts (8 x 8K, 32 x 2K) and e4m3fn pools (run fi first)
+#   tc-models   the rest of tc-speed: the GPU tests it left, each models layout in a bench
+#               of its own (TC_MODELS, TC_MODELS_ARMS), the forks suite (run fi first)
+#   tc-depth    phi3-mini on our arms, then FlashInfer tensor cores alone; v2tc ring depth
+#               2 / 3 / 4 at 8 / 32 x 8K / 32K and Llama-3-70B TP8; ncu of v2tc at 8 x 8K
 #   tc-quick    session 7's short run: GPU tests of fp8, variants, the step and multi-token,
 #               then v2tc against FlashInfer tensor cores at two cells each for fp8 (8 / 32
 #               x 8K), soft cap, sinks and window (batch 8, 4K / 32K), then memcheck over
@@ -461,6 +468,77 @@ step_v2tc_race() {
     grep -cE "PASSED" "$L/v2tc_$tool.log"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|FAILED|passed|failed" "$L/v2tc_$tool.log" | tail -5
   done
+}
+
+# the tensor-core partial after session 10's copy issue (one shared token row per copy)
+# and skipped rescale: the GPU tests of every kernel file it and the prefix kernel touch,
+# then v2, v2tc and FlashInfer's tensor-core decode over the targets preset (cold L2),
+# every models layout at 8 x 8K and 32 x 2K, and e4m3fn pools at 8/32/128 x 8K / 32K
+# (run fi first; TC_SPEED_PARTS: a subset of tests targets models fp8)
+step_tc_speed() {
+  local parts=${TC_SPEED_PARTS:-tests targets models fp8} a=v2,v2tc,flashinfer-tc
+  if [[ " $parts " == *" tests "* ]]; then
+    timeout ${TC_SPEED_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs tests/test_cuda_gpu.py \
+      tests/test_cuda_graphs.py tests/test_fp8_gpu.py tests/test_variants_gpu.py \
+      tests/test_multitoken_gpu.py tests/test_nan_semantics.py > "$L/tc_speed_tests.log" 2>&1
+    echo "tc-speed gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/tc_speed_tests.log" | tail -8
+  fi
+  [[ " $parts " == *" targets "* ]] && BENCH_TIMEOUT=170 run_bench ts_targets --preset targets --arms $a
+  [[ " $parts " == *" models "* ]] && BENCH_TIMEOUT=90 run_bench ts_models --preset models \
+    --context 8192 --context 2048 --batch 8 --batch 32 --arms $a
+  [[ " $parts " == *" fp8 "* ]] && BENCH_TIMEOUT=70 run_bench ts_fp8 --preset targets \
+    --context 8192 --context 32768 --batch 8 --batch 32 --batch 128 --kv-dtype float8_e4m3fn \
+    --arms v2tc,flashinfer-tc
+  return 0
+}
+
+# the rest of tc-speed: the GPU tests it left (v2tc, prefix, cascade, fp8, the negative
+# controls: S10-R2's tests reached their limit), then each models layout at 8 / 32 x 8K /
+# 2K in a bench of its own (an illegal address in one arm, as S10-R2's models bench met,
+# costs only that layout), then the forks suite (run fi first)
+step_tc_models() {
+  timeout ${TC_MODELS_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs tests/test_cuda_gpu.py \
+    tests/test_cuda_graphs.py tests/test_fp8_gpu.py tests/test_variants_gpu.py \
+    tests/test_multitoken_gpu.py tests/test_nan_semantics.py \
+    -k "v2tc or prefix or cascade or fp8 or negative or pool_beyond" > "$L/tc_models_tests.log" 2>&1
+  echo "tc-models gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/tc_models_tests.log" | tail -8
+  local m
+  for m in ${TC_MODELS:-llama3-8b llama3-70b-tp8 qwen2-7b gqa16 gemma2-9b phi3-mini}; do
+    BENCH_TIMEOUT=45 run_bench "tm_$m" --preset models --model $m --context 8192 --context 2048 \
+      --batch 8 --batch 32 --arms ${TC_MODELS_ARMS:-v2,v2tc,flashinfer-tc} | tail -7
+  done
+  BENCH_TIMEOUT=80 run_bench tm_forks --suite forks | tail -9
+  return 0
+}
+
+# after tc-models (session 10): phi3-mini on our arms, then FlashInfer's tensor-core arm
+# alone (which of them met S10-R2/R3's illegal address); v2tc's ring depth 2 / 3 / 4 now
+# that a CTA takes 125 registers, not 162; an ncu profile of v2tc at 8 x 8K, 32/8 and 32/2,
+# with executed instructions (run fi first)
+step_tc_depth() {
+  BENCH_TIMEOUT=45 run_bench td_phi3_ours --preset models --model phi3-mini --context 8192 \
+    --context 2048 --batch 8 --batch 32 --arms v2,v2tc | tail -6
+  BENCH_TIMEOUT=45 run_bench td_phi3_fi --preset models --model phi3-mini --context 8192 \
+    --context 2048 --batch 8 --batch 32 --arms flashinfer-tc | tail -6
+  local st
+  for st in 2 3 4; do
+    PAGED_DECODE_STAGES=$st BENCH_TIMEOUT=40 run_bench "td_s$st" --preset targets \
+      --context 8192 --context 32768 --batch 8 --batch 32 --arms v2tc | tail -6
+    PAGED_DECODE_STAGES=$st BENCH_TIMEOUT=30 run_bench "td_70b_s$st" --preset models \
+      --model llama3-70b-tp8 --context 8192 --batch 8 --batch 32 --arms v2tc | tail -4
+  done
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 0; }
+  local heads
+  for heads in "32 8" "32 2"; do
+    echo "== v2tc heads $heads" >> "$OUT/ncu_tc_depth.txt"
+    timeout 80 ncu -k regex:pd_decode_v2 -c 1 --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --section InstructionStats python3 bench/device/profile_v2.py 8 8192 0 v2tc $heads \
+      >> "$OUT/ncu_tc_depth.txt" 2>&1
+  done
+  grep -E "^==|Duration|DRAM Throughput|Executed Instructions |Registers Per|Achieved Active|Warp Cycles Per Issued|Issued Warp" \
+    "$OUT/ncu_tc_depth.txt" | head -40
+  return 0
 }
 
 # move what the steps wrote to $OUT into the scratch folder and pack it all

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import itemsize
+from ..errors import UnsupportedProblemError
 from ..kernels import append
 from ..kernels.merge import WARPS_PER_BLOCK as MERGE_ITEMS_PER_BLOCK
 from ..kernels.registry import kernel_def
@@ -168,6 +169,11 @@ def _chunk_args(plan: DecodePlan, sm_scale: float, ctas_per_head: tuple[str, int
         Arg("scale_log2", np.float32(sm_scale * LOG2E), "scalar")]
 
 
+#: the most pool rows (pages x page size) the CUDA dialect of the tensor-core partial
+#: addresses: its staged token rows are 32-bit (256 GiB of K at the smallest row)
+V2TC_MAX_POOL_ROWS = 2 ** 32 - 1
+
+
 def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: float,
                 q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                 request_indices: Any, kv_tile_indices: Any, v_out: Any,
@@ -179,8 +185,16 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
     ``q_dtype``: q's dtype, the pools' when ``None``); ``metal``: the Metal dialect's
     specialization (its rows per threadgroup and SIMD groups), the same grid and
     arguments. ``soft_cap`` and ``sinks`` as for ``partial_launch`` (sinks only for a
-    partial that writes the output)."""
+    partial that writes the output). The CUDA dialect raises ``UnsupportedProblemError``
+    for pools of more than ``V2TC_MAX_POOL_ROWS`` rows (``k_pages.shape[0]`` pages of
+    ``plan.page_size`` tokens)."""
     flags = {"soft_cap": soft_cap is not None, "sink": sinks is not None}
+    rows = int(k_pages.shape[0]) * plan.page_size
+    if not metal and rows > V2TC_MAX_POOL_ROWS:
+        raise UnsupportedProblemError(
+            f"decode: path 'v2tc' addresses pool rows in 32 bits: k_pages holds "
+            f"{int(k_pages.shape[0])} pages of {plan.page_size} tokens ({rows} rows), at "
+            f"most {V2TC_MAX_POOL_ROWS} rows; path 'v2' takes larger pools")
     if metal:
         spec = v2tc_metal_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size,
                                plan.num_qo_heads // plan.num_kv_heads, q_dtype=q_dtype,

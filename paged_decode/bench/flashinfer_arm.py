@@ -106,6 +106,17 @@ def check_group_size(num_qo_heads: int, num_kv_heads: int, *, use_tensor_cores: 
                          f"{num_kv_heads} heads); use the tensor-core arm")
 
 
+def check_head_dim(head_dim: int, *, use_tensor_cores: bool,
+                   version: str = FLASHINFER_VERSION) -> None:
+    """``ValueError`` for head_dim 96 on FlashInfer 0.3.x's tensor-core decode: on the H200
+    it made an illegal memory access at Phi-3-mini's heads (32/32 x 96, batch 8 and 32 x
+    2K / 8K, run S10-R4 of 2026-12-02), which ends the process's CUDA context, so the
+    arm is not run there. Later versions decide themselves."""
+    if use_tensor_cores and head_dim == 96 and _version_tuple(version) < (0, 4):
+        raise ValueError(f"FlashInfer {version} tensor-core decode made an illegal memory "
+                         f"access at head_dim 96 on the H200 (S10-R4); not run")
+
+
 #: element types FlashInfer 0.3.1's JIT can generate kernels for (``jit/utils.dtype_map``)
 FLASHINFER_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
@@ -226,6 +237,7 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                            ) from exc
     version = str(getattr(fi, "__version__", FLASHINFER_VERSION))
     check_group_size(hq, hkv, use_tensor_cores=use_tensor_cores, version=version)
+    check_head_dim(d, use_tensor_cores=use_tensor_cores, version=version)
     for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
         if not getattr(t, "is_cuda", False):
             raise ValueError(f"{name} must be a CUDA torch tensor")

@@ -115,6 +115,13 @@ template <typename T>
 inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   return pd_emu::collective<T>(mask, v, pd_emu::C_SHFL_UP, (int)delta, width);
 }
+// votes: a warp-wide maximum (minimum) of 0 / 1 (the lanes of a C_MAX_F32 / C_MIN_F32 meet)
+inline int __any_sync(unsigned mask, int pred) {
+  return pd_emu::collective<float>(mask, pred ? 1.f : 0.f, pd_emu::C_MAX_F32, 0, 32) > 0.f;
+}
+inline int __all_sync(unsigned mask, int pred) {
+  return pd_emu::collective<float>(mask, pred ? 1.f : 0.f, pd_emu::C_MIN_F32, 0, 32) > 0.f;
+}
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 

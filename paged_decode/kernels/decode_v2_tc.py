@@ -274,30 +274,44 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     qs[i * LD + d] = i < rows ? q[((long long)r * num_qo_heads + h0 + i) * D + src] : from_float<T>(0.f);
   }
 
-  const long long row_stride = (long long)num_kv_heads * D;            // elements per token
-  const long long page_stride = (long long)PAGE_SIZE * row_stride;
-  // Page ids: thread tid < KT looks up token tid of a stage (`lookup`) one stage before
-  // that stage's copies are issued, and stores it to sm_ids at the next round, before
-  // the barrier that publishes it; so an issue never waits on a global load, and a thread
-  // holds one id, not one per piece it copies.
-  __shared__ int sm_ids[STAGES][KT];
-  auto lookup = [&](int stage) -> int {
+  // Token rows: thread tid < KT looks up token tid of a stage (`lookup`: its pool row,
+  // page * PAGE_SIZE + entry, 0 past the range) one stage before that stage's copies are
+  // issued, and stores it to sm_rows at the next round, before the barrier that publishes
+  // it; so an issue never waits on a global load, and a copy costs one shared load and a
+  // multiply-add, not a page-and-entry address per piece. A pool holds fewer than 2^32
+  // rows (the host refuses more).
+  __shared__ unsigned sm_rows[STAGES][KT];
+  auto lookup = [&](int stage) -> unsigned {
     const int i = stage * KT + tid;                                     // token in the range
-    return tid < KT && i < n_tok ? page_ids[(a_begin + i) / PAGE_SIZE] : 0;
+    if (tid >= KT || i >= n_tok) return 0u;
+    const unsigned a = (unsigned)(a_begin + i);                         // entry in the pages
+    return (unsigned)page_ids[a / PAGE_SIZE] * PAGE_SIZE + a % PAGE_SIZE;
   };
+  const unsigned row_bytes = (unsigned)(num_kv_heads * D * (int)sizeof(TKV));
+  // A thread copies piece `piece` of the tokens tok_first + j * TOK_STEP when the threads
+  // cover whole rows (THREADS % PIECES == 0, every shape but head_dim 96); otherwise each
+  // of its copies has its own token and piece.
+  constexpr bool WHOLE_ROWS = THREADS % PIECES == 0;
+  constexpr int TOK_STEP = WHOLE_ROWS ? THREADS / PIECES : 0;
+  const int tok_first = tid / PIECES, piece_first = tid % PIECES;
+  const unsigned char* k_head = reinterpret_cast<const unsigned char*>(k_pages + (long long)kvh * D);
+  const unsigned char* v_head = reinterpret_cast<const unsigned char*>(v_pages + (long long)kvh * D);
   // Copy stage `stage`'s K/V tokens into ring slot stage % STAGES (tokens past the range
   // zero-filled; nothing past the last stage) and commit one group: one group per call
   // keeps the wait counts of the loop exact.
   auto issue = [&](int stage) {
     const int slot = stage % STAGES;
     if (stage < n_stages) {
+      const int live = n_tok - stage * KT;                             // tokens of the stage in range
 #pragma unroll
       for (int j = 0; j < PER_THREAD; ++j) {
-        const int e = tid + j * THREADS, tok = e / PIECES, piece = e % PIECES;
-        const int i = stage * KT + tok;                                // token in the range
-        stage_kv_piece<TKV, D>(ks + (slot * KT + tok) * RLD, vs + (slot * KT + tok) * RLD,
-                               k_pages, v_pages, sm_ids[slot][tok], (a_begin + i) % PAGE_SIZE,
-                               kvh, piece, i < n_tok, page_stride, row_stride);
+        const int e = tid + j * THREADS;
+        const int tok = WHOLE_ROWS ? tok_first + j * TOK_STEP : e / PIECES;
+        const int piece = WHOLE_ROWS ? piece_first : e % PIECES;
+        const unsigned long long off = (unsigned long long)sm_rows[slot][tok] * row_bytes + piece * 16;
+        const int at = (slot * KT + tok) * RLD + piece * (16 / (int)sizeof(TKV));
+        cp_async16(ks + at, k_head + off, tok < live);
+        cp_async16(vs + at, v_head + off, tok < live);
       }
     }
     cp_async_commit();
@@ -310,21 +324,21 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
-    if (tid < KT) sm_ids[s][tid] = lookup(s);
+    if (tid < KT) sm_rows[s][tid] = lookup(s);
   __syncthreads();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
-  int next_id = lookup(STAGES - 1);
+  unsigned next_row = lookup(STAGES - 1);
   for (int stage = 0; stage < n_stages; ++stage) {
-    // the ids of stage + STAGES - 1; their slot's last reader, that stage's issue a round
+    // the rows of stage + STAGES - 1; their slot's last reader, that stage's issue a round
     // or more ago, is behind a barrier
-    if (tid < KT) sm_ids[(stage + STAGES - 1) % STAGES][tid] = next_id;
+    if (tid < KT) sm_rows[(stage + STAGES - 1) % STAGES][tid] = next_row;
     cp_async_wait<STAGES - 2>();                 // this thread's copies of `stage` landed
-    // every thread's copies of `stage` (and the ids above) landed, and every warp is done
+    // every thread's copies of `stage` (and the rows above) landed, and every warp is done
     // with stage - 1, whose slot the issue below refills
     __syncthreads();
     issue(stage + STAGES - 1);
-    next_id = lookup(stage + STAGES);            // stored at the next round
+    next_row = lookup(stage + STAGES);           // stored at the next round
     const int slot = stage % STAGES;
     const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
     if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out

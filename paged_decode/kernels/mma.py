@@ -119,27 +119,6 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
 #endif
 }
 
-// Staging: piece `piece` (16 bytes: 8 16-bit elements or 16 fp8 codes) of the K and V
-// rows of one token (entry `entry` of pool page `page`, KV head `kvh`) into its
-// shared-memory rows `ks` / `vs` with cp.async; `ok` false zero-fills both without
-// reading global memory.
-template <typename T, int D>
-__device__ __forceinline__ void stage_kv_piece(T* ks, T* vs, const T* k_pages, const T* v_pages,
-                                               int page, int entry, int kvh, int piece, bool ok,
-                                               long long page_stride, long long row_stride) {
-  constexpr int PER = 16 / (int)sizeof(T);       // elements per piece
-  const T* kp = k_pages;
-  const T* vp = v_pages;
-  if (ok) {
-    const long long off = (long long)page * page_stride
-                          + (long long)entry * row_stride + (long long)kvh * D + piece * PER;
-    kp += off;
-    vp += off;
-  }
-  cp_async16(ks + piece * PER, kp, ok);
-  cp_async16(vs + piece * PER, vp, ok);
-}
-
 // Phase: s = Q K^T (16 rows x 8 NT tokens) for one warp: `qw` points at the warp's 16
 // query rows, `kt` at its first K token row, both in shared memory (rows of LD elements).
 template <typename T, int D, int LD, int NT>
@@ -186,20 +165,28 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], float (&m_run)[2
       tmax[e >> 1] = fmaxf(tmax[e >> 1], s[n][e]);
     }
   float alpha[2], base[2];
+  bool grew = false;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
     tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
     const float m_new = fmaxf(m_run[h], tmax[h]);
+    grew |= m_new > m_run[h];
     base[h] = m_new == -PD_INF ? 0.f : m_new;   // avoids (-inf) - (-inf)
     alpha[h] = exp2f(m_run[h] - base[h]);
     m_run[h] = m_new;
     l_run[h] *= alpha[h];
   }
+  // A row whose max did not grow has alpha 1 (or 0 on an o of zeros: no visible score
+  // yet), so the rescale changes nothing unless some row of the warp grew; past the first
+  // tiles that is rare, and skipping it saves DT * 4 multiplies per tile (the call must be
+  // warp-uniform).
+  if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-  for (int j = 0; j < DT; ++j) {
-    o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
-    o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+    for (int j = 0; j < DT; ++j) {
+      o[j][0] *= alpha[0]; o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+    }
   }
   // the row sums take p in float32 (an exact LSE); P V takes p rounded to T (unbiased)
 #pragma unroll

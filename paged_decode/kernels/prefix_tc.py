@@ -77,6 +77,27 @@ namespace pd {
 
 extern __shared__ __align__(16) unsigned char pd_prefix_smem[];
 
+// Staging: piece `piece` (16 bytes: 8 16-bit elements) of the K and V
+// rows of one token (entry `entry` of pool page `page`, KV head `kvh`) into its
+// shared-memory rows `ks` / `vs` with cp.async; `ok` false zero-fills both without
+// reading global memory.
+template <typename T, int D>
+__device__ __forceinline__ void stage_kv_piece(T* ks, T* vs, const T* k_pages, const T* v_pages,
+                                               int page, int entry, int kvh, int piece, bool ok,
+                                               long long page_stride, long long row_stride) {
+  constexpr int PER = 16 / (int)sizeof(T);       // elements per piece
+  const T* kp = k_pages;
+  const T* vp = v_pages;
+  if (ok) {
+    const long long off = (long long)page * page_stride
+                          + (long long)entry * row_stride + (long long)kvh * D + piece * PER;
+    kp += off;
+    vp += off;
+  }
+  cp_async16(ks + piece * PER, kp, ok);
+  cp_async16(vs + piece * PER, vp, ok);
+}
+
 }  // namespace pd
 
 // grid: (C * row_tiles, Hkv) with the row tile fastest (the CTAs reading one chunk of one
