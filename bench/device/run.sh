@@ -112,6 +112,8 @@ set -o pipefail
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 L=$(mktemp -d)
 GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py"
+# the GPU test files of the decode kernels (tc-speed, tc-models)
+TC_GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_fp8_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py tests/test_nan_semantics.py"
 FI_ENV="FLASHINFER_WORKSPACE_BASE=/tmp/paged-decode-flashinfer/jit FLASHINFER_CUDA_ARCH_LIST=9.0 TORCH_CUDA_ARCH_LIST=9.0"
 export $FI_ENV
 REPS=${BENCH_REPS:-15}
@@ -320,12 +322,12 @@ step_v2tc_sanitize() {
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$L/v2tc_$tool.log" | tail -3
   done
 }
-# ncu over v2tc and v2 at 8 x 8K, heads 32/8 and 32/2: ncu_cells FILE NCU-ARGS...
+# ncu over v2tc and v2 (NCU_ARMS) at 8 x 8K, heads 32/8 and 32/2: ncu_cells FILE NCU-ARGS...
 ncu_cells() {
   command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
   local file=$1 arm heads; shift
   for heads in "32 8" "32 2"; do
-    for arm in v2tc v2; do
+    for arm in ${NCU_ARMS:-v2tc v2}; do
       echo "== $arm heads $heads" >> "$file"
       timeout 100 ncu -k regex:pd_decode_v2 -c 1 --section SpeedOfLight --section Occupancy \
         "$@" python3 bench/device/profile_v2.py ${NCU_BATCH:-8} 8192 0 $arm $heads \
@@ -478,9 +480,8 @@ step_v2tc_race() {
 step_tc_speed() {
   local parts=${TC_SPEED_PARTS:-tests targets models fp8} a=v2,v2tc,flashinfer-tc
   if [[ " $parts " == *" tests "* ]]; then
-    timeout ${TC_SPEED_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs tests/test_cuda_gpu.py \
-      tests/test_cuda_graphs.py tests/test_fp8_gpu.py tests/test_variants_gpu.py \
-      tests/test_multitoken_gpu.py tests/test_nan_semantics.py > "$L/tc_speed_tests.log" 2>&1
+    timeout ${TC_SPEED_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs $TC_GPU_FILES \
+      > "$L/tc_speed_tests.log" 2>&1
     echo "tc-speed gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/tc_speed_tests.log" | tail -8
   fi
   [[ " $parts " == *" targets "* ]] && BENCH_TIMEOUT=170 run_bench ts_targets --preset targets --arms $a
@@ -497,9 +498,7 @@ step_tc_speed() {
 # 2K in a bench of its own (an illegal address in one arm, as S10-R2's models bench met,
 # costs only that layout), then the forks suite (run fi first)
 step_tc_models() {
-  timeout ${TC_MODELS_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs tests/test_cuda_gpu.py \
-    tests/test_cuda_graphs.py tests/test_fp8_gpu.py tests/test_variants_gpu.py \
-    tests/test_multitoken_gpu.py tests/test_nan_semantics.py \
+  timeout ${TC_MODELS_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs $TC_GPU_FILES \
     -k "v2tc or prefix or cascade or fp8 or negative or pool_beyond" > "$L/tc_models_tests.log" 2>&1
   echo "tc-models gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/tc_models_tests.log" | tail -8
   local m
@@ -527,15 +526,8 @@ step_tc_depth() {
     PAGED_DECODE_STAGES=$st BENCH_TIMEOUT=30 run_bench "td_70b_s$st" --preset models \
       --model llama3-70b-tp8 --context 8192 --batch 8 --batch 32 --arms v2tc | tail -4
   done
-  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 0; }
-  local heads
-  for heads in "32 8" "32 2"; do
-    echo "== v2tc heads $heads" >> "$OUT/ncu_tc_depth.txt"
-    timeout 80 ncu -k regex:pd_decode_v2 -c 1 --section SpeedOfLight --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section SchedulerStats \
-      --section InstructionStats python3 bench/device/profile_v2.py 8 8192 0 v2tc $heads \
-      >> "$OUT/ncu_tc_depth.txt" 2>&1
-  done
+  NCU_ARMS=v2tc ncu_cells "$OUT/ncu_tc_depth.txt" --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section InstructionStats || return 0
   grep -E "^==|Duration|DRAM Throughput|Executed Instructions |Registers Per|Achieved Active|Warp Cycles Per Issued|Issued Warp" \
     "$OUT/ncu_tc_depth.txt" | head -40
   return 0
