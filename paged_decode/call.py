@@ -331,7 +331,7 @@ def call_problem(a: CallArgs, path: str, num_qo_heads: int | None = None) -> Pro
     """The ``Problem`` a backend's ``supports`` judges for call ``a`` on ``path`` (at
     ``num_qo_heads`` query heads: a multi-token pass's; default the call's)."""
     return Problem(a.q_dt, a.kv_dt, a.hq if num_qo_heads is None else num_qo_heads, a.hkv,
-                   a.d, a.p, path)
+                   a.d, a.p, path, int(a.k.shape[0]))
 
 
 def check_support(fn: str, be: Backend, a: CallArgs, path: str) -> None:

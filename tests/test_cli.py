@@ -228,3 +228,29 @@ def test_v2tc_arm_keeps_a_plan_made_for_its_ctas_and_replans_any_other():
     assert v2_plan.ctas_per_chunk != tc            # GQA 16: v2 splits the group, v2tc not
     got = make_arm("v2tc", be, q, k, v, table, v2_plan, 0.125).call.plan
     assert got is not v2_plan and got.ctas_per_chunk == tc
+
+
+def test_ragged_cases_draw_their_lengths_and_count_their_bytes():
+    from paged_decode.backends import get_backend
+    from paged_decode.bench.cases import BenchCase, preset_cases
+    from paged_decode.bench.report import to_csv
+    from paged_decode.bench.runner import _problem, bench_case
+    from paged_decode.bench.sdpa_arm import equal_visible_length
+    c = BenchCase(6, 300, 16, 8, 2, 64, ragged_min=20)
+    lens = c.lengths()
+    assert lens == c.lengths() and len(lens) == 6 and len(set(lens)) > 1
+    assert all(20 <= n <= 300 for n in lens)
+    assert c.kv_bytes() == 2 * sum(lens) * 2 * 64 * 2
+    assert "ctx20-300" in c.label
+    w = BenchCase(6, 300, 16, 8, 2, 64, ragged_min=20, window_left=49)
+    assert w.kv_bytes() == 2 * sum(min(n, 50) for n in lens) * 2 * 64 * 2
+    assert [(x.batch, x.ragged_min, x.context) for x in preset_cases("ragged")] == \
+        [(16, 1024, 8192), (128, 512, 4096)]
+    be = get_backend("reference")
+    table = _problem(be, c, 0)[3]
+    assert list(table.visible_lens) == lens
+    with pytest.raises(ValueError, match="length"):   # contiguous SDPA: equal lengths only
+        equal_visible_length(table)
+    r = bench_case(be, c, arms=("v2",), reps=3, warmup=0)
+    assert r.arms["v2"].verified                      # checked against the oracle
+    assert ",20-300," in to_csv([r])

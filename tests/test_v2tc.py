@@ -359,6 +359,41 @@ def test_v2tc_cuda_dialect_refuses_pools_of_2_pow_32_rows():
     v2tc_launch(**kw, metal=True)           # the Metal dialect has 64-bit offsets
 
 
+@needs_emulator
+def test_v2tc_pool_row_limit_is_a_support_refusal_auto_falls_back(tmp_path, monkeypatch):
+    # the 32-bit row limit is judged by supports(), so path="auto" takes another path and
+    # path="v2tc" names the limit; the limit is lowered so a small pool reaches it
+    import json
+
+    from paged_decode import crossover
+    from paged_decode.backends import Problem, launches
+    pr = _problem()                                  # 8/2 x 64, page 16
+    pages = int(pr.k_pages.shape[0])
+    be = pd.get_backend("emulated-cuda")
+    prob = Problem("float16", "float16", 8, 2, 64, 16, "v2tc", pages)
+    assert be.supports(prob)
+    monkeypatch.setattr(launches, "V2TC_MAX_POOL_ROWS", pages * 16 - 1)
+    sup = be.supports(prob)
+    assert not sup and f"k_pages holds {pages} pages of 16 tokens" in sup.reason
+    assert launches.support(prob, tensor_cores=True, metal=True)   # 64-bit offsets there
+    with pytest.raises(UnsupportedProblemError,
+                       match=r"decode: backend 'emulated-cuda' cannot run path 'v2tc': path "
+                             r"'v2tc' addresses pool rows in 32 bits"):
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=be)
+    dev = be.device_info().name
+    b, ctx = pr.table.batch_size, pr.table.total_visible // pr.table.batch_size
+    table = tmp_path / "tc.json"
+    table.write_text(json.dumps({"device": dev, "cells": [
+        {"batch": b, "context": ctx, "page_size": 16, "group": 4, "best": "v2tc",
+         "times_us": {"v2tc": 1.0, "v1": 3.0, "v2": 2.0}}]}))
+    monkeypatch.setenv(crossover.ENV, str(table))
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend=be)
+    assert pd.last_outcome().path.startswith("v2") and pd.last_outcome().path != "v2tc"
+    monkeypatch.setattr(launches, "V2TC_MAX_POOL_ROWS", pages * 16)     # fits again
+    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend=be)
+    assert pd.last_outcome().path.startswith("v2tc")
+
+
 def test_v2tc_is_a_documented_path():
     from paged_decode.call import PATHS
     assert "v2tc" in PATHS

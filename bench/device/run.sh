@@ -39,8 +39,11 @@
 #   tune-v2     bench/device/tune_v2.py: the v2 row-loads x CTA-target sweep
 #   ncu-v2      an ncu profile of the v2 partial at 64 x 4K, one and two row loads
 #   append-host host time of one PagePool.append_batch, 128 sequences x 1 token x 32 layers
-#   engine      the step-table / engine-step GPU tests, then bench --suite engine (eager,
-#               captured, flashinfer; batch 8/64/128, 32 layers; run fi first) + its plot
+#   engine      the step-table / engine-step GPU tests, then bench --suite engine (arms
+#               ENGINE_ARMS, default eager, captured, flashinfer; batch 8/64/128, 32 layers;
+#               run fi first) + its plot
+#   begin-host  bench/begin_host.py on the GPU machine's CPU (no GPU work): the steady and
+#               general begin's bookkeeping, to set its host beside this repository's CPU
 #   engine-models  bench --suite engine --model M (ENGINE_MODELS, default qwen2-7b) at batch
 #               64 / 128: captured on v2 and on v2tc against FlashInfer (run fi first)
 #   fi-compat   tests/test_fi_gpu.py: the FlashInfer shim side by side with FlashInfer 0.3.1
@@ -54,7 +57,8 @@
 #               GENERATE_TEST_K narrows the tests, GENERATE_NOISE=1 adds
 #               bench/device/generate_noise.py (the float32 logit floor of a batch layout)
 #   tests       the GPU tests of TESTS (files; default fp8, engine step, transformers), TESTS_K
-#   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS)
+#   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
+#               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
 #   fp8-residency  the fp8 v2tc path at plan CTA targets 264-1056 x ring depths 2 / 3
 #   v2tc-race   racecheck (synccheck too with V2TC_SYNC=1) over a v2tc subset (RACE_TIMEOUT)
@@ -65,7 +69,7 @@
 #   v2tc        the tensor-core v2 partial (#17) against v2 and FlashInfer (run fi first) over
 #               #17's target cells: the targets preset (cold and warm L2), every models
 #               layout at 8 x 8K and 32 x 2K, and bfloat16 at 8 x 8K
-#   v2tc-targets / v2tc-models  the two halves of v2tc
+#   v2tc-targets / v2tc-models  the two halves of v2tc (v2tc-targets: the ragged preset too)
 #   tune-tc     bench/device/tune_tc.py: v2tc CTA target x ring depth on GQA 4/7/8/16 cells,
 #               and the plan's ragged_split on ragged batches (v2, v2tc); TUNE_TC_PARTS
 #   engine-profile  bench/device/profile_engine.py: host parts of begin / replay (the one
@@ -178,17 +182,20 @@ step_variants() { run_bench variants --preset variants --arms ${BENCH_ARMS:-v2,s
 step_decode_variants() {
   # limits by arm-cells (about 1 s each at 15 reps, the crossover sweep's rate): 32, 16, 32,
   # 16 and 8 of them; FlashInfer's wrapper takes no sinks, so the sinks runs are ours alone
+  # (DV_PARTS: a subset of plain window softcap sinks all)
   local arms=${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc} b="--batch 1 --batch 8 --batch 32 --batch 128"
-  BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} run_bench dv_plain --preset targets --context 4096 \
-    --context 32768 $b --arms $arms
-  BENCH_TIMEOUT=${BENCH_TIMEOUT:-70} run_bench dv_window --preset targets --context 32768 $b \
-    --window-left 4095 --arms $arms
-  BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} run_bench dv_softcap --preset targets --context 4096 \
-    --context 32768 $b --soft-cap 30 --arms $arms
-  BENCH_TIMEOUT=${BENCH_TIMEOUT:-70} run_bench dv_sinks --preset targets --context 4096 \
-    --context 32768 $b --sinks --arms v2,v2tc
-  BENCH_TIMEOUT=${BENCH_TIMEOUT:-40} run_bench dv_all --preset targets --context 32768 $b \
-    --window-left 4095 --soft-cap 30 --sinks --arms v2,v2tc
+  local parts=" ${DV_PARTS:-plain window softcap sinks all} "
+  [[ $parts == *" plain "* ]] && BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} run_bench dv_plain \
+    --preset targets --context 4096 --context 32768 $b --arms $arms
+  [[ $parts == *" window "* ]] && BENCH_TIMEOUT=${BENCH_TIMEOUT:-70} run_bench dv_window \
+    --preset targets --context 32768 $b --window-left 4095 --arms $arms
+  [[ $parts == *" softcap "* ]] && BENCH_TIMEOUT=${BENCH_TIMEOUT:-110} run_bench dv_softcap \
+    --preset targets --context 4096 --context 32768 $b --soft-cap 30 --arms $arms
+  [[ $parts == *" sinks "* ]] && BENCH_TIMEOUT=${BENCH_TIMEOUT:-70} run_bench dv_sinks \
+    --preset targets --context 4096 --context 32768 $b --sinks --arms v2,v2tc
+  [[ $parts == *" all "* ]] && BENCH_TIMEOUT=${BENCH_TIMEOUT:-40} run_bench dv_all \
+    --preset targets --context 32768 $b --window-left 4095 --soft-cap 30 --sinks --arms v2,v2tc
+  return 0
 }
 step_models() { run_bench models --preset models --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc}; }
 step_cascade() { run_bench cascade --suite cascade; }
@@ -244,9 +251,14 @@ step_append_host() {
 step_engine() {
   python3 -m pytest -q tests/test_engine_step_gpu.py -rs > "$L/engine_tests.log" 2>&1
   echo "engine tests rc=$?"; grep -E "FAILED|passed|failed" "$L/engine_tests.log" | tail -8
-  timeout 500 paged-decode bench --backend cuda --suite engine --json "$OUT/engine.json" \
+  timeout ${ENGINE_TIMEOUT:-500} paged-decode bench --backend cuda --suite engine \
+    --arms ${ENGINE_ARMS:-eager,captured,flashinfer} --json "$OUT/engine.json" \
     --plot "$OUT/engine.png" > "$OUT/engine.txt" 2>&1
-  echo "engine bench rc=$?"; tail -16 "$OUT/engine.txt"
+  echo "engine bench rc=$?"; tail -20 "$OUT/engine.txt"
+}
+step_begin_host() {   # CPU only: the same numpy bookkeeping this repository's CPU times
+  timeout 120 python3 bench/begin_host.py 8 64 128 > "$L/begin_host.txt" 2>&1
+  echo "begin-host rc=$?"; grep -E "^batch" "$L/begin_host.txt"
 }
 step_engine_models() {   # the engine step on GQA 7 and 8, CUDA-core v2 against v2tc
   local m
@@ -295,6 +307,8 @@ step_v2tc_targets() {
   local arms=${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc}
   run_bench v2tc_targets --preset targets --arms $arms
   run_bench v2tc_targets_warm --preset targets --arms $arms --warm-l2
+  BENCH_TIMEOUT=60 run_bench v2tc_ragged --preset ragged --arms $arms
+  BENCH_TIMEOUT=60 run_bench v2tc_ragged_warm --preset ragged --arms $arms --warm-l2
 }
 step_v2tc_models() {
   local arms=${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc}
@@ -429,6 +443,9 @@ step_fp8_quick() {
   local arms=${FP8_QUICK_ARMS:-v2tc}
   [ "${FP8_QUICK_F16:-1}" = 1 ] && BENCH_TIMEOUT=60 run_bench fq_f16 $c --arms $arms | tail -9
   BENCH_TIMEOUT=${FP8_QUICK_TIMEOUT:-60} run_bench fq_e4m3 $c --kv-dtype float8_e4m3fn --arms $arms | tail -9
+  [ "${FP8_QUICK_E5M2:-0}" = 1 ] && BENCH_TIMEOUT=${FP8_QUICK_TIMEOUT:-60} run_bench fq_e5m2 $c \
+    --kv-dtype float8_e5m2 --arms $arms | tail -9
+  return 0
 }
 # v2tc over fp8 pools at ring depths 2/3/4 (4 warps) and 2/3 (8 warps), float16 v2tc
 # beside them, 8/32/128 x 8K/32K at Llama-3-8B heads: the fp8 stage holds half float16's

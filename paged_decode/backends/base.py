@@ -50,6 +50,7 @@ class Problem:
     head_dim: int
     page_size: int
     path: str = "v2"   # a decode path, or "merge" (a merge alone)
+    pool_pages: int = 0   # pages in k_pages (0: not known; some kernels address rows in 32 bits)
 
 
 @dataclass(frozen=True)

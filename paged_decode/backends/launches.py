@@ -79,12 +79,13 @@ class Launch:
         return tuple(a.value for a in self.args)
 
 
-def support(problem: Problem, tensor_cores: bool = False) -> Support:
+def support(problem: Problem, tensor_cores: bool = False, metal: bool = False) -> Support:
     """Whether the CUDA kernels have a specialization for ``problem`` (``path="merge"``:
     the merge alone, which reads float4 slices of any head dim that is a multiple of 4;
     ``path="v2tc"``: the tensor-core v2 partial, which needs a backend that runs it,
-    ``tensor_cores``, q float16 or bfloat16 with pools in its dtype or fp8, and a GQA group
-    of at most 32)."""
+    ``tensor_cores``, q float16 or bfloat16 with pools in its dtype or fp8, a GQA group
+    of at most 32 and, in the CUDA dialect (``metal`` False), a pool of at most
+    ``V2TC_MAX_POOL_ROWS`` rows)."""
     if problem.path == "v2tc":
         if not tensor_cores:
             return Support(False, f"path 'v2tc' is the tensor-core partial, which this "
@@ -98,6 +99,9 @@ def support(problem: Problem, tensor_cores: bool = False) -> Support:
         if group > V2TC_MAX_GROUP:
             return Support(False, f"path 'v2tc' takes at most {V2TC_MAX_GROUP} query heads "
                                   f"per KV head, got {group}")
+        rows = v2tc_rows_refusal(problem.pool_pages, problem.page_size, metal)
+        if rows:
+            return Support(False, rows)
     if problem.path == "merge":
         if problem.head_dim < 4 or problem.head_dim % 4:
             return Support(False, "head_dim must be a positive multiple of 4 for the merge "
@@ -174,6 +178,17 @@ def _chunk_args(plan: DecodePlan, sm_scale: float, ctas_per_head: tuple[str, int
 V2TC_MAX_POOL_ROWS = 2 ** 32 - 1
 
 
+def v2tc_rows_refusal(pages: int, page_size: int, metal: bool) -> str:
+    """Why the tensor-core partial cannot address a pool of ``pages`` pages ("" when it
+    can; the Metal dialect's offsets are 64-bit)."""
+    rows = int(pages) * int(page_size)
+    if metal or rows <= V2TC_MAX_POOL_ROWS:
+        return ""
+    return (f"path 'v2tc' addresses pool rows in 32 bits: k_pages holds {int(pages)} pages "
+            f"of {int(page_size)} tokens ({rows} rows), at most {V2TC_MAX_POOL_ROWS} rows; "
+            "path 'v2' takes larger pools")
+
+
 def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: float,
                 q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                 request_indices: Any, kv_tile_indices: Any, v_out: Any,
@@ -189,12 +204,9 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
     for pools of more than ``V2TC_MAX_POOL_ROWS`` rows (``k_pages.shape[0]`` pages of
     ``plan.page_size`` tokens)."""
     flags = {"soft_cap": soft_cap is not None, "sink": sinks is not None}
-    rows = int(k_pages.shape[0]) * plan.page_size
-    if not metal and rows > V2TC_MAX_POOL_ROWS:
-        raise UnsupportedProblemError(
-            f"decode: path 'v2tc' addresses pool rows in 32 bits: k_pages holds "
-            f"{int(k_pages.shape[0])} pages of {plan.page_size} tokens ({rows} rows), at "
-            f"most {V2TC_MAX_POOL_ROWS} rows; path 'v2' takes larger pools")
+    refusal = v2tc_rows_refusal(int(k_pages.shape[0]), plan.page_size, metal)
+    if refusal:         # supports() refuses it first; a launch built directly lands here
+        raise UnsupportedProblemError(f"decode: {refusal}")
     if metal:
         spec = v2tc_metal_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size,
                                plan.num_qo_heads // plan.num_kv_heads, q_dtype=q_dtype,

@@ -42,7 +42,7 @@ class LaunchingBackend(Backend):
         # Apple GPU MLX runs on has simdgroup_matrix
         tc = self.tensor_core_decode and (self.metal_dialect
                                           or bool(self.device_info().prefix_tile_rows))
-        return launches.support(problem, tc)
+        return launches.support(problem, tc, metal=self.metal_dialect)
 
     # ----------------------------------------------------------- hooks
     @abstractmethod

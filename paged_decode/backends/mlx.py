@@ -297,7 +297,7 @@ class MetalBackend(LaunchingBackend, MlxBackend):
     def supports(self, problem: Problem) -> Support:
         if problem.path == "gather":
             return Support(True)
-        return launches.support(problem, tensor_cores=True)
+        return launches.support(problem, tensor_cores=True, metal=True)
 
     def auto_path(self) -> tuple[str, str] | None:
         return None

@@ -6,6 +6,10 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
+
+#: the seed of a ragged case's lengths (``BenchCase.lengths``)
+RAGGED_SEED = 17
 
 @dataclass(frozen=True)
 class BenchCase:
@@ -25,6 +29,16 @@ class BenchCase:
     #: the pools' dtype when it is not ``dtype`` (an fp8 K/V cache: ``"float8_e4m3fn"``,
     #: ``"float8_e5m2"``; ``dtype`` is then the queries' and outputs')
     kv_dtype: str = ""
+    #: a ragged batch: request lengths drawn uniformly from [ragged_min, context] (seeded,
+    #: ``lengths``); 0: every request has ``context`` tokens
+    ragged_min: int = 0
+
+    def lengths(self) -> list[int]:
+        """Each request's context length (the same draw every call)."""
+        if not self.ragged_min:
+            return [self.context] * self.batch
+        rng = np.random.default_rng(RAGGED_SEED)
+        return [int(x) for x in rng.integers(self.ragged_min, self.context + 1, self.batch)]
 
     @property
     def pool_dtype(self) -> str:
@@ -36,20 +50,23 @@ class BenchCase:
                          f" cap{self.soft_cap:g}" if self.soft_cap else "",
                          " sinks" if self.sinks else "",
                          f" kv {self.kv_dtype}" if self.kv_dtype else ""])
-        return (f"{self.model} B{self.batch} ctx{self.context} ps{self.page_size} "
+        ctx = f"{self.ragged_min}-{self.context}" if self.ragged_min else str(self.context)
+        return (f"{self.model} B{self.batch} ctx{ctx} ps{self.page_size} "
                 f"{self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim} {self.dtype}"
                 f"{extra}")
 
     @property
     def attended(self) -> int:
-        """Tokens each request attends to: the context, or its window."""
-        return self.context if self.window_left < 0 else min(self.context,
-                                                             self.window_left + 1)
+        """Tokens the batch attends to: each request's context or its window, summed."""
+        lens = self.lengths()
+        if self.window_left < 0:
+            return sum(lens)
+        return sum(min(n, self.window_left + 1) for n in lens)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V the decode must read (each attended element once)."""
         elt = {"float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}.get(self.pool_dtype, 2)
-        return 2 * self.batch * self.attended * self.num_kv_heads * self.head_dim * elt
+        return 2 * self.attended * self.num_kv_heads * self.head_dim * elt
 
     def io_bytes(self) -> int:
         """K + V + q + output bytes: the explicit byte count behind GB/s."""
@@ -86,6 +103,12 @@ def _variants() -> list[BenchCase]:
     return out
 
 
+def _ragged() -> list[BenchCase]:
+    """#17's ragged batches at Llama-3-8B heads, float16, page 16: 16 requests of 1K-8K
+    tokens and 128 of 512-4K."""
+    return [BenchCase(16, 8192, 16, ragged_min=1024), BenchCase(128, 4096, 16, ragged_min=512)]
+
+
 #: contexts, batches and page sizes of the adr sweep (Llama-3-8B heads, float16)
 ADR_AXES = ([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64, 128], [16, 32, 64])
 
@@ -97,6 +120,7 @@ PRESETS = {
     # v1,v2,sdpa,flashinfer,flashinfer-tc
     "targets": lambda: _grid([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64, 128], [16]),
     "variants": _variants,
+    "ragged": _ragged,
     # small enough for the numpy reference backend to finish in about a minute
     "cpu": lambda: _grid([512, 2048], [1, 4], [16, 64]),
     # the cells of the crossover table behind path="auto" (--arms v1,v2,v2tc

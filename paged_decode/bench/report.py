@@ -103,6 +103,12 @@ def to_json(results: list[BenchResult], head: dict[str, Any]) -> str:
     return json.dumps({"header": head, "results": [r.to_dict() for r in results]}, indent=1)
 
 
+def _context(case: Any) -> str:
+    """A case's context column: ``8192``, or ``1024-8192`` for a ragged batch."""
+    lo = getattr(case, "ragged_min", 0)
+    return f"{lo}-{case.context}" if lo else str(case.context)
+
+
 def to_csv(results: list[BenchResult]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
@@ -114,7 +120,7 @@ def to_csv(results: list[BenchResult]) -> str:
     for r in results:
         c = r.case
         for a in r.arms.values():
-            w.writerow([c.model, c.batch, c.context, c.page_size, c.num_qo_heads,
+            w.writerow([c.model, c.batch, _context(c), c.page_size, c.num_qo_heads,
                         c.num_kv_heads, c.head_dim, c.dtype, a.arm, a.ran, a.verified,
                         f"{a.max_rel_error:.3g}", a.gpu_mode, a.gpu.get("median_us", ""),
                         a.gpu.get("p20_us", ""), a.gpu.get("p80_us", ""),

@@ -88,7 +88,7 @@ def header(be: Backend, *, bandwidth: float | None) -> dict[str, Any]:
 
 def _problem(be: Backend, case: BenchCase, seed: int) -> tuple[Any, Any, Any, PageTable]:
     rng = np.random.default_rng(seed)
-    table, num_pages = make_table([case.context] * case.batch, case.page_size, slack=1.25,
+    table, num_pages = make_table(case.lengths(), case.page_size, slack=1.25,
                                   rng=rng)
     dt = numpy_dtype(case.dtype)
     shape = (num_pages, case.page_size, case.num_kv_heads, case.head_dim)
