@@ -30,6 +30,8 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_TC_WARPS": "CUDA v2tc warps per CTA, 2 / 4 / 8 (experiments)",
     "PAGED_DECODE_PREFIX_TILE": "cascade prefix-kernel tile (experiments)",
     "PAGED_DECODE_PREFIX_CTAS_PER_SM": "cascade prefix-kernel residency (experiments)",
+    "PAGED_DECODE_PDL": "CUDA merge launched as the partial's programmatic dependent "
+                        "(sm_90+; experiments, off unless 1)",
     "PAGED_DECODE_ASSERT_NO_COMPILE": "any kernel compile raises (benchmarks)",
     "PAGED_DECODE_POISON": "NaN-fill fresh outputs and workspaces (tests)",
     "PAGED_DECODE_REFERENCE_ANY_GEOMETRY": "reference backend runs any geometry (oracle use)",

@@ -32,7 +32,7 @@ from ..kernels import append as append_kernel
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..specs import PREFIX_TILE_ROWS, KernelSpec
-from . import cuda_arrays, cuda_staging, launches
+from . import cuda_arrays, cuda_pdl, cuda_staging, launches
 from .base import Support, poison_enabled
 from .cuda_arrays import cp
 from .cuda_launch import COMPILE_OPTIONS, DeviceCaches, PackedLaunch, compiled, replayer, with_smem
@@ -268,9 +268,21 @@ class CudaBackend(LaunchingBackend):
             recorded.append(launch)
             return
         kernel = self._kernel_for(launch)
+        if launch.dependent and self._pdl():
+            stream = cp.cuda.get_current_stream().ptr
+            if cuda_pdl.stream_allows(stream):
+                ex = PackedLaunch(kernel, launch, pdl=True).ex
+                assert ex is not None
+                ex(stream)
+                return
         gx, gy = launch.grid
         kernel((int(gx), int(gy), 1), (int(launch.block), 1, 1), launch.values(),
                shared_mem=int(launch.smem))
+
+    def _pdl(self) -> bool:
+        """Whether dependent launches (the merge) use programmatic dependent launch on
+        the current device (``cuda_pdl.enabled``)."""
+        return cuda_pdl.enabled(_major(int(cp.cuda.runtime.getDevice())))
 
     def _kernel_for(self, launch: launches.Launch) -> Any:
         return with_smem(self.kernel(launch.spec), launch.smem)
@@ -286,7 +298,8 @@ class CudaBackend(LaunchingBackend):
             with self.launch_context(like):
                 run()
                 recorded = self._recording.launches
-                packed = [PackedLaunch(self._kernel_for(lc), lc) for lc in recorded]
+                pdl = self._pdl()
+                packed = [PackedLaunch(self._kernel_for(lc), lc, pdl) for lc in recorded]
                 dev = cp.cuda.Device().id
         finally:
             self._recording.launches = None
@@ -301,6 +314,12 @@ class CudaBackend(LaunchingBackend):
         from .cuda_gather import gather_attention
         gather_attention(self, q, k_pages, v_pages, table, sm_scale, out, lse_out,
                          soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, v_scale=v_scale)
+
+
+@functools.cache
+def _major(index: int) -> int:
+    """Device ``index``'s compute capability major."""
+    return int(cp.cuda.runtime.getDeviceProperties(index)["major"])
 
 
 @functools.cache

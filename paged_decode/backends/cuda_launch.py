@@ -16,6 +16,7 @@ import numpy as np
 
 from ..specs import KernelSpec, assert_compile_allowed, cuda_source
 from .cuda_arrays import cp
+from .cuda_pdl import DependentLaunch, stream_allows
 from .launches import Launch
 
 COMPILE_OPTIONS = ("-std=c++17",)
@@ -86,11 +87,12 @@ class DeviceCaches:
 class PackedLaunch:
     """One recorded launch with its kernel arguments packed for ``cuLaunchKernel``: a
     ``void*[]`` of pointers to ctypes copies of each argument (device pointers for
-    arrays, ``int32``/``float32`` scalars). Keeps the arrays alive."""
+    arrays, ``int32``/``float32`` scalars). Keeps the arrays alive. With ``pdl`` a launch
+    marked ``dependent`` (the merge) goes through ``cuda_pdl.DependentLaunch`` (``ex``)."""
 
-    __slots__ = ("fn", "gx", "gy", "block", "smem", "params", "_keep")
+    __slots__ = ("fn", "gx", "gy", "block", "smem", "params", "ex", "_keep")
 
-    def __init__(self, kernel: Any, launch: Launch) -> None:
+    def __init__(self, kernel: Any, launch: Launch, pdl: bool = False) -> None:
         self.fn = int(kernel.kernel.ptr)
         self.gx, self.gy = (int(x) for x in launch.grid)
         self.block, self.smem = int(launch.block), int(launch.smem)
@@ -109,6 +111,8 @@ class PackedLaunch:
         ptrs = (ctypes.c_void_p * len(cells))(*(ctypes.addressof(c) for c in cells))
         self.params = ctypes.addressof(ptrs)
         self._keep = (cells, ptrs, launch.values())
+        self.ex = (DependentLaunch(self.fn, (self.gx, self.gy), self.block, self.smem,
+                                   self.params) if pdl and launch.dependent else None)
 
 
 def replayer(packed: list[PackedLaunch], dev: int,
@@ -124,8 +128,12 @@ def replayer(packed: list[PackedLaunch], dev: int,
                 replay()
             return
         s = stream()
+        pdl = stream_allows(s)
         for pk in packed:
-            launch(pk.fn, pk.gx, pk.gy, 1, pk.block, 1, 1, pk.smem, s, pk.params, 0)
+            if pk.ex is not None and pdl:
+                pk.ex(s)
+            else:
+                launch(pk.fn, pk.gx, pk.gy, 1, pk.block, 1, 1, pk.smem, s, pk.params, 0)
     return replay
 
 

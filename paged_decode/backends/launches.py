@@ -70,6 +70,9 @@ class Launch:
     block: int                   # threads per block
     smem: int                    # dynamic shared memory bytes
     args: tuple[Arg, ...]
+    #: waits in-kernel for the grid before it (the merge after a partial): backends that
+    #: can launch it early do so (``cuda_pdl.py``); the others launch it as any other
+    dependent: bool = False
 
     @property
     def empty(self) -> bool:
@@ -120,10 +123,12 @@ def _ins(names: tuple[str, ...], values: tuple[Any, ...]) -> list[Arg]:
     return [Arg(n, v, "in") for n, v in zip(names, values)]
 
 
-def _launch(spec: KernelSpec, grid: tuple[int, int], args: list[Arg]) -> Launch:
+def _launch(spec: KernelSpec, grid: tuple[int, int], args: list[Arg],
+            dependent: bool = False) -> Launch:
     """A launch of ``spec`` with the block and shared memory its kernel definition gives."""
     kdef = kernel_def(spec.kernel)
-    return Launch(spec, grid, kdef.threads(spec), kdef.dynamic_smem(spec), tuple(args))
+    return Launch(spec, grid, kdef.threads(spec), kdef.dynamic_smem(spec), tuple(args),
+                  dependent)
 
 
 def _cap_log2(soft_cap: float | None) -> np.float32:
@@ -238,7 +243,8 @@ def merge_launch(*, out_dtype: str, shape: tuple[int, int, int], v: Any, lse: An
                    lse if sinks is None else sinks)),
             Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
             Arg("num_heads", np.int32(h), "scalar"), Arg("num_out", np.int32(m), "scalar")]
-    return _launch(spec, (-(-m * h // MERGE_ITEMS_PER_BLOCK), 1), args)
+    # the merge kernel waits for the grid before it first thing (pd::wait_for_prerequisites)
+    return _launch(spec, (-(-m * h // MERGE_ITEMS_PER_BLOCK), 1), args, dependent=True)
 
 
 def v1_launch(*, dtypes: tuple[str, str, str], shape: tuple[int, int, int],

@@ -144,6 +144,21 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Programmatic dependent launch (sm_90+; elsewhere, and on the emulator, nothing). A
+// partial allows the grid launched after it with the programmatic-serialization attribute
+// (the merge: backends/cuda_pdl.py) to be scheduled while its own CTAs still run; that
+// grid's CTAs wait, first thing, until this grid has finished and its writes are visible.
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // The visible tokens [t_begin, t_end) of chunk `tile` of a request (pages [tile * ppc,
 // (tile + 1) * ppc) of its npages, the first `fpo` entries of its first page retired, its
 // last page holding last_len entries): token t lives at entry fpo + t of the request's

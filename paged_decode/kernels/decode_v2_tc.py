@@ -246,6 +246,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   TKV* ks = reinterpret_cast<TKV*>(qs + 16 * LD);   // [STAGES][KT][RLD]
   TKV* vs = ks + STAGES * KT * RLD;              // [STAGES][KT][RLD]
 
+  allow_dependents();                 // the merge may be scheduled now; it waits for this grid
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   const int c = blockIdx.x;

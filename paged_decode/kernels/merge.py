@@ -38,6 +38,9 @@ __global__ void __launch_bounds__(128) pd_merge_states(
   static_assert(HEAD_DIM % 4 == 0, "head_dim must be a multiple of 4");
   constexpr int NV4 = HEAD_DIM / 4;                 // float4 per row
   constexpr int PER_LANE = (NV4 + 31) / 32;
+  // launched as the partial's dependent (PDL): every CTA waits for the partial grid here,
+  // before any read and before any early return (so this grid never ends before it)
+  pd::wait_for_prerequisites();
   const int lane = threadIdx.x & 31;
   const long long item = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
   if (item >= (long long)num_out * num_heads) return;   // whole warp; no barrier below

@@ -1,0 +1,134 @@
+"""Programmatic dependent launch (PDL, sm_90+) of the merge, for the ``cuda`` backend.
+
+A split decode is two kernels in one stream: the partial, then the merge of its states.
+Launched plainly, the merge's CTAs are scheduled only when the partial's last CTA has
+exited, so each call pays the gap between the grids. A launch with the driver's
+programmatic-stream-serialization attribute lets the merge be scheduled once every CTA of
+the partial has run ``griddepcontrol.launch_dependents`` (its first statement,
+``pd::allow_dependents``). Each merge CTA then waits in ``griddepcontrol.wait``
+(``pd::wait_for_prerequisites``, its first statement, before any read and any early
+return) until the partial grid has finished and its writes are visible. The merge grid so
+never finishes before the partial, and work queued after the merge stays ordered after
+both. A ``Launch`` marked ``dependent`` (``launches.merge_launch``) takes this path where
+``enabled`` says so. Elsewhere, and in the emulator and Metal, the two instructions are
+absent and the launch is a plain one.
+
+CuPy's kernel call takes no launch attributes, so the launch is ``cuLaunchKernelEx``
+through ctypes, with the kernel's packed arguments (``cuda_launch.PackedLaunch``). The
+struct layouts below are CUDA 12 / 13's ``cuda.h``; ``tests/test_pdl.py`` checks them
+against the C header where one is installed.
+
+Status: an experiment, off unless ``PAGED_DECODE_PDL=1``. On the H200 (S11-R6,
+2026-12-02) eager merges on CuPy's default stream made ``cuLaunchKernelEx`` return
+``CUDA_ERROR_INVALID_VALUE``. Launches on the default streams now go the plain way
+(``stream_allows``), but no GPU run has tested that, nor PDL on other streams or in
+graphs. The kernels' two instructions are no-ops in a plain launch; with PDL off the
+bench verified v2 and v2tc against the oracle on the new kernels in that run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from .. import settings
+
+PDL_ENV = "PAGED_DECODE_PDL"
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+#: the compute capability griddepcontrol needs
+MIN_MAJOR = 9
+
+
+class _Value(ctypes.Union):
+    # CUlaunchAttributeValue: 64 bytes, 8-byte aligned (it holds pointers)
+    _fields_ = [("pad", ctypes.c_char * 64), ("ptr", ctypes.c_void_p), ("int", ctypes.c_int)]
+
+
+class _Attribute(ctypes.Structure):
+    # CUlaunchAttribute: id, pad to 8, value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _Value)]
+
+
+class _Config(ctypes.Structure):
+    # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attribute)), ("numAttrs", ctypes.c_uint)]
+
+
+@functools.cache
+def driver_entry() -> Any:
+    """``cuLaunchKernelEx`` of the CUDA driver, or ``None`` (no driver, or one older than
+    CUDA 12)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    return fn
+
+
+def enabled(major: int, entry: Any = None) -> bool:
+    """Whether dependent launches go through PDL on a device of compute capability
+    ``major``: ``PAGED_DECODE_PDL=1`` (off by default until a GPU run has verified it,
+    below), sm_90+, and a driver with ``cuLaunchKernelEx`` (``entry``: that function;
+    default the driver's)."""
+    if major < MIN_MAJOR or not settings.flag(PDL_ENV, default=False):
+        return False
+    return (driver_entry() if entry is None else entry) is not None
+
+
+#: the legacy default stream (0 and CU_STREAM_LEGACY) and the per-thread one
+_DEFAULT_STREAMS = (0, 1, 2)
+
+
+def stream_allows(stream: int) -> bool:
+    """Whether a dependent launch goes through PDL on ``stream`` (a ``CUstream`` handle):
+    not on the default streams, where the H200 driver refused it (S11-R6: the NULL stream
+    gave ``CUDA_ERROR_INVALID_VALUE``)."""
+    return int(stream) not in _DEFAULT_STREAMS
+
+
+class DependentLaunch:
+    """One kernel launch with programmatic stream serialization: ``fn`` (a ``CUfunction``
+    handle), the grid, block and dynamic shared memory, and ``params`` (the address of
+    its ``void*[]`` of argument pointers, kept alive by the caller). ``__call__(stream)``
+    launches it on ``stream`` (a ``CUstream`` handle); a driver error raises
+    ``RuntimeError`` naming the code. The config is built once, so a replay allocates
+    nothing."""
+
+    __slots__ = ("_entry", "_fn", "_params", "_attr", "_config")
+
+    def __init__(self, fn: int, grid: tuple[int, int], block: int, smem: int, params: int,
+                 entry: Callable[..., int] | None = None) -> None:
+        self._entry = driver_entry() if entry is None else entry
+        if self._entry is None:
+            raise RuntimeError("cuda_pdl: the CUDA driver has no cuLaunchKernelEx")
+        self._fn, self._params = ctypes.c_void_p(fn), ctypes.c_void_p(params)
+        self._attr = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attr.value.int = 1
+        gx, gy = grid
+        self._config = _Config(gridDimX=gx, gridDimY=gy, gridDimZ=1, blockDimX=block,
+                               blockDimY=1, blockDimZ=1, sharedMemBytes=smem,
+                               attrs=ctypes.pointer(self._attr), numAttrs=1)
+
+    def __call__(self, stream: int) -> None:
+        self._config.hStream = stream
+        err = self._entry(ctypes.byref(self._config), self._fn, self._params, None)
+        if err:
+            raise RuntimeError(f"cuda_pdl: cuLaunchKernelEx returned CUresult {err} "
+                               f"(grid {self._config.gridDimX} x {self._config.gridDimY}, "
+                               f"block {self._config.blockDimX}, "
+                               f"{self._config.sharedMemBytes} B of shared memory)")
+
+
+__all__ = ["MIN_MAJOR", "PDL_ENV", "DependentLaunch", "driver_entry", "enabled",
+           "stream_allows"]
