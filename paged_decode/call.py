@@ -44,6 +44,7 @@ from .errors import (
     check_type,
     fail,
 )
+from .fp8 import is_fp8
 from .multitoken import QueryTokens, query_tokens
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
@@ -93,22 +94,39 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
                      query_tokens=query_tokens, fn="plan_decode")
 
 
+#: why ``path="auto"`` takes v2tc over fp8 pools wherever it runs (the crossover table's
+#: cells are 16-bit pools): on the H200, e4m3fn pools at 32/8 x 128, batch 8-128 x 8K-32K,
+#: v2tc took 0.29-0.47x v2's time (S11-R4, docs/benchmarks/h200-2026-12-02-s11.md)
+FP8_AUTO = "auto: v2tc (fp8 pools: 2.2-3.4x faster than v2 on the H200, S11-R4)"
+
+
 def choose_path(backend: Backend, table: Table, plan: DecodePlan,
-                allowed: tuple[str, ...] = ("v2", "v1")) -> tuple[str, str]:
+                allowed: tuple[str, ...] = ("v2", "v1"),
+                kv_dtype: str | None = None) -> tuple[str, str]:
     """The path ``path="auto"`` takes, and why (one place for the policy): the fastest
     path in ``allowed`` (those this call can run) at the nearest cell of the device's
     measured crossover table (``paged_decode.crossover``), v2 when the device has no
-    table or the cell timed none of them."""
+    table or the cell timed none of them; over fp8 pools (``kv_dtype``) v2tc wherever
+    it is allowed (``FP8_AUTO``)."""
+    return choose_path_at(backend, table, plan.num_qo_heads // plan.num_kv_heads, allowed,
+                          kv_dtype)
+
+
+def choose_path_at(backend: Backend, table: Table, group: int,
+                   allowed: tuple[str, ...] = ("v2", "v1"),
+                   kv_dtype: str | None = None) -> tuple[str, str]:
+    """``choose_path`` for a GQA group (query heads per KV head) without a plan."""
     single = backend.auto_path()  # a backend with one arm (MLX without Metal: gather)
     if single is not None:
         return single
+    if kv_dtype is not None and is_fp8(kv_dtype) and "v2tc" in allowed:
+        return "v2tc", FP8_AUTO
     name = backend.device_info().name
     xt = table_for(name)
     if xt is None:
         return "v2", f"auto: v2 (no crossover table for {name!r})"
     ctx = table.total_visible / max(1, table.batch_size)
-    best, cell = xt.choose(table.batch_size, ctx, table.page_size,
-                           plan.num_qo_heads // plan.num_kv_heads, allowed)
+    best, cell = xt.choose(table.batch_size, ctx, table.page_size, group, allowed)
     where = (f"the nearest measured cell (B{cell.batch} ctx{cell.context} ps{cell.page_size}"
              f" G{cell.group}) of {Path(xt.source).name}")
     if best is None:
@@ -266,7 +284,7 @@ def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: 
         raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
     if path == "auto":
         plan = resolve_plan(fn, be, a, plan)
-        chosen, reason = choose_path(be, a.table, plan, runnable_paths(be, a))
+        chosen, reason = choose_path(be, a.table, plan, runnable_paths(be, a), a.kv_dt)
         check_support(fn, be, a, chosen)
     else:   # checked before planning: a v2tc plan is searched for that kernel's geometry
         check_support(fn, be, a, path)
@@ -424,6 +442,7 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
 
 
 __all__ = ["LAUNCH_PATHS", "PATHS", "SPLIT_PATHS", "CallArgs", "CascadeCall", "Table",
-           "cascade_call", "check_call", "check_support", "choose_path", "empty_batch",
+           "cascade_call", "check_call", "check_support", "choose_path", "choose_path_at",
+           "empty_batch",
            "flat_call", "host_table", "output_buffer", "plan_decode", "resolve_plan",
            "results", "returned", "run_path", "step_table_arg"]

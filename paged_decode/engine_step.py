@@ -35,16 +35,20 @@ from typing import Any
 
 import numpy as np
 
-from .backends import c_contiguous
-from .call import LAUNCH_PATHS
+from .backends import Problem, c_contiguous
+from .call import LAUNCH_PATHS, choose_path_at
 from .decode import decode
 from .errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemError, check_int
+from .fp8 import is_fp8
 from .kernels.append import AppendWrite, table_row_desc
 from .plan import DecodePlan, make_plan
 from .pool import AppendedBatch, PagePool
 from .prepared import layouts, prepare_decode
 from .specs import v2tc_ctas_per_chunk
 from .steady_step import SteadyBegin
+
+#: the paths a step takes: "auto" (the crossover table's choice) or a launch path
+STEP_PATHS = ("auto", *LAUNCH_PATHS)
 
 
 class StaleStepError(PagedDecodeError, RuntimeError):
@@ -72,14 +76,17 @@ class DecodeStep:
             host table, so ``window_left`` is not a step's argument.
             An fp8 pool's format and per-layer scales come from the pool
             (``PagePool.decode_args``).
-        sm_scale, path, out_dtype: as ``decode``'s (``path`` ``"v2"``, ``"v2tc"`` or
-            ``"v1"``; a backend with a single arm runs that one).
+        sm_scale, path, out_dtype: as ``decode``'s. ``path`` is ``"auto"`` (default: the
+            fastest path the backend runs for the step's pools at the nearest cell of the
+            device's crossover table, as ``decode``'s automatic rule; chosen again at
+            each replan, and named by ``path`` and ``path_reason``), ``"v2"``, ``"v2tc"``
+            or ``"v1"``; a backend with a single arm runs that one.
     """
 
     def __init__(self, pool: PagePool, seqs: Sequence[int] | np.ndarray, *,
                  num_qo_heads: int, capacity: int | None = None,
                  page_capacity: int | None = None, headroom: int = 64,
-                 sm_scale: float | None = None, path: str = "v2",
+                 sm_scale: float | None = None, path: str = "auto",
                  out_dtype: str | None = None, logits_soft_cap: float | None = None,
                  sinks: Any = None) -> None:
         fn = "DecodeStep"
@@ -88,14 +95,18 @@ class DecodeStep:
                                        f"{type(pool).__name__}")
         self.pool, self.backend = pool, pool.backend
         single = self.backend.auto_path()       # mlx without Metal: the gather arm only
-        if path not in LAUNCH_PATHS and not (single and path == single[0]):
-            raise InvalidArgumentError(f"{fn}: path must be one of {', '.join(LAUNCH_PATHS)}, "
+        if path not in STEP_PATHS and not (single and path == single[0]):
+            raise InvalidArgumentError(f"{fn}: path must be one of {', '.join(STEP_PATHS)}, "
                                        f"got {path!r}")
-        if single and path in LAUNCH_PATHS:
+        if single and path in STEP_PATHS:
             path = single[0]
         self.num_qo_heads = check_int(fn, "num_qo_heads", num_qo_heads)
         self.headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
-        self.sm_scale, self.path, self.out_dtype = sm_scale, path, out_dtype
+        #: the path asked for ("auto" or a path) and the one the step runs (``_plan``)
+        self.requested_path = path
+        self.path = path if path != "auto" else "v2"
+        self.path_reason = f"path {path!r} asked for"
+        self.sm_scale, self.out_dtype = sm_scale, out_dtype
         #: decode's variant keywords, checked by the first decode (the same for each layer)
         self.variants = {"logits_soft_cap": logits_soft_cap, "sinks": sinks}
         self.num_layers = pool.num_layers or 1
@@ -301,7 +312,22 @@ class DecodeStep:
         self.table.replayed()
 
     # ------------------------------------------------------------------ internals
+    def _auto_path(self) -> tuple[str, str]:
+        """``path="auto"``: ``decode``'s rule (``call.choose_path_at``) at the step table's
+        batch and contexts, among the paths the backend supports for the pools (queries
+        taken in the pools' dtype; float16 for an fp8 pool, whose queries are 16-bit)."""
+        pool = self.pool
+        kv = pool.dtype
+        q = "float16" if is_fp8(kv) else kv
+        hkv, rows = pool.num_kv_heads, pool.num_pages
+        allowed = tuple(p for p in LAUNCH_PATHS if self.backend.supports(
+            Problem(q, kv, self.num_qo_heads, hkv, pool.head_dim, pool.page_size, p, rows)))
+        return choose_path_at(self.backend, self.table, self.num_qo_heads // hkv,
+                              allowed or ("v2",), kv)
+
     def _plan(self, hint: int | None = None) -> DecodePlan:
+        if self.requested_path == "auto":
+            self.path, self.path_reason = self._auto_path()
         hkv = self.pool.num_kv_heads
         ctas = v2tc_ctas_per_chunk(self.num_qo_heads, hkv) if self.path == "v2tc" else None
         return make_plan(self.table, self.num_qo_heads, hkv, self.pool.head_dim,
@@ -378,4 +404,4 @@ class CapturedStep:
             s.table.replayed()     # the graph's first work was the update
 
 
-__all__ = ["CapturedStep", "DecodeStep", "StaleStepError"]
+__all__ = ["STEP_PATHS", "CapturedStep", "DecodeStep", "StaleStepError"]

@@ -188,7 +188,8 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
         plan.check(fn, table, a.hq, a.hkv, a.d, w, qt.max_tokens)
     if path == "auto":   # the crossover cell of the common pass's folded group (T x G)
         chosen, reason = choose_path(be, table, plan.folded(),
-                                     runnable_paths(be, a, plan.query_tokens, AUTO_PATHS))
+                                     runnable_paths(be, a, plan.query_tokens, AUTO_PATHS),
+                                     a.kv_dt)
     else:
         chosen, reason = path, "requested"
     fold = plan.query_tokens

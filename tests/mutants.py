@@ -441,6 +441,23 @@ MUTANTS: tuple[Mutant, ...] = (
        ["tests/test_paged_batch.py::test_a_recorded_decode_forward_replays_each_begin_s_"
         "slots_and_table"],
        "a captured decode forward replays the capture step's table and slots"),
+    _m("py-auto-fp8-by-the-16-bit-table", "python", ("paged_decode.call",),
+       '    if kv_dtype is not None and is_fp8(kv_dtype) and "v2tc" in allowed:\n',
+       '    if False:\n',
+       ["tests/test_crossover.py::test_auto_takes_v2tc_over_fp8_pools_wherever_it_runs",
+        "tests/test_engine_step.py::test_auto_takes_v2tc_for_an_fp8_pool"],
+       "path='auto' over fp8 pools follows the 16-bit table to v2, 2-3x slower there"),
+    _m("py-step-auto-chosen-once", "python", ("paged_decode.engine_step",),
+       '        if self.requested_path == "auto":\n',
+       '        if self.requested_path == "auto" and hint is None:\n',
+       ["tests/test_engine_step.py::test_auto_takes_the_crossover_table_s_path_and_chooses_"
+        "again_at_each_replan"],
+       "a step on path='auto' keeps its first choice through replans"),
+    _m("py-step-auto-ignores-support", "python", ("paged_decode.engine_step",),
+       "allowed = tuple(p for p in LAUNCH_PATHS if self.backend.supports(",
+       "allowed = tuple(p for p in LAUNCH_PATHS if True or self.backend.supports(",
+       ["tests/test_engine_step.py::test_auto_runs_only_what_the_backend_supports"],
+       "a step on path='auto' takes a path its backend cannot run"),
     _m("py-step-decode-skips-the-pending-update", "python", ("paged_decode.engine_step",),
        "        else:\n            self._apply_pending(q)\n", "",
        [UPLOAD + "test_the_pending_update_is_applied_before_every_reader"

@@ -129,3 +129,27 @@ def test_a_path_the_call_cannot_run_yields_the_cells_next_fastest(tmp_path, monk
     pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
     out = pd.last_outcome()
     assert out.path.startswith("v2") and out.path != "v2tc" and "no path" in out.reason
+
+
+def test_auto_takes_v2tc_over_fp8_pools_wherever_it_runs(tmp_path, monkeypatch):
+    # the table's cells are 16-bit pools; over fp8 pools v2tc was 2.2-3.4x faster than v2
+    # on the H200 (call.FP8_AUTO), so auto takes it even where the table says v2
+    from paged_decode.call import FP8_AUTO
+    pr = make_problem(ProblemSpec(2, 700, 8, 2, 64, 16, "float16", "float8_e4m3fn", seed=4))
+    for backend, want in (("emulated-cuda", "v2tc"), ("reference", "v2")):
+        dev = pd.get_backend(backend).device_info().name
+        path = tmp_path / f"{backend}.json"
+        path.write_text(json.dumps({"device": dev, "cells": [
+            {"batch": 2, "context": 700, "page_size": 16, "group": 4, "best": "v2",
+             "times_us": {"v2tc": 3.0, "v1": 2.0, "v2": 1.0}}]}))
+        monkeypatch.setenv(crossover.ENV, str(path))
+        pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend=backend, k_scale=0.5,
+                  v_scale=0.25)
+        out = pd.last_outcome()
+        assert out.path.startswith(want), (backend, out.path)
+        assert out.reason.startswith(FP8_AUTO) == (want == "v2tc"), out.reason
+    # 16-bit pools keep the table's choice
+    pr16 = make_problem(ProblemSpec(2, 700, 8, 2, 64, 16, seed=4))
+    pd.decode(pr16.q, pr16.k_pages, pr16.v_pages, pr16.table, backend="emulated-cuda")
+    assert pd.last_outcome().path.startswith("v2") and not \
+        pd.last_outcome().path.startswith("v2tc")

@@ -129,8 +129,8 @@ def test_bad_use_is_refused_clearly():
     assert step.replans >= 1 and graph.stale
     with pytest.raises(pd.StaleStepError, match=r"replanned .* capture again"):
         graph.replay()
-    with pytest.raises(InvalidArgumentError, match=r"DecodeStep: path must be one of v2, "
-                                                   r"v2tc, v1, got 'gather'"):
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep: path must be one of auto, "
+                                                   r"v2, v2tc, v1, got 'gather'"):
         pd.DecodeStep(pool, [0], num_qo_heads=HQ, path="gather")
 
 
@@ -176,6 +176,69 @@ def test_the_tensor_core_partial_serves_the_step_on_emulated_cuda(monkeypatch):
         assert pd.last_outcome().path.startswith("v2tc")
         want, _ = _oracle(pool, step, 0, q)
         assert_matches_oracle(out, None, want, None, "float16", f"step {it}")
+
+
+def _crossover(tmp_path, monkeypatch, backend, cells, mtime):
+    import json
+    import os
+
+    from paged_decode import crossover
+    dev = pd.get_backend(backend).device_info().name
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"device": dev, "cells": cells}))
+    os.utime(path, (mtime, mtime))              # the table is cached by modification time
+    monkeypatch.setenv(crossover.ENV, str(path))
+
+
+def _cell(best, times, ctx=6):
+    return {"batch": 4, "context": ctx, "page_size": P, "group": HQ // HKV, "best": best,
+            "times_us": times}
+
+
+def test_auto_takes_the_crossover_table_s_path_and_chooses_again_at_each_replan(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGED_DECODE_POISON", "1")
+    rng = np.random.default_rng(9)
+    pool = pd.PagePool(96, P, HKV, D, "float16", num_layers=L, backend="emulated-cuda")
+    seqs = [pool.new_sequence() for _ in range(3)]
+    for s, n in zip(seqs, [5, 1, 10]):
+        x = rng.standard_normal((L, n, HKV, D)).astype(np.float16)
+        pool.append(s, x, x)
+    _crossover(tmp_path, monkeypatch, "emulated-cuda",
+               [_cell("v2tc", {"v2tc": 1.0, "v2": 2.0, "v1": 3.0})], 10)
+    step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ, capacity=4, headroom=2)
+    from paged_decode.specs import v2tc_ctas_per_chunk
+    assert step.requested_path == "auto" and step.path == "v2tc"
+    assert step.path_reason.startswith("auto: v2tc was the fastest")
+    assert step.plan.ctas_per_chunk == v2tc_ctas_per_chunk(HQ, HKV)   # the plan for v2tc
+    q = rng.standard_normal((4, HQ, D)).astype(np.float16)
+    k = rng.standard_normal((4, HKV, D)).astype(np.float16)
+    out = np.full((4, HQ, D), np.nan, np.float16)
+    _crossover(tmp_path, monkeypatch, "emulated-cuda",
+               [_cell("v1", {"v2tc": 3.0, "v2": 2.0, "v1": 1.0})], 20)
+    paths = []
+    for it in range(5):                         # headroom 2: replanned within 5 steps
+        step.begin()
+        step.append(0, k, k)
+        step.decode(0, q, out=out)
+        paths.append(pd.last_outcome().path)
+        want, _ = _oracle(pool, step, 0, q)
+        assert_matches_oracle(out, None, want, None, "float16", f"step {it}")
+    assert step.replans >= 1 and step.path == "v1"        # the new table at the replan
+    assert paths[0].startswith("v2tc") and paths[-1] == "v1"
+
+
+def test_auto_runs_only_what_the_backend_supports(tmp_path, monkeypatch):
+    rng = np.random.default_rng(2)
+    _crossover(tmp_path, monkeypatch, "reference",
+               [_cell("v2tc", {"v2tc": 1.0, "v2": 3.0, "v1": 2.0})], 30)
+    pool, step = _setup("reference", rng, capacity=4)   # the reference backend has no v2tc
+    assert step.path == "v1" and "can run" in step.path_reason
+    monkeypatch.delenv("PAGED_DECODE_CROSSOVER")
+    pool2, step2 = _setup("reference", rng, capacity=4)
+    assert step2.path == "v2" and "no crossover table" in step2.path_reason
+    assert pd.DecodeStep(pool2, [0], num_qo_heads=HQ, path="v1").path_reason == \
+        "path 'v1' asked for"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -362,3 +425,22 @@ def test_record_update_needs_a_staging_buffer_and_a_begin():
     with pytest.raises(InvalidArgumentError, match=r"DecodeStep.record_update: the "
                        r"'reference' backend has no staging buffer"):
         step.record_update()
+
+
+def test_auto_takes_v2tc_for_an_fp8_pool(tmp_path, monkeypatch):
+    from paged_decode.call import FP8_AUTO
+    _crossover(tmp_path, monkeypatch, "emulated-cuda",
+               [_cell("v2", {"v2tc": 3.0, "v2": 1.0, "v1": 2.0})], 40)
+    pool = pd.PagePool(32, P, HKV, D, "float8_e4m3fn", num_layers=L, k_scale=0.5,
+                       v_scale=0.5, backend="emulated-cuda")
+    seqs = [pool.new_sequence() for _ in range(4)]
+    for s in seqs:
+        x = np.ones((L, 6, HKV, D), np.float16)
+        pool.append(s, x, x)
+    step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ)
+    assert step.path == "v2tc" and step.path_reason == FP8_AUTO
+    f16 = pd.PagePool(32, P, HKV, D, "float16", num_layers=L, backend="emulated-cuda")
+    s16 = [f16.new_sequence() for _ in range(4)]
+    for s in s16:
+        f16.append(s, np.ones((L, 6, HKV, D), np.float16), np.ones((L, 6, HKV, D), np.float16))
+    assert pd.DecodeStep(f16, s16, num_qo_heads=HQ).path == "v2"      # the table's choice

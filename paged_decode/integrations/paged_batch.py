@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..backends import array_kind
-from ..call import choose_path, plan_decode
+from ..call import plan_decode
 from ..cascade import CascadePlan, detect_shared_prefix
 from ..decode import decode
 from ..dtypes import numpy_dtype
@@ -32,7 +32,6 @@ from ..errors import InvalidArgumentError, check_int
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..pool import AppendedBatch, PagePool
-from ..specs import v2tc_fits
 from ..step_table import StepTable
 
 #: tokens a flat decode's plan is made to grow by (one replan per 64 decode steps at most)
@@ -297,18 +296,9 @@ class PagedBatch:
 
     def _make_engine(self) -> DecodeStep:
         """A ``DecodeStep`` over the batch, on the path ``decode``'s automatic rule takes
-        for it (the crossover table at the batch's current host table; 16-bit pools may
-        take the tensor-core partial)."""
-        be, pool = self.pool.backend, self.pool
-        path = "v2"
-        if be.auto_path() is None:
-            table = self.table
-            plan = plan_decode(table, self.num_qo_heads, pool.num_kv_heads, pool.head_dim,
-                               backend=be.name)
-            allowed = ("v2", "v2tc", "v1") if v2tc_fits(pool.dtype, pool.dtype) \
-                else ("v2", "v1")
-            path = choose_path(be, table, plan, allowed)[0]
-        return DecodeStep(pool, self.seqs, num_qo_heads=self.num_qo_heads, path=path,
+        for it (``DecodeStep(path="auto")``: the crossover table at the batch; 16-bit
+        pools may take the tensor-core partial)."""
+        return DecodeStep(self.pool, self.seqs, num_qo_heads=self.num_qo_heads, path="auto",
                           headroom=HEADROOM)
 
     def _buffers(self) -> tuple[Any, Any, Any, list[Any]]:
