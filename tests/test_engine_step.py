@@ -157,14 +157,20 @@ def test_the_same_step_code_runs_on_mlx():
     assert step.path == "gather" and step.steps == 6
 
 
-def test_the_tensor_core_partial_serves_the_step_on_emulated_cuda(monkeypatch):
-    monkeypatch.setenv("PAGED_DECODE_POISON", "1")
-    rng = np.random.default_rng(6)
+def _f16_pool(rng):
+    """A float16 pool on emulated-cuda with three sequences of 5, 1 and 10 tokens."""
     pool = pd.PagePool(96, P, HKV, D, "float16", num_layers=L, backend="emulated-cuda")
     seqs = [pool.new_sequence() for _ in range(3)]
     for s, n in zip(seqs, [5, 1, 10]):
         x = rng.standard_normal((L, n, HKV, D)).astype(np.float16)
         pool.append(s, x, x)
+    return pool, seqs
+
+
+def test_the_tensor_core_partial_serves_the_step_on_emulated_cuda(monkeypatch):
+    monkeypatch.setenv("PAGED_DECODE_POISON", "1")
+    rng = np.random.default_rng(6)
+    pool, seqs = _f16_pool(rng)
     step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ, capacity=4, headroom=4, path="v2tc")
     q = rng.standard_normal((4, HQ, D)).astype(np.float16)
     k = rng.standard_normal((4, HKV, D)).astype(np.float16)
@@ -199,11 +205,7 @@ def test_auto_takes_the_crossover_table_s_path_and_chooses_again_at_each_replan(
         tmp_path, monkeypatch):
     monkeypatch.setenv("PAGED_DECODE_POISON", "1")
     rng = np.random.default_rng(9)
-    pool = pd.PagePool(96, P, HKV, D, "float16", num_layers=L, backend="emulated-cuda")
-    seqs = [pool.new_sequence() for _ in range(3)]
-    for s, n in zip(seqs, [5, 1, 10]):
-        x = rng.standard_normal((L, n, HKV, D)).astype(np.float16)
-        pool.append(s, x, x)
+    pool, seqs = _f16_pool(rng)
     _crossover(tmp_path, monkeypatch, "emulated-cuda",
                [_cell("v2tc", {"v2tc": 1.0, "v2": 2.0, "v1": 3.0})], 10)
     step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ, capacity=4, headroom=2)
