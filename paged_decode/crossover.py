@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,16 +110,26 @@ def _load(path: str, mtime: float) -> CrossoverTable:
     return parse(json.loads(Path(path).read_text()), path)
 
 
-def table_for(device_name: str) -> CrossoverTable | None:
-    """The crossover table for ``device_name`` (see the module doc for the lookup)."""
-    env = settings.get(ENV)
-    candidates = [Path(env)] if env else []
+@functools.lru_cache(maxsize=64)
+def _candidates(env: str | None, device_name: str, user: str, shipped: str) -> tuple[str, ...]:
     slug = device_slug(device_name)
-    candidates += [USER / f"{slug}.json", SHIPPED / f"{slug}.json"]
-    for p in candidates:
-        if p.is_file():
-            return _load(str(p), p.stat().st_mtime)
-        if env and p == Path(env):
+    return ((env,) if env else ()) + (os.path.join(user, f"{slug}.json"),
+                                       os.path.join(shipped, f"{slug}.json"))
+
+
+def table_for(device_name: str) -> CrossoverTable | None:
+    """The crossover table for ``device_name`` (see the module doc for the lookup). Every
+    ``path="auto"`` call looks it up, so the lookup is one ``stat`` per candidate file
+    (a table written or changed later is seen at the next call)."""
+    env = settings.get(ENV)
+    for p in _candidates(env, device_name, str(USER), str(SHIPPED)):
+        try:
+            st = os.stat(p)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode):
+            return _load(p, st.st_mtime)
+        if env and p == env:
             raise InvalidArgumentError(f"{ENV}: no such file {env!r}")
     return None
 

@@ -104,6 +104,7 @@ class DecodeStep:
         self.headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
         #: the path asked for ("auto" or a path) and the one the step runs (``_plan``)
         self.requested_path = path
+        self._auto_allowed: tuple[str, ...] | None = None
         self.path = path if path != "auto" else "v2"
         self.path_reason = f"path {path!r} asked for"
         self.sm_scale, self.out_dtype = sm_scale, out_dtype
@@ -315,15 +316,17 @@ class DecodeStep:
     def _auto_path(self) -> tuple[str, str]:
         """``path="auto"``: ``decode``'s rule (``call.choose_path_at``) at the step table's
         batch and contexts, among the paths the backend supports for the pools (queries
-        taken in the pools' dtype; float16 for an fp8 pool, whose queries are 16-bit)."""
+        taken in the pools' dtype; float16 for an fp8 pool, whose queries are 16-bit;
+        worked out once: the pools do not change)."""
         pool = self.pool
-        kv = pool.dtype
-        q = "float16" if is_fp8(kv) else kv
-        hkv, rows = pool.num_kv_heads, pool.num_pages
-        allowed = tuple(p for p in LAUNCH_PATHS if self.backend.supports(
-            Problem(q, kv, self.num_qo_heads, hkv, pool.head_dim, pool.page_size, p, rows)))
+        kv, hkv = pool.dtype, pool.num_kv_heads
+        if self._auto_allowed is None:
+            q = "float16" if is_fp8(kv) else kv
+            self._auto_allowed = tuple(p for p in LAUNCH_PATHS if self.backend.supports(
+                Problem(q, kv, self.num_qo_heads, hkv, pool.head_dim, pool.page_size, p,
+                        pool.num_pages))) or ("v2",)
         return choose_path_at(self.backend, self.table, self.num_qo_heads // hkv,
-                              allowed or ("v2",), kv)
+                              self._auto_allowed, kv)
 
     def _plan(self, hint: int | None = None) -> DecodePlan:
         if self.requested_path == "auto":
