@@ -281,8 +281,9 @@ class CudaBackend(LaunchingBackend):
 
     def _pdl(self) -> bool:
         """Whether dependent launches (the merge) use programmatic dependent launch on
-        the current device (``cuda_pdl.enabled``)."""
-        return cuda_pdl.enabled(_major(int(cp.cuda.runtime.getDevice())))
+        the current device (``cuda_pdl.enabled``). Every eager merge asks, so the
+        setting is read before the device is queried."""
+        return cuda_pdl.requested() and cuda_pdl.enabled(_major(int(cp.cuda.runtime.getDevice())))
 
     def _kernel_for(self, launch: launches.Launch) -> Any:
         return with_smem(self.kernel(launch.spec), launch.smem)

@@ -76,12 +76,16 @@ def driver_entry() -> Any:
     return fn
 
 
+def requested() -> bool:
+    """``PAGED_DECODE_PDL=1`` (off by default until a GPU run has verified the path)."""
+    return settings.flag(PDL_ENV, default=False)
+
+
 def enabled(major: int, entry: Any = None) -> bool:
     """Whether dependent launches go through PDL on a device of compute capability
-    ``major``: ``PAGED_DECODE_PDL=1`` (off by default until a GPU run has verified it,
-    below), sm_90+, and a driver with ``cuLaunchKernelEx`` (``entry``: that function;
-    default the driver's)."""
-    if major < MIN_MAJOR or not settings.flag(PDL_ENV, default=False):
+    ``major``: ``requested()``, sm_90+, and a driver with ``cuLaunchKernelEx``
+    (``entry``: that function; default the driver's)."""
+    if not requested() or major < MIN_MAJOR:
         return False
     return (driver_entry() if entry is None else entry) is not None
 
@@ -131,4 +135,4 @@ class DependentLaunch:
 
 
 __all__ = ["MIN_MAJOR", "PDL_ENV", "DependentLaunch", "driver_entry", "enabled",
-           "stream_allows"]
+           "requested", "stream_allows"]

@@ -11,6 +11,7 @@ import numpy as np
 #: the seed of a ragged case's lengths (``BenchCase.lengths``)
 RAGGED_SEED = 17
 
+
 @dataclass(frozen=True)
 class BenchCase:
     batch: int
