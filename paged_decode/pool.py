@@ -17,13 +17,14 @@ size, and its K/V writes are one launch of the append kernel (``kernels/append.p
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from .append_lookahead import AppendLookahead
+from .appended_batch import AppendedBatch, frozen
 from .backends import Backend, check_same_device, get_backend
 from .dtypes import KV_DTYPES, SUPPORTED, check_dtype, itemsize
 from .errors import (
@@ -41,11 +42,6 @@ from .page_table import PageTable
 from .step_table import StepTable
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a.setflags(write=False)
-    return a
-
-
 def _host(fn: str, name: str, x: Any) -> np.ndarray:
     """A host (numpy) copy of a small integer argument; device arrays are refused."""
     try:
@@ -53,77 +49,6 @@ def _host(fn: str, name: str, x: Any) -> np.ndarray:
     except TypeError as exc:          # CuPy refuses implicit device-to-host copies
         raise InvalidArgumentError(f"{fn}: {name} must be host integers (a list or a numpy "
                                    f"array), got a {type(x).__name__}") from exc
-
-
-class AppendedBatch:
-    """What one ``PagePool.append_batch`` did, per sequence in the call's order (host
-    numpy arrays, read-only, computed on first access): enough for a page table kept
-    elsewhere (e.g. on a device) to follow the append without rebuilding.
-
-    - ``seqs`` int64 ``[B]``: the sequence ids; ``counts`` int64 ``[B]``: tokens appended.
-    - ``seq_lens`` int64 ``[B]``: visible tokens after the append; ``last_page_len`` int64
-      ``[B]``: entries in the last page after (0 without pages); ``num_pages`` int64
-      ``[B]``: pages after.
-    - ``first_changed`` int64 ``[B]``: position in the sequence's page list of the first
-      page id that is new: the last page's when it was copied (copy-on-write), else the
-      old page count. The ids from there to the end are ``changed_pages[changed_indptr[i]:
-      changed_indptr[i + 1]]`` (int32, CSR with int64 ``changed_indptr [B+1]``).
-    - ``copies`` int32 ``[C, 2]``: (shared page, its private copy) of every copy-on-write
-      copy, made in every layer.
-
-    ``PagePool.write_layer`` writes another layer's rows to the same slots; ``write`` is
-    the launch's description (``kernels/append.py``).
-    """
-
-    def __init__(self, pool: PagePool, write: AppendWrite, seqs: np.ndarray,
-                 counts: np.ndarray | None, pages_before: np.ndarray, pages_after: np.ndarray,
-                 filled_after: np.ndarray, start: np.ndarray, cow: np.ndarray,
-                 last: np.ndarray, taken: np.ndarray, need: np.ndarray) -> None:
-        self.pool, self.write, self.version = pool, write, pool._version
-        self.seqs = _frozen(seqs)
-        self._counts = counts
-        self._raw = (pages_before, pages_after, filled_after, start, cow, last, taken, need)
-
-    @property
-    def num_rows(self) -> int:
-        """N: the new rows per layer (``counts.sum()``)."""
-        return self.write.num_rows
-
-    @functools.cached_property
-    def counts(self) -> np.ndarray:
-        c = self._counts
-        return _frozen(np.ones(self.seqs.size, np.int64) if c is None else c)
-
-    @functools.cached_property
-    def seq_lens(self) -> np.ndarray:
-        return _frozen(self._raw[2] - self._raw[3])
-
-    @functools.cached_property
-    def last_page_len(self) -> np.ndarray:
-        n, f = self._raw[1], self._raw[2]
-        return _frozen(np.where(n > 0, f - (n - 1) * self.pool.page_size, 0))
-
-    @functools.cached_property
-    def num_pages(self) -> np.ndarray:
-        return _frozen(self._raw[1])
-
-    @functools.cached_property
-    def first_changed(self) -> np.ndarray:
-        return _frozen(self._raw[0] - self._raw[4])
-
-    @functools.cached_property
-    def changed_pages(self) -> np.ndarray:
-        return _frozen(self._raw[6])
-
-    @functools.cached_property
-    def changed_indptr(self) -> np.ndarray:
-        return _frozen(np.concatenate([[0], np.cumsum(self._raw[7], dtype=np.int64)]))
-
-    @functools.cached_property
-    def copies(self) -> np.ndarray:
-        _, _, _, _, cow, last, taken, need = self._raw
-        at = (np.cumsum(need) - need)[cow]          # a copy is its sequence's first page
-        return _frozen(np.stack([last[cow], taken[at]], axis=1).astype(np.int32))
 
 
 class _Sequences:
@@ -256,7 +181,7 @@ class PagePool:
         self.v_scale: np.ndarray | None = None
         if is_fp8(self.dtype):
             n = 1 if num_layers is None else int(num_layers)
-            self.k_scale, self.v_scale = (_frozen(check_layer_scales(fn, name, val, n))
+            self.k_scale, self.v_scale = (frozen(check_layer_scales(fn, name, val, n))
                                           for name, val in (("k_scale", k_scale),
                                                             ("v_scale", v_scale)))
         else:
@@ -291,6 +216,11 @@ class PagePool:
         #: step tables following this pool's sequences (``step_table``), weakly held (a
         #: list of references: iterated at every append, cheaper than a WeakSet)
         self._table_refs: list[weakref.ReferenceType[StepTable]] = []
+        #: the decode loop's fast path (``append_lookahead``): the batch of the last
+        #: one-token ``append_batch`` / ``reserve_batch`` (ids, pool rows, the version it
+        #: left), and the appends of that batch worked out ahead once it comes again
+        self._repeat: tuple[np.ndarray, np.ndarray, int] | None = None
+        self._ahead: AppendLookahead | None = None
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -422,7 +352,8 @@ class PagePool:
         emulated backends (array ops on reference and mlx).
         """
         fn = "PagePool.append_batch"
-        ids, rows = self._batch_rows(fn, seqs)
+        ahead = self._lookahead(seqs) if counts is None else None
+        ids, rows = (ahead.ids, ahead.pr) if ahead is not None else self._batch_rows(fn, seqs)
         b = ids.size
         layer0, row_layers, lead = self._layer_arg(fn, layer)
         kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
@@ -435,6 +366,8 @@ class PagePool:
                                        + self._layer_hint(lead, layer))
         n = b if counts is None else int(kshape[len(lead)])
         self._check_rows(fn, kb, vb, (*lead, n, self.num_kv_heads, self.head_dim), dims)
+        if ahead is not None:
+            return self._append_ahead(ahead, kb, vb, layer0, row_layers)
         t = None if counts is None else self._counts(fn, counts, b, n)
         return self._append(fn, ids, rows, t, kb, vb, layer0, row_layers)
 
@@ -447,9 +380,50 @@ class PagePool:
         new slots hold stale data. Same arguments, result and all-or-nothing rule as
         ``append_batch``; one launch when a page is copied, none otherwise."""
         fn = "PagePool.reserve_batch"
+        ahead = self._lookahead(seqs) if counts is None else None
+        if ahead is not None:
+            return self._append_ahead(ahead, None, None, 0, 0)
         ids, rows = self._batch_rows(fn, seqs)
         t = None if counts is None else self._counts(fn, counts, ids.size, None)
         return self._append(fn, ids, rows, t, None, None, 0, 0)
+
+    def _lookahead(self, seqs: Any) -> AppendLookahead | None:
+        """The worked-out next append when ``seqs`` is the batch of the last one-token
+        append and nothing else changed the pool since (``append_lookahead``), else
+        ``None`` (the general path then checks ``seqs`` and runs). The comparison is the
+        whole check of ``seqs``: that batch passed every check and no sequence was freed
+        since (a free moves the version)."""
+        rep = self._repeat
+        if rep is None or rep[2] != self._version:
+            return None
+        if isinstance(seqs, np.ndarray):
+            q = seqs
+        elif isinstance(seqs, (list, tuple)):
+            q = np.asarray(seqs)
+        else:
+            return None
+        ids = rep[0]
+        if q.shape != ids.shape or q.dtype.kind not in "iu" or not (q == ids).all():
+            return None
+        ahead = self._ahead
+        if ahead is None or ahead.version != self._version:
+            ahead = self._ahead = AppendLookahead.arm(self, rep[1], ids)
+        if ahead is None or not ahead.current():
+            self._repeat = self._ahead = None       # the general path from here
+            return None
+        return ahead
+
+    def _append_ahead(self, ahead: AppendLookahead, kb: Any, vb: Any, layer0: int,
+                      row_layers: int) -> AppendedBatch:
+        """``_append`` of the worked-out next append: the write (none for a
+        reservation: no copy-on-write happens), then the commit."""
+        write = ahead.write(layer0, row_layers)
+        if kb is not None:
+            self.k, self.v = self.backend.append_rows(self.k, self.v, kb, vb, write,
+                                                      **self._fp8_kw())
+        batch = ahead.commit(write, self._table_refs)
+        self._repeat = (ahead.ids, ahead.pr, self._version)
+        return batch
 
     def _follow(self, table: StepTable) -> None:
         """Tell ``table`` about every later change (``step_table`` registers its tables)."""
@@ -610,6 +584,8 @@ class PagePool:
         S.npages[rows] = pages_after
         S.filled[rows] = filled_after
         self._version += 1
+        # a one-token append of the same batch next may take the fast path
+        self._repeat = (ids.copy(), rows.copy(), self._version) if t is None else None
         if self._table_refs:
             first_changed = npg - cow
             for table in self._tables():
@@ -765,7 +741,8 @@ class PagePool:
         if q.size and (q.dtype.kind not in "iu" or q.dtype == np.bool_):
             raise InvalidArgumentError(f"{fn}: seqs must hold sequence ids (integers), got "
                                        f"dtype {q.dtype}")
-        return q.astype(np.int64, copy=False)
+        # a copy: the result's ``seqs`` is made read-only, the caller's array must not be
+        return np.array(q, np.int64)
 
     def _lookup(self, fn: str, q: np.ndarray) -> np.ndarray:
         """Rows of the live ids ``q`` (int64)."""

@@ -685,3 +685,92 @@ def test_the_real_kernel_passes_the_scenario(dialect):
 def test_mutated_append_kernels_fail(dialect, old, new):
     why = _scenario(backend(Mutation(dialect, ("append",), old, new)))
     assert why, "the mutant passed"
+
+
+def _pool_state(pool):
+    # page lists, not the page array: arming the fast path may widen the array
+    S = pool._seqs
+    out = {f: getattr(S, f).copy() for f in ("npages", "start", "filled", "trimmed")}
+    out.update(pages=np.concatenate([pool.seq_pages(s) + [-1] for s in pool.sequences()]),
+               free=pool._free[:pool._nfree].copy(),
+               ref=pool._ref.copy(), version=pool._version,
+               k=np.asarray(pool.k).copy(), v=np.asarray(pool.v).copy())
+    return out
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+def test_repeated_one_token_appends_equal_the_general_path_on_twin_pools(reserve):
+    """The decode loop's fast path (``append_lookahead``: the same batch again, worked
+    out ahead) against the general path on a twin pool (its fast path switched off before
+    every call), through outside changes (a fork joining the batch, a trim, a free, an
+    append outside the batch), a different batch, and pool exhaustion."""
+    L_, hkv, d, p = 2, 2, 8, 4
+    rng = np.random.default_rng(11)
+    twins = []
+    for _ in range(2):
+        pool = pd.PagePool(90, p, hkv, d, "float32", num_layers=L_, backend="reference")
+        seqs = [pool.new_sequence() for _ in range(5)]
+        for s, n in zip(seqs, (5, 1, 8, 4, 7)):
+            x = np.arange(L_ * n * hkv * d, dtype=np.float32).reshape(L_, n, hkv, d)
+            pool.append(s, x, x + 1)
+        twins.append((pool, seqs))
+    (pa, sa), (pb, sb) = twins
+    fast = 0
+    ids = np.asarray(sa, np.int64)
+    for it in range(70):
+        for pool, seqs in twins:
+            if it == 10:
+                seqs.append(pool.fork(seqs[2]))         # a shared partial last page
+            elif it == 20:
+                pool.trim_front(seqs[0], 3)
+            elif it == 30:
+                s = pool.new_sequence()                 # outside the batch
+                pool.append(s, np.ones((L_, 6, hkv, d), np.float32),
+                            np.ones((L_, 6, hkv, d), np.float32))
+            elif it == 40:
+                pool.free(seqs.pop(1))
+        if it in (10, 40):
+            ids = np.asarray(sa, np.int64)
+        batch_ids = ids if it % 17 else list(sa[:3])    # now and then another batch
+        rows = rng.standard_normal((L_, len(batch_ids), hkv, d)).astype(np.float32)
+        got = []
+        for pool, use_fast in ((pa, True), (pb, False)):
+            if not use_fast:
+                pool._repeat = pool._ahead = None
+            before = pool._ahead
+            try:
+                r = (pool.reserve_batch(batch_ids) if reserve
+                     else pool.append_batch(batch_ids, rows, rows * 2))
+            except PoolExhaustedError as exc:
+                r = exc
+            if use_fast and pool._ahead is not None and pool._ahead is before:
+                fast += 1
+            got.append(r)
+        ra, rb = got
+        assert type(ra) is type(rb)
+        if isinstance(ra, PoolExhaustedError):
+            assert str(ra) == str(rb)
+        else:
+            for f in ("seqs", "counts", "seq_lens", "last_page_len", "num_pages",
+                      "first_changed", "changed_pages", "changed_indptr", "copies"):
+                np.testing.assert_array_equal(getattr(ra, f), getattr(rb, f), err_msg=f)
+            np.testing.assert_array_equal(ra.write.desc, rb.write.desc)
+        a, b = _pool_state(pa), _pool_state(pb)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"step {it}: {key}")
+        if it > 55:          # use up the pool: both refuse the same way, nothing changes
+            for pool in (pa, pb):
+                if pool._nfree > 1:
+                    pool.append(pool.new_sequence(), *(np.zeros((L_, p * (pool._nfree - 1),
+                                                                 hkv, d), np.float32),) * 2)
+    assert fast > 30                    # the fast path really ran
+
+
+def test_the_fast_path_leaves_the_caller_s_ids_writable():
+    pool = pd.PagePool(32, 4, 1, 4, "float32", backend="reference")
+    ids = np.asarray([pool.new_sequence() for _ in range(3)], np.int64)
+    x = np.zeros((3, 1, 4), np.float32)
+    for _ in range(5):
+        pool.append_batch(ids, x, x)
+    assert ids.flags.writeable
+    assert pool._ahead is not None        # the later calls took the fast path

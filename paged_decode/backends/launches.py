@@ -15,8 +15,7 @@ import nothing of the package but ``kernel_def``, which keeps the registry cycle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,15 +55,15 @@ TABLE_FIELDS = ("indices", "indptr", "last_page_len", "first_page_offset")
 V2TC_RUNS_ON = "it runs on 'cuda', 'emulated-cuda', 'metal' and 'emulated-metal'"
 
 
-@dataclass(frozen=True)
-class Arg:
+class Arg(NamedTuple):
+    """One kernel argument (a named tuple: every eager launch builds a dozen of these,
+    and a frozen dataclass costs several times as much host time to make)."""
     name: str
     value: Any
     role: str            # "in", "out" or "scalar"
 
 
-@dataclass(frozen=True)
-class Launch:
+class Launch(NamedTuple):
     spec: KernelSpec
     grid: tuple[int, int]        # blocks in x, y
     block: int                   # threads per block
