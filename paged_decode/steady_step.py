@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .append_lookahead import AppendLookahead
-from .kernels.append import AppendWrite, table_row_desc
+from .kernels.append import table_row_desc
 from .pool import AppendedBatch, PagePool
 from .step_table import StepTable
 
@@ -103,9 +103,8 @@ class SteadyBegin:
             if not ahead.k:
                 return None
         s = ahead.s
-        a, b = int(ahead.at[s]), int(ahead.at[s + 1])
-        batch = ahead.commit(AppendWrite(ahead.w[s], ahead.n, 0, 1, True), self.others)
-        delta = self.delta[s, :self.header.size + b - a]
+        batch = ahead.commit(ahead.write(), self.others)
+        delta = self.delta[s, :self.header.size + int(ahead.new[s])]
         return batch, self.desc[s], delta, self.tpages[s + 1]
 
 
