@@ -225,10 +225,13 @@ def assert_same(a, b):
 
 
 # ---------------------------------------------------------------------------- random ops
-def random_ops(pool, model, rng, steps: int, *, check_every: int = 1) -> dict[str, int]:
+def random_ops(pool, model, rng, steps: int, *, check_every: int = 1,
+               to_pool=None) -> dict[str, int]:
     """``steps`` random operations on both; checks the pool after every ``check_every``;
-    returns how often each operation ran (exhausted appends counted apart)."""
+    returns how often each operation ran (exhausted appends counted apart). ``to_pool``:
+    what the pool gets of the model's host float32 rows (default: the same arrays)."""
     layered = pool.num_layers is not None
+    conv = (lambda a: a) if to_pool is None else to_pool
     ran: dict[str, int] = {}
     for step in range(steps):
         live = sorted(model.seqs)
@@ -270,23 +273,23 @@ def random_ops(pool, model, rng, steps: int, *, check_every: int = 1) -> dict[st
             except ModelExhausted:
                 with pytest.raises(PoolExhaustedError, match="nothing was changed"):
                     if op == "append":
-                        pool.append(seqs[0], k, v)
+                        pool.append(seqs[0], conv(k), conv(v))
                     else:
-                        pool.append_batch(seqs, k, v, counts=counts, layer=layer)
+                        pool.append_batch(seqs, conv(k), conv(v), counts=counts, layer=layer)
                 assert_same(snapshot(pool), before)
                 op += "-exhausted"
             else:
                 if op == "append":
-                    pool.append(seqs[0], k, v)
+                    pool.append(seqs[0], conv(k), conv(v))
                 else:
-                    got = pool.append_batch(seqs, k, v, counts=counts, layer=layer)
+                    got = pool.append_batch(seqs, conv(k), conv(v), counts=counts, layer=layer)
                     ran["copies"] = ran.get("copies", 0) + len(got.copies)
                 if layer is not None:       # the other layers, in a random order
                     keys = model.batch_slots(seqs, counts)
                     for other in rng.permutation(pool.num_layers):
                         if other != layer:
                             k2, v2 = rows(rng, pool, n, False), rows(rng, pool, n, False)
-                            pool.write_layer(got, k2, v2, layer=int(other))
+                            pool.write_layer(got, conv(k2), conv(v2), layer=int(other))
                             model.write_layer(keys, k2, v2, int(other))
         ran[op] = ran.get(op, 0) + 1
         if step % check_every == 0 or step == steps - 1:

@@ -34,6 +34,7 @@ from ..plan import DecodePlan
 from ..specs import PREFIX_TILE_ROWS, KernelSpec
 from . import cuda_arrays, cuda_pdl, cuda_staging, launches
 from .base import Support, poison_enabled
+from .cuda_append import EagerAppend
 from .cuda_arrays import cp
 from .cuda_launch import COMPILE_OPTIONS, DeviceCaches, PackedLaunch, compiled, replayer, with_smem
 from .launching import LaunchingBackend
@@ -58,6 +59,7 @@ class CudaBackend(LaunchingBackend):
         self._staging = cuda_staging.PinnedStaging()
         self._deltas: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self._table_updates: OrderedDict[tuple[int, ...], Callable[[], Any]] = OrderedDict()
+        self._eager_append = EagerAppend(self)
 
     @classmethod
     def available(cls) -> Support:
@@ -244,6 +246,17 @@ class CudaBackend(LaunchingBackend):
         kr, vr = (cp.ascontiguousarray(self.asarray(r).astype(k_pages.dtype, copy=False))
                   for r in (k_rows, v_rows))
         return kr, vr
+
+    def append_rows(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
+                    write: append_kernel.AppendWrite,
+                    fp8: tuple[str, Any, Any] | None = None) -> tuple[Any, Any]:
+        """``LaunchingBackend.append_rows``; eager float appends of CuPy rows in the
+        pools' dtype take ``cuda_append.EagerAppend`` (no allocation, a launch packed
+        once), the rest the general path."""
+        if fp8 is None and getattr(self._recording, "launches", None) is None \
+                and self._eager_append.run(k_pages, v_pages, k_rows, v_rows, write):
+            return k_pages, v_pages
+        return super().append_rows(k_pages, v_pages, k_rows, v_rows, write, fp8)
 
     def append_vector_bytes(self, k_pages: Any, v_pages: Any, k_rows: Any,
                             v_rows: Any) -> int:

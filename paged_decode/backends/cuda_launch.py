@@ -92,7 +92,8 @@ class PackedLaunch:
 
     __slots__ = ("fn", "gx", "gy", "block", "smem", "params", "ex", "_keep")
 
-    def __init__(self, kernel: Any, launch: Launch, pdl: bool = False) -> None:
+    def __init__(self, kernel: Any, launch: Launch, pdl: bool = False, *,
+                 hold: bool = True) -> None:
         self.fn = int(kernel.kernel.ptr)
         self.gx, self.gy = (int(x) for x in launch.grid)
         self.block, self.smem = int(launch.block), int(launch.smem)
@@ -110,9 +111,13 @@ class PackedLaunch:
                                 f"{type(v).__name__}")
         ptrs = (ctypes.c_void_p * len(cells))(*(ctypes.addressof(c) for c in cells))
         self.params = ctypes.addressof(ptrs)
-        self._keep = (cells, ptrs, launch.values())
+        self._keep = (cells, ptrs, launch.values() if hold else ())
         self.ex = (DependentLaunch(self.fn, (self.gx, self.gy), self.block, self.smem,
                                    self.params) if pdl and launch.dependent else None)
+
+    def set_pointer(self, index: int, ptr: int) -> None:
+        """Point argument ``index`` (an array argument) at device address ``ptr``."""
+        self._keep[0][index].value = ptr
 
 
 def replayer(packed: list[PackedLaunch], dev: int,

@@ -33,7 +33,7 @@ _H2D, _D2D = 1, 3      # cudaMemcpyHostToDevice, cudaMemcpyDeviceToDevice
 
 @dataclass
 class _Slot:
-    hosts: list[np.ndarray]     # DEPTH pinned uint8 buffers
+    hosts: list[np.ndarray]     # the pinned uint8 buffers, used in turn
     done: list[Any]             # per buffer: cupy Event recorded after its last copy
     addrs: list[int]            # per buffer: its host address (numpy's ctypes is slow)
     turn: int = 0               # the buffer the next copy uses
@@ -46,16 +46,18 @@ class _Slot:
 
 
 class PinnedStaging:
-    """Reused pinned buffers, ``DEPTH`` per (device, destination address).
+    """Reused pinned buffers, ``depth`` per (device, destination address).
 
     ``cuda``: the module whose ``cuda.get_current_stream``, ``cuda.Event`` and
     ``cuda.runtime.memcpyAsync`` are used, and ``pinned(nbytes)``, the allocator of host
-    buffers (default: CuPy and pinned memory; tests pass a model of asynchronous copies).
+    buffers (default: CuPy and pinned memory; tests pass a model of asynchronous copies);
+    ``depth``: buffers per destination.
     """
 
-    def __init__(self, cuda: Any = None, pinned: Callable[[int], np.ndarray] | None = None
-                 ) -> None:
+    def __init__(self, cuda: Any = None, pinned: Callable[[int], np.ndarray] | None = None,
+                 depth: int = DEPTH) -> None:
         self._slots: OrderedDict[tuple[int, int], _Slot] = OrderedDict()
+        self._depth = depth
         self._cp = cp if cuda is None else cuda
         self._pinned = _pinned if pinned is None else pinned
 
@@ -79,8 +81,8 @@ class PinnedStaging:
                 slot.wait()
             # room for the whole destination (up to 1 MiB): a step's upload varies in size
             size = max(n, 256, min(int(dst.nbytes), 1 << 20))
-            hosts = [self._pinned(size) for _ in range(DEPTH)]
-            slot = _Slot(hosts, [None] * DEPTH, [h.ctypes.data for h in hosts])
+            hosts = [self._pinned(size) for _ in range(self._depth)]
+            slot = _Slot(hosts, [None] * self._depth, [h.ctypes.data for h in hosts])
         i = slot.turn
         done = slot.done[i]
         if done is not None:
@@ -96,7 +98,7 @@ class PinnedStaging:
         stream = self._cp.cuda.get_current_stream()
         self._cp.cuda.runtime.memcpyAsync(ptr, slot.addrs[i], n, _H2D, stream.ptr)
         done.record(stream)
-        slot.turn = (i + 1) % DEPTH
+        slot.turn = (i + 1) % len(slot.hosts)
         self._slots[key] = slot
         while len(self._slots) > SLOTS:   # least recently used out, once its copies ran
             self._slots.popitem(last=False)[1].wait()

@@ -327,6 +327,15 @@ def append_fp8_launch(*, write: append.AppendWrite, kv_dtype: str, row_dtype: st
                    ("row_elems", hkv * d), outs)
 
 
+def append_layers(write: append.AppendWrite, num_layers: int) -> tuple[int, int]:
+    """The first layer and the number of layers of a CUDA append grid: every layer of the
+    pool when the call copies a shared page but writes rows to fewer layers, else the
+    layers written."""
+    if write.row_layers < num_layers and write.copies:
+        return 0, num_layers
+    return write.layer0, write.row_layers
+
+
 def _append(spec: KernelSpec, write: append.AppendWrite, pool_shape: tuple[int, ...],
             args: list[Arg], row_size: tuple[str, int], outs: tuple[Any, Any] | None
             ) -> Launch:
@@ -335,9 +344,7 @@ def _append(spec: KernelSpec, write: append.AppendWrite, pool_shape: tuple[int, 
     and the new pools ``outs`` as outputs. ``row_size``: the kernel's row-length scalar."""
     *lead, num_pages, page_size, _, _ = (int(x) for x in pool_shape)
     num_layers = lead[0] if lead else 1
-    all_layers = write.row_layers < num_layers and write.copies
-    grid_layer0, grid_layers = (0, num_layers) if all_layers else (write.layer0,
-                                                                     write.row_layers)
+    grid_layer0, grid_layers = append_layers(write, num_layers)
     scalars = [("num_touched", write.num_touched), ("num_rows", write.num_rows),
                row_size, ("page_size", page_size), ("num_pages", num_pages),
                ("grid_layer0", grid_layer0), ("layer0", write.layer0),
