@@ -47,8 +47,8 @@ class AppendLookahead:
     the state before the first): pages ``npg [K+1, n]``, entries written ``fil [K+1,
     n]``, last page ids ``last [K+1, n]`` (int32); fresh-page rows ``full [K, n]`` (bool),
     fresh pages per append ``new [K]``, the slot each row writes ``lo [K, n]`` and the
-    general path's descriptor ``w [K, 5, n]`` (int32, ``kernels/append.py``); the fresh
-    pages ``taken`` in the order they are taken with ``at [K+1]`` (append ``s`` takes
+    general path's descriptor ``w [K, 5, n]`` (int32, read-only, ``kernels/append.py``);
+    the fresh pages ``taken`` in the order they are taken with ``at [K+1]`` (append ``s`` takes
     ``taken[at[s]:at[s+1]]``) and their flat positions ``pos`` in the page array. ``s``
     is the next append, ``k`` how many are worked out."""
 
@@ -56,6 +56,12 @@ class AppendLookahead:
                  cols_left: int) -> None:
         S = pool._seqs
         self.pool, self.pr, self.ids = pool, pr, ids
+        # the rows' index in the pool's per-row arrays: a slice where they are consecutive
+        # (sequences made in order: a slice assignment costs a third of a fancy one)
+        n = int(pr.size)
+        self.at_rows: slice | np.ndarray = pr
+        if n and int(pr[-1]) - int(pr[0]) == n - 1 and (n == 1 or bool((np.diff(pr) == 1).all())):
+            self.at_rows = slice(int(pr[0]), int(pr[0]) + n)
         self.n = int(pr.size)
         self.base = pr * S.pages.shape[1] + S.head[pr]
         self.start = S.start[pr]
@@ -129,6 +135,7 @@ class AppendLookahead:
         w[:, 2] = np.arange(n) - lo
         w[:, 3] = lo
         w[:, 4] = lo + 1
+        w.setflags(write=False)         # AppendWrite.shared: uploaded once where kept
         self.full, self.new, self.lo, self.w = full, new, lo, w
         self.taken, self.at = taken, np.concatenate([[0], total[:k]])
         self.pos = (self.base + self.npg[:k])[full]     # entry npg of the row, per page
@@ -143,7 +150,7 @@ class AppendLookahead:
     def write(self, layer0: int = 0, row_layers: int = 1) -> AppendWrite:
         """The next append's launch description (rows in layers ``layer0`` to ``layer0 +
         row_layers``)."""
-        return AppendWrite(self.w[self.s], self.n, layer0, row_layers, True)
+        return AppendWrite(self.w[self.s], self.n, layer0, row_layers, True, (self.w, self.s))
 
     def commit(self, write: AppendWrite, tables: list[Any]) -> AppendedBatch:
         """Commit the next append into the pool's bookkeeping and tell ``tables`` (weak
@@ -153,9 +160,9 @@ class AppendLookahead:
         a, b = int(self.at[s]), int(self.at[s + 1])
         taken = self.taken[a:b]
         S = pool._seqs
-        S.filled[self.pr] = self.fil[s + 1]
+        S.filled[self.at_rows] = self.fil[s + 1]
         if b > a:
-            S.npages[self.pr] = self.npg[s + 1]
+            S.npages[self.at_rows] = self.npg[s + 1]
             S.pages.reshape(-1)[self.pos[a:b]] = taken
             pool._ref[taken] = 1
             pool._nfree -= b - a

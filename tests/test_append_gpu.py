@@ -77,11 +77,13 @@ def test_random_operations_with_device_rows_in_the_pools_dtype(geom, monkeypatch
     assert sum(hits) >= 30, (sum(hits), len(hits))
 
 
-def test_appends_queued_far_ahead_of_the_gpu_land_in_order():
+def test_appends_queued_far_ahead_of_the_gpu_land_in_order(monkeypatch):
     """Many one-token appends queued behind a long GPU job, without a host sync: each
-    step's descriptor differs, so a pinned buffer rewritten before its copy ran (more
-    appends than ``cuda_append.DEPTH`` in flight) would scramble the pool. Compared slot
-    for slot with the reference backend after the same history."""
+    step's descriptor differs, so a descriptor rewritten before its kernel ran would
+    scramble the pool. The first append stages its descriptor through a pinned buffer;
+    the rest read the worked-out descriptors (``AppendWrite.shared``, more of them than
+    one lookahead holds) uploaded once. Compared slot for slot with the reference backend
+    after the same history."""
     import cupy as cp
 
     from paged_decode.backends.cuda_append import DEPTH
@@ -98,6 +100,12 @@ def test_appends_queued_far_ahead_of_the_gpu_land_in_order():
         ids[name] = np.array([pool.new_sequence() for _ in range(b)])
         pool.append_batch(ids[name], prefill, -prefill, counts=lens)
     cp.cuda.Device().synchronize()
+    be = pools["cuda"].backend
+    hits = _count_eager(monkeypatch, be)
+    staged = []
+    real_copy = be._eager_append._staging.copy
+    monkeypatch.setattr(be._eager_append._staging, "copy",
+                        lambda *a: (staged.append(1), real_copy(*a)))
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         x = cp.ones((4096, 4096), np.float32) / 4096
@@ -106,6 +114,7 @@ def test_appends_queued_far_ahead_of_the_gpu_land_in_order():
         for r in dev_rows:
             pools["cuda"].append_batch(ids["cuda"], r, -r)
     stream.synchronize()
+    assert hits == [True] * steps and len(staged) == 1, (hits, staged)
     for r in step_rows:
         pools["reference"].append_batch(ids["reference"], r, -r)
     got, want = snapshot(pools["cuda"]), snapshot(pools["reference"])

@@ -226,9 +226,9 @@ class CudaBackend(LaunchingBackend):
         return arr if isinstance(arr, cp.ndarray) else self.upload(arr)
 
     def device_of(self, x: Any) -> int | None:
-        dev = getattr(x, "device", None)
         if isinstance(x, cp.ndarray):
-            return int(x.device.id)
+            return int(x.data.device_id)
+        dev = getattr(x, "device", None)
         index = getattr(dev, "index", None)          # a CUDA torch tensor
         return int(index) if index is not None and getattr(dev, "type", "") == "cuda" \
             else None

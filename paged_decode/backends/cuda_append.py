@@ -6,14 +6,18 @@ its host time there on ``cupy.array`` (the descriptor upload allocates and stage
 pageable memory), on building the ``Launch`` and on CuPy's kernel call. Here the
 descriptor goes through a reused pinned buffer (``cuda_staging.PinnedStaging``) into a
 device buffer kept per (device, stream): kernels on one stream run in order, so the next
-copy into it lands only after the last kernel that read it. The launch is packed once per
-geometry and addresses (``cuda_launch.PackedLaunch``), and each call rewrites only the
-rows' two pointers, which change every step.
+copy into it lands only after the last kernel that read it. A descriptor that several
+appends share (``AppendWrite.shared``: the decode loop's worked-out appends) is uploaded
+once for all of them and read where it lies. The launch is packed once per geometry and
+pool addresses (``cuda_launch.PackedLaunch``), and each call rewrites only the addresses
+of the rows and the descriptor.
 """
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +36,15 @@ DEPTH = 8
 FIRST_WORDS = 5 * 128
 
 
+#: whether a CuPy array is C-contiguous: the attribute CuPy's ``flags`` are made from,
+#: where it has one (a plain read; ``flags`` builds an object, 0.55 us a call on the H200
+#: machine's host, S14-R3)
+_contiguous: Callable[[Any], Any] = (
+    operator.attrgetter("_c_contiguous")
+    if cp is not None and hasattr(cp.ndarray, "_c_contiguous")
+    else lambda x: x.flags.c_contiguous)
+
+
 class EagerAppend:
     """The eager append launches of one ``CudaBackend`` (``backend``: its kernel and
     dynamic shared memory hooks, ``_kernel_for``)."""
@@ -40,10 +53,10 @@ class EagerAppend:
         self._backend = backend
         self._staging = PinnedStaging(depth=DEPTH)
         self._descs: OrderedDict[tuple[int, int], Any] = OrderedDict()
-        #: by (device, stream, pool and descriptor addresses, geometry): the packed launch
-        #: (``None`` for a launch with an empty grid) and the rows' argument positions
-        self._packed: OrderedDict[tuple[Any, ...], tuple[PackedLaunch | None, int, int]] = \
-            OrderedDict()
+        #: by (device, pool addresses, geometry): the packed launch (``None`` for a launch
+        #: with an empty grid) and the argument positions of the rows and the descriptor
+        self._packed: OrderedDict[tuple[Any, ...],
+                                  tuple[PackedLaunch | None, int, int, int]] = OrderedDict()
 
     def run(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
             write: AppendWrite) -> bool:
@@ -58,9 +71,10 @@ class EagerAppend:
                 or type(v_rows) is not nd:
             return False
         dt = k_pages.dtype
+        contiguous = _contiguous
         if v_pages.dtype != dt or k_rows.dtype != dt or v_rows.dtype != dt \
-                or not (k_rows.flags.c_contiguous and v_rows.flags.c_contiguous
-                        and k_pages.flags.c_contiguous and v_pages.flags.c_contiguous):
+                or not (contiguous(k_rows) and contiguous(v_rows) and contiguous(k_pages)
+                        and contiguous(v_pages)):
             return False
         kp, vp, kr, vr = k_pages.data, v_pages.data, k_rows.data, v_rows.data
         dev = kp.device_id
@@ -70,50 +84,65 @@ class EagerAppend:
         stream = cp.cuda.get_current_stream()
         if stream.is_capturing():
             return False
-        desc = write.desc
-        if desc.dtype != np.int32 or not desc.flags.c_contiguous:
-            desc = np.ascontiguousarray(desc, np.int32)
         s = stream.ptr
-        dkey = (dev, s)
-        buf = self._descs.pop(dkey, None)
-        if buf is None or buf.size < desc.size:
-            buf = cp.empty(max(int(desc.size), FIRST_WORDS,
-                               2 * (int(buf.size) if buf is not None else 0)), np.int32)
-        remember(self._descs, dkey, buf)
+        desc = write.desc
+        shared = write.shared
+        if shared is not None and not shared[0].flags.writeable \
+                and shared[0].dtype == np.int32 and shared[0].flags.c_contiguous:
+            # uploaded once for every append sharing it (memoised while it lives)
+            dev_desc = self._backend.upload(shared[0])
+            desc_ptr = dev_desc.data.ptr + shared[1] * desc.nbytes
+            host_desc = None
+        else:
+            host_desc = desc
+            if desc.dtype != np.int32 or not desc.flags.c_contiguous:
+                host_desc = np.ascontiguousarray(desc, np.int32)
+            dkey = (dev, s)
+            dev_desc = self._descs.pop(dkey, None)
+            if dev_desc is None or dev_desc.size < desc.size:
+                dev_desc = cp.empty(max(int(desc.size), FIRST_WORDS,
+                                        2 * (int(dev_desc.size) if dev_desc is not None
+                                             else 0)), np.int32)
+            remember(self._descs, dkey, dev_desc)
+            desc_ptr = dev_desc.data.ptr
         shape = k_pages.shape
         vec = append_kernel.vector_bytes(shape[-2] * shape[-1] * k_pages.itemsize,
                                          (kp.ptr, vp.ptr, kr.ptr, vr.ptr))
         num_layers = shape[0] if len(shape) == 5 else 1
-        key = (dev, s, kp.ptr, vp.ptr, buf.data.ptr, shape, dt.char, vec, desc.shape[1],
-               write.num_rows, write.layer0, write.row_layers, write.copy_cow,
+        key = (dev, kp.ptr, vp.ptr, shape, dt.char, vec, desc.shape[1], write.num_rows,
+               write.layer0, write.row_layers, write.copy_cow,
                launches.append_layers(write, num_layers))
         hit = self._packed.pop(key, None)
         if hit is None:
-            hit = self._pack(k_pages, v_pages, k_rows, v_rows, write, buf, vec)
+            hit = self._pack(k_pages, v_pages, k_rows, v_rows, write, dev_desc, vec)
         remember(self._packed, key, hit)
-        packed, ik, iv = hit
+        packed, ik, iv, idesc = hit
         if packed is None:
             return True
-        self._staging.copy(buf, desc)
+        if host_desc is not None:
+            self._staging.copy(dev_desc, host_desc)
         packed.set_pointer(ik, kr.ptr)
         packed.set_pointer(iv, vr.ptr)
+        packed.set_pointer(idesc, desc_ptr)
         cp.cuda.driver.launchKernel(packed.fn, packed.gx, packed.gy, 1, packed.block, 1, 1,
                                     packed.smem, s, packed.params, 0)
         return True
 
     def _pack(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
-              write: AppendWrite, buf: Any, vec: int) -> tuple[PackedLaunch | None, int, int]:
-        """The append's launch packed on these arrays, holding none of them (the pools and
-        the descriptor buffer are keyed by address; the rows are rewritten per call)."""
+              write: AppendWrite, desc: Any, vec: int
+              ) -> tuple[PackedLaunch | None, int, int, int]:
+        """The append's launch packed on these arrays, holding none of them (the pools are
+        keyed by address; the rows' and the descriptor's addresses are rewritten per call)
+        and the positions of those three arguments."""
         launch = launches.append_launch(
             write=write, dtype=self._backend.dtype_of(k_pages), vector_bytes=vec,
             pool_shape=tuple(int(x) for x in k_pages.shape), k_rows=k_rows, v_rows=v_rows,
-            desc=buf, k_pages=k_pages, v_pages=v_pages)
+            desc=desc, k_pages=k_pages, v_pages=v_pages)
         names = [a.name for a in launch.args]
-        ik, iv = names.index("k_rows"), names.index("v_rows")
+        at = (names.index("k_rows"), names.index("v_rows"), names.index("desc"))
         if launch.empty:
-            return None, ik, iv
-        return PackedLaunch(self._backend._kernel_for(launch), launch, hold=False), ik, iv
+            return (None, *at)
+        return (PackedLaunch(self._backend._kernel_for(launch), launch, hold=False), *at)
 
 
 __all__ = ["DEPTH", "EagerAppend"]

@@ -43,8 +43,6 @@ hardware.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from .common import CUDA_COMMON, METAL_COMMON
@@ -67,21 +65,27 @@ def vector_bytes(row_bytes: int, addresses: tuple[int, ...] = ()) -> int:
                      "2-byte words")
 
 
-@dataclass(frozen=True, eq=False)
 class AppendWrite:
-    """What one append launch writes (the kernel's arguments, host side).
+    """What one append launch writes (the kernel's arguments, host side; never changed
+    after it is made: a plain class with slots because the decode loop makes one per
+    step and per layer, and a frozen dataclass costs several times as much to make).
 
     ``desc``: int32 ``[5, T]`` (rows ``DESC_FIELDS``, see the module docstring);
     ``num_rows``: N new rows per layer; ``layer0``, ``row_layers``: the pool layers the
     rows go to (``0`` and ``1`` for a pool without layers); ``copy_cow``: make the
-    copy-on-write copies (``False`` when another layer of an earlier append is written).
+    copy-on-write copies (``False`` when another layer of an earlier append is written);
+    ``shared``: ``(matrix, i)`` when ``desc`` is ``matrix[i]`` of a read-only C-contiguous
+    int32 ``[K, 5, T]`` matrix that several appends share (the worked-out appends of
+    ``append_lookahead``): a backend keeping device copies of read-only arrays uploads
+    it once for all of them.
     """
 
-    desc: np.ndarray
-    num_rows: int
-    layer0: int
-    row_layers: int
-    copy_cow: bool
+    __slots__ = ("desc", "num_rows", "layer0", "row_layers", "copy_cow", "shared")
+
+    def __init__(self, desc: np.ndarray, num_rows: int, layer0: int, row_layers: int,
+                 copy_cow: bool, shared: tuple[np.ndarray, int] | None = None) -> None:
+        self.desc, self.num_rows, self.layer0 = desc, num_rows, layer0
+        self.row_layers, self.copy_cow, self.shared = row_layers, copy_cow, shared
 
     @property
     def num_touched(self) -> int:
