@@ -77,13 +77,14 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
                 min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
                 ctas_per_chunk: int | None = None, headroom: int = 0,
                 window_left: int = -1, ragged_split: float | None = None,
-                query_tokens: int = 1) -> DecodePlan:
+                query_tokens: int = 1, kv_dtype: str | None = None) -> DecodePlan:
     """Plan a split-KV decode of ``table`` (``plan.make_plan`` documents every argument);
     ``device`` defaults to the ``DeviceInfo`` of ``backend`` (see
     ``backends.get_backend``). ``window_left``: the sliding window the decode calls will
     use (the plan covers only the windows' pages; ``decode`` checks it matches).
     ``query_tokens``: the most query tokens per request of multi-token calls (1-8,
-    ``docs/multi-token.md``); the plan serves calls with up to that many."""
+    ``docs/multi-token.md``); the plan serves calls with up to that many. ``kv_dtype``:
+    the pools' dtype name (fp8 pools plan for more CTAs: ``DeviceInfo.fp8_ctas_per_unit``)."""
     if device is None:
         device = get_backend(backend, fn="plan_decode").device_info()
     return make_plan(table, num_qo_heads, num_kv_heads, head_dim, device=device,
@@ -91,7 +92,7 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
                      min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
                      ctas_per_chunk=ctas_per_chunk, headroom=headroom,
                      window_left=window_left, ragged_split=ragged_split,
-                     query_tokens=query_tokens, fn="plan_decode")
+                     query_tokens=query_tokens, kv_dtype=kv_dtype, fn="plan_decode")
 
 
 #: why ``path="auto"`` takes v2tc over fp8 pools wherever it runs (the crossover table's
@@ -268,7 +269,7 @@ def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
     if plan is None:   # a.table is already the window table: the plan records the window
         ctas = v2tc_ctas_per_chunk(a.hq, a.hkv) if path == "v2tc" else None
         return make_plan(a.table, a.hq, a.hkv, a.d, device=be.device_info(), window_left=w,
-                         ctas_per_chunk=ctas, fn=fn)
+                         ctas_per_chunk=ctas, kv_dtype=a.kv_dt, fn=fn)
     check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
     plan.check(fn, a.table, a.hq, a.hkv, a.d, w)
     return plan

@@ -2,8 +2,9 @@
 
 The target CTA count is resolved in this order: an explicit argument to
 ``plan_decode(target_ctas=...)``, the environment variable ``PAGED_DECODE_TARGET_CTAS``,
-then the backend's ``DeviceInfo.default_target_ctas`` (CUDA: SM count x CTAs per SM;
-Apple: GPU core count x threadgroups per core; reference: a fixed value). The shortest
+then the backend's ``DeviceInfo.default_target_ctas`` (CUDA: SM count x CTAs per SM,
+more over fp8 pools; Apple: GPU core count x threadgroups per core; reference: a fixed
+value). The shortest
 chunk a plan may cut resolves the same way (``min_chunk_tokens``,
 ``PAGED_DECODE_MIN_CHUNK_TOKENS``, ``DeviceInfo.min_chunk_tokens``).
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from . import settings
 from .errors import InvalidArgumentError, check_int, check_type, env_positive_int
+from .fp8 import is_fp8
 
 TARGET_ENV = "PAGED_DECODE_TARGET_CTAS"
 CHUNK_ENV = "PAGED_DECODE_MIN_CHUNK_TOKENS"
@@ -35,6 +37,9 @@ class DeviceInfo:
     many prefix-kernel CTAs an SM holds at once.
     ``ragged_split``: the plan's ragged-batch chunk as a fraction of the mean request
     (``plan.make_plan``'s ``ragged_split``; 0: the rule is off).
+    ``fp8_ctas_per_unit``: ``ctas_per_unit`` for plans over fp8 pools (0: the same);
+    an fp8 CTA streams half the bytes of a 16-bit one per token, so more of them in
+    flight keep the memory system busy at small batches.
     """
 
     backend: str
@@ -47,6 +52,7 @@ class DeviceInfo:
     prefix_tile_rows: int = 0
     shared_mem_per_unit: int = 0
     ragged_split: float = 0.0
+    fp8_ctas_per_unit: int = 0
 
     def __post_init__(self) -> None:
         fn = "DeviceInfo"
@@ -54,7 +60,7 @@ class DeviceInfo:
             check_type(fn, name, getattr(self, name), str, "a str")
         for name, least in (("compute_units", 1), ("ctas_per_unit", 1), ("index", 0),
                             ("min_chunk_tokens", 1), ("prefix_tile_rows", 0),
-                            ("shared_mem_per_unit", 0)):
+                            ("shared_mem_per_unit", 0), ("fp8_ctas_per_unit", 0)):
             check_int(fn, name, getattr(self, name), least)
         check_ragged_split(fn, self.ragged_split)
 
@@ -63,10 +69,14 @@ class DeviceInfo:
         return max(1, self.compute_units * self.ctas_per_unit)
 
     def target_ctas(self, override: int | None = None, *,
-                    fn: str = "DeviceInfo.target_ctas") -> int:
-        """The CTA count a plan aims for (argument > environment > device default);
-        errors name ``fn`` (``plan_decode`` passes its own name)."""
-        return _setting(fn, "target_ctas", override, TARGET_ENV, self.default_target_ctas)
+                    fn: str = "DeviceInfo.target_ctas", kv_dtype: str | None = None) -> int:
+        """The CTA count a plan aims for (argument > environment > device default, which
+        for fp8 pools, ``kv_dtype``, counts ``fp8_ctas_per_unit``); errors name ``fn``
+        (``plan_decode`` passes its own name)."""
+        default = self.default_target_ctas
+        if self.fp8_ctas_per_unit and kv_dtype is not None and is_fp8(kv_dtype):
+            default = self.compute_units * self.fp8_ctas_per_unit
+        return _setting(fn, "target_ctas", override, TARGET_ENV, default)
 
     def chunk_floor(self, override: int | None = None, *,
                     fn: str = "DeviceInfo.chunk_floor") -> int:

@@ -335,7 +335,8 @@ class DecodeStep:
         ctas = v2tc_ctas_per_chunk(self.num_qo_heads, hkv) if self.path == "v2tc" else None
         return make_plan(self.table, self.num_qo_heads, hkv, self.pool.head_dim,
                          device=self.backend.device_info(), headroom=self.headroom,
-                         hint=hint, ctas_per_chunk=ctas, fn="DecodeStep")
+                         hint=hint, ctas_per_chunk=ctas, kv_dtype=self.pool.dtype,
+                         fn="DecodeStep")
 
     def _apply_pending(self, like: Any) -> None:
         """The table update ``begin`` left pending, on ``like``'s stream before the

@@ -182,7 +182,8 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
     if plan is None:
         ctas = v2tc_ctas_per_chunk(a.hq * qt.max_tokens, a.hkv) if path == "v2tc" else None
         plan = make_plan(table, a.hq, a.hkv, a.d, device=be.device_info(), window_left=w,
-                         query_tokens=qt.max_tokens, ctas_per_chunk=ctas, fn=fn)
+                         query_tokens=qt.max_tokens, ctas_per_chunk=ctas, kv_dtype=a.kv_dt,
+                         fn=fn)
     else:
         check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
         plan.check(fn, table, a.hq, a.hkv, a.d, w, qt.max_tokens)

@@ -316,7 +316,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
               max_chunks: int = MAX_CHUNKS, ctas_per_chunk: int | None = None,
               headroom: int = 0, hint: int | None = None, window_left: int = -1,
               ragged_split: float | None = None, query_tokens: int = 1,
-              fn: str = "make_plan") -> DecodePlan:
+              kv_dtype: str | None = None, fn: str = "make_plan") -> DecodePlan:
     """Plan a split-KV decode of ``table`` on ``device`` (``paged_decode.plan_decode``
     finds the device of a backend first; errors name ``fn``).
 
@@ -352,6 +352,9 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
             ``docs/multi-token.md``): the CTA geometry is searched for a GQA group of
             ``query_tokens x`` the model's (the tokens share each K/V load); the chunks
             cover the table's pages as for one token (the new tokens are in the table).
+        kv_dtype: the pools' dtype name, when known: fp8 pools aim for the device's fp8
+            target (``DeviceInfo.fp8_ctas_per_unit``) unless ``target_ctas`` or the
+            environment sets one.
     """
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
     headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
@@ -367,7 +370,9 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
         raise InvalidArgumentError(f"{fn}: batch size {b} exceeds the grid bound of "
                                    f"{max_chunks} chunks")
     check_type(fn, "device", device, DeviceInfo, "a DeviceInfo or None")
-    target = device.target_ctas(target_ctas, fn=fn)
+    if kv_dtype is not None:
+        check_type(fn, "kv_dtype", kv_dtype, str, "a dtype name or None")
+    target = device.target_ctas(target_ctas, fn=fn, kv_dtype=kv_dtype)
     qh = heads_per_cta(num_qo_heads * query_tokens, num_kv_heads)
     q_groups = (num_qo_heads * query_tokens // num_kv_heads) // qh
     if ctas_per_chunk is None:

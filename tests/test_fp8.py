@@ -356,6 +356,50 @@ def test_reserve_then_write_layers_on_fp8_pool(backend_name):
                                   fp8.codes(fp8.quantize(want, fmt, ks[layer]))), (s, layer)
 
 
+def test_calls_over_fp8_pools_plan_for_the_fp8_target(monkeypatch):
+    """The plans ``decode`` and ``DecodeStep`` make for themselves take the pools' dtype:
+    over fp8 pools the device's fp8 target, over float16 pools the plain one."""
+    import dataclasses
+
+    from paged_decode import call, engine_step, multitoken_call
+    be = get_backend("reference")
+    dev = dataclasses.replace(be.device_info(), fp8_ctas_per_unit=be.device_info()
+                              .ctas_per_unit * 3)
+    monkeypatch.setattr(be, "device_info", lambda index=None: dev)
+    made = []
+    for mod in (call, engine_step, multitoken_call):
+        real = mod.make_plan
+
+        def spy(*a, _real=real, **kw):
+            plan = _real(*a, **kw)
+            if kw.get("pages_per_chunk") is None:   # (a forced chunk size needs no target)
+                made.append(plan.target_ctas)
+            return plan
+        monkeypatch.setattr(mod, "make_plan", spy)
+    fp8_target = dev.compute_units * dev.fp8_ctas_per_unit
+    assert fp8_target != dev.default_target_ctas
+    q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn")
+    pd.decode(q, k, v, table, k_scale=ks, v_scale=vs, backend=be)
+    assert made and set(made) == {fp8_target}, made
+    made.clear()
+    q2, k2, v2, t2, ks2, vs2 = _fp8_problem("float8_e4m3fn", lengths=(70, 4, 33, 17))
+    pd.decode(np.stack([q2, q2], axis=1), k2, v2, t2, k_scale=ks2, v_scale=vs2, backend=be)
+    assert made and set(made) == {fp8_target}, made      # two query tokens per request
+    made.clear()
+    pd.decode(q, k.astype(np.float32).astype(np.float16), v.astype(np.float32)
+              .astype(np.float16), table, backend=be)
+    assert made and set(made) == {dev.default_target_ctas}, made
+    made.clear()
+    pool = pd.PagePool(16, P, HKV, D, dtype="float8_e4m3fn", k_scale=0.02, v_scale=0.01,
+                       backend=be)
+    seqs = [pool.new_sequence() for _ in range(2)]
+    for s in seqs:
+        x = np.ones((9, HKV, D), np.float16)
+        pool.append(s, x, x)
+    pd.DecodeStep(pool, seqs, num_qo_heads=HQ).begin()
+    assert made and set(made) == {fp8_target}, made
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_engine_step_on_fp8_pool(backend_name):
     """``DecodeStep`` over an fp8 pool: the quantizing append and every layer's decode

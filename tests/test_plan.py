@@ -249,6 +249,34 @@ def test_target_default_argument_and_env(monkeypatch):
     assert plan_decode(table, 8, 8, 64, device=dev).target_ctas == 15
 
 
+def test_fp8_pools_plan_for_the_devices_fp8_target(monkeypatch):
+    """``kv_dtype`` fp8: the device's ``fp8_ctas_per_unit`` sets the default target; a
+    16-bit dtype, no dtype, a device without an fp8 figure, the argument and the
+    environment keep their rule."""
+    table = table_of([40, 40], 4)
+    dev = DeviceInfo("x", "fake", compute_units=3, ctas_per_unit=5, fp8_ctas_per_unit=9)
+    assert plan_decode(table, 8, 8, 64, device=dev).target_ctas == 15
+    assert plan_decode(table, 8, 8, 64, device=dev, kv_dtype="float16").target_ctas == 15
+    for fmt in ("float8_e4m3fn", "float8_e5m2"):
+        plan = plan_decode(table, 8, 8, 64, device=dev, kv_dtype=fmt)
+        assert plan.target_ctas == 27
+        assert plan.pages_per_chunk == ref_best_ppc([40, 40], 8, 27)
+        assert plan_decode(table, 8, 8, 64, device=dev, kv_dtype=fmt,
+                           target_ctas=7).target_ctas == 7
+    plain = DeviceInfo("x", "fake", compute_units=3, ctas_per_unit=5)
+    assert plan_decode(table, 8, 8, 64, device=plain, kv_dtype="float8_e4m3fn").target_ctas == 15
+    monkeypatch.setenv("PAGED_DECODE_TARGET_CTAS", "100")
+    assert plan_decode(table, 8, 8, 64, device=dev, kv_dtype="float8_e5m2").target_ctas == 100
+
+
+def test_bad_fp8_target_inputs_raise():
+    with pytest.raises(InvalidArgumentError, match=r"DeviceInfo: fp8_ctas_per_unit"):
+        DeviceInfo("x", "fake", compute_units=3, ctas_per_unit=5, fp8_ctas_per_unit=-1)
+    with pytest.raises(InvalidArgumentError, match=r"plan_decode: kv_dtype must be a dtype "
+                                                   r"name or None, got int"):
+        plan_decode(table_of([4], 4), 8, 8, 64, kv_dtype=8)
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-4", "1.5"])
 def test_bad_target_env_raises(monkeypatch, value):
     monkeypatch.setenv("PAGED_DECODE_TARGET_CTAS", value)

@@ -40,6 +40,10 @@ from .cuda_launch import COMPILE_OPTIONS, DeviceCaches, PackedLaunch, compiled, 
 from .launching import LaunchingBackend
 
 CTAS_PER_SM = 2   # measured: bench/results/h200/tune_plan_2026-11-30.json
+#: measured: bench/results/h200/2026-12-03-s14/r6 (v2tc over e4m3fn pools, 32/8 x 128,
+#: batch 8 / 32 x 8K / 32K: 4 per SM took 0.82-0.89x the time of 2 in every cell; 6 and 8
+#: per SM 0.92-1.10x and 0.82-1.07x)
+FP8_CTAS_PER_SM = 4
 MIN_CHUNK_TOKENS = 128  # measured: bench/results/h200/tune_plan_2026-11-30.json
 #: measured: bench/results/h200/2026-12-01-s6/tune_tc.json (v2 on ragged batches: 0.5 cut
 #: 128 x U(512, 4K) from 371 to 320 us and 64 x U(512, 1536) from 101 to 96 us)
@@ -345,6 +349,7 @@ def _device_info(index: int) -> DeviceInfo:
     return DeviceInfo("cuda", name, sms, CTAS_PER_SM, index=index,
                       detail=f"compute capability {props['major']}.{props['minor']}",
                       min_chunk_tokens=MIN_CHUNK_TOKENS, ragged_split=RAGGED_SPLIT,
+                      fp8_ctas_per_unit=FP8_CTAS_PER_SM,
                       prefix_tile_rows=PREFIX_TILE_ROWS if tc else 0,
                       shared_mem_per_unit=int(props.get("sharedMemPerMultiprocessor", 0)))
 

@@ -68,7 +68,7 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
             # them (a sweep's target or chunk size) is kept
             plan = plan_decode(table, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
                                device=be.device_info(), window_left=plan.window_left,
-                               ctas_per_chunk=tc_ctas)
+                               ctas_per_chunk=tc_ctas, target_ctas=plan.target_ctas)
         try:
             prep = prepare_decode(q, k, v, table, plan, path=name, out=out,
                                   sm_scale=sm_scale, backend=be, **vk)

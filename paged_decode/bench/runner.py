@@ -265,7 +265,8 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather
     q, k, v, table = _problem(be, case, seed)
     vk = _variants(be, case, seed, q)
     plan = plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
-                       device=be.device_info(), window_left=case.window_left)
+                       device=be.device_info(), window_left=case.window_left,
+                       kv_dtype=case.kv_dtype or None)
     scale = 1.0 / float(np.sqrt(case.head_dim))
     results = time_arms(be, arms, q, k, v, table, plan, scale, case.io_bytes(),
                         TOLERANCE[case.dtype], vk, warmup=warmup, reps=reps,
