@@ -47,7 +47,10 @@ _contiguous: Callable[[Any], Any] = (
 
 class EagerAppend:
     """The eager append launches of one ``CudaBackend`` (``backend``: its kernel and
-    dynamic shared memory hooks, ``_kernel_for``)."""
+    dynamic shared memory hooks, ``_kernel_for``). A packed launch belongs to one pair of
+    pools (its key holds their addresses), so threads appending to different pools never
+    share one; appends to one pool from several threads at once are not supported (nor
+    are they by ``PagePool``)."""
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
