@@ -58,11 +58,10 @@ class AppendLookahead:
         self.pool, self.pr, self.ids = pool, pr, ids
         # the rows' index in the pool's per-row arrays: a slice where they are consecutive
         # (sequences made in order: a slice assignment costs a third of a fancy one)
-        n = int(pr.size)
+        self.n = n = int(pr.size)
         self.at_rows: slice | np.ndarray = pr
-        if n and int(pr[-1]) - int(pr[0]) == n - 1 and (n == 1 or bool((np.diff(pr) == 1).all())):
+        if n and bool((np.diff(pr) == 1).all()):
             self.at_rows = slice(int(pr[0]), int(pr[0]) + n)
-        self.n = int(pr.size)
         self.base = pr * S.pages.shape[1] + S.head[pr]
         self.start = S.start[pr]
         self.no_cow = np.zeros(self.n, bool)

@@ -172,12 +172,7 @@ class CudaBackend(LaunchingBackend):
         if isinstance(delta, cp.ndarray):
             d = delta
         else:
-            key = (dev, int(buf.data.ptr))
-            d = self._deltas.pop(key, None)
-            if d is None or d.size < delta.size:
-                d = cp.empty(max(int(delta.size), 2 * (d.size if d is not None else 0)),
-                             np.int32)
-            cuda_staging.remember(self._deltas, key, d)
+            d = cuda_staging.kept_int32(self._deltas, (dev, int(buf.data.ptr)), delta.size)
             self._staging.copy(d, np.ascontiguousarray(delta, np.int32))
         cuda_staging.copy_device(scratch, buf)
         lkey = (dev, int(buf.data.ptr), int(scratch.data.ptr), int(d.data.ptr), cap, page_cap)

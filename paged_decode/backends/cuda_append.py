@@ -27,7 +27,7 @@ from ..kernels.append import AppendWrite
 from . import launches
 from .cuda_arrays import cp
 from .cuda_launch import PackedLaunch
-from .cuda_staging import PinnedStaging, remember
+from .cuda_staging import PinnedStaging, kept_int32, remember
 
 #: pinned descriptor buffers per (device, stream): a host may queue this many appends
 #: (one per layer with ``write_layer``) before it waits for the oldest copy to have run
@@ -100,13 +100,7 @@ class EagerAppend:
             host_desc = desc
             if desc.dtype != np.int32 or not desc.flags.c_contiguous:
                 host_desc = np.ascontiguousarray(desc, np.int32)
-            dkey = (dev, s)
-            dev_desc = self._descs.pop(dkey, None)
-            if dev_desc is None or dev_desc.size < desc.size:
-                dev_desc = cp.empty(max(int(desc.size), FIRST_WORDS,
-                                        2 * (int(dev_desc.size) if dev_desc is not None
-                                             else 0)), np.int32)
-            remember(self._descs, dkey, dev_desc)
+            dev_desc = kept_int32(self._descs, (dev, s), desc.size, FIRST_WORDS)
             desc_ptr = dev_desc.data.ptr
         shape = k_pages.shape
         vec = append_kernel.vector_bytes(shape[-2] * shape[-1] * k_pages.itemsize,

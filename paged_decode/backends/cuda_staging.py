@@ -112,6 +112,19 @@ def remember(cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
         cache.popitem(last=False)
 
 
+def kept_int32(cache: OrderedDict[Any, Any], key: Any, words: int, least: int = 0) -> Any:
+    """A device int32 buffer of at least ``words`` words kept in ``cache`` under ``key``
+    (``remember``'s rules): the kept one while it is large enough, else a new one of
+    ``max(words, least, twice the old size)`` words (the device buffer of a per-step
+    upload, which varies in size)."""
+    buf = cache.pop(key, None)
+    if buf is None or buf.size < words:
+        buf = cp.empty(max(int(words), least, 2 * (int(buf.size) if buf is not None else 0)),
+                       np.int32)
+    remember(cache, key, buf)
+    return buf
+
+
 def _pinned(nbytes: int) -> np.ndarray:
     """A pinned host buffer of ``nbytes`` bytes as a numpy ``uint8`` array."""
     import cupyx  # type: ignore[import-not-found]
@@ -126,4 +139,4 @@ def copy_device(dst: Any, src: Any) -> None:
                                 stream.ptr)
 
 
-__all__ = ["PinnedStaging", "copy_device", "remember"]
+__all__ = ["PinnedStaging", "copy_device", "kept_int32", "remember"]
