@@ -372,6 +372,11 @@ def run_path(be: Backend, a: CallArgs, plan: DecodePlan, path: str, out_a: Any,
         partial = be.partial_tc if path == "v2tc" else be.partial
         if plan.needs_merge:
             v_part, lse_part = be.workspace(plan)
+            if path == "v2tc":                  # fused into one launch where it pays
+                be.partial_tc_merged(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part,
+                                     out_a, lse_a, **vk.kernel_kwargs(final=False),
+                                     **vk.merge_kwargs())
+                return f"{path}+merge"
             partial(a.q, a.k, a.v, a.table, plan, a.scale, v_part, lse_part,
                     **vk.kernel_kwargs(final=False))
             be.merge(v_part, lse_part, plan.o_indptr, out_a, lse_a, **vk.merge_kwargs())

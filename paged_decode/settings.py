@@ -30,6 +30,8 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_TC_WARPS": "CUDA v2tc warps per CTA, 2 / 4 / 8 (experiments)",
     "PAGED_DECODE_PREFIX_TILE": "cascade prefix-kernel tile (experiments)",
     "PAGED_DECODE_PREFIX_CTAS_PER_SM": "cascade prefix-kernel residency (experiments)",
+    "PAGED_DECODE_FUSED_MERGE": "the CUDA tensor-core partial's merge fused into it: unset "
+                                "where it pays (GQA 1-4, head_dim <= 128), 1 always, 0 never",
     "PAGED_DECODE_PDL": "CUDA merge launched as the partial's programmatic dependent "
                         "(sm_90+; experiments, off unless 1)",
     "PAGED_DECODE_ASSERT_NO_COMPILE": "any kernel compile raises (benchmarks)",

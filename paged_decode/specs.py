@@ -67,6 +67,7 @@ class KernelSpec:
     vector_bytes: int = 0        # append: bytes per access (kernels/append.py)
     soft_cap: bool = False       # v2, v1, v2tc: logits soft cap (paged_decode/variants.py)
     sink: bool = False           # v2, v1, v2tc (final store), merge: attention sinks
+    merged_dtype: str = ""       # v2tc (CUDA): the fused merge's output dtype ("": none)
 
     # the kernels' template parameters are read off these fields by name in
     # ``kernels/<name>.py`` (``KernelDef.arguments``)
@@ -101,6 +102,8 @@ class KernelSpec:
             parts.append("softcap")
         if self.sink:
             parts.append("sink")
+        if self.merged_dtype:
+            parts.append(f"merge-{SHORT[self.merged_dtype]}")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -261,14 +264,18 @@ def _v2tc_q_dtype(kv_dtype: str, q_dtype: str | None) -> str:
 
 def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int, *,
               q_dtype: str | None = None, soft_cap: bool = False,
-              sink: bool = False) -> KernelSpec:
+              sink: bool = False, merged_dtype: str = "") -> KernelSpec:
     """The tensor-core v2 partial (``kernels/decode_v2_tc.py``); q has the pools' dtype
     unless ``q_dtype`` says otherwise (fp8 pools: q float16 or bfloat16). ``soft_cap`` /
-    ``sink`` specialize it as they do the v2 partial (``v2_spec``)."""
+    ``sink`` specialize it as they do the v2 partial (``v2_spec``). ``merged_dtype``: the
+    fused merge's output dtype (CUDA; ``out_dtype`` is then float32, and ``sink`` is the
+    merge's sink, not the partial's)."""
+    if merged_dtype and out_dtype != "float32":
+        raise ValueError(f"v2tc_spec: a fused merge reads float32 partials, not {out_dtype}")
     warps = v2tc_warps(head_dim, kv_dtype)
     return KernelSpec("v2tc", out_dtype, head_dim, _v2tc_q_dtype(kv_dtype, q_dtype), kv_dtype,
                       page_size, 0, warps, v2tc_stages(head_dim, warps, kv_dtype),
-                      soft_cap=soft_cap, sink=sink)
+                      soft_cap=soft_cap, sink=sink, merged_dtype=merged_dtype)
 
 
 def v2tc_metal_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,

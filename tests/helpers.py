@@ -13,6 +13,7 @@ import pytest
 
 import paged_decode as pd
 from paged_decode import PageTable
+from paged_decode.backends import availability
 from paged_decode.backends.reference import ReferenceBackend
 from paged_decode.emulator import KernelFault, RaceError
 from paged_decode.problems import make_problem
@@ -190,6 +191,24 @@ def assert_import_adds_none_of(module: str, banned: set[str]) -> None:
             "new = {m.split('.')[0] for m in set(sys.modules) - before}\n"
             f"assert not new & set({sorted(banned)!r}), new\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def needs_backend(name: str) -> pytest.MarkDecorator:
+    """A module's ``pytestmark``: skip cleanly where backend ``name`` is unavailable,
+    saying why."""
+    got = availability(name)
+    return pytest.mark.skipif(not got.ok, reason=f"{name} unavailable: {got.reason}")
+
+
+def take_and_repoison(out, lse):
+    """CuPy ``out`` / ``lse`` as numpy after the current stream has finished, then filled
+    with NaN again, so the next call must write every element."""
+    import cupy as cp
+    cp.cuda.get_current_stream().synchronize()
+    got = cp.asnumpy(out), cp.asnumpy(lse)
+    out.fill(np.nan)
+    lse.fill(np.nan)
+    return got
 
 
 def require_mlx():

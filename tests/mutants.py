@@ -252,6 +252,7 @@ V2TC_LONG = V2TC + "test_v2tc_long_chunk_every_schedule[64]"
 V2TC_METAL = V2TC + "test_v2tc_metal_matches_oracle"
 V2TC_METAL_LONG = V2TC + "test_v2tc_metal_long_chunk_every_schedule[64]"
 TCVAR = "tests/test_v2tc_variants.py::"
+FUSED = "tests/test_fused_merge.py::"
 TCVAR_ONE = TCVAR + "test_each_variant_alone_and_combined"
 V2TC_FP8 = "tests/test_v2tc_fp8.py::"
 V2TC_FP8_CASE = V2TC_FP8 + "test_v2tc_fp8_matches_oracle"
@@ -501,6 +502,19 @@ MUTANTS: tuple[Mutant, ...] = (
        "    return np.maximum(0, vis - int(window_left))",
        [VAR_ORACLE + "[emulated-cuda-w5-v2-split]"],
        "the window keeps W tokens instead of W + 1"),
+    # ------------------------------------------------------------ v2tc's fused merge (#17)
+    _m("v2tc-fused-merge-one-cta-early", "cuda", ("v2tc",),
+       "      sm_last = done == parts;", "      sm_last = done == parts - 1;",
+       [FUSED + "test_fused_equals_two_launches_and_the_oracle[g4-d96-ps16]"],
+       "the next-to-last CTA of a request merges, before the last partial is written"),
+    _m("v2tc-fused-counter-not-reset", "cuda", ("v2tc",),
+       "      if (done == parts) merge_counters[slot] = 0;   // all of the slot counted\n",
+       "", [FUSED + "test_counters_are_left_zero_for_the_next_call"],
+       "the counters keep their count, so the next launch (a graph replay) merges early"),
+    _m("v2tc-fused-merge-drops-sinks", "cuda", ("v2tc",),
+       "merge_group<TF, D, false, SINK, true>", "merge_group<TF, D, false, false, true>",
+       [FUSED + "test_fused_with_variants[sinks]"],
+       "the fused merge leaves the sinks out, as the partial does for merged partials"),
     # ------------------------------------------------------------ variants on v2tc (#14)
     _m("v2tc-soft-cap-dropped", "cuda", ("v2tc",),
        "softmax_tile<NT, DT, SOFT_CAP>(", "softmax_tile<NT, DT, false>(",
@@ -517,7 +531,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [TCVAR_ONE + "[emulated-cuda-cap-one]"],
        "the cap applied to the raw q.k, before sm_scale * log2(e)"),
     _m("v2tc-sink-left-out-of-store", "cuda", ("v2tc",),
-       "float num = 0.f, den = SINK ? exp2f(sk - ref) : 0.f;", "float num = 0.f, den = 0.f;",
+       "float num = 0.f, den = SINK && !MERGE ? exp2f(sk - ref) : 0.f;",
+       "float num = 0.f, den = 0.f;",
        [TCVAR_ONE + "[emulated-cuda-sinks-one]"],
        "the sink raises the max but never joins the denominator of a one-chunk request"),
     _m("v2tc-sink-per-warp", "cuda", ("v2tc",),
@@ -561,7 +576,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "the output's denominator holds the sink, the returned LSE does not"),
     _m("py-v2tc-sink-counted-per-chunk", "python", ("paged_decode.variants",),
        "        if final and self.sinks is not None:", "        if self.sinks is not None:",
-       [TCVAR_ONE + "[emulated-cuda-sinks-split]"],
+       [TCVAR_ONE + "[emulated-cuda-sinks-split]", TCVAR_ONE + "[emulated-metal-sinks-split]"],
        "v2tc's merged partials take the sink, so a split request counts it once per chunk "
        "(and once more in the merge)"),
     _m("py-v2tc-window-off-by-one", "python", ("paged_decode.variants",),
@@ -682,7 +697,7 @@ MUTANTS: tuple[Mutant, ...] = (
        [MERGE + "[emulated-cuda]"],
        "a pass over more than 32 rows: row weights shuffled in from lanes that wrap"),
     _m("cuda-merge-gather-max-wrong-row", "cuda", ("merge",),
-       "lse[(GATHER ? (long long)rows[i] : i) * num_heads + h]", "lse[i * num_heads + h]",
+       "lse + (GATHER ? (long long)rows[i] : i) * num_heads + h)", "lse + i * num_heads + h)",
        [ORACLE + "test_gathering_merge_large_groups_wide_lse_range"],
        "the gathering merge's running max taken from the rows in storage order"),
     _m("cuda-merge-row-stride", "cuda", ("merge",),

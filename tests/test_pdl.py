@@ -6,9 +6,11 @@ sources' side of the contract (the GPU tests run it on the H200)."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import shutil
 import subprocess
+import weakref
 
 import numpy as np
 import pytest
@@ -105,10 +107,22 @@ def test_enabled_only_when_asked_on_sm90_with_the_driver_entry(monkeypatch):
     assert not cuda_pdl.enabled(9, entry=drv)
 
 
-def test_the_default_streams_launch_plainly():
-    # S11-R6: cuLaunchKernelEx refused the attribute on CuPy's NULL stream
-    assert not any(cuda_pdl.stream_allows(s) for s in (0, 1, 2))
-    assert cuda_pdl.stream_allows(0x7F00_1234_5000)
+def test_a_launch_holds_the_owner_of_its_argument_array():
+    # S11-R6 / S15-R1: the eager merge's launch came from a temporary PackedLaunch, freed
+    # with the void*[] the launch points at before the driver read it
+    class Owner:
+        pass
+
+    owner = Owner()
+    alive = weakref.ref(owner)
+    ex = cuda_pdl.DependentLaunch(1, (1, 1), 32, 0, 2, entry=FakeDriver(), keep=owner)
+    del owner
+    gc.collect()
+    assert alive() is not None
+    ex(0)
+    del ex
+    gc.collect()
+    assert alive() is None
 
 
 def test_only_the_merge_is_a_dependent_launch():
@@ -139,9 +153,11 @@ def _body(src: str, name: str) -> str:
 def test_the_merge_waits_first_and_the_partials_allow_dependents():
     body = _body(merge.CUDA_BODY, "pd_merge_states(")
     wait = body.index("pd::wait_for_prerequisites();")
-    # before any global read and before the early return of warps past the items
-    assert wait < body.index("o_indptr[o]") and wait < body.index("return;")
-    assert wait < body.index("lse[")
+    # before any global read (all in pd::merge_group) and before the early return of warps
+    # past the items
+    assert wait < body.index("return;") and wait < body.index("pd::merge_group<")
+    before = body[body.index(") {"):wait]
+    assert "o_indptr[" not in before and "lse[" not in before and "v[" not in before
     for src, name in ((decode_v2.CUDA_BODY, "pd_decode_v2_partial("),
                       (decode_v2_tc.CUDA_BODY, "pd_decode_v2_tc(")):
         assert "allow_dependents();" in _body(src, name)

@@ -341,27 +341,34 @@ def test_engine_step_runs_v2tc_with_cap_and_sinks(backend_name, monkeypatch):
 
 # ---------------------------------------------------------------------------- specializations
 def test_variants_are_template_specializations_after_stages():
-    """SOFT_CAP and SINK follow STAGES in the CUDA template (and NUM_WARPS in Metal's,
-    before its ROWS and KV_FP8); the URI names them, and a plain call compiles the plain
-    kernel."""
+    """SOFT_CAP and SINK follow STAGES in the CUDA template, before the fused merge's
+    MERGE and TF (and NUM_WARPS in Metal's, before its ROWS and KV_FP8); the URI names
+    them, and a plain call compiles the plain kernel."""
     kd = decode_v2_tc.KERNEL
-    assert kd.template[-3:] == ("STAGES", "SOFT_CAP", "SINK")
+    assert kd.template[-5:] == ("STAGES", "SOFT_CAP", "SINK", "MERGE", "TF")
     plain = v2tc_spec("float16", "float32", 128, 16)
     both = v2tc_spec("float16", "float32", 128, 16, soft_cap=True, sink=True)
     assert not plain.soft_cap and not plain.sink
     assert both.uri == plain.uri + "_softcap_sink"
-    assert kd.cuda_name_expression(plain).endswith(", false, false>")
-    assert kd.cuda_name_expression(both).endswith(", true, true>")
+    assert kd.cuda_name_expression(plain).endswith(", false, false, false, float>")
+    assert kd.cuda_name_expression(both).endswith(", true, true, false, float>")
+    fused = v2tc_spec("float16", "float32", 128, 16, sink=True, merged_dtype="bfloat16")
+    assert fused.uri == plain.uri + "_sink_merge-bf16"
+    assert kd.cuda_name_expression(fused).endswith(", false, true, true, __nv_bfloat16>")
     m = v2tc_metal_spec("bfloat16", "float32", 64, 16, 7, soft_cap=True)
     assert [n for n, _ in kd.metal_template(m)][-4:] == ["SOFT_CAP", "SINK", "ROWS", "KV_FP8"]
     assert m.uri.endswith("_softcap")
     assert "sinks" in decode_v2_tc.METAL_INPUTS and "soft_cap_log2" in decode_v2_tc.METAL_INPUTS
 
 
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["fused-merge", "merge-kernel"])
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_merged_partials_never_hold_the_sink(backend_name):
+def test_merged_partials_never_hold_the_sink(backend_name, fused, monkeypatch):
     """The split plan's partials run the plain-sink specialization (the merge adds the
-    sink once); the one-chunk plan's partial runs the sink specialization."""
+    sink once; with the fused merge, CUDA's, the partial's SINK is that merge's, its
+    combine leaves it out); the one-chunk plan's partial runs the sink specialization."""
+    from paged_decode.backends.launching import FUSED_MERGE_ENV
+    monkeypatch.setenv(FUSED_MERGE_ENV, fused)
     from paged_decode.backends import launches
     be = get_backend(backend_name)
     seen: list = []
@@ -384,8 +391,9 @@ def test_merged_partials_never_hold_the_sink(backend_name):
                       logits_soft_cap=2.0, sinks=sk)
     finally:
         mp.undo()
-    assert [(s.soft_cap, s.sink, s.out_dtype) for s in seen] == [
-        (True, False, "float32"), (True, True, "float16")]
+    merged = fused == "1" and "metal" not in backend_name
+    assert [(s.soft_cap, s.sink, s.out_dtype, s.merged_dtype) for s in seen] == [
+        (True, merged, "float32", "float16" if merged else ""), (True, True, "float16", "")]
 
 
 def test_bench_times_the_v2tc_arm_with_every_variant(tmp_path):

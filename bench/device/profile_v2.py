@@ -27,7 +27,8 @@ from paged_decode.bench.runner import _problem, _variants  # noqa: E402
 be = get_backend("cuda")
 case = BenchCase(b, ctx, 16, hq, hkv, kv_dtype=kv_dtype)
 q, k, v, table = _problem(be, case, 0)
-plan = plan_decode(table, hq, hkv, 128, device=be.device_info())
+# over fp8 pools the plan aims at the fp8 CTA target, as decode's own plans do
+plan = plan_decode(table, hq, hkv, 128, device=be.device_info(), kv_dtype=kv_dtype or None)
 arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(128), _variants(be, case, 0, q))
 for _ in range(3):
     arm.call()

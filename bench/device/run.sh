@@ -56,6 +56,14 @@
 #               transformers' dynamic and static caches -> $OUT/generate_*.json;
 #               GENERATE_TEST_K narrows the tests, GENERATE_NOISE=1 adds
 #               bench/device/generate_noise.py (the float32 logit floor of a batch layout)
+#   pdl         the merge as a programmatic dependent launch: a stream probe, its GPU tests with
+#               PAGED_DECODE_PDL=1, v2 / v2tc at batch 1-8 with it off and on (PDL_ARMS)
+#   fused       v2tc's fused merge: its GPU tests, memcheck / racecheck (FUSED_SANITIZE_K), batch
+#               1-8 with it on / off (FUSED_BENCH=0: no bench)
+#   pdl-probe   bench/device/pdl_probe.py alone: which streams take a dependent launch
+#   fused-models  the fused merge on / off at GQA 16 / 8 / 7 (FUSED_MODELS; FlashInfer's tensor
+#               cores beside it unless FUSED_MODEL_ARMS=v2tc: run fi first), and over e4m3fn
+#               pools at GQA 16 (FUSED_FP8=0: not)
 #   tests       the GPU tests of TESTS (files; default fp8, engine step, transformers), TESTS_K
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
@@ -361,6 +369,67 @@ step_ncu_stalls() {
   grep -E "^==|Duration|DRAM Throughput|Achieved Occupancy|stalled" "$L/ncu_stalls.txt" \
     | awk '$NF+0 >= 0.05 || /^==|Duration|DRAM|Occupancy/' | head -90
 }
+# the merge as a programmatic dependent launch (backends/cuda_pdl.py, #17): which streams
+# the driver accepts it on (bench/device/pdl_probe.py), the GPU tests with it on, then
+# v2 / v2tc at batch 1 / 4 / 8 x 1K-32K with PAGED_DECODE_PDL 0 and 1 (graph replay on a
+# non-blocking stream, so the merge goes through PDL when it is on)
+step_pdl() {
+  python3 bench/device/pdl_probe.py "$OUT/pdl_probe.json" 2>&1 | tail -8
+  PAGED_DECODE_PDL=1 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -rs \
+    tests/test_pdl_gpu.py tests/test_pdl.py tests/test_cuda_graphs.py tests/test_cuda_gpu.py \
+    > "$L/pdl_tests.log" 2>&1
+  echo "pdl tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/pdl_tests.log" | tail -12
+  local p
+  for p in 0 1; do
+    PAGED_DECODE_PDL=$p BENCH_TIMEOUT=${PDL_BENCH_TIMEOUT:-90} run_bench "pdl_$p" --preset targets \
+      --context 1024 --context 4096 --context 16384 --context 32768 --batch 1 --batch 4 \
+      --batch 8 --arms ${PDL_ARMS:-v2,v2tc} | tail -14
+  done
+}
+# the tensor-core partial's fused merge (#17): its GPU tests (and the graph and v2tc oracle
+# tests, which run it), memcheck and racecheck over its module, then v2 and v2tc at batch
+# 1 / 4 / 8 x 1K-32K with PAGED_DECODE_FUSED_MERGE 1 (the arms FUSED_ARMS; add flashinfer,
+# flashinfer-tc after fi) and v2tc with it 0
+step_fused() {
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs tests/test_fused_merge_gpu.py \
+    tests/test_upload_streams_gpu.py tests/test_cuda_graphs.py tests/test_cuda_gpu.py \
+    > "$L/fused_tests.log" 2>&1
+  echo "fused tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/fused_tests.log" | tail -8
+  local tool
+  for tool in memcheck racecheck; do
+    timeout ${SANITIZE_TIMEOUT:-100} compute-sanitizer --tool $tool --error-exitcode 9 \
+      python3 -m pytest -q -m gpu -x tests/test_fused_merge_gpu.py -k "${FUSED_SANITIZE_K:-captured or sinks}" \
+      > "$L/fused_$tool.log" 2>&1
+    echo "fused $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" \
+      "$L/fused_$tool.log" | tail -3
+  done
+  [ "${FUSED_BENCH:-1}" = 1 ] || return 0
+  local c="--preset targets --context 1024 --context 4096 --context 16384 --context 32768"
+  PAGED_DECODE_FUSED_MERGE=1 BENCH_TIMEOUT=${FUSED_BENCH_TIMEOUT:-150} run_bench fused_1 $c \
+    --batch 1 --batch 4 --batch 8 --arms ${FUSED_ARMS:-v2tc} | tail -14
+  PAGED_DECODE_FUSED_MERGE=0 BENCH_TIMEOUT=${FUSED_BENCH_TIMEOUT:-150} run_bench fused_0 $c \
+    --batch 1 --batch 4 --batch 8 --arms v2tc | tail -14
+}
+# the fused merge beside the two launches on the other GQA layouts (FUSED_MODELS, models
+# preset cells: 1K / 8K / 32K x batch 1 / 8 / 64), FlashInfer's tensor-core decode beside
+# the fused arm (run fi first), then over e4m3fn pools at GQA 16, 8 x 8K and 32 x 8K
+step_fused_models() {
+  local m
+  for m in ${FUSED_MODELS:-gqa16 llama3-70b-tp8 qwen2-7b}; do
+    PAGED_DECODE_FUSED_MERGE=1 BENCH_TIMEOUT=100 run_bench "fused_${m}_1" --preset models \
+      --model $m --arms ${FUSED_MODEL_ARMS:-v2tc,flashinfer-tc} | tail -12
+    PAGED_DECODE_FUSED_MERGE=0 BENCH_TIMEOUT=100 run_bench "fused_${m}_0" --preset models \
+      --model $m --arms v2tc | tail -12
+  done
+  [ "${FUSED_FP8:-1}" = 1 ] || return 0
+  local f
+  for f in 1 0; do
+    PAGED_DECODE_FUSED_MERGE=$f BENCH_TIMEOUT=100 run_bench "fused_fp8_gqa16_$f" --preset models \
+      --model gqa16 --context 8192 --batch 8 --batch 32 --kv-dtype float8_e4m3fn --arms v2tc \
+      | tail -6
+  done
+}
+step_pdl_probe() { python3 bench/device/pdl_probe.py "$OUT/pdl_probe.json" 2>&1 | tail -12; }
 step_multitoken() {
   python3 -m pytest -q tests/test_multitoken_gpu.py -m gpu -rs > "$L/multitoken_tests.log" 2>&1
   echo "multitoken gpu tests rc=$?"; grep -E "FAILED|passed|failed" "$L/multitoken_tests.log" | tail -4

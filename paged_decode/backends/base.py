@@ -305,6 +305,26 @@ class Backend(ABC):
                                       "partial (path 'v2tc' runs on 'cuda', "
                                       "'emulated-cuda', 'metal' and 'emulated-metal')")
 
+    def fuses_merge(self, plan: DecodePlan, kv_dtype: str) -> bool:
+        """Whether ``partial_tc_merged`` fuses the merge into the partial for ``plan`` over
+        pools of ``kv_dtype`` (the CUDA dialect: ``PAGED_DECODE_FUSED_MERGE`` ``1``, or
+        unset where ``launches.fused_merge_pays``); ``False`` by default."""
+        return False
+
+    def partial_tc_merged(self, q: Any, k_pages: Any, v_pages: Any,
+                          table: PageTable | StepTable, plan: DecodePlan, sm_scale: float,
+                          v_part: Any, lse_part: Any, out: Any, lse_out: Any, *,
+                          soft_cap: float | None = None, sinks: Any = None,
+                          kv_dtype: str | None = None, v_scale: float = 1.0) -> None:
+        """``partial_tc`` into the workspace ``v_part [C, Hq, D]`` / ``lse_part [C, Hq]``
+        (float32, ``workspace(plan)``) followed by ``merge`` into ``out [B, Hq, D]`` /
+        ``lse_out [B, Hq]`` (float32, base 2), in one launch where ``fuses_merge``: each
+        request's last CTA merges its partials. ``sinks`` are the merge's. This default
+        makes the two calls."""
+        self.partial_tc(q, k_pages, v_pages, table, plan, sm_scale, v_part, lse_part,
+                        soft_cap=soft_cap, kv_dtype=kv_dtype, v_scale=v_scale)
+        self.merge(v_part, lse_part, plan.o_indptr, out, lse_out, sinks=sinks)
+
     @abstractmethod
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any, *,
               sinks: Any = None) -> None:

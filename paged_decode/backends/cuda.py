@@ -155,6 +155,12 @@ class CudaBackend(LaunchingBackend):
         a CUDA graph)."""
         return self._caches.scratch(owner, tag, shape, dtype)
 
+    def merge_counters(self, plan: DecodePlan) -> Any:
+        """The fused merge's counters, kept like ``scratch`` (zeroed when made; every
+        launch leaves them zero)."""
+        return self._caches.scratch(plan, "merge_counters",
+                                    (launches.fused_merge_slots(plan),), "int32", zero=True)
+
     def stage_int32(self, dst: Any, *parts: np.ndarray) -> None:
         """``parts`` into the start of ``dst`` with one ``cudaMemcpyAsync`` on the current
         stream, through a reused pinned buffer (``cuda_staging``)."""
@@ -281,12 +287,10 @@ class CudaBackend(LaunchingBackend):
             return
         kernel = self._kernel_for(launch)
         if launch.dependent and self._pdl():
-            stream = cp.cuda.get_current_stream().ptr
-            if cuda_pdl.stream_allows(stream):
-                ex = PackedLaunch(kernel, launch, pdl=True).ex
-                assert ex is not None
-                ex(stream)
-                return
+            ex = PackedLaunch(kernel, launch, pdl=True).ex
+            assert ex is not None
+            ex(cp.cuda.get_current_stream().ptr)
+            return
         gx, gy = launch.grid
         kernel((int(gx), int(gy), 1), (int(launch.block), 1, 1), launch.values(),
                shared_mem=int(launch.smem))

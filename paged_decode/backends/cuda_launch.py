@@ -16,7 +16,7 @@ import numpy as np
 
 from ..specs import KernelSpec, assert_compile_allowed, cuda_source
 from .cuda_arrays import cp
-from .cuda_pdl import DependentLaunch, stream_allows
+from .cuda_pdl import DependentLaunch
 from .launches import Launch
 
 COMPILE_OPTIONS = ("-std=c++17",)
@@ -56,29 +56,46 @@ class DeviceCaches:
 
     def __init__(self, empty: Callable[[tuple[int, ...], str], Any]) -> None:
         self._empty = empty
-        self._uploads: dict[tuple[int, int], Any] = {}
+        # (array, device) -> (device copy, the stream that copied it, the streams it is
+        # ordered on)
+        self._uploads: dict[tuple[int, int], tuple[Any, Any, set[int]]] = {}
         self._workspaces: dict[tuple[Any, ...], Any] = {}
 
     def upload(self, arr: np.ndarray) -> Any:
         """Device copy of a host array on the current device. Read-only arrays (every
         table and plan array) are immutable, so their copies are memoised by identity
-        until the host array is collected."""
+        until the host array is collected. The copy is ordered only on the stream that
+        made it (CuPy copies asynchronously on a created stream; a pageable copy on the
+        NULL stream may return before its DMA lands), so the first use from each other
+        stream makes that stream wait for it on the GPU (an event recorded on the copying
+        stream), not on the host. A capture cannot wait on an event from outside it: a
+        capture on a stream the copy is not ordered on records no wait (its replay comes
+        later; ``prepare`` on the capture stream first orders it)."""
         if arr.flags.writeable:
             return cp.asarray(arr)
         key = (id(arr), cp.cuda.Device().id)
         got = self._uploads.get(key)
+        s = cp.cuda.get_current_stream()
         if got is None:
-            got = cp.asarray(arr if arr.size else np.zeros(1, arr.dtype))
-            self._uploads[key] = got
+            dev = cp.asarray(arr if arr.size else np.zeros(1, arr.dtype))
+            self._uploads[key] = (dev, s, {s.ptr})
             weakref.finalize(arr, self._uploads.pop, key, None)
-        return got
+            return dev
+        dev, made_on, ordered = got
+        if s.ptr not in ordered and not s.is_capturing():
+            s.wait_event(made_on.record())
+            ordered.add(s.ptr)
+        return dev
 
-    def scratch(self, owner: Any, tag: str, shape: tuple[int, ...], dtype: str) -> Any:
+    def scratch(self, owner: Any, tag: str, shape: tuple[int, ...], dtype: str, *,
+                zero: bool = False) -> Any:
+        """The kept workspace of the key; with ``zero`` a fresh one is ``cupy.zeros`` of
+        the numpy ``dtype`` (e.g. ``"int32"``), zeroed on the current stream."""
         key = (id(owner), tag, tuple(int(x) for x in shape), dtype, cp.cuda.Device().id,
                cp.cuda.get_current_stream().ptr)
         got = self._workspaces.get(key)
         if got is None:
-            got = self._empty(shape, dtype)
+            got = cp.zeros(shape, np.dtype(dtype)) if zero else self._empty(shape, dtype)
             self._workspaces[key] = got
             weakref.finalize(owner, self._workspaces.pop, key, None)
         return got
@@ -113,7 +130,8 @@ class PackedLaunch:
         self.params = ctypes.addressof(ptrs)
         self._keep = (cells, ptrs, launch.values() if hold else ())
         self.ex = (DependentLaunch(self.fn, (self.gx, self.gy), self.block, self.smem,
-                                   self.params) if pdl and launch.dependent else None)
+                                   self.params, keep=self._keep)
+                   if pdl and launch.dependent else None)
 
     def set_pointer(self, index: int, ptr: int) -> None:
         """Point argument ``index`` (an array argument) at device address ``ptr``."""
@@ -133,9 +151,8 @@ def replayer(packed: list[PackedLaunch], dev: int,
                 replay()
             return
         s = stream()
-        pdl = stream_allows(s)
         for pk in packed:
-            if pk.ex is not None and pdl:
+            if pk.ex is not None:
                 pk.ex(s)
             else:
                 launch(pk.fn, pk.gx, pk.gy, 1, pk.block, 1, 1, pk.smem, s, pk.params, 0)

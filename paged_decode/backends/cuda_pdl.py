@@ -18,12 +18,14 @@ through ctypes, with the kernel's packed arguments (``cuda_launch.PackedLaunch``
 struct layouts below are CUDA 12 / 13's ``cuda.h``; ``tests/test_pdl.py`` checks them
 against the C header where one is installed.
 
-Status: an experiment, off unless ``PAGED_DECODE_PDL=1``. On the H200 (S11-R6,
-2026-12-02) eager merges on CuPy's default stream made ``cuLaunchKernelEx`` return
-``CUDA_ERROR_INVALID_VALUE``. Launches on the default streams now go the plain way
-(``stream_allows``), but no GPU run has tested that, nor PDL on other streams or in
-graphs. The kernels' two instructions are no-ops in a plain launch; with PDL off the
-bench verified v2 and v2tc against the oracle on the new kernels in that run.
+Status: an experiment, off unless ``PAGED_DECODE_PDL=1``. Every PDL launch of the H200
+runs S11-R6 and S15-R1 (2026-12-02/03) failed with ``CUDA_ERROR_INVALID_VALUE``: the eager
+merge took its ``DependentLaunch`` from a temporary ``PackedLaunch`` that was freed, with
+the argument array the launch points at, before the call (the launch now holds its
+owner, ``keep``). A stand-alone probe (S15-R2, ``bench/device/pdl_probe.py``) launched
+with this module's structs on the legacy and per-thread default streams, on created
+streams and in a stream capture, every one accepted and ordered, so no stream is
+refused here.
 """
 
 from __future__ import annotations
@@ -90,33 +92,25 @@ def enabled(major: int, entry: Any = None) -> bool:
     return (driver_entry() if entry is None else entry) is not None
 
 
-#: the legacy default stream (0 and CU_STREAM_LEGACY) and the per-thread one
-_DEFAULT_STREAMS = (0, 1, 2)
-
-
-def stream_allows(stream: int) -> bool:
-    """Whether a dependent launch goes through PDL on ``stream`` (a ``CUstream`` handle):
-    not on the default streams, where the H200 driver refused it (S11-R6: the NULL stream
-    gave ``CUDA_ERROR_INVALID_VALUE``)."""
-    return int(stream) not in _DEFAULT_STREAMS
-
-
 class DependentLaunch:
     """One kernel launch with programmatic stream serialization: ``fn`` (a ``CUfunction``
-    handle), the grid, block and dynamic shared memory, and ``params`` (the address of
-    its ``void*[]`` of argument pointers, kept alive by the caller). ``__call__(stream)``
+    handle), the grid, block and dynamic shared memory, ``params`` (the address of its
+    ``void*[]`` of argument pointers) and ``keep`` (whatever owns that array and the
+    arguments it points at: held as long as the launch is, so a launch taken from a
+    temporary owner still reads live memory). ``__call__(stream)``
     launches it on ``stream`` (a ``CUstream`` handle); a driver error raises
     ``RuntimeError`` naming the code. The config is built once, so a replay allocates
     nothing."""
 
-    __slots__ = ("_entry", "_fn", "_params", "_attr", "_config")
+    __slots__ = ("_entry", "_fn", "_params", "_keep", "_attr", "_config")
 
     def __init__(self, fn: int, grid: tuple[int, int], block: int, smem: int, params: int,
-                 entry: Callable[..., int] | None = None) -> None:
+                 entry: Callable[..., int] | None = None, keep: Any = None) -> None:
         self._entry = driver_entry() if entry is None else entry
         if self._entry is None:
             raise RuntimeError("cuda_pdl: the CUDA driver has no cuLaunchKernelEx")
         self._fn, self._params = ctypes.c_void_p(fn), ctypes.c_void_p(params)
+        self._keep = keep
         self._attr = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attr.value.int = 1
         gx, gy = grid
@@ -135,4 +129,4 @@ class DependentLaunch:
 
 
 __all__ = ["MIN_MAJOR", "PDL_ENV", "DependentLaunch", "driver_entry", "enabled",
-           "requested", "stream_allows"]
+           "requested"]

@@ -15,6 +15,7 @@ import nothing of the package but ``kernel_def``, which keeps the registry cycle
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -46,6 +47,7 @@ from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported fo
     v2tc_metal_spec,
     v2tc_row_tiles,
     v2tc_spec,
+    v2tc_warps,
 )
 from .base import Problem, Support
 
@@ -197,7 +199,8 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
                 q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                 request_indices: Any, kv_tile_indices: Any, v_out: Any,
                 lse_out: Any, metal: bool = False, soft_cap: float | None = None,
-                sinks: Any = None, q_dtype: str | None = None, v_scale: float = 1.0) -> Launch:
+                sinks: Any = None, q_dtype: str | None = None, v_scale: float = 1.0,
+                fused: FusedMerge | None = None) -> Launch:
     """The tensor-core v2 partial (``kernels/decode_v2_tc.py``): grid (C chunks, Hkv *
     row_tiles), the v2 partial's arguments with ``row_tiles`` for ``q_groups``, then
     ``soft_cap_log2`` and ``v_scale`` (an fp8 pool's V scale, as for ``partial_launch``;
@@ -206,7 +209,13 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
     arguments. ``soft_cap`` and ``sinks`` as for ``partial_launch`` (sinks only for a
     partial that writes the output). The CUDA dialect raises ``UnsupportedProblemError``
     for pools of more than ``V2TC_MAX_POOL_ROWS`` rows (``k_pages.shape[0]`` pages of
-    ``plan.page_size`` tokens)."""
+    ``plan.page_size`` tokens). ``fused`` (CUDA only; ``v_out`` / ``lse_out`` are then the
+    float32 workspace): the request's last CTA merges its partials into ``fused.out`` /
+    ``fused.lse``, with ``sinks`` as the merge's (``FusedMerge``); the arguments end with
+    ``o_indptr``, ``merge_counters``, ``merged_out`` and ``merged_lse`` (stand-ins
+    without)."""
+    if fused is not None and metal:
+        raise ValueError("v2tc_launch: the Metal dialect has no fused merge")
     flags = {"soft_cap": soft_cap is not None, "sink": sinks is not None}
     refusal = v2tc_rows_refusal(int(k_pages.shape[0]), plan.page_size, metal)
     if refusal:         # supports() refuses it first; a launch built directly lands here
@@ -217,14 +226,54 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
                                **flags)
     else:
         spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size, q_dtype=q_dtype,
-                         **flags)
+                         merged_dtype=fused.out_dtype if fused is not None else "", **flags)
     tiles = v2tc_row_tiles(plan.num_qo_heads, plan.num_kv_heads)
     args = _chunk_args(plan, sm_scale, ("row_tiles", tiles), q, k_pages, v_pages, table,
                        request_indices, kv_tile_indices, v_out, lse_out,
                        sinks=q if sinks is None else sinks)
     args.append(Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"))
     args.append(Arg("v_scale", np.float32(v_scale), "scalar"))
+    if fused is not None:
+        args += [Arg("o_indptr", fused.o_indptr, "in"),
+                 Arg("merge_counters", fused.counters, "out"),
+                 Arg("merged_out", fused.out, "out"), Arg("merged_lse", fused.lse, "out")]
+    elif not metal:     # unread and unwritten: an input stands in for each
+        args += [Arg(n, request_indices, "in")
+                 for n in ("o_indptr", "merge_counters", "merged_out", "merged_lse")]
     return _launch(spec, (plan.num_chunks, plan.num_kv_heads * tiles), args)
+
+
+@dataclass(frozen=True, eq=False)
+class FusedMerge:
+    """The fused merge of a tensor-core partial launch (``v2tc_launch``): ``o_indptr
+    [B+1]`` int32 (the plan's), ``counters [B * Hkv * row_tiles]`` int32, zero before the
+    launch (the kernel leaves them zero; ``fused_merge_slots``), ``out [B, Hq, D]`` of
+    ``out_dtype`` and ``lse [B, Hq]`` float32 (base 2): the merged results."""
+
+    o_indptr: Any
+    counters: Any
+    out: Any
+    lse: Any
+    out_dtype: str
+
+
+def fused_merge_pays(plan: DecodePlan, kv_dtype: str) -> bool:
+    """Whether the tensor-core partial fuses its merge by default: where a CTA's query
+    heads (its rows, at most 16) are no more than its warps, so its last CTA merges one
+    head per warp, as the merge kernel's one warp per (request, head) does, and at head_dim
+    up to 128. With more heads per CTA the merge of a request serializes on one CTA: on
+    the H200 GQA 7, 8 and 16 took up to 2.5x the two launches' time at batch 1-8
+    (S16-R4). At head_dim 256 (GQA 2) the fused kernel ran 9-13% slower wherever a call
+    merged (S16-R5; not profiled). GQA 1 at head_dim 96 and GQA 4 at 128 were within
+    0.8 us (S16-R1, R5)."""
+    rows = min(16, plan.num_qo_heads // plan.num_kv_heads)
+    return plan.head_dim <= 128 and rows <= v2tc_warps(plan.head_dim, kv_dtype)
+
+
+def fused_merge_slots(plan: DecodePlan) -> int:
+    """Counters of a fused merge over ``plan``: one per (request, KV head, row tile)."""
+    return plan.batch_size * plan.num_kv_heads * v2tc_row_tiles(plan.num_qo_heads,
+                                                                 plan.num_kv_heads)
 
 
 def merge_launch(*, out_dtype: str, shape: tuple[int, int, int], v: Any, lse: Any,

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..errors import InvalidArgumentError, UnsupportedProblemError
 from ..kernels.append import METAL_MIN_ELEMENTS, AppendWrite
 from ..page_table import PageTable
@@ -27,6 +28,10 @@ from ..specs import prefix_kernel_runs
 from ..step_table import StepTable
 from . import launches
 from .base import Backend, Problem, Support
+
+#: the tensor-core partial's fused merge (``partial_tc_merged``): unset, where it pays
+#: (``launches.fused_merge_pays``); ``1`` always; ``0`` never (the merge kernel's launch)
+FUSED_MERGE_ENV = "PAGED_DECODE_FUSED_MERGE"
 
 
 class LaunchingBackend(Backend):
@@ -119,6 +124,41 @@ class LaunchingBackend(Backend):
             kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out,
             metal=self.metal_dialect, soft_cap=soft_cap, sinks=sinks,
             q_dtype=self.dtype_of(q), v_scale=v_scale))
+
+    def fuses_merge(self, plan: DecodePlan, kv_dtype: str) -> bool:
+        if self.metal_dialect or not self.tensor_core_decode:
+            return False
+        val = settings.get(FUSED_MERGE_ENV)
+        if val in (None, ""):
+            return launches.fused_merge_pays(plan, kv_dtype)
+        return val != "0"
+
+    def merge_counters(self, plan: DecodePlan) -> Any:
+        """The fused merge's ``int32 [fused_merge_slots(plan)]`` counters, zero (a fresh
+        array by default; a kept workspace stays zero, as the kernel leaves it)."""
+        return self.index_array(np.zeros(launches.fused_merge_slots(plan), np.int32))
+
+    def partial_tc_merged(self, q: Any, k_pages: Any, v_pages: Any,
+                          table: PageTable | StepTable, plan: DecodePlan, sm_scale: float,
+                          v_part: Any, lse_part: Any, out: Any, lse_out: Any, *,
+                          soft_cap: float | None = None, sinks: Any = None,
+                          kv_dtype: str | None = None, v_scale: float = 1.0) -> None:
+        if not self.fuses_merge(plan, kv_dtype or self.dtype_of(k_pages)):
+            super().partial_tc_merged(q, k_pages, v_pages, table, plan, sm_scale, v_part,
+                                      lse_part, out, lse_out, soft_cap=soft_cap, sinks=sinks,
+                                      kv_dtype=kv_dtype, v_scale=v_scale)
+            return
+        self.check_pools("decode", k_pages, v_pages)
+        request_indices, kv_tile_indices = self.plan_arrays(plan)
+        fused = launches.FusedMerge(self.index_array(plan.o_indptr), self.merge_counters(plan),
+                                    out, lse_out, self.dtype_of(out))
+        self._run(launches.v2tc_launch(
+            kv_dtype=kv_dtype or self.dtype_of(k_pages), out_dtype=self.dtype_of(v_part),
+            plan=plan, sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
+            table=self.table_arrays(table), request_indices=request_indices,
+            kv_tile_indices=kv_tile_indices, v_out=v_part, lse_out=lse_part,
+            soft_cap=soft_cap, sinks=sinks, q_dtype=self.dtype_of(q), v_scale=v_scale,
+            fused=fused))
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
               rows: Any = None, *, sinks: Any = None) -> None:

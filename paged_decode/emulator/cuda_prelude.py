@@ -124,12 +124,16 @@ inline int __all_sync(unsigned mask, int pred) {
 }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// blocks run on several OS threads at once: a device atomic is a host atomic
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 
 // ------------------------------------------------------------------ memory
 // kernels/common.py's cp.async helpers call the runtime's (deferred) copies under this
 #define PD_EMU_CP_ASYNC 1
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
+template <typename T>
+inline T __ldcg(const T* p) { return *p; }
 inline std::size_t __cvta_generic_to_shared(const void* p) { return (std::size_t)p; }
 
 // ------------------------------------------------------------------ math

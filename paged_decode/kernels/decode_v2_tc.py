@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from .common import CUDA_COMMON, METAL_COMMON
 from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue, metal_fp8
+from .merge import CUDA_MERGE_GROUP
 from .mma import CUDA_MMA
 
 NUM_WARPS = 4
@@ -206,9 +207,15 @@ __device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[
 // phases above).
 // SOFT_CAP: scores capped at soft_cap_log2 (log2 units, ``logit``); SINK: the heads'
 // sinks join the final combine (only where the kernel writes the output: merged partials
-// never hold a sink, the merge adds it once).
+// never hold a sink, the merge adds it once; with MERGE the fused merge is that merge).
+// MERGE: the fused merge. Each CTA counts itself done in merge_counters[(request,
+// blockIdx.y)] after its partial rows are written and fenced; the request's last CTA (the
+// one whose count completes o_indptr[r + 1] - o_indptr[r]) merges the request's partials
+// of its heads into merged_out / merged_lse (TF: the output dtype) as the merge kernel
+// would (pd::merge_group, the same code), and sets the counter back to 0 for the next
+// launch, so the counters stay zero between launches (graph replays included).
 template <typename T, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS,
-          int STAGES, bool SOFT_CAP, bool SINK>
+          int STAGES, bool SOFT_CAP, bool SINK, bool MERGE, typename TF>
 __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const T* __restrict__ q,                     // [B, Hq, D]
     const TKV* __restrict__ k_pages,             // [num_pages, P, Hkv, D]
@@ -223,7 +230,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     TO* __restrict__ v_out,                      // [C, Hq, D]
     float* __restrict__ lse_out,                 // [C, Hq], log2
     int num_qo_heads, int num_kv_heads, int row_tiles, int pages_per_chunk, float scale_log2,
-    float soft_cap_log2, float v_scale) {
+    float soft_cap_log2, float v_scale,
+    const int* __restrict__ o_indptr,            // [B + 1] with MERGE (else unread)
+    int* __restrict__ merge_counters,            // [B, gridDim.y] with MERGE, zero between launches
+    TF* __restrict__ merged_out,                 // [B, Hq, D] with MERGE (else unwritten)
+    float* __restrict__ merged_lse) {            // [B, Hq], log2, with MERGE
   using namespace pd;
   constexpr int D = HEAD_DIM;
   constexpr int LD = D + 8;                      // padded 16-bit smem row, in elements
@@ -240,6 +251,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   static_assert((KT * PIECES) % THREADS == 0, "a K/V stage must split evenly over the threads");
   static_assert(STAGES >= 2, "the pipeline needs at least two stages");
+  static_assert(!MERGE || sizeof(TO) == 4, "a fused merge reads float32 partials");
 
   unsigned char* smem = pd_tc_smem;
   T* qs = reinterpret_cast<T*>(smem);            // [16][LD]
@@ -389,12 +401,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, sm_m[w][i]);
     // the sink: one more state of weight 1 at sinks[h] * log2(e), no value (as in v2)
     float sk = -PD_INF;
-    if constexpr (SINK) {
+    if constexpr (SINK && !MERGE) {
       sk = sinks[h0 + i] * PD_LOG2E;
       mx = fmaxf(mx, sk);                        // a NaN sink is skipped here, poisons den
     }
     const float ref = mx == -PD_INF ? 0.f : mx;  // avoids (-inf) - (-inf)
-    float num = 0.f, den = SINK ? exp2f(sk - ref) : 0.f;
+    float num = 0.f, den = SINK && !MERGE ? exp2f(sk - ref) : 0.f;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
       const float wt = exp2f(sm_m[w][i] - ref);
@@ -409,10 +421,30 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     v_out[out_row * D + d] = from_float<TO>(live ? num / den * v_scale : 0.f);
     if (d == 0) lse_out[out_row] = live ? mx + log2f(den) : -PD_INF;
   }
+  if constexpr (MERGE) {
+    // the fence orders this thread's partial rows before the count that publishes them
+    __shared__ int sm_last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      const long long slot = (long long)r * gridDim.y + blockIdx.y;
+      const int parts = o_indptr[r + 1] - o_indptr[r];
+      const int done = atomicAdd(merge_counters + slot, 1) + 1;
+      sm_last = done == parts;
+      if (done == parts) merge_counters[slot] = 0;   // all of the slot counted
+    }
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();                 // then read the other CTAs' rows, through L2
+    for (int i = warp; i < rows; i += NUM_WARPS)
+      merge_group<TF, D, false, SINK, true>(reinterpret_cast<const float*>(v_out), lse_out,
+                                            o_indptr, nullptr, sinks, merged_out, merged_lse,
+                                            num_qo_heads, r, h0 + i, lane);
+  }
 }
 """
 
-CUDA_SOURCE = CUDA_COMMON + CUDA_MMA + CUDA_BODY
+CUDA_SOURCE = CUDA_COMMON + CUDA_MMA + CUDA_MERGE_GROUP + CUDA_BODY
 
 # ---------------------------------------------------------------------------- Metal
 # MLX ``metal_kernel`` dialect on ``simdgroup_matrix`` 8 x 8 tiles (``<metal_simdgroup_matrix>``):
@@ -723,13 +755,15 @@ def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
     return {"T": Dtype(spec.q_dtype), "TKV": Dtype(spec.kv_dtype), "TO": Dtype(spec.out_dtype),
             "HEAD_DIM": spec.head_dim, "PAGE_SIZE": spec.page_size,
             "NUM_WARPS": spec.num_warps, "STAGES": spec.stages, "SOFT_CAP": spec.soft_cap,
-            "SINK": spec.sink, "ROWS": spec.heads_per_cta, "KV_FP8": metal_fp8(spec.kv_dtype)}
+            "SINK": spec.sink, "ROWS": spec.heads_per_cta, "KV_FP8": metal_fp8(spec.kv_dtype),
+            "MERGE": bool(spec.merged_dtype),
+            "TF": Dtype(spec.merged_dtype or spec.out_dtype)}
 
 
 KERNEL = KernelDef(
     kernel="v2tc", cuda_name="pd_decode_v2_tc", cuda_source=CUDA_SOURCE,
     template=("T", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS", "STAGES", "SOFT_CAP",
-              "SINK"),
+              "SINK", "MERGE", "TF"),
     arguments=_arguments, threads=lambda spec: spec.num_warps * 32,
     dynamic_smem=lambda spec: dynamic_smem_bytes(spec.head_dim, spec.num_warps, spec.stages,
                                                  kv_bytes(spec.kv_dtype)),
@@ -737,4 +771,4 @@ KERNEL = KernelDef(
     # Metal has a fixed double buffer, and its row count per threadgroup (8 or 16: CUDA's
     # mma tile is always 16) is a template argument; its pools' element is the array's own
     # (uint8_t for fp8), the format a number
-    cuda_only=("TKV", "STAGES"), metal_only=("ROWS", "KV_FP8"))
+    cuda_only=("TKV", "STAGES", "MERGE", "TF"), metal_only=("ROWS", "KV_FP8"))

@@ -23,35 +23,34 @@ from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue
 #: one warp per (output row, head); the CUDA body's __launch_bounds__(128) says the same
 WARPS_PER_BLOCK = 4
 
-CUDA_BODY = r"""
-// grid: ceil(M * H / 4); block: 128 threads (4 warps, one (row, head) each).
-template <typename TO, int HEAD_DIM, bool GATHER, bool SINK>
-__global__ void __launch_bounds__(128) pd_merge_states(
-    const float* __restrict__ v,          // [N, H, D]
-    const float* __restrict__ lse,        // [N, H], log2
-    const int* __restrict__ o_indptr,     // [M + 1]
-    const int* __restrict__ rows,         // [o_indptr[M]] with GATHER (else unread)
-    const float* __restrict__ sinks,      // [H] natural units with SINK (else unread)
-    TO* __restrict__ v_out,               // [M, H, D]
-    float* __restrict__ lse_out,          // [M, H], log2
-    int num_heads, int num_out) {
+#: One warp's merge of one (output row, head): ``pd::merge_group``, shared by the merge
+#: kernel and the tensor-core partial's fused merge (``decode_v2_tc.py``: its last CTA of a
+#: request merges that request's partials, written by other CTAs of the same grid, so it
+#: reads them through L2 with ``COHERENT``: ``__ldcg``, never the non-coherent read-only
+#: path a ``const __restrict__`` load may take).
+CUDA_MERGE_GROUP = r"""
+namespace pd {
+template <bool COHERENT, typename X>
+__device__ __forceinline__ X merge_load(const X* p) {
+  if constexpr (COHERENT) return __ldcg(p); else return *p;
+}
+
+// Merge rows o_indptr[o]:o_indptr[o + 1] (through rows[] with GATHER) of head h of v / lse
+// into v_out / lse_out row o; called by a whole warp (lane: its lane).
+template <typename TO, int HEAD_DIM, bool GATHER, bool SINK, bool COHERENT>
+__device__ __forceinline__ void merge_group(
+    const float* v, const float* lse, const int* o_indptr, const int* rows,
+    const float* sinks, TO* v_out, float* lse_out, int num_heads, long long o, int h,
+    int lane) {
   static_assert(HEAD_DIM % 4 == 0, "head_dim must be a multiple of 4");
   constexpr int NV4 = HEAD_DIM / 4;                 // float4 per row
   constexpr int PER_LANE = (NV4 + 31) / 32;
-  // launched as the partial's dependent (PDL): every CTA waits for the partial grid here,
-  // before any read and before any early return (so this grid never ends before it)
-  pd::wait_for_prerequisites();
-  const int lane = threadIdx.x & 31;
-  const long long item = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
-  if (item >= (long long)num_out * num_heads) return;   // whole warp; no barrier below
-  const long long o = item / num_heads;
-  const int h = (int)(item % num_heads);
   const long long beg = o_indptr[o], end = o_indptr[o + 1];
   // pass 1: the group's max LSE, lanes striding over its rows (fmaxf skips NaN), and
   // whether any row is poisoned (NaN or +inf: not `< inf`)
   float mx = -PD_INF, bad = 0.f;
   for (long long i = beg + lane; i < end; i += 32) {
-    const float s = lse[(GATHER ? (long long)rows[i] : i) * num_heads + h];
+    const float s = merge_load<COHERENT>(lse + (GATHER ? (long long)rows[i] : i) * num_heads + h);
     mx = fmaxf(mx, s);
     bad = s < PD_INF ? bad : 1.f;
   }
@@ -78,7 +77,7 @@ __global__ void __launch_bounds__(128) pd_merge_states(
       long long src = 0;
       if (i < end) {
         src = GATHER ? (long long)rows[i] : i;
-        const float s = lse[src * num_heads + h];
+        const float s = merge_load<COHERENT>(lse + src * num_heads + h);
         if (s > -PD_INF) w = exp2f(s - mx);
       }
       den += w;
@@ -94,7 +93,8 @@ __global__ void __launch_bounds__(128) pd_merge_states(
 #pragma unroll
           for (int k = 0; k < PER_LANE; ++k) {
             const int c = lane + 32 * k;
-            x[u][k] = (wu[u] > 0.f && c < NV4) ? row[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+            x[u][k] = (wu[u] > 0.f && c < NV4) ? merge_load<COHERENT>(row + c)
+                                                : make_float4(0.f, 0.f, 0.f, 0.f);
           }
         }
 #pragma unroll
@@ -124,9 +124,34 @@ __global__ void __launch_bounds__(128) pd_merge_states(
   }
   if (lane == 0) lse_out[o * num_heads + h] = bad != 0.f ? PD_NAN : (live ? mx + log2f(den) : -PD_INF);
 }
+}  // namespace pd
 """
 
-CUDA_SOURCE = CUDA_COMMON + CUDA_BODY
+CUDA_BODY = r"""
+// grid: ceil(M * H / 4); block: 128 threads (4 warps, one (row, head) each).
+template <typename TO, int HEAD_DIM, bool GATHER, bool SINK>
+__global__ void __launch_bounds__(128) pd_merge_states(
+    const float* __restrict__ v,          // [N, H, D]
+    const float* __restrict__ lse,        // [N, H], log2
+    const int* __restrict__ o_indptr,     // [M + 1]
+    const int* __restrict__ rows,         // [o_indptr[M]] with GATHER (else unread)
+    const float* __restrict__ sinks,      // [H] natural units with SINK (else unread)
+    TO* __restrict__ v_out,               // [M, H, D]
+    float* __restrict__ lse_out,          // [M, H], log2
+    int num_heads, int num_out) {
+  // launched as the partial's dependent (PDL): every CTA waits for the partial grid here,
+  // before any read and before any early return (so this grid never ends before it)
+  pd::wait_for_prerequisites();
+  const int lane = threadIdx.x & 31;
+  const long long item = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (item >= (long long)num_out * num_heads) return;   // whole warp; no barrier below
+  pd::merge_group<TO, HEAD_DIM, GATHER, SINK, false>(v, lse, o_indptr, rows, sinks, v_out,
+                                                      lse_out, num_heads, item / num_heads,
+                                                      (int)(item % num_heads), lane);
+}
+"""
+
+CUDA_SOURCE = CUDA_COMMON + CUDA_MERGE_GROUP + CUDA_BODY
 
 # ---------------------------------------------------------------------------- Metal
 # MLX ``metal_kernel`` body: one SIMD group per (output row, head), 4 per threadgroup;
