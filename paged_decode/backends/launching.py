@@ -115,6 +115,14 @@ class LaunchingBackend(Backend):
             super().partial_tc(q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out,
                                soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype,
                                v_scale=v_scale)
+        self._v2tc(q, k_pages, v_pages, table, plan, sm_scale, v_out, lse_out,
+                   soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, v_scale=v_scale)
+
+    def _v2tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
+              plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,
+              soft_cap: float | None, sinks: Any, kv_dtype: str | None, v_scale: float,
+              fused: launches.FusedMerge | None = None) -> None:
+        """The one tensor-core partial launch of ``partial_tc`` and ``partial_tc_merged``."""
         self.check_pools("decode", k_pages, v_pages)
         request_indices, kv_tile_indices = self.plan_arrays(plan)
         self._run(launches.v2tc_launch(
@@ -123,7 +131,7 @@ class LaunchingBackend(Backend):
             table=self.table_arrays(table), request_indices=request_indices,
             kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out,
             metal=self.metal_dialect, soft_cap=soft_cap, sinks=sinks,
-            q_dtype=self.dtype_of(q), v_scale=v_scale))
+            q_dtype=self.dtype_of(q), v_scale=v_scale, fused=fused))
 
     def fuses_merge(self, plan: DecodePlan, kv_dtype: str) -> bool:
         if self.metal_dialect or not self.tensor_core_decode:
@@ -148,17 +156,11 @@ class LaunchingBackend(Backend):
                                       lse_part, out, lse_out, soft_cap=soft_cap, sinks=sinks,
                                       kv_dtype=kv_dtype, v_scale=v_scale)
             return
-        self.check_pools("decode", k_pages, v_pages)
-        request_indices, kv_tile_indices = self.plan_arrays(plan)
         fused = launches.FusedMerge(self.index_array(plan.o_indptr), self.merge_counters(plan),
                                     out, lse_out, self.dtype_of(out))
-        self._run(launches.v2tc_launch(
-            kv_dtype=kv_dtype or self.dtype_of(k_pages), out_dtype=self.dtype_of(v_part),
-            plan=plan, sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
-            table=self.table_arrays(table), request_indices=request_indices,
-            kv_tile_indices=kv_tile_indices, v_out=v_part, lse_out=lse_part,
-            soft_cap=soft_cap, sinks=sinks, q_dtype=self.dtype_of(q), v_scale=v_scale,
-            fused=fused))
+        self._v2tc(q, k_pages, v_pages, table, plan, sm_scale, v_part, lse_part,
+                   soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, v_scale=v_scale,
+                   fused=fused)
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
               rows: Any = None, *, sinks: Any = None) -> None:
