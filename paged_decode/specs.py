@@ -166,8 +166,11 @@ def v1_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int,
 
 
 def merge_spec(out_dtype: str, head_dim: int, gather: bool = False, *,
-               sink: bool = False) -> KernelSpec:
-    return KernelSpec("merge", out_dtype, head_dim, gather=gather, sink=sink)
+               sink: bool = False, split: int = 1) -> KernelSpec:
+    """The merge; ``split`` > 1: that many warps per (row, head), kept in ``num_warps``
+    (0 for the unsplit merge, so its name is what it was before the split existed)."""
+    return KernelSpec("merge", out_dtype, head_dim, gather=gather, sink=sink,
+                      num_warps=split if split > 1 else 0)
 
 
 #: the tensor-core prefix kernel's dtypes (its operands are 16-bit; q must match the pools)

@@ -253,6 +253,8 @@ V2TC_METAL = V2TC + "test_v2tc_metal_matches_oracle"
 V2TC_METAL_LONG = V2TC + "test_v2tc_metal_long_chunk_every_schedule[64]"
 TCVAR = "tests/test_v2tc_variants.py::"
 FUSED = "tests/test_fused_merge.py::"
+SPLIT_MERGE = "tests/test_merge.py::test_split_merge_kernel_matches_closed_form"
+MERGE_KERNEL_NAN = "tests/test_merge.py::test_merge_kernel_large_groups_nan_rows_and_gather[False]"
 TCVAR_ONE = TCVAR + "test_each_variant_alone_and_combined"
 V2TC_FP8 = "tests/test_v2tc_fp8.py::"
 V2TC_FP8_CASE = V2TC_FP8 + "test_v2tc_fp8_matches_oracle"
@@ -502,6 +504,37 @@ MUTANTS: tuple[Mutant, ...] = (
        "    return np.maximum(0, vis - int(window_left))",
        [VAR_ORACLE + "[emulated-cuda-w5-v2-split]"],
        "the window keeps W tokens instead of W + 1"),
+    # ------------------------------------------------------------ the split merge (#17)
+    _m("cuda-split-merge-drops-last-warp", "cuda", ("merge",),
+       "    for (int p = 0; p < SPLIT; ++p) {\n      den += red->den[p];",
+       "    for (int p = 0; p < SPLIT - 1; ++p) {\n      den += red->den[p];",
+       [SPLIT_MERGE + "[4-128-True-False]"],
+       "the combine of a split merge leaves out the last warp's share of the partials"),
+    _m("cuda-split-merge-own-warp-max", "cuda", ("merge",),
+       "mx = fmaxf(mx, red->mx[p]); bad", "bad",
+       [SPLIT_MERGE + "[2-64-False-False]"],
+       "each warp of a split merge weighs its partials by its own max, not the group's"),
+    _m("cuda-split-merge-no-barrier-before-combine", "cuda", ("merge",),
+       "    if (lane == 0) red->den[part] = den;\n    __syncthreads();\n",
+       "    if (lane == 0) red->den[part] = den;\n",
+       [SPLIT_MERGE + "[8-128-False-True]"],
+       "warp 0 adds the other warps' sums before they are stored"),
+    _m("cuda-split-merge-every-run", "cuda", ("merge",),
+       "base += (long long)run * SPLIT) {\n      const long long i = base + lane;\n      float w",
+       "base += (long long)run) {\n      const long long i = base + lane;\n      float w",
+       [SPLIT_MERGE + "[8-256-True-True]"],
+       "every warp of a split merge weighs every run from its first on, counting rows of "
+       "other warps again"),
+    _m("cuda-merge-uses-unweighted-first-rows", "cuda", ("merge",),
+       "          if (wu[u] > 0.f) {                                 // warp-uniform",
+       "          {", [MERGE_KERNEL_NAN],
+       "the rows read before their weights are known are added even at weight 0, so an "
+       "empty chunk's NaN row poisons its group"),
+    _m("cuda-merge-first-run-lse-reused", "cuda", ("merge",),
+       "        if (base != base0) {",
+       "        if (false) {",
+       [SPLIT_MERGE + "[4-128-True-False]", MERGE],
+       "pass 2 weighs every run of a warp by the LSEs pass 1 kept for its first run"),
     # ------------------------------------------------------------ v2tc's fused merge (#17)
     _m("v2tc-fused-merge-one-cta-early", "cuda", ("v2tc",),
        "      sm_last = done == parts;", "      sm_last = done == parts - 1;",
@@ -692,22 +725,23 @@ MUTANTS: tuple[Mutant, ...] = (
        "v1 maps query heads to KV heads round-robin instead of in groups"),
     # ------------------------------------------------------------ merge
     _m("cuda-merge-no-32-row-cap", "cuda", ("merge",),
-       "const int count = end - base < 32 ? (int)(end - base) : 32;",
+       "const int count = end - base < run ? (int)(end - base) : run;",
        "const int count = (int)(end - base);",
        [MERGE + "[emulated-cuda]"],
        "a pass over more than 32 rows: row weights shuffled in from lanes that wrap"),
     _m("cuda-merge-gather-max-wrong-row", "cuda", ("merge",),
-       "lse + (GATHER ? (long long)rows[i] : i) * num_heads + h)", "lse + i * num_heads + h)",
+       "(GATHER ? (long long)rows[base0 + lane] : base0 + lane)", "(base0 + lane)",
        [ORACLE + "test_gathering_merge_large_groups_wide_lse_range"],
-       "the gathering merge's running max taken from the rows in storage order"),
+       "the gathering merge's first pass (its max, and the LSEs kept for the first run) "
+       "reads the rows in storage order"),
     _m("cuda-merge-row-stride", "cuda", ("merge",),
-       "reinterpret_cast<const float4*>(v + (ru * num_heads + h) * HEAD_DIM)",
-       "reinterpret_cast<const float4*>(v + (ru + h) * HEAD_DIM)",
+       "reinterpret_cast<const float4*>(v + (r * num_heads + h) * HEAD_DIM)",
+       "reinterpret_cast<const float4*>(v + (r + h) * HEAD_DIM)",
        [MERGE + "[emulated-cuda]"],
        "a partial's row addressed without the head stride"),
     _m("cuda-merge-lane-columns", "cuda", ("merge",),
-       "            const int c = lane + 32 * k;",
-       "            const int c = lane * PER_LANE + k;",
+       "  const auto col = [lane](int k) { return lane + 32 * k; };",
+       "  const auto col = [lane](int k) { return lane * PER_LANE + k; };",
        [CASE + "[emulated-cuda-d256-g8-ps16-f16]"],
        "lanes read blocked columns but write strided ones (two float4 per lane: head_dim 256)"),
     _m("metal-merge-lane-local-max", "metal", ("merge",),

@@ -87,13 +87,17 @@ def test_math_header_dependence_is_caught_by_nvrtc(monkeypatch):
 
 def test_cascade_specializations_compile():
     """The tensor-core prefix kernel (cascade level 0) for every head_dim, both 16-bit
-    dtypes and the page sizes of the tests and suites, and the gathering merge (sm_90 with
-    ptxas: the mma.sync operands and the register budget meet the real toolchain)."""
+    dtypes and the page sizes of the tests and suites, the gathering merge and every split
+    merge (sm_90 with ptxas: the mma.sync operands and the register budget meet the real
+    toolchain)."""
     from paged_decode.specs import SUPPORTED_HEAD_DIMS, merge_spec, prefix_spec
     cuda_compile.compile_specs({prefix_spec(dt, d, p) for dt, d, p in itertools.product(
         ("float16", "bfloat16"), SUPPORTED_HEAD_DIMS, (1, 8, 16, 64))}
         | {merge_spec(dt, d, gather=True) for dt, d in itertools.product(
-            DTYPES, SUPPORTED_HEAD_DIMS)})
+            DTYPES, SUPPORTED_HEAD_DIMS)}
+        | {merge_spec(dt, d, gather=g, sink=s, split=k) for dt, d, g, s, k in
+           itertools.product(DTYPES, SUPPORTED_HEAD_DIMS, (False, True), (False, True),
+                             (2, 4, 8, 16))})
 
 
 def test_append_specializations_compile():

@@ -5,6 +5,7 @@ oracle matrix for both dialects is in ``test_emulated_oracle.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -59,12 +60,17 @@ def test_merge_without_rescale_fails():
     assert mutant_fails(bad, SPEC_NEG, ppc=1)
 
 
-def test_merge_reading_the_wrong_row_fails():
+@pytest.mark.parametrize("old, new, context", [
+    # the first batch, read with the LSEs (4 partials per group: nothing after it)
+    ("const long long ru = __shfl_sync(0xffffffffu, src_first, u);",
+     "const long long ru = __shfl_sync(0xffffffffu, src_first, 0);", 60),
+    # the later batches (13 partials per group)
+    ("const long long ru = __shfl_sync(0xffffffffu, src, j + u);",
+     "const long long ru = __shfl_sync(0xffffffffu, src, j);", 200)])
+def test_merge_reading_the_wrong_row_fails(old, new, context):
     # the batched row reads: lane u's row taken for all UNROLL rows of a batch
-    bad = backend(Mutation("cuda", ("merge",),
-                           "const long long ru = __shfl_sync(0xffffffffu, src, j + u);",
-                           "const long long ru = __shfl_sync(0xffffffffu, src, j);"))
-    assert mutant_fails(bad, SPEC_NEG, ppc=1)
+    bad = backend(Mutation("cuda", ("merge",), old, new))
+    assert mutant_fails(bad, dataclasses.replace(SPEC_NEG, context=context), ppc=1)
 
 
 def test_merge_with_a_lane_local_denominator_fails():
@@ -96,6 +102,8 @@ def test_launch_packing_matches_cuda_backend(monkeypatch):
     monkeypatch.setattr(cb, "dtype_of", ReferenceBackend().dtype_of)
     monkeypatch.setattr(cb, "_run", lambda launch: calls["cuda"].append(launch))
     eb = EmulatedCudaBackend()
+    # the merge's split rule reads the device (no CuPy here): the same one for both
+    monkeypatch.setattr(cb, "device_info", lambda index=None: eb.device_info())
     monkeypatch.setattr(eb, "_run", lambda launch: calls["emu"].append(launch))
     spec = ProblemSpec(2, 50, 8, 2, 64, 16, seed=31)
     pr = make_problem(spec)

@@ -196,6 +196,24 @@ def test_by_default_the_merge_fuses_where_each_warp_merges_one_head(emu, monkeyp
     assert not emu.fuses_merge(plan, "float16")
 
 
+def test_by_default_the_merge_does_not_fuse_where_the_merge_kernel_splits(emu, monkeypatch):
+    # S17-R3: at batch 1 over 32+ chunks per request the split merge's two launches were
+    # faster than the fused merge (one warp per head)
+    from paged_decode.backends.launching import MERGE_SPLIT_ENV
+    monkeypatch.delenv(FUSED_MERGE_ENV, raising=False)
+    monkeypatch.delenv(MERGE_SPLIT_ENV, raising=False)
+    pr = make_problem(ProblemSpec(1, 1200, 8, 2, 64, 16, seed=16, jitter=False))
+    plan = _plan(emu, pr, 1)
+    assert emu.merge_split(1, 8, plan.num_chunks) > 1
+    assert not emu.fuses_merge(plan, "float16")
+    run = lambda: pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan,  # noqa: E731
+                            path="v2tc", backend=emu, out_dtype="float32")
+    assert _launches(emu, run) == ["v2tc", "merge"]
+    monkeypatch.setenv(MERGE_SPLIT_ENV, "1")      # an unsplit merge: fused again
+    assert emu.fuses_merge(plan, "float16")
+    assert _launches(emu, run) == ["v2tc"]
+
+
 def _kept_counters(monkeypatch, be, plan, start=0):
     counters = np.full(launches.fused_merge_slots(plan), start, np.int32)
     monkeypatch.setattr(be, "merge_counters", lambda p: counters)

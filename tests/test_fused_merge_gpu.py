@@ -17,7 +17,7 @@ from helpers import take_and_repoison
 
 import paged_decode as pd
 from paged_decode.backends import availability
-from paged_decode.backends.launching import FUSED_MERGE_ENV
+from paged_decode.backends.launching import FUSED_MERGE_ENV, MERGE_SPLIT_ENV
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
 from paged_decode.specs import v2tc_ctas_per_chunk
@@ -25,6 +25,14 @@ from paged_decode.specs import v2tc_ctas_per_chunk
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not availability("cuda").ok,
                                  reason=f"CUDA backend unavailable: {availability('cuda').reason}")]
+
+
+@pytest.fixture(autouse=True)
+def _unsplit_merge(monkeypatch):
+    """The two launches compared bit for bit with the fused merge run the merge kernel
+    unsplit: the fused merge is its one-warp code (``pd::merge_group`` with SPLIT 1), and a
+    split merge adds the same terms in another order (S17-R1: equal to 1 float32 ulp)."""
+    monkeypatch.setenv(MERGE_SPLIT_ENV, "1")
 
 
 def _setup(spec, ppc, lengths=None):

@@ -308,3 +308,95 @@ def test_merge_head_dim_the_kernels_cannot_take_is_refused(monkeypatch):
         merge_states(v, lse, [0, 2])
     out, _ = merge_states(np.zeros((2, H, 8), np.float32), lse, [0, 2])
     assert out.shape == (1, H, 8)
+
+
+# ---------------------------------------------------------------------------- the split merge
+SPLIT_SIZES = [0, 1, 7, 8, 33, 64, 65, 130, 257, 300]
+
+
+@pytest.mark.skipif(not __import__("paged_decode.backends", fromlist=["x"]).availability(
+    "emulated-cuda").ok, reason="emulator unavailable")
+@pytest.mark.parametrize("split, d, gather, sink", [
+    (2, 64, False, False), (4, 128, True, False), (8, 128, False, True),
+    (8, 256, True, True), (4, 96, False, False), (2, 256, False, True),
+    (16, 128, True, True), (16, 64, False, False)])
+def test_split_merge_kernel_matches_closed_form(monkeypatch, split, d, gather, sink):
+    """The CUDA merge with ``split`` warps per (row, head) (emulated, forced through
+    ``PAGED_DECODE_MERGE_SPLIT``) on groups of 0..300 rows: runs shorter than a warp's
+    share, a group ending mid-run and mid-unroll, warps with no rows; empty rows holding
+    NaN (never read), NaN / +inf LSEs poisoning their group; a row index; sinks joining
+    once per group; NaN-poisoned outputs."""
+    from paged_decode.backends import get_backend
+    monkeypatch.setenv("PAGED_DECODE_MERGE_SPLIT", str(split))
+    be = get_backend("emulated-cuda")
+    assert be.merge_split(1, 1, 10**6) == split
+    rng = np.random.default_rng(split * 1000 + d)
+    indptr = np.concatenate([[0], np.cumsum(SPLIT_SIZES)]).astype(np.int32)
+    n, h = int(indptr[-1]), 2
+    v = rng.standard_normal((n, h, d)).astype(np.float32)
+    lse = rng.uniform(-8, 12, (n, h)).astype(np.float32)
+    empty = rng.random((n, h)) < 0.15
+    lse[empty] = NEG_INF
+    v[empty] = np.nan
+    lse[indptr[4] + 20, 0] = np.nan            # poisons (group 4, head 0) only
+    lse[indptr[8] + 200, 1] = np.inf           # poisons (group 8, head 1), past warp 0's rows
+    sinks = rng.uniform(-2, 6, h).astype(np.float32) if sink else None
+    ref_v, ref_lse = ref_merge(np.where(empty[..., None], 0, v), lse, indptr)
+    if sink:    # one more state per (group, head): LSE sink * log2(e), value 0
+        sv = np.concatenate([v, np.zeros((len(SPLIT_SIZES), h, d), np.float32)])
+        sl = np.concatenate([lse, np.tile(sinks * np.log2(np.e), (len(SPLIT_SIZES), 1))])
+        order = np.concatenate([np.r_[indptr[o]:indptr[o + 1], n + o]
+                                for o in range(len(SPLIT_SIZES))]).astype(np.int64)
+        sindptr = np.concatenate([[0], np.cumsum(np.array(SPLIT_SIZES) + 1)])
+        sempty = np.concatenate([empty, np.zeros((len(SPLIT_SIZES), h), bool)])
+        ref_v, ref_lse = ref_merge(np.where(sempty[order][..., None], 0, sv[order]),
+                                   sl[order], sindptr)
+    assert np.isnan(ref_lse).sum() == 2 and np.isfinite(ref_lse).any()
+    kw = {"sinks": sinks} if sink else {}
+    if gather:
+        perm = rng.permutation(n).astype(np.int32)
+        sv_, sl_ = np.empty_like(v), np.empty_like(lse)
+        sv_[perm], sl_[perm] = v, lse
+        v, lse, kw = sv_, sl_, {**kw, "rows": perm}
+    v_out = np.full((len(SPLIT_SIZES), h, d), np.nan, np.float32)
+    lse_out = np.full((len(SPLIT_SIZES), h), np.nan, np.float32)
+    be.merge(v, lse, indptr, v_out, lse_out, **kw)
+    assert_close_to_ref(v_out, lse_out, ref_v, ref_lse, tol=5e-6)
+
+
+def test_merge_split_rule():
+    """``launches.merge_split``: the most warps per (row, head) whose warps stay within
+    16 per SM and take 8+ partials each on average; 1 when the groups are many or short."""
+    from paged_decode.backends.launches import merge_split
+    sms = 132
+    assert merge_split(1, 8, 256, sms) == 16       # Llama-3-70B TP8, 1 x 32K: 256 chunks
+    assert merge_split(1, 8, 64, sms) == 8         # 1 x 8K: 64 chunks
+    assert merge_split(1, 32, 33, sms) == 4        # GQA 4, 1 x 16K: 33 chunks
+    assert merge_split(1, 32, 16, sms) == 2
+    assert merge_split(1, 32, 15, sms) == 1        # under 8 partials per warp
+    assert merge_split(8, 8, 8 * 33, sms) == 4     # 64 groups of 33
+    assert merge_split(8, 32, 8 * 4, sms) == 1     # short groups
+    assert merge_split(64, 32, 64 * 64, sms) == 1  # 2048 groups: 16 per SM already
+    assert merge_split(0, 8, 0, sms) == 1
+    assert merge_split(1, 8, 256, 1) == 2          # a one-unit device: 16 warps
+
+
+def test_merge_split_setting_is_checked(monkeypatch):
+    from paged_decode.backends import get_backend
+    be = get_backend("emulated-cuda") if __import__(
+        "paged_decode.backends", fromlist=["x"]).availability("emulated-cuda").ok else None
+    if be is None:
+        pytest.skip("emulator unavailable")
+    monkeypatch.setenv("PAGED_DECODE_MERGE_SPLIT", "3")
+    with pytest.raises(InvalidArgumentError, match=r"merge: PAGED_DECODE_MERGE_SPLIT must be "
+                       r"one of 1, 2, 4, 8, 16 or unset, got '3'"):
+        be.merge_split(1, 8, 256)
+    monkeypatch.setenv("PAGED_DECODE_MERGE_SPLIT", "1")
+    assert be.merge_split(1, 8, 256) == 1
+    monkeypatch.delenv("PAGED_DECODE_MERGE_SPLIT")
+    assert be.merge_split(1, 8, 256) == launches_rule(be)
+
+
+def launches_rule(be) -> int:
+    from paged_decode.backends.launches import merge_split
+    return merge_split(1, 8, 256, be.device_info().compute_units)

@@ -56,6 +56,12 @@
 #               transformers' dynamic and static caches -> $OUT/generate_*.json;
 #               GENERATE_TEST_K narrows the tests, GENERATE_NOISE=1 adds
 #               bench/device/generate_noise.py (the float32 logit floor of a batch layout)
+#   kernel-times  each kernel of one call alone under ncu (KT_CELLS x KT_ARMS): where a
+#               batch-1 call's GPU time goes, kernel by kernel, beside FlashInfer's
+#   tc-batch1   v2tc at batch 1 with 3 ring stages and with 3 CTAs per SM, beside the default
+#   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
+#   merge-split the split merge: GPU tests, memcheck / racecheck, models and targets
+#               (batch 1-8) cells with its rule and with PAGED_DECODE_MERGE_SPLIT=1
 #   pdl         the merge as a programmatic dependent launch: a stream probe, its GPU tests with
 #               PAGED_DECODE_PDL=1, v2 / v2tc at batch 1-8 with it off and on (PDL_ARMS)
 #   fused       v2tc's fused merge: its GPU tests, memcheck / racecheck (FUSED_SANITIZE_K), batch
@@ -358,6 +364,49 @@ ncu_cells() {
     done
   done
 }
+# each kernel of one call alone under ncu (its caches flushed): KT_CELLS "B CTX HQ HKV"
+# x KT_ARMS; $OUT/kernel_times.csv and a per-call summary (bench/device/kernel_times.py)
+step_kernel_times() {
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
+  local cell arm f="$OUT/kernel_times.csv"
+  local IFS_SAVE=$IFS
+  IFS=';'
+  for cell in ${KT_CELLS:-1 8192 8 1;1 32768 8 1;1 8192 32 2;1 16384 32 8;1 1024 8 1;8 8192 32 8}; do
+    IFS=$IFS_SAVE
+    for arm in ${KT_ARMS:-v2 v2tc flashinfer-tc}; do
+      echo "== $arm $cell" >> "$f"
+      timeout 60 ncu --profile-from-start off --csv --print-units base --metrics \
+        gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+        python3 bench/device/kernel_times.py $arm $cell >> "$f" 2>&1
+    done
+    IFS=';'
+  done
+  IFS=$IFS_SAVE
+  python3 - "$f" <<'PY' | tee "$OUT/kernel_times.md"
+import csv, sys
+block, rows = None, {}
+for line in open(sys.argv[1]):
+    if line.startswith("== "):
+        block = line[3:].strip(); rows[block] = {}; continue
+    if not line.startswith('"') or block is None: continue
+    r = next(csv.reader([line]))
+    if r[0] == "ID": continue
+    try: kid, name, metric, value = r[0], r[4], r[-3], r[-1]
+    except IndexError: continue
+    rows[block].setdefault((kid, name.split("(")[0][:60]), {})[metric] = value
+for block, ks in rows.items():
+    print(f"{block}:")
+    tot = 0.0
+    for (kid, name), m in ks.items():
+        t = float(m.get("gpu__time_duration.sum", "nan").replace(",", "")) / 1000
+        tot += t
+        print(f"  {name:60s} {t:8.2f} us  grid {m.get('launch__grid_size','?'):>6}  regs "
+              f"{m.get('launch__registers_per_thread','?'):>4}  dram% "
+              f"{m.get('dram__throughput.avg.pct_of_peak_sustained_elapsed','?'):>6}  warps% "
+              f"{m.get('sm__warps_active.avg.pct_of_peak_sustained_active','?')}")
+    print(f"  sum {tot:.2f} us")
+PY
+}
 step_ncu_v2tc() {
   ncu_cells "$OUT/ncu_v2tc.txt" --section LaunchStats --section WarpStateStats \
     --section SchedulerStats || return
@@ -427,6 +476,82 @@ step_fused_models() {
     PAGED_DECODE_FUSED_MERGE=$f BENCH_TIMEOUT=100 run_bench "fused_fp8_gqa16_$f" --preset models \
       --model gqa16 --context 8192 --batch 8 --batch 32 --kv-dtype float8_e4m3fn --arms v2tc \
       | tail -6
+  done
+}
+# the split merge (several warps per (row, head) where few groups merge many partials):
+# its GPU tests, memcheck and racecheck over them, then the models layouts (MERGE_MODELS;
+# 1K / 8K / 32K x batch 1 / 8 / 64) and the targets cells at batch 1-8 with the rule's
+# split (FlashInfer beside it: run fi first) and with PAGED_DECODE_MERGE_SPLIT=1, and v2tc
+# with its fused merge off (two launches, split) beside the default
+step_merge_split() {
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs tests/test_merge_split_gpu.py \
+    tests/test_fused_merge_gpu.py tests/test_cuda_gpu.py tests/test_cuda_graphs.py \
+    tests/test_pdl_gpu.py tests/test_engine_step_gpu.py > "$L/split_tests.log" 2>&1
+  echo "split tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/split_tests.log" | tail -8
+  PAGED_DECODE_PDL=1 timeout 100 python3 -m pytest -q -m gpu tests/test_pdl_gpu.py \
+    tests/test_merge_split_gpu.py -k "pdl or decode" > "$L/split_pdl_tests.log" 2>&1
+  echo "split tests with PDL rc=$?"; grep -E "FAILED|passed|failed" "$L/split_pdl_tests.log" | tail -4
+  local tool
+  for tool in memcheck racecheck; do
+    timeout ${SANITIZE_TIMEOUT:-100} compute-sanitizer --tool $tool --error-exitcode 9 \
+      python3 -m pytest -q -m gpu -x tests/test_merge_split_gpu.py \
+      -k "${SPLIT_SANITIZE_K:-128 or decode}" > "$L/split_$tool.log" 2>&1
+    echo "split $tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" \
+      "$L/split_$tool.log" | tail -3
+  done
+  [ "${SPLIT_BENCH:-1}" = 1 ] || return 0
+  local m arms
+  # FlashInfer's prebuilt ops are head_dim 128: at 256 / 96 it would JIT-compile for minutes
+  for m in ${MERGE_MODELS:-llama3-70b-tp8 gqa16 qwen2-7b gemma2-9b phi3-mini}; do
+    case $m in gemma2-9b|phi3-mini) arms=v2,v2tc ;; *) arms=${SPLIT_ARMS:-v2,v2tc,flashinfer,flashinfer-tc} ;; esac
+    BENCH_TIMEOUT=100 run_bench "split_${m}_auto" --preset models --model $m --arms $arms | tail -12
+    PAGED_DECODE_MERGE_SPLIT=1 BENCH_TIMEOUT=100 run_bench "split_${m}_1" --preset models \
+      --model $m --arms v2,v2tc | tail -12
+  done
+  # shorter chunks, now that a long merge is cheap (SPLIT_FLOORS: chunk floors in tokens)
+  local f
+  for f in ${SPLIT_FLOORS:-}; do
+    for m in llama3-70b-tp8 gqa16; do
+      PAGED_DECODE_MIN_CHUNK_TOKENS=$f BENCH_TIMEOUT=100 run_bench "split_${m}_floor$f" \
+        --preset models --model $m --batch 1 --batch 8 --arms v2,v2tc | tail -8
+    done
+  done
+  local c="--preset targets --batch 1 --batch 4 --batch 8"
+  BENCH_TIMEOUT=150 run_bench split_targets_auto $c --arms ${SPLIT_ARMS:-v2,v2tc,flashinfer,flashinfer-tc} | tail -14
+  PAGED_DECODE_MERGE_SPLIT=1 BENCH_TIMEOUT=150 run_bench split_targets_1 $c --arms v2,v2tc | tail -14
+  PAGED_DECODE_FUSED_MERGE=0 BENCH_TIMEOUT=150 run_bench split_targets_unfused $c --arms v2tc | tail -14
+}
+# v2tc at plan CTA targets beyond the default 2 per SM (TC_TARGETS; "" is the default),
+# where its 3-4 resident CTAs per SM are left idle or a second wave runs nearly empty:
+# GQA 7 and 16 at batch 8 / 64 x 8K / 32K, Llama-3-8B heads at batch 64 / 128 x 4K / 16K
+step_tc_target() {
+  local t m
+  for t in ${TC_TARGETS:-"" 396 792}; do
+    for m in qwen2-7b gqa16; do
+      PAGED_DECODE_TARGET_CTAS=$t BENCH_TIMEOUT=60 run_bench "tc_target_${m}_${t:-default}" \
+        --preset models --model $m --batch 8 --batch 64 --context 8192 --context 32768 \
+        --arms v2tc | tail -6
+    done
+    PAGED_DECODE_TARGET_CTAS=$t BENCH_TIMEOUT=90 run_bench "tc_target_llama3-8b_${t:-default}" \
+      --preset targets --batch 64 --batch 128 --context 4096 --context 16384 --arms v2tc | tail -6
+  done
+}
+# v2tc at batch 1 with a deeper ring (PAGED_DECODE_STAGES=3) and 3 CTAs per SM in the
+# plan (PAGED_DECODE_TARGET_CTAS=396), beside the defaults in the same run: Llama-3-8B
+# heads at 4K-32K and the GQA 8 / 16 layouts at 8K / 32K
+step_tc_batch1() {
+  local knob label m
+  for knob in "" PAGED_DECODE_STAGES=3 PAGED_DECODE_TARGET_CTAS=396; do
+    label=${knob:-default}; label=${label#PAGED_DECODE_}; label=${label/=/}
+    (
+      [ -n "$knob" ] && export "$knob"
+      BENCH_TIMEOUT=60 run_bench "tc_b1_targets_$label" --preset targets --batch 1 \
+        --context 4096 --context 16384 --context 32768 --arms v2tc | tail -5
+      for m in llama3-70b-tp8 gqa16; do
+        BENCH_TIMEOUT=60 run_bench "tc_b1_${m}_$label" --preset models --model $m --batch 1 \
+          --context 8192 --context 32768 --arms v2tc | tail -4
+      done
+    )
   done
 }
 step_pdl_probe() { python3 bench/device/pdl_probe.py "$OUT/pdl_probe.json" 2>&1 | tail -12; }

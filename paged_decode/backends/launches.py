@@ -23,6 +23,7 @@ import numpy as np
 from ..dtypes import itemsize
 from ..errors import UnsupportedProblemError
 from ..kernels import append
+from ..kernels.merge import SPLITS as MERGE_SPLITS
 from ..kernels.merge import WARPS_PER_BLOCK as MERGE_ITEMS_PER_BLOCK
 from ..kernels.registry import kernel_def
 from ..plan import DecodePlan
@@ -257,17 +258,21 @@ class FusedMerge:
     out_dtype: str
 
 
-def fused_merge_pays(plan: DecodePlan, kv_dtype: str) -> bool:
+def fused_merge_pays(plan: DecodePlan, kv_dtype: str, merge_split: int = 1) -> bool:
     """Whether the tensor-core partial fuses its merge by default: where a CTA's query
     heads (its rows, at most 16) are no more than its warps, so its last CTA merges one
-    head per warp, as the merge kernel's one warp per (request, head) does, and at head_dim
-    up to 128. With more heads per CTA the merge of a request serializes on one CTA: on
-    the H200 GQA 7, 8 and 16 took up to 2.5x the two launches' time at batch 1-8
-    (S16-R4). At head_dim 256 (GQA 2) the fused kernel ran 9-13% slower wherever a call
-    merged (S16-R5; not profiled). GQA 1 at head_dim 96 and GQA 4 at 128 were within
-    0.8 us (S16-R1, R5)."""
+    head per warp, as the unsplit merge kernel's one warp per (request, head) does, at
+    head_dim up to 128, and where the merge kernel would run unsplit (``merge_split``, the
+    split the two launches' merge would take, is 1). With more heads per CTA the merge of
+    a request serializes on one CTA: on the H200 GQA 7, 8 and 16 took up to 2.5x the two
+    launches' time at batch 1-8 (S16-R4). At head_dim 256 (GQA 2) the fused kernel ran
+    9-13% slower wherever a call merged (S16-R5; not profiled). GQA 1 at head_dim 96 and
+    GQA 4 at 128 were within 0.8 us (S16-R1, R5), and at GQA 4 batch 4-8 the fused call
+    is 0.7-2.7 us faster than two launches; at batch 1 over 32-34 chunks per request the
+    split merge's two launches are 2.3-3.8 us faster (S17-R3)."""
     rows = min(16, plan.num_qo_heads // plan.num_kv_heads)
-    return plan.head_dim <= 128 and rows <= v2tc_warps(plan.head_dim, kv_dtype)
+    return (plan.head_dim <= 128 and rows <= v2tc_warps(plan.head_dim, kv_dtype)
+            and merge_split == 1)
 
 
 def fused_merge_slots(plan: DecodePlan) -> int:
@@ -276,23 +281,56 @@ def fused_merge_slots(plan: DecodePlan) -> int:
                                                                  plan.num_kv_heads)
 
 
+#: the split merge's bounds (``merge_split``): its warps stay within this many per SM, so
+#: every block of the grid is resident at once (a split block is one (row, head); the
+#: merge kernel holds few registers and at most 16.5 KB of shared memory) ...
+MERGE_SPLIT_WARPS_PER_UNIT = 16
+#: ... and each warp takes this many partials on average (one load batch of
+#: ``kernels.merge.SPLIT_UNROLL``): fewer leave split warps with nothing to load
+MERGE_SPLIT_MIN_ROWS = 8
+
+
+def merge_split(outputs: int, heads: int, inputs: int, units: int) -> int:
+    """Warps per (output row, head) of the merge (``kernels/merge.py`` ``SPLIT``): the most
+    of ``MERGE_SPLITS`` whose warps, ``outputs x heads x split``, stay within
+    ``MERGE_SPLIT_WARPS_PER_UNIT`` per unit of ``units`` and take at least
+    ``MERGE_SPLIT_MIN_ROWS`` of a group's ``inputs / outputs`` partials each; else 1 (one
+    warp per (row, head), four per block). Why: one warp merges a group's partials
+    ``4`` at a time, each batch waiting on memory, so a batch-1 call over 256 chunks per
+    head waits 64 times in a row on 8 warps of an idle device; a split warp takes about
+    ``inputs / (outputs x split)`` rows, ``kernels.merge.SPLIT_UNROLL`` at a time."""
+    if outputs <= 0 or heads <= 0:
+        return 1
+    mean = inputs / outputs
+    for split in sorted(MERGE_SPLITS, reverse=True):
+        if (split > 1 and outputs * heads * split <= MERGE_SPLIT_WARPS_PER_UNIT * units
+                and mean >= MERGE_SPLIT_MIN_ROWS * split):
+            return split
+    return 1
+
+
 def merge_launch(*, out_dtype: str, shape: tuple[int, int, int], v: Any, lse: Any,
                  o_indptr: Any, v_out: Any, lse_out: Any, rows: Any = None,
-                 sinks: Any = None) -> Launch:
-    """The merge: ``shape`` = (M, H, D) of ``v_out``; one warp per (row, head). With
-    ``rows`` (int32 ``[o_indptr[M]]``) merge input ``i`` is row ``rows[i]`` of ``v``/``lse``
-    (CUDA dialect only); without, ``o_indptr`` stands in for the unread pointer. With
-    ``sinks`` (``[H]`` float32) each group takes the head's sink once; without, ``lse``
-    stands in."""
+                 sinks: Any = None, split: int = 1) -> Launch:
+    """The merge: ``shape`` = (M, H, D) of ``v_out``; one warp per (row, head), or with
+    ``split`` > 1 (CUDA dialect only; one of ``MERGE_SPLITS``: ``merge_split``) one block
+    of ``split`` warps per (row, head). With ``rows`` (int32 ``[o_indptr[M]]``) merge input
+    ``i`` is row ``rows[i]`` of ``v``/``lse`` (CUDA dialect only); without, ``o_indptr``
+    stands in for the unread pointer. With ``sinks`` (``[H]`` float32) each group takes
+    the head's sink once; without, ``lse`` stands in."""
     m, h, d = shape
-    spec = merge_spec(out_dtype, d, gather=rows is not None, sink=sinks is not None)
+    if split not in MERGE_SPLITS:
+        raise ValueError(f"merge_launch: split must be one of {MERGE_SPLITS}, got {split!r}")
+    spec = merge_spec(out_dtype, d, gather=rows is not None, sink=sinks is not None,
+                      split=split)
     args = [*_ins(("v", "lse", "o_indptr", "rows", "sinks"),
                   (v, lse, o_indptr, o_indptr if rows is None else rows,
                    lse if sinks is None else sinks)),
             Arg("v_out", v_out, "out"), Arg("lse_out", lse_out, "out"),
             Arg("num_heads", np.int32(h), "scalar"), Arg("num_out", np.int32(m), "scalar")]
     # the merge kernel waits for the grid before it first thing (pd::wait_for_prerequisites)
-    return _launch(spec, (-(-m * h // MERGE_ITEMS_PER_BLOCK), 1), args, dependent=True)
+    blocks = m * h if split > 1 else -(-m * h // MERGE_ITEMS_PER_BLOCK)
+    return _launch(spec, (blocks, 1), args, dependent=True)
 
 
 def v1_launch(*, dtypes: tuple[str, str, str], shape: tuple[int, int, int],

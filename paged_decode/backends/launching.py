@@ -32,6 +32,9 @@ from .base import Backend, Problem, Support
 #: the tensor-core partial's fused merge (``partial_tc_merged``): unset, where it pays
 #: (``launches.fused_merge_pays``); ``1`` always; ``0`` never (the merge kernel's launch)
 FUSED_MERGE_ENV = "PAGED_DECODE_FUSED_MERGE"
+#: warps per (row, head) of the CUDA merge: unset, ``launches.merge_split``'s rule; one of
+#: ``launches.MERGE_SPLITS`` forces it (``1``: never split)
+MERGE_SPLIT_ENV = "PAGED_DECODE_MERGE_SPLIT"
 
 
 class LaunchingBackend(Backend):
@@ -138,7 +141,9 @@ class LaunchingBackend(Backend):
             return False
         val = settings.get(FUSED_MERGE_ENV)
         if val in (None, ""):
-            return launches.fused_merge_pays(plan, kv_dtype)
+            return launches.fused_merge_pays(
+                plan, kv_dtype, self.merge_split(plan.batch_size, plan.num_qo_heads,
+                                                 plan.num_chunks))
         return val != "0"
 
     def merge_counters(self, plan: DecodePlan) -> Any:
@@ -166,10 +171,27 @@ class LaunchingBackend(Backend):
               rows: Any = None, *, sinks: Any = None) -> None:
         if rows is not None and not self.merge_gathers:
             raise InvalidArgumentError(f"{self.name} backend: the merge takes no row index")
+        m, h, _ = v_out.shape
         self._run(launches.merge_launch(
             out_dtype=self.dtype_of(v_out), shape=tuple(v_out.shape), v=v, lse=lse,
             o_indptr=self.index_array(o_indptr), v_out=v_out, lse_out=lse_out, rows=rows,
-            sinks=sinks))
+            sinks=sinks, split=self.merge_split(int(m), int(h), int(o_indptr[-1]))))
+
+    def merge_split(self, outputs: int, heads: int, inputs: int) -> int:
+        """Warps per (row, head) of a merge of ``inputs`` partials into ``outputs x heads``
+        groups: 1 on the Metal dialect (its merge has no split); else
+        ``PAGED_DECODE_MERGE_SPLIT`` when set, ``launches.merge_split``'s rule when not."""
+        if self.metal_dialect:
+            return 1
+        val = (settings.get(MERGE_SPLIT_ENV) or "").strip()
+        if not val:
+            return launches.merge_split(outputs, heads, inputs,
+                                        self.device_info().compute_units)
+        if val not in {str(s) for s in launches.MERGE_SPLITS}:
+            raise InvalidArgumentError(
+                f"merge: {MERGE_SPLIT_ENV} must be one of "
+                f"{', '.join(map(str, launches.MERGE_SPLITS))} or unset, got {val!r}")
+        return int(val)
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                   sm_scale: float, out: Any, lse_out: Any, *,

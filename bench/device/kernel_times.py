@@ -1,0 +1,37 @@
+"""One decode call of one arm at one cell, inside a profiler range, for
+``ncu --profile-from-start off``: ncu then times each kernel of that call alone (with its
+caches flushed), so a call's GPU time splits into its kernels (our partial and merge,
+FlashInfer's), and what the graph replay adds on top is the launch gaps.
+
+Usage: python3 bench/device/kernel_times.py ARM BATCH CONTEXT HQ HKV [HEAD_DIM]
+(ARM: v2, v2tc, flashinfer, flashinfer-tc; float16, page 16, the bench's plan and arms)
+"""
+
+import sys
+
+import numpy as np
+
+arm_name, b, ctx, hq, hkv = sys.argv[1], *map(int, sys.argv[2:6])
+d = int(sys.argv[6]) if len(sys.argv) > 6 else 128
+
+import cupy as cp  # noqa: E402
+
+from paged_decode import plan_decode  # noqa: E402
+from paged_decode.backends import get_backend  # noqa: E402
+from paged_decode.bench.arms import make_arm  # noqa: E402
+from paged_decode.bench.cases import BenchCase  # noqa: E402
+from paged_decode.bench.runner import _problem, _variants  # noqa: E402
+
+be = get_backend("cuda")
+case = BenchCase(b, ctx, 16, hq, hkv, d)
+q, k, v, table = _problem(be, case, 0)
+plan = plan_decode(table, hq, hkv, d, device=be.device_info())
+arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(d), _variants(be, case, 0, q))
+for _ in range(3):
+    arm.call()
+cp.cuda.Device().synchronize()
+cp.cuda.runtime.profilerStart()
+arm.call()
+cp.cuda.Device().synchronize()
+cp.cuda.runtime.profilerStop()
+print("ran", arm.ran)
