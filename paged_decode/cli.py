@@ -189,7 +189,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
               help="Comma-separated arms: gather, v1, v2, v2tc (ours; v2tc: the tensor-core "
                    "partial, float16/bfloat16 on cuda), sdpa (torch SDPA on "
                    "contiguous K/V), flashinfer, flashinfer-tc (FlashInfer batch decode, "
-                   "CUDA cores / tensor cores, when importable).")
+                   "CUDA cores / tensor cores, when importable), flashinfer-xqa "
+                   "(FlashInfer 0.6+'s XQA decode, when that version is importable).")
 @click.option("--reps", default=30, show_default=True, type=POSITIVE,
               help="Timed repetitions (CPU backends time max(3, reps // 6) synchronized "
                    "calls).")

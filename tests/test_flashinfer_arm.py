@@ -170,3 +170,42 @@ def test_flashinfer_smoke_on_gpu():
     if not ok:
         pytest.skip(f"FlashInfer arm unavailable: {why}")
     assert fa.smoke("float16") == 0
+
+
+# ---------------------------------------------------------------------------- the XQA arm
+def test_xqa_arm_import_pulls_in_neither_torch_nor_flashinfer():
+    assert_import_adds_none_of("paged_decode.bench.flashinfer_xqa_arm", {"torch", "flashinfer"})
+
+
+def test_xqa_tables_pad_each_request_with_zeros():
+    from paged_decode.bench.flashinfer_xqa_arm import xqa_tables
+    t = table_of([[5, 2, 9], [7], [3, 4]], lpl=[10, 16, 1], num_pages=12)
+    block, seq = xqa_tables(t)
+    assert block.dtype == np.int32 and seq.dtype == np.uint32
+    np.testing.assert_array_equal(block, [[5, 2, 9], [7, 0, 0], [3, 4, 0]])
+    np.testing.assert_array_equal(seq, [2 * 16 + 10, 16, 16 + 1])
+
+
+@pytest.mark.parametrize("d, p, cap, pattern", [
+    (128, 8, None, r"page sizes \[16, 32, 64, 128\], not 8"),
+    (128, 256, None, r"not 256"),
+    (72, 16, None, r"head_dim a multiple of 16 in \[16, 512\], not 72"),
+    (128, 16, 30.0, r"no logits soft cap")])
+def test_xqa_refusals(d, p, cap, pattern):
+    from paged_decode.bench.flashinfer_xqa_arm import check_xqa_problem
+    with pytest.raises(ValueError, match=pattern):
+        check_xqa_problem(d, p, logits_soft_cap=cap)
+    check_xqa_problem(128, 16)
+    check_xqa_problem(256, 128)
+
+
+def test_make_flashinfer_xqa_refuses_offsets_and_page_sizes_before_importing_anything():
+    from paged_decode.bench.flashinfer_xqa_arm import make_flashinfer_xqa
+    table = table_of(lengths=[33, 33], fpo=[3, 0], spare_pages=2)
+    q, k, v = _arrays(table)
+    with pytest.raises(ValueError, match="first-page offset"):
+        make_flashinfer_xqa(q, k, v, table, sm_scale=0.25)
+    table = table_of(lengths=[33, 20], page_size=8, spare_pages=2)
+    q, k, v = _arrays(table)
+    with pytest.raises(ValueError, match="not 8"):
+        make_flashinfer_xqa(q, k, v, table, sm_scale=0.25)

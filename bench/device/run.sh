@@ -8,6 +8,9 @@
 # returns at most 8) and a run cut short keeps every finished step:
 #   info        `paged-decode info` into $OUT/info.txt
 #   fi          FlashInfer 0.3.1 laid out offline from .carry (carry it), no smoke test
+#   fi06        FlashInfer 0.6 (its XQA decode) laid out from .carry/flashinfer06 and put
+#               first on PYTHONPATH for the later steps, with its smoke test
+#   xqa         v2 / v2tc beside FlashInfer 0.6's XQA decode (run fi06 first)
 #   gpu-tests   every test marked gpu (run fi first for the FlashInfer arm's test), -rs
 #   check-full  `paged-decode check --full` in float16, bfloat16, float32 (5 shards each,
 #               all at once), merged per dtype
@@ -140,6 +143,28 @@ REPS=${BENCH_REPS:-15}
 step_fi() {
   FI_SMOKE=0 timeout 150 bash -c 'source bench/device/flashinfer_setup.sh' > "$L/fi_setup.log" 2>&1
   echo "fi setup rc=$?"; tail -2 "$L/fi_setup.log"
+}
+# FlashInfer 0.6 (.carry/flashinfer06, bench/device/fetch_flashinfer06.sh) first on
+# PYTHONPATH for every later step of this run, with its XQA arm's smoke test (JIT-builds
+# its GQA 4 and 16 kernels): name it after every step that uses FlashInfer 0.3.1
+step_fi06() {
+  timeout ${FI06_TIMEOUT:-400} bash -c 'source bench/device/flashinfer06_setup.sh' \
+    > "$L/fi06_setup.log" 2>&1
+  echo "fi06 setup rc=$?"; tail -8 "$L/fi06_setup.log"
+  export PYTHONPATH="${FI06_HOME:-/tmp/paged-decode-flashinfer06}/site${PYTHONPATH:+:$PYTHONPATH}"
+  export FLASHINFER_WORKSPACE_BASE="${FI06_HOME:-/tmp/paged-decode-flashinfer06}/jit"
+  export FLASHINFER_CUDA_ARCH_LIST=9.0a
+}
+# our arms beside FlashInfer 0.6's XQA decode (run fi06 first): the models layouts at
+# batch 1 / 8 / 64 x 8K / 32K (XQA_MODELS) and the targets cells at batch 1 / 8 / 64
+step_xqa() {
+  local m
+  for m in ${XQA_MODELS:-llama3-70b-tp8 gqa16 qwen2-7b}; do
+    BENCH_TIMEOUT=${XQA_BENCH_TIMEOUT:-200} run_bench "xqa_$m" --preset models --model $m \
+      --context 8192 --context 32768 --arms v2,v2tc,flashinfer-xqa | tail -8
+  done
+  BENCH_TIMEOUT=${XQA_BENCH_TIMEOUT:-200} run_bench xqa_targets --preset targets --batch 1 \
+    --batch 8 --batch 64 --arms v2,v2tc,flashinfer-xqa | tail -14
 }
 step_gpu_tests() {
   python3 -m pytest -q tests -m gpu -rs ${GPU_TEST_K:+-k "$GPU_TEST_K"} \

@@ -13,6 +13,8 @@ per call as the API cost.
   paging; needs torch and equal request lengths).
 - ``flashinfer``, ``flashinfer-tc``: FlashInfer's batch decode, CUDA-core and tensor-core
   (needs ``flashinfer`` importable).
+- ``flashinfer-xqa``: FlashInfer 0.6+'s XQA decode (``flashinfer_xqa_arm``; a bench call
+  with FlashInfer 0.6 importable, not 0.3.1).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..prepared import prepare_decode
 from ..specs import v2tc_ctas_per_chunk
 
 OURS = ("gather", "v1", "v2", "v2tc")
-EXTERNAL = ("sdpa", "flashinfer", "flashinfer-tc")
+EXTERNAL = ("sdpa", "flashinfer", "flashinfer-tc", "flashinfer-xqa")
 ALL_ARMS = OURS + EXTERNAL
 #: the paths each of our arms may report; anything else is a fallback
 EXPECTED = {"gather": ("gather",), "v1": ("v1",), "v2": ("v2", "v2+merge"),
@@ -87,6 +89,7 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
         import torch
 
         from . import flashinfer_arm as fa
+        from . import flashinfer_xqa_arm as fx
         from . import sdpa_arm
     except Exception as exc:
         raise ArmUnavailable(f"{name} needs torch and the arm module "
@@ -102,6 +105,14 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
         if name == "sdpa":
             call, out, desc = sdpa_arm.make_contiguous_sdpa(qt, kt, vt, table,
                                                             sm_scale=sm_scale)
+        elif name == "flashinfer-xqa":
+            ok, why = fa.available()
+            if not ok:
+                raise ArmUnavailable(why)
+            call, out, desc = fx.make_flashinfer_xqa(
+                qt, kt, vt, table, sm_scale=sm_scale, window_left=vk.get("window_left", -1),
+                logits_soft_cap=vk.get("logits_soft_cap"), k_scale=vk.get("k_scale"),
+                v_scale=vk.get("v_scale"))
         else:
             ok, why = fa.available()
             if not ok:
