@@ -201,6 +201,30 @@ def _host_i32(arr: Any, torch: Any) -> Any:
     return torch.from_numpy(np.array(arr, dtype=np.int32, copy=True))
 
 
+def torch_and_flashinfer() -> tuple[Any, Any, str]:
+    """torch, the imported ``flashinfer`` and its version (``RuntimeError`` when it does
+    not import)."""
+    torch = _torch()
+    try:
+        fi = _import_flashinfer()
+    except Exception as exc:
+        raise RuntimeError(f"flashinfer is not importable ({type(exc).__name__}: {exc})"
+                           ) from exc
+    return torch, fi, str(getattr(fi, "__version__", FLASHINFER_VERSION))
+
+
+def check_cuda_tensors(q: Any, k_pages: Any, v_pages: Any) -> None:
+    """``ValueError`` unless all three are CUDA torch tensors on q's device, contiguous in
+    head_dim."""
+    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+        if not getattr(t, "is_cuda", False):
+            raise ValueError(f"{name} must be a CUDA torch tensor")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim")
+
+
 def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
                            sm_scale: float, use_tensor_cores: bool,
                            workspace_bytes: int = 128 << 20,
@@ -229,22 +253,10 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                                     tuple(v_pages.shape), table)
     check_table_for_flashinfer(table)          # before any import: testable without torch
     check_dtypes(q.dtype, k_pages.dtype)
-    torch = _torch()
-    try:
-        fi = _import_flashinfer()
-    except Exception as exc:
-        raise RuntimeError(f"flashinfer is not importable ({type(exc).__name__}: {exc})"
-                           ) from exc
-    version = str(getattr(fi, "__version__", FLASHINFER_VERSION))
+    torch, fi, version = torch_and_flashinfer()
     check_group_size(hq, hkv, use_tensor_cores=use_tensor_cores, version=version)
     check_head_dim(d, use_tensor_cores=use_tensor_cores, version=version)
-    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-        if not getattr(t, "is_cuda", False):
-            raise ValueError(f"{name} must be a CUDA torch tensor")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim")
+    check_cuda_tensors(q, k_pages, v_pages)
     if tuple(k_pages.stride()) != tuple(v_pages.stride()):
         raise ValueError("FlashInfer needs identical K and V pool strides, got "
                          f"{tuple(k_pages.stride())} and {tuple(v_pages.stride())}")
@@ -330,22 +342,51 @@ def _random_problem(b: int, length: int, p: int, hq: int, hkv: int, d: int, dtyp
     return q, k, v, table
 
 
+def _captured(call: Callable[[], Any]) -> Any:
+    """A torch CUDA graph of ``call``, run once on a side stream first (torch's rule for
+    a capture's warm-up)."""
+    torch = _torch()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
+def smoke_start(tag: str, dtype_name: str) -> tuple[Any, float] | None:
+    """A smoke test's start: prints whether the arms are available; ``None`` when not,
+    else (the torch dtype, the max-rel tolerance, which catches garbage, not ulps)."""
+    ok, why = available()
+    print(f"[{tag}] available: {ok} ({why})", flush=True)
+    if not ok:
+        return None
+    return getattr(_torch(), dtype_name), (3e-2 if dtype_name == "bfloat16" else 1e-2)
+
+
+def smoke_check(got: Any, ref: Any, tol: float) -> tuple[bool, float]:
+    """(finite and within ``tol`` of ``ref`` by max-rel error, the error)."""
+    torch = _torch()
+    err = float((got.float() - ref).abs().max() / ref.abs().max())
+    return bool(torch.isfinite(got.float()).all()) and err <= tol, err
+
+
 def smoke(dtype_name: str = "float16") -> int:
     """Build and check every arm on one small GQA-4 case (plus the GQA-7 refusal and a
     CUDA-graph replay); prints one line each, returns the number of failures."""
-    ok, why = available()
-    print(f"[flashinfer smoke] available: {ok} ({why})", flush=True)
-    if not ok:
+    start = smoke_start("flashinfer smoke", dtype_name)
+    if start is None:
         return 1
     torch = _torch()
-    dtype = getattr(torch, dtype_name)
-    tol = 3e-2 if dtype_name == "bfloat16" else 1e-2      # catches garbage, not ulps
+    dtype, tol = start
     failures = 0
 
     def report(name: str, got: Any, ref: Any, desc: str, t0: float) -> None:
         nonlocal failures
-        err = float((got.float() - ref).abs().max() / ref.abs().max())
-        good = bool(torch.isfinite(got.float()).all()) and err <= tol
+        good, err = smoke_check(got, ref, tol)
         failures += not good
         print(f"[flashinfer smoke] {'OK  ' if good else 'FAIL'} {name:<14} max-rel "
               f"{err:.2e} (tol {tol:.0e}) {time.perf_counter() - t0:7.1f}s  {desc}", flush=True)
@@ -362,14 +403,7 @@ def smoke(dtype_name: str = "float16") -> int:
             call()
             torch.cuda.synchronize()
             report(name, out, ref, desc, t0)
-            graph = torch.cuda.CUDAGraph()                  # capture + replay
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                call()
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
-                call()
+            graph = _captured(call)                         # capture + replay
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()

@@ -42,14 +42,17 @@ import numpy as np
 
 from ..page_table import PageTable
 from .flashinfer_arm import (
-    _import_flashinfer,
+    _captured,
     _random_problem,
     _reference,
     _torch,
     _version_tuple,
-    available,
+    check_cuda_tensors,
     check_dtypes,
     check_table_for_flashinfer,
+    smoke_check,
+    smoke_start,
+    torch_and_flashinfer,
 )
 from .sdpa_arm import check_shapes
 
@@ -107,22 +110,12 @@ def make_flashinfer_xqa(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
     check_table_for_flashinfer(table)
     check_xqa_problem(d, p, logits_soft_cap=logits_soft_cap)
     check_dtypes(q.dtype, k_pages.dtype)
-    torch = _torch()
-    try:
-        fi = _import_flashinfer()
-    except Exception as exc:
-        raise RuntimeError(f"flashinfer is not importable ({type(exc).__name__}: {exc})"
-                           ) from exc
-    version = str(getattr(fi, "__version__", "?"))
+    torch, fi, version = torch_and_flashinfer()
     xqa = getattr(getattr(fi, "decode", None), "xqa_batch_decode_with_kv_cache", None)
     if xqa is None or _version_tuple(version) < (0, 6):
         raise RuntimeError(f"flashinfer {version} has no XQA decode (0.6 or later: "
                            "bench/device/flashinfer06_setup.sh)")
-    for name, t in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
-        if not getattr(t, "is_cuda", False):
-            raise ValueError(f"{name} must be a CUDA torch tensor")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    check_cuda_tensors(q, k_pages, v_pages)
     block, seq = xqa_tables(table)
     dev = q.device
     with torch.cuda.device(dev):
@@ -148,13 +141,11 @@ def make_flashinfer_xqa(q: Any, k_pages: Any, v_pages: Any, table: PageTable, *,
 def smoke(dtype_name: str = "float16") -> int:
     """The arm at GQA 4 and 16 against a float32 torch reference, eagerly and from a CUDA
     graph; one line each, returns the number of failures."""
-    ok, why = available()
-    print(f"[xqa smoke] available: {ok} ({why})", flush=True)
-    if not ok:
+    start = smoke_start("xqa smoke", dtype_name)
+    if start is None:
         return 1
     torch = _torch()
-    dtype = getattr(torch, dtype_name)
-    tol = 3e-2 if dtype_name == "bfloat16" else 1e-2      # catches garbage, not ulps
+    dtype, tol = start
     failures = 0
     for hq, hkv in ((32, 8), (32, 2)):
         t0 = time.perf_counter()
@@ -164,20 +155,12 @@ def smoke(dtype_name: str = "float16") -> int:
             scale = 128 ** -0.5
             ref = _reference(q, k, v, table, scale)
             call, out, desc = make_flashinfer_xqa(q, k, v, table, sm_scale=scale)
-            graph = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                call()
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
-                call()
+            graph = _captured(call)
             for how, run in (("eager", call), ("graph", graph.replay)):
                 out.fill_(float("nan"))
                 run()
                 torch.cuda.synchronize()
-                err = float((out.float() - ref).abs().max() / ref.abs().max())
-                good = bool(torch.isfinite(out.float()).all()) and err <= tol
+                good, err = smoke_check(out, ref, tol)
                 failures += not good
                 print(f"[xqa smoke] {'OK  ' if good else 'FAIL'} {name} {how:<5} max-rel "
                       f"{err:.2e} (tol {tol:.0e}) {time.perf_counter() - t0:7.1f}s  {desc}",
