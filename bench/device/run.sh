@@ -148,12 +148,13 @@ step_fi() {
 # PYTHONPATH for every later step of this run, with its XQA arm's smoke test (JIT-builds
 # its GQA 4 and 16 kernels): name it after every step that uses FlashInfer 0.3.1
 step_fi06() {
+  # the setup's own exports die with its shell: the same three again for the later steps
+  export FI06_HOME=${FI06_HOME:-/tmp/paged-decode-flashinfer06}
   timeout ${FI06_TIMEOUT:-400} bash -c 'source bench/device/flashinfer06_setup.sh' \
     > "$L/fi06_setup.log" 2>&1
   echo "fi06 setup rc=$?"; tail -8 "$L/fi06_setup.log"
-  export PYTHONPATH="${FI06_HOME:-/tmp/paged-decode-flashinfer06}/site${PYTHONPATH:+:$PYTHONPATH}"
-  export FLASHINFER_WORKSPACE_BASE="${FI06_HOME:-/tmp/paged-decode-flashinfer06}/jit"
-  export FLASHINFER_CUDA_ARCH_LIST=9.0a
+  export PYTHONPATH="$FI06_HOME/site${PYTHONPATH:+:$PYTHONPATH}"
+  export FLASHINFER_WORKSPACE_BASE="$FI06_HOME/jit" FLASHINFER_CUDA_ARCH_LIST=9.0a
 }
 # our arms beside FlashInfer 0.6's XQA decode (run fi06 first): the models layouts at
 # batch 1 / 8 / 64 x 8K / 32K (XQA_MODELS) and the targets cells at batch 1 / 8 / 64

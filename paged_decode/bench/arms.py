@@ -105,23 +105,18 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
         if name == "sdpa":
             call, out, desc = sdpa_arm.make_contiguous_sdpa(qt, kt, vt, table,
                                                             sm_scale=sm_scale)
-        elif name == "flashinfer-xqa":
-            ok, why = fa.available()
-            if not ok:
-                raise ArmUnavailable(why)
-            call, out, desc = fx.make_flashinfer_xqa(
-                qt, kt, vt, table, sm_scale=sm_scale, window_left=vk.get("window_left", -1),
-                logits_soft_cap=vk.get("logits_soft_cap"), k_scale=vk.get("k_scale"),
-                v_scale=vk.get("v_scale"))
         else:
             ok, why = fa.available()
             if not ok:
                 raise ArmUnavailable(why)
-            call, out, desc = fa.make_flashinfer_decode(
-                qt, kt, vt, table, sm_scale=sm_scale, use_tensor_cores=name.endswith("-tc"),
-                window_left=vk.get("window_left", -1),
-                logits_soft_cap=vk.get("logits_soft_cap"), k_scale=vk.get("k_scale"),
-                v_scale=vk.get("v_scale"))
+            kw = {"sm_scale": sm_scale, "window_left": vk.get("window_left", -1),
+                  "logits_soft_cap": vk.get("logits_soft_cap"),
+                  "k_scale": vk.get("k_scale"), "v_scale": vk.get("v_scale")}
+            if name == "flashinfer-xqa":
+                call, out, desc = fx.make_flashinfer_xqa(qt, kt, vt, table, **kw)
+            else:
+                call, out, desc = fa.make_flashinfer_decode(
+                    qt, kt, vt, table, use_tensor_cores=name.endswith("-tc"), **kw)
     except ArmUnavailable:
         raise
     except Exception as exc:

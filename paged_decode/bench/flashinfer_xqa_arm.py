@@ -56,8 +56,6 @@ from .flashinfer_arm import (
 )
 from .sdpa_arm import check_shapes
 
-#: the FlashInfer release ``bench/device/flashinfer06_setup.sh`` lays out for this arm
-XQA_VERSION = "0.6.18.post1"
 #: page sizes XQA compiles (``jit/xqa.py``: TOKENS_PER_PAGE)
 XQA_PAGE_SIZES = (16, 32, 64, 128)
 
@@ -84,9 +82,8 @@ def xqa_tables(table: PageTable) -> tuple[np.ndarray, np.ndarray]:
     indptr = np.asarray(table.indptr, np.int64)
     indices = np.asarray(table.indices, np.int32)
     pages = np.diff(indptr)
-    b = table.batch_size
-    width = max(1, int(pages.max()) if b else 1)
-    block = np.zeros((b, width), np.int32)
+    width = max(1, int(pages.max(initial=0)))
+    block = np.zeros((table.batch_size, width), np.int32)
     cols = np.arange(width)
     mask = cols[None, :] < pages[:, None]
     block[mask] = indices[: int(indptr[-1])]
@@ -172,7 +169,7 @@ def smoke(dtype_name: str = "float16") -> int:
     return failures
 
 
-__all__ = ["XQA_PAGE_SIZES", "XQA_VERSION", "check_xqa_problem", "make_flashinfer_xqa",
+__all__ = ["XQA_PAGE_SIZES", "check_xqa_problem", "make_flashinfer_xqa",
            "smoke", "xqa_tables"]
 
 

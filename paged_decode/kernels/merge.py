@@ -75,15 +75,15 @@ __device__ __forceinline__ void merge_group(
   // evenly over the warps (at most 32), so a warp's chain of dependent loads is one LSE
   // and ceil(run / UNROLL) row loads per run
   const int run = SPLIT == 1 ? 32 : (int)min(32LL, max(1LL, (end - beg + SPLIT - 1) / SPLIT));
-  // this warp's first run: its rows, their LSEs (kept for pass 2) and the rows of its
-  // first UNROLL, read at once, before their weights are known, so the group's LSEs and
-  // first rows make one round trip; a row of weight 0 read here is never used (it may be
-  // NaN), and every row of [beg, end) is in bounds
   // partial row r of head h, as float4; the float4 column a lane reads k-th
   const auto row_of = [&](long long r) {
     return reinterpret_cast<const float4*>(v + (r * num_heads + h) * HEAD_DIM);
   };
   const auto col = [lane](int k) { return lane + 32 * k; };
+  // this warp's first run: its rows, their LSEs (kept for pass 2) and the rows of its
+  // first UNROLL, read at once, before their weights are known, so the group's LSEs and
+  // first rows make one round trip; a row of weight 0 read here is never used (it may be
+  // NaN), and every row of [beg, end) is in bounds
   const long long base0 = beg + (long long)run * part;
   const int count0 = end - base0 <= 0 ? 0 : (end - base0 < run ? (int)(end - base0) : run);
   const long long src_first = lane < count0 ? (GATHER ? (long long)rows[base0 + lane] : base0 + lane)
