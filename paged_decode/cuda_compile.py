@@ -20,7 +20,7 @@ import sys
 import tempfile
 from collections.abc import Iterable
 
-from .specs import KernelSpec, cuda_source
+from .specs import KernelSpec, cuda_source, l2_prefetch_bytes
 
 ARCH = "sm_90"
 
@@ -66,9 +66,12 @@ def available() -> str | None:
     return None
 
 
-def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None) -> None:
-    """Compile every spec (grouped by kernel source); raise ``RuntimeError`` with the
-    compiler's log on the first failure."""
+def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None,
+                  l2_prefetch: int | None = None) -> None:
+    """Compile every spec (grouped by kernel source) as the ``cuda`` backend does, with
+    ``PD_L2_PREFETCH`` = ``l2_prefetch`` (default ``specs.l2_prefetch_bytes()``); raise
+    ``RuntimeError`` with the compiler's log on the first failure."""
+    define = f"-DPD_L2_PREFETCH={l2_prefetch_bytes() if l2_prefetch is None else l2_prefetch}"
     by_kernel: dict[str, list[KernelSpec]] = {}
     for s in specs:
         by_kernel.setdefault(s.kernel, []).append(s)
@@ -78,9 +81,9 @@ def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None) -> N
     for kernel, group in by_kernel.items():
         exprs = sorted({s.cuda_name_expression() for s in group})
         if how == "nvrtc":
-            _nvrtc(cuda_source(kernel), exprs)
+            _nvrtc(cuda_source(kernel), exprs, (define,))
         else:
-            _nvcc(cuda_source(kernel), exprs)
+            _nvcc(cuda_source(kernel), exprs, (define,))
 
 
 def _load_nvrtc() -> ctypes.CDLL:
@@ -93,7 +96,7 @@ def _load_nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(path)
 
 
-def _nvrtc(src: str, exprs: list[str]) -> None:
+def _nvrtc(src: str, exprs: list[str], extra: tuple[str, ...] = ()) -> None:
     lib = _load_nvrtc()
     prog = ctypes.c_void_p()
     check = _checker(lib)
@@ -102,7 +105,7 @@ def _nvrtc(src: str, exprs: list[str]) -> None:
     try:
         for e in exprs:
             check(lib.nvrtcAddNameExpression(prog, e.encode()), "addNameExpression")
-        opts = [f"--gpu-architecture={ARCH}", "-std=c++17", f"-I{cuda_include_dir()}"]
+        opts = [f"--gpu-architecture={ARCH}", "-std=c++17", f"-I{cuda_include_dir()}", *extra]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         if rc != 0:

@@ -141,6 +141,9 @@ def v2_row_loads(kv_dtype: str, head_dim: int, heads_per_cta: int) -> int:
 
 STAGES_ENV = "PAGED_DECODE_STAGES"
 TC_WARPS_ENV = "PAGED_DECODE_TC_WARPS"
+L2_PREFETCH_ENV = "PAGED_DECODE_L2_PREFETCH"
+#: bytes of the L2 prefetch hint on every CUDA cp.async copy (``PD_L2_PREFETCH``)
+L2_PREFETCH = 0
 ROW_LOADS_ENV = "PAGED_DECODE_V2_ROW_LOADS"
 V2_ROW_LOADS = 1
 V2_STAGES = 2
@@ -253,6 +256,18 @@ def v2tc_warps(head_dim: int, kv_dtype: str = "float16") -> int:
     while warps > 2 and decode_v2_tc.max_stages(head_dim, warps, elem) < 2:
         warps //= 2
     return warps
+
+
+def l2_prefetch_bytes() -> int:
+    """The L2 prefetch size (bytes) the CUDA kernels' ``cp.async`` copies hint:
+    ``L2_PREFETCH``, or ``PAGED_DECODE_L2_PREFETCH`` (0, 128 or 256) for experiments.
+    Compiled in as ``PD_L2_PREFETCH``, so a kernel is compiled once per value."""
+    env = settings.get(L2_PREFETCH_ENV)
+    if env is None:
+        return L2_PREFETCH
+    if env not in ("0", "128", "256"):
+        raise InvalidArgumentError(f"{L2_PREFETCH_ENV} must be 0, 128 or 256, got {env!r}")
+    return int(env)
 
 
 def _v2tc_q_dtype(kv_dtype: str, q_dtype: str | None) -> str:

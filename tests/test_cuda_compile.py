@@ -128,3 +128,29 @@ def test_v2tc_variant_specializations_compile():
                                       ("bfloat16", "float32", 96, True, False),
                                       ("float16", "float32", 128, False, True),
                                       ("bfloat16", "bfloat16", 256, True, True)]})
+
+
+@pytest.mark.parametrize("prefetch", [128, 256])
+def test_every_copying_kernel_compiles_with_an_l2_prefetch_hint(prefetch):
+    """The ``cp.async`` kernels (v1, v2, v2tc 16-bit and fp8, the cascade prefix kernel)
+    with ``PD_L2_PREFETCH`` = 128 / 256 (``PAGED_DECODE_L2_PREFETCH``): the hinted copy's
+    PTX meets ptxas."""
+    from paged_decode.specs import prefix_spec, v1_spec, v2_spec, v2tc_spec
+    cuda_compile.compile_specs({
+        v1_spec("float16", "float16", "float32", 128, 16),
+        v2_spec("float16", "float16", "float32", 128, 16, 4),
+        v2tc_spec("float16", "float32", 128, 16),
+        v2tc_spec("float8_e4m3fn", "float32", 128, 16, q_dtype="float16"),
+        prefix_spec("float16", 128, 16),
+    }, l2_prefetch=prefetch)
+
+
+def test_the_l2_prefetch_setting_is_checked(monkeypatch):
+    from paged_decode.errors import InvalidArgumentError
+    from paged_decode.specs import L2_PREFETCH, L2_PREFETCH_ENV, l2_prefetch_bytes
+    assert l2_prefetch_bytes() == L2_PREFETCH
+    monkeypatch.setenv(L2_PREFETCH_ENV, "256")
+    assert l2_prefetch_bytes() == 256
+    monkeypatch.setenv(L2_PREFETCH_ENV, "64")
+    with pytest.raises(InvalidArgumentError, match="PAGED_DECODE_L2_PREFETCH must be 0, 128 or 256"):
+        l2_prefetch_bytes()

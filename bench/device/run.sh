@@ -62,6 +62,10 @@
 #   kernel-times  each kernel of one call alone under ncu (KT_CELLS x KT_ARMS): where a
 #               batch-1 call's GPU time goes, kernel by kernel, beside FlashInfer's
 #   tc-batch1   v2tc at batch 1 with 3 ring stages and with 3 CTAs per SM, beside the default
+#   prefetch    the L2 prefetch hint of the cp.async copies at 0 / 128 / 256 bytes: GPU tests,
+#               v2 / v2tc over large-batch targets cells, GQA 7 / 8 and the forks suite
+#   unsplit-merge  v2 / v2tc at Llama-3-70B TP8 batch 1 x 8K / 32K, the merge split by its
+#               rule and forced unsplit
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
 #   merge-split the split merge: GPU tests, memcheck / racecheck, models and targets
 #               (batch 1-8) cells with its rule and with PAGED_DECODE_MERGE_SPLIT=1
@@ -546,6 +550,40 @@ step_merge_split() {
   BENCH_TIMEOUT=150 run_bench split_targets_auto $c --arms ${SPLIT_ARMS:-v2,v2tc,flashinfer,flashinfer-tc} | tail -14
   PAGED_DECODE_MERGE_SPLIT=1 BENCH_TIMEOUT=150 run_bench split_targets_1 $c --arms v2,v2tc | tail -14
   PAGED_DECODE_FUSED_MERGE=0 BENCH_TIMEOUT=150 run_bench split_targets_unfused $c --arms v2tc | tail -14
+}
+# the L2 prefetch hint of every cp.async copy (PAGED_DECODE_L2_PREFETCH; PREFETCH_SIZES,
+# default 0 128 256 0: the first size again last, for the spread between processes): the
+# GPU tests of the copying kernels at PREFETCH_TEST (128), then v2 / v2tc at batch 8 / 64 /
+# 128 x 4K / 32K (Llama-3-8B heads), GQA 7 and 8 at 32 x 8K, and the forks suite, at each
+# size; FlashInfer's tensor cores once beside them (run fi first)
+step_prefetch() {
+  PAGED_DECODE_L2_PREFETCH=${PREFETCH_TEST:-128} timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
+    -q -m gpu -rs tests/test_cuda_gpu.py tests/test_fp8_gpu.py tests/test_variants_gpu.py \
+    tests/test_cuda_graphs.py tests/test_merge_split_gpu.py tests/test_fused_merge_gpu.py \
+    > "$L/prefetch_tests.log" 2>&1
+  echo "prefetch tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/prefetch_tests.log" | tail -6
+  local p i=0 c="--preset targets --context 4096 --context 32768 --batch 8 --batch 64 --batch 128"
+  BENCH_TIMEOUT=60 run_bench pf_fi $c --arms flashinfer-tc | tail -8
+  for p in ${PREFETCH_SIZES:-0 128 256 0}; do
+    i=$((i + 1))
+    PAGED_DECODE_L2_PREFETCH=$p BENCH_TIMEOUT=60 run_bench "pf${i}_$p" $c --arms v2,v2tc | tail -8
+    for m in llama3-70b-tp8 qwen2-7b; do
+      PAGED_DECODE_L2_PREFETCH=$p BENCH_TIMEOUT=40 run_bench "pf${i}_${p}_$m" --preset models \
+        --model $m --context 8192 --batch 32 --arms v2,v2tc | tail -3
+    done
+    [ "${PREFETCH_FORKS:-1}" = 1 ] && PAGED_DECODE_L2_PREFETCH=$p BENCH_TIMEOUT=60 \
+      run_bench "pf${i}_${p}_forks" --suite forks | tail -8
+  done
+  return 0
+}
+# the unsplit merge of long groups (forced with PAGED_DECODE_MERGE_SPLIT=1) beside the
+# default rule: Llama-3-70B TP8 heads at batch 1 x 8K / 32K, v2 / v2tc
+step_unsplit_merge() {
+  local m
+  for m in auto 1; do
+    PAGED_DECODE_MERGE_SPLIT=${m/auto/} BENCH_TIMEOUT=60 run_bench "unsplit_$m" --preset models \
+      --model llama3-70b-tp8 --context 8192 --context 32768 --batch 1 --arms v2,v2tc | tail -4
+  done
 }
 # v2tc at plan CTA targets beyond the default 2 per SM (TC_TARGETS; "" is the default),
 # where its 3-4 resident CTAs per SM are left idle or a second wave runs nearly empty:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..specs import KernelSpec, assert_compile_allowed, cuda_source
+from ..specs import KernelSpec, assert_compile_allowed, cuda_source, l2_prefetch_bytes
 from .cuda_arrays import cp
 from .cuda_pdl import DependentLaunch
 from .launches import Launch
@@ -23,17 +23,23 @@ COMPILE_OPTIONS = ("-std=c++17",)
 
 
 @functools.cache
-def _module(kernel: str, name_expressions: tuple[str, ...]) -> Any:
-    return cp.RawModule(code=cuda_source(kernel), options=COMPILE_OPTIONS,
+def _module(kernel: str, name_expressions: tuple[str, ...], l2_prefetch: int) -> Any:
+    return cp.RawModule(code=cuda_source(kernel),
+                        options=COMPILE_OPTIONS + (f"-DPD_L2_PREFETCH={l2_prefetch}",),
                         name_expressions=list(name_expressions))
 
 
-@functools.cache
 def compiled(spec: KernelSpec) -> Any:
-    """The compiled kernel of ``spec`` (one module per specialization, cached)."""
+    """The compiled kernel of ``spec`` (one module per specialization and L2 prefetch
+    size, cached)."""
+    return _compiled(spec, l2_prefetch_bytes())
+
+
+@functools.cache
+def _compiled(spec: KernelSpec, l2_prefetch: int) -> Any:
     assert_compile_allowed(spec)
     expr = spec.cuda_name_expression()
-    return _module(spec.kernel, (expr,)).get_function(expr)
+    return _module(spec.kernel, (expr,), l2_prefetch).get_function(expr)
 
 
 _smem_opt_in: dict[int, tuple[Any, int]] = {}

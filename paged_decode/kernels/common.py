@@ -116,10 +116,21 @@ __device__ __forceinline__ float warp_max(float x) {
 // until the wait that lands its group, its destination poisoned meanwhile, so reading a
 // slot too early or refilling one another thread still reads shows up; any other host
 // compiler copies synchronously (a copy that landed at once).
+// PD_L2_PREFETCH (0, 128 or 256; the host passes ``specs.l2_prefetch_bytes()``): the L2
+// prefetch size each copy hints, so that L2 asks DRAM for whole lines at once.
+#ifndef PD_L2_PREFETCH
+#define PD_L2_PREFETCH 0
+#endif
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
 #if defined(__CUDA_ARCH__)
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+#if PD_L2_PREFETCH == 256
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
+#elif PD_L2_PREFETCH == 128
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
+#endif
 #elif defined(PD_EMU_CP_ASYNC)
   pd_emu::cp_async16(smem, gmem, pred);
 #else
