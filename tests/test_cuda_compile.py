@@ -152,5 +152,6 @@ def test_the_l2_prefetch_setting_is_checked(monkeypatch):
     monkeypatch.setenv(L2_PREFETCH_ENV, "256")
     assert l2_prefetch_bytes() == 256
     monkeypatch.setenv(L2_PREFETCH_ENV, "64")
-    with pytest.raises(InvalidArgumentError, match="PAGED_DECODE_L2_PREFETCH must be 0, 128 or 256"):
+    with pytest.raises(InvalidArgumentError,
+                       match="PAGED_DECODE_L2_PREFETCH must be 0, 128 or 256"):
         l2_prefetch_bytes()
