@@ -66,6 +66,8 @@
 #               v2 / v2tc over large-batch targets cells, GQA 7 / 8 and the forks suite
 #   unsplit-merge  v2 / v2tc at Llama-3-70B TP8 batch 1 x 8K / 32K, the merge split by its
 #               rule and forced unsplit
+#   ncu-bw      ncu of v2 / v2tc / FlashInfer tc at bandwidth-bound cells (DRAM bytes,
+#               occupancy limits, stalls), then v2tc 3 stages and a 528-CTA target
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
 #   merge-split the split merge: GPU tests, memcheck / racecheck, models and targets
 #               (batch 1-8) cells with its rule and with PAGED_DECODE_MERGE_SPLIT=1
@@ -584,6 +586,43 @@ step_unsplit_merge() {
     PAGED_DECODE_MERGE_SPLIT=${m/auto/} BENCH_TIMEOUT=60 run_bench "unsplit_$m" --preset models \
       --model llama3-70b-tp8 --context 8192 --context 32768 --batch 1 --arms v2,v2tc | tail -4
   done
+}
+# where the bandwidth-bound cells lose to FlashInfer's tensor cores (#17: 86-93% of the
+# measured bandwidth against its 97%): each kernel of one call alone under ncu (DRAM
+# bytes and throughput, occupancy limits, issue and the main stall reasons) at BW_CELLS x
+# v2 / v2tc / flashinfer-tc (run fi first), raw CSV in $OUT/ncu_bw.csv; then v2tc with a
+# 3-stage ring and v2 / v2tc at a 528-CTA plan target beside the defaults at batch 4-32 x
+# 16K / 32K
+step_ncu_bw() {
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
+  local cell arm f="$OUT/ncu_bw.csv" st="smsp__average_warps_issue_stalled"
+  local IFS_SAVE=$IFS
+  IFS=';'
+  for cell in ${BW_CELLS:-32 16384 32 8;8 32768 32 8}; do
+    IFS=$IFS_SAVE
+    for arm in v2 v2tc flashinfer-tc; do
+      echo "== $arm $cell" >> "$f"
+      timeout 90 ncu --profile-from-start off --csv --print-units base --metrics \
+gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+launch__grid_size,launch__block_size,launch__registers_per_thread,\
+launch__shared_mem_per_block_dynamic,launch__occupancy_limit_shared_mem,\
+launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active,\
+smsp__issue_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct,\
+${st}_long_scoreboard_per_issue_active.ratio,${st}_barrier_per_issue_active.ratio,\
+${st}_wait_per_issue_active.ratio,${st}_short_scoreboard_per_issue_active.ratio,\
+${st}_lg_throttle_per_issue_active.ratio,${st}_math_pipe_throttle_per_issue_active.ratio,\
+${st}_mio_throttle_per_issue_active.ratio,${st}_not_selected_per_issue_active.ratio,\
+smsp__inst_executed.sum \
+        python3 bench/device/kernel_times.py $arm $cell >> "$f" 2>&1
+      echo "ncu $arm $cell rc=$?"
+    done
+    IFS=';'
+  done
+  IFS=$IFS_SAVE
+  local c="--preset targets --context 16384 --context 32768 --batch 4 --batch 8 --batch 32"
+  PAGED_DECODE_STAGES=3 BENCH_TIMEOUT=60 run_bench bw_tc_s3 $c --arms v2tc | tail -8
+  PAGED_DECODE_TARGET_CTAS=528 BENCH_TIMEOUT=60 run_bench bw_t528 $c --arms v2,v2tc | tail -8
+  BENCH_TIMEOUT=60 run_bench bw_default $c --arms v2,v2tc | tail -8
 }
 # v2tc at plan CTA targets beyond the default 2 per SM (TC_TARGETS; "" is the default),
 # where its 3-4 resident CTAs per SM are left idle or a second wave runs nearly empty:
