@@ -249,7 +249,6 @@ APPEND = "tests/test_append_batch.py::"
 V2TC = "tests/test_v2tc.py::"
 V2TC_CASE = V2TC + "test_v2tc_matches_oracle"
 V2TC_LONG = V2TC + "test_v2tc_long_chunk_every_schedule[64]"
-V2TC_RING = V2TC + "test_v2tc_ring_depths[3]"      # 16-bit pools on the ring (STAGES 3)
 V2TC_METAL = V2TC + "test_v2tc_metal_matches_oracle"
 V2TC_METAL_LONG = V2TC + "test_v2tc_metal_long_chunk_every_schedule[64]"
 TCVAR = "tests/test_v2tc_variants.py::"
@@ -783,49 +782,20 @@ MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------ v2tc (CUDA; the mma.py
     # phases it shares with the prefix kernel: both kernels mutated, v2tc's tests kill)
     _m("v2tc-no-cp-async-wait", "cuda", ("v2tc",),
-       "      cp_async_wait<STAGES - 2>();               // this thread's copies of `stage` "
+       "    cp_async_wait<STAGES - 2>();                 // this thread's copies of `stage` "
        "landed\n",
-       "", [V2TC_RING], "a ring slot read before its cp.async group landed"),
+       "", [V2TC_LONG], "a ring slot read before its cp.async group landed"),
     _m("v2tc-wait-one-group-short", "cuda", ("v2tc",),
-       "cp_async_wait<STAGES - 2>();", "cp_async_wait<STAGES - 1>();", [V2TC_RING],
+       "cp_async_wait<STAGES - 2>();", "cp_async_wait<STAGES - 1>();", [V2TC_LONG],
        "wait_group leaves the stage about to be read in flight"),
     _m("v2tc-no-barrier-before-refill", "cuda", ("v2tc",),
-       "      __syncthreads();\n      issue(stage + STAGES - 1);",
-       "      issue(stage + STAGES - 1);",
-       [V2TC_RING], "a ring slot refilled while other warps still read it (and other "
+       "    __syncthreads();\n    issue(stage + STAGES - 1);", "    issue(stage + STAGES - 1);",
+       [V2TC_LONG], "a ring slot refilled while other warps still read it (and other "
                     "threads' copies read before they landed)"),
     _m("v2tc-page-ids-into-the-slot-being-read", "cuda", ("v2tc",),
        "sm_rows[(stage + STAGES - 1) % STAGES][tid] = next_row;",
-       "sm_rows[stage % STAGES][tid] = next_row;", [V2TC_RING],
-       "the prefetched token rows stored over the slot of the stage being issued"),
-    # the split pipeline (16-bit pools at the default depth: a K tile and a V tile)
-    _m("v2tc-split-no-k-wait", "cuda", ("v2tc",),
-       "      cp_async_wait<1>();                        // this thread's K copies of `stage` "
-       "landed\n", "", [V2TC_LONG], "the K tile read before its copies landed"),
-    _m("v2tc-split-no-v-wait", "cuda", ("v2tc",),
-       "      cp_async_wait<1>();                        // this thread's V copies of `stage` "
-       "landed\n", "", [V2TC_LONG], "the V tile read before its copies landed"),
-    _m("v2tc-split-v-wait-short", "cuda", ("v2tc",),
-       "cp_async_wait<1>();                        // this thread's V",
-       "cp_async_wait<2>();                        // this thread's V", [V2TC_LONG],
-       "the V wait leaves the V tile about to be read in flight (one group short)"),
-    _m("v2tc-split-no-barrier-before-k-refill", "cuda", ("v2tc",),
-       "      __syncthreads();                           // every warp is done with the K tile\n",
-       "", [V2TC_LONG], "the K tile refilled while other warps still read it"),
-    _m("v2tc-split-no-barrier-before-v-refill", "cuda", ("v2tc",),
-       "      __syncthreads();                           // every warp is done with the V tile\n",
-       "", [V2TC_LONG], "the V tile refilled while other warps still read it"),
-    _m("v2tc-split-rows-into-the-slot-being-read", "cuda", ("v2tc",),
-       "sm_rows[(stage + 1) % STAGES][tid] = next_row;",
        "sm_rows[stage % STAGES][tid] = next_row;", [V2TC_LONG],
-       "the next stage's token rows stored over the rows its V copy is still to use"),
-    _m("v2tc-split-tail-tokens-dropped", "cuda", ("v2tc",),
-       "const bool busy = tok0 < n_tok;", "const bool busy = tok0 + WT <= n_tok;",
-       [V2TC_CASE + "[d64-g1-ps16-f16]"],
-       "a warp whose 32 tokens run past the range skips the live ones too"),
-    _m("v2tc-split-same-tile-copied-again", "cuda", ("v2tc",),
-       "      copy(stage + 1, true, false, ks, vs);", "      copy(stage, true, false, ks, vs);",
-       [V2TC_LONG], "the K tile of the stage just used copied again instead of the next"),
+       "the prefetched token rows stored over the slot of the stage being issued"),
     _m("v2tc-page-boundary-off-by-one", "cuda", ("v2tc",),
        "(unsigned)page_ids[a / PAGE_SIZE]", "(unsigned)page_ids[(int)(a - 1) / PAGE_SIZE]",
        [V2TC_CASE + "[d128-g2-ps3-bf16]"],
@@ -843,7 +813,7 @@ MUTANTS: tuple[Mutant, ...] = (
        [V2TC_LONG], "the skipped rescale taken for the whole warp when one lane's rows "
                     "did not grow"),
     _m("tc-rescale-skipped-for-small-growth", "cuda", ("prefix", "v2tc"),
-       "grew |= m_new > m_run[h];", "grew |= m_new > m_run[h] + 1.f;", [V2TC_LONG, V2TC_RING],
+       "grew |= m_new > m_run[h];", "grew |= m_new > m_run[h] + 1.f;", [V2TC_LONG],
        "O left at a stale scale when a row's max grows by less than one (log2 units)"),
     _m("v2tc-token-row-entry-dropped", "cuda", ("v2tc",),
        "* PAGE_SIZE + a % PAGE_SIZE;", "* PAGE_SIZE;", [V2TC_CASE + "[d64-g1-ps16-f16]"],
@@ -866,7 +836,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "const int g0 = rt * 16;", "const int g0 = 0;", [V2TC_CASE + "[d128-g32-ps256-f16]"],
        "both row tiles of a 32-head group serve the first 16 heads"),
     _m("v2tc-tail-tokens-dropped", "cuda", ("v2tc",),
-       "if (tok0 < n_tok) {", "if (tok0 + 16 <= n_tok) {", [V2TC_RING, V2TC_FP8_E4],
+       "if (tok0 < n_tok) {", "if (tok0 + 16 <= n_tok) {", [V2TC_CASE + "[d64-g1-ps16-f16]"],
        "a warp whose 16 tokens run past the range skips the live ones too"),
     _m("v2tc-lse-base-e", "cuda", ("v2tc",),
        "live ? mx + log2f(den) : -PD_INF;", "live ? (mx + log2f(den)) * 0.6931472f : -PD_INF;",

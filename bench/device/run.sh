@@ -68,8 +68,6 @@
 #               rule and forced unsplit
 #   ncu-bw      ncu of v2 / v2tc / FlashInfer tc at bandwidth-bound cells (DRAM bytes,
 #               occupancy limits, stalls), then v2tc 3 stages and a 528-CTA target
-#   tc-split    v2tc's split K / V pipeline: GPU tests, racecheck / memcheck, targets, the
-#               GQA 7 / 8 / 16 layouts and the forks suite beside FlashInfer's tensor cores
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
 #   merge-split the split merge: GPU tests, memcheck / racecheck, models and targets
 #               (batch 1-8) cells with its rule and with PAGED_DECODE_MERGE_SPLIT=1
@@ -625,32 +623,6 @@ smsp__inst_executed.sum \
   PAGED_DECODE_STAGES=3 BENCH_TIMEOUT=60 run_bench bw_tc_s3 $c --arms v2tc | tail -8
   PAGED_DECODE_TARGET_CTAS=528 BENCH_TIMEOUT=60 run_bench bw_t528 $c --arms v2,v2tc | tail -8
   BENCH_TIMEOUT=60 run_bench bw_default $c --arms v2,v2tc | tail -8
-}
-# v2tc's split pipeline (16-bit pools at the default depth: a K tile and a V tile of 128
-# tokens, 32 per warp): its GPU tests, racecheck and memcheck over the v2tc oracle tests,
-# then v2tc beside FlashInfer's tensor cores over the targets preset, the GQA 7 / 8 / 16
-# layouts at batch 1 / 8 / 32 x 8K / 32K and the forks suite (run fi first); SPLIT_RING=1
-# adds v2tc on the old ring (PAGED_DECODE_STAGES=3 is the nearest: one more stage)
-step_tc_split() {
-  timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -m gpu -rs tests/test_cuda_gpu.py \
-    tests/test_fused_merge_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py \
-    tests/test_cuda_graphs.py > "$L/tc_split_tests.log" 2>&1
-  echo "tc-split tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/tc_split_tests.log" | tail -6
-  BENCH_TIMEOUT=90 run_bench tc_split_targets --preset targets --arms v2,v2tc,flashinfer-tc | tail -28
-  local m tool
-  for m in ${SPLIT_MODELS:-llama3-70b-tp8 gqa16 qwen2-7b}; do
-    BENCH_TIMEOUT=45 run_bench "tc_split_$m" --preset models --model $m --context 8192 \
-      --context 32768 --batch 1 --batch 8 --batch 32 --arms v2tc,flashinfer-tc | tail -8
-  done
-  for tool in racecheck memcheck; do
-    PAGED_DECODE_PLAIN_MALLOC=1 timeout ${SANITIZE_TIMEOUT:-80} compute-sanitizer --tool $tool \
-      --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_gpu.py \
-      -k "v2tc and (oracle or empty)" > "$L/tc_split_$tool.log" 2>&1
-    echo "tc-split $tool rc=$?"
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|FAILED|passed|failed" "$L/tc_split_$tool.log" | tail -4
-  done
-  BENCH_TIMEOUT=50 run_bench tc_split_forks --suite forks | tail -8
-  return 0
 }
 # v2tc at plan CTA targets beyond the default 2 per SM (TC_TARGETS; "" is the default),
 # where its 3-4 resident CTAs per SM are left idle or a second wave runs nearly empty:

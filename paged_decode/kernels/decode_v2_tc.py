@@ -244,21 +244,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   constexpr int RLD = FP8 ? D + 16 : LD;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int PIECES = D * (int)sizeof(TKV) / 16;   // 16-byte pieces per ring row
-  constexpr int KT = 16 * NUM_WARPS;             // tokens per ring stage, 16 per warp
-  // 16-bit pools at the default depth (STAGES 2) take the split pipeline: the same shared
-  // memory as one K tile and one V tile of TT = 2 KT tokens (32 per warp), each single-
-  // buffered, the copy of one overlapping the math on the other (more independent mma
-  // chains per warp, and a Q fragment serves twice the tokens). Otherwise (fp8 pools, or
-  // a deeper ring) the STAGES-deep ring of KT-token K + V stages.
-  constexpr bool SPLIT_KV = !FP8 && STAGES == 2;
-  constexpr int TT = SPLIT_KV ? 2 * KT : KT;     // tokens per tile (K or V) / per stage
-  constexpr int WT = TT / NUM_WARPS;             // tokens per warp per tile: 32 or 16
-  constexpr int NT = WT / 8;                     // 8-token column tiles of a warp's S
+  constexpr int KT = 16 * NUM_WARPS;             // tokens per stage, 16 per warp
+  constexpr int NT = 2;                          // 8-token column tiles of a warp's S
   constexpr int DT = D / 8;                      // 8-wide column tiles of O
-  constexpr int PER_THREAD = TT * PIECES / THREADS;   // K (and V) pieces a thread copies
+  constexpr int PER_THREAD = KT * PIECES / THREADS;   // K (and V) pieces a thread copies
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  static_assert((TT * PIECES) % THREADS == 0, "a K/V tile must split evenly over the threads");
-  static_assert(TT <= THREADS, "one thread looks up each token of a tile");
+  static_assert((KT * PIECES) % THREADS == 0, "a K/V stage must split evenly over the threads");
   static_assert(STAGES >= 2, "the pipeline needs at least two stages");
   static_assert(!MERGE || sizeof(TO) == 4, "a fused merge reads float32 partials");
 
@@ -285,7 +276,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   // Token positions relative to the request's first page fit in 32 bits; only the pool
   // offset needs 64.
   const int a_begin = (int)(fpo + range.t_begin), n_tok = (int)(range.t_end - range.t_begin);
-  const int n_stages = (n_tok + TT - 1) / TT;
+  const int n_stages = (n_tok + KT - 1) / KT;
   const int* __restrict__ page_ids = indices + pb;
 
   // Q tile: row i is query head h0 + i (zeros past the group; made visible to every warp
@@ -296,16 +287,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     qs[i * LD + d] = i < rows ? q[((long long)r * num_qo_heads + h0 + i) * D + src] : from_float<T>(0.f);
   }
 
-  // Token rows: thread tid < TT looks up token tid of a stage (`lookup`: its pool row,
+  // Token rows: thread tid < KT looks up token tid of a stage (`lookup`: its pool row,
   // page * PAGE_SIZE + entry, 0 past the range) one stage before that stage's copies are
   // issued, and stores it to sm_rows at the next round, before the barrier that publishes
   // it; so an issue never waits on a global load, and a copy costs one shared load and a
   // multiply-add, not a page-and-entry address per piece. A pool holds fewer than 2^32
   // rows (the host refuses more).
-  __shared__ unsigned sm_rows[STAGES][TT];
+  __shared__ unsigned sm_rows[STAGES][KT];
   auto lookup = [&](int stage) -> unsigned {
-    const int i = stage * TT + tid;                                     // token in the range
-    if (tid >= TT || i >= n_tok) return 0u;
+    const int i = stage * KT + tid;                                     // token in the range
+    if (tid >= KT || i >= n_tok) return 0u;
     const unsigned a = (unsigned)(a_begin + i);                         // entry in the pages
     return (unsigned)page_ids[a / PAGE_SIZE] * PAGE_SIZE + a % PAGE_SIZE;
   };
@@ -318,31 +309,25 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   const int tok_first = tid / PIECES, piece_first = tid % PIECES;
   const unsigned char* k_head = reinterpret_cast<const unsigned char*>(k_pages + (long long)kvh * D);
   const unsigned char* v_head = reinterpret_cast<const unsigned char*>(v_pages + (long long)kvh * D);
-  // Copy stage `stage`'s tokens (rows sm_rows[stage % STAGES]) of K (k_on) and V (v_on;
-  // constants at every call, folded once inlined) to `kd` / `vd` (tokens past the range
+  // Copy stage `stage`'s K/V tokens into ring slot stage % STAGES (tokens past the range
   // zero-filled; nothing past the last stage) and commit one group: one group per call
   // keeps the wait counts of the loop exact.
-  auto copy = [&](int stage, bool k_on, bool v_on, TKV* kd, TKV* vd) {
+  auto issue = [&](int stage) {
     const int slot = stage % STAGES;
     if (stage < n_stages) {
-      const int live = n_tok - stage * TT;                             // tokens of the stage in range
+      const int live = n_tok - stage * KT;                             // tokens of the stage in range
 #pragma unroll
       for (int j = 0; j < PER_THREAD; ++j) {
         const int e = tid + j * THREADS;
         const int tok = WHOLE_ROWS ? tok_first + j * TOK_STEP : e / PIECES;
         const int piece = WHOLE_ROWS ? piece_first : e % PIECES;
         const unsigned long long off = (unsigned long long)sm_rows[slot][tok] * row_bytes + piece * 16;
-        const int at = tok * RLD + piece * (16 / (int)sizeof(TKV));
-        if (k_on) cp_async16(kd + at, k_head + off, tok < live);
-        if (v_on) cp_async16(vd + at, v_head + off, tok < live);
+        const int at = (slot * KT + tok) * RLD + piece * (16 / (int)sizeof(TKV));
+        cp_async16(ks + at, k_head + off, tok < live);
+        cp_async16(vs + at, v_head + off, tok < live);
       }
     }
     cp_async_commit();
-  };
-  // the ring: stage `stage`'s K and V into slot stage % STAGES
-  auto issue = [&](int stage) {
-    const int at = (stage % STAGES) * KT * RLD;
-    copy(stage, true, true, ks + at, vs + at);
   };
 
   float o[DT][4];
@@ -350,72 +335,35 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_run[2] = {-PD_INF, -PD_INF}, l_run[2] = {0.f, 0.f};   // rows grp, grp + 8
 
-  // A warp's math on its WT tokens of a tile, from token tok0 of the range: `scores`
-  // (S = Q K^T over its K rows `kt` and the online softmax; p left in s), `accumulate`
-  // (O += P V over its V rows `vt`).
-  auto scores = [&](float (&s)[NT][4], const TKV* kt, int tok0) {
-    if constexpr (FP8) qk_tile_fp8<TKV, T, D, RLD, LD>(s, qs, reinterpret_cast<const unsigned char*>(kt));
-    else qk_tile<T, D, LD, NT>(s, qs, reinterpret_cast<const T*>(kt));
-    softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
-                                   soft_cap_log2);
-  };
-  auto accumulate = [&](const float (&s)[NT][4], const TKV* vt) {
-    if constexpr (FP8) pv_tile_fp8<TKV, T, D, RLD, DT>(o, s, reinterpret_cast<const unsigned char*>(vt));
-    else pv_tile<T, LD, NT, DT>(o, s, reinterpret_cast<const T*>(vt));
-  };
-
-  if constexpr (SPLIT_KV) {
-    // groups in issue order K0, V0, K1, V1, ...: before the math on the K (V) tile of a
-    // stage only the tile issued after it may still be in flight
-    if (tid < TT) sm_rows[0][tid] = lookup(0);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (tid < KT) sm_rows[s][tid] = lookup(s);
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue(s);
+  unsigned next_row = lookup(STAGES - 1);
+  for (int stage = 0; stage < n_stages; ++stage) {
+    // the rows of stage + STAGES - 1; their slot's last reader, that stage's issue a round
+    // or more ago, is behind a barrier
+    if (tid < KT) sm_rows[(stage + STAGES - 1) % STAGES][tid] = next_row;
+    cp_async_wait<STAGES - 2>();                 // this thread's copies of `stage` landed
+    // every thread's copies of `stage` (and the rows above) landed, and every warp is done
+    // with stage - 1, whose slot the issue below refills
     __syncthreads();
-    copy(0, true, false, ks, vs);
-    copy(0, false, true, ks, vs);
-    unsigned next_row = lookup(1);
-    for (int stage = 0; stage < n_stages; ++stage) {
-      // the rows of stage + 1; their slot's last reader, the V copy of stage - 1, is behind
-      // the barriers of the last round
-      if (tid < TT) sm_rows[(stage + 1) % STAGES][tid] = next_row;
-      cp_async_wait<1>();                        // this thread's K copies of `stage` landed
-      __syncthreads();                           // every thread's, and the rows above
-      next_row = lookup(stage + 2);              // stored at the next round
-      const int tok0 = stage * TT + warp * WT;   // this warp's first token in the range
-      const bool busy = tok0 < n_tok;            // warp-uniform: a tail warp sits out
+    issue(stage + STAGES - 1);
+    next_row = lookup(stage + STAGES);           // stored at the next round
+    const int slot = stage % STAGES;
+    const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
+    if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out
+      const TKV* kt = ks + (slot * KT + warp * 16) * RLD;
+      const TKV* vt = vs + (slot * KT + warp * 16) * RLD;
       float s[NT][4];
-      if (busy) scores(s, ks + warp * WT * RLD, tok0);
-      __syncthreads();                           // every warp is done with the K tile
-      copy(stage + 1, true, false, ks, vs);
-      cp_async_wait<1>();                        // this thread's V copies of `stage` landed
-      __syncthreads();                           // every thread's
-      if (busy) accumulate(s, vs + warp * WT * RLD);
-      __syncthreads();                           // every warp is done with the V tile
-      copy(stage + 1, false, true, ks, vs);
-    }
-  } else {
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-      if (tid < KT) sm_rows[s][tid] = lookup(s);
-    __syncthreads();
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue(s);
-    unsigned next_row = lookup(STAGES - 1);
-    for (int stage = 0; stage < n_stages; ++stage) {
-      // the rows of stage + STAGES - 1; their slot's last reader, that stage's issue a
-      // round or more ago, is behind a barrier
-      if (tid < KT) sm_rows[(stage + STAGES - 1) % STAGES][tid] = next_row;
-      cp_async_wait<STAGES - 2>();               // this thread's copies of `stage` landed
-      // every thread's copies of `stage` (and the rows above) landed, and every warp is
-      // done with stage - 1, whose slot the issue below refills
-      __syncthreads();
-      issue(stage + STAGES - 1);
-      next_row = lookup(stage + STAGES);         // stored at the next round
-      const int slot = stage % STAGES;
-      const int tok0 = stage * KT + warp * 16;   // this warp's first token in the range
-      if (tok0 < n_tok) {                        // warp-uniform: a tail warp may sit out
-        float s[NT][4];
-        scores(s, ks + (slot * KT + warp * 16) * RLD, tok0);
-        accumulate(s, vs + (slot * KT + warp * 16) * RLD);
-      }
+      if constexpr (FP8) qk_tile_fp8<TKV, T, D, RLD, LD>(s, qs, reinterpret_cast<const unsigned char*>(kt));
+      else qk_tile<T, D, LD, NT>(s, qs, reinterpret_cast<const T*>(kt));
+      softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
+                                     soft_cap_log2);
+      if constexpr (FP8) pv_tile_fp8<TKV, T, D, RLD, DT>(o, s, reinterpret_cast<const unsigned char*>(vt));
+      else pv_tile<T, LD, NT, DT>(o, s, reinterpret_cast<const T*>(vt));
     }
   }
   cp_async_wait<0>();                            // no copy may outlive the loop
