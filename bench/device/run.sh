@@ -68,6 +68,7 @@
 #               rule and forced unsplit
 #   ncu-bw      ncu of v2 / v2tc / FlashInfer tc at bandwidth-bound cells (DRAM bytes,
 #               occupancy limits, stalls), then v2tc 3 stages and a 528-CTA target
+#   v2-target   v2 over the targets preset at plan CTA targets 264 / 528 (V2_TARGETS)
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
 #   merge-split the split merge: GPU tests, memcheck / racecheck, models and targets
 #               (batch 1-8) cells with its rule and with PAGED_DECODE_MERGE_SPLIT=1
@@ -623,6 +624,16 @@ smsp__inst_executed.sum \
   PAGED_DECODE_STAGES=3 BENCH_TIMEOUT=60 run_bench bw_tc_s3 $c --arms v2tc | tail -8
   PAGED_DECODE_TARGET_CTAS=528 BENCH_TIMEOUT=60 run_bench bw_t528 $c --arms v2,v2tc | tail -8
   BENCH_TIMEOUT=60 run_bench bw_default $c --arms v2,v2tc | tail -8
+}
+# the CUDA-core v2 partial at plan CTA targets V2_TARGETS (default 264, the default 2 per
+# SM, and 528) over the targets preset: whether v2 wants more CTAs than v2tc (S18-R4: 4-5%
+# less time at 528 at batch 8 / 32 x 32K, v2tc 17-24% more)
+step_v2_target() {
+  local t
+  for t in ${V2_TARGETS:-264 528}; do
+    PAGED_DECODE_TARGET_CTAS=$t BENCH_TIMEOUT=60 run_bench "v2_target_$t" --preset targets \
+      --arms v2 | tail -26
+  done
 }
 # v2tc at plan CTA targets beyond the default 2 per SM (TC_TARGETS; "" is the default),
 # where its 3-4 resident CTAs per SM are left idle or a second wave runs nearly empty:
