@@ -142,8 +142,10 @@ def v2_row_loads(kv_dtype: str, head_dim: int, heads_per_cta: int) -> int:
 STAGES_ENV = "PAGED_DECODE_STAGES"
 TC_WARPS_ENV = "PAGED_DECODE_TC_WARPS"
 L2_PREFETCH_ENV = "PAGED_DECODE_L2_PREFETCH"
-#: bytes of the L2 prefetch hint on every CUDA cp.async copy (``PD_L2_PREFETCH``)
-L2_PREFETCH = 0
+#: bytes of the L2 prefetch hint on every CUDA cp.async copy (``PD_L2_PREFETCH``): 128
+#: is 1-3% faster on v2tc's bandwidth-bound cells and level on v2 and cascade, 256 slower
+#: (H200, ``docs/benchmarks/h200-2026-12-04-s18.md``)
+L2_PREFETCH = 128
 ROW_LOADS_ENV = "PAGED_DECODE_V2_ROW_LOADS"
 V2_ROW_LOADS = 1
 V2_STAGES = 2

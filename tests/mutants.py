@@ -526,9 +526,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "every warp of a split merge weighs every run from its first on, counting rows of "
        "other warps again"),
     _m("cuda-merge-uses-unweighted-first-rows", "cuda", ("merge",),
-       "x[u][k] = wu[u] > 0.f && c < NV4 ? (first ? x0[u][k]",
-       "x[u][k] = first ? x0[u][k] : wu[u] > 0.f && c < NV4 ? (first ? x0[u][k]",
-       [MERGE_KERNEL_NAN],
+       "          if (wu[u] > 0.f) {                                 // warp-uniform",
+       "          {", [MERGE_KERNEL_NAN],
        "the rows read before their weights are known are added even at weight 0, so an "
        "empty chunk's NaN row poisons its group"),
     _m("cuda-merge-first-run-lse-reused", "cuda", ("merge",),

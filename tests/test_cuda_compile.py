@@ -155,3 +155,14 @@ def test_the_l2_prefetch_setting_is_checked(monkeypatch):
     with pytest.raises(InvalidArgumentError,
                        match="PAGED_DECODE_L2_PREFETCH must be 0, 128 or 256"):
         l2_prefetch_bytes()
+
+
+def test_the_sources_default_l2_prefetch_is_the_hosts():
+    """A compile without ``-DPD_L2_PREFETCH`` (the emulator, a tool) hints what the host
+    passes by default."""
+    import re
+
+    from paged_decode.kernels.common import CUDA_COMMON
+    from paged_decode.specs import L2_PREFETCH
+    got = re.search(r"#define PD_L2_PREFETCH (\d+)", CUDA_COMMON)
+    assert got is not None and int(got.group(1)) == L2_PREFETCH

@@ -116,10 +116,11 @@ __device__ __forceinline__ float warp_max(float x) {
 // until the wait that lands its group, its destination poisoned meanwhile, so reading a
 // slot too early or refilling one another thread still reads shows up; any other host
 // compiler copies synchronously (a copy that landed at once).
-// PD_L2_PREFETCH (0, 128 or 256; the host passes ``specs.l2_prefetch_bytes()``): the L2
-// prefetch size each copy hints, so that L2 asks DRAM for whole lines at once.
+// PD_L2_PREFETCH (0, 128 or 256; the host passes ``specs.l2_prefetch_bytes()``, and this
+// default matches ``specs.L2_PREFETCH``): the L2 prefetch size each copy hints, so that L2
+// asks DRAM for whole lines at once.
 #ifndef PD_L2_PREFETCH
-#define PD_L2_PREFETCH 0
+#define PD_L2_PREFETCH 128
 #endif
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
 #if defined(__CUDA_ARCH__)

@@ -164,19 +164,19 @@ __device__ __forceinline__ void merge_group(
 #pragma unroll
           for (int k = 0; k < PER_LANE; ++k) {
             const int c = col(k);
-            const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-            x[u][k] = wu[u] > 0.f && c < NV4 ? (first ? x0[u][k] : merge_load<COHERENT>(row + c))
-                                             : zero;
+            x[u][k] = first ? x0[u][k]
+                            : (wu[u] > 0.f && c < NV4) ? merge_load<COHERENT>(row + c)
+                                                        : make_float4(0.f, 0.f, 0.f, 0.f);
           }
         }
-        // every row is added, a row of weight 0 as zeros (a select, not a branch: its
-        // FMAs leave acc as it is, and a NaN read early is never added)
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
+          if (wu[u] > 0.f) {                                 // warp-uniform
 #pragma unroll
-          for (int k = 0; k < PER_LANE; ++k) {
-            acc[k].x = fmaf(wu[u], x[u][k].x, acc[k].x); acc[k].y = fmaf(wu[u], x[u][k].y, acc[k].y);
-            acc[k].z = fmaf(wu[u], x[u][k].z, acc[k].z); acc[k].w = fmaf(wu[u], x[u][k].w, acc[k].w);
+            for (int k = 0; k < PER_LANE; ++k) {
+              acc[k].x = fmaf(wu[u], x[u][k].x, acc[k].x); acc[k].y = fmaf(wu[u], x[u][k].y, acc[k].y);
+              acc[k].z = fmaf(wu[u], x[u][k].z, acc[k].z); acc[k].w = fmaf(wu[u], x[u][k].w, acc[k].w);
+            }
           }
       }
     }
