@@ -557,15 +557,16 @@ step_merge_split() {
 # the L2 prefetch hint of every cp.async copy (PAGED_DECODE_L2_PREFETCH; PREFETCH_SIZES,
 # default 0 128 256 0: the first size again last, for the spread between processes): the
 # GPU tests of the copying kernels at PREFETCH_TEST (128), then v2 / v2tc at batch 8 / 64 /
-# 128 x 4K / 32K (Llama-3-8B heads), GQA 7 and 8 at 32 x 8K, and the forks suite, at each
-# size; FlashInfer's tensor cores once beside them (run fi first)
+# 128 x 4K / 32K (Llama-3-8B heads; PREFETCH_CELLS: other bench arguments), GQA 7 and 8 at
+# 32 x 8K, and the forks suite (PREFETCH_FORKS=0: not), at each size; FlashInfer's tensor
+# cores once beside them (run fi first)
 step_prefetch() {
   PAGED_DECODE_L2_PREFETCH=${PREFETCH_TEST:-128} timeout ${TESTS_TIMEOUT:-200} python3 -m pytest \
     -q -m gpu -rs tests/test_cuda_gpu.py tests/test_fp8_gpu.py tests/test_variants_gpu.py \
     tests/test_cuda_graphs.py tests/test_merge_split_gpu.py tests/test_fused_merge_gpu.py \
     > "$L/prefetch_tests.log" 2>&1
   echo "prefetch tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/prefetch_tests.log" | tail -6
-  local p i=0 c="--preset targets --context 4096 --context 32768 --batch 8 --batch 64 --batch 128"
+  local p i=0 c=${PREFETCH_CELLS:-"--preset targets --context 4096 --context 32768 --batch 8 --batch 64 --batch 128"}
   BENCH_TIMEOUT=60 run_bench pf_fi $c --arms flashinfer-tc | tail -8
   for p in ${PREFETCH_SIZES:-0 128 256 0}; do
     i=$((i + 1))
