@@ -4,7 +4,8 @@ caches flushed), so a call's GPU time splits into its kernels (our partial and m
 FlashInfer's), and what the graph replay adds on top is the launch gaps.
 
 Usage: python3 bench/device/kernel_times.py ARM BATCH CONTEXT HQ HKV [HEAD_DIM]
-(ARM: v2, v2tc, flashinfer, flashinfer-tc; float16, page 16, the bench's plan and arms)
+(ARM: v2, v2tc, flashinfer, flashinfer-tc, or flashinfer-xqa after ``run.sh fi06``; float16,
+page 16, the bench's plan and arms)
 """
 
 import sys

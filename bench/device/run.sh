@@ -69,6 +69,8 @@
 #   ncu-bw      ncu of v2 / v2tc / FlashInfer tc at bandwidth-bound cells (DRAM bytes,
 #               occupancy limits, stalls), then v2tc 3 stages and a 528-CTA target
 #   v2-target   v2 over the targets preset at plan CTA targets 264 / 528 (V2_TARGETS)
+#   ncu-source  per-instruction stall samples of v2tc and FlashInfer's tensor-core kernel
+#               (ncu source counters, the SASS source page as CSV)
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
 #   merge-split the split merge: GPU tests, memcheck / racecheck, models and targets
 #               (batch 1-8) cells with its rule and with PAGED_DECODE_MERGE_SPLIT=1
@@ -634,6 +636,23 @@ step_v2_target() {
   for t in ${V2_TARGETS:-264 528}; do
     PAGED_DECODE_TARGET_CTAS=$t BENCH_TIMEOUT=60 run_bench "v2_target_$t" --preset targets \
       --arms v2 | tail -26
+  done
+}
+# where v2tc's and FlashInfer's tensor-core kernels stall, instruction by instruction: ncu
+# source counters (warp-state samples per SASS instruction) of each kernel alone at
+# SRC_CELL (32 x 16K, 32/8 by default; run fi first), saved as .ncu-rep and printed as the
+# source page (CSV) in $OUT/ncu_source_<arm>.csv
+step_ncu_source() {
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
+  local arm
+  for arm in ${SRC_ARMS:-v2tc flashinfer-tc}; do
+    timeout 150 ncu --profile-from-start off --section SourceCounters --section WarpStateStats \
+      -o "$L/ncu_source_$arm" -f python3 bench/device/kernel_times.py $arm ${SRC_CELL:-32 16384 32 8} \
+      > "$L/ncu_source_$arm.log" 2>&1
+    echo "ncu source $arm rc=$?"
+    timeout 60 ncu --import "$L/ncu_source_$arm.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/ncu_source_$arm.csv" 2>&1
+    echo "source page $arm rc=$? ($(wc -l < "$OUT/ncu_source_$arm.csv") lines)"
   done
 }
 # v2tc at plan CTA targets beyond the default 2 per SM (TC_TARGETS; "" is the default),
