@@ -26,9 +26,10 @@ Facts of FlashInfer 0.6.18 this relies on (read from its ``decode.py`` and ``xqa
 
 Every refusal raises ``ValueError`` before any import where it can (testable without
 torch), ``RuntimeError`` for a missing or too old FlashInfer; the benchmark marks the arm
-unavailable for that case. **Status:** written and checked on the CPU (the table
-conversion and the refusals); it has not run on a GPU (``docs/benchmarks/
-pending-device-runs.md``).
+unavailable for that case. **Status:** the table conversion and the refusals are checked
+on the CPU; on the H200 the arm passed its smoke test (GQA 4 and 16, eager and graph
+replay) and was timed beside v2 / v2tc in S18-R2 (``docs/benchmarks/h200-2026-12-04-s18.md``).
+Its sliding window has not run on a GPU.
 """
 
 from __future__ import annotations
