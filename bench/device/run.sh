@@ -399,24 +399,34 @@ ncu_cells() {
     done
   done
 }
-# each kernel of one call alone under ncu (its caches flushed): KT_CELLS "B CTX HQ HKV"
-# x KT_ARMS; $OUT/kernel_times.csv and a per-call summary (bench/device/kernel_times.py)
-step_kernel_times() {
+# each kernel of one call (bench/device/kernel_times.py) alone under ncu, its CSV appended
+# to FILE under a "== ARM CELL" line: ncu_kernels FILE LIMIT_S METRICS CELLS ARMS (CELLS:
+# "B CTX HQ HKV" cells separated by ';', ARMS separated by spaces)
+ncu_kernels() {
   command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
-  local cell arm f="$OUT/kernel_times.csv"
+  local f=$1 limit=$2 metrics=$3 cells=$4 arms=$5 cell arm
   local IFS_SAVE=$IFS
   IFS=';'
-  for cell in ${KT_CELLS:-1 8192 8 1;1 32768 8 1;1 8192 32 2;1 16384 32 8;1 1024 8 1;8 8192 32 8}; do
+  for cell in $cells; do
     IFS=$IFS_SAVE
-    for arm in ${KT_ARMS:-v2 v2tc flashinfer-tc}; do
+    for arm in $arms; do
       echo "== $arm $cell" >> "$f"
-      timeout 60 ncu --profile-from-start off --csv --print-units base --metrics \
-        gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+      timeout $limit ncu --profile-from-start off --csv --print-units base --metrics "$metrics" \
         python3 bench/device/kernel_times.py $arm $cell >> "$f" 2>&1
+      echo "ncu $arm $cell rc=$?"
     done
     IFS=';'
   done
   IFS=$IFS_SAVE
+}
+# each kernel of one call alone under ncu (its caches flushed): KT_CELLS "B CTX HQ HKV"
+# x KT_ARMS; $OUT/kernel_times.csv and a per-call summary (bench/device/kernel_times.py)
+step_kernel_times() {
+  local f="$OUT/kernel_times.csv"
+  ncu_kernels "$f" 60 \
+    gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+    "${KT_CELLS:-1 8192 8 1;1 32768 8 1;1 8192 32 2;1 16384 32 8;1 1024 8 1;8 8192 32 8}" \
+    "${KT_ARMS:-v2 v2tc flashinfer-tc}" || return 1
   python3 - "$f" <<'PY' | tee "$OUT/kernel_times.md"
 import csv, sys
 block, rows = None, {}
@@ -598,15 +608,8 @@ step_unsplit_merge() {
 # 3-stage ring and v2 / v2tc at a 528-CTA plan target beside the defaults at batch 4-32 x
 # 16K / 32K
 step_ncu_bw() {
-  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
-  local cell arm f="$OUT/ncu_bw.csv" st="smsp__average_warps_issue_stalled"
-  local IFS_SAVE=$IFS
-  IFS=';'
-  for cell in ${BW_CELLS:-32 16384 32 8;8 32768 32 8}; do
-    IFS=$IFS_SAVE
-    for arm in v2 v2tc flashinfer-tc; do
-      echo "== $arm $cell" >> "$f"
-      timeout 90 ncu --profile-from-start off --csv --print-units base --metrics \
+  local st="smsp__average_warps_issue_stalled"
+  ncu_kernels "$OUT/ncu_bw.csv" 90 \
 gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
 launch__grid_size,launch__block_size,launch__registers_per_thread,\
 launch__shared_mem_per_block_dynamic,launch__occupancy_limit_shared_mem,\
@@ -617,12 +620,7 @@ ${st}_wait_per_issue_active.ratio,${st}_short_scoreboard_per_issue_active.ratio,
 ${st}_lg_throttle_per_issue_active.ratio,${st}_math_pipe_throttle_per_issue_active.ratio,\
 ${st}_mio_throttle_per_issue_active.ratio,${st}_not_selected_per_issue_active.ratio,\
 smsp__inst_executed.sum \
-        python3 bench/device/kernel_times.py $arm $cell >> "$f" 2>&1
-      echo "ncu $arm $cell rc=$?"
-    done
-    IFS=';'
-  done
-  IFS=$IFS_SAVE
+    "${BW_CELLS:-32 16384 32 8;8 32768 32 8}" "v2 v2tc flashinfer-tc" || return 1
   local c="--preset targets --context 16384 --context 32768 --batch 4 --batch 8 --batch 32"
   PAGED_DECODE_STAGES=3 BENCH_TIMEOUT=60 run_bench bw_tc_s3 $c --arms v2tc | tail -8
   PAGED_DECODE_TARGET_CTAS=528 BENCH_TIMEOUT=60 run_bench bw_t528 $c --arms v2,v2tc | tail -8

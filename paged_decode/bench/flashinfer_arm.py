@@ -367,11 +367,16 @@ def smoke_start(tag: str, dtype_name: str) -> tuple[Any, float] | None:
     return getattr(_torch(), dtype_name), (3e-2 if dtype_name == "bfloat16" else 1e-2)
 
 
-def smoke_check(got: Any, ref: Any, tol: float) -> tuple[bool, float]:
-    """(finite and within ``tol`` of ``ref`` by max-rel error, the error)."""
+def smoke_report(tag: str, name: str, got: Any, ref: Any, tol: float, desc: str,
+                 t0: float) -> bool:
+    """Whether ``got`` is finite and within ``tol`` of ``ref`` by max-rel error; prints the
+    smoke test's line for it (OK / FAIL, the error, seconds since ``t0``)."""
     torch = _torch()
     err = float((got.float() - ref).abs().max() / ref.abs().max())
-    return bool(torch.isfinite(got.float()).all()) and err <= tol, err
+    good = bool(torch.isfinite(got.float()).all()) and err <= tol
+    print(f"[{tag}] {'OK  ' if good else 'FAIL'} {name:<14} max-rel {err:.2e} (tol {tol:.0e}) "
+          f"{time.perf_counter() - t0:7.1f}s  {desc}", flush=True)
+    return good
 
 
 def smoke(dtype_name: str = "float16") -> int:
@@ -386,10 +391,7 @@ def smoke(dtype_name: str = "float16") -> int:
 
     def report(name: str, got: Any, ref: Any, desc: str, t0: float) -> None:
         nonlocal failures
-        good, err = smoke_check(got, ref, tol)
-        failures += not good
-        print(f"[flashinfer smoke] {'OK  ' if good else 'FAIL'} {name:<14} max-rel "
-              f"{err:.2e} (tol {tol:.0e}) {time.perf_counter() - t0:7.1f}s  {desc}", flush=True)
+        failures += not smoke_report("flashinfer smoke", name, got, ref, tol, desc, t0)
 
     q, k, v, table = _random_problem(4, 1000, 16, 32, 8, 128, dtype)
     scale = 128 ** -0.5

@@ -51,7 +51,7 @@ from .flashinfer_arm import (
     check_cuda_tensors,
     check_dtypes,
     check_table_for_flashinfer,
-    smoke_check,
+    smoke_report,
     smoke_start,
     torch_and_flashinfer,
 )
@@ -158,11 +158,8 @@ def smoke(dtype_name: str = "float16") -> int:
                 out.fill_(float("nan"))
                 run()
                 torch.cuda.synchronize()
-                good, err = smoke_check(out, ref, tol)
-                failures += not good
-                print(f"[xqa smoke] {'OK  ' if good else 'FAIL'} {name} {how:<5} max-rel "
-                      f"{err:.2e} (tol {tol:.0e}) {time.perf_counter() - t0:7.1f}s  {desc}",
-                      flush=True)
+                failures += not smoke_report("xqa smoke", f"{name} {how}", out, ref, tol,
+                                             desc, t0)
         except Exception as exc:
             failures += 1
             print(f"[xqa smoke] FAIL {name}: {type(exc).__name__}: {exc}", flush=True)

@@ -122,16 +122,17 @@ __device__ __forceinline__ float warp_max(float x) {
 #ifndef PD_L2_PREFETCH
 #define PD_L2_PREFETCH 128
 #endif
+#if PD_L2_PREFETCH == 256
+#define PD_L2_HINT ".L2::256B"
+#elif PD_L2_PREFETCH == 128
+#define PD_L2_HINT ".L2::128B"
+#else
+#define PD_L2_HINT ""
+#endif
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
 #if defined(__CUDA_ARCH__)
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-#if PD_L2_PREFETCH == 256
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
-#elif PD_L2_PREFETCH == 128
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
-#endif
+  asm volatile("cp.async.cg.shared.global" PD_L2_HINT " [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(pred ? 16 : 0));
 #elif defined(PD_EMU_CP_ASYNC)
   pd_emu::cp_async16(smem, gmem, pred);
 #else
