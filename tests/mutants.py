@@ -232,8 +232,8 @@ GPU_NEGATIVE_CONTROLS: dict[str, Mutation] = {
                                            "const int a_begin = (int)(fpo + t_begin)",
                                            "const int a_begin = (int)(t_begin)"),
     # the tensor-core partial's token rows take page t // P of the pool
-    "v2tc-ignores-indices": Mutation("cuda", ("v2tc",), "(unsigned)page_ids[a / PAGE_SIZE]",
-                                     "(a / PAGE_SIZE)"),
+    "v2tc-ignores-indices": Mutation("cuda", ("v2tc",), "? page_ids[a / PAGE_SIZE] :",
+                                     "? (int)(a / PAGE_SIZE) :"),
 }
 
 
@@ -792,11 +792,11 @@ MUTANTS: tuple[Mutant, ...] = (
        [V2TC_LONG], "a ring slot refilled while other warps still read it (and other "
                     "threads' copies read before they landed)"),
     _m("v2tc-page-ids-into-the-slot-being-read", "cuda", ("v2tc",),
-       "sm_rows[(stage + STAGES - 1) % STAGES][tid] = next_row;",
-       "sm_rows[stage % STAGES][tid] = next_row;", [V2TC_LONG],
+       "sm_rows[(stage + STAGES - 1) % STAGES][tid] = row_of(",
+       "sm_rows[stage % STAGES][tid] = row_of(", [V2TC_LONG],
        "the prefetched token rows stored over the slot of the stage being issued"),
     _m("v2tc-page-boundary-off-by-one", "cuda", ("v2tc",),
-       "(unsigned)page_ids[a / PAGE_SIZE]", "(unsigned)page_ids[(int)(a - 1) / PAGE_SIZE]",
+       "? page_ids[a / PAGE_SIZE] :", "? page_ids[(int)(a - 1) / PAGE_SIZE] :",
        [V2TC_CASE + "[d128-g2-ps3-bf16]"],
        "the first token of every page looked up in the page before"),
     _m("v2tc-first-page-offset-dropped", "cuda", ("v2tc",),
@@ -815,8 +815,16 @@ MUTANTS: tuple[Mutant, ...] = (
        "grew |= m_new > m_run[h];", "grew |= m_new > m_run[h] + 1.f;", [V2TC_LONG],
        "O left at a stale scale when a row's max grows by less than one (log2 units)"),
     _m("v2tc-token-row-entry-dropped", "cuda", ("v2tc",),
-       "* PAGE_SIZE + a % PAGE_SIZE;", "* PAGE_SIZE;", [V2TC_CASE + "[d64-g1-ps16-f16]"],
+       "* PAGE_SIZE + a % PAGE_SIZE : 0u;", "* PAGE_SIZE : 0u;", [V2TC_CASE + "[d64-g1-ps16-f16]"],
        "every token of a page read from the page's first row"),
+    _m("v2tc-token-row-of-the-next-stage", "cuda", ("v2tc",),
+       "row_of(stage + STAGES - 1, next_page)", "row_of(stage + STAGES, next_page)",
+       [V2TC_LONG],
+       "a prefetched page id made into a row with the entry and range of the stage after it"),
+    _m("v2tc-copy-row-batch-index", "cuda", ("v2tc",),
+       "(unsigned long long)row[j] * row_bytes", "(unsigned long long)row[0] * row_bytes",
+       [V2TC_CASE + "[d64-g1-ps16-f16]"],
+       "every copy of a batch reading the first copy's token row"),
     _m("tc-q-fragment-rows-swapped", "cuda", ("prefix", "v2tc"),
        "ldsm_x4<false>(a, qw + (lrow + 8 * lhi) * LD + kk * 16 + 8 * lq);",
        "ldsm_x4<false>(a, qw + (lrow + 8 * lq) * LD + kk * 16 + 8 * lhi);",

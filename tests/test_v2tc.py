@@ -112,8 +112,8 @@ def test_v2tc_ragged_batch_with_empty_requests(name):
 @needs_emulator
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v2tc_long_chunk_every_schedule(emu, head_dim):
-    # one chunk of 330 tokens over shuffled pages of 8: six stages of 64 tokens through a
-    # three-slot ring (every slot refilled after it was read; its page ids too), under
+    # one chunk of 330 tokens over shuffled pages of 8: six stages of 64 tokens through the
+    # default two-slot ring (every slot refilled after it was read; its token rows too), under
     # every schedule (one warp running ahead included) with copies in flight until their
     # wait; the running max moves between stages, so a missed rescale shows
     spec = ProblemSpec(1, 330, 4, 1, head_dim, 8, seed=50 + head_dim, jitter=False)
@@ -123,7 +123,7 @@ def test_v2tc_long_chunk_every_schedule(emu, head_dim):
 @needs_emulator
 @pytest.mark.parametrize("stages", [3, 4])   # the default (2) runs everywhere else
 def test_v2tc_ring_depths(emu, monkeypatch, stages):
-    # PAGED_DECODE_STAGES sets the ring depth (the default is 3): a double buffer waits for
+    # PAGED_DECODE_STAGES sets the ring depth (the default is 2): a double buffer waits for
     # every group, a 4-deep ring keeps three in flight; the URI names the depth
     from paged_decode.specs import v2tc_spec
     monkeypatch.setenv("PAGED_DECODE_STAGES", str(stages))

@@ -69,7 +69,6 @@
 #   ncu-bw      ncu of v2 / v2tc / FlashInfer tc at bandwidth-bound cells (DRAM bytes,
 #               occupancy limits, stalls), then v2tc 3 stages and a 528-CTA target
 #   v2-target   v2 over the targets preset at plan CTA targets 264 / 528 (V2_TARGETS)
-#   tc-exp      v2tc compile-time experiments (TC_EXPS define sets) over targets and GQA 8 / 16
 #   ncu-source  per-instruction stall samples of v2tc and FlashInfer's tensor-core kernel
 #               (ncu source counters, the SASS source page as CSV)
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
@@ -630,33 +629,6 @@ smsp__inst_executed.sum \
 # the CUDA-core v2 partial at plan CTA targets V2_TARGETS (default 264, the default 2 per
 # SM, and 528) over the targets preset: whether v2 wants more CTAs than v2tc (S18-R4: 4-5%
 # less time at 528 at batch 8 / 32 x 32K, v2tc 17-24% more)
-# v2tc kernel experiments (compile-time defines through PD_EXPERIMENT_DEFINES; TC_EXPS:
-# ";"-separated define sets, "none" the shipped kernel) over the targets preset and GQA 8 / 16
-# at batch 8 x 32K and 32 x 8K
-step_tc_exp() {
-  local e tag IFS_SAVE=$IFS
-  IFS=';'
-  for e in ${TC_EXPS:-none;-DPD_TC_QREGS=1;-DPD_TC_QK_CHAINS=2;-DPD_TC_LATE_ISSUE=1;-DPD_TC_QREGS=1 -DPD_TC_QK_CHAINS=2}; do
-    IFS=$IFS_SAVE
-    tag=$(echo "$e" | tr -c 'A-Za-z0-9\n' '_' | sed 's/__*/_/g')
-    [[ $e == none ]] && e=""
-    PD_EXPERIMENT_DEFINES="$e" python3 - "$tag" <<'PY' 2>&1 | tee -a "$OUT/tc_exp_regs.txt"
-import sys
-from paged_decode.backends.cuda import compiled
-from paged_decode.specs import v2tc_spec
-for d in (64, 128, 256):
-    a = compiled(v2tc_spec("float16", "float32", d, 16)).attributes
-    print(f"{sys.argv[1]} head_dim {d}: regs {a['num_regs']} local {a['local_size_bytes']} B")
-PY
-    PD_EXPERIMENT_DEFINES="$e" BENCH_TIMEOUT=80 run_bench "tc_exp_targets_$tag" --preset targets \
-      --arms v2tc | tail -28
-    PD_EXPERIMENT_DEFINES="$e" BENCH_TIMEOUT=60 run_bench "tc_exp_models_$tag" --preset models \
-      --model llama3-70b-tp8 --model gqa16 --batch 8 --batch 32 --context 8192 --context 32768 \
-      --arms v2tc | tail -10
-    IFS=';'
-  done
-  IFS=$IFS_SAVE
-}
 step_v2_target() {
   local t
   for t in ${V2_TARGETS:-264 528}; do

@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 
+from paged_decode import plan_decode
 from paged_decode.backends import get_backend
 from paged_decode.bench.arms import make_arm
 from paged_decode.bench.cases import BenchCase
 from paged_decode.bench.runner import TOLERANCE, _problem, time_arm, verifier
-from paged_decode import plan_decode
 
 CELLS = [(1, 1024), (1, 4096), (1, 16384), (1, 32768), (4, 1024), (4, 4096), (8, 8192),
          (32, 1024), (32, 2048), (64, 1024), (64, 4096), (128, 4096)]

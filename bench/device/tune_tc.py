@@ -54,7 +54,8 @@ def measure(tag, arm_name, q, k, v, table, hq, hkv, **plan_kw):
                  TOLERANCE["float16"], arm.expected, warmup=3, reps=15, cold_l2=True,
                  ran=arm.ran)
     row = dict(tag, arm=arm_name, stages=os.environ.get("PAGED_DECODE_STAGES"),
-               gpu_us=r.gpu.get("median_us") or r.call.get("median_us") or float("nan"), gbps=r.gbps, chunks=plan.num_chunks,
+               gpu_us=r.gpu.get("median_us") or r.call.get("median_us") or float("nan"),
+               gbps=r.gbps, chunks=plan.num_chunks,
                pages_per_chunk=plan.pages_per_chunk, verified=r.verified,
                err=r.max_rel_error, **{k2: v2 for k2, v2 in plan_kw.items()})
     rows.append(row)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,8 +25,7 @@ COMPILE_OPTIONS = ("-std=c++17",)
 @functools.cache
 def _module(kernel: str, name_expressions: tuple[str, ...], l2_prefetch: int) -> Any:
     return cp.RawModule(code=cuda_source(kernel),
-                        options=COMPILE_OPTIONS + (f"-DPD_L2_PREFETCH={l2_prefetch}",)
-                        + tuple(os.environ.get("PD_EXPERIMENT_DEFINES", "").split()),
+                        options=COMPILE_OPTIONS + (f"-DPD_L2_PREFETCH={l2_prefetch}",),
                         name_expressions=list(name_expressions))
 
 

@@ -201,61 +201,6 @@ __device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[
 }
 }  // namespace pd
 
-// Experiments (compile-time, default off): PD_TC_QREGS keeps the Q tile's A fragments in
-// registers for the whole loop (16-bit pools, head_dim <= 128); PD_TC_QK_CHAINS 2 splits
-// each S tile's k-step chain into two accumulators (even / odd k steps) added at the end;
-// PD_TC_LATE_ISSUE issues a stage's copies after the warp's Q K^T instead of before it.
-#ifndef PD_TC_QREGS
-#define PD_TC_QREGS 0
-#endif
-#ifndef PD_TC_QK_CHAINS
-#define PD_TC_QK_CHAINS 1
-#endif
-#ifndef PD_TC_ROWFIX
-#define PD_TC_ROWFIX 1
-#endif
-#ifndef PD_TC_LATE_ISSUE
-#define PD_TC_LATE_ISSUE 0
-#endif
-namespace pd {
-// s = Q K^T as qk_tile, from A fragments `qa` (D / 16 k steps) held in registers, or
-// from the Q tile in shared memory (qa unused), with CHAINS accumulators per S tile.
-template <typename T, int D, int LD, bool QREGS, int CHAINS>
-__device__ __forceinline__ void qk_tile_x(float (&s)[2][4], const unsigned (&qa)[QREGS ? D / 16 : 1][4],
-                                          const T* qw, const T* kt) {
-  const int lane = threadIdx.x & 31;
-  const int lrow = lane & 7, lhi = (lane >> 3) & 1, lq = lane >> 4;
-  float acc[CHAINS][2][4];
-#pragma unroll
-  for (int c = 0; c < CHAINS; ++c)
-#pragma unroll
-    for (int n = 0; n < 2; ++n) acc[c][n][0] = acc[c][n][1] = acc[c][n][2] = acc[c][n][3] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    unsigned a[4];
-    if constexpr (QREGS) {
-      a[0] = qa[kk][0]; a[1] = qa[kk][1]; a[2] = qa[kk][2]; a[3] = qa[kk][3];
-    } else {
-      ldsm_x4<false>(a, qw + (lrow + 8 * lhi) * LD + kk * 16 + 8 * lq);
-    }
-    unsigned b[4];
-    ldsm_x4<false>(b, kt + (lrow + 8 * lq) * LD + kk * 16 + 8 * lhi);
-    const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-    mma_16816<T>(acc[kk % CHAINS][0], a, b0);
-    mma_16816<T>(acc[kk % CHAINS][1], a, b1);
-  }
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float v = acc[0][n][e];
-#pragma unroll
-      for (int c = 1; c < CHAINS; ++c) v += acc[c][n][e];
-      s[n][e] = v;
-    }
-}
-}  // namespace pd
-
 // grid: (C chunks, Hkv * row_tiles), the row tile fastest; block: NUM_WARPS * 32 threads.
 // T: the queries' and the mma operands' type; TKV: the pools' element, T itself or an fp8
 // format (pd::fp8_e4m3 / pd::fp8_e5m2: a byte ring, widened in registers by the fp8 tile
@@ -344,25 +289,23 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 
   // Token rows: thread tid < KT looks up token tid of a stage (its pool row, page *
   // PAGE_SIZE + entry, 0 past the range) one stage before that stage's copies are issued:
-  // `page_of` loads the page id, and `row_of` turns it into the row only at the next
-  // round, when it is stored to sm_rows before the barrier that publishes it. So no
-  // instruction of this round waits on that global load (ptxas places a consumer right
-  // after its load when both are in one block), and a copy costs one shared load and a
-  // multiply-add, not a page-and-entry address per piece. A pool holds fewer than 2^32
-  // rows (the host refuses more).
+  // `page_of` loads the page id, `row_of` makes the row of it at the next round, where it
+  // is stored to sm_rows before the barrier that publishes it. So no instruction of the
+  // round that loads it waits on that global load (ptxas puts a consumer in the load's own
+  // block right after it), and a copy costs one shared load and a multiply-add, not a
+  // page-and-entry address per piece. A pool holds fewer than 2^32 rows (the host refuses
+  // more).
   __shared__ unsigned sm_rows[STAGES][KT];
   auto page_of = [&](int stage) -> int {
     const int i = stage * KT + tid;                                     // token in the range
-    return tid < KT && i < n_tok ? page_ids[(unsigned)(a_begin + i) / PAGE_SIZE] : 0;
+    const unsigned a = (unsigned)(a_begin + i);                         // entry in the pages
+    return tid < KT && i < n_tok ? page_ids[a / PAGE_SIZE] : 0;
   };
   auto row_of = [&](int stage, int page) -> unsigned {
     const int i = stage * KT + tid;
-    const unsigned a = (unsigned)(a_begin + i);                         // entry in the pages
+    const unsigned a = (unsigned)(a_begin + i);
     return tid < KT && i < n_tok ? (unsigned)page * PAGE_SIZE + a % PAGE_SIZE : 0u;
   };
-#if PD_TC_ROWFIX == 0
-  auto old_lookup = [&](int stage) -> unsigned { return row_of(stage, page_of(stage)); };
-#endif
   const unsigned row_bytes = (unsigned)(num_kv_heads * D * (int)sizeof(TKV));
   // A thread copies piece `piece` of the tokens tok_first + j * TOK_STEP when the threads
   // cover whole rows (THREADS % PIECES == 0, every shape but head_dim 96); otherwise each
@@ -379,17 +322,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const int slot = stage % STAGES;
     if (stage < n_stages) {
       const int live = n_tok - stage * KT;                             // tokens of the stage in range
-      // the rows of up to 8 copies first: ptxas keeps a shared load after the copies
-      // before it (they write shared memory), so loads between the copies would each wait
-      // their latency (at most 8 at a time: head_dim 256 has 16 copies and no registers)
-      constexpr int RB = !PD_TC_ROWFIX ? 1 : PER_THREAD < 8 ? PER_THREAD : 8;
+      // the rows of up to 8 copies are loaded before those copies: ptxas keeps a shared
+      // load behind the copies ahead of it (they write shared memory), so a load between
+      // copies would wait its whole latency (8 at most: head_dim 256 makes 16 copies)
+      constexpr int RB = PER_THREAD < 8 ? PER_THREAD : 8;
       static_assert(PER_THREAD % RB == 0, "copies come in whole batches of rows");
 #pragma unroll
       for (int j0 = 0; j0 < PER_THREAD; j0 += RB) {
         unsigned row[RB];
 #pragma unroll
         for (int j = 0; j < RB; ++j)
-          row[j] = sm_rows[slot][WHOLE_ROWS ? tok_first + (j0 + j) * TOK_STEP : (tid + (j0 + j) * THREADS) / PIECES];
+          row[j] = sm_rows[slot][WHOLE_ROWS ? tok_first + (j0 + j) * TOK_STEP
+                                            : (tid + (j0 + j) * THREADS) / PIECES];
 #pragma unroll
         for (int j = 0; j < RB; ++j) {
           const int e = tid + (j0 + j) * THREADS;
@@ -416,51 +360,25 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   __syncthreads();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
-#if PD_TC_ROWFIX
   int next_page = page_of(STAGES - 1);
-#else
-  unsigned next_row = old_lookup(STAGES - 1);
-#endif
-  constexpr bool QREGS = PD_TC_QREGS && !FP8 && D <= 128;
-  constexpr int CHAINS = FP8 ? 1 : PD_TC_QK_CHAINS;
-  constexpr bool LATE = PD_TC_LATE_ISSUE;
-  unsigned qa[QREGS ? D / 16 : 1][4];
-  if constexpr (QREGS) {             // the Q tile is visible: the barrier above
-    const int lrow = lane & 7, lhi = (lane >> 3) & 1, lq = lane >> 4;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      ldsm_x4<false>(qa[kk], qs + (lrow + 8 * lhi) * LD + kk * 16 + 8 * lq);
-  }
   for (int stage = 0; stage < n_stages; ++stage) {
     // the rows of stage + STAGES - 1; their slot's last reader, that stage's issue a round
     // or more ago, is behind a barrier
-#if PD_TC_ROWFIX
     if (tid < KT) sm_rows[(stage + STAGES - 1) % STAGES][tid] = row_of(stage + STAGES - 1, next_page);
-#else
-    if (tid < KT) sm_rows[(stage + STAGES - 1) % STAGES][tid] = next_row;
-#endif
     cp_async_wait<STAGES - 2>();                 // this thread's copies of `stage` landed
     // every thread's copies of `stage` (and the rows above) landed, and every warp is done
     // with stage - 1, whose slot the issue below refills
     __syncthreads();
-    if constexpr (!LATE) issue(stage + STAGES - 1);
-#if PD_TC_ROWFIX
-    next_page = page_of(stage + STAGES);         // its row is stored at the next round
-#else
-    next_row = old_lookup(stage + STAGES);
-#endif
+    issue(stage + STAGES - 1);
+    next_page = page_of(stage + STAGES);         // its row is made at the next round
     const int slot = stage % STAGES;
     const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
-    if (LATE && tok0 >= n_tok) issue(stage + STAGES - 1);
     if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out
       const TKV* kt = ks + (slot * KT + warp * 16) * RLD;
       const TKV* vt = vs + (slot * KT + warp * 16) * RLD;
       float s[NT][4];
       if constexpr (FP8) qk_tile_fp8<TKV, T, D, RLD, LD>(s, qs, reinterpret_cast<const unsigned char*>(kt));
-      else if constexpr (QREGS || CHAINS > 1)
-        qk_tile_x<T, D, LD, QREGS, CHAINS>(s, qa, qs, reinterpret_cast<const T*>(kt));
       else qk_tile<T, D, LD, NT>(s, qs, reinterpret_cast<const T*>(kt));
-      if constexpr (LATE) issue(stage + STAGES - 1);
       softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
                                      soft_cap_log2);
       if constexpr (FP8) pv_tile_fp8<TKV, T, D, RLD, DT>(o, s, reinterpret_cast<const unsigned char*>(vt));
