@@ -69,6 +69,8 @@
 #   ncu-bw      ncu of v2 / v2tc / FlashInfer tc at bandwidth-bound cells (DRAM bytes,
 #               occupancy limits, stalls), then v2tc 3 stages and a 528-CTA target
 #   v2-target   v2 over the targets preset at plan CTA targets 264 / 528 (V2_TARGETS)
+#   ncu-mem     ncu memory tables (requests, sectors, hit rates per operation) of v2tc and
+#               FlashInfer's tensor-core kernel (MEM_ARMS, MEM_CELL)
 #   ncu-source  per-instruction stall samples of v2tc and FlashInfer's tensor-core kernel
 #               (ncu source counters, the SASS source page as CSV)
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
@@ -634,6 +636,28 @@ step_v2_target() {
   for t in ${V2_TARGETS:-264 528}; do
     PAGED_DECODE_TARGET_CTAS=$t BENCH_TIMEOUT=60 run_bench "v2_target_$t" --preset targets \
       --arms v2 | tail -26
+  done
+}
+# why v2tc's L2 hit rate is 34% on exactly the DRAM bytes FlashInfer's kernel reads at a 1%
+# hit rate (S18-R4): ncu's memory tables (requests, sectors per request and hit rate per
+# operation, L1 and L2, the L2 fabric) of each kernel alone at MEM_CELL (32 x 16K, 32/8 by
+# default; run fi first), as text in $OUT/ncu_mem_<arm>.txt
+step_ncu_mem() {
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
+  local arm
+  for arm in ${MEM_ARMS:-v2tc flashinfer-tc}; do
+    # the sections' tables as text, and every metric they collect (raw page, CSV)
+    timeout 120 ncu --profile-from-start off --section MemoryWorkloadAnalysis_Tables \
+      --section MemoryWorkloadAnalysis_Chart --print-details all \
+      python3 bench/device/kernel_times.py $arm ${MEM_CELL:-32 16384 32 8} \
+      > "$OUT/ncu_mem_$arm.txt" 2>&1
+    echo "ncu mem $arm rc=$? ($(wc -l < "$OUT/ncu_mem_$arm.txt") lines)"
+    timeout 120 ncu --profile-from-start off --section MemoryWorkloadAnalysis_Tables \
+      --section MemoryWorkloadAnalysis_Chart --page raw --csv \
+      python3 bench/device/kernel_times.py $arm ${MEM_CELL:-32 16384 32 8} \
+      > "$OUT/ncu_mem_raw_$arm.csv" 2>&1
+    echo "ncu mem raw $arm rc=$?"
+    grep -iE "hit rate|sectors/req|Global Load|LDGSTS|L2 Fabric" "$OUT/ncu_mem_$arm.txt" | head -20
   done
 }
 # where v2tc's and FlashInfer's tensor-core kernels stall, instruction by instruction: ncu
