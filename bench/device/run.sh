@@ -641,22 +641,23 @@ step_v2_target() {
 # why v2tc's L2 hit rate is 34% on exactly the DRAM bytes FlashInfer's kernel reads at a 1%
 # hit rate (S18-R4): ncu's memory tables (requests, sectors per request and hit rate per
 # operation, L1 and L2, the L2 fabric) of each kernel alone at MEM_CELL (32 x 16K, 32/8 by
-# default; run fi first), as text in $OUT/ncu_mem_<arm>.txt
+# default; run fi first), profiled once into a report, printed from it as text
+# ($OUT/ncu_mem_<arm>.txt) and as every metric the sections collect ($OUT/ncu_mem_raw_<arm>.csv)
 step_ncu_mem() {
   command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
   local arm
   for arm in ${MEM_ARMS:-v2tc flashinfer-tc}; do
-    # the sections' tables as text, and every metric they collect (raw page, CSV)
     timeout 120 ncu --profile-from-start off --section MemoryWorkloadAnalysis_Tables \
-      --section MemoryWorkloadAnalysis_Chart --print-details all \
+      --section MemoryWorkloadAnalysis_Chart -o "$L/ncu_mem_$arm" -f \
       python3 bench/device/kernel_times.py $arm ${MEM_CELL:-32 16384 32 8} \
+      > "$L/ncu_mem_$arm.log" 2>&1
+    echo "ncu mem $arm rc=$?"
+    timeout 60 ncu --import "$L/ncu_mem_$arm.ncu-rep" --print-details all \
       > "$OUT/ncu_mem_$arm.txt" 2>&1
-    echo "ncu mem $arm rc=$? ($(wc -l < "$OUT/ncu_mem_$arm.txt") lines)"
-    timeout 120 ncu --profile-from-start off --section MemoryWorkloadAnalysis_Tables \
-      --section MemoryWorkloadAnalysis_Chart --page raw --csv \
-      python3 bench/device/kernel_times.py $arm ${MEM_CELL:-32 16384 32 8} \
+    echo "details $arm rc=$? ($(wc -l < "$OUT/ncu_mem_$arm.txt") lines)"
+    timeout 60 ncu --import "$L/ncu_mem_$arm.ncu-rep" --page raw --csv \
       > "$OUT/ncu_mem_raw_$arm.csv" 2>&1
-    echo "ncu mem raw $arm rc=$?"
+    echo "raw $arm rc=$?"
     grep -iE "hit rate|sectors/req|Global Load|LDGSTS|L2 Fabric" "$OUT/ncu_mem_$arm.txt" | head -20
   done
 }

@@ -327,18 +327,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
       // copies would wait its whole latency (8 at most: head_dim 256 makes 16 copies)
       constexpr int RB = PER_THREAD < 8 ? PER_THREAD : 8;
       static_assert(PER_THREAD % RB == 0, "copies come in whole batches of rows");
+      // copy c's token of the stage and its 16-byte piece of the row
+      auto tok_of = [&](int c) {
+        return WHOLE_ROWS ? tok_first + c * TOK_STEP : (tid + c * THREADS) / PIECES;
+      };
+      auto piece_of = [&](int c) { return WHOLE_ROWS ? piece_first : (tid + c * THREADS) % PIECES; };
 #pragma unroll
       for (int j0 = 0; j0 < PER_THREAD; j0 += RB) {
         unsigned row[RB];
 #pragma unroll
-        for (int j = 0; j < RB; ++j)
-          row[j] = sm_rows[slot][WHOLE_ROWS ? tok_first + (j0 + j) * TOK_STEP
-                                            : (tid + (j0 + j) * THREADS) / PIECES];
+        for (int j = 0; j < RB; ++j) row[j] = sm_rows[slot][tok_of(j0 + j)];
 #pragma unroll
         for (int j = 0; j < RB; ++j) {
-          const int e = tid + (j0 + j) * THREADS;
-          const int tok = WHOLE_ROWS ? tok_first + (j0 + j) * TOK_STEP : e / PIECES;
-          const int piece = WHOLE_ROWS ? piece_first : e % PIECES;
+          const int tok = tok_of(j0 + j), piece = piece_of(j0 + j);
           const unsigned long long off = (unsigned long long)row[j] * row_bytes + piece * 16;
           const int at = (slot * KT + tok) * RLD + piece * (16 / (int)sizeof(TKV));
           cp_async16(ks + at, k_head + off, tok < live);
