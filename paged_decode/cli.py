@@ -177,6 +177,7 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "(page 16, batch up to 128), variants (8 x 8K: bf16, head_dim, GQA, "
                    "page size), models, crossover (adr at page 16 plus every other models "
                    "GQA layout: the cells of path='auto'), ragged (16 x 1K-8K, 128 x 512-4K), "
+                   "batches (batch 5-96 between the targets' sizes, 4K / 16K), "
                    "cpu (small); cascade and sparse "
                    "select those "
                    "suites. Default: adr on a GPU backend, cpu on the others.")

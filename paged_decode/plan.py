@@ -6,7 +6,9 @@ non-increasing in ``pages_per_chunk``, so a binary search finds the *largest* ch
 size whose CTA count still reaches the device target (the fewest chunks, least merge
 work, among the sizes that fill the device); of that size and the next larger one (whose
 count falls short), the plan takes the one whose CTA count is closer to the target by
-ratio. Every request gets at least one chunk (an
+ratio. That size then shrinks to the smallest (within ``BALANCE_SLACK``) that keeps
+every request's chunk count (``balanced_chunk_size``), so a request's chunks are even
+rather than full chunks and a sliver. Every request gets at least one chunk (an
 empty request gets exactly one, which writes zeros and ``-inf``). The total chunk count
 never exceeds 65535 (CUDA grid y/z bound). When every request has one chunk the merge is
 skipped: the partial is the answer.
@@ -58,6 +60,34 @@ def chunk_counts(pages: np.ndarray, pages_per_chunk: int) -> np.ndarray:
     """Chunks per request: ``max(1, ceil(pages / pages_per_chunk))``, ``int64 [B]``."""
     p = pages.astype(np.int64)
     return np.maximum(1, -(-p // pages_per_chunk))
+
+
+#: a balanced chunk may be up to 1 / BALANCE_SLACK longer than the shortest size that
+#: keeps every request's chunk count: growth room, so that a plan made with headroom is
+#: not outgrown (and replanned) sooner than it must be
+BALANCE_SLACK = 16
+
+
+def balanced_chunk_size(pages: np.ndarray, ppc: int, lower: int = 1) -> int:
+    """A chunk size that cuts every request into as many chunks as ``ppc`` does, with
+    those chunks as even as possible: at most ``1 / BALANCE_SLACK`` above the smallest
+    such size, never below ``lower`` (the chunk floor) nor above ``ppc``.
+
+    The search picks the *largest* size that reaches the CTA target, which can leave a
+    request split into one full chunk and a sliver: 20,000 tokens at 1249 pages per
+    chunk are 19,984 + 16 tokens, so the request's critical path is barely shorter than
+    unsplit. Each request's count ``ceil(n / ppc)`` only falls as the size grows, so the
+    smallest size with the same counts, ``max(ceil(n / count))``, has the same chunks,
+    CTAs and merge work and the shortest longest chunk (10,000 + 10,000 tokens here).
+    ``pages``: the requests' page counts (empty requests left out, they take one chunk
+    at any size)."""
+    p = np.asarray(pages, np.int64)
+    p = p[p > 0]
+    if not p.size:
+        return ppc
+    counts = -(-p // ppc)
+    even = int((-(-p // counts)).max())
+    return min(ppc, max(lower, even + even // BALANCE_SLACK))
 
 
 def smallest_chunk_size(pages: np.ndarray, max_chunks: int = MAX_CHUNKS) -> int:
@@ -440,6 +470,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
             if target * target < over * under:   # target / under < over / target
                 ppc = lo + 1
         ppc = _ragged_chunk(fn, device, ragged_split, nz, total, b, ppc, min_ppc)
+        ppc = balanced_chunk_size(nz, ppc, min_ppc)
     counts = chunk_counts(pages, ppc)
     req = np.repeat(np.arange(b, dtype=np.int64), counts)
     o_indptr = np.concatenate([[0], np.cumsum(counts)])

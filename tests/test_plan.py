@@ -16,7 +16,7 @@ from paged_decode import (
     PlanMismatchError,
     plan_decode,
 )
-from paged_decode.plan import MAX_CHUNKS, chunk_token_ranges, heads_per_cta
+from paged_decode.plan import BALANCE_SLACK, MAX_CHUNKS, chunk_token_ranges, heads_per_cta
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -50,6 +50,26 @@ def ref_best_ppc(pages, ctas_per_chunk: int, target: int, max_chunks: int = MAX_
         if target / under < over / target:
             return best + 1
     return best
+
+
+def ref_balanced(pages, ppc: int, lower: int = 1) -> int:
+    """Brute force: the smallest chunk size that gives the same total chunk count as
+    ``ppc`` (so the same count per request), plus ``BALANCE_SLACK`` slack, within
+    ``[lower, ppc]``."""
+    total = ref_chunks(pages, ppc)
+    even = min(q for q in range(1, ppc + 1) if ref_chunks(pages, q) == total)
+    return min(ppc, max(lower, even + even // BALANCE_SLACK))
+
+
+def ref_grid_min(pages, max_chunks: int = MAX_CHUNKS) -> int:
+    """The smallest chunk size within the grid bound."""
+    return min(q for q in range(1, max(1, max(pages)) + 1) if ref_chunks(pages, q) <= max_chunks)
+
+
+def ref_plan_ppc(pages, ctas_per_chunk: int, target: int, max_chunks: int = MAX_CHUNKS) -> int:
+    """The chunk size plan_decode picks (chunk floor of one page): the search, balanced."""
+    return ref_balanced(pages, ref_best_ppc(pages, ctas_per_chunk, target, max_chunks),
+                        ref_grid_min(pages, max_chunks))
 
 
 def ref_heads_per_cta(hq: int, hkv: int) -> int:
@@ -98,8 +118,9 @@ def test_binary_search_is_maximal_brute_force():
         table = table_of(pages, 4)
         plan = plan_decode(table, hq, hkv, 64, target_ctas=target)
         cpc = hkv * (hq // hkv) // ref_heads_per_cta(hq, hkv)
-        want = ref_best_ppc(pages, cpc, target)
-        assert plan.pages_per_chunk == want, (pages, hq, hkv, target)
+        want = ref_best_ppc(pages, cpc, target)          # the searched size
+        assert plan.pages_per_chunk == ref_balanced(pages, want), (pages, hq, hkv, target)
+        assert plan.num_chunks == ref_chunks(pages, want)  # balancing keeps the counts
         assert plan.target_ctas == target and not plan.forced
         assert plan.ctas_per_chunk == cpc
         check_structure(plan, table)
@@ -108,13 +129,61 @@ def test_binary_search_is_maximal_brute_force():
             # one page more per chunk would fall short of the target (or change nothing)
             if want < max(1, max(pages)):
                 assert ref_chunks(pages, want + 1) * cpc < target
-        elif plan.pages_per_chunk > 1 and ref_chunks(pages, want - 1) * cpc >= target:
+        elif want > 1 and ref_chunks(pages, want - 1) * cpc >= target:
             under += 1          # the count just below the target was closer to it
             assert target / plan.num_ctas < ref_chunks(pages, want - 1) * cpc / target
         else:
             unreachable += 1
             assert plan.pages_per_chunk == 1
     assert reached > 15 and unreachable > 25 and under > 10   # every branch exercised
+
+
+def test_balanced_chunks_keep_the_counts_and_shorten_the_longest_chunk():
+    """The searched size cut into even chunks: the same chunk count per request (so the
+    same CTAs and merge work), a longest chunk no longer and, wherever the searched size
+    left a sliver, shorter; brute force over random batches with targets they reach."""
+    rng = np.random.default_rng(11)
+    shorter = 0
+    for _ in range(300):
+        pages = rng.integers(0, int(rng.choice([12, 60, 300])), int(rng.integers(1, 20)))
+        pages = pages.tolist()
+        target = int(rng.integers(8, 8 * max(2, sum(pages) // 3)))
+        plan = plan_decode(table_of(pages, 4), 32, 8, 64, target_ctas=target)
+        searched = ref_best_ppc(pages, 8, target)
+        assert plan.pages_per_chunk == ref_balanced(pages, searched)
+        counts = [max(1, -(-n // searched)) for n in pages]
+        assert plan.chunks_per_request.tolist() == counts
+        longest = max((min(searched, n - t * searched) for n, k in zip(pages, counts)
+                       for t in range(k) if n), default=0)
+        got = max((min(plan.pages_per_chunk, n - t * plan.pages_per_chunk)
+                   for n, k in zip(pages, counts) for t in range(k) if n), default=0)
+        assert got <= longest
+        shorter += got < longest
+    assert shorter > 10
+
+
+def test_balanced_chunks_of_a_batch_of_17():
+    """17 requests of 1250 pages, 8 KV heads, a 264-CTA target: the search takes 1249
+    pages per chunk (each request one full chunk and a one-page sliver, 272 CTAs of which
+    136 do all the work); balanced, each request is two chunks of 625 pages (plus the
+    1 / BALANCE_SLACK growth room: 664)."""
+    dev = DeviceInfo("x", "fake", compute_units=132, ctas_per_unit=2)
+    plan = plan_decode(table_of([1250] * 17, 16), 32, 8, 128, device=dev)
+    assert plan.num_ctas == 272 and plan.chunks_per_request.tolist() == [2] * 17
+    assert plan.pages_per_chunk == 625 + 625 // BALANCE_SLACK
+    lo, hi = chunk_token_ranges(table_of([1250] * 17, 16), plan)
+    assert (hi - lo).max() == 16 * plan.pages_per_chunk and (hi - lo).min() >= 16 * 586
+
+
+def test_balancing_keeps_the_chunk_floor():
+    """Even chunks never go below the floor (min_chunk_tokens): 19 pages of 16 tokens,
+    a floor of 8 pages, a target that needs 3 chunks: 8 + 8 + 3 stays at 8 pages (7 would
+    be more even)."""
+    dev = DeviceInfo("x", "fake", compute_units=1, ctas_per_unit=3, min_chunk_tokens=128)
+    plan = plan_decode(table_of([19], 16), 1, 1, 64, device=dev)
+    assert plan.pages_per_chunk == 8 and plan.num_chunks == 3
+    free = dataclasses.replace(dev, min_chunk_tokens=1)
+    assert plan_decode(table_of([19], 16), 1, 1, 64, device=free).pages_per_chunk == 7
 
 
 @pytest.mark.parametrize("max_chunks", [5, 7, 10, 16, 40])
@@ -126,7 +195,7 @@ def test_binary_search_is_maximal_under_a_small_grid_bound(max_chunks):
         target = int(rng.integers(1, 10 * max_chunks))
         plan = plan_decode(table_of(pages, 4), 8, 8, 64, target_ctas=target,
                            max_chunks=max_chunks)
-        want = ref_best_ppc(pages, 8, target, max_chunks)
+        want = ref_plan_ppc(pages, 8, target, max_chunks)
         assert plan.num_chunks <= max_chunks
         assert plan.pages_per_chunk == want, (pages, target, max_chunks)
 
@@ -203,7 +272,7 @@ def test_grid_bound_with_more_than_65535_pages():
     table = table_of([70_000], 1)
     plan = plan_decode(table, 8, 8, 64, target_ctas=10**9)
     assert plan.num_chunks <= MAX_CHUNKS
-    assert plan.pages_per_chunk == ref_best_ppc([70_000], 8, 10**9)   # 2: 35000 chunks
+    assert plan.pages_per_chunk == ref_plan_ppc([70_000], 8, 10**9)   # 2: 35000 chunks
     with pytest.raises(InvalidArgumentError, match=r"pages_per_chunk = 1 gives 70000 chunks, "
                                                    r"above the grid bound of 65535"):
         plan_decode(table, 8, 8, 64, pages_per_chunk=1)
@@ -241,7 +310,7 @@ def test_target_default_argument_and_env(monkeypatch):
     monkeypatch.setenv("PAGED_DECODE_TARGET_CTAS", "100")
     plan = plan_decode(table, 8, 8, 64)
     assert plan.target_ctas == 100
-    assert plan.pages_per_chunk == ref_best_ppc([40, 40], 8, 100)
+    assert plan.pages_per_chunk == ref_plan_ppc([40, 40], 8, 100)
     assert plan_decode(table, 8, 8, 64, target_ctas=7).target_ctas == 7   # argument wins
     dev = DeviceInfo("x", "fake", compute_units=3, ctas_per_unit=5)
     assert plan_decode(table, 8, 8, 64, device=dev).target_ctas == 100    # env beats device
@@ -260,7 +329,7 @@ def test_fp8_pools_plan_for_the_devices_fp8_target(monkeypatch):
     for fmt in ("float8_e4m3fn", "float8_e5m2"):
         plan = plan_decode(table, 8, 8, 64, device=dev, kv_dtype=fmt)
         assert plan.target_ctas == 27
-        assert plan.pages_per_chunk == ref_best_ppc([40, 40], 8, 27)
+        assert plan.pages_per_chunk == ref_plan_ppc([40, 40], 8, 27)
         assert plan_decode(table, 8, 8, 64, device=dev, kv_dtype=fmt,
                            target_ctas=7).target_ctas == 7
     plain = DeviceInfo("x", "fake", compute_units=3, ctas_per_unit=5)

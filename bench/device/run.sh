@@ -36,6 +36,12 @@
 #               v2tc / FlashInfer beside cascade (run fi first)
 #   tune-forks  bench/device/tune_forks.py: v2 and v2tc over shared and private pages at plan
 #               CTA targets 264-2112 (v2tc also at 8 warps)
+#   chunks      bench/device/tune_chunks.py: v2 / v2tc on balanced chunks against the
+#               searched size (one full chunk and a sliver) where balancing changed the plan,
+#               and at 1-4 even chunks per request against the default (wave quantization);
+#               TUNE_CHUNKS_PARTS (balance, waves)
+#   batches     bench --preset batches (batch 5-96, 4K / 16K) with v2, v2tc and both
+#               FlashInfer arms (run fi first)
 #   sparse      bench --suite sparse
 #   prefix-tile-ab  the cascade suite at prefix tile 64/32 x resident CTAs per SM 2/3/4,
 #               with each tile's register use
@@ -257,6 +263,15 @@ step_tune_forks() {
   timeout ${TUNE_TIMEOUT:-240} python3 bench/device/tune_forks.py "$OUT/tune_forks.json" \
     2>&1 | tee "$L/tune_forks.txt" | tail -60
   echo "tune-forks rc=$?"
+}
+step_chunks() {
+  timeout ${TUNE_TIMEOUT:-560} python3 bench/device/tune_chunks.py "$OUT/tune_chunks.json" \
+    ${TUNE_CHUNKS_PARTS:-} 2>&1 | tee "$L/tune_chunks.txt" | tail -90
+  echo "chunks rc=$?"
+}
+step_batches() {
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} run_bench batches --preset batches \
+    --arms ${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc}
 }
 step_sparse() { run_bench sparse --suite sparse; }
 step_regs() {

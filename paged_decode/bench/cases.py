@@ -122,6 +122,9 @@ PRESETS = {
     "targets": lambda: _grid([1024, 4096, 16384, 32768], [1, 4, 8, 32, 64, 128], [16]),
     "variants": _variants,
     "ragged": _ragged,
+    # batch sizes between the targets' powers of two (Llama-3-8B heads, page 16), where the
+    # plan once left one full chunk and a sliver per request (bench/plan_balance.py)
+    "batches": lambda: _grid([4096, 16384], [5, 12, 20, 24, 48, 96], [16]),
     # small enough for the numpy reference backend to finish in about a minute
     "cpu": lambda: _grid([512, 2048], [1, 4], [16, 64]),
     # the cells of the crossover table behind path="auto" (--arms v1,v2,v2tc

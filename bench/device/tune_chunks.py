@@ -1,0 +1,97 @@
+"""How the plan's chunks shape the GPU time (CUDA): even chunks against the searched size,
+and balanced chunk counts per request against the default count (wave quantization).
+GPU time under CUDA-graph replay, cold L2, every output checked against the float64
+oracle first (``bench.runner.time_arms``).
+
+Usage on the GPU machine: python3 bench/device/tune_chunks.py OUT.json [balance] [waves]
+(``TUNE_BACKEND`` another backend, ``TUNE_SMALL=1`` small cells: a dry run on the CPU)
+
+- balance: v2 and v2tc on batches whose default plan changed with balanced chunks
+  (``plan.balanced_chunk_size``), each on the balanced plan (the default) and on the plan
+  the search left before balancing (one full chunk and a sliver per request);
+- waves: v2 and v2tc at 1, 2, 3 and 4 even chunks per request, beside the default plan,
+  on batches whose CTA count is a poor multiple of what the SMs hold at once (v2tc holds
+  3 CTAs per SM at head_dim 128: 512 CTAs are 1.29 waves of 396).
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, "bench")
+from plan_balance import unbalanced  # noqa: E402
+
+from paged_decode import plan_decode  # noqa: E402
+from paged_decode.backends import get_backend  # noqa: E402
+from paged_decode.bench.cases import BenchCase  # noqa: E402
+from paged_decode.bench.runner import TOLERANCE, _problem, time_arms  # noqa: E402
+from paged_decode.specs import v2tc_ctas_per_chunk  # noqa: E402
+
+be = get_backend(os.environ.get("TUNE_BACKEND", "cuda"))
+SMALL = os.environ.get("TUNE_SMALL") == "1"
+t0 = time.time()
+rows = []
+
+
+def plan_for(case, table, arm_name, pages_per_chunk=None):
+    ctas = (v2tc_ctas_per_chunk(case.num_qo_heads, case.num_kv_heads)
+            if arm_name == "v2tc" else None)
+    return plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
+                       device=be.device_info(), ctas_per_chunk=ctas,
+                       pages_per_chunk=pages_per_chunk)
+
+
+def measure(part, case, prob, arm_name, plan_name, plan):
+    """Time ``arm_name`` on ``prob`` (q, k, v, table) with ``plan``; one row."""
+    r = time_arms(be, (arm_name,), *prob, plan, 1 / np.sqrt(case.head_dim),
+                  case.io_bytes(), TOLERANCE["float16"], warmup=3, reps=15,
+                  cold_l2=True)[arm_name]
+    us = (r.gpu or r.call).get("median_us") or float("nan")
+    rows.append({"part": part, "cell": case.label, "batch": case.batch,
+                 "context": case.context, "heads": f"{case.num_qo_heads}/{case.num_kv_heads}",
+                 "arm": arm_name, "ran": r.ran, "plan": plan_name, "ctas": plan.num_ctas,
+                 "chunks": plan.num_chunks, "pages_per_chunk": plan.pages_per_chunk,
+                 "gpu_us": us, "gbps": r.gbps, "verified": r.verified,
+                 "err": r.max_rel_error})
+    print(f"{case.label:40s} {arm_name:5s} {plan_name:9s} {plan.num_ctas:5d} CTAs chunk <= "
+          f"{plan.pages_per_chunk * case.page_size:6d} tok {us:9.1f} us {r.gbps:7.0f} GB/s "
+          f"{'ok' if r.verified else 'FAIL ' + r.note} t={time.time() - t0:.0f}s", flush=True)
+
+
+def cases(cells):
+    for (hq, hkv), b, ctx in cells:
+        yield BenchCase(b, 700 if SMALL else ctx, 16, hq, hkv, 128,
+                        model=f"{hq}/{hkv}")
+
+
+parts = set(sys.argv[2:]) or {"balance", "waves"}
+if "balance" in parts:
+    # Llama-3-8B heads at batch 5 / 12 / 20 (the longest chunk 1.09x / 1.41x / 1.88x shorter
+    # at 16K, bench/plan_balance.py), Qwen2-7B at batch 40 and GQA 16 at batch 70 (v2tc)
+    for case in cases([((32, 8), 5, 16384), ((32, 8), 12, 16384), ((32, 8), 20, 16384),
+                       ((32, 8), 20, 4096), ((28, 4), 40, 16384), ((32, 2), 70, 8192)]):
+        prob = _problem(be, case, 0)
+        for arm_name in ("v2", "v2tc"):
+            measure("balance", case, prob, arm_name, "balanced",
+                    plan_for(case, prob[3], arm_name))
+            with unbalanced():
+                searched = plan_for(case, prob[3], arm_name)
+            measure("balance", case, prob, arm_name, "searched", searched)
+        del prob
+if "waves" in parts:
+    # batch 24: the target rule keeps one chunk per request (192 CTAs): two even chunks?
+    for case in cases([((32, 8), 64, 4096), ((32, 8), 64, 16384), ((32, 8), 32, 16384),
+                       ((32, 8), 24, 16384), ((32, 8), 128, 4096), ((28, 4), 128, 8192),
+                       ((28, 4), 64, 8192)]):
+        prob = _problem(be, case, 0)
+        pages = int(prob[3].pages_per_request.max())
+        for arm_name in ("v2", "v2tc"):
+            measure("waves", case, prob, arm_name, "default", plan_for(case, prob[3], arm_name))
+            for n in (1, 2, 3, 4):
+                measure("waves", case, prob, arm_name, f"{n} chunks",
+                        plan_for(case, prob[3], arm_name, -(-pages // n)))
+        del prob
+json.dump(rows, open(sys.argv[1], "w"), indent=1)
