@@ -11,7 +11,7 @@ Usage on the GPU machine: python3 bench/device/tune_chunks.py OUT.json [balance]
   the search left before balancing (one full chunk and a sliver per request);
 - waves: v2 and v2tc at 1, 2, 3 and 4 even chunks per request, beside the default plan,
   on batches whose CTA count is a poor multiple of what the SMs hold at once (v2tc holds
-  3 CTAs per SM at head_dim 128: 512 CTAs are 1.29 waves of 396).
+  3 CTAs per SM at head_dim 128: 512 CTAs are 1.29 waves of 396; 1 at head_dim 256).
 """
 
 import json
@@ -59,12 +59,15 @@ def measure(part, case, prob, arm_name, plan_name, plan):
     print(f"{case.label:40s} {arm_name:5s} {plan_name:9s} {plan.num_ctas:5d} CTAs chunk <= "
           f"{plan.pages_per_chunk * case.page_size:6d} tok {us:9.1f} us {r.gbps:7.0f} GB/s "
           f"{'ok' if r.verified else 'FAIL ' + r.note} t={time.time() - t0:.0f}s", flush=True)
+    json.dump(rows, open(sys.argv[1], "w"), indent=1)    # each row kept if the run is cut
 
 
 def cases(cells):
-    for (hq, hkv), b, ctx in cells:
-        yield BenchCase(b, 700 if SMALL else ctx, 16, hq, hkv, 128,
-                        model=f"{hq}/{hkv}")
+    """BenchCases of ``((Hq, Hkv[, head_dim]), batch, context)`` cells (head_dim 128
+    unless given)."""
+    for heads, b, ctx in cells:
+        hq, hkv, d = (*heads, 128)[:3]
+        yield BenchCase(b, 700 if SMALL else ctx, 16, hq, hkv, d, model=f"{hq}/{hkv}x{d}")
 
 
 parts = set(sys.argv[2:]) or {"balance", "waves"}
@@ -83,9 +86,10 @@ if "balance" in parts:
         del prob
 if "waves" in parts:
     # batch 24: the target rule keeps one chunk per request (192 CTAs): two even chunks?
+    # Gemma-2 heads (head_dim 256): v2tc holds 1 CTA per SM, so 272 CTAs are 2.06 waves
     for case in cases([((32, 8), 64, 4096), ((32, 8), 64, 16384), ((32, 8), 32, 16384),
                        ((32, 8), 24, 16384), ((32, 8), 128, 4096), ((28, 4), 128, 8192),
-                       ((28, 4), 64, 8192)]):
+                       ((28, 4), 64, 8192), ((16, 8, 256), 17, 8192)]):
         prob = _problem(be, case, 0)
         pages = int(prob[3].pages_per_request.max())
         for arm_name in ("v2", "v2tc"):
@@ -94,4 +98,3 @@ if "waves" in parts:
                 measure("waves", case, prob, arm_name, f"{n} chunks",
                         plan_for(case, prob[3], arm_name, -(-pages // n)))
         del prob
-json.dump(rows, open(sys.argv[1], "w"), indent=1)
