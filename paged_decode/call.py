@@ -278,14 +278,21 @@ def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
 def flat_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
               out: Any, lse: Any, want_lse: bool) -> tuple[DecodePlan, str, str, Any, Any]:
     """The set-up of a flat (non-cascade) call, shared by ``decode`` and ``prepare_decode``:
-    the plan (checked or made), the path and why, the support check, and the output
+    the plan (checked, or made for the path: with ``path="auto"`` the path is chosen
+    first, so a plan for v2tc is searched for its CTAs per chunk, as the crossover table's
+    v2tc cells were timed), the path and why, the support check, and the output
     buffers ``out [B, Hq, D]`` and ``lse [B, Hq]`` float32 (``None`` when the gather path
     needs no LSE). Returns ``(plan, path, reason, out, lse)``."""
     if a.b == 0:   # decode returns empty arrays (``_empty_batch``); no plan fits no requests
         raise fail(fn, "the table has no requests (B = 0): there is nothing to prepare")
     if path == "auto":
-        plan = resolve_plan(fn, be, a, plan)
-        chosen, reason = choose_path(be, a.table, plan, runnable_paths(be, a), a.kv_dt)
+        if plan is None:   # the path first: a plan is then searched for its CTA geometry
+            chosen, reason = choose_path_at(be, a.table, a.hq // a.hkv, runnable_paths(be, a),
+                                            a.kv_dt)
+            plan = resolve_plan(fn, be, a, None, chosen)
+        else:
+            plan = resolve_plan(fn, be, a, plan)
+            chosen, reason = choose_path(be, a.table, plan, runnable_paths(be, a), a.kv_dt)
         check_support(fn, be, a, chosen)
     else:   # checked before planning: a v2tc plan is searched for that kernel's geometry
         check_support(fn, be, a, path)

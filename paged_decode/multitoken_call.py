@@ -34,7 +34,7 @@ from .backends import Backend
 from .call import (
     CallArgs,
     call_problem,
-    choose_path,
+    choose_path_at,
     host_table,
     output_buffer,
     run_path,
@@ -168,6 +168,13 @@ def refuse_cascade(fn: str, cascade: Any) -> None:
             "qo_indptr); pass cascade=None or False for the flat multi-token decode")
 
 
+def _auto_path(be: Backend, a: CallArgs, table: PageTable, fold: int) -> tuple[str, str]:
+    """``path="auto"`` for a multi-token call: the crossover cell of the common pass's
+    folded group (``fold`` tokens x G query heads per KV head)."""
+    return choose_path_at(be, table, fold * a.hq // a.hkv,
+                          runnable_paths(be, a, fold, AUTO_PATHS), a.kv_dt)
+
+
 def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,
                     out: Any, lse: Any) -> MultiTokenCall:
     """Set up the multi-token call ``a`` (``a.tokens`` not ``None``): the plan (checked, or
@@ -180,19 +187,20 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
     table = host_table(a.table)
     w = a.variant.window_left
     if plan is None:
-        ctas = v2tc_ctas_per_chunk(a.hq * qt.max_tokens, a.hkv) if path == "v2tc" else None
+        if path == "auto":   # the path first, then a plan for its CTA geometry
+            chosen, reason = _auto_path(be, a, table, qt.max_tokens)
+        else:
+            chosen, reason = path, "requested"
+        ctas = (v2tc_ctas_per_chunk(a.hq * qt.max_tokens, a.hkv) if chosen == "v2tc"
+                else None)
         plan = make_plan(table, a.hq, a.hkv, a.d, device=be.device_info(), window_left=w,
                          query_tokens=qt.max_tokens, ctas_per_chunk=ctas, kv_dtype=a.kv_dt,
                          fn=fn)
     else:
         check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
         plan.check(fn, table, a.hq, a.hkv, a.d, w, qt.max_tokens)
-    if path == "auto":   # the crossover cell of the common pass's folded group (T x G)
-        chosen, reason = choose_path(be, table, plan.folded(),
-                                     runnable_paths(be, a, plan.query_tokens, AUTO_PATHS),
-                                     a.kv_dt)
-    else:
-        chosen, reason = path, "requested"
+        chosen, reason = (_auto_path(be, a, table, plan.query_tokens) if path == "auto"
+                          else (path, "requested"))
     fold = plan.query_tokens
     _check_support(fn, be, a, chosen, fold)
     check_path(fn, be.name, chosen, a.variant)

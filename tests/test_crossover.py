@@ -153,3 +153,56 @@ def test_auto_takes_v2tc_over_fp8_pools_wherever_it_runs(tmp_path, monkeypatch):
     pd.decode(pr16.q, pr16.k_pages, pr16.v_pages, pr16.table, backend="emulated-cuda")
     assert pd.last_outcome().path.startswith("v2") and not \
         pd.last_outcome().path.startswith("v2tc")
+
+
+def _v2tc_table(tmp_path, monkeypatch, group):
+    """A crossover table for emulated-cuda whose one cell names v2tc fastest at ``group``."""
+    dev = pd.get_backend("emulated-cuda").device_info().name
+    path = tmp_path / f"tc{group}.json"
+    path.write_text(json.dumps({"device": dev, "cells": [
+        {"batch": 2, "context": 700, "page_size": 16, "group": group, "best": "v2tc",
+         "times_us": {"v2tc": 1.0, "v2": 2.0}}]}))
+    monkeypatch.setenv(crossover.ENV, str(path))
+
+
+def test_auto_without_a_plan_plans_for_the_path_it_takes(tmp_path, monkeypatch):
+    """GQA 16 (32/2 heads): v2 runs 2 CTAs per (chunk, KV head), v2tc one, so a plan
+    searched for v2 gives v2tc half the CTAs. ``path="auto"`` without a plan picks the
+    path first and plans for it, as ``path="v2tc"`` and the crossover table's v2tc cells
+    (the bench's v2tc arm) do; a plan the caller passes is kept."""
+    from helpers import PREFIX_RTOL
+
+    from paged_decode.reference import max_rel_error, oracle_decode
+    from paged_decode.specs import v2tc_ctas_per_chunk
+    _v2tc_table(tmp_path, monkeypatch, 16)
+    pr = make_problem(ProblemSpec(2, 700, 32, 2, 64, 16, seed=5))
+    be = "emulated-cuda"
+    auto = pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend=be)
+    asked = pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=be)
+    assert auto.path == asked.path == "v2tc+merge"
+    assert auto.plan.ctas_per_chunk == v2tc_ctas_per_chunk(32, 2) == 2
+    assert auto.plan.num_chunks == asked.plan.num_chunks
+    v2_plan = pd.plan_decode(pr.table, 32, 2, 64, backend=be)
+    assert v2_plan.ctas_per_chunk == 4 and v2_plan.num_chunks < auto.plan.num_chunks
+    out = auto()
+    ref = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)[0]
+    assert max_rel_error(np.asarray(out), ref) < PREFIX_RTOL["float16"]
+    kept = pd.prepare_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, v2_plan, backend=be)
+    assert kept.path == "v2tc+merge" and kept.plan is v2_plan
+
+
+def test_multitoken_auto_without_a_plan_plans_for_the_path_it_takes(tmp_path, monkeypatch):
+    """The same for a multi-token call, whose common pass folds T tokens into the group:
+    2 tokens x GQA 16 = 32 rows, two v2tc row tiles (4 CTAs per chunk at 2 KV heads)
+    against v2's 4 groups of 8 heads (8 CTAs)."""
+    from paged_decode.specs import v2tc_ctas_per_chunk
+    _v2tc_table(tmp_path, monkeypatch, 32)
+    pr = make_problem(ProblemSpec(2, 700, 32, 2, 64, 16, seed=6))
+    q = np.stack([pr.q, pr.q[::-1]], axis=1)                        # [B, 2, Hq, D]
+    be = "emulated-cuda"
+    auto = pd.prepare_decode(q, pr.k_pages, pr.v_pages, pr.table, backend=be)
+    asked = pd.prepare_decode(q, pr.k_pages, pr.v_pages, pr.table, path="v2tc", backend=be)
+    assert auto.path == asked.path and auto.path.startswith("v2tc")
+    assert auto.plan.ctas_per_chunk == v2tc_ctas_per_chunk(64, 2) == 4
+    assert auto.plan.num_chunks == asked.plan.num_chunks
+    np.testing.assert_array_equal(np.asarray(auto()), np.asarray(asked()))
