@@ -45,10 +45,10 @@ from .errors import (
     fail,
 )
 from .fp8 import is_fp8
-from .multitoken import QueryTokens, query_tokens
+from .multitoken import QueryTokens, check_query_tokens_arg, query_tokens
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
-from .plan import MAX_CHUNKS, DecodePlan, make_plan
+from .plan import MAX_CHUNKS, DecodePlan, check_geometry, make_plan
 from .specs import v2tc_ctas_per_chunk
 from .step_table import StepTable
 from .variants import (
@@ -72,21 +72,47 @@ LAUNCH_PATHS = ("v2", "v2tc", "v1")
 
 
 def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
-                device: DeviceInfo | None = None, backend: str | None = None,
+                device: DeviceInfo | None = None, backend: str | Backend | None = None,
                 target_ctas: int | None = None, pages_per_chunk: int | None = None,
                 min_chunk_tokens: int | None = None, max_chunks: int = MAX_CHUNKS,
                 ctas_per_chunk: int | None = None, headroom: int = 0,
                 window_left: int = -1, ragged_split: float | None = None,
-                query_tokens: int = 1, kv_dtype: str | None = None) -> DecodePlan:
+                query_tokens: int = 1, kv_dtype: str | None = None,
+                path: str = "auto") -> DecodePlan:
     """Plan a split-KV decode of ``table`` (``plan.make_plan`` documents every argument);
     ``device`` defaults to the ``DeviceInfo`` of ``backend`` (see
     ``backends.get_backend``). ``window_left``: the sliding window the decode calls will
     use (the plan covers only the windows' pages; ``decode`` checks it matches).
     ``query_tokens``: the most query tokens per request of multi-token calls (1-8,
     ``docs/multi-token.md``); the plan serves calls with up to that many. ``kv_dtype``:
-    the pools' dtype name (fp8 pools plan for more CTAs: ``DeviceInfo.fp8_ctas_per_unit``)."""
+    the pools' dtype name (fp8 pools plan for more CTAs: ``DeviceInfo.fp8_ctas_per_unit``;
+    ``None``: 16-bit pools).
+
+    ``path``: the path the plan is for, which sets its CTAs per chunk (any plan runs on
+    every path; a plan searched for another partial's geometry fills the device less
+    well): ``"auto"``, the path ``decode(path="auto")`` takes for this table and pools on
+    ``backend`` (its crossover table; queries in the pools' 16-bit dtype, float16 over fp8
+    pools), ``"v2tc"`` the tensor-core partial's, ``"v2"``, ``"v1"`` or ``"gather"`` the
+    v2 partial's. ``ctas_per_chunk``, when given, overrides it."""
+    fn = "plan_decode"
+    check_choice(fn, "path", path, PATHS)
+    be = get_backend(backend, fn=fn) if device is None or path == "auto" else None
     if device is None:
-        device = get_backend(backend, fn="plan_decode").device_info()
+        assert be is not None
+        device = be.device_info()
+    if ctas_per_chunk is None and path != "v2":
+        if path == "auto":   # make_plan checks these too, after the choice needs them
+            assert be is not None
+            check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
+            check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+            if kv_dtype is not None:
+                check_type(fn, "kv_dtype", kv_dtype, str, "a dtype name or None")
+            group = check_query_tokens_arg(fn, query_tokens) * num_qo_heads // num_kv_heads
+            path = choose_path_at(be, table, group, pool_paths(
+                be, group * num_kv_heads, num_kv_heads, head_dim, table.page_size, kv_dtype),
+                kv_dtype)[0]
+        if path == "v2tc":
+            ctas_per_chunk = v2tc_ctas_per_chunk(num_qo_heads * query_tokens, num_kv_heads)
     return make_plan(table, num_qo_heads, num_kv_heads, head_dim, device=device,
                      target_ctas=target_ctas, pages_per_chunk=pages_per_chunk,
                      min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
@@ -111,6 +137,18 @@ def choose_path(backend: Backend, table: Table, plan: DecodePlan,
     it is allowed (``FP8_AUTO``)."""
     return choose_path_at(backend, table, plan.num_qo_heads // plan.num_kv_heads, allowed,
                           kv_dtype)
+
+
+def pool_paths(be: Backend, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+               page_size: int, kv_dtype: str | None, num_pages: int = 0) -> tuple[str, ...]:
+    """The launch paths ``be`` runs for calls over pools of ``kv_dtype`` (``None``:
+    float16) with queries in the pools' 16-bit dtype (float16 over fp8 pools): what
+    ``path="auto"`` may take for an engine step or a plan made before its call; v2 when
+    none (its checks then say why)."""
+    kv = kv_dtype or "float16"
+    q = "float16" if is_fp8(kv) else kv
+    return tuple(p for p in LAUNCH_PATHS if be.supports(Problem(
+        q, kv, num_qo_heads, num_kv_heads, head_dim, page_size, p, num_pages))) or ("v2",)
 
 
 def choose_path_at(backend: Backend, table: Table, group: int,

@@ -314,7 +314,8 @@ def _plan_for(path: str, be: Backend, cfg: CheckConfig, table: PageTable,
     else:
         return auto
     return plan_decode(table, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                       device=be.device_info(), pages_per_chunk=ppc, ctas_per_chunk=ctas)
+                       device=be.device_info(), pages_per_chunk=ppc, ctas_per_chunk=ctas,
+                       path="v2")
 
 
 def _run_path(be: Backend, cfg: CheckConfig, path: str, arrays: tuple[Any, Any, Any],
@@ -368,7 +369,7 @@ def check_config(be: Backend, cfg: CheckConfig, paths: Sequence[str] = ALL_PATHS
     tm["build"] = tm.get("build", 0.0) + (t1 - t0)
     tm["oracle"] = tm.get("oracle", 0.0) + (t2 - t1)
     auto = plan_decode(prob.table, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                       device=be.device_info())
+                       device=be.device_info(), path="v2")
     results = []
     for p in (p for p in paths if path_applies(p, cfg)):
         r = _run_path(be, cfg, p, arrays, prob.table, auto, ref)

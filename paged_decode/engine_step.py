@@ -35,11 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Problem, c_contiguous
-from .call import LAUNCH_PATHS, choose_path_at
+from .backends import c_contiguous
+from .call import LAUNCH_PATHS, choose_path_at, pool_paths
 from .decode import decode
 from .errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemError, check_int
-from .fp8 import is_fp8
 from .kernels.append import AppendWrite, table_row_desc
 from .plan import DecodePlan, make_plan
 from .pool import AppendedBatch, PagePool
@@ -319,14 +318,12 @@ class DecodeStep:
         taken in the pools' dtype; float16 for an fp8 pool, whose queries are 16-bit;
         worked out once: the pools do not change)."""
         pool = self.pool
-        kv, hkv = pool.dtype, pool.num_kv_heads
         if self._auto_allowed is None:
-            q = "float16" if is_fp8(kv) else kv
-            self._auto_allowed = tuple(p for p in LAUNCH_PATHS if self.backend.supports(
-                Problem(q, kv, self.num_qo_heads, hkv, pool.head_dim, pool.page_size, p,
-                        pool.num_pages))) or ("v2",)
-        return choose_path_at(self.backend, self.table, self.num_qo_heads // hkv,
-                              self._auto_allowed, kv)
+            self._auto_allowed = pool_paths(self.backend, self.num_qo_heads,
+                                            pool.num_kv_heads, pool.head_dim,
+                                            pool.page_size, pool.dtype, pool.num_pages)
+        return choose_path_at(self.backend, self.table, self.num_qo_heads // pool.num_kv_heads,
+                              self._auto_allowed, pool.dtype)
 
     def _plan(self, hint: int | None = None) -> DecodePlan:
         if self.requested_path == "auto":

@@ -336,7 +336,7 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
             if not sup:
                 raise UnsupportedProblemError(f"{fn}: backend {be.name!r} cannot run the "
                                               f"page_size = 1 table: {sup.reason}")
-            plan = plan_decode(table, g, 1, d, device=be.device_info())
+            plan = plan_decode(table, g, 1, d, device=be.device_info(), path="v2")
             kp, vp = pool_view(ka), pool_view(va)
             qf = qa.reshape(b * hkv, g, d)
             of, lf = out_a.reshape(b * hkv, g, d), lse_a.reshape(b * hkv, g)

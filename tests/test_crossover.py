@@ -182,8 +182,10 @@ def test_auto_without_a_plan_plans_for_the_path_it_takes(tmp_path, monkeypatch):
     assert auto.path == asked.path == "v2tc+merge"
     assert auto.plan.ctas_per_chunk == v2tc_ctas_per_chunk(32, 2) == 2
     assert auto.plan.num_chunks == asked.plan.num_chunks
-    v2_plan = pd.plan_decode(pr.table, 32, 2, 64, backend=be)
+    v2_plan = pd.plan_decode(pr.table, 32, 2, 64, backend=be, path="v2")
     assert v2_plan.ctas_per_chunk == 4 and v2_plan.num_chunks < auto.plan.num_chunks
+    # plan_decode's default is the auto path's plan
+    assert pd.plan_decode(pr.table, 32, 2, 64, backend=be).num_chunks == auto.plan.num_chunks
     out = auto()
     ref = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)[0]
     assert max_rel_error(np.asarray(out), ref) < PREFIX_RTOL["float16"]
@@ -206,3 +208,41 @@ def test_multitoken_auto_without_a_plan_plans_for_the_path_it_takes(tmp_path, mo
     assert auto.plan.ctas_per_chunk == v2tc_ctas_per_chunk(64, 2) == 4
     assert auto.plan.num_chunks == asked.plan.num_chunks
     np.testing.assert_array_equal(np.asarray(auto()), np.asarray(asked()))
+
+
+def test_plan_decode_plans_for_the_path_it_is_for(tmp_path, monkeypatch):
+    """``plan_decode(path=...)``: "auto" (the default) the path decode(path="auto") takes
+    on the backend (its crossover table), "v2tc" the tensor-core partial's CTAs, "v2" /
+    "v1" / "gather" v2's; ``ctas_per_chunk`` overrides it; anything else is refused."""
+    from paged_decode.specs import v2tc_ctas_per_chunk
+    pr = make_problem(ProblemSpec(2, 700, 32, 2, 64, 16, seed=7))
+    be = "emulated-cuda"
+    v2 = pd.plan_decode(pr.table, 32, 2, 64, backend=be, path="v2")
+    tc = pd.plan_decode(pr.table, 32, 2, 64, backend=be, path="v2tc")
+    assert v2.ctas_per_chunk == 4 and tc.ctas_per_chunk == v2tc_ctas_per_chunk(32, 2) == 2
+    for p in ("v1", "gather"):
+        assert pd.plan_decode(pr.table, 32, 2, 64, backend=be, path=p).ctas_per_chunk == 4
+    # no crossover table for the emulator: auto runs v2, and plans for it
+    assert pd.plan_decode(pr.table, 32, 2, 64, backend=be).ctas_per_chunk == 4
+    _v2tc_table(tmp_path, monkeypatch, 16)
+    auto = pd.plan_decode(pr.table, 32, 2, 64, backend=be)
+    assert auto.ctas_per_chunk == 2 and auto.num_chunks == tc.num_chunks
+    # the reference backend cannot run v2tc: its auto plan stays v2's
+    assert pd.plan_decode(pr.table, 32, 2, 64, backend="reference").ctas_per_chunk == 4
+    # fp8 pools: auto takes v2tc wherever it runs (call.FP8_AUTO), at the fp8 target
+    monkeypatch.delenv(crossover.ENV)
+    fp8 = pd.plan_decode(pr.table, 32, 2, 64, backend=be, kv_dtype="float8_e4m3fn")
+    assert fp8.ctas_per_chunk == 2
+    assert pd.plan_decode(pr.table, 32, 2, 64, backend=be, ctas_per_chunk=3).ctas_per_chunk == 3
+    with pytest.raises(InvalidArgumentError, match=r"plan_decode: path must be one of auto, "
+                                                   r"v2, v2tc, v1, gather, got 'v3'"):
+        pd.plan_decode(pr.table, 32, 2, 64, backend=be, path="v3")
+
+
+def test_a_multitoken_plan_for_auto_folds_the_tokens_into_the_group(tmp_path, monkeypatch):
+    """query_tokens x G rows choose the cell and the CTAs: 2 tokens at GQA 16 are 32 rows,
+    two v2tc row tiles."""
+    _v2tc_table(tmp_path, monkeypatch, 32)
+    pr = make_problem(ProblemSpec(2, 700, 32, 2, 64, 16, seed=8))
+    plan = pd.plan_decode(pr.table, 32, 2, 64, backend="emulated-cuda", query_tokens=2)
+    assert plan.ctas_per_chunk == 4 and plan.query_tokens == 2

@@ -26,7 +26,7 @@ from paged_decode.bench.runner import _problem, _variants  # noqa: E402
 be = get_backend("cuda")
 case = BenchCase(b, ctx, 16, hq, hkv, d)
 q, k, v, table = _problem(be, case, 0)
-plan = plan_decode(table, hq, hkv, d, device=be.device_info())
+plan = plan_decode(table, hq, hkv, d, device=be.device_info(), path="v2")
 arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(d), _variants(be, case, 0, q))
 for _ in range(3):
     arm.call()

@@ -28,7 +28,8 @@ be = get_backend("cuda")
 case = BenchCase(b, ctx, 16, hq, hkv, kv_dtype=kv_dtype)
 q, k, v, table = _problem(be, case, 0)
 # over fp8 pools the plan aims at the fp8 CTA target, as decode's own plans do
-plan = plan_decode(table, hq, hkv, 128, device=be.device_info(), kv_dtype=kv_dtype or None)
+plan = plan_decode(table, hq, hkv, 128, device=be.device_info(), kv_dtype=kv_dtype or None,
+                   path="v2")
 arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(128), _variants(be, case, 0, q))
 for _ in range(3):
     arm.call()

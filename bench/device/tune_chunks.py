@@ -28,7 +28,6 @@ from paged_decode import plan_decode  # noqa: E402
 from paged_decode.backends import get_backend  # noqa: E402
 from paged_decode.bench.cases import BenchCase  # noqa: E402
 from paged_decode.bench.runner import TOLERANCE, _problem, time_arms  # noqa: E402
-from paged_decode.specs import v2tc_ctas_per_chunk  # noqa: E402
 
 be = get_backend(os.environ.get("TUNE_BACKEND", "cuda"))
 SMALL = os.environ.get("TUNE_SMALL") == "1"
@@ -37,11 +36,9 @@ rows = []
 
 
 def plan_for(case, table, arm_name, pages_per_chunk=None):
-    ctas = (v2tc_ctas_per_chunk(case.num_qo_heads, case.num_kv_heads)
-            if arm_name == "v2tc" else None)
+    """The arm's plan (searched for its CTAs per chunk, or ``pages_per_chunk``)."""
     return plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
-                       device=be.device_info(), ctas_per_chunk=ctas,
-                       pages_per_chunk=pages_per_chunk)
+                       backend=be, path=arm_name, pages_per_chunk=pages_per_chunk)
 
 
 def measure(part, case, prob, arm_name, plan_name, plan):

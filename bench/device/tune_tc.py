@@ -47,7 +47,7 @@ def problem(lens, hq, hkv, seed=0):
 def measure(tag, arm_name, q, k, v, table, hq, hkv, **plan_kw):
     ctas = v2tc_ctas_per_chunk(hq, hkv) if arm_name == "v2tc" else None
     plan = plan_decode(table, hq, hkv, D, device=be.device_info(), ctas_per_chunk=ctas,
-                       **plan_kw)
+                       path="v2", **plan_kw)
     arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(D))
     nbytes = int(2 * table.total_visible * hkv * D * 2)
     r = time_arm(be, arm_name, arm.call, verifier(be, arm, q, k, v, table), nbytes,

@@ -264,9 +264,10 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather
     (``ArmUnavailable``) is reported as unverified with the reason in ``note``."""
     q, k, v, table = _problem(be, case, seed)
     vk = _variants(be, case, seed, q)
+    # v2's plan; the v2tc arm plans for its own CTAs (make_arm)
     plan = plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
                        device=be.device_info(), window_left=case.window_left,
-                       kv_dtype=case.kv_dtype or None)
+                       kv_dtype=case.kv_dtype or None, path="v2")
     scale = 1.0 / float(np.sqrt(case.head_dim))
     results = time_arms(be, arms, q, k, v, table, plan, scale, case.io_bytes(),
                         TOLERANCE[case.dtype], vk, warmup=warmup, reps=reps,

@@ -135,7 +135,7 @@ def bench_forks(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
     q, k, v, table = cascade_problem(be, case)
     geo = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
     with be.launch_context(q):
-        plan = plan_decode(table, *geo, device=be.device_info())
+        plan = plan_decode(table, *geo, device=be.device_info(), path="v2")
         cplan = plan_cascade(table, *geo, device=be.device_info(), min_shared_pages=1)
     arms = time_arms(be, FORK_ARMS, q, k, v, table, plan, 1.0 / float(np.sqrt(case.head_dim)),
                      case.io_bytes(), TOLERANCE[case.dtype], warmup=warmup, reps=reps,
@@ -154,7 +154,7 @@ def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
     q, k, v, table = cascade_problem(be, case)
     geo = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
     with be.launch_context(q):
-        flat_plan = plan_decode(table, *geo, device=be.device_info())
+        flat_plan = plan_decode(table, *geo, device=be.device_info(), path="v2")
         dev = be.device_info()
         cplan = plan_cascade(table, *geo, device=dev, min_shared_pages=1)
         cplan_v2 = (plan_cascade(table, *geo, device=dev, min_shared_pages=1, level0="v2")

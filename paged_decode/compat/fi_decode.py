@@ -207,8 +207,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         ip, idx, lpl = fi_table_arrays(fn, indptr, indices, last_page_len, page_size)
         b = lpl.size
         table = PageTable.build(idx, ip, lpl, page_size=page_size)
-        dplan = plan_decode(table, num_qo_heads, num_kv_heads, head_dim,
-                            device=self._be.device_info(), window_left=window)
+        dplan = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, backend=self._be,
+                            window_left=window, kv_dtype=kv_dt)
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise InvalidArgumentError(

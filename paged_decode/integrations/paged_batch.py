@@ -203,15 +203,15 @@ class PagedBatch:
             st = self._step
             if self._step_plan is None or not self._step_plan.matches(st):
                 self._step_plan = plan_decode(st, self.num_qo_heads, self.pool.num_kv_heads,
-                                              self.pool.head_dim,
-                                              backend=self.pool.backend.name,
-                                              headroom=HEADROOM)
+                                              self.pool.head_dim, backend=self.pool.backend,
+                                              headroom=HEADROOM, kv_dtype=self.pool.dtype)
             return decode(q, k, v, st, self._step_plan, sm_scale=sm_scale, cascade=False,
                           backend=self.pool.backend)
         table = self.table
         if self._plan is None or not self._plan.matches(table):
             self._plan = plan_decode(table, self.num_qo_heads, self.pool.num_kv_heads,
-                                     self.pool.head_dim, backend=self.pool.backend.name)
+                                     self.pool.head_dim, backend=self.pool.backend,
+                                     kv_dtype=self.pool.dtype)
         return decode(q, k, v, table, self._plan, sm_scale=sm_scale,
                       cascade=self._cascade_arg(table), backend=self.pool.backend)
 
