@@ -207,8 +207,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         ip, idx, lpl = fi_table_arrays(fn, indptr, indices, last_page_len, page_size)
         b = lpl.size
         table = PageTable.build(idx, ip, lpl, page_size=page_size)
+        # graph mode runs the v2 partial and merge (fixed launches); eager runs decode's auto
         dplan = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, backend=self._be,
-                            window_left=window, kv_dtype=kv_dt)
+                            window_left=window, kv_dtype=kv_dt,
+                            path="v2" if self._use_cuda_graph else "auto")
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise InvalidArgumentError(
