@@ -95,7 +95,7 @@
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
 #   fp8-residency  the fp8 v2tc path at plan CTA targets 264-1056 x ring depths 2 / 3
-#               (FRES_TARGETS, FRES_STAGES: other lists)
+#               (FRES_TARGETS, FRES_STAGES, FRES_WARPS (4): other lists)
 #   v2tc-race   racecheck (synccheck too with V2TC_SYNC=1) over a v2tc subset (RACE_TIMEOUT)
 #   decode-graph-debug  bench/device/debug_decode_graph.py: a CUDA-graph decode step against
 #               the eager one (per-step logits, positions, layer-0 K rows, launch streams)
@@ -833,11 +833,14 @@ step_fp8_stages() {
 # per SM where float16's 3 are) at plan CTA targets 264 / 528 / 792 / 1056 x ring depths
 # 2 / 3, batch 8 / 32 x 8K / 32K, where it reads at 2.1-2.9 TB/s
 step_fp8_residency() {
-  local c="--preset targets --context 8192 --context 32768 --batch 8 --batch 32" tgt st
-  for st in ${FRES_STAGES:-2 3}; do
-    for tgt in ${FRES_TARGETS:-264 528 792 1056}; do
-      PAGED_DECODE_STAGES=$st PAGED_DECODE_TARGET_CTAS=$tgt BENCH_TIMEOUT=40 \
-        run_bench "fres_s${st}_t$tgt" $c --kv-dtype float8_e4m3fn --arms v2tc | tail -6
+  local c="--preset targets --context 8192 --context 32768 --batch 8 --batch 32" tgt st w
+  for w in ${FRES_WARPS:-4}; do   # 8 warps: half the CTAs per SM, each twice the tokens
+    for st in ${FRES_STAGES:-2 3}; do
+      for tgt in ${FRES_TARGETS:-264 528 792 1056}; do
+        PAGED_DECODE_TC_WARPS=$w PAGED_DECODE_STAGES=$st PAGED_DECODE_TARGET_CTAS=$tgt \
+          BENCH_TIMEOUT=40 run_bench "fres_w${w}_s${st}_t$tgt" $c --kv-dtype float8_e4m3fn \
+          --arms v2tc | tail -6
+      done
     done
   done
 }
