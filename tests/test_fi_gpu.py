@@ -241,3 +241,49 @@ def test_merges_and_append_match_flashinfer(libs):
         lib.append_paged_kv_cache(key, val, bi, pos, c, t["indices"], t["indptr"],
                                   t["last_page_len"])
     assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], t["cache"])
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn"])   # what the bench's fp8 arm ran (S19-R4)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("case", [FiCase(17, 2048, 16, 32, 4, 128, ragged=True),
+                                  FiCase(12, 512, 1, 4, 4, 128)], ids=lambda c: c.id)
+def test_shim_fp8_caches_and_scales_match_flashinfer(libs, case, fmt, graph):
+    """An fp8 cache (FlashInfer's kv_data_type) with run's q_scale / k_scale / v_scale
+    through both, on the same torch fp8 tensors, against each other and the float64 oracle
+    on the dequantized values; the shim in eager and graph mode (FlashInfer eager)."""
+    torch, flashinfer, shim = libs
+    from helpers import fp8_out_tol
+    t = on_gpu(torch, case, seed=3)
+    dt = getattr(torch, fmt)
+    ks, vs, qs = 0.4, 2.0, 1.25
+    cache = (t["cache"].float() / torch.tensor([ks, vs], device="cuda").view(1, 2, 1, 1, 1)
+             ).to(dt)
+
+    def planned(lib, **ctor):   # tensor cores: FlashInfer's fp8 arm in the bench
+        w = lib.BatchDecodeWithPagedKVCacheWrapper(
+            torch.zeros(128 << 20, dtype=torch.uint8, device="cuda"), "NHD",
+            use_tensor_cores=True, **ctor)
+        w.plan(t["indptr"], t["indices"], t["last_page_len"], case.num_qo_heads,
+               case.num_kv_heads, case.head_dim, case.page_size, q_data_type=torch.float16,
+               kv_data_type=dt)
+        return w
+    fo, fl = planned(flashinfer).run(t["q"], cache, q_scale=qs, k_scale=ks, v_scale=vs,
+                                     return_lse=True)
+    ctor = {}
+    if graph:
+        ctor = dict(use_cuda_graph=True, paged_kv_indptr_buffer=t["indptr"].clone(),
+                    paged_kv_indices_buffer=t["indices"].clone(),
+                    paged_kv_last_page_len_buffer=t["last_page_len"].clone())
+    so, sl = planned(shim, **ctor).run(t["q"], cache, q_scale=qs, k_scale=ks, v_scale=vs,
+                                       return_lse=True)
+    tol = fp8_out_tol("float16")
+    assert gap("fp8 out", so, fo) <= 2 * tol, case.id
+    assert lse_gap(sl, fl) <= FI_LSE_ATOL, case.id
+    codes = cache.view(torch.uint8).cpu().numpy()
+    from paged_decode.dtypes import numpy_dtype
+    codes = codes.view(numpy_dtype(fmt))
+    ref_o, ref_l = oracle_decode(t["q"].cpu().numpy(), codes[:, 0], codes[:, 1], t["table"],
+                                 qs / np.sqrt(case.head_dim), kv_dtype=fmt, k_scale=ks,
+                                 v_scale=vs)
+    assert_matches_oracle(so.cpu().numpy(), sl.cpu().numpy(), ref_o, ref_l, "float16",
+                          case.id, tol=tol)

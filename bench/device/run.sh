@@ -56,8 +56,9 @@
 #   engine-models  bench --suite engine --model M (ENGINE_MODELS, default qwen2-7b) at batch
 #               64 / 128: captured on v2 and on v2tc against FlashInfer (run fi first)
 #   fi-compat   tests/test_fi_gpu.py: the FlashInfer shim side by side with FlashInfer 0.3.1
-#               over its decode-test geometries, graph replay after a re-plan, merges and
-#               append (run fi first; -v prints the worst gaps), log in $OUT/fi_compat.log
+#               over its decode-test geometries, graph replay after a re-plan, merges,
+#               append and fp8 caches with run's scales (run fi first; -v prints the worst
+#               gaps; FI_COMPAT_K a -k expression), log in $OUT/fi_compat.log
 #   generate    transformers integration (the machine's transformers, 5.17 when written):
 #               its gpu tests (cuda backend, torch CUDA tensors, float32 token equality),
 #               then examples/generate_transformers.py at Llama-3-8B heads x 16 layers,
@@ -338,7 +339,8 @@ step_engine_models() {   # the engine step on GQA 7 and 8, CUDA-core v2 against 
 }
 
 step_fi_compat() {
-  timeout 560 python3 -m pytest -q tests/test_fi_gpu.py -m gpu -rs -v > "$OUT/fi_compat.log" 2>&1
+  timeout ${FI_COMPAT_TIMEOUT:-560} python3 -m pytest -q tests/test_fi_gpu.py -m gpu -rs -v \
+    ${FI_COMPAT_K:+-k "$FI_COMPAT_K"} > "$OUT/fi_compat.log" 2>&1
   echo "fi-compat rc=$?"; grep -E "FAILED|passed|failed|worst errors" "$OUT/fi_compat.log" | tail -12
 }
 

@@ -18,6 +18,7 @@ from ..backends import Backend, array_kind
 from ..backends.base import poison_enabled
 from ..dtypes import numpy_dtype
 from ..errors import InvalidArgumentError
+from ..fp8 import is_fp8, raw_dtype_name
 
 
 def torch_module() -> Any:
@@ -38,10 +39,14 @@ def shape_of(x: Any) -> tuple[int, ...]:
 
 
 def numpy_view(t: Any) -> np.ndarray:
-    """A zero-copy numpy view of a CPU torch tensor (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    """A zero-copy numpy view of a CPU torch tensor (bfloat16 and the fp8 formats as their
+    ``ml_dtypes`` types, which numpy lacks)."""
     torch = torch_module()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    name = raw_dtype_name(t)
+    if is_fp8(name):
+        return t.view(torch.uint8).numpy().view(numpy_dtype(name))
     return t.numpy()
 
 

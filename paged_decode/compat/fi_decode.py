@@ -19,7 +19,7 @@ import numpy as np
 from ..backends import Backend, Problem, backend_for, c_contiguous
 from ..call import plan_decode
 from ..decode import decode
-from ..dtypes import check_dtype
+from ..dtypes import KV_DTYPES, check_dtype
 from ..errors import (
     InvalidArgumentError,
     UnsupportedProblemError,
@@ -29,6 +29,7 @@ from ..errors import (
     check_shape,
     fmt_shape,
 )
+from ..fp8 import is_fp8, pool_dtype, raw_dtype_name
 from ..page_table import PageTable
 from ..plan import DecodePlan, check_geometry
 from .fi_arrays import as_backend, empty_like_kind, host_ints, int32_buffer, shape_of
@@ -196,7 +197,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             q_data_type = data_type if q_data_type is None else q_data_type
             kv_data_type = data_type if kv_data_type is None else kv_data_type
         q_dt = check_dtype(fn, "q_data_type", "float16" if q_data_type is None else q_data_type)
-        kv_dt = check_dtype(fn, "kv_data_type", q_dt if kv_data_type is None else kv_data_type)
+        kv_dt = check_dtype(fn, "kv_data_type", q_dt if kv_data_type is None else kv_data_type,
+                            KV_DTYPES)
         scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else \
             check_number(fn, "sm_scale", sm_scale)
         sup = self._be.supports(Problem(q_dt, kv_dt, num_qo_heads, num_kv_heads, head_dim,
@@ -264,9 +266,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """
         fn = f"{CLS}.run"
         planned = -1 if self._planned is None else int(self._planned["window_left"])
-        check_run(fn, args=args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                  window_left=window_left, sinks=sinks, q_len_per_req=q_len_per_req,
-                  planned_window=planned)
+        scales = check_run(fn, args=args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                           window_left=window_left, sinks=sinks, q_len_per_req=q_len_per_req,
+                           planned_window=planned)
         if enable_pdl is not None:
             check_bool(fn, "enable_pdl", enable_pdl)
         check_bool(fn, "return_lse", return_lse)
@@ -276,21 +278,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # DLPack on torch's current stream itself (no cross-stream event, which a CUDA
         # graph capture would refuse)
         with self._be.launch_context(q):
-            out, lse = self._run(fn, q, paged_kv_cache, out, lse, return_lse)
+            out, lse = self._run(fn, q, paged_kv_cache, out, lse, return_lse, scales)
         return (out, lse) if return_lse else out
 
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
     # ------------------------------------------------------------------ internals
     def _run(self, fn: str, q: Any, paged_kv_cache: Any, out: Any, lse: Any,
-             return_lse: bool) -> tuple[Any, Any]:
+             return_lse: bool, scales: tuple[float, float, float]) -> tuple[Any, Any]:
         """``run`` after its argument refusals: the checks, the outputs (``(out, lse)`` in
-        the caller's kind, ``lse`` ``None`` when not wanted) and the launches."""
+        the caller's kind, ``lse`` ``None`` when not wanted) and the launches. ``scales``:
+        ``(q_scale, k_scale, v_scale)`` as FlashInfer applies them: the first two multiply
+        the softmax scale, the last the output (over fp8 pools paged-decode's own K / V
+        scales, ``docs/fp8.md``)."""
         st = self._planned
         assert st is not None
         be = self._be
         hq, hkv, d, p = st["geometry"]
         q_dt, kv_dt = st["dtypes"]
+        fp8 = is_fp8(kv_dt)
         pools = decode_pools(fn, be, paged_kv_cache)
         got = (pools.page_size, pools.num_kv_heads, pools.head_dim)
         if got != (p, hkv, d):
@@ -299,7 +305,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if st["max_page"] >= pools.num_pages:
             raise InvalidArgumentError(f"{fn}: the plan references page {st['max_page']}, but "
                                        f"paged_kv_cache has {pools.num_pages} pages")
-        kv_got = check_dtype(fn, "paged_kv_cache", be.dtype_of(pools.k))
+        # the caller's dtype name: a torch fp8 tensor is a uint8 CuPy view on `cuda`
+        raw = raw_dtype_name(paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list))
+                             else paged_kv_cache)
+        kv_got = check_dtype(fn, "paged_kv_cache", pool_dtype(
+            fn, raw, be.dtype_of(pools.k), kv_dt if fp8 else None, "paged_kv_cache"),
+            KV_DTYPES)
         if kv_got != kv_dt:
             raise InvalidArgumentError(f"{fn}: paged_kv_cache has dtype {kv_got}, but plan's "
                                        f"kv_data_type is {kv_dt}")
@@ -320,20 +331,28 @@ class BatchDecodeWithPagedKVCacheWrapper:
             lse = self._output(fn, "lse", q, lse, (b, hq), "float32")
         out_a = as_backend(fn, "out", be, out)
         lse_a: Any = as_backend(fn, "lse", be, lse) if want_lse else None
-        if self._use_cuda_graph:
-            self._run_graph(fn, qa, pools, out_a, lse_a)
+        q_scale, k_scale, v_scale = scales
+        if self._use_cuda_graph:   # the partial takes the K scale in sm_scale, any pools
+            self._run_graph(fn, qa, pools, out_a, lse_a, st["scale"] * q_scale * k_scale,
+                            v_scale)
         else:
             # decode's own outputs, then one copy into the caller's: given outputs would
             # make every run a new entry of decode's prepared-call cache (the backend views
             # are new objects on every run), which would only churn it
+            quant = ({"kv_dtype": kv_dt, "k_scale": k_scale, "v_scale": v_scale} if fp8
+                     else {})
+            scale = st["scale"] * q_scale * (1.0 if fp8 else k_scale)
             got = decode(qa, pools.k, pools.v, self._table(pools.interleaved), st["plan"],
-                         sm_scale=st["scale"], return_lse=want_lse, backend=be,
+                         sm_scale=scale, return_lse=want_lse, backend=be,
                          window_left=st["window_left"],
-                         logits_soft_cap=st["logits_soft_cap"])
+                         logits_soft_cap=st["logits_soft_cap"], **quant)
             if want_lse:
                 out_a[...], lse_a[...] = got
             else:
                 out_a[...] = got
+            if not fp8 and v_scale != 1.0:   # FlashInfer scales 16-bit outputs too
+                f32 = be.array_module().float32
+                out_a[...] = (out_a.astype(f32) * f32(v_scale)).astype(out_a.dtype)
         return out, lse
 
     def _output(self, fn: str, name: str, like: Any, given: Any, shape: tuple[int, ...],
@@ -365,9 +384,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                            t.last_page_len, page_size=t.page_size)
         return cast(PageTable, st["table2"])
 
-    def _run_graph(self, fn: str, qa: Any, pools: KVPools, out_a: Any, lse_a: Any) -> None:
+    def _run_graph(self, fn: str, qa: Any, pools: KVPools, out_a: Any, lse_a: Any,
+                   sm_scale: float, v_scale: float) -> None:
         """Graph mode: the fixed partial and merge launches over the buffers (or, on the
-        reference backend, a table rebuilt from them), partials in the workspace."""
+        reference backend, a table rebuilt from them), partials in the workspace;
+        ``sm_scale`` holds the Q and K scales, ``v_scale`` multiplies the partials' rows
+        (the merge is linear in them)."""
         g, st, be = self._graph, self._planned, self._be
         assert g is not None and st is not None
         for name, arr in (("out", out_a), ("lse", lse_a)):
@@ -381,8 +403,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             g.host_table(p, pools.interleaved)
         # (inside run's launch context) the launch hooks read only the fields GraphPlan
         # and BufferTable carry
-        be.partial(qa, pools.k, pools.v, table, cast(DecodePlan, g.plan), st["scale"],
-                   v_part, lse_part)
+        kv_dt = st["dtypes"][1]
+        be.partial(qa, pools.k, pools.v, table, cast(DecodePlan, g.plan), sm_scale,
+                   v_part, lse_part, kv_dtype=kv_dt if is_fp8(kv_dt) else None,
+                   v_scale=v_scale)
         be.merge(v_part, lse_part, g.plan.o_indptr, out_a, lse_out)
 
 

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from ..backends import backend_for
-from ..dtypes import check_dtype
+from ..dtypes import KV_DTYPES, check_dtype
 from ..errors import InvalidArgumentError, check_int, check_ndim, check_shape
+from ..fp8 import is_fp8, raw_dtype_name
 from .fi_arrays import as_backend, host_ints, ints_like, shape_of
 from .fi_cache import write_views
 from .fi_unsupported import check_layout
@@ -108,7 +109,8 @@ def append_paged_kv_cache(append_key: Any, append_value: Any, batch_indices: Any
     """Write new K/V rows into a paged cache, in place (see the module docstring).
 
     Args (FlashInfer's, in its order):
-        append_key, append_value: ``[nnz, Hkv, D]`` in the cache's dtype.
+        append_key, append_value: ``[nnz, Hkv, D]`` in the cache's dtype (an fp8 cache
+            takes rows already in its format, as FlashInfer's does: they are copied).
         batch_indices, positions: int ``[nnz]``: request and position of each row
             (``get_batch_indices_positions`` makes them).
         paged_kv_cache: ``(k_cache, v_cache)`` ``[num_pages, P, Hkv, D]`` or one
@@ -126,20 +128,34 @@ def append_paged_kv_cache(append_key: Any, append_value: Any, batch_indices: Any
                 kv_indices, kv_indptr, kv_last_page_len)
 
 
+def _element(fn: str, name: str, be: Any, arr: Any, given: Any) -> str:
+    """The element type of argument ``name`` (``arr``, the backend view of ``given``): a
+    decode dtype, an fp8 format (a torch fp8 tensor is a ``uint8`` view on ``cuda``), or
+    ``uint8``, the bytes of an fp8 cache in an array kind without fp8 (CuPy): the append
+    copies elements, so the rows need only the cache's element type."""
+    raw = raw_dtype_name(given)
+    if is_fp8(raw):
+        return raw
+    got = be.dtype_of(arr)
+    return "uint8" if got == "uint8" else check_dtype(fn, name, got, KV_DTYPES)
+
+
 def _append(fn: str, be: Any, append_key: Any, append_value: Any, batch_indices: Any,
             positions: Any, paged_kv_cache: Any, kv_indices: Any, kv_indptr: Any,
             kv_last_page_len: Any) -> None:
     """``append_paged_kv_cache`` on backend ``be``, inside the cache's launch context."""
     k, v = write_views(fn, be, paged_kv_cache)
     num_pages, p, hkv, d = shape_of(k)
-    dt = check_dtype(fn, "paged_kv_cache", be.dtype_of(k))
+    dt = _element(fn, "paged_kv_cache", be, k, paged_kv_cache[0] if isinstance(
+        paged_kv_cache, (tuple, list)) else paged_kv_cache)
     rows = []
     for name, x in (("append_key", append_key), ("append_value", append_value)):
         a = as_backend(fn, name, be, x)
         check_ndim(fn, name, shape_of(a), 3, "[nnz, Hkv, D]")
-        if check_dtype(fn, name, be.dtype_of(a)) != dt:
+        got = _element(fn, name, be, a, x)
+        if got != dt:
             raise InvalidArgumentError(f"{fn}: {name} must have the cache's dtype {dt}, got "
-                                       f"{be.dtype_of(a)}")
+                                       f"{got}")
         rows.append(a)
     nnz = int(rows[0].shape[0])
     for name, a in zip(("append_key", "append_value"), rows):

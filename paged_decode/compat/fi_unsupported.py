@@ -1,7 +1,8 @@
 """What the FlashInfer shim refuses, in one place (lift a refusal here when paged-decode
 gains the feature). ``window_left`` and ``logits_soft_cap`` are served (paged-decode's
 decode variants, ``docs/variants.md``) except in graph mode, whose launches are recorded
-for the plain kernels.
+for the plain kernels; fp8 caches and the ``q_scale`` / ``k_scale`` / ``v_scale`` of
+``run`` are served in both modes (``fi_decode``).
 
 Every refusal raises ``UnsupportedProblemError`` naming the function and the argument;
 no unsupported argument is ever ignored. Arguments that change only how FlashInfer
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UnsupportedProblemError, check_int, check_number
+from ..fp8 import check_scale
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 #: FlashInfer backend names that select one of its own kernel families
@@ -81,23 +83,29 @@ def check_plan(fn: str, *, pos_encoding_mode: Any, window_left: Any, logits_soft
 
 
 def check_run(fn: str, *, args: tuple[Any, ...], q_scale: Any, k_scale: Any, v_scale: Any,
-              window_left: Any, sinks: Any, q_len_per_req: Any, planned_window: int) -> None:
+              window_left: Any, sinks: Any, q_len_per_req: Any,
+              planned_window: int) -> tuple[float, float, float]:
     """The run arguments that would change the result (``planned_window``: the plan's
-    ``window_left``, which a run may repeat but not change)."""
+    ``window_left``, which a run may repeat but not change); returns ``(q_scale, k_scale,
+    v_scale)``, each a positive finite float32 number, 1 when not given (FlashInfer's
+    default)."""
     if args:
         raise _refuse(fn, "*args", args, "custom-kernel arguments")
-    for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-        if value is not None:
-            raise _refuse(fn, name, value, "fp8 calibration scales; the caches are float16, "
-                          "bfloat16 or float32")
+    scales = tuple(1.0 if value is None else check_scale(fn, name, value)
+                   for name, value in (("q_scale", q_scale), ("k_scale", k_scale),
+                                       ("v_scale", v_scale)))
     if window_left is not None and window_left != planned_window:
         raise _refuse(fn, "window_left", window_left, f"a window other than the plan's "
                       f"({planned_window}); plan again with it")
     if sinks is not None:
-        raise _refuse(fn, "sinks", "...", "attention-sink logits")
+        raise _refuse(fn, "sinks", "...", "FlashInfer 0.3.1 reads them on its trtllm-gen "
+                      "backend only, which this wrapper does not mirror; paged-decode's "
+                      "decode(sinks=...) takes them, docs/variants.md")
     if q_len_per_req not in (None, 1):
-        raise _refuse(fn, "q_len_per_req", q_len_per_req, "one query token per request is "
-                      "what decode is")
+        raise _refuse(fn, "q_len_per_req", q_len_per_req, "FlashInfer 0.3.1 reads it on its "
+                      "trtllm-gen backend only; paged-decode's decode takes several query "
+                      "tokens per request as q [B, T, Hq, D], docs/multi-token.md")
+    return scales[0], scales[1], scales[2]
 
 
 __all__ = ["FLASHINFER_BACKENDS", "POS_ENCODING_MODES", "check_backend_name",
