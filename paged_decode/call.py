@@ -49,7 +49,7 @@ from .multitoken import QueryTokens, check_query_tokens_arg, query_tokens
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, check_geometry, make_plan
-from .specs import v2tc_ctas_per_chunk
+from .specs import heads_per_cta, v2tc_ctas_per_chunk
 from .step_table import StepTable
 from .variants import (
     PLAIN,
@@ -101,18 +101,22 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
         assert be is not None
         device = be.device_info()
     if ctas_per_chunk is None and path != "v2":
-        if path == "auto":   # make_plan checks these too, after the choice needs them
+        tc_ctas = None
+        if path in ("auto", "v2tc"):   # make_plan checks these too, after they are needed
+            check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+            heads = check_query_tokens_arg(fn, query_tokens) * num_qo_heads
+            tc_ctas = v2tc_ctas_per_chunk(heads, num_kv_heads)
+            if tc_ctas == heads // heads_per_cta(heads, num_kv_heads):
+                path = "v2"   # the same CTAs per chunk (GQA 1-8): no choice to make
+        if path == "auto":
             assert be is not None
             check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
-            check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
             if kv_dtype is not None:
                 check_type(fn, "kv_dtype", kv_dtype, str, "a dtype name or None")
-            group = check_query_tokens_arg(fn, query_tokens) * num_qo_heads // num_kv_heads
-            path = choose_path_at(be, table, group, pool_paths(
-                be, group * num_kv_heads, num_kv_heads, head_dim, table.page_size, kv_dtype),
-                kv_dtype)[0]
+            path = choose_path_at(be, table, heads // num_kv_heads, pool_paths(
+                be, heads, num_kv_heads, head_dim, table.page_size, kv_dtype), kv_dtype)[0]
         if path == "v2tc":
-            ctas_per_chunk = v2tc_ctas_per_chunk(num_qo_heads * query_tokens, num_kv_heads)
+            ctas_per_chunk = tc_ctas
     return make_plan(table, num_qo_heads, num_kv_heads, head_dim, device=device,
                      target_ctas=target_ctas, pages_per_chunk=pages_per_chunk,
                      min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
