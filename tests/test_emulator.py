@@ -83,6 +83,13 @@ __global__ void halves(const __half* __restrict__ h, const __nv_bfloat16* __rest
   b_out[t] = __float2bfloat16_rn(f[t]);
 }
 
+// __byte_perm(x, y, s) of each thread's words and selector.
+__global__ void byte_perms(const unsigned* __restrict__ x, const unsigned* __restrict__ y,
+                           const unsigned* __restrict__ s, unsigned* __restrict__ out) {
+  const int t = threadIdx.x;
+  out[t] = __byte_perm(x[t], y[t], s[t]);
+}
+
 // Dynamic shared memory, written in reverse and read back after a barrier.
 extern __shared__ __align__(16) float dyn[];
 __global__ void dynamic(const float* __restrict__ x, float* __restrict__ y, int n) {
@@ -231,6 +238,26 @@ def test_half_and_bfloat16_conversions_round_to_nearest_even():
     np.testing.assert_array_equal(out[1::2], b.astype(np.float32))
     np.testing.assert_array_equal(h_out.view(np.uint16), h.view(np.uint16))
     np.testing.assert_array_equal(b_out.view(np.uint16), b.view(np.uint16))
+
+
+def test_byte_perm_follows_the_cuda_intrinsic():
+    """Byte i of ``__byte_perm(x, y, s)`` is byte ``(s >> 4i) & 7`` of ``{y, x}`` (the
+    CUDA math API's default mode); the fp8 tensor-core partial regroups V's codes with it."""
+    rng = np.random.default_rng(2)
+    x, y = (rng.integers(0, 2 ** 32, 64, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    s = rng.integers(0, 2 ** 16, 64, dtype=np.uint64).astype(np.uint32)
+    s[:4] = [0x3120, 0x3210, 0x7654, 0x0020]
+    out = np.zeros(64, np.uint32)
+    run("byte_perms", 1, 64, [Buffer("x", x), Buffer("y", y), Buffer("s", s),
+                              Buffer("out", out, True)])
+    for i in range(64):
+        both = int(x[i]) | int(y[i]) << 32
+        want = sum(((both >> (8 * ((int(s[i]) >> (4 * k)) & 7))) & 0xff) << (8 * k)
+                   for k in range(4))
+        assert int(out[i]) == want, (i, hex(x[i]), hex(y[i]), hex(s[i]))
+    b = [(int(x[0]) >> (8 * k)) & 0xff for k in range(4)]
+    assert int(out[0]) == b[0] | b[2] << 8 | b[1] << 16 | b[3] << 24   # codes_by_column
+    assert int(out[1]) == int(x[1]) and int(out[2]) == int(y[2])
 
 
 def test_dynamic_shared_memory():

@@ -37,6 +37,15 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+// byte i of the result is byte (s >> 4i) & 7 of {y, x} (x bytes 0-3, y bytes 4-7): the
+// CUDA intrinsic's default mode
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const unsigned long long in = ((unsigned long long)y << 32) | x;
+  unsigned r = 0u;
+  for (int i = 0; i < 4; ++i)
+    r |= (unsigned)((in >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+}
 
 // ------------------------------------------------------------------ half and bfloat16
 struct __half {
