@@ -125,24 +125,31 @@ __device__ __forceinline__ void widen_fp8(const uint4& u, float* f, int sel) {
 // elsewhere, and on the emulator, fp8_to_float per code.
 template <typename T, typename PACK>
 __device__ __forceinline__ void fp8x4_to_pairs(unsigned w, unsigned (&p)[2]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // w's halves unpacked in PTX, so ptxas hands the high one to the cvt as an operand half
+  // (R.H1) instead of shifting it down first (one SHF per call in nvcc 13.0's SASS)
+  unsigned h[2];
+  if (FP8<T>::FN)
+    asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.rn.f16x2.e4m3x2 %0, lo; "
+        "cvt.rn.f16x2.e4m3x2 %1, hi;}" : "=r"(h[0]), "=r"(h[1]) : "r"(w));
+  else
+    asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.rn.f16x2.e5m2x2 %0, lo; "
+        "cvt.rn.f16x2.e5m2x2 %1, hi;}" : "=r"(h[0]), "=r"(h[1]) : "r"(w));
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    const unsigned short pair = (unsigned short)(w >> (16 * j));
-    unsigned h2;
-    if (FP8<T>::FN) asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-    else asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(pair));
     if constexpr (PACK::BF16) {
-      const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+      const float2 t = __half22float2(*reinterpret_cast<const __half2*>(&h[j]));
       p[j] = PACK::pack(t.x, t.y);
     } else {
-      p[j] = h2;
+      p[j] = h[j];
     }
+  }
 #else
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
     p[j] = PACK::pack(fp8_to_float<T>((w >> (16 * j)) & 0xffu),
                       fp8_to_float<T>((w >> (16 * j + 8)) & 0xffu));
 #endif
-  }
 }
 
 // fp8 pools: 8 elements per lane and load (half of a shared 16-byte piece).
