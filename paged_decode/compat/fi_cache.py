@@ -81,6 +81,12 @@ def split_cache(fn: str, cache: Any) -> tuple[Any, Any] | Any:
     return cache
 
 
+def first_array(cache: Any) -> Any:
+    """The cache argument's first array: ``k_cache`` of a pair, else the combined array
+    (what its kind, device and dtype name are read from)."""
+    return cache[0] if isinstance(cache, (tuple, list)) else cache
+
+
 def _pages4(x: Any, combined: bool) -> Any:
     """Insert the page axis of a ``P = 1`` cache left out (FlashInfer allows that)."""
     if len(x.shape) == (4 if combined else 3):    # an indexed view, never a copy

@@ -33,7 +33,7 @@ from ..fp8 import is_fp8, pool_dtype, raw_dtype_name
 from ..page_table import PageTable
 from ..plan import DecodePlan, check_geometry
 from .fi_arrays import as_backend, empty_like_kind, host_ints, int32_buffer, shape_of
-from .fi_cache import KVPools, decode_pools
+from .fi_cache import KVPools, decode_pools, first_array
 from .fi_graph import GraphState
 from .fi_unsupported import (
     check_backend_name,
@@ -306,8 +306,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise InvalidArgumentError(f"{fn}: the plan references page {st['max_page']}, but "
                                        f"paged_kv_cache has {pools.num_pages} pages")
         # the caller's dtype name: a torch fp8 tensor is a uint8 CuPy view on `cuda`
-        raw = raw_dtype_name(paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list))
-                             else paged_kv_cache)
+        raw = raw_dtype_name(first_array(paged_kv_cache))
         kv_got = check_dtype(fn, "paged_kv_cache", pool_dtype(
             fn, raw, be.dtype_of(pools.k), kv_dt if fp8 else None, "paged_kv_cache"),
             KV_DTYPES)

@@ -24,7 +24,7 @@ from ..dtypes import KV_DTYPES, check_dtype
 from ..errors import InvalidArgumentError, check_int, check_ndim, check_shape
 from ..fp8 import is_fp8, raw_dtype_name
 from .fi_arrays import as_backend, host_ints, ints_like, shape_of
-from .fi_cache import write_views
+from .fi_cache import first_array, write_views
 from .fi_unsupported import check_layout
 
 
@@ -121,7 +121,7 @@ def append_paged_kv_cache(append_key: Any, append_value: Any, batch_indices: Any
     """
     fn = "append_paged_kv_cache"
     check_layout(fn, kv_layout)
-    first = paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list)) else paged_kv_cache
+    first = first_array(paged_kv_cache)
     be = backend_for(backend, first, fn=fn)
     with be.launch_context(first):   # views and writes on the cache's device and stream
         _append(fn, be, append_key, append_value, batch_indices, positions, paged_kv_cache,
@@ -146,8 +146,7 @@ def _append(fn: str, be: Any, append_key: Any, append_value: Any, batch_indices:
     """``append_paged_kv_cache`` on backend ``be``, inside the cache's launch context."""
     k, v = write_views(fn, be, paged_kv_cache)
     num_pages, p, hkv, d = shape_of(k)
-    dt = _element(fn, "paged_kv_cache", be, k, paged_kv_cache[0] if isinstance(
-        paged_kv_cache, (tuple, list)) else paged_kv_cache)
+    dt = _element(fn, "paged_kv_cache", be, k, first_array(paged_kv_cache))
     rows = []
     for name, x in (("append_key", append_key), ("append_value", append_value)):
         a = as_backend(fn, name, be, x)
