@@ -227,10 +227,10 @@ class StepTable:
     # ------------------------------------------------------------------ the pool's events
     def _on_append(self, ids: np.ndarray, first_changed: np.ndarray) -> None:
         """Sequences ``ids`` appended; their page ids from ``first_changed`` on are new."""
-        if ids is self._live_rows[1] or (ids.size == self._n_live
-                                         and np.array_equal(ids, self._ids[:ids.size])):
-            t = np.arange(ids.size)                 # the engine's case: the batch in order
-            fc = first_changed
+        if ids is self._live_rows[1]:               # the engine's case: every live row
+            t, fc = self._live_rows[0], first_changed   # (a freed row leaves a hole)
+        elif ids.size == self._n_live and np.array_equal(ids, self._ids[:ids.size]):
+            t, fc = np.arange(ids.size), first_changed  # the first rows, in order
         else:
             pos, found = self._find(ids)
             if not found.any():
