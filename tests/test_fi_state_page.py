@@ -64,13 +64,22 @@ def test_merge_states_is_attention_over_every_segment(num):
     assert_matches_oracle(out, lse, ref_o, ref_l, "float16", f"merge_states S={num}")
 
 
-def test_merge_state_in_place_honours_the_mask():
+def torch_bool(a):
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(a)
+
+
+@pytest.mark.parametrize("mask_kind", ["uint8", "bool", "torch-bool", "int32"])
+def test_merge_state_in_place_honours_the_mask(mask_kind):
+    # FlashInfer documents a bool mask (its own tests pass torch.bool); uint8 works there too
     rng = np.random.default_rng(22)
     (va, vb), (sa, sb), ref_o, ref_l = segments(rng, 10, 2)
     v, s = va.astype(np.float32), sa.astype(np.float32)
-    mask = (np.arange(10) % 3 == 0).astype(np.uint8)
+    on = np.arange(10) % 3 == 0
+    mask = {"uint8": lambda: on.astype(np.uint8), "bool": lambda: on.copy(),
+            "torch-bool": lambda: torch_bool(on.copy()),
+            "int32": lambda: on.astype(np.int32) * 7}[mask_kind]()
     fi.merge_state_in_place(v, s, vb.astype(np.float32), sb.astype(np.float32), mask)
-    on = mask.astype(bool)
     assert max_rel_error(v[on], ref_o[on]) < 1e-5 and lse_error(s[on], ref_l[on]) < LSE_ATOL
     np.testing.assert_array_equal(v[~on], va[~on].astype(np.float32))
     np.testing.assert_array_equal(s[~on], sa[~on].astype(np.float32))
@@ -78,6 +87,21 @@ def test_merge_state_in_place_honours_the_mask():
     assert max_rel_error(v[on], ref_o[on]) < 1e-5        # a -inf state adds nothing
     with pytest.raises(InvalidArgumentError, match="s must be float32"):
         fi.merge_state_in_place(v, s.astype(np.float16), vb, sb)
+
+
+def test_merge_state_in_place_checks_the_mask():
+    rng = np.random.default_rng(24)
+    (va, vb), (sa, sb), _, _ = segments(rng, 6, 2)
+    args = (va.astype(np.float32), sa.astype(np.float32), vb.astype(np.float32),
+            sb.astype(np.float32))
+    with pytest.raises(InvalidArgumentError, match="mask must be a bool or integer array, "
+                       "got dtype float32"):
+        fi.merge_state_in_place(*args, np.ones(6, np.float32))
+    with pytest.raises(InvalidArgumentError,
+                       match=r"mask must have shape \[n\] = \[6\], got \[5\]"):
+        fi.merge_state_in_place(*args, np.ones(5, bool))
+    with pytest.raises(InvalidArgumentError, match="mask must be an array"):
+        fi.merge_state_in_place(*args, "yes")
 
 
 def test_merges_on_torch_cpu_tensors():

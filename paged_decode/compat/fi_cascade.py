@@ -17,7 +17,7 @@ from .. import merge as pd_merge
 from ..backends import Backend, backend_for
 from ..dtypes import check_dtype
 from ..errors import InvalidArgumentError, check_ndim, check_shape
-from .fi_arrays import as_backend, host_ints, in_kind, shape_of
+from .fi_arrays import as_backend, in_kind, shape_of
 
 
 def _state(fn: str, be: Backend, names: tuple[str, str], v: Any, s: Any) -> tuple[Any, Any, str]:
@@ -47,7 +47,9 @@ def merge_state(v_a: Any, s_a: Any, v_b: Any, s_b: Any, *, backend: str | Backen
 def merge_state_in_place(v: Any, s: Any, v_other: Any, s_other: Any, mask: Any = None, *,
                          backend: str | Backend | None = None) -> None:
     """``(v, s) <- merge((v, s), (v_other, s_other))`` in place, for rows where ``mask``
-    (bool or uint8 ``[n]``, default all) is set; ``s`` must be float32 (it is written)."""
+    (bool or integer ``[n]``, nonzero: merge; default all) is set; ``s`` must be float32
+    (it is written). The mask is read where the arrays live (no copy to the host), so a
+    captured call follows the mask's values at replay, as FlashInfer's does."""
     fn = "merge_state_in_place"
     be = backend_for(backend, v, fn=fn)
     with be.launch_context(v):
@@ -65,12 +67,24 @@ def _merge_in_place(fn: str, be: Backend, v: Any, s: Any, v_other: Any, s_other:
     if mask is None:
         vt[...], st[...] = mv, ms
         return
-    m = host_ints(fn, "mask", mask) != 0
-    check_shape(fn, "mask", m.shape, (int(vt.shape[0]),), "[n]")
-    rows = np.flatnonzero(m)
-    if rows.size:
-        idx = be.array_module().asarray(rows)
-        vt[idx], st[idx] = mv[idx], ms[idx]
+    m = _mask(fn, be, mask, int(vt.shape[0]))
+    xp = be.array_module()
+    # on the device, without a host copy of the mask: FlashInfer's mask exists for CUDA
+    # graphs, whose replays read its current values
+    vt[...] = xp.where(m[:, None, None], mv, vt)
+    st[...] = xp.where(m[:, None], ms, st)
+
+
+def _mask(fn: str, be: Backend, mask: Any, n: int) -> Any:
+    """``mask`` as ``be``'s boolean ``[n]`` array (nonzero: set): bool or any integer
+    dtype, FlashInfer's bool / uint8 included, of any array kind the shim takes."""
+    ma = as_backend(fn, "mask", be, mask)
+    dt = str(ma.dtype)
+    if dt != "bool" and not np.issubdtype(np.dtype(dt), np.integer):
+        raise InvalidArgumentError(f"{fn}: mask must be a bool or integer array, got dtype "
+                                   f"{dt}")
+    check_shape(fn, "mask", shape_of(ma), (n,), "[n]")
+    return ma != 0
 
 
 def merge_states(v: Any, s: Any, *, backend: str | Backend | None = None) -> tuple[Any, Any]:
