@@ -9,8 +9,9 @@ through the backend, runs one of four paths and records what it ran (the steps l
   every request has one chunk the partial writes the output directly.
 - ``"v2tc"``: the same split and merge with the tensor-core partial (CUDA ``mma.sync``,
   Metal ``simdgroup_matrix``; float16 / bfloat16 q, pools in its dtype or fp8;
-  ``kernels/decode_v2_tc.py``); asked for
-  explicitly, never chosen by ``"auto"`` until a measured crossover table holds it.
+  ``kernels/decode_v2_tc.py``); ``"auto"`` takes it where the device's measured
+  crossover table says it is faster, and over fp8 pools wherever it runs
+  (``call.choose_path``).
 - ``"v1"``: one CTA per (request, query head), split inside the CTA (comparison arm).
 - ``"gather"``: gather visible K/V contiguously, then dense attention (fallback arm).
 
@@ -181,15 +182,19 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
             if table.pending:
                 with be.launch_context(q):
                     table.update_device()
+            # (a cascade plan's level tables are host data of one version)
             table_key: Any = (id(table), table.layout if be.reads_step_tables
+                              and not isinstance(cascade, CascadeDecodePlan)
                               else table.version)
         else:
             table_key = id(table)
+        # scalars with their types: True == 1 == 1.0 as keys, but the checks refuse a
+        # bool or float window_left, a non-bool return_lse, ...
         fast_key = (id(q), id(k_pages), id(v_pages), table_key, id(plan), id(out), id(lse),
-                    return_lse, path, sm_scale, out_dtype, cascade, id(be),
-                    be.stream_key(q), conf, variants["window_left"],
-                    variants["logits_soft_cap"], id(sinks), variants["kv_dtype"],
-                    variants["k_scale"], variants["v_scale"], tokens_key)
+                    _typed(return_lse), path, _typed(sm_scale), out_dtype, _typed(cascade),
+                    id(be), be.stream_key(q), conf, _typed(variants["window_left"]),
+                    _typed(variants["logits_soft_cap"]), id(sinks), variants["kv_dtype"],
+                    _typed(variants["k_scale"]), _typed(variants["v_scale"]), tokens_key)
         try:
             prepared = decode_cache.get(fast_key, arrays)
         except TypeError:   # an unhashable argument: never cached, the checks below say why
@@ -236,6 +241,10 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
                                         lse=lse if want_lse else None, out_a=out_a,
                                         lse_a=lse_a, return_lse=return_lse, like=q))
     return results(be, q, out, lse, out_a, lse_a, return_lse)
+
+
+def _typed(x: Any) -> tuple[type, Any]:
+    return type(x), x
 
 
 def _tokens_key(qo_indptr: Any) -> Any:

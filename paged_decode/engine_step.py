@@ -42,7 +42,7 @@ from .errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemEr
 from .kernels.append import AppendWrite, table_row_desc
 from .plan import DecodePlan, make_plan
 from .pool import AppendedBatch, PagePool
-from .prepared import layouts, prepare_decode
+from .prepared import layouts, prepare_call
 from .specs import v2tc_ctas_per_chunk
 from .steady_step import SteadyBegin
 
@@ -261,13 +261,15 @@ class DecodeStep:
         key = (layer, id(q), id(out), id(lse), return_lse,
                t.layout if self.backend.reads_step_tables else t.version)
         hit = self._prepared.get(key)
-        if hit is None or hit[0][0] is not q or hit[0][1] is not out:
-            prep = prepare_decode(q, k, v, self.table, self.plan, path=self.path,
-                                  sm_scale=self.sm_scale, out=out, lse=lse,
-                                  return_lse=return_lse, out_dtype=self.out_dtype,
-                                  **self.variants, **self.pool.decode_args(layer),
-                                  backend=self.backend)
-            hit = ((q, out, lse), prep)
+        arrays = (q, out, lse)
+        if hit is None or hit[0][0] is not q or hit[0][1] is not out \
+                or layouts(arrays) != hit[0][2]:     # reshaped, or a tensor's data moved
+            prep = prepare_call("DecodeStep.decode", q, k, v, self.table, self.plan,
+                                path=self.path, sm_scale=self.sm_scale, out=out, lse=lse,
+                                return_lse=return_lse, out_dtype=self.out_dtype,
+                                backend=self.backend, cascade=None, qo_indptr=None,
+                                **self.variants, **self.pool.decode_args(layer))
+            hit = ((q, out, layouts(arrays), lse), prep)
             if not self.backend.reads_step_tables:
                 self._prepared = {k: h for k, h in self._prepared.items() if k[-1] == key[-1]}
             self._prepared[key] = hit

@@ -37,10 +37,11 @@ from .call import (
     run_path,
 )
 from .cascade import run_cascade
-from .errors import fail
+from .errors import PlanMismatchError, fail
 from .multitoken_call import MultiTokenCall, multitoken_call, refuse_cascade
 from .outcome import DecodeOutcome, record
 from .plan import DecodePlan
+from .step_table import StepTable
 
 
 class _PreparedCall:
@@ -56,9 +57,16 @@ class _PreparedCall:
     _like: Any
     _return_lse: bool
 
+    #: set by ``prepare_decode`` over a ``StepTable`` (``_follow_table``); ``None``:
+    #: the table never changes, or the caller follows it itself (``DecodeStep``)
+    _follow: _TableFollower | None = None
+
     def __call__(self) -> Any:
         """Launch the decode; returns ``out`` (or ``(out, lse)`` if prepared with
         ``return_lse``)."""
+        f = self._follow
+        if f is not None and f.behind():
+            f.catch_up(self)
         if self._eager:
             with self.backend.launch_context(self._like):
                 self._launch()
@@ -162,8 +170,42 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
     ``decode``'s variants, fixed for the prepared call, and so are an fp8 pool's
     ``kv_dtype``, ``k_scale`` and ``v_scale``. A multi-token ``q`` (``[B, T, Hq, D]``, or
     ``[N, Hq, D]`` with ``qo_indptr``) prepares a ``PreparedMultiToken``.
+
+    Over a ``StepTable`` each call follows what the pool did to the batch since the last:
+    the device table is brought up to date and ``plan`` checked against it (a plan that
+    no longer fits raises ``PlanMismatchError``, as ``decode`` does; without a ``plan``
+    the call plans again), and whatever the prepared call holds of the table's host view
+    (cascade levels, a window table, the array-op backends' table, multi-token pieces) is
+    prepared again, into the same ``out`` / ``lse``.
     """
     fn = "prepare_decode"
+    kw = {"path": path, "sm_scale": sm_scale, "return_lse": return_lse,
+          "out_dtype": out_dtype, "backend": backend, "cascade": cascade,
+          "window_left": window_left, "logits_soft_cap": logits_soft_cap, "sinks": sinks,
+          "qo_indptr": qo_indptr, "kv_dtype": kv_dtype, "k_scale": k_scale,
+          "v_scale": v_scale}
+    made = prepare_call(fn, q, k_pages, v_pages, table, plan, out=out, lse=lse, **kw)
+    if isinstance(table, StepTable):
+
+        def remake() -> Prepared:   # the same call on the table as it is now, same outputs
+            return prepare_call(fn, q, k_pages, v_pages, table, plan, out=made.out,
+                                lse=made.lse, **kw)
+
+        made._follow = _TableFollower(fn, table, plan is not None, remake)
+    return made
+
+
+def prepare_call(fn: str, q: Any, k_pages: Any, v_pages: Any, table: Table,
+                 plan: DecodePlan | None, *, path: str = "auto",
+                 sm_scale: float | None = None, out: Any = None, lse: Any = None,
+                 return_lse: bool = False, out_dtype: str | None = None,
+                 backend: str | Backend | None = None, cascade: Any = None,
+                 window_left: Any = -1, logits_soft_cap: Any = None, sinks: Any = None,
+                 qo_indptr: Any = None, kv_dtype: Any = None, k_scale: Any = None,
+                 v_scale: Any = None) -> Prepared:
+    """``prepare_decode`` without following a step table (``DecodeStep`` follows its own
+    table: it keys its prepared calls on the table's version or layout and checks its
+    plan within the headroom)."""
     with settings.bound(settings.snapshot()):
         be = backend_for(backend, q, fn=fn)
         with be.launch_context(q):    # the device and stream of q, entered once
@@ -224,18 +266,68 @@ def _prepare(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: Ta
 Prepared = PreparedDecode | PreparedCascade | PreparedMultiToken
 
 
+class _TableFollower:
+    """What keeps a prepared call over a ``StepTable`` right as the pool changes the
+    batch. Where the launches read the table's device buffer (``reads_step_tables``) and
+    the buffer is the same (``layout``), a flat call only brings the device copy up to
+    date and checks its plan (``PlanMismatchError`` when the caller's plan no longer
+    fits; a plan the call made itself is made again). Everything else a prepared call
+    holds of the table (a cascade's level tables, the host view of the array-op paths, a
+    window table, the multi-token split, launches over a reallocated buffer) is prepared
+    again, into the same outputs."""
+
+    def __init__(self, fn: str, table: StepTable, given_plan: bool,
+                 remake: Any) -> None:
+        self.fn, self.table, self.given_plan, self.remake = fn, table, given_plan, remake
+        self.version, self.layout = table.version, table.layout
+
+    def behind(self) -> bool:
+        t = self.table
+        return t.pending or t.version != self.version or t.layout != self.layout
+
+    def catch_up(self, prep: _PreparedCall) -> None:
+        t, be = self.table, prep.backend
+        # the kernels read this table's device buffer (not a host view or window table)
+        if (isinstance(prep, PreparedDecode) and prep.args.table is t
+                and t.layout == self.layout):
+            with settings.bound(settings.snapshot()):
+                if t.pending:
+                    with be.launch_context(prep._like):
+                        t.update_device()
+                a = prep.args
+                try:
+                    prep.plan.check(self.fn, t, a.hq, a.hkv, a.d)
+                    self.version, self.layout = t.version, t.layout
+                    return
+                except PlanMismatchError:
+                    if self.given_plan:
+                        raise
+        fresh = self.remake()
+        # the same object, so the caller's reference stays good; a cascade call may have
+        # become flat (no shared prefix any more) or the reverse
+        prep.__class__ = type(fresh)
+        prep.__dict__.clear()
+        prep.__dict__.update(fresh.__dict__)
+        prep._follow = self
+        self.version, self.layout = t.version, t.layout
+
+
 def layouts(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
     """What a prepared call relies on of each array and that can change on the same
-    object (``q.shape = ...``, ``resize``): shape, dtype and strides (``None`` kept)."""
+    object (``q.shape = ...``, ``resize``): shape, dtype and strides (``None`` kept), and
+    for a torch tensor its data address (``set_``, ``t.data = ...`` and a storage resize
+    move a tensor's data; a numpy array the cache holds cannot be resized, and a CuPy
+    array's memory is fixed)."""
     out: list[Any] = []
     for x in arrays:
         if x is None:
             out.append(None)
             continue
         strides = getattr(x, "strides", None)
+        ptr = None
         if strides is None and callable(getattr(x, "stride", None)):   # torch
-            strides = x.stride()
-        out.append((tuple(x.shape), x.dtype, strides))
+            strides, ptr = x.stride(), x.data_ptr()
+        out.append((tuple(x.shape), x.dtype, strides, ptr))
     return tuple(out)
 
 
