@@ -43,6 +43,18 @@ def test_without_sharing_and_small_pages():
     assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
 
 
+def test_a_quantized_model_runs_in_its_float_dtype():
+    """nn.quantize packs the weights into uint32 (the first parameter mlx-lm flattens);
+    the pool takes the dtype of the scales, which the activations and K/V come out in."""
+    nn = pytest.importorskip("mlx.nn")
+    model = mlx_lm_model("llama", seed=SEEDS["llama"])
+    nn.quantize(model, group_size=64, bits=4)
+    prompts = ragged_prompts(model.args.vocab_size, seed=1)
+    ref = pm.framework_generate(model, prompts, NEW)
+    got = pm.generate(model, prompts, NEW, backend="mlx", return_logits=True)
+    assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
+
+
 def test_a_misplaced_gather_changes_the_tokens(monkeypatch):
     """Negative control: K/V gathered one sequence off (the batch rolled) must not pass."""
     model = mlx_lm_model("llama", seed=0)

@@ -50,6 +50,24 @@ def test_greedy_tokens_equal_the_dynamic_cache(name):
     assert pd.last_outcome().path == "cascade"     # the two shared pages read once a step
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_models_on_the_cpu_equal_the_dynamic_cache(dtype):
+    """CPU torch bfloat16 tensors reach the reference backend's pool as ml_dtypes views
+    (numpy has no bfloat16); float16 as they are. A 16-bit model's logits move by more
+    than half a top-2 gap when only the batch layout changes (transformers' own run, one
+    prompt at a time: 0.125 in bfloat16, 0.012 in float16), so the near-tie guard is that
+    floor, as on the GPU."""
+    model = transformers_model("llama", seed=0, dtype=dtype)
+    prompts = ragged_prompts(model.config.vocab_size, seed=1)
+    ref = pt.framework_generate(model, prompts, 8)
+    alone = [pt.framework_generate(model, [p], 8) for p in prompts]
+    assert [a.tokens[0] for a in alone] == ref.tokens
+    floor = float((torch.cat([a.logits for a in alone], 1) - ref.logits).abs().max())
+    got = pt.generate(model, prompts, 8, return_logits=True)
+    assert_same_greedy(ref.tokens, ref.logits.float(), got.tokens, got.logits.float(),
+                       min_distinct=8, floor=floor)
+
+
 def test_the_automatic_rule_decodes_flat_and_equal():
     """cascade=None: a flat decode over the batch's device-resident step table."""
     model, prompts, ref = reference("llama")
@@ -153,6 +171,11 @@ def _small(config_cls, **kw):
     return transformers.AutoModelForCausalLM.from_config(config_cls(**base)).eval()
 
 
+def _other(config):
+    config.bos_token_id = config.eos_token_id = None
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
 @pytest.mark.parametrize("build, match", [
     (lambda: _small(transformers.MistralConfig, sliding_window=32),
      r"a sliding window \(sliding_window=32\)"),
@@ -165,6 +188,15 @@ def _small(config_cls, **kw):
      r"head_dim must be one of \(64, 96, 128, 256\) \(what the kernels serve\), got 80"),
     (lambda: _small(transformers.LlamaConfig).to(torch.float64),
      r"dtype must be one of float16, bfloat16, float32, got float64"),
+    # attention modules that ignore attn_implementation: paged_attention would never run
+    (lambda: _other(transformers.BloomConfig(vocab_size=64, hidden_size=128, n_head=2,
+                                             n_layer=1)),
+     r"BloomForCausalLM does not route its attention through transformers' "
+     r"AttentionInterface"),
+    (lambda: _other(transformers.FalconConfig(vocab_size=64, hidden_size=128,
+                                              num_attention_heads=2, num_hidden_layers=1,
+                                              alibi=True, new_decoder_architecture=False)),
+     r"ALiBi position biases \(alibi=True\)"),
 ])
 def test_unsupported_models_fail_before_the_model_runs(build, match):
     model = build()

@@ -28,6 +28,21 @@ from . import launches
 from .base import Backend, Problem, Support, poison_enabled
 
 LOG2E = 1.4426950408889634
+
+
+def torch_cpu_view(t: Any) -> np.ndarray:
+    """A zero-copy numpy view of a CPU torch tensor (detached; bfloat16 and the fp8
+    formats as their ``ml_dtypes`` types through a same-size integer view, since numpy
+    has none of them and ``numpy()`` refuses them)."""
+    import torch  # only reached with a torch tensor in hand
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    name = str(t.dtype).removeprefix("torch.")
+    if is_fp8(name):
+        return t.view(torch.uint8).numpy().view(numpy_dtype(name))
+    return t.numpy()
 V1_SPLITS = 8  # stripes of one v1 "CTA", combined like its warps are
 
 
@@ -124,6 +139,8 @@ class ReferenceBackend(Backend):
     def asarray(self, x: Any) -> np.ndarray:
         if isinstance(x, np.ndarray):
             return x
+        if type(x).__module__.startswith("torch") and not getattr(x, "is_cuda", True):
+            return torch_cpu_view(x)
         if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
             return np.asarray(x)
         raise TypeError(f"reference backend: cannot use a {type(x).__name__} as a numpy array")
@@ -132,7 +149,7 @@ class ReferenceBackend(Backend):
         return np
 
     def to_numpy(self, x: Any) -> np.ndarray:
-        return np.asarray(x)
+        return self.asarray(x)
 
     def dtype_of(self, x: Any) -> str:
         """Canonical dtype name; an unsupported dtype comes back as its own spelling so the

@@ -16,9 +16,9 @@ import numpy as np
 
 from ..backends import Backend, array_kind
 from ..backends.base import poison_enabled
+from ..backends.reference import torch_cpu_view
 from ..dtypes import numpy_dtype
 from ..errors import InvalidArgumentError
-from ..fp8 import is_fp8, raw_dtype_name
 
 
 def torch_module() -> Any:
@@ -38,18 +38,6 @@ def shape_of(x: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in x.shape)
 
 
-def numpy_view(t: Any) -> np.ndarray:
-    """A zero-copy numpy view of a CPU torch tensor (bfloat16 and the fp8 formats as their
-    ``ml_dtypes`` types, which numpy lacks)."""
-    torch = torch_module()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
-    name = raw_dtype_name(t)
-    if is_fp8(name):
-        return t.view(torch.uint8).numpy().view(numpy_dtype(name))
-    return t.numpy()
-
-
 def as_backend(fn: str, name: str, be: Backend, x: Any) -> Any:
     """Argument ``name`` of ``fn`` as ``be``'s array, zero-copy where the kinds allow (CPU
     torch tensors become numpy views on the CPU backends); errors name both."""
@@ -57,7 +45,7 @@ def as_backend(fn: str, name: str, be: Backend, x: Any) -> Any:
         if be.name == "cuda":
             raise InvalidArgumentError(f"{fn}: {name} is a CPU torch tensor, but the call runs "
                                        "on the cuda backend (pass CUDA tensors)")
-        x = numpy_view(x.detach())
+        x = torch_cpu_view(x)
     elif is_cuda_tensor(x) and be.name != "cuda":
         raise InvalidArgumentError(f"{fn}: {name} is a CUDA torch tensor, but the call runs on "
                                    f"backend {be.name!r} (use backend='auto' or 'cuda')")
@@ -139,7 +127,7 @@ def in_kind(be: Backend, x: Any, like: Any) -> Any:
 
 
 __all__ = ["as_backend", "copy_into", "empty_like_kind", "host_ints", "in_kind", "ints_like",
-           "int32_buffer", "is_cuda_tensor", "is_torch", "numpy_view", "shape_of",
+           "int32_buffer", "is_cuda_tensor", "is_torch", "shape_of",
            "torch_module"]
 
 

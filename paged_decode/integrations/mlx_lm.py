@@ -137,7 +137,10 @@ def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:
     kv = getattr(args, "num_key_value_heads", None) or heads
     d = getattr(args, "head_dim", None) or args.hidden_size // heads
     flat: Any = tree_flatten(model.parameters())
-    dtype = flat[0][1].dtype
+    # the activations' dtype: a quantized model packs its weights into uint32 and keeps
+    # its scales and biases (which the dequantized rows come out in) in the float dtype
+    floats = [p.dtype for _, p in flat if mx.issubdtype(p.dtype, mx.floating)]
+    dtype = floats[0] if floats else flat[0][1].dtype
     name = _MX_DTYPES.get(dtype, str(dtype).removeprefix("mlx.core."))
     check_attention(fn, num_heads=heads, num_kv_heads=kv, head_dim=d, dtype=name,
                     page_size=page_size)

@@ -177,7 +177,9 @@ class PagedCache(Cache):
 def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:
     """The model's geometry, or ``UnsupportedProblemError`` naming what paged-decode does
     not serve: an encoder-decoder, a sliding window (``sliding_window`` /
-    ``layer_types``), a logit soft cap (``attn_logit_softcapping``), a head_dim outside
+    ``layer_types``), a logit soft cap (``attn_logit_softcapping``), ALiBi, a model
+    whose attention ignores ``attn_implementation`` (``_supports_attention_backend``
+    False: Bloom, MPT, GPT-Neo, Falcon, XGLM, ...), a head_dim outside
     ``SUPPORTED_HEAD_DIMS``, a dtype other than float16/bfloat16/float32."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "forward"):
@@ -185,6 +187,16 @@ def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:
                                    f"{type(model).__name__}")
     if getattr(config, "is_encoder_decoder", False):
         raise refuse(fn, "an encoder-decoder architecture", "is_encoder_decoder", True)
+    if getattr(config, "alibi", False) or getattr(config, "position_embedding_type",
+                                                   None) == "alibi":
+        raise refuse(fn, "ALiBi position biases", "alibi", True)
+    if not getattr(type(model), "_supports_attention_backend", False):
+        # its attention module ignores attn_implementation, so paged_attention would
+        # never run: the model's own attention would see only the new tokens' K/V
+        raise UnsupportedProblemError(
+            f"{fn}: {type(model).__name__} does not route its attention through "
+            "transformers' AttentionInterface (_supports_attention_backend is False), "
+            "so paged-decode cannot serve it")
     kinds = getattr(config, "layer_types", None)
     if kinds is not None and any(k != "full_attention" for k in kinds):
         raise refuse(fn, "layers other than full attention", "layer_types",
