@@ -223,6 +223,32 @@ def grown(pr, extra, seed):
 
 
 @pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_requests_without_pages_are_empty(backend, graph):
+    """FlashInfer's length of a request without pages is 0 whatever its last_page_len
+    (CUDA-graph padding rows): zeros and a -inf LSE, the other rows untouched."""
+    rng = np.random.default_rng(9)
+    p, hq, hkv, d = 8, 8, 2, 64
+    pages = np.array([3, 0, 2, 0, 1])
+    lpl = np.array([5, 8, 8, 0, 2], np.int32)        # a page-less row's value is ignored
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = rng.permutation(10)[: pages.sum()].astype(np.int32)
+    k, v = (rng.standard_normal((10, p, hkv, d)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((5, hq, d)).astype(np.float16)
+    if graph:
+        w, bufs = graph_wrapper(5, 16, backend)
+    else:
+        w = wrapper(backend)
+    w.plan(indptr, indices, lpl, hq, hkv, d, p)
+    out, lse = poisoned(q.shape, q.dtype), poisoned(q.shape[:2], np.float32)
+    w.run(q, (k, v), out=out, lse=lse, return_lse=True)
+    table = PageTable.build(indices, indptr, np.where(pages > 0, lpl, 0), page_size=p)
+    assert_matches_oracle(out, lse, *oracle_decode(q, k, v, table), "float16",
+                          f"{backend} {'graph' if graph else 'eager'} with empty rows")
+    assert (out[[1, 3]] == 0).all() and np.isneginf(lse[[1, 3]]).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
 def test_graph_mode_plan_fills_the_buffers_and_run_reads_them(backend):
     case = FiCase(12, 97, 8, 32, 4, 128, ragged=True, spare_pages=80)
     a = make_fi_problem(case, seed=6)

@@ -50,7 +50,10 @@ def fi_table_arrays(fn: str, indptr: Any, indices: Any, last_page_len: Any, page
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashInfer's CSR arrays as host int64, checked against its invariants: ``indptr
     [B+1]`` from 0, non-decreasing; ``indices`` at least ``indptr[-1]`` long (a longer
-    buffer is fine); every request at least one page, ``1 <= last_page_len <= P``."""
+    buffer is fine); ``1 <= last_page_len <= P`` for a request with pages. A request
+    without pages is empty (FlashInfer's length 0, whatever its ``last_page_len``, as
+    CUDA-graph padding rows are): its ``last_page_len`` comes back 0, paged-decode's
+    spelling of an empty request (output zeros, LSE ``-inf``)."""
     ip, idx, lpl = (host_ints(fn, n, x) for n, x in (("indptr", indptr), ("indices", indices),
                                                        ("last_page_len", last_page_len)))
     b = lpl.size
@@ -63,14 +66,11 @@ def fi_table_arrays(fn: str, indptr: Any, indices: Any, last_page_len: Any, page
     if ip[0] != 0 or (pages < 0).any():
         raise InvalidArgumentError(f"{fn}: indptr must start at 0 and be non-decreasing, got "
                                    f"{ip.tolist()[:16]}")
-    if (pages < 1).any():
-        r = int(np.flatnonzero(pages < 1)[0])
-        raise InvalidArgumentError(f"{fn}: request {r} has no pages (FlashInfer's layout "
-                                   "needs at least one page per request)")
     if idx.size < ip[-1]:
         raise InvalidArgumentError(f"{fn}: indices has {idx.size} entries, indptr[-1] = "
                                    f"{int(ip[-1])} needs that many")
-    bad = np.flatnonzero((lpl < 1) | (lpl > page_size))
+    lpl = np.where(pages > 0, lpl, 0)
+    bad = np.flatnonzero((pages > 0) & ((lpl < 1) | (lpl > page_size)))
     if bad.size:
         r = int(bad[0])
         raise InvalidArgumentError(f"{fn}: last_page_len must be in [1, page_size = "
