@@ -312,3 +312,15 @@ def sinks_for(hq: int, seed: int = 3) -> np.ndarray:
     """``[hq]`` float32 attention sinks around the scores' scale (|s| ~ 1-3), so each takes
     a visible share of the softmax weight (natural-log units)."""
     return (np.random.default_rng(seed).standard_normal(hq) * 2).astype(np.float32)
+
+
+def run_step(step, body, graph, captured: bool):
+    """One step of ``body(step)`` after ``step.begin()``: eager, or through a captured
+    step (captured again when it is missing or stale). Returns the captured step."""
+    if not captured:
+        body(step)
+    elif graph is None or graph.stale:
+        graph = step.capture(body)
+    else:
+        graph.replay()
+    return graph

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle
+from helpers import assert_matches_oracle, run_step
 
 import paged_decode as pd
 from paged_decode.reference import attention_f64
@@ -104,12 +104,7 @@ def test_step_follows_the_pool_through_random_engine_events(backend, captured, s
         for r, s in enumerate(rows):
             if s is not None:
                 model[s] = np.concatenate([model[s], kv[:, r:r + 1]], 1)
-        if not captured:
-            body(step)
-        elif graph is None or graph.stale:
-            graph = step.capture(body)
-        else:
-            graph.replay()
+        graph = run_step(step, body, graph, captured)
         step.table.flush()
         assert device_rows(step) == host_rows(step), f"step {it} after {op}"
         for layer in range(L):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, require_mlx
+from helpers import assert_matches_oracle, require_mlx, run_step
 
 import paged_decode as pd
 from paged_decode.errors import InvalidArgumentError
@@ -60,12 +60,7 @@ def test_steps_match_the_oracle_through_replans(backend, captured, monkeypatch):
             q[layer][...] = rng.standard_normal((cap, HQ, D))
             ks[layer][...] = rng.standard_normal((cap, HKV, D))
         step.begin()
-        if not captured:
-            body(step)
-        elif graph is None or graph.stale:
-            graph = step.capture(body)
-        else:
-            graph.replay()
+        graph = run_step(step, body, graph, captured)
         for layer in range(L):
             want, _ = _oracle(pool, step, layer, q[layer])
             assert_matches_oracle(outs[layer], None, want, None, "float32",
