@@ -195,3 +195,37 @@ def test_cascade_with_plan_and_out_is_capturable(cuda, how):
     ref, ref_lse = oracle_decode(cp.asnumpy(q2), pool.k.get(), pool.v.get(), table)
     assert max_rel_error(cp.asnumpy(out), ref) <= PREFIX_RTOL["float16"]
     assert lse_error(cp.asnumpy(lse), ref_lse) <= LSE_ATOL
+
+
+@pytest.mark.parametrize("path", ["v2", "v2tc"])
+def test_a_prepared_call_over_a_step_table_follows_the_pool_on_the_gpu(cuda, path):
+    """Eager calls of one prepared call while the pool appends: each call brings the
+    device table up to date and checks the plan (the session-21 fix; CPU-tested in
+    tests/test_prepared_follow.py)."""
+    import cupy as cp
+    rng = np.random.default_rng(11)
+    p, hkv, d, hq = 16, 2, 128, 8
+    pool = pd.PagePool(64, p, num_kv_heads=hkv, head_dim=d, dtype="float16", backend=cuda)
+    seqs = [pool.new_sequence() for _ in range(3)]
+
+    def grow(n):
+        for s in seqs:
+            x = rng.standard_normal((n, hkv, d)).astype(np.float16)
+            pool.append(s, cp.asarray(x), cp.asarray(x))
+
+    grow(40)
+    st = pool.step_table(seqs)
+    plan = pd.plan_decode(st, hq, hkv, d, backend=cuda, pages_per_chunk=1, headroom=16,
+                          path=path)
+    q = cp.asarray(rng.standard_normal((3, hq, d)).astype(np.float16))
+    out = cp.full((3, hq, d), np.nan, np.float16)
+    prep = pd.prepare_decode(q, pool.k, pool.v, st, plan, path=path, out=out)
+    for step in range(3):
+        prep()
+        want, _ = oracle_decode(q.get(), pool.k.get(), pool.v.get(), st.page_table())
+        tol = PREFIX_RTOL["float16"] if path == "v2tc" else OUT_RTOL["float16"]
+        assert max_rel_error(out.get(), want) <= tol, f"{path} step {step}"
+        grow(1)
+    grow(40)
+    with pytest.raises(pd.errors.PlanMismatchError, match="plan does not match"):
+        prep()

@@ -243,6 +243,56 @@ def test_merges_and_append_match_flashinfer(libs):
     assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], t["cache"])
 
 
+def test_masked_in_place_merge_matches_flashinfer(libs):
+    """A bool mask (FlashInfer's documented type), read on the device by both."""
+    torch, flashinfer, shim = libs
+    g = torch.Generator(device="cuda").manual_seed(1)
+    va, vb = (torch.randn(64, 8, 128, device="cuda", generator=g).half() for _ in range(2))
+    sa, sb = (torch.randn(64, 8, device="cuda", generator=g) * 4 for _ in range(2))
+    mask = torch.rand(64, device="cuda", generator=g) < 0.5
+    pairs = [(va.clone(), sa.clone()) for _ in range(2)]
+    for lib, (v, s) in zip((flashinfer, shim), pairs):
+        lib.merge_state_in_place(v, s, vb, sb, mask)
+    assert gap("merge_state_in_place", pairs[1][0], pairs[0][0]) <= 2 * out_tol("float16")
+    assert lse_gap(pairs[1][1], pairs[0][1]) <= FI_LSE_ATOL
+    keep = ~mask
+    assert torch.equal(pairs[1][0][keep], va[keep]) and torch.equal(pairs[1][1][keep], sa[keep])
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_requests_without_pages_match_flashinfer(libs, graph):
+    """Page-less rows (CUDA-graph padding): FlashInfer's length 0 whatever last_page_len."""
+    torch, flashinfer, shim = libs
+    case = FiCase(9, 700, 16, 32, 8, 128, ragged=True, spare_pages=8)
+    t = on_gpu(torch, case, seed=5)
+    pages = torch.diff(t["indptr"]).cpu().numpy()
+    pages[[2, 5, 8]] = 0
+    indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)).cuda()
+    indices = t["indices"][: int(pages.sum())].contiguous()
+    lpl = t["last_page_len"].clone()
+    lpl[5] = 0
+    outs = []
+    for lib in (flashinfer, shim):
+        ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+        if graph:
+            bufs = (torch.zeros(10, dtype=torch.int32, device="cuda"),
+                    torch.zeros(indices.numel(), dtype=torch.int32, device="cuda"),
+                    torch.zeros(9, dtype=torch.int32, device="cuda"))
+            w = lib.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True,
+                                                       paged_kv_indptr_buffer=bufs[0],
+                                                       paged_kv_indices_buffer=bufs[1],
+                                                       paged_kv_last_page_len_buffer=bufs[2])
+        else:
+            w = lib.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indices, lpl, 32, 8, 128, 16, q_data_type=torch.float16)
+        outs.append(w.run(t["q"], t["cache"], return_lse=True))
+    (fo, fl), (so, sl) = outs
+    live = torch.from_numpy(pages > 0).cuda()
+    assert gap("out", so[live], fo[live]) <= 2 * out_tol("float16")
+    assert lse_gap(sl[live], fl[live]) <= FI_LSE_ATOL
+    assert (so[~live] == 0).all() and torch.isneginf(sl[~live]).all()
+
+
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn"])   # what the bench's fp8 arm ran (S19-R4)
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("case", [FiCase(17, 2048, 16, 32, 4, 128, ragged=True),
