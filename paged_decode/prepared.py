@@ -37,7 +37,7 @@ from .call import (
     run_path,
 )
 from .cascade import run_cascade
-from .errors import PlanMismatchError, fail
+from .errors import InvalidArgumentError, PlanMismatchError, fail
 from .multitoken_call import MultiTokenCall, multitoken_call, refuse_cascade
 from .outcome import DecodeOutcome, record
 from .plan import DecodePlan
@@ -176,7 +176,8 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
     no longer fits raises ``PlanMismatchError``, as ``decode`` does; without a ``plan``
     the call plans again), and whatever the prepared call holds of the table's host view
     (cascade levels, a window table, the array-op backends' table, multi-token pieces) is
-    prepared again, into the same ``out`` / ``lse``.
+    prepared again, into the same ``out`` / ``lse``. On MLX (whose appends replace the
+    pool's arrays) such a call raises once the pool has changed the batch: prepare again.
     """
     fn = "prepare_decode"
     kw = {"path": path, "sm_scale": sm_scale, "return_lse": return_lse,
@@ -287,6 +288,12 @@ class _TableFollower:
 
     def catch_up(self, prep: _PreparedCall) -> None:
         t, be = self.table, prep.backend
+        if be.functional_outputs:
+            # MLX: an append replaces the pool's arrays, and the call holds the old ones
+            raise InvalidArgumentError(
+                f"{self.fn}: the pool changed the batch since this call was prepared, and "
+                f"on the {be.name} backend its appends replace the pool arrays the call "
+                "holds: prepare again with the pool's current arrays (or use DecodeStep)")
         # the kernels read this table's device buffer (not a host view or window table)
         if (isinstance(prep, PreparedDecode) and prep.args.table is t
                 and t.layout == self.layout):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle
+from helpers import assert_matches_oracle, require_mlx
 
 import paged_decode as pd
 from paged_decode.errors import InvalidArgumentError, PlanMismatchError
@@ -20,7 +20,7 @@ from paged_decode.prepared import decode_cache
 from paged_decode.reference import oracle_decode
 
 P, HKV, D, HQ = 4, 1, 64, 2
-BACKENDS = ["reference", "emulated-cuda"]
+BACKENDS = ["reference", "emulated-cuda", "emulated-metal"]
 
 
 def pool_of(backend, lens, rng, page_size=P, num_pages=64):
@@ -101,6 +101,22 @@ def test_every_kind_of_prepared_call_is_prepared_again_for_a_changed_table(backe
             return
         prep()
         check(f"{kind} step {step}")
+
+
+def test_on_mlx_a_prepared_call_refuses_a_changed_batch():
+    """MLX's appends replace the pool's arrays, which the prepared call holds."""
+    mx = require_mlx()
+    rng = np.random.default_rng(6)
+    pool, seqs = pool_of("mlx", [9, 3], rng)
+    st = pool.step_table(seqs)
+    q = mx.array(rng.standard_normal((2, HQ, D)).astype(np.float16))
+    prep = pd.prepare_decode(q, pool.k, pool.v, st)
+    out = prep()
+    assert_oracle(pool, st, np.array(q), np.array(out), "mlx fresh")
+    grow(pool, seqs, 1, rng)
+    with pytest.raises(InvalidArgumentError, match="prepare_decode: the pool changed the "
+                       "batch since this call was prepared, and on the mlx backend"):
+        prep()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
