@@ -126,7 +126,7 @@ def info(backend: str | None, as_json: bool) -> None:
 def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: str | None,
           max_configs: int | None, paths: tuple[str, ...], shard: str | None) -> None:
     """Correctness matrix against the float64 oracle; exits non-zero on any failure."""
-    from .check import default_paths, format_result, run_check
+    from .check import TC_PATHS, default_paths, format_result, run_check
     part = None
     if shard:
         try:
@@ -138,6 +138,14 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
             raise click.BadParameter(f"need 0 <= K < N, got {shard!r}", param_hint="--shard")
         part = (k, n)
     be = _backend(backend)
+    tc = [p for p in paths if p in TC_PATHS]
+    if tc and not be.tensor_core_decode:
+        raise click.ClickException(f"check: --path {tc[0]} needs a backend with the "
+                                   f"tensor-core partial (cuda, metal, emulated-cuda, "
+                                   f"emulated-metal); {be.name} has none")
+    if paths and set(paths) <= set(TC_PATHS) and set(dtypes) == {"float32"}:
+        raise click.ClickException(f"check: --path {paths[0]} takes float16 / bfloat16 "
+                                   "queries, and --dtype float32 selects none")
     click.echo(f"checking backend {be.name} on {be.device_info().name}"
                f"{' (full matrix)' if full else ' (quick matrix; --full for all 360)'}")
     single = be.auto_path()
@@ -248,6 +256,17 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     from .bench.timing import measure_read_bandwidth
     be = _backend(backend)
     if suite == "engine":
+        ignored = [name for name, given in (
+            ("--preset", preset is not None), ("--window-left", window_left >= 0),
+            ("--soft-cap", bool(soft_cap)), ("--sinks", sinks), ("--kv-dtype", bool(kv_dtype)),
+            ("--warm-l2", warm_l2), ("--no-graph", no_graph),
+            ("--write-crossover", crossover_path is not None),
+            ("--csv", csv_path is not None), ("--markdown", md_path is not None),
+            ("--reps", reps != 30), ("--warmup", warmup != 5)) if given]
+        if ignored:
+            raise click.ClickException(f"bench --suite engine: {', '.join(ignored)} "
+                                       "apply to the decode suite (the engine suite times "
+                                       "--steps steps of --layers layers)")
         _bench_engine(be, contexts, batches, pages, dtype, arms, layers, steps, model, json_path,
                       plot_path)
         return

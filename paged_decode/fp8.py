@@ -126,11 +126,14 @@ class KVQuant:
 
 
 def check_scale(fn: str, arg: str, value: Any) -> float:
-    """A per-layer scale: a real number (or 0-d / one-element array) that is positive and
-    finite as float32; returned as that float32 value."""
+    """A per-layer scale: a real number (or a one-element numpy / torch / CuPy array of a
+    real dtype) that is positive and finite as float32; returned as that float32 value."""
     v = value
-    if isinstance(v, np.ndarray) and v.size == 1 and v.dtype.kind == "f":
-        v = v.reshape(()).item()
+    shape = getattr(v, "shape", None)
+    if (shape is not None and not isinstance(v, np.generic) and callable(getattr(v, "item", None))
+            and math.prod(shape) == 1
+            and not any(k in str(v.dtype) for k in ("bool", "complex"))):
+        v = v.item()    # a one-element array or tensor of any kind (a device one is copied)
     ok = (isinstance(v, (int, float, np.integer, np.floating))
           and not isinstance(v, (bool, np.bool_)))
     with np.errstate(over="ignore"):     # beyond float32: inf, refused below

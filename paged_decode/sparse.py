@@ -398,12 +398,18 @@ def pool_view(cache: Any) -> Any:
 
 def selection_mask(selection: Selection, length: int) -> np.ndarray:
     """``bool [B, Hkv, length]``: True where a row is selected."""
+    return selection_counts(selection, length) > 0
+
+
+def selection_counts(selection: Selection, length: int) -> np.ndarray:
+    """``int32 [B, Hkv, length]``: how many times each row is selected (a duplicate,
+    allowed by ``check_duplicates=False``, counts each time)."""
     b, h, s = selection.shape
-    mask = np.zeros((b, h, length), bool)
+    counts = np.zeros((b, h, length), np.int32)
     valid = np.arange(s)[None, None, :] < selection.counts[..., None]
     bi, hi, j = np.nonzero(valid)
-    mask[bi, hi, selection.positions[bi, hi, j]] = True
-    return mask
+    np.add.at(counts, (bi, hi, selection.positions[bi, hi, j]), 1)
+    return counts
 
 
 def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection: Selection,
@@ -419,7 +425,12 @@ def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection:
     hq = q.shape[1]
     g = hq // hkv
     n = max(1, int(live.max()) if live.size else 1)
-    mask = xp.asarray(selection_mask(selection, n))[:, :, None, :]     # [B, Hkv, 1, n]
+    times = selection_counts(selection, n)
+    mask = xp.asarray(times > 0)[:, :, None, :]                           # [B, Hkv, 1, n]
+    # a row selected c times weighs c times in the softmax: log2(c) more logit (base 2),
+    # as the fused path, which reads it c times, has it
+    repeats = xp.asarray(np.log2(np.maximum(times, 1), dtype=np.float32))[:, :, None, :] \
+        if times.max(initial=0) > 1 else None
     if kv is None:
         k, v = k_cache[:, :, :n].astype(xp.float32), v_cache[:, :, :n].astype(xp.float32)
     else:
@@ -430,7 +441,10 @@ def masked_attention(be: Backend, q: Any, k_cache: Any, v_cache: Any, selection:
     qf = q.astype(xp.float32).reshape(b, hkv, g, d)
     with np.errstate(invalid="ignore", over="ignore"):   # numpy: non-finite scores are poison
         s = xp.matmul(qf, k.transpose(0, 1, 3, 2)) * float(sm_scale * LOG2E)  # [B,Hkv,G,n]
-        sm = RowSoftmax(xp, cap_logits(xp, s, soft_cap, base2=True), mask, base2=True)
+        s = cap_logits(xp, s, soft_cap, base2=True)
+        if repeats is not None:
+            s = s + repeats
+        sm = RowSoftmax(xp, s, mask, base2=True)
         o = sm.normalize(xp.matmul(sm.p, v))
     out[...] = o.reshape(b, hq, d).astype(out.dtype)
     lse_out[...] = sm.lse2.reshape(b, hq).astype(xp.float32)
@@ -468,4 +482,5 @@ def _host(x: Any) -> Any:
 
 
 __all__ = ["Selection", "make_selection", "selection_from_blocks", "sparse_decode",
-           "sparse_table", "selection_mask", "pool_view", "DEFAULT_MIN_SPARSITY"]
+           "sparse_table", "selection_counts", "selection_mask", "pool_view",
+           "DEFAULT_MIN_SPARSITY"]

@@ -169,14 +169,22 @@ def _module_source(name: str) -> str:
 
 def install_python(mutation: Mutation) -> None:
     """Re-execute the mutated module and rebind each function it defines in every loaded
-    module of the package that holds the original (``from .m import f`` copies)."""
+    module of the package that holds the original (``from .m import f`` copies); the
+    methods of its classes are set on the original classes, so subclasses made from them
+    elsewhere (the emulated backends of ``LaunchingBackend``) run the mutated ones."""
     import importlib
+    import inspect
     for name in mutation.kernels:
         mod = importlib.import_module(name)
         src = mutation.apply(_module_source(name), f"python {name}")
         ns: dict[str, Any] = {"__name__": name, "__package__": mod.__package__,
                               "__file__": mod.__file__}
         exec(compile(src, f"{mod.__file__} (mutant)", "exec"), ns)
+        for k, old in vars(mod).items():
+            if isinstance(old, type) and old.__module__ == name and isinstance(ns.get(k), type):
+                for attr, fn in vars(ns[k]).items():
+                    if inspect.isfunction(fn) and attr in vars(old):
+                        setattr(old, attr, fn)
         swaps = {id(old): ns[k] for k, old in vars(mod).items()
                  if callable(old) and getattr(old, "__module__", None) == name and k in ns}
         for other in list(sys.modules.values()):
@@ -547,6 +555,16 @@ MUTANTS: tuple[Mutant, ...] = (
        ["tests/test_prepared_follow.py::test_decode_does_not_replay_a_cascade_of_an_older_"
         "table[emulated-cuda]"],
        "decode's cache replays a cascade whose level tables are of an older step table"),
+    _m("py-sparse-masked-counts-a-duplicate-once", "python", ("paged_decode.sparse",),
+       "        if times.max(initial=0) > 1 else None", "        if False else None",
+       ["tests/test_sparse.py::test_a_duplicate_counts_as_often_as_it_is_selected[1000000000.0]"],
+       "the dense masked path weighs a position selected c times once"),
+    _m("py-fp8-append-narrows-v-to-k", "python", ("paged_decode.backends.launching",),
+       "            if self.dtype_of(like) != self.dtype_of(self.asarray(v_rows)):",
+       "            if False:",
+       ["tests/test_fp8.py::test_k_and_v_rows_of_different_dtypes_are_each_quantized_from_"
+        "their_own[emulated-cuda-float8_e4m3fn]"],
+       "a quantizing append casts float32 V rows to K's float16 first (inf, double rounding)"),
     _m("py-fi-graph-drops-v-scale", "python", ("paged_decode.compat.fi_decode",),
        "                   v_scale=v_scale)",
        "                   v_scale=1.0)",

@@ -64,6 +64,17 @@ def test_check_shard_must_be_well_formed(run):
     assert res.exit_code != 0 and "--shard" in res.output
 
 
+@pytest.mark.parametrize("args, msg", [
+    (["--backend", "reference", "--path", "v2tc"],
+     "check: --path v2tc needs a backend with the tensor-core partial"),
+    (["--backend", "emulated-cuda", "--path", "v2tc", "--dtype", "float32"],
+     "check: --path v2tc takes float16 / bfloat16 queries"),
+])
+def test_check_refuses_paths_it_cannot_run(args, msg):
+    res = CliRunner().invoke(main, ["check", *args])
+    assert res.exit_code != 0 and msg in res.output and "Traceback" not in res.output
+
+
 def test_small_bench_prints_the_three_arms(run, tmp_path):
     js, cs = tmp_path / "b.json", tmp_path / "b.csv"
     res = run("bench", "--backend", "reference", "--context", "256", "--batch", "2",
@@ -161,6 +172,12 @@ def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path):
     bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
                                     "--model", "llama9"])
     assert bad.exit_code != 0 and "--model must be one of" in bad.output
+    for opts in (["--kv-dtype", "float8_e4m3fn"], ["--window-left", "5"], ["--sinks"],
+                 ["--soft-cap", "3"], ["--preset", "targets"], ["--warm-l2"]):
+        bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite",
+                                        "engine", *opts])
+        assert bad.exit_code != 0 and f"bench --suite engine: {opts[0]} apply to the decode " \
+            "suite" in bad.output, opts
 
 
 def test_bench_model_selects_one_layout_of_a_decode_preset(run, tmp_path):

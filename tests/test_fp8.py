@@ -329,6 +329,32 @@ def test_append_quantizes_like_ml_dtypes(backend_name, fmt):
                                    "v_scale": np.float32(0.02)}
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_k_and_v_rows_of_different_dtypes_are_each_quantized_from_their_own(backend_name,
+                                                                            fmt):
+    """float16 K with float32 V (and bfloat16 K with float16 V): each row is quantized from
+    its own values, never through the narrower dtype (1e5 as float16 is inf, which would
+    saturate; 0.3 would round twice)."""
+    be = get_backend(backend_name)
+    rng = np.random.default_rng(7)
+    for k_dt, v_dt, v_scale in ((np.float16, np.float32, 1000.0),
+                                (ml_dtypes.bfloat16, np.float16, 0.002)):
+        pool = pd.PagePool(4, P, HKV, D, dtype=fmt, k_scale=1.0, v_scale=v_scale, backend=be)
+        s = pool.new_sequence()
+        k = rng.standard_normal((5, HKV, D)).astype(k_dt)
+        v = (rng.standard_normal((5, HKV, D)) * 90 * v_scale).astype(v_dt)
+        if v_dt == np.float32:
+            v[0, 0, :4] = [1e5, 7e4, -2.5e5, 0.3]
+        pool.append(s, k, v)
+        pages = pool.seq_pages(s)
+        got_k = be.to_numpy(pool.k)[pages].reshape(-1, HKV, D)[:5]
+        got_v = be.to_numpy(pool.v)[pages].reshape(-1, HKV, D)[:5]
+        assert np.array_equal(fp8.codes(got_k), fp8.codes(fp8.quantize(k, fmt, 1.0)))
+        assert np.array_equal(fp8.codes(got_v), fp8.codes(fp8.quantize(v, fmt, v_scale))), \
+            (k_dt, v_dt)
+
+
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_reserve_then_write_layers_on_fp8_pool(backend_name):
     """``reserve_batch`` (the copy-on-write copies alone, in every layer) then
@@ -560,6 +586,18 @@ def test_bad_fp8_arguments_are_refused(entry, kw, msg):
     q, k, v, table = _small()
     with pytest.raises(InvalidArgumentError, match=f"^{entry}: {msg}"):
         getattr(pd, entry)(q, k, v, table, **kw)
+
+
+def test_a_scale_may_be_any_one_element_real_array():
+    """A number, or a one-element numpy / torch array of a real dtype (int included), as
+    any scalar is; bool and complex ones are refused like bool and complex numbers."""
+    torch = pytest.importorskip("torch")
+    for v in (2, 2.0, np.float32(2), np.array(2), np.array([2.0]), np.array([[2]]),
+              torch.tensor(2.0), torch.tensor([2])):
+        assert fp8.check_scale("f", "k_scale", v) == np.float32(2), repr(v)
+    for v in (np.array([True]), torch.tensor(True), np.array(2j), np.array([1.0, 2.0])):
+        with pytest.raises(InvalidArgumentError, match="k_scale must be a positive finite"):
+            fp8.check_scale("f", "k_scale", v)
 
 
 def test_fp8_dtype_rules():

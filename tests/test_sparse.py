@@ -83,6 +83,31 @@ def test_sparse_equals_oracle_on_selection_and_differs_from_dense(dtype, min_spa
     assert max_rel_error(out, full) > 1e-2      # a kernel ignoring the page list fails
 
 
+@pytest.mark.parametrize("min_sparsity", [0.0, 1e9])   # fused, then the dense masked path
+def test_a_duplicate_counts_as_often_as_it_is_selected(min_sparsity):
+    """check_duplicates=False: a position selected c times weighs c times (the float64
+    oracle attends over the rows with their repeats), on both paths alike."""
+    q, k, v = caches()
+    pos = topk_positions(12)
+    pos[0, 0, 3:6] = pos[0, 0, 0]          # three more copies of one position
+    pos[2, 1, 4] = pos[2, 1, 1]
+    pos[1, 1, :] = pos[1, 1, 0]            # one position, twelve times
+    got, lse = sparse_decode(q, k, v, pos, live_lens=LIVE, min_sparsity=min_sparsity,
+                             check_duplicates=False, return_lse=True)
+    want = np.zeros((B, HKV * G, D))
+    want_lse = np.zeros((B, HKV * G))
+    for b in range(B):
+        for h in range(HKV):
+            rows = pos[b, h]
+            o, lo = attention_f64(np.asarray(q[b, h * G:(h + 1) * G], np.float64),
+                                  k[b, h, rows].astype(np.float64)[:, None, :],
+                                  v[b, h, rows].astype(np.float64)[:, None, :],
+                                  1.0 / np.sqrt(D))
+            want[b, h * G:(h + 1) * G], want_lse[b, h * G:(h + 1) * G] = o, lo
+    assert_matches_oracle(got, lse, want, want_lse, "float32",
+                          f"duplicates, min_sparsity={min_sparsity}")
+
+
 def test_ragged_counts_and_empty_rows():
     q, k, v = caches()
     pos = topk_positions(12, seed=3)

@@ -258,11 +258,15 @@ class LaunchingBackend(Backend):
 
     def _append_fp8(self, k_pages: Any, v_pages: Any, k_rows: Any, v_rows: Any,
                     write: AppendWrite, fp8: tuple[str, Any, Any]) -> tuple[Any, Any]:
-        """The quantizing append: rows in their own float dtype (V's converted to K's: the
-        kernel has one row type), C-contiguous."""
+        """The quantizing append: rows in their own float dtype, C-contiguous; K and V
+        rows of different dtypes both in float32 (the kernel has one row type, and a
+        narrowing cast would round, or overflow to inf, before the quantization does)."""
         fmt, k_scale, v_scale = fp8
         with self.launch_context(k_pages):
-            kr, vr = self.append_row_arrays(self.asarray(k_rows), k_rows, v_rows)
+            like = self.asarray(k_rows)
+            if self.dtype_of(like) != self.dtype_of(self.asarray(v_rows)):
+                like = like.astype(self.array_module().float32)
+            kr, vr = self.append_row_arrays(like, k_rows, v_rows)
             shape = tuple(int(x) for x in k_pages.shape)
             common = dict(write=write, kv_dtype=fmt, row_dtype=self.dtype_of(kr),
                           pool_shape=shape, k_rows=kr, v_rows=vr, k_pages=k_pages,
