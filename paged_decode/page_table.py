@@ -33,6 +33,10 @@ import numpy as np
 
 from .errors import PageTableError, check_int
 
+#: most entries (first-page offset plus visible tokens) of one request: the CUDA kernels
+#: index a request's entries with 32-bit ints (2^31 tokens, beyond any pool of one GPU
+#: unless page ids repeat)
+MAX_ENTRIES = 2**31 - 1
 _TABLE_ARRAYS = ("indices", "indptr", "last_page_len", "first_page_offset", "rope_positions")
 #: the public function constructing a table on this thread (its errors name it)
 _constructing = threading.local()
@@ -197,8 +201,8 @@ class PageTable:
         ``len(indices) == indptr[-1]``, page ids in ``[0, num_pages)`` (when known),
         ``last_page_len`` in ``[1, page_size]`` for a request with pages and ``0``
         without, ``first_page_offset`` in ``[0, page_size)`` (``0`` without pages), the
-        geometry identity giving ``visible_len >= 0``, and ``rope_positions >=
-        visible_len``.
+        geometry identity giving ``visible_len >= 0``, at most ``MAX_ENTRIES`` entries
+        up to a request's last token, and ``rope_positions >= visible_len``.
         """
         self._validate("PageTable.validate", num_pages)
 
@@ -239,6 +243,7 @@ class PageTable:
         # vectorized (an engine builds a table every step); the first bad request is named
         has = steps > 0
         vis = (steps - 1) * p + lpl.astype(np.int64) - fpo
+        ends = vis + fpo                           # first-page offset + visible tokens
         checks = (
             (has & ~((lpl > 0) & (lpl <= p)), lambda r: (
                 f"last_page_len must be in [1, page_size = {p}], got {int(lpl[r])}")),
@@ -251,6 +256,9 @@ class PageTable:
             (~has & ((lpl != 0) | (fpo != 0)), lambda r: (
                 f"has no pages, so last_page_len and first_page_offset must be 0, got "
                 f"{int(lpl[r])} and {int(fpo[r])}")),
+            (has & (ends > MAX_ENTRIES), lambda r: (
+                f"its pages hold {int(ends[r])} entries up to its last token; the kernels "
+                f"index a request's entries in 32 bits (at most {MAX_ENTRIES})")),
             (self.rope_positions < self.visible_lens, lambda r: (
                 f"rope_positions must be >= the visible length "
                 f"{int(self.visible_lens[r])}, got {int(self.rope_positions[r])}")),

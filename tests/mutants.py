@@ -565,6 +565,12 @@ MUTANTS: tuple[Mutant, ...] = (
        ["tests/test_fp8.py::test_k_and_v_rows_of_different_dtypes_are_each_quantized_from_"
         "their_own[emulated-cuda-float8_e4m3fn]"],
        "a quantizing append casts float32 V rows to K's float16 first (inf, double rounding)"),
+    _m("py-table-lets-a-request-wrap-the-entry-index", "python", ("paged_decode.page_table",),
+       "            (has & (ends > MAX_ENTRIES), lambda r: (",
+       "            (has & (ends > 2**40), lambda r: (",
+       ["tests/test_page_table.py::test_a_request_past_the_kernels_32_bit_entry_index_is_"
+        "refused"],
+       "a request past 2^31 entries reaches the kernels, whose int entry index wraps"),
     _m("py-fi-graph-drops-v-scale", "python", ("paged_decode.compat.fi_decode",),
        "                   v_scale=v_scale)",
        "                   v_scale=1.0)",

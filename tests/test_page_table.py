@@ -351,3 +351,23 @@ def test_random_sweep_accepts_exactly_the_valid_tables():
             with pytest.raises(PageTableError, match=r"request \d+: "):
                 table_of(page_lists, p, lpl=lpl, fpo=fpo, rope=rope, num_pages=num_pages)
     assert seen[True] > 50 and seen[False] > 50  # both sides were exercised
+
+
+def test_a_request_past_the_kernels_32_bit_entry_index_is_refused():
+    """The CUDA kernels index a request's entries (first-page offset + token) with 32-bit
+    ints; a table beyond that (reachable with repeated page ids, or rope_positions that
+    hid a wrapped visible length) is refused, one entry below it is accepted."""
+    p, pages = 256, 2**23 + 1
+    ind = np.zeros(pages, np.int32)               # one page, repeated: 32 MiB of ids
+    ok = PageTable.build(ind[:-1], np.array([0, pages - 1]), np.array([p - 1]), page_size=p,
+                         first_page_offset=np.array([1]))
+    assert int(ok.visible_lens[0]) == 2**31 - 2      # its last entry is 2^31 - 2
+    with pytest.raises(PageTableError, match="request 0: its pages hold 2147483649 entries "
+                       "up to its last token; the kernels index a request's entries in 32 "
+                       r"bits \(at most 2147483647\)"):
+        PageTable.build(ind, np.array([0, pages]), np.array([1]), page_size=p,
+                        first_page_offset=np.array([2]))
+    big = np.zeros(2**24, np.int32)
+    with pytest.raises(PageTableError, match="its pages hold 4294967296 entries"):
+        PageTable.build(big, np.array([0, 2**24]), np.array([p]), page_size=p,
+                        rope_positions=np.array([0]))
