@@ -10,15 +10,18 @@ token in every layer and every layer decodes the whole batch. Arms:
   ``cuda`` backend) and replayed after every ``begin`` (recaptured when stale);
 - ``eager-tc`` / ``captured-tc`` (named with ``--arms``): the same two on the tensor-core
   partial (``DecodeStep(path="v2tc")``; CUDA, 16-bit pools);
-- ``flashinfer`` (CUDA, when importable): per step ``append_paged_kv_cache`` for every
-  layer, one ``plan`` and ``run`` per layer, on FlashInfer's own cache of the same shape,
-  with the page table kept on the host as an engine keeps it.
+- ``flashinfer`` / ``flashinfer-captured`` (CUDA, when importable): per step the host
+  table's update (vectorized numpy), one ``plan``, then ``append_paged_kv_cache`` and
+  ``run`` for every layer on FlashInfer's own cache of the same shape, launched eagerly or
+  replayed from a CUDA graph (FlashInfer's graph mode; ``engine_flashinfer.py``).
 
 Reported per arm (the first step is a warm-up, left out): median and mean step time
 (host wall time of a synchronized step; the mean carries replans and recaptures), host time
 per step (the Python calls until the last launch is queued), GPU time per step (CUDA
-events around the step, ``cuda`` only), replans and recaptures. Every arm's outputs are
-checked against the float64 oracle at the first and the last step (layer 0 and L-1).
+events around the whole step, host preparation included: ``begin`` for ours, the table
+update and ``plan`` for FlashInfer's), replans and recaptures. Every arm's outputs are
+checked against the float64 oracle at the first and the last step (layer 0 and L-1;
+requests 0, the first fork and the last).
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from ..errors import UnsupportedProblemError
 from ..pool import PagePool
 from ..reference import max_rel_error, oracle_decode
 from .engine_case import EngineArm, EngineCase, mean_us, median_us, prompts
+from .engine_flashinfer import ARMS as FLASHINFER_ARMS
 from .engine_flashinfer import run_flashinfer
 
-ENGINE_ARMS = ("eager", "captured", "flashinfer")
+ENGINE_ARMS = ("eager", "captured", "flashinfer", "flashinfer-captured")
 #: every arm ``--arms`` may name (the default set is ENGINE_ARMS)
-ALL_ENGINE_ARMS = ("eager", "captured", "eager-tc", "captured-tc", "flashinfer")
+ALL_ENGINE_ARMS = ("eager", "captured", "eager-tc", "captured-tc", *FLASHINFER_ARMS)
 #: each sequence's K/V window starts SHIFT * i tokens into the shared blocks, mod SPREAD
 _SHIFT, _SPREAD = 37, 512
 
@@ -76,7 +80,9 @@ def _check(be: Backend, pool: PagePool, step: DecodeStep, layer: int, q: Any,
            out: Any) -> float:
     k, v = pool.layer(layer)
     table = step.table.page_table()
-    rows = [0, int(step.table.num_live) - 1]
+    n = int(step.table.num_live)
+    forks = [i for i in range(n // 2 + 1, n) if i % 2 == 0]     # _pool's forks
+    rows = sorted({0, n - 1, *forks[:1]})
     sub = table.subset(rows)
     qn = be.to_numpy(q)[rows]
     want, _ = oracle_decode(qn, be.to_numpy(k), be.to_numpy(v), sub)
@@ -177,9 +183,9 @@ def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = 
     for case in cases:
         got: dict[str, EngineArm] = {}
         for arm in arms:
-            if arm == "flashinfer":
+            if arm in FLASHINFER_ARMS:
                 try:
-                    got[arm] = run_flashinfer(be, case)
+                    got[arm] = run_flashinfer(be, case, arm)
                 except Exception as exc:   # reported (not run, with why), the others go on
                     got[arm] = EngineArm(arm, False, case.dtype,
                                          note=f"failed: {type(exc).__name__}: {exc}"[:300])
@@ -196,19 +202,22 @@ def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = 
 
 def report(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> str:
     """A text table: per case and arm, step / host / GPU microseconds, the step time
-    against FlashInfer's where it ran, the oracle errors, replans."""
-    lines = [f"{'case':44} {'arm':11} {'step us':>10} {'mean us':>10} {'host us':>10} "
+    against the faster verified FlashInfer arm's where one ran, the oracle errors,
+    replans."""
+    lines = [f"{'case':44} {'arm':19} {'step us':>10} {'mean us':>10} {'host us':>10} "
              f"{'gpu us':>10} {'vs FI':>7} {'max err':>9} replans"]
     for case, arms in results:
-        fi = arms.get("flashinfer")
+        fi = [a.step_us for n, a in arms.items()
+              if n in FLASHINFER_ARMS and a.ran and a.verified]
+        best = min(fi) if fi else float("nan")
         for name, a in arms.items():
             if not a.ran:
-                lines.append(f"{case.label:44} {name:11} not run: {a.note}")
+                lines.append(f"{case.label:44} {name:19} not run: {a.note}")
                 continue
-            ratio = (a.step_us / fi.step_us if fi is not None and fi.ran
-                     and name != "flashinfer" else float("nan"))
+            ratio = (a.step_us / best if name not in FLASHINFER_ARMS and a.verified
+                     else float("nan"))
             err = max(a.errors) if a.errors else float("nan")
-            lines.append(f"{case.label:44} {name:11} {a.step_us:10.1f} {a.mean_us:10.1f} "
+            lines.append(f"{case.label:44} {name:19} {a.step_us:10.1f} {a.mean_us:10.1f} "
                          f"{a.host_us:10.1f} {a.gpu_us:10.1f} {ratio:7.2f} {err:9.2e} "
                          f"{a.replans}")
     return "\n".join(lines)

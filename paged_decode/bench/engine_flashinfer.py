@@ -1,145 +1,319 @@
-"""The FlashInfer arm of the engine suite: the same decode loop on FlashInfer 0.3.x.
+"""The FlashInfer arms of the engine suite: the same decode loop on FlashInfer 0.3.x.
 
-Per step, as an engine driving FlashInfer does it: the host page table (numpy, one page
-list per sequence) gains the new token (a new page where the last one is full; forks'
-shared partial pages are copied first, as our pool does), ``append_paged_kv_cache``
-writes every layer's new K/V into FlashInfer's own cache ``[L][num_pages, P, Hkv, D]``
-(NHD, torch), one ``plan`` per step, one ``run`` per layer (tensor-core decode).
-Needs the ``cuda`` backend with torch and FlashInfer importable; elsewhere the arm is
-reported as not run, with why. Not yet run on a GPU when this file was written: the
-first H200 run of ``bench/device/run.sh engine`` checks it (its outputs are verified
-against the float64 oracle like every arm).
+Per step, as an engine driving FlashInfer does it: the host page table gains the new
+token of every sequence (a new page where the last one is full; a shared partial last
+page is copied first, as our pool does: every holder but the last in batch order copies),
+in vectorized numpy (``HostPages``); the copies run on the device; one ``plan`` of the new
+CSR table; then per layer ``append_paged_kv_cache`` writes the new K/V into FlashInfer's
+own cache ``[L][num_pages, P, Hkv, D]`` (NHD, torch) and ``run`` decodes (tensor-core
+decode). Two arms:
+
+- ``flashinfer``: the appends and runs launched eagerly after ``plan``;
+- ``flashinfer-captured``: the wrapper in FlashInfer's CUDA-graph mode (``plan`` copies
+  the table into fixed buffers, which the captured appends read too), the L appends and
+  runs captured once in a torch CUDA graph and replayed after each step's ``plan``, as
+  engines serving FlashInfer do (vLLM, SGLang).
+
+Timing is ours' (``engine.py``): the CUDA events bracket the host bookkeeping, the copies,
+``plan`` and the launches (or the replay), as ours bracket ``begin`` and the step. Needs
+the ``cuda`` backend with torch and FlashInfer importable; elsewhere an arm is reported as
+not run, with why. ``run_loop`` takes the FlashInfer module and device as arguments, so
+the CPU tests drive it with ``paged_decode.compat.flashinfer`` on CPU torch tensors.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..backends import Backend
+from ..page_table import PageTable
 from ..reference import max_rel_error, oracle_decode
 from .engine_case import EngineArm, EngineCase, mean_us, median_us, prompts
 from .flashinfer_arm import _import_flashinfer, available
 
+ARMS = ("flashinfer", "flashinfer-captured")
 
-def run_flashinfer(be: Backend, case: EngineCase, *, seed: int = 0) -> EngineArm:
+
+@dataclass
+class StepTable:
+    """What one step of ``HostPages`` gives FlashInfer: the CSR table (int32 host arrays
+    ``indptr [B+1]``, ``indices [N]``, ``last_page_len [B]``), the new tokens' positions
+    ``[B]`` and the copy-on-write pairs ``(src, dst)`` (int64 page ids)."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    last_page_len: np.ndarray
+    positions: np.ndarray
+    copy_src: np.ndarray
+    copy_dst: np.ndarray
+
+
+class HostPages:
+    """The engine's host page table in vectorized numpy: a ``[B, max_pages]`` page array,
+    pages and tokens per sequence, page refcounts; pages are handed out in ascending id
+    order (as our pool's free list does) and never freed within a run.
+
+    ``lens``: prompt lengths; sequence ``i > B // 2`` with ``i`` even is a fork of
+    sequence 0 (it holds sequence 0's pages, refcounted), the others own their pages.
+    ``steps``: how many one-token steps the arrays must hold."""
+
+    def __init__(self, lens: list[int], page_size: int, steps: int) -> None:
+        p, b = page_size, len(lens)
+        self.p, self.b = p, b
+        room = max(-(-(n + steps) // p) for n in lens) + 1
+        self.num_pages = sum(-(-(n + steps + 1) // p) for n in lens) + b
+        self.table = np.zeros((b, room), np.int64)
+        self.npages = np.zeros(b, np.int64)
+        self.length = np.zeros(b, np.int64)
+        self.ref = np.zeros(self.num_pages, np.int64)
+        self.next = 0
+        half = b // 2
+        self.forks = np.array([i > half and i % 2 == 0 for i in range(b)])
+        for i, n in enumerate(lens):
+            if self.forks[i]:
+                k = int(self.npages[0])
+                self.table[i, :k] = self.table[0, :k]
+                self.npages[i], self.length[i] = k, self.length[0]
+                self.ref[self.table[0, :k]] += 1
+                continue
+            k = -(-n // p)
+            self.table[i, :k] = self._alloc(k)
+            self.ref[self.table[i, :k]] = 1
+            self.npages[i], self.length[i] = k, n
+
+    def _alloc(self, n: int) -> np.ndarray:
+        if self.next + n > self.num_pages:
+            raise RuntimeError(f"HostPages: {self.next + n} pages needed, {self.num_pages} "
+                               "allocated")
+        ids = np.arange(self.next, self.next + n, dtype=np.int64)
+        self.next += n
+        return ids
+
+    def pages(self, r: int) -> np.ndarray:
+        return self.table[r, : int(self.npages[r])]
+
+    def csr(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(indptr, indices, last_page_len)`` int32 of the current state."""
+        mask = np.arange(self.table.shape[1])[None, :] < self.npages[:, None]
+        indptr = np.zeros(self.b + 1, np.int32)
+        np.cumsum(self.npages, out=indptr[1:])
+        return (indptr, self.table[mask].astype(np.int32),
+                ((self.length - 1) % self.p + 1).astype(np.int32))
+
+    def step(self) -> StepTable:
+        """Every sequence gains one token; returns the table FlashInfer is planned on."""
+        rows = np.arange(self.b)
+        last = self.table[rows, self.npages - 1]
+        full = self.length % self.p == 0
+        shared = ~full & (self.ref[last] > 1)
+        # holders of one shared page copy in batch order until one holder is left: with
+        # every holder appending, the last in batch order keeps the page
+        if shared.any():
+            sr = np.flatnonzero(shared)
+            held = self.ref[last[sr]]
+            order = np.lexsort((sr, last[sr]))
+            sr, held = sr[order], held[order]
+            first = np.r_[True, last[sr][1:] != last[sr][:-1]]
+            rank = np.arange(sr.size) - np.maximum.accumulate(np.where(first,
+                                                                       np.arange(sr.size), 0))
+            keep = sr[rank >= held - 1]
+            shared[keep] = False
+        need = np.flatnonzero(full | shared)
+        new = np.zeros(self.b, np.int64)
+        new[need] = self._alloc(need.size)
+        self.ref[new[need]] = 1
+        cow = np.flatnonzero(shared)
+        src, dst = last[cow], new[cow]
+        np.add.at(self.ref, src, -1)
+        self.table[cow, self.npages[cow] - 1] = dst
+        grow = np.flatnonzero(full)
+        self.table[grow, self.npages[grow]] = new[grow]
+        self.npages[grow] += 1
+        self.length += 1
+        indptr, indices, lpl = self.csr()
+        return StepTable(indptr, indices, lpl, (self.length - 1).astype(np.int32), src, dst)
+
+
+def run_flashinfer(be: Backend, case: EngineCase, arm: str = "flashinfer", *,
+                   seed: int = 0) -> EngineArm:
+    """Arm ``arm`` (``ARMS``) on the H200 path: the ``cuda`` backend, FlashInfer and torch."""
     if be.name != "cuda":
-        return EngineArm("flashinfer", False, note="needs the cuda backend")
+        return EngineArm(arm, False, note="needs the cuda backend")
     ok, why = available()
     if not ok:
-        return EngineArm("flashinfer", False, note=why)
+        return EngineArm(arm, False, note=why)
     import torch
-    fi = _import_flashinfer()
-    dev = torch.device("cuda")
-    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(case.dtype)
-    if dt is None:
-        return EngineArm("flashinfer", False, note="FlashInfer decode takes f16/bf16, "
-                                                   f"not {case.dtype}")
-    p, hkv, d, hq, nl = (case.page_size, case.num_kv_heads, case.head_dim,
-                         case.num_qo_heads, case.layers)
-    lens = prompts(case, seed)
-    b = case.batch
-    num_pages = sum(-(-(n + case.steps + 1) // p) for n in lens) + b
+    return run_loop(_import_flashinfer(), torch, torch.device("cuda"), case, arm, seed=seed)
+
+
+def run_loop(fi: Any, torch: Any, dev: Any, case: EngineCase, arm: str, *,
+             seed: int = 0) -> EngineArm:
+    """The loop of arm ``arm`` with FlashInfer module ``fi`` (FlashInfer's API) on torch
+    device ``dev``; on a CPU device the captured arm runs its body eagerly each step and
+    no GPU time is reported."""
+    dt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float32": torch.float32}.get(case.dtype)
+    if dt is None or (dev.type == "cuda" and dt == torch.float32):
+        return EngineArm(arm, False, note=f"FlashInfer decode takes f16/bf16, not {case.dtype}")
+    captured = arm == "flashinfer-captured"
+    p, hkv, d, hq, nl, b = (case.page_size, case.num_kv_heads, case.head_dim,
+                            case.num_qo_heads, case.layers, case.batch)
+    host = HostPages(prompts(case, seed), p, case.steps)
     gen = torch.Generator(device=dev).manual_seed(seed + 1)
-    caches = [(torch.zeros(num_pages, p, hkv, d, dtype=dt, device=dev),
-               torch.zeros(num_pages, p, hkv, d, dtype=dt, device=dev)) for _ in range(nl)]
-    # the host table: page lists, lengths, refcounts (forks share request 0's pages)
-    free = list(range(num_pages - 1, -1, -1))
-    ref = np.zeros(num_pages, np.int64)
-    pages: list[list[int]] = []
-    length: list[int] = []
-    half = b // 2
-    for i, n in enumerate(lens):
-        if i > half and i % 2 == 0:
-            pages.append(list(pages[0]))
-            length.append(length[0])
-            ref[pages[0]] += 1
-            continue
-        own = [free.pop() for _ in range(-(-n // p))]
-        ref[own] = 1
-        pages.append(own)
-        length.append(n)
+    caches = [(torch.zeros(host.num_pages, p, hkv, d, dtype=dt, device=dev),
+               torch.zeros(host.num_pages, p, hkv, d, dtype=dt, device=dev))
+              for _ in range(nl)]
+    for r in np.flatnonzero(~host.forks):
+        n = int(host.length[r])
+        pg = host.pages(int(r))
+        slots = torch.from_numpy(pg[np.arange(n) // p] * p + np.arange(n) % p).to(dev)
         for k, v in caches:
-            flat_k, flat_v = k.view(-1, hkv, d), v.view(-1, hkv, d)
-            slots = torch.tensor([own[t // p] * p + t % p for t in range(n)], device=dev)
-            flat_k[slots] = torch.randn(n, hkv, d, generator=gen, device=dev, dtype=dt)
-            flat_v[slots] = flat_k[slots]
+            k.view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen, device=dev,
+                                                   dtype=dt)
+            v.view(-1, hkv, d)[slots] = k.view(-1, hkv, d)[slots]
     workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
-    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    i32 = {"dtype": torch.int32, "device": dev}
+    # fixed device buffers: the table (graph mode's plan copies into them; the appends of
+    # both arms read them) and the new tokens' batch indices and positions
+    bufs = (torch.zeros(b + 1, **i32), torch.zeros(int(host.table.size), **i32),
+            torch.zeros(b, **i32))
+    if captured:
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
+            paged_kv_last_page_len_buffer=bufs[2])
+    else:
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                        use_tensor_cores=True)
+    batch_idx = torch.arange(b, **i32)
+    positions = torch.zeros(b, **i32)
+    pos_host = torch.zeros(b, dtype=torch.int32)
+    if dev.type == "cuda":
+        pos_host = pos_host.pin_memory()
     qs = [torch.randn(b, hq, d, generator=gen, device=dev, dtype=dt) for _ in range(nl)]
     ks = [torch.randn(b, hkv, d, generator=gen, device=dev, dtype=dt) for _ in range(nl)]
     outs = [torch.empty(b, hq, d, device=dev, dtype=dt) for _ in range(nl)]
-    walls, hosts, gpus, errors = [], [], [], []
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for step in range(case.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        start.record()
-        copies = []
-        for r in range(b):                    # the engine's host bookkeeping
-            if length[r] % p == 0:
-                pg = free.pop()
-                ref[pg] = 1
-                pages[r].append(pg)
-            elif ref[pages[r][-1]] > 1:       # copy-on-write of a shared partial page
-                pg = free.pop()
-                ref[pg] = 1
-                ref[pages[r][-1]] -= 1
-                copies.append((pages[r][-1], pg))
-                pages[r][-1] = pg
-            length[r] += 1
-        indptr = np.zeros(b + 1, np.int32)
-        np.cumsum([len(x) for x in pages], out=indptr[1:])
-        indices = np.concatenate([np.asarray(x, np.int32) for x in pages])
-        last = np.array([(n - 1) % p + 1 for n in length], np.int32)
-        t_ip, t_ix, t_last = (torch.from_numpy(a).to(dev, non_blocking=True)
-                              for a in (indptr, indices, last))
-        if copies:
-            src = torch.tensor([c[0] for c in copies], device=dev)
-            dst = torch.tensor([c[1] for c in copies], device=dev)
+
+    def layers() -> None:
+        for layer in range(nl):
+            kv = caches[layer]
+            fi.append_paged_kv_cache(ks[layer], ks[layer], batch_idx, positions, kv,
+                                     bufs[1], bufs[0], bufs[2], kv_layout="NHD")
+            wrapper.run(qs[layer], kv, out=outs[layer])
+
+    def prepare(t: StepTable) -> None:
+        """Host side of a step, and its small copies: copy-on-write, the table, plan."""
+        if t.copy_src.size:
+            src, dst = (torch.from_numpy(x).to(dev) for x in (t.copy_src, t.copy_dst))
             for k, v in caches:
                 k[dst] = k[src]
                 v[dst] = v[src]
-        append_indptr = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        seq_lens = torch.from_numpy(np.asarray(length, np.int32)).to(dev)
-        bi, pos = fi.get_batch_indices_positions(append_indptr, seq_lens, b)
-        wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices),
-                     torch.from_numpy(last), hq, hkv, d, p, pos_encoding_mode="NONE",
-                     q_data_type=dt, kv_data_type=dt)
-        for layer in range(nl):
-            k, v = caches[layer]
-            fi.append_paged_kv_cache(ks[layer], ks[layer], bi, pos, (k, v), t_ix, t_ip,
-                                     t_last, kv_layout="NHD")
-            wrapper.run(qs[layer], (k, v), out=outs[layer])
-        t1 = time.perf_counter()
-        stop.record()
-        stop.synchronize()
+        pos_host.numpy()[:] = t.positions
+        positions.copy_(pos_host, non_blocking=True)
+        ip, ix, lpl = (torch.from_numpy(x) for x in (t.indptr, t.indices, t.last_page_len))
+        if not captured:      # the eager appends read the same device buffers
+            bufs[0].copy_(ip, non_blocking=True)
+            bufs[1][: ix.numel()].copy_(ix, non_blocking=True)
+            bufs[2].copy_(lpl, non_blocking=True)
+        wrapper.plan(ip, ix, lpl, hq, hkv, d, p, pos_encoding_mode="NONE", q_data_type=dt,
+                     kv_data_type=dt)
+
+    timer = _timer(torch, dev)
+    graph: Callable[[], None] | None = None
+    walls, hosts, gpus, errors = [], [], [], []
+    for step in range(case.steps):
+        _sync(torch, dev)
+        t0 = time.perf_counter()
+        with timer:
+            prepare(host.step())
+            if graph is not None:
+                graph()
+            else:
+                layers()
+                if captured and dev.type == "cuda":
+                    graph = _capture(torch, layers)     # step 0: run eagerly, then capture
+            t1 = time.perf_counter()
+        _sync(torch, dev)
         t2 = time.perf_counter()
         walls.append(t2 - t0)
         hosts.append(t1 - t0)
-        gpus.append(start.elapsed_time(stop) * 1e-3)
-        if step in (0, case.steps - 1):
-            errors += [_check(caches[layer], pages, length, p, qs[layer], outs[layer])
+        gpus.append(timer.last)
+        if step in (0, 1, case.steps - 1):      # 1: the first replay of the captured arm
+            errors += [_check(caches[layer], host, qs[layer], outs[layer])
                        for layer in (0, nl - 1)]
-    version = getattr(fi, "__version__", "?")
-    return EngineArm("flashinfer", True, case.dtype, f"flashinfer {version} tensor-core "
-                     "decode", step_us=median_us(walls), mean_us=mean_us(walls),
+    version = getattr(fi, "__version__", "paged-decode drop-in")
+    mode = "CUDA graph of L x (append + run) per step" if captured else "eager launches"
+    return EngineArm(arm, True, case.dtype, f"flashinfer {version} tensor-core decode, "
+                     f"{mode}", step_us=median_us(walls), mean_us=mean_us(walls),
                      host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors)
 
 
-def _check(cache: tuple[Any, Any], pages: list[list[int]], length: list[int], p: int,
-           q: Any, out: Any) -> float:
-    """Requests 0 and B-1 against the float64 oracle."""
-    from ..page_table import PageTable
-    rows = [0, len(pages) - 1]
+def _capture(torch: Any, body: Callable[[], None]) -> Callable[[], None]:
+    """``body`` captured in a torch CUDA graph (after one warm-up run on the capture's
+    side stream, torch's documented pattern); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g.replay
+
+
+def _sync(torch: Any, dev: Any) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+class _Timer:
+    """torch CUDA events around the block (``last`` in seconds; NaN off CUDA)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.stop = torch.cuda.Event(enable_timing=True)
+        self.last = float("nan")
+
+    def __enter__(self) -> None:
+        self.start.record()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.record()
+        self.stop.synchronize()
+        self.last = self.start.elapsed_time(self.stop) * 1e-3
+
+
+class _NoTimer:
+    last = float("nan")
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _timer(torch: Any, dev: Any) -> Any:
+    return _Timer(torch) if dev.type == "cuda" else _NoTimer()
+
+
+def _check(cache: tuple[Any, Any], host: HostPages, q: Any, out: Any) -> float:
+    """Requests 0, the last and a fork against the float64 oracle."""
+    forks = np.flatnonzero(host.forks)
+    rows = sorted({0, host.b - 1, *(forks[:1].tolist())})
     k, v = (c.float().cpu().numpy() for c in cache)
-    sel = [pages[r] for r in rows]
-    table = PageTable.build(np.concatenate(sel), np.cumsum([0] + [len(x) for x in sel]),
-                            [(length[r] - 1) % p + 1 for r in rows], page_size=p)
+    sel = [host.pages(r) for r in rows]
+    table = PageTable.build(np.concatenate(sel), np.cumsum([0] + [x.size for x in sel]),
+                            [(int(host.length[r]) - 1) % host.p + 1 for r in rows],
+                            page_size=host.p)
     want, _ = oracle_decode(q[rows].float().cpu().numpy(), k, v, table)
     return max_rel_error(out[rows].float().cpu().numpy(), want)
 
 
-__all__ = ["run_flashinfer"]
+__all__ = ["ARMS", "HostPages", "StepTable", "run_flashinfer", "run_loop"]
