@@ -38,7 +38,7 @@ from ..engine_step import DecodeStep
 from ..errors import UnsupportedProblemError
 from ..pool import PagePool
 from ..reference import max_rel_error, oracle_decode
-from .engine_case import EngineArm, EngineCase, mean_us, median_us, prompts
+from .engine_case import EngineArm, EngineCase, NoTimer, mean_us, median_us, prompts
 from .engine_flashinfer import ARMS as FLASHINFER_ARMS
 from .engine_flashinfer import run_flashinfer
 
@@ -143,16 +143,6 @@ def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> Engin
     return res
 
 
-class _NoTimer:
-    last = float("nan")
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
 class _CudaTimer:
     """CUDA events around the block on the current stream; ``last`` in seconds."""
 
@@ -172,7 +162,7 @@ class _CudaTimer:
 
 
 def _gpu_timer(be: Backend) -> Any:
-    return _CudaTimer() if be.name == "cuda" else _NoTimer()
+    return _CudaTimer() if be.name == "cuda" else NoTimer()
 
 
 def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = ENGINE_ARMS,

@@ -33,7 +33,7 @@ import numpy as np
 from ..backends import Backend
 from ..page_table import PageTable
 from ..reference import max_rel_error, oracle_decode
-from .engine_case import EngineArm, EngineCase, mean_us, median_us, prompts
+from .engine_case import EngineArm, EngineCase, NoTimer, mean_us, median_us, prompts
 from .flashinfer_arm import _import_flashinfer, available
 
 ARMS = ("flashinfer", "flashinfer-captured")
@@ -289,18 +289,8 @@ class _Timer:
         self.last = self.start.elapsed_time(self.stop) * 1e-3
 
 
-class _NoTimer:
-    last = float("nan")
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
 def _timer(torch: Any, dev: Any) -> Any:
-    return _Timer(torch) if dev.type == "cuda" else _NoTimer()
+    return _Timer(torch) if dev.type == "cuda" else NoTimer()
 
 
 def _check(cache: tuple[Any, Any], host: HostPages, q: Any, out: Any) -> float:
