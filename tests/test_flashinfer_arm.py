@@ -209,3 +209,26 @@ def test_make_flashinfer_xqa_refuses_offsets_and_page_sizes_before_importing_any
     q, k, v = _arrays(table)
     with pytest.raises(ValueError, match="not 8"):
         make_flashinfer_xqa(q, k, v, table, sm_scale=0.25)
+
+
+@pytest.mark.parametrize("window", [0, 3, 15, 16, 17, 40, 1000])
+def test_window_pages_keep_every_window_token_and_drop_whole_pages_before_it(window):
+    """FlashInfer's window arm plans on the pages holding the window (as an engine does):
+    the windowed attention over them equals the windowed attention over the whole table,
+    and no page before the window's first is kept."""
+    from paged_decode.bench.flashinfer_arm import window_pages
+    from paged_decode.reference import oracle_decode
+    rng = np.random.default_rng(window)
+    lens = np.array([1, 16, 17, 100, 63])
+    table = table_of(lengths=lens, page_size=16)
+    got = window_pages(table, window)
+    first = np.maximum(lens - (window + 1), 0) // 16
+    assert got.pages_per_request.tolist() == (table.pages_per_request - first).tolist()
+    n = int(table.indices.max()) + 1
+    k, v = (rng.standard_normal((n, 16, 2, 64)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((5, 4, 64)).astype(np.float32)
+    a = oracle_decode(q, k, v, table, window_left=window)
+    b = oracle_decode(q, k, v, got, window_left=window)
+    np.testing.assert_allclose(b[0], a[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(b[1], a[1], rtol=1e-12, atol=1e-12)
+    assert window_pages(table, -1) is table

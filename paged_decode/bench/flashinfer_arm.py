@@ -93,6 +93,27 @@ def check_table_for_flashinfer(table: PageTable) -> None:
                          f"{r} has none")
 
 
+def window_pages(table: PageTable, window_left: int) -> PageTable:
+    """``table`` without the leading pages that hold no token of the window (the last
+    ``window_left + 1`` tokens of each request): what an engine serving a sliding window
+    through FlashInfer plans on (SGLang's FlashInfer backend trims its page lists so);
+    ``window_left`` then masks the tokens before the window in the first page kept.
+    ``window_left < 0``: the table unchanged. Tables without first-page offsets."""
+    if window_left < 0:
+        return table
+    p = table.page_size
+    vis = np.asarray(table.visible_lens, np.int64)
+    first = np.maximum(vis - (window_left + 1), 0) // p        # first page kept
+    pages = np.asarray(table.pages_per_request, np.int64)
+    ip = np.asarray(table.indptr, np.int64)
+    keep = np.concatenate([np.arange(ip[r] + first[r], ip[r + 1])
+                           for r in range(table.batch_size)]) if table.batch_size else \
+        np.zeros(0, np.int64)
+    indptr = np.concatenate([[0], np.cumsum(pages - first)])
+    return PageTable.build(np.asarray(table.indices)[keep], indptr, table.last_page_len,
+                           page_size=p, num_pages=table.num_pages)
+
+
 def check_group_size(num_qo_heads: int, num_kv_heads: int, *, use_tensor_cores: bool,
                      version: str = FLASHINFER_VERSION) -> None:
     """``ValueError`` for a GQA group FlashInfer's CUDA-core decode does not compile
@@ -244,7 +265,8 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     requests, float32, a CUDA-core GQA group outside {1, 2, 3, 4, 8}), ``RuntimeError`` when
     FlashInfer is not importable, and FlashInfer's own errors unchanged.
     ``window_left`` and ``logits_soft_cap`` go to ``plan`` (FlashInfer's decode has both,
-    with this package's meaning: the last ``W + 1`` tokens, ``c * tanh(s / c)``).
+    with this package's meaning: the last ``W + 1`` tokens, ``c * tanh(s / c)``); with a
+    window, ``plan`` gets the pages that hold the window's tokens (``window_pages``).
     fp8 pools (torch ``float8_e4m3fn`` / ``float8_e5m2``): ``k_scale`` and ``v_scale`` go
     to ``run`` (FlashInfer 0.3.1 folds ``k_scale`` into ``sm_scale`` and multiplies the
     output by ``v_scale`` afterwards, in place: the convention of ``docs/fp8.md``).
@@ -263,6 +285,7 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"K and V pools differ in dtype ({k_pages.dtype}, {v_pages.dtype})")
 
+    table = window_pages(table, window_left)   # the pages an engine would plan on
     dev = q.device
     with torch.cuda.device(dev):
         # "Must be initialized to 0 for its first use" (FlashInfer's docstring)
