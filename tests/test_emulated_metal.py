@@ -100,6 +100,33 @@ def test_out_of_bounds_and_divergence_reported():
                   (64, 1, 1))
 
 
+def test_a_small_input_bound_to_a_device_pointer_is_refused():
+    """MLX passes an input of fewer than 8 elements in the constant address space; binding
+    it to a device pointer does not compile on a Mac, so the emulator refuses it (it
+    erases address spaces); 8 elements, or a pointer of the input's own type, are fine."""
+    src = "  device const float* p = IN0 + 1;\n  OUT0[0] = p[0];"
+    out = np.zeros(1, np.float32)
+    with pytest.raises(Exception, match="input 'in0' has fewer than 8 elements, so MLX "
+                       "passes it in the constant address space"):
+        _run_tiny(src, [np.arange(7, dtype=np.float32)], [out], (1, 1, 1), (1, 1, 1))
+    _run_tiny(src, [np.arange(8, dtype=np.float32)], [out], (1, 1, 1), (1, 1, 1))
+    _run_tiny("  auto p = IN0 + 1;\n  OUT0[0] = p[0];", [np.arange(7, dtype=np.float32)],
+              [out], (1, 1, 1), (1, 1, 1))
+    assert out[0] == 1
+
+
+def test_bfloat_converts_only_explicitly():
+    """MSL's bfloat takes no implicit conversion (Apple's compiler refuses `bfloat b =
+    1.0f;`); the emulator's prelude neither, so such a kernel fails here too."""
+    out = np.zeros(1, np.float32)
+    with pytest.raises(CompileError):
+        _run_tiny("  bfloat b = IN0[0];\n  OUT0[0] = float(b);",
+                  [np.ones(8, np.float32)], [out], (1, 1, 1), (1, 1, 1))
+    _run_tiny("  bfloat b = bfloat(IN0[0]);\n  OUT0[0] = float(b);",
+              [np.ones(8, np.float32)], [out], (1, 1, 1), (1, 1, 1))
+    assert out[0] == 1
+
+
 def test_threadgroup_memory_limit_and_templates():
     src = """
   threadgroup float big[N];

@@ -238,3 +238,18 @@ def test_reserve_batch_is_all_or_nothing():
                                                     r"sequences .*nothing was changed"):
         pool.reserve_batch(seqs)
     assert pool.num_free == 3 and all(pool.seq_len(s) == 0 for s in seqs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_one_row_table_with_a_tiny_page_capacity(backend):
+    """Capacity 1 and page capacity 2: the table buffer has 6 words, which MLX passes to
+    the update kernel in the constant address space (the Metal dialect must not bind it
+    to a device pointer; the emulator refuses that since session 21)."""
+    rng = np.random.default_rng(12)
+    pool = pd.PagePool(8, 16, HKV, D, "float32", backend=backend)
+    s = pool.new_sequence()
+    pool.append(s, rows(rng, 5), rows(rng, 5))
+    st = pool.step_table([s], page_capacity=2)
+    for n in (7, 9, 6):
+        pool.append(s, rows(rng, n), rows(rng, n))
+        assert_matches_pool(st)

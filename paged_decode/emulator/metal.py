@@ -132,6 +132,22 @@ def groups(grid: Sequence[int], threadgroup: Sequence[int]) -> tuple[tuple[int, 
     return (g[0] // t[0], g[1] // t[1], g[2] // t[2]), (t[0], t[1], t[2])
 
 
+def _check_constant_inputs(source: str, params: Sequence[Any]) -> None:
+    """MLX passes an input of fewer than 8 elements as ``const constant T*``; the body
+    must not bind it to a ``device`` pointer (Metal rejects the address-space change,
+    and the emulator, which drops address spaces, would not notice otherwise)."""
+    for p in params:
+        if p.kind != "in" or not p.decl.startswith("const constant"):
+            continue
+        bad = re.search(rf"\bdevice\s+(?:const\s+)?\w+\s*\*\s*\w+\s*=\s*{p.name}\b",
+                        source)
+        if bad:
+            raise EmulatorError(
+                f"emulator: input '{p.name}' has fewer than 8 elements, so MLX passes it in "
+                f"the constant address space, but the body binds it to a device pointer "
+                f"('{bad.group(0)}'): Metal refuses the conversion")
+
+
 def launch_metal(name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str, inputs: Sequence[Any], outputs: Sequence[Any],
                  grid: Sequence[int], threadgroup: Sequence[int],
@@ -152,6 +168,7 @@ def launch_metal(name: str, input_names: Sequence[str], output_names: Sequence[s
     odt = list(output_dtypes) if output_dtypes is not None else [_dtype_name(o)
                                                                   for o in outputs]
     params = parameters(source, descs, output_names, odt)
+    _check_constant_inputs(source, params)
     nbuf = sum(p.kind != "attr" for p in params)
     if nbuf > 31:
         raise EmulatorError(f"emulator: {nbuf} buffer arguments (Metal allows 31)")

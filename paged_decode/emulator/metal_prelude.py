@@ -24,11 +24,14 @@ typedef unsigned short ushort;
 typedef unsigned char uchar;
 typedef _Float16 half;
 
-// bfloat: 16-bit brain float, IEEE round-to-nearest-even from float.
+// bfloat: 16-bit brain float, IEEE round-to-nearest-even from float. MSL's bfloat
+// converts only explicitly (Apple's compiler rejects `bfloat b = 1.0f;` and a bfloat
+// assigned a uchar), so the constructor is explicit: a kernel relying on an implicit
+// conversion fails to compile here as it would on a Mac.
 struct bfloat {
   std::uint16_t bits;
   bfloat() = default;
-  bfloat(float f) {
+  explicit bfloat(float f) {
     std::uint32_t u;
     std::memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) { bits = (std::uint16_t)((u >> 16) | 0x40u); return; }

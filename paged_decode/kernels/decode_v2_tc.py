@@ -574,9 +574,11 @@ inline void stage_kv(threadgroup T* buf, KP k_pages, KP v_pages, IP page_ids, lo
       const long off = (long(page_ids[a / PAGE_SIZE]) * PAGE_SIZE + a % PAGE_SIZE) * row_stride
                        + head_off + d;
       if (FP8 == 0) {
+        // explicit: the branch is compiled for fp8 pools too (uchar), and MSL converts
+        // to bfloat only explicitly
         for (int j = 0; j < 4; ++j) {
-          kd[j] = k_pages[off + j];
-          vd[j] = v_pages[off + j];
+          kd[j] = T(float(k_pages[off + j]));
+          vd[j] = T(float(v_pages[off + j]));
         }
       } else {
         const float4 kf = load4kv<FP8>(k_pages + off), vf = load4kv<FP8>(v_pages + off);

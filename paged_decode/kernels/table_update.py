@@ -162,7 +162,9 @@ METAL_SOURCE = r"""
   device const int* d_keep = delta + 5 * cap + 1;
   device const int* d_cindptr = delta + 6 * cap + 1;
   device const int* d_changed = delta + 7 * cap + 2;
-  device const int* old_indices = old_table + 3 * cap + 1;
+  // auto: MLX passes an input of fewer than 8 elements in the constant address space
+  // (capacity 1 with a page capacity of 3 or less), which a device pointer cannot hold
+  auto old_indices = old_table + 3 * cap + 1;
   const int begin = d_indptr[r], count = d_indptr[r + 1] - begin;
   const int src = d_src[r];
   const int keep = d_keep[r] < count ? d_keep[r] : count;
