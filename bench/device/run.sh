@@ -320,7 +320,7 @@ step_engine() {
   python3 -m pytest -q tests/test_engine_step_gpu.py -rs > "$L/engine_tests.log" 2>&1
   echo "engine tests rc=$?"; grep -E "FAILED|passed|failed" "$L/engine_tests.log" | tail -8
   timeout ${ENGINE_TIMEOUT:-500} paged-decode bench --backend cuda --suite engine \
-    --arms ${ENGINE_ARMS:-eager,captured,flashinfer} --json "$OUT/engine.json" \
+    --arms ${ENGINE_ARMS:-eager,captured,flashinfer,flashinfer-captured} --json "$OUT/engine.json" \
     --plot "$OUT/engine.png" > "$OUT/engine.txt" 2>&1
   echo "engine bench rc=$?"; tail -20 "$OUT/engine.txt"
 }
@@ -332,7 +332,7 @@ step_engine_models() {   # the engine step on GQA 7 and 8, CUDA-core v2 against 
   local m
   for m in ${ENGINE_MODELS:-qwen2-7b}; do
     timeout 300 paged-decode bench --backend cuda --suite engine --model $m --batch 64 \
-      --batch 128 --arms captured,captured-tc,flashinfer --json "$OUT/engine_$m.json" \
+      --batch 128 --arms captured,captured-tc,flashinfer,flashinfer-captured --json "$OUT/engine_$m.json" \
       > "$OUT/engine_$m.txt" 2>&1
     echo "engine $m rc=$?"; tail -7 "$OUT/engine_$m.txt"
   done
