@@ -138,6 +138,24 @@ def max_rel_error(got: Any, ref: np.ndarray) -> float:
     return err / scale if scale > 0 else err
 
 
+def row_rel_error(got: Any, ref: np.ndarray) -> float:
+    """``max_rel_error`` per row of the last axis (each request's and head's output
+    ``[..., D]`` against its own scale): a long request's output is an average, far
+    smaller than a one-token request's, so one scale for the batch would let its error
+    hide under another row's size. A row whose reference is all zero (an empty request)
+    compares absolutely; NaN anywhere gives ``inf``."""
+    g = np.asarray(got, dtype=np.float64)
+    if not np.isfinite(g).all():
+        return math.inf
+    if not ref.size:
+        return 0.0
+    d = ref.shape[-1] if ref.ndim else 1
+    gr, rr = g.reshape(-1, d), np.asarray(ref, np.float64).reshape(-1, d)
+    err = np.abs(gr - rr).max(axis=1)
+    scale = np.abs(rr).max(axis=1)
+    return float(np.where(scale > 0, err / np.where(scale > 0, scale, 1.0), err).max())
+
+
 def lse_error(got: Any, ref: np.ndarray) -> float:
     """Max absolute LSE error; ``-inf`` must match ``-inf`` exactly (else ``inf``)."""
     g = np.asarray(got, dtype=np.float64)

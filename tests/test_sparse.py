@@ -58,6 +58,16 @@ def oracle_masked(q, k, v, mask):
     return out, lse
 
 
+def mask_of(sel, length=CAP):
+    """``bool [B, Hkv, length]`` from a selection's positions and counts, written here
+    (not ``sparse.selection_mask``, which the masked path itself uses)."""
+    mask = np.zeros((B, HKV, length), bool)
+    for b in range(B):
+        for h in range(HKV):
+            mask[b, h, sel.positions[b, h, :int(sel.counts[b, h])]] = True
+    return mask
+
+
 def dense_full(q, k, v):
     mask = np.zeros((B, HKV, CAP), bool)
     for b, n in enumerate(LIVE):
@@ -72,7 +82,7 @@ def test_sparse_equals_oracle_on_selection_and_differs_from_dense(dtype, min_spa
     q, k, v = caches(dtype)
     pos = topk_positions(10)
     sel = make_selection(pos)
-    ref_out, ref_lse = oracle_masked(q, k, v, selection_mask(sel, CAP))
+    ref_out, ref_lse = oracle_masked(q, k, v, mask_of(sel))
     out, lse, o = sparse_decode(q, k, v, sel, live_lens=LIVE, min_sparsity=min_sparsity,
                                 return_lse=True, return_outcome=True)
     assert o.path == ("sparse" if min_sparsity == 0 else "sparse-masked")
@@ -114,7 +124,7 @@ def test_ragged_counts_and_empty_rows():
     counts = np.array([[12, 5], [0, 7], [1, 12]])
     pos[0, 1, 5:] = 10_000                      # ignored: past the count
     sel = make_selection(pos, counts)
-    ref_out, ref_lse = oracle_masked(q, k, v, selection_mask(sel, CAP))
+    ref_out, ref_lse = oracle_masked(q, k, v, mask_of(sel))
     for ms in (0, 1e9):
         out, lse = sparse_decode(q, k, v, sel, live_lens=LIVE, min_sparsity=ms,
                                  return_lse=True)
@@ -139,7 +149,7 @@ def test_changing_one_selected_position_changes_the_output():
 def test_negative_control_kernel_ignoring_the_selection_fails():
     q, k, v = caches()
     pos = topk_positions(10)
-    ref_out, _ = oracle_masked(q, k, v, selection_mask(make_selection(pos), CAP))
+    ref_out, _ = oracle_masked(q, k, v, mask_of(make_selection(pos)))
     bad = sparse_decode(q, k, v, pos, live_lens=LIVE, min_sparsity=0, backend=IgnoresIndices())
     assert max_rel_error(bad, ref_out) > 1e-2
 
