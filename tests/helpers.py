@@ -325,3 +325,25 @@ def run_step(step, body, graph, captured: bool):
     else:
         graph.replay()
     return graph
+
+
+def ref_merge(v: np.ndarray, lse: np.ndarray, indptr) -> tuple[np.ndarray, np.ndarray]:
+    """float64 closed form, one (group, head) at a time; base-2 LSE. A NaN or +inf partial
+    LSE poisons its group (NaN output and LSE); -inf partials carry no weight."""
+    m = len(indptr) - 1
+    out = np.zeros((m, v.shape[1], v.shape[2]))
+    out_lse = np.full((m, v.shape[1]), -np.inf)
+    for o in range(m):
+        for h in range(v.shape[1]):
+            group = [float(lse[i, h]) for i in range(indptr[o], indptr[o + 1])]
+            if any(math.isnan(x) or x == math.inf for x in group):
+                out[o, h], out_lse[o, h] = np.nan, np.nan
+                continue
+            rows = [i for i in range(indptr[o], indptr[o + 1]) if np.isfinite(lse[i, h])]
+            if not rows:
+                continue
+            mx = max(float(lse[i, h]) for i in rows)
+            w = [2.0 ** (float(lse[i, h]) - mx) for i in rows]
+            out[o, h] = sum(wi * v[i, h].astype(np.float64) for wi, i in zip(w, rows)) / sum(w)
+            out_lse[o, h] = mx + math.log2(sum(w))
+    return out, out_lse
