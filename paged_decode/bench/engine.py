@@ -38,7 +38,7 @@ from ..engine_step import DecodeStep
 from ..errors import UnsupportedProblemError
 from ..pool import PagePool
 from ..reference import max_rel_error, oracle_decode
-from .engine_case import EngineArm, EngineCase, NoTimer, mean_us, median_us, prompts
+from .engine_case import EngineArm, EngineCase, EventTimer, NoTimer, mean_us, median_us, prompts
 from .engine_flashinfer import ARMS as FLASHINFER_ARMS
 from .engine_flashinfer import run_flashinfer
 
@@ -143,26 +143,11 @@ def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> Engin
     return res
 
 
-class _CudaTimer:
-    """CUDA events around the block on the current stream; ``last`` in seconds."""
-
-    def __init__(self) -> None:
-        import cupy as cp
-        self.cp = cp
-        self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
-        self.last = float("nan")
-
-    def __enter__(self) -> None:
-        self.start.record()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.record()
-        self.stop.synchronize()
-        self.last = self.cp.cuda.get_elapsed_time(self.start, self.stop) * 1e-3
-
-
 def _gpu_timer(be: Backend) -> Any:
-    return _CudaTimer() if be.name == "cuda" else NoTimer()
+    if be.name != "cuda":
+        return NoTimer()
+    import cupy as cp
+    return EventTimer(cp.cuda.Event, cp.cuda.get_elapsed_time)
 
 
 def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = ENGINE_ARMS,

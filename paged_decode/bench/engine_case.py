@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -73,8 +75,24 @@ def mean_us(xs: list[float]) -> float:
     return float(arr.mean() * 1e6) if arr.size else float("nan")
 
 
+class EventTimer:
+    """CUDA events around the block, on the stream current at entry and exit; ``last``
+    in seconds. ``new_event`` makes a timing event and ``elapsed_ms(start, stop)`` reads
+    it (CuPy's or torch's, as ``bench.timing``'s event loop takes them)."""
 
-__all__ = ["TOLERANCE", "EngineArm", "EngineCase", "NoTimer", "mean_us", "median_us", "prompts"]
+    def __init__(self, new_event: Callable[[], Any],
+                 elapsed_ms: Callable[[Any, Any], float]) -> None:
+        self.start, self.stop = new_event(), new_event()
+        self.elapsed_ms = elapsed_ms
+        self.last = float("nan")
+
+    def __enter__(self) -> None:
+        self.start.record()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.record()
+        self.stop.synchronize()
+        self.last = self.elapsed_ms(self.start, self.stop) * 1e-3
 
 
 class NoTimer:
@@ -87,3 +105,7 @@ class NoTimer:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+__all__ = ["TOLERANCE", "EngineArm", "EngineCase", "EventTimer", "NoTimer", "mean_us",
+           "median_us", "prompts"]

@@ -33,7 +33,7 @@ import numpy as np
 from ..backends import Backend
 from ..page_table import PageTable
 from ..reference import max_rel_error, oracle_decode
-from .engine_case import EngineArm, EngineCase, NoTimer, mean_us, median_us, prompts
+from .engine_case import EngineArm, EngineCase, EventTimer, NoTimer, mean_us, median_us, prompts
 from .flashinfer_arm import _import_flashinfer, available
 
 ARMS = ("flashinfer", "flashinfer-captured")
@@ -272,25 +272,12 @@ def _sync(torch: Any, dev: Any) -> None:
         torch.cuda.synchronize(dev)
 
 
-class _Timer:
-    """torch CUDA events around the block (``last`` in seconds; NaN off CUDA)."""
-
-    def __init__(self, torch: Any) -> None:
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.stop = torch.cuda.Event(enable_timing=True)
-        self.last = float("nan")
-
-    def __enter__(self) -> None:
-        self.start.record()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.record()
-        self.stop.synchronize()
-        self.last = self.start.elapsed_time(self.stop) * 1e-3
-
-
 def _timer(torch: Any, dev: Any) -> Any:
-    return _Timer(torch) if dev.type == "cuda" else NoTimer()
+    """torch CUDA events around the block (NaN off CUDA)."""
+    if dev.type != "cuda":
+        return NoTimer()
+    return EventTimer(lambda: torch.cuda.Event(enable_timing=True),
+                      lambda s, e: s.elapsed_time(e))
 
 
 def _check(cache: tuple[Any, Any], host: HostPages, q: Any, out: Any) -> float:
