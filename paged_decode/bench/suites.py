@@ -23,7 +23,7 @@ from ..cascade import plan_cascade
 from ..decode import decode
 from ..dtypes import numpy_dtype
 from ..page_table import PageTable
-from ..reference import attention_f64, max_rel_error
+from ..reference import attention_f64, row_rel_error
 from ..sparse import make_selection, sparse_decode
 from .runner import TOLERANCE, BenchResult, _verify, time_arm, time_arms
 
@@ -204,7 +204,7 @@ def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
                 ref, _ = attention_f64(qn[r, h * g:(h + 1) * g].astype(np.float64),
                                        kk[h, rows][:, None, :], vv[h, rows][:, None, :],
                                        1.0 / np.sqrt(d))
-                worst = max(worst, max_rel_error(got[r, h * g:(h + 1) * g], ref))
+                worst = max(worst, row_rel_error(got[r, h * g:(h + 1) * g], ref))
         return worst
 
     calls = {"masked": (lambda: run(1e12), case.io_bytes(), ("sparse-masked",)),
