@@ -12,6 +12,9 @@ Usage on the GPU machine: python3 bench/device/tune_chunks.py OUT.json [balance]
 - waves: v2 and v2tc at 1, 2, 3 and 4 even chunks per request, beside the default plan,
   on batches whose CTA count is a poor multiple of what the SMs hold at once (v2tc holds
   3 CTAs per SM at head_dim 128: 512 CTAs are 1.29 waves of 396; 1 at head_dim 256).
+- sweep: v2tc at 1-10, 12 and 16 even chunks per request beside FlashInfer's tensor-core
+  decode (when it is laid out) on the `batches` preset's batch 5-24 and three other head
+  layouts: which CTA counts the SMs share evenly (the batch 5-20 gap of S21-R4).
 """
 
 import json
@@ -68,6 +71,31 @@ def cases(cells):
 
 
 parts = set(sys.argv[2:]) or {"balance", "waves"}
+if "sweep" in parts:
+    # the batches preset's batch 5-24 first (S21-R4: 7-15% behind FlashInfer at 5-20), then
+    # Qwen2-7B, GQA 16 and head_dim 256 (1 resident v2tc CTA per SM)
+    for case in cases([((32, 8), 12, 16384), ((32, 8), 5, 16384), ((32, 8), 20, 16384),
+                       ((32, 8), 12, 4096), ((32, 8), 5, 4096), ((32, 8), 20, 4096),
+                       ((32, 8), 24, 16384), ((32, 8), 24, 4096), ((28, 4), 12, 16384),
+                       ((32, 2), 20, 8192), ((16, 8, 256), 12, 8192)]):
+        prob = _problem(be, case, 0)
+        pages = int(prob[3].pages_per_request.max())
+        default = plan_for(case, prob[3], "v2tc")
+        r = time_arms(be, ("flashinfer-tc",), *prob, default, 1 / np.sqrt(case.head_dim),
+                      case.io_bytes(), TOLERANCE["float16"], warmup=3, reps=15,
+                      cold_l2=True)["flashinfer-tc"]
+        us = (r.gpu or r.call).get("median_us") or float("nan")
+        rows.append({"part": "sweep", "cell": case.label, "batch": case.batch,
+                     "context": case.context, "heads": f"{case.num_qo_heads}/{case.num_kv_heads}",
+                     "arm": "flashinfer-tc", "ran": r.ran, "plan": "its own", "gpu_us": us,
+                     "gbps": r.gbps, "verified": r.verified, "err": r.max_rel_error,
+                     "note": r.note})
+        print(f"{case.label:40s} flashinfer-tc {us:9.1f} us {r.verified} {r.note}", flush=True)
+        measure("sweep", case, prob, "v2tc", "default", default)
+        for n in (*range(1, 11), 12, 16):
+            measure("sweep", case, prob, "v2tc", f"{n} chunks",
+                    plan_for(case, prob[3], "v2tc", -(-pages // n)))
+        del prob
 if "balance" in parts:
     # Llama-3-8B heads at batch 5 / 12 / 20 (the longest chunk 1.09x / 1.41x / 1.88x shorter
     # at 16K, bench/plan_balance.py), Qwen2-7B at batch 40 and GQA 16 at batch 70 (v2tc)
