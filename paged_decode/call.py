@@ -49,7 +49,7 @@ from .multitoken import QueryTokens, check_query_tokens_arg, query_tokens
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, check_geometry, make_plan
-from .specs import heads_per_cta, v2tc_ctas_per_chunk
+from .specs import plan_geometry
 from .step_table import StepTable
 from .variants import (
     PLAIN,
@@ -100,29 +100,30 @@ def plan_decode(table: Table, num_qo_heads: int, num_kv_heads: int, head_dim: in
     if device is None:
         assert be is not None
         device = be.device_info()
-    if ctas_per_chunk is None and path != "v2":
-        tc_ctas = None
-        if path in ("auto", "v2tc"):   # make_plan checks these too, after they are needed
-            check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
-            heads = check_query_tokens_arg(fn, query_tokens) * num_qo_heads
-            tc_ctas = v2tc_ctas_per_chunk(heads, num_kv_heads)
-            if tc_ctas == heads // heads_per_cta(heads, num_kv_heads):
-                path = "v2"   # the same CTAs per chunk (GQA 1-8): no choice to make
+    slots = 0
+    if path in ("auto", "v2tc"):   # make_plan checks these too, after they are needed
+        check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+        tokens = check_query_tokens_arg(fn, query_tokens)
+        if kv_dtype is not None:
+            check_type(fn, "kv_dtype", kv_dtype, str, "a dtype name or None")
         if path == "auto":
             assert be is not None
             check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
-            if kv_dtype is not None:
-                check_type(fn, "kv_dtype", kv_dtype, str, "a dtype name or None")
+            heads = tokens * num_qo_heads
             path = choose_path_at(be, table, heads // num_kv_heads, pool_paths(
                 be, heads, num_kv_heads, head_dim, table.page_size, kv_dtype), kv_dtype)[0]
-        if path == "v2tc":
-            ctas_per_chunk = tc_ctas
+        geo = plan_geometry(path, num_qo_heads, num_kv_heads, head_dim, kv_dtype, device,
+                            tokens)
+        slots = geo["slots_per_unit"]
+        if ctas_per_chunk is None:
+            ctas_per_chunk = geo["ctas_per_chunk"]
     return make_plan(table, num_qo_heads, num_kv_heads, head_dim, device=device,
                      target_ctas=target_ctas, pages_per_chunk=pages_per_chunk,
                      min_chunk_tokens=min_chunk_tokens, max_chunks=max_chunks,
                      ctas_per_chunk=ctas_per_chunk, headroom=headroom,
                      window_left=window_left, ragged_split=ragged_split,
-                     query_tokens=query_tokens, kv_dtype=kv_dtype, fn="plan_decode")
+                     query_tokens=query_tokens, kv_dtype=kv_dtype, slots_per_unit=slots,
+                     fn="plan_decode")
 
 
 #: why ``path="auto"`` takes v2tc over fp8 pools wherever it runs (the crossover table's
@@ -309,9 +310,10 @@ def resolve_plan(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None,
     table runs on either partial)."""
     w = a.variant.window_left
     if plan is None:   # a.table is already the window table: the plan records the window
-        ctas = v2tc_ctas_per_chunk(a.hq, a.hkv) if path == "v2tc" else None
-        return make_plan(a.table, a.hq, a.hkv, a.d, device=be.device_info(), window_left=w,
-                         ctas_per_chunk=ctas, kv_dtype=a.kv_dt, fn=fn)
+        device = be.device_info()
+        return make_plan(a.table, a.hq, a.hkv, a.d, device=device, window_left=w,
+                         kv_dtype=a.kv_dt, fn=fn,
+                         **plan_geometry(path, a.hq, a.hkv, a.d, a.kv_dt, device))
     check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
     plan.check(fn, a.table, a.hq, a.hkv, a.d, w)
     return plan

@@ -49,7 +49,7 @@ from .errors import is_int
 from .outcome import last_outcome
 from .page_table import PageTable
 from .plan import MAX_CHUNKS, DecodePlan, smallest_chunk_size
-from .specs import V2TC_MAX_GROUP, v2tc_ctas_per_chunk, v2tc_fits
+from .specs import V2TC_MAX_GROUP, v2tc_fits
 
 HEAD_DIMS = (64, 128)
 GQAS = (1, 4, 7, 8, 16)
@@ -304,18 +304,17 @@ def path_applies(path: str, cfg: CheckConfig) -> bool:
 
 def _plan_for(path: str, be: Backend, cfg: CheckConfig, table: PageTable,
               auto: DecodePlan) -> DecodePlan:
-    ctas = None
     if path in ("v2-forced-merge", "v2tc-forced-merge"):
         ppc = forced_merge_ppc(table)
     elif path == "v2-single":
         ppc = max(1, int(table.pages_per_request.max()))
-    elif path == "v2tc":
-        ppc, ctas = None, v2tc_ctas_per_chunk(cfg.num_qo_heads, cfg.num_kv_heads)
+    elif path == "v2tc":    # its own plan (the wave rule where the device calibrates it)
+        return plan_decode(table, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                           device=be.device_info(), path="v2tc")
     else:
         return auto
     return plan_decode(table, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                       device=be.device_info(), pages_per_chunk=ppc, ctas_per_chunk=ctas,
-                       path="v2")
+                       device=be.device_info(), pages_per_chunk=ppc, path="v2")
 
 
 def _run_path(be: Backend, cfg: CheckConfig, path: str, arrays: tuple[Any, Any, Any],

@@ -78,6 +78,11 @@ class DeviceInfo:
             default = self.compute_units * self.fp8_ctas_per_unit
         return _setting(fn, "target_ctas", override, TARGET_ENV, default)
 
+    @staticmethod
+    def target_from_env() -> bool:
+        """Whether ``PAGED_DECODE_TARGET_CTAS`` sets the plans' CTA target."""
+        return bool((settings.get(TARGET_ENV) or "").strip())
+
     def chunk_floor(self, override: int | None = None, *,
                     fn: str = "DeviceInfo.chunk_floor") -> int:
         """Shortest chunk, in tokens, a plan may cut (argument > environment > device)."""

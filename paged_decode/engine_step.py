@@ -43,7 +43,7 @@ from .kernels.append import AppendWrite, table_row_desc
 from .plan import DecodePlan, make_plan
 from .pool import AppendedBatch, PagePool
 from .prepared import layouts, prepare_call
-from .specs import v2tc_ctas_per_chunk
+from .specs import plan_geometry
 from .steady_step import SteadyBegin
 
 #: the paths a step takes: "auto" (the crossover table's choice) or a launch path
@@ -330,12 +330,12 @@ class DecodeStep:
     def _plan(self, hint: int | None = None) -> DecodePlan:
         if self.requested_path == "auto":
             self.path, self.path_reason = self._auto_path()
-        hkv = self.pool.num_kv_heads
-        ctas = v2tc_ctas_per_chunk(self.num_qo_heads, hkv) if self.path == "v2tc" else None
-        return make_plan(self.table, self.num_qo_heads, hkv, self.pool.head_dim,
-                         device=self.backend.device_info(), headroom=self.headroom,
-                         hint=hint, ctas_per_chunk=ctas, kv_dtype=self.pool.dtype,
-                         fn="DecodeStep")
+        pool, device = self.pool, self.backend.device_info()
+        return make_plan(self.table, self.num_qo_heads, pool.num_kv_heads, pool.head_dim,
+                         device=device, headroom=self.headroom, hint=hint,
+                         kv_dtype=pool.dtype, fn="DecodeStep",
+                         **plan_geometry(self.path, self.num_qo_heads, pool.num_kv_heads,
+                                         pool.head_dim, pool.dtype, device))
 
     def _apply_pending(self, like: Any) -> None:
         """The table update ``begin`` left pending, on ``like``'s stream before the

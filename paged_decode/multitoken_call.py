@@ -46,7 +46,7 @@ from .multitoken import TokenSplit, fold_rows, split_tokens
 from .outcome import DecodeOutcome
 from .page_table import PageTable
 from .plan import DecodePlan, make_plan
-from .specs import v2tc_ctas_per_chunk
+from .specs import plan_geometry, v2tc_ctas_per_chunk
 from .variants import Variant, check_path
 
 _plans_lock = threading.Lock()
@@ -191,11 +191,11 @@ def multitoken_call(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, 
             chosen, reason = _auto_path(be, a, table, qt.max_tokens)
         else:
             chosen, reason = path, "requested"
-        ctas = (v2tc_ctas_per_chunk(a.hq * qt.max_tokens, a.hkv) if chosen == "v2tc"
-                else None)
-        plan = make_plan(table, a.hq, a.hkv, a.d, device=be.device_info(), window_left=w,
-                         query_tokens=qt.max_tokens, ctas_per_chunk=ctas, kv_dtype=a.kv_dt,
-                         fn=fn)
+        device = be.device_info()
+        plan = make_plan(table, a.hq, a.hkv, a.d, device=device, window_left=w,
+                         query_tokens=qt.max_tokens, kv_dtype=a.kv_dt, fn=fn,
+                         **plan_geometry(chosen, a.hq, a.hkv, a.d, a.kv_dt, device,
+                                         qt.max_tokens))
     else:
         check_type(fn, "plan", plan, DecodePlan, "a DecodePlan")
         plan.check(fn, table, a.hq, a.hkv, a.d, w, qt.max_tokens)

@@ -30,11 +30,13 @@ import numpy as np
 
 from .device import DeviceInfo
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
+from .fp8 import is_fp8
 from .multitoken import MAX_QUERY_TOKENS, check_query_tokens_arg
 from .page_table import PageTable, frozen_int32
 from .specs import MAX_HEADS_PER_CTA, heads_per_cta
 from .step_table import StepTable
 from .variants import check_window, window_table
+from .waves import wave_chunk_size
 
 MAX_CHUNKS = 65535
 #: a batch is ragged when its longest request has this many times the mean's pages
@@ -149,6 +151,8 @@ class DecodePlan:
     headroom: int = 0
     #: most query tokens per request (the kernels see a group of ``query_tokens * G``)
     query_tokens: int = 1
+    #: resident CTAs per SM the wave rule planned for (``make_plan``); 0: the target rule
+    slots_per_unit: int = 0
     #: tables this plan was checked against (weak: tables are dropped with their step)
     _served: weakref.WeakKeyDictionary[Any, int] = field(
         init=False, repr=False, default_factory=weakref.WeakKeyDictionary)
@@ -168,6 +172,7 @@ class DecodePlan:
         check_geometry(fn, self.num_qo_heads, self.num_kv_heads, self.head_dim)
         check_int(fn, "window_left", self.window_left, -1)
         check_int(fn, "query_tokens", self.query_tokens, 1, MAX_QUERY_TOKENS)
+        check_int(fn, "slots_per_unit", self.slots_per_unit, 0)
         g = self.num_qo_heads // self.num_kv_heads * self.query_tokens
         if self.heads_per_cta * self.q_groups != g or self.heads_per_cta > MAX_HEADS_PER_CTA:
             raise fail(fn, f"heads_per_cta x q_groups must be the GQA group {g} with at most "
@@ -346,7 +351,8 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
               max_chunks: int = MAX_CHUNKS, ctas_per_chunk: int | None = None,
               headroom: int = 0, hint: int | None = None, window_left: int = -1,
               ragged_split: float | None = None, query_tokens: int = 1,
-              kv_dtype: str | None = None, fn: str = "make_plan") -> DecodePlan:
+              kv_dtype: str | None = None, slots_per_unit: int = 0,
+              fn: str = "make_plan") -> DecodePlan:
     """Plan a split-KV decode of ``table`` on ``device`` (``paged_decode.plan_decode``
     finds the device of a backend first; errors name ``fn``).
 
@@ -385,6 +391,12 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
         kv_dtype: the pools' dtype name, when known: fp8 pools aim for the device's fp8
             target (``DeviceInfo.fp8_ctas_per_unit``) unless ``target_ctas`` or the
             environment sets one.
+        slots_per_unit: CTAs of the partial the plan is for that one SM holds at once
+            (``specs.plan_geometry``; 0: unknown). When positive, the chunk size is the
+            one ``waves.wave_chunk_size`` models fastest for how those CTAs fill the SMs,
+            in place of the CTA-target and ragged rules, unless ``target_ctas``,
+            ``pages_per_chunk`` or ``PAGED_DECODE_TARGET_CTAS`` asks for them; the plan
+            records it (``DecodePlan.slots_per_unit``; 0 when the target rule ran).
     """
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
     headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
@@ -403,6 +415,10 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
     if kv_dtype is not None:
         check_type(fn, "kv_dtype", kv_dtype, str, "a dtype name or None")
     target = device.target_ctas(target_ctas, fn=fn, kv_dtype=kv_dtype)
+    slots_per_unit = check_int(fn, "slots_per_unit", slots_per_unit, 0)
+    # the wave rule unless a target or a size is asked for
+    by_waves = bool(slots_per_unit and pages_per_chunk is None and target_ctas is None
+                 and not device.target_from_env())
     qh = heads_per_cta(num_qo_heads * query_tokens, num_kv_heads)
     q_groups = (num_qo_heads * query_tokens // num_kv_heads) // qh
     if ctas_per_chunk is None:
@@ -469,8 +485,20 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
             under = total(lo + 1) * ctas_per_chunk
             if target * target < over * under:   # target / under < over / target
                 ppc = lo + 1
+        searched = ppc
         ppc = _ragged_chunk(fn, device, ragged_split, nz, total, b, ppc, min_ppc)
+        # a ragged split stays: the model costs the mean chunk, and on the ragged preset's
+        # 128 x 512-4K its one chunk per request took 2.5% longer (S22-R4, R5)
+        by_waves = by_waves and ppc == searched
         ppc = balanced_chunk_size(nz, ppc, min_ppc)
+    if by_waves and nz.size:    # the target rule's size stays where the model ties it
+        elem = 1 if kv_dtype is not None and is_fp8(kv_dtype) else 2
+        ppc = balanced_chunk_size(nz, wave_chunk_size(
+            nz, table.page_size, ctas_per_chunk, num_kv_heads, 2 * head_dim * elem,
+            device.compute_units, slots_per_unit, min_ppc, max_ppc, max_chunks - empty,
+            prefer=ppc), min_ppc)
+    else:
+        slots_per_unit = 0      # the plan says which rule made it
     counts = chunk_counts(pages, ppc)
     req = np.repeat(np.arange(b, dtype=np.int64), counts)
     o_indptr = np.concatenate([[0], np.cumsum(counts)])
@@ -482,7 +510,8 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
                           pages_per_chunk is not None, int(ctas_per_chunk),
                           frozen_int32(counts), frozen_int32(req), frozen_int32(tiles),
                           frozen_int32(o_indptr), headroom=headroom,
-                          window_left=window_left, query_tokens=query_tokens)
+                          window_left=window_left, query_tokens=query_tokens,
+                          slots_per_unit=slots_per_unit)
     finally:
         _planning.active = False
 

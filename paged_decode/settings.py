@@ -23,6 +23,7 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_TARGET_CTAS": "the plan's CTA target",
     "PAGED_DECODE_MIN_CHUNK_TOKENS": "the plan's shortest chunk",
     "PAGED_DECODE_RAGGED_SPLIT": "the plan's ragged-batch chunk, as a fraction of the mean",
+    "PAGED_DECODE_WAVE_PLAN": "0: plan the tensor-core partial by the CTA target, not its waves",
     "PAGED_DECODE_CASCADE": "cascade forced on (1) / off (0)",
     "PAGED_DECODE_CROSSOVER": "crossover table file for path='auto'",
     "PAGED_DECODE_STAGES": "CUDA v2/v1/v2tc pipeline depth (experiments)",

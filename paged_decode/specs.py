@@ -9,6 +9,7 @@ returned garbage). It names the compiled object, keys the in-process cache and i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 from . import settings
 from .device import DeviceInfo
@@ -230,6 +231,53 @@ def v2tc_ctas_per_chunk(num_qo_heads: int, num_kv_heads: int) -> int:
     """CTAs one chunk launches on the tensor-core v2 partial (``plan_decode``'s
     ``ctas_per_chunk`` for a plan searched for it)."""
     return num_kv_heads * v2tc_row_tiles(num_qo_heads, num_kv_heads)
+
+
+#: shared memory the CUDA driver keeps per resident block (sm_80 and later)
+BLOCK_RESERVED_SMEM = 1024
+#: ``PAGED_DECODE_WAVE_PLAN=0`` plans the tensor-core partial by the CTA-target rule
+WAVE_PLAN_ENV = "PAGED_DECODE_WAVE_PLAN"
+
+
+def v2tc_slots_per_unit(head_dim: int, kv_dtype: str, device: DeviceInfo) -> int:
+    """CTAs of the tensor-core v2 partial one SM of ``device`` holds at once, by shared
+    memory (its ring and Q tile plus the driver's reserve per block); 0 where the device
+    does not say how much an SM has. Shared memory is what binds on sm_90: the compiled
+    kernels' registers (94 / 125 / 125 / 233 per thread at head_dim 64 / 96 / 128 / 256,
+    S10-R2) allow 5 / 4 / 4 / 2 CTAs of 128 threads, the ring 5 / 4 / 3 / 1."""
+    if device.shared_mem_per_unit <= 0:
+        return 0
+    warps = v2tc_warps(head_dim, kv_dtype)
+    elem = decode_v2_tc.kv_bytes(kv_dtype)
+    smem = decode_v2_tc.dynamic_smem_bytes(head_dim, warps,
+                                           v2tc_stages(head_dim, warps, kv_dtype), elem)
+    return max(1, device.shared_mem_per_unit // (smem + BLOCK_RESERVED_SMEM))
+
+
+class PlanGeometry(TypedDict):
+    """``make_plan``'s keywords for the partial a plan is made for."""
+
+    ctas_per_chunk: int | None
+    slots_per_unit: int
+
+
+def plan_geometry(path: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                  kv_dtype: str | None, device: DeviceInfo,
+                  query_tokens: int = 1) -> PlanGeometry:
+    """``make_plan``'s ``ctas_per_chunk`` and ``slots_per_unit`` for a plan made for
+    ``path`` (one place for every caller): the tensor-core partial's CTAs per chunk for
+    ``"v2tc"``, and its resident CTAs per SM where the wave rule is calibrated (16-bit
+    pools, one query token, ``PAGED_DECODE_WAVE_PLAN`` not ``0``; ``waves.py``);
+    ``None`` / 0 (the v2 partial's geometry, the target rule) otherwise. ``num_qo_heads``
+    is the model's; a multi-token plan's group is ``query_tokens`` times it."""
+    if path != "v2tc":
+        return {"ctas_per_chunk": None, "slots_per_unit": 0}
+    ctas = v2tc_ctas_per_chunk(num_qo_heads * query_tokens, num_kv_heads)
+    kv = kv_dtype or "float16"
+    waves = (query_tokens == 1 and kv not in V2TC_FP8
+             and (settings.get(WAVE_PLAN_ENV) or "1").strip() != "0")
+    return {"ctas_per_chunk": ctas,
+            "slots_per_unit": v2tc_slots_per_unit(head_dim, kv, device) if waves else 0}
 
 
 def v2tc_stages(head_dim: int, warps: int = decode_v2_tc.NUM_WARPS,

@@ -42,6 +42,9 @@
 #               TUNE_CHUNKS_PARTS (balance, waves)
 #   batches     bench --preset batches (batch 5-96, 4K / 16K) with v2, v2tc and both
 #               FlashInfer arms (run fi first)
+#   waves-ab    the tensor-core partial's wave rule (paged_decode/waves.py) beside the CTA-target
+#               rule: WAVES_PRESETS (batches targets) with BENCH_ARMS, then v2tc alone with
+#               PAGED_DECODE_WAVE_PLAN=0 (run fi first)
 #   sparse      bench --suite sparse
 #   prefix-tile-ab  the cascade suite at prefix tile 64/32 x resident CTAs per SM 2/3/4,
 #               with each tile's register use
@@ -273,6 +276,20 @@ step_chunks() {
 step_batches() {
   BENCH_TIMEOUT=${BENCH_TIMEOUT:-200} run_bench batches --preset batches \
     --arms ${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc}
+}
+# the tensor-core partial's wave rule against the CTA-target rule it replaced: each preset of
+# WAVES_PRESETS (batches targets) with BENCH_ARMS on the shipped plans, then v2tc alone with
+# PAGED_DECODE_WAVE_PLAN=0 (WAVES_TIMEOUTS: each preset's limit for the first, half for
+# the second; WAVES_ARGS_<preset>: more bench options for that preset, e.g. --batch 8)
+step_waves_ab() {
+  local presets=(${WAVES_PRESETS:-batches targets}) limits=(${WAVES_TIMEOUTS:-150 260}) i var
+  for i in "${!presets[@]}"; do
+    var="WAVES_ARGS_${presets[$i]}"
+    BENCH_TIMEOUT=${limits[$i]:-200} run_bench "${presets[$i]}" --preset "${presets[$i]}" \
+      --arms ${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc} ${!var:-}
+    PAGED_DECODE_WAVE_PLAN=0 BENCH_TIMEOUT=$(( ${limits[$i]:-200} / 2 )) \
+      run_bench "${presets[$i]}_targetrule" --preset "${presets[$i]}" --arms v2tc ${!var:-}
+  done
 }
 step_sparse() { run_bench sparse --suite sparse; }
 step_regs() {

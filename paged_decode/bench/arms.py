@@ -30,7 +30,7 @@ from ..errors import UnsupportedProblemError
 from ..page_table import PageTable
 from ..plan import DecodePlan
 from ..prepared import prepare_decode
-from ..specs import v2tc_ctas_per_chunk
+from ..specs import plan_geometry
 
 OURS = ("gather", "v1", "v2", "v2tc")
 EXTERNAL = ("sdpa", "flashinfer", "flashinfer-tc", "flashinfer-xqa")
@@ -64,13 +64,18 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
     if name in OURS:
         with be.launch_context(q):
             out = be.empty(tuple(q.shape), be.dtype_of(q))
-        tc_ctas = v2tc_ctas_per_chunk(plan.num_qo_heads, plan.num_kv_heads)
-        if name == "v2tc" and plan.ctas_per_chunk != tc_ctas:
-            # the same split search (and window) for v2tc's CTAs; a plan already made for
-            # them (a sweep's target or chunk size) is kept
+        device = be.device_info()
+        geo = plan_geometry("v2tc", plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
+                            vk.get("kv_dtype"), device)
+        if name == "v2tc" and not plan.forced and (
+                plan.ctas_per_chunk, plan.slots_per_unit) != tuple(geo.values()):
+            # v2tc's own plan (its CTAs per chunk and, where calibrated, the wave rule; the
+            # same window); a plan already made for it (a sweep's chunk size) is kept. The
+            # target rule keeps the given plan's target (an fp8 pool's, an experiment's)
             plan = plan_decode(table, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
-                               device=be.device_info(), window_left=plan.window_left,
-                               ctas_per_chunk=tc_ctas, target_ctas=plan.target_ctas)
+                               device=device, window_left=plan.window_left,
+                               kv_dtype=vk.get("kv_dtype"), path="v2tc",
+                               target_ctas=None if geo["slots_per_unit"] else plan.target_ctas)
         try:
             prep = prepare_decode(q, k, v, table, plan, path=name, out=out,
                                   sm_scale=sm_scale, backend=be, **vk)
