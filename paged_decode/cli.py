@@ -83,6 +83,7 @@ def info(backend: str | None, as_json: bool) -> None:
             "device": dev.name, "compute_units": dev.compute_units,
             "ctas_per_unit": dev.ctas_per_unit, "target_ctas": dev.target_ctas(),
             "detail": dev.detail, **{k: v for k, v in be.describe().items() if k != "backend"}}
+    data["v2tc_plans"] = _v2tc_plan_rule(dev)
     from .crossover import table_for
     try:
         xt = table_for(dev.name)
@@ -99,10 +100,25 @@ def info(backend: str | None, as_json: bool) -> None:
     click.echo(f"selected: {be.name} on {dev.name} ({dev.detail})")
     click.echo(f"plan target: {dev.target_ctas()} CTAs ({dev.compute_units} units x "
                f"{dev.ctas_per_unit})")
+    click.echo(f"tensor-core plans: {data['v2tc_plans']}")
     click.echo(f"crossover table: {data['crossover']}")
     for k, v in be.describe().items():
         if k not in ("backend", "device"):
             click.echo(f"  {k}: {v}")
+
+
+def _v2tc_plan_rule(dev: Any) -> str:
+    """Which rule plans the tensor-core partial on ``dev`` (``paged_decode/waves.py``)."""
+    from .specs import SUPPORTED_HEAD_DIMS, plan_geometry
+    slots = [plan_geometry("v2tc", 8, 8, d, None, dev)["slots_per_unit"]
+             for d in SUPPORTED_HEAD_DIMS]
+    if not all(slots):
+        why = ("PAGED_DECODE_WAVE_PLAN=0" if dev.shared_mem_per_unit > 0
+               else "the device reports no shared memory per unit")
+        return f"CTA-target rule ({why})"
+    dims = " / ".join(str(d) for d in SUPPORTED_HEAD_DIMS)
+    return (f"wave rule, {' / '.join(map(str, slots))} resident CTAs per unit at head_dim "
+            f"{dims} (16-bit pools, one query token; fp8 and multi-token: the target rule)")
 
 
 @main.command()

@@ -44,6 +44,7 @@ def test_info_reports_the_reference_backend(run):
     data = json.loads(run("info", "--backend", "reference", "--json").output)
     assert data["selected"] == "reference" and data["target_ctas"] == 32
     assert data["backends"]["reference"]["available"] is True
+    assert data["v2tc_plans"].startswith("CTA-target rule")   # no shared memory figure
 
 
 def test_unknown_backend_is_a_clear_error(run):

@@ -218,3 +218,10 @@ def test_a_ragged_split_keeps_the_target_rules_plan():
     assert waves.slots_per_unit == 0
     assert waves.pages_per_chunk == target.pages_per_chunk
     assert waves.num_chunks > 128                       # the long requests are split
+
+
+def test_info_names_the_rule(monkeypatch):
+    from paged_decode.cli import _v2tc_plan_rule
+    assert _v2tc_plan_rule(H200).startswith("wave rule, 5 / 4 / 3 / 1 resident CTAs")
+    monkeypatch.setenv("PAGED_DECODE_WAVE_PLAN", "0")
+    assert _v2tc_plan_rule(H200) == "CTA-target rule (PAGED_DECODE_WAVE_PLAN=0)"
