@@ -8,10 +8,12 @@ work, among the sizes that fill the device); of that size and the next larger on
 count falls short), the plan takes the one whose CTA count is closer to the target by
 ratio. That size then shrinks to the smallest (within ``BALANCE_SLACK``) that keeps
 every request's chunk count (``balanced_chunk_size``), so a request's chunks are even
-rather than full chunks and a sliver. Every request gets at least one chunk (an
-empty request gets exactly one, which writes zeros and ``-inf``). The total chunk count
-never exceeds 65535 (CUDA grid y/z bound). When every request has one chunk the merge is
-skipped: the partial is the answer.
+rather than full chunks and a sliver. A plan for the tensor-core partial on a device whose
+resident CTAs per SM are known (``slots_per_unit``) takes its size from the wave rule
+instead, where that rule's cost model sees a gain (``waves.py``). Every request gets at
+least one chunk (an empty request gets exactly one, which writes zeros and ``-inf``). The
+total chunk count never exceeds 65535 (CUDA grid y/z bound). When every request has one
+chunk the merge is skipped: the partial is the answer.
 
 The token range of a chunk is *not* stored: the kernels derive it from the table at run
 time (``chunk_token_ranges``), so a plan stays valid while requests grow inside their
