@@ -356,7 +356,7 @@ step_engine_models() {   # the engine step on GQA 7 and 8, CUDA-core v2 against 
 }
 
 step_fi_compat() {
-  timeout ${FI_COMPAT_TIMEOUT:-560} python3 -m pytest -q tests/test_fi_gpu.py -m gpu -rs -v \
+  timeout ${FI_COMPAT_TIMEOUT:-560} python3 -m pytest tests/test_fi_gpu.py -m gpu -rs -v \
     ${FI_COMPAT_K:+-k "$FI_COMPAT_K"} > "$OUT/fi_compat.log" 2>&1
   echo "fi-compat rc=$?"; grep -E "FAILED|passed|failed|worst errors" "$OUT/fi_compat.log" | tail -12
 }
