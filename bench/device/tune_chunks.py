@@ -15,6 +15,10 @@ Usage on the GPU machine: python3 bench/device/tune_chunks.py OUT.json [balance]
 - sweep: v2tc at 1-10, 12 and 16 even chunks per request beside FlashInfer's tensor-core
   decode (when it is laid out) on the `batches` preset's batch 5-24 and three other head
   layouts: which CTA counts the SMs share evenly (the batch 5-20 gap of S21-R4).
+- stages: v2tc at ring depths ``TUNE_STAGES`` (default 2 3 4; ``PAGED_DECODE_STAGES``) x
+  1-8 even chunks per request, beside FlashInfer's tensor-core decode, where one or two
+  CTAs per SM must stream at full rate (batch 20 / 24 x 16K: FlashInfer runs 160 / 192
+  CTAs there; S22-R1 timed a lone v2tc CTA per SM at about two thirds of the rate of two).
 """
 
 import json
@@ -44,6 +48,10 @@ def plan_for(case, table, arm_name, pages_per_chunk=None):
                        backend=be, path=arm_name, pages_per_chunk=pages_per_chunk)
 
 
+#: extra fields of every row measure() writes (the stages part's ring depth)
+TAG: dict = {}
+
+
 def measure(part, case, prob, arm_name, plan_name, plan):
     """Time ``arm_name`` on ``prob`` (q, k, v, table) with ``plan``; one row."""
     r = time_arms(be, (arm_name,), *prob, plan, 1 / np.sqrt(case.head_dim),
@@ -55,7 +63,7 @@ def measure(part, case, prob, arm_name, plan_name, plan):
                  "arm": arm_name, "ran": r.ran, "plan": plan_name, "ctas": plan.num_ctas,
                  "chunks": plan.num_chunks, "pages_per_chunk": plan.pages_per_chunk,
                  "gpu_us": us, "gbps": r.gbps, "verified": r.verified,
-                 "err": r.max_rel_error})
+                 "err": r.max_rel_error, **TAG})
     print(f"{case.label:40s} {arm_name:5s} {plan_name:9s} {plan.num_ctas:5d} CTAs chunk <= "
           f"{plan.pages_per_chunk * case.page_size:6d} tok {us:9.1f} us {r.gbps:7.0f} GB/s "
           f"{'ok' if r.verified else 'FAIL ' + r.note} t={time.time() - t0:.0f}s", flush=True)
@@ -71,6 +79,38 @@ def cases(cells):
 
 
 parts = set(sys.argv[2:]) or {"balance", "waves"}
+
+
+def flashinfer_row(part, case, prob, plan):
+    """FlashInfer's tensor-core decode on ``prob`` (its own plan), one row."""
+    r = time_arms(be, ("flashinfer-tc",), *prob, plan, 1 / np.sqrt(case.head_dim),
+                  case.io_bytes(), TOLERANCE["float16"], warmup=3, reps=15,
+                  cold_l2=True)["flashinfer-tc"]
+    us = (r.gpu or r.call).get("median_us") or float("nan")
+    rows.append({"part": part, "cell": case.label, "batch": case.batch,
+                 "context": case.context, "heads": f"{case.num_qo_heads}/{case.num_kv_heads}",
+                 "arm": "flashinfer-tc", "ran": r.ran, "plan": "its own", "gpu_us": us,
+                 "gbps": r.gbps, "verified": r.verified, "err": r.max_rel_error,
+                 "note": r.note})
+    print(f"{case.label:40s} flashinfer-tc {us:9.1f} us {r.verified} {r.note}", flush=True)
+
+
+if "stages" in parts:
+    for case in cases([((32, 8), 20, 16384), ((32, 8), 24, 16384), ((32, 8), 12, 16384),
+                       ((32, 8), 20, 4096), ((32, 8), 96, 4096)]):
+        prob = _problem(be, case, 0)
+        pages = int(prob[3].pages_per_request.max())
+        flashinfer_row("stages", case, prob, plan_for(case, prob[3], "v2tc"))
+        for depth in os.environ.get("TUNE_STAGES", "2 3 4").split():
+            os.environ["PAGED_DECODE_STAGES"] = depth      # read per call (settings.snapshot)
+            TAG["stages"] = int(depth)
+            measure("stages", case, prob, "v2tc", "default", plan_for(case, prob[3], "v2tc"))
+            for n in (1, 2, 3, 4, 6, 8):
+                measure("stages", case, prob, "v2tc", f"{n} chunks",
+                        plan_for(case, prob[3], "v2tc", -(-pages // n)))
+        os.environ.pop("PAGED_DECODE_STAGES", None)
+        TAG.clear()
+        del prob
 if "sweep" in parts:
     # the batches preset's batch 5-24 first (S21-R4: 7-15% behind FlashInfer at 5-20), then
     # Qwen2-7B, GQA 16 and head_dim 256 (1 resident v2tc CTA per SM)
@@ -81,16 +121,7 @@ if "sweep" in parts:
         prob = _problem(be, case, 0)
         pages = int(prob[3].pages_per_request.max())
         default = plan_for(case, prob[3], "v2tc")
-        r = time_arms(be, ("flashinfer-tc",), *prob, default, 1 / np.sqrt(case.head_dim),
-                      case.io_bytes(), TOLERANCE["float16"], warmup=3, reps=15,
-                      cold_l2=True)["flashinfer-tc"]
-        us = (r.gpu or r.call).get("median_us") or float("nan")
-        rows.append({"part": "sweep", "cell": case.label, "batch": case.batch,
-                     "context": case.context, "heads": f"{case.num_qo_heads}/{case.num_kv_heads}",
-                     "arm": "flashinfer-tc", "ran": r.ran, "plan": "its own", "gpu_us": us,
-                     "gbps": r.gbps, "verified": r.verified, "err": r.max_rel_error,
-                     "note": r.note})
-        print(f"{case.label:40s} flashinfer-tc {us:9.1f} us {r.verified} {r.note}", flush=True)
+        flashinfer_row("sweep", case, prob, default)
         measure("sweep", case, prob, "v2tc", "default", default)
         for n in (*range(1, 11), 12, 16):
             measure("sweep", case, prob, "v2tc", f"{n} chunks",
