@@ -225,3 +225,33 @@ def test_info_names_the_rule(monkeypatch):
     assert _v2tc_plan_rule(H200).startswith("wave rule, 5 / 4 / 3 / 1 resident CTAs")
     monkeypatch.setenv("PAGED_DECODE_WAVE_PLAN", "0")
     assert _v2tc_plan_rule(H200) == "CTA-target rule (PAGED_DECODE_WAVE_PLAN=0)"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_tables_get_valid_wave_plans(seed):
+    """Ragged lengths, empty requests, page sizes 1-256, windows and headroom: a wave plan
+    covers every request (empty ones with one chunk), keeps the chunk floor where the
+    longest request allows it, stays under the grid bound and matches its table."""
+    rng = np.random.default_rng(seed)
+    page = int(rng.choice([1, 3, 16, 64, 256]))
+    b = int(rng.integers(1, 200))
+    lengths = rng.integers(0, 40000, b) * (rng.random(b) > 0.1)
+    pages = -(-lengths // page)
+    table = PageTable.build(np.arange(pages.sum(), dtype=np.int32),
+                            np.concatenate([[0], np.cumsum(pages)]),
+                            np.where(lengths > 0, (lengths - 1) % page + 1, 0), page_size=page)
+    window = int(rng.choice([-1, 4095, 100]))
+    hq, hkv, d = [(32, 8, 128), (28, 4, 128), (32, 2, 128), (16, 8, 256), (8, 8, 64)][seed % 5]
+    plan = plan_decode(table, hq, hkv, d, device=H200, path="v2tc", window_left=window,
+                       headroom=int(rng.choice([0, 64])))
+    counts = np.asarray(plan.chunks_per_request)
+    assert counts.shape == (b,) and counts.min() >= 1 and counts.sum() <= 65535
+    assert plan.matches(table)
+    if lengths.max() > 0 and plan.slots_per_unit:
+        assert plan.pages_per_chunk * page >= min(128, page * int(plan_pages(table, window)))
+
+
+def plan_pages(table: PageTable, window: int) -> int:
+    """The longest request's pages the plan covers (its window's pages)."""
+    from paged_decode.variants import window_table
+    return int(window_table(table, window).pages_per_request.max())
