@@ -135,6 +135,32 @@ def test_a_fallen_back_arm_withholds_the_comparison():
     assert "2.00" in table([BenchResult(CascadeCase(1, 16), 1, 1, {"v1": ok, "v2": good})])
 
 
+def test_the_table_names_an_arms_own_plan():
+    """v2tc plans for itself (the wave rule on CUDA): where its chunks differ from the
+    chunks column (v2's plan), the table says what it ran; the JSON keeps every arm's."""
+    v2 = ArmResult("v2", "v2+merge", 0.0, True, call={"median_us": 10.0},
+                   expected=("v2", "v2+merge"), plan={"chunks": 36, "ctas": 288,
+                                                      "rule": "target"})
+    tc = ArmResult("v2tc", "v2tc+merge", 0.0, True, call={"median_us": 9.0},
+                   expected=("v2tc", "v2tc+merge"), plan={"chunks": 48, "ctas": 384,
+                                                          "rule": "wave"})
+    r = BenchResult(CascadeCase(1, 16), 36, 1, {"v2": v2, "v2tc": tc})
+    text = table([r])
+    assert "v2tc 48 chunks, 384 CTAs (wave rule)" in text and "v2 36 chunks" not in text
+    assert r.to_dict()["arms"]["v2tc"]["plan"] == {"chunks": 48, "ctas": 384, "rule": "wave"}
+
+
+def test_every_arm_of_ours_reports_its_plan(run):
+    from paged_decode.backends import get_backend
+    from paged_decode.bench.cases import BenchCase
+    from paged_decode.bench.runner import bench_case
+    r = bench_case(get_backend("emulated-cuda"), BenchCase(2, 300, 16, 8, 2, 64),
+                   arms=("v2", "v2tc"), warmup=0, reps=1)
+    for a in ("v2", "v2tc"):
+        p = r.arms[a].plan
+        assert p["chunks"] >= 2 and p["ctas"] >= 2 and p["rule"] == "target"   # no smem here
+
+
 def test_cascade_and_sparse_presets_select_their_suites(run):
     res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--preset", "cascade"])
     assert res.exit_code != 0 and "--backend cuda" in res.output      # the suite ran its gate

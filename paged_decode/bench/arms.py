@@ -20,7 +20,7 @@ per call as the API cost.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends import Backend
@@ -51,6 +51,13 @@ class Arm:
     ran: str                                # what actually ran
     expected: tuple[str, ...] = ()          # allowed values of ``ran`` (ours)
     api_call: Callable[[], Any] | None = None   # ours: plain decode() with the same plan
+    plan: dict[str, Any] = field(default_factory=dict)   # ours: the plan it runs (plan_facts)
+
+
+def plan_facts(plan: DecodePlan) -> dict[str, Any]:
+    """What the bench reports of a plan: chunks, CTAs and the rule that made it."""
+    return {"chunks": plan.num_chunks, "ctas": plan.num_ctas,
+            "rule": "wave" if plan.slots_per_unit else "target"}
 
 
 def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
@@ -85,7 +92,7 @@ def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
         def api(name: str = name) -> Any:
             return decode(q, k, v, table, plan, path=name, out=out, sm_scale=sm_scale,
                           backend=be, **vk)
-        return Arm(prep, out, prep.path, EXPECTED[name], api)
+        return Arm(prep, out, prep.path, EXPECTED[name], api, plan_facts(plan))
     if name not in EXTERNAL:
         raise ValueError(f"bench: unknown arm {name!r}; arms: {', '.join(ALL_ARMS)}")
     if be.name != "cuda":

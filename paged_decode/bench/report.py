@@ -91,6 +91,13 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
     else:
         lines.append("columns: host us per call (synchronized)")
     lines.append("arms ran: " + ", ".join(ran) + "  ('!' failed verification, '*' fell back)")
+    own = [f"{r.case.label.split(' ps')[0]}: {a} {x.plan['chunks']} chunks, "
+           f"{x.plan['ctas']} CTAs ({x.plan['rule']} rule)"
+           for r in results for a, x in r.arms.items()
+           if x.plan and x.plan["chunks"] != r.num_chunks]
+    if own:
+        lines.append("plans differing from the chunks column (v2's plan): " + "; ".join(own[:12])
+                     + (f" ... ({len(own)} in all)" if len(own) > 12 else ""))
     notes = sorted({f"{a}: {x.note}" for r in results for a, x in r.arms.items() if x.note})
     lines += [f"note: {n}" for n in notes[:10]]
     if withheld:

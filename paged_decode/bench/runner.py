@@ -53,6 +53,8 @@ class ArmResult:
     api_call: dict[str, float] = field(default_factory=dict)   # ours: plain decode()
     host: dict[str, float] = field(default_factory=dict)       # host time per call (enqueue)
     note: str = ""             # why an arm was unavailable, or a capture failure
+    #: ours: the plan the arm ran (chunks, ctas, rule: "wave" or "target"); {} otherwise
+    plan: dict[str, Any] = field(default_factory=dict)
 
     @property
     def fell_back(self) -> bool:
@@ -295,6 +297,7 @@ def time_arms(be: Backend, arms: tuple[str, ...], q: Any, k: Any, v: Any, table:
                                 cold_l2=cold_l2, ran=a.ran, api_call=a.api_call, graph=graph,
                                 check_output=lambda o: _verify(be, o, q, k, v, table,
                                                                variants))
+        results[arm].plan = a.plan
         del a
     return results
 
