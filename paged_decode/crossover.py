@@ -1,13 +1,14 @@
 """Per-device crossover tables: which path ``decode(path="auto")`` takes.
 
 A table is the measured best of this package's arms (``gather``, ``v1``, ``v2``,
-``v2tc``) per benchmark cell, by median GPU time under CUDA-graph replay (``paged-decode bench
---write-crossover PATH`` writes one from a sweep). ``choose`` takes the nearest measured
-cell in (log2 batch, log2 mean visible context, log2 page size), preferring cells with
-the same GQA group, and returns its best path among those the call can run (the
-tensor-core partial takes 16-bit queries with pools in their dtype or fp8: a call on
-other pools, or with a variant a path does not implement (``variants.PATH_VARIANTS``),
-gets the cell's fastest other path; an fp8 call reads the cells measured on 16-bit pools).
+``v2tc``) per benchmark cell, by median GPU time under CUDA-graph replay
+(``paged-decode bench --write-crossover PATH`` writes one from a sweep; ``merged`` folds
+a later run's cells in). ``choose`` takes the nearest measured cell in (log2 batch, log2
+mean visible context, log2 page size), preferring cells with the same GQA group, and
+returns its best path among those the call can run (the tensor-core partial takes 16-bit
+queries with pools in their dtype or fp8: a call on other pools, or with a variant a path
+does not implement (``variants.PATH_VARIANTS``), gets the cell's fastest other path; an
+fp8 call reads the cells measured on 16-bit pools).
 
 Lookup order for a device: ``PAGED_DECODE_CROSSOVER`` (a JSON file), then
 ``~/.cache/paged-decode/crossover/<device>.json`` (re-measured on this machine), then the
@@ -156,5 +157,26 @@ def from_results(results: list[Any], device: str) -> dict[str, Any]:
     return {"device": device, "metric": metric, "cells": cells}
 
 
-__all__ = ["Cell", "CrossoverTable", "ENV", "device_slug", "from_results", "parse",
+def merged(old: dict[str, Any], new: dict[str, Any], source: str) -> dict[str, Any]:
+    """``old`` (a table's JSON form) with ``new``'s cells (``from_results``) in place of
+    the cells of the same geometry (batch, context, page size, group) and added where it
+    has none; ``source`` (a device run and its report) is appended to the table's
+    ``sources`` and written into every new cell, so each cell says which run timed it (a
+    cell without one is from the first source). Both tables must share a metric.
+    ``bench/crossover_merge.py`` applies it to saved bench JSON."""
+    fn = "crossover.merged"
+    if old.get("metric") != new.get("metric"):
+        raise InvalidArgumentError(f"{fn}: the tables' metrics differ ({old.get('metric')!r} "
+                                   f"against {new.get('metric')!r}): their times cannot mix")
+    key = ("batch", "context", "page_size", "group")
+    fresh = [{**c, "source": source} for c in new["cells"]]
+    taken = {tuple(c.get(k, 1) for k in key) for c in fresh}
+    kept = [c for c in old["cells"] if tuple(c.get(k, 1) for k in key) not in taken]
+    out = {**old, "cells": kept + fresh}
+    out["sources"] = [*old.get("sources", []), source]
+    parse(out, fn)           # the result must load
+    return out
+
+
+__all__ = ["Cell", "CrossoverTable", "ENV", "device_slug", "from_results", "merged", "parse",
            "table_for"]

@@ -246,3 +246,45 @@ def test_a_multitoken_plan_for_auto_folds_the_tokens_into_the_group(tmp_path, mo
     pr = make_problem(ProblemSpec(2, 700, 32, 2, 64, 16, seed=8))
     plan = pd.plan_decode(pr.table, 32, 2, 64, backend="emulated-cuda", query_tokens=2)
     assert plan.ctas_per_chunk == 4 and plan.query_tokens == 2
+
+
+def test_bench_results_round_trip_through_json():
+    r = BenchResult(BenchCase(4, 4096, 16, ragged_min=1024), 12, 64, {
+        "v2": ArmResult("v2", "v2+merge", 1e-4, True, gpu={"median_us": 7.0},
+                        expected=("v2", "v2+merge"), plan={"chunks": 12, "ctas": 96,
+                                                           "rule": "target"}),
+        "flashinfer": ArmResult("flashinfer", "unavailable", float("nan"), False,
+                                note="no GPU")})
+    d = json.loads(json.dumps(r.to_dict()))
+    back = BenchResult.from_dict(d)
+    assert back.case == r.case and back.arms["v2"] == r.arms["v2"]
+    assert back.to_dict()["arms"]["v2"] == r.to_dict()["arms"]["v2"]
+    d["arms"]["v2"]["field_of_a_newer_writer"] = 1          # dropped, not an error
+    assert BenchResult.from_dict(d).arms["v2"].gpu == {"median_us": 7.0}
+
+
+def test_merged_tables_replace_cells_of_the_same_geometry():
+    def cell(b, ctx, best, **t):
+        return {"batch": b, "context": ctx, "page_size": 16, "group": 4, "best": best,
+                "times_us": t}
+    metric = "median GPU time under CUDA-graph replay, cold L2"
+    old = {"device": "dev", "metric": metric, "sources": ["run A"],
+           "cells": [cell(4, 4096, "v2", v2=10.0, v2tc=11.0), cell(8, 4096, "v2", v2=20.0)]}
+    new = {"device": "dev", "metric": metric,
+           "cells": [cell(4, 4096, "v2tc", v2=10.0, v2tc=9.0), cell(12, 4096, "v2tc", v2tc=30.0)]}
+    out = crossover.merged(old, new, "run B")
+    assert out["sources"] == ["run A", "run B"]
+    by = {(c["batch"], c["context"]): c for c in out["cells"]}
+    assert len(out["cells"]) == 3
+    assert by[(4, 4096)]["best"] == "v2tc" and by[(4, 4096)]["source"] == "run B"
+    assert "source" not in by[(8, 4096)] and by[(12, 4096)]["source"] == "run B"
+    assert crossover.parse(out, "x").choose(5, 4096, 16, 4)[0] == "v2tc"
+    assert old["cells"][0]["best"] == "v2"                  # the input is not changed
+    with pytest.raises(InvalidArgumentError, match="crossover.merged.*metrics differ"):
+        crossover.merged(old, {**new, "metric": "host time"}, "run C")
+
+
+def test_the_shipped_h200_table_names_its_runs():
+    t = json.loads((crossover.SHIPPED / "nvidia-h200.json").read_text())
+    sources = t["sources"]
+    assert sources and all(c.get("source", sources[0]) in sources for c in t["cells"])

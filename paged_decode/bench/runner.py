@@ -16,7 +16,7 @@ import datetime
 import platform
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,19 @@ class BenchResult:
              "pages_per_chunk": self.pages_per_chunk, "io_bytes": self.case.io_bytes()}
         d["arms"] = {k: asdict(v) for k, v in self.arms.items()}
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchResult:
+        """A decode-suite result from its ``to_dict`` form (a bench JSON's ``results``);
+        unknown arm fields (a newer writer's) are dropped, missing ones take defaults."""
+        names = {f.name for f in fields(ArmResult)}
+        arms = {}
+        for k, a in d["arms"].items():
+            kept = {n: v for n, v in a.items() if n in names}
+            kept["expected"] = tuple(kept.get("expected", ()))
+            arms[k] = ArmResult(**kept)
+        return cls(BenchCase(**d["case"]), int(d["num_chunks"]), int(d["pages_per_chunk"]),
+                   arms)
 
 
 def header(be: Backend, *, bandwidth: float | None) -> dict[str, Any]:
