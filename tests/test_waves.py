@@ -255,3 +255,31 @@ def plan_pages(table: PageTable, window: int) -> int:
     """The longest request's pages the plan covers (its window's pages)."""
     from paged_decode.variants import window_table
     return int(window_table(table, window).pages_per_request.max())
+
+
+def test_the_bench_v2tc_arm_runs_the_wave_plan_unless_told_to_keep_its_own(monkeypatch):
+    """The bench's v2tc arm replaces the case's v2 plan by its own (the wave rule where
+    the device calibrates it); a sweep's plan (a CTA target) is timed as given with
+    ``keep_plan``, and a forced chunk size always."""
+    import dataclasses
+
+    from paged_decode.bench.arms import make_arm
+    be = get_backend("emulated-cuda")
+    dev = dataclasses.replace(be.device_info(), compute_units=132, ctas_per_unit=2,
+                              min_chunk_tokens=128, shared_mem_per_unit=233472)
+    monkeypatch.setattr(be, "device_info", lambda: dev)
+    table = uniform(12, 2048)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((12, 32, 128)).astype(np.float16)
+    k, v = (rng.standard_normal((int(table.indices.size), 16, 8, 128)).astype(np.float16)
+            for _ in range(2))
+    v2 = plan_decode(table, 32, 8, 128, device=dev, path="v2")
+    assert v2.slots_per_unit == 0
+    got = make_arm("v2tc", be, q, k, v, table, v2, 0.088).call.plan
+    want = plan_decode(table, 32, 8, 128, device=dev, path="v2tc")
+    assert got.slots_per_unit == 3 and got.num_ctas == want.num_ctas != v2.num_ctas
+    sweep = plan_decode(table, 32, 8, 128, device=dev, path="v2tc", target_ctas=528)
+    assert make_arm("v2tc", be, q, k, v, table, sweep, 0.088, keep_plan=True).call.plan is sweep
+    assert make_arm("v2tc", be, q, k, v, table, sweep, 0.088).call.plan is not sweep
+    forced = plan_decode(table, 32, 8, 128, device=dev, pages_per_chunk=16)
+    assert make_arm("v2tc", be, q, k, v, table, forced, 0.088).call.plan is forced

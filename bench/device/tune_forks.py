@@ -46,7 +46,7 @@ def measure(tag, arm_name, q, k, v, table, target, env=None):
         ctas = v2tc_ctas_per_chunk(HQ, HKV) if arm_name == "v2tc" else None
         plan = plan_decode(table, HQ, HKV, D, device=be.device_info(), target_ctas=target,
                            ctas_per_chunk=ctas)
-        arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(D))
+        arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(D), keep_plan=True)
         assert arm.call.plan is plan
         nbytes = int(2 * table.total_visible * HKV * D * 2)
         r = time_arm(be, arm_name, arm.call, verifier(be, arm, q, k, v, table), nbytes,

@@ -48,7 +48,7 @@ def measure(tag, arm_name, q, k, v, table, hq, hkv, **plan_kw):
     ctas = v2tc_ctas_per_chunk(hq, hkv) if arm_name == "v2tc" else None
     plan = plan_decode(table, hq, hkv, D, device=be.device_info(), ctas_per_chunk=ctas,
                        path="v2", **plan_kw)
-    arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(D))
+    arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(D), keep_plan=True)
     nbytes = int(2 * table.total_visible * hkv * D * 2)
     r = time_arm(be, arm_name, arm.call, verifier(be, arm, q, k, v, table), nbytes,
                  TOLERANCE["float16"], arm.expected, warmup=3, reps=15, cold_l2=True,

@@ -61,28 +61,31 @@ def plan_facts(plan: DecodePlan) -> dict[str, Any]:
 
 
 def make_arm(name: str, be: Backend, q: Any, k: Any, v: Any, table: PageTable,
-             plan: DecodePlan, sm_scale: float, variants: dict[str, Any] | None = None) -> Arm:
+             plan: DecodePlan, sm_scale: float, variants: dict[str, Any] | None = None,
+             *, keep_plan: bool = False) -> Arm:
     """Build arm ``name`` for one case (``q [B, Hq, D]``, pools ``[N, P, Hkv, D]`` of
     ``be``'s kind). ``variants``: ``decode``'s ``window_left`` / ``logits_soft_cap`` /
-    ``sinks`` (``plan`` made with the window). Raises ``ArmUnavailable`` with the reason
-    when it cannot run."""
+    ``sinks`` (``plan`` made with the window). The v2tc arm runs its own plan (its CTAs per
+    chunk and, where calibrated, the wave rule) unless ``plan`` forces a chunk size or
+    ``keep_plan`` (a sweep timing exactly its plan: a CTA target, say). Raises
+    ``ArmUnavailable`` with the reason when it cannot run."""
     vk = {k_: v_ for k_, v_ in (variants or {}).items()
           if v_ is not None and not (k_ == "window_left" and v_ < 0)}
     if name in OURS:
         with be.launch_context(q):
             out = be.empty(tuple(q.shape), be.dtype_of(q))
-        device = be.device_info()
-        geo = plan_geometry("v2tc", plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
-                            vk.get("kv_dtype"), device)
-        if name == "v2tc" and not plan.forced and (
-                plan.ctas_per_chunk, plan.slots_per_unit) != tuple(geo.values()):
-            # v2tc's own plan (its CTAs per chunk and, where calibrated, the wave rule; the
-            # same window); a plan already made for it (a sweep's chunk size) is kept. The
-            # target rule keeps the given plan's target (an fp8 pool's, an experiment's)
-            plan = plan_decode(table, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
-                               device=device, window_left=plan.window_left,
-                               kv_dtype=vk.get("kv_dtype"), path="v2tc",
-                               target_ctas=None if geo["slots_per_unit"] else plan.target_ctas)
+        if name == "v2tc" and not (keep_plan or plan.forced):
+            device = be.device_info()
+            geo = plan_geometry("v2tc", plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
+                                vk.get("kv_dtype"), device)
+            if (plan.ctas_per_chunk, plan.slots_per_unit) != (geo["ctas_per_chunk"],
+                                                              geo["slots_per_unit"]):
+                # the same window; the target rule keeps the given plan's target (an fp8
+                # pool's)
+                plan = plan_decode(
+                    table, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim,
+                    device=device, window_left=plan.window_left, kv_dtype=vk.get("kv_dtype"),
+                    path="v2tc", target_ctas=None if geo["slots_per_unit"] else plan.target_ctas)
         try:
             prep = prepare_decode(q, k, v, table, plan, path=name, out=out,
                                   sm_scale=sm_scale, backend=be, **vk)
