@@ -261,15 +261,15 @@ class DecodeStep:
         key = (layer, id(q), id(out), id(lse), return_lse,
                t.layout if self.backend.reads_step_tables else t.version)
         hit = self._prepared.get(key)
-        arrays = (q, out, lse)
+        lay = layouts((q, out, lse))
         if hit is None or hit[0][0] is not q or hit[0][1] is not out \
-                or layouts(arrays) != hit[0][2]:     # reshaped, or a tensor's data moved
+                or lay != hit[0][2]:                 # reshaped, or a tensor's data moved
             prep = prepare_call("DecodeStep.decode", q, k, v, self.table, self.plan,
                                 path=self.path, sm_scale=self.sm_scale, out=out, lse=lse,
                                 return_lse=return_lse, out_dtype=self.out_dtype,
                                 backend=self.backend, cascade=None, qo_indptr=None,
                                 **self.variants, **self.pool.decode_args(layer))
-            hit = ((q, out, layouts(arrays), lse), prep)
+            hit = ((q, out, lay, lse), prep)
             if not self.backend.reads_step_tables:
                 self._prepared = {k: h for k, h in self._prepared.items() if k[-1] == key[-1]}
             self._prepared[key] = hit

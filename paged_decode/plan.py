@@ -32,7 +32,7 @@ import numpy as np
 
 from .device import DeviceInfo
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
-from .fp8 import is_fp8
+from .kernels.decode_v2_tc import kv_bytes
 from .multitoken import MAX_QUERY_TOKENS, check_query_tokens_arg
 from .page_table import PageTable, frozen_int32
 from .specs import MAX_HEADS_PER_CTA, heads_per_cta
@@ -395,10 +395,11 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
             environment sets one.
         slots_per_unit: CTAs of the partial the plan is for that one SM holds at once
             (``specs.plan_geometry``; 0: unknown). When positive, the chunk size is the
-            one ``waves.wave_chunk_size`` models fastest for how those CTAs fill the SMs,
-            in place of the CTA-target and ragged rules, unless ``target_ctas``,
-            ``pages_per_chunk`` or ``PAGED_DECODE_TARGET_CTAS`` asks for them; the plan
-            records it (``DecodePlan.slots_per_unit``; 0 when the target rule ran).
+            one ``waves.wave_chunk_size`` models fastest for how those CTAs fill the SMs;
+            the target rule's size stays where the model ties it, and so does a ragged
+            split; ``target_ctas``, ``pages_per_chunk`` or ``PAGED_DECODE_TARGET_CTAS``
+            turn the rule off. The plan records it (``DecodePlan.slots_per_unit``; 0 when
+            the target rule made it).
     """
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
     headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
@@ -494,9 +495,9 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
         by_waves = by_waves and ppc == searched
         ppc = balanced_chunk_size(nz, ppc, min_ppc)
     if by_waves and nz.size:    # the target rule's size stays where the model ties it
-        elem = 1 if kv_dtype is not None and is_fp8(kv_dtype) else 2
+        token_bytes = 2 * head_dim * kv_bytes(kv_dtype or "float16")   # a K and a V row
         ppc = balanced_chunk_size(nz, wave_chunk_size(
-            nz, table.page_size, ctas_per_chunk, num_kv_heads, 2 * head_dim * elem,
+            nz, table.page_size, ctas_per_chunk, num_kv_heads, token_bytes,
             device.compute_units, slots_per_unit, min_ppc, max_ppc, max_chunks - empty,
             prefer=ppc), min_ppc)
     else:

@@ -38,7 +38,7 @@ DEVICE_SHARE = 0.855
 #: the cost of one wave, in bytes one SM streams at its saturated rate (about 12 us at
 #: the H200's 39 GB/s per SM)
 WAVE_COST = 468e3
-#: sizes whose cost is within this fraction of the least are ties: the fewest CTAs wins
+#: sizes whose cost is within this fraction of the least are ties (``wave_chunk_size``)
 TIE = 0.02
 #: the search tries chunkings of up to this many waves of CTAs
 MAX_WAVES = 8
@@ -68,14 +68,18 @@ def grid_cost(num_chunks: np.ndarray, mean_tokens: np.ndarray, longest_tokens: n
     # a full wave: every SM holds `slots` CTAs (saturated), or DRAM-bound
     cost = full * per_cta * max(slots, wave / device)
     k = -(-rest // units)                         # CTAs on the busiest SM of the tail
-    rate = np.where(k >= 2, 1.0, ONE_CTA)
-    cost = cost + np.where(rest > 0, np.maximum(k * per_cta / rate, rest * per_cta / device),
-                           0.0)
+    cost = cost + np.where(rest > 0, np.maximum(k * per_cta / _sm_rate(k),
+                                                rest * per_cta / device), 0.0)
     cost = np.maximum(cost, unique_bytes / device)
     # the longest chunk's CTA shares its SM with up to `slots - 1` others
     k = np.minimum(slots, -(-n // units))
-    cost = np.maximum(cost, longest_tokens * token_bytes * k / np.where(k >= 2, 1.0, ONE_CTA))
+    cost = np.maximum(cost, longest_tokens * token_bytes * k / _sm_rate(k))
     return cost + (full + (rest > 0)) * WAVE_COST
+
+
+def _sm_rate(ctas: np.ndarray) -> np.ndarray:
+    """An SM's streaming rate holding ``ctas`` CTAs, in its saturated rate."""
+    return np.where(ctas >= 2, 1.0, ONE_CTA)
 
 
 def wave_chunk_size(pages: np.ndarray, page_size: int, ctas_per_chunk: int, num_kv_heads: int,
