@@ -300,3 +300,68 @@ def test_ragged_cases_draw_their_lengths_and_count_their_bytes():
     r = bench_case(be, c, arms=("v2",), reps=3, warmup=0)
     assert r.arms["v2"].verified                      # checked against the oracle
     assert ",20-300," in to_csv([r])
+
+
+def test_pools_are_filled_slab_by_slab(monkeypatch):
+    """fill_slabs: every row drawn once, in order, cast on assignment, no slab over
+    SLAB_BYTES of float32 scratch, the last one short."""
+    from paged_decode.bench import runner
+    monkeypatch.setattr(runner, "SLAB_BYTES", 3 * 4 * 12)      # three rows of 3 x 4
+    rng = np.random.default_rng(0)
+    want = rng.standard_normal((10, 3, 4)).astype(np.float32)
+    sizes, at = [], [0]
+
+    def draw(n):
+        sizes.append(n)
+        at[0] += n
+        return want[at[0] - n:at[0]]
+    got = runner.fill_slabs(np, (10, 3, 4), np.float16, draw)
+    assert sizes == [3, 3, 3, 1] and got.dtype == np.float16
+    assert np.array_equal(got, want.astype(np.float16))
+
+
+def test_a_case_that_does_not_fit_is_reported_and_the_run_goes_on(monkeypatch):
+    """A case whose pools cannot be allocated reports every arm unavailable, saying why;
+    the next case runs; the CLI's verification check skips the unavailable arms."""
+    from paged_decode.bench import runner
+    from paged_decode.bench.cases import BenchCase
+    real = runner._problem
+
+    def problem(be, case, seed):
+        if case.batch == 3:
+            raise MemoryError("Out of memory allocating 10,737,418,240 bytes")
+        return real(be, case, seed)
+    monkeypatch.setattr(runner, "_problem", problem)
+    res = runner.run_bench([BenchCase(3, 64, 16, 4, 2, 64), BenchCase(2, 64, 16, 4, 2, 64)],
+                           backend="reference", arms=("v1", "v2"), warmup=0, reps=1)
+    assert [a.ran for a in res[0].arms.values()] == ["unavailable"] * 2
+    assert all("do not fit the device's memory" in a.note and "10,737,418,240" in a.note
+               for a in res[0].arms.values())
+    assert all(a.verified for a in res[1].arms.values())
+
+
+def test_an_arm_out_of_memory_is_unavailable_and_other_failures_still_raise(monkeypatch):
+    """An arm whose allocation fails (CuPy's MemoryError, or torch's OutOfMemoryError, a
+    RuntimeError) is reported unavailable and the next arm runs; any other exception is a
+    bug and propagates (negative control)."""
+    from paged_decode.bench import runner
+    from paged_decode.bench.cases import BenchCase
+
+    class OutOfMemoryError(RuntimeError):   # torch's, by name
+        pass
+    real = runner.make_arm
+    fail = {"v1": OutOfMemoryError("CUDA out of memory")}
+
+    def make_arm(name, *a, **k):
+        if name in fail:
+            raise fail[name]
+        return real(name, *a, **k)
+    monkeypatch.setattr(runner, "make_arm", make_arm)
+    r = runner.bench_case(runner.get_backend("reference"), BenchCase(2, 64, 16, 4, 2, 64),
+                          arms=("v1", "v2"), warmup=0, reps=1)
+    assert r.arms["v1"].ran == "unavailable" and "out of device memory" in r.arms["v1"].note
+    assert r.arms["v2"].verified
+    fail["v1"] = RuntimeError("an unrelated failure")
+    with pytest.raises(RuntimeError, match="unrelated"):
+        runner.bench_case(runner.get_backend("reference"), BenchCase(2, 64, 16, 4, 2, 64),
+                          arms=("v1", "v2"), warmup=0, reps=1)

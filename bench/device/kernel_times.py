@@ -4,10 +4,12 @@ caches flushed), so a call's GPU time splits into its kernels (our partial and m
 FlashInfer's), and what the graph replay adds on top is the launch gaps.
 
 Usage: python3 bench/device/kernel_times.py ARM BATCH CONTEXT HQ HKV [HEAD_DIM]
-(ARM: v2, v2tc, flashinfer, flashinfer-tc, or flashinfer-xqa after ``run.sh fi06``; float16,
-page 16, the bench's plan and arms)
+(ARM: v2, v2tc, flashinfer, flashinfer-tc, or flashinfer-xqa after ``run.sh fi06``; float16
+queries, page 16, the bench's plan and arms; ``KT_KV_DTYPE`` an fp8 pool dtype, planned
+for it as ``decode`` plans)
 """
 
+import os
 import sys
 
 import numpy as np
@@ -24,9 +26,11 @@ from paged_decode.bench.cases import BenchCase  # noqa: E402
 from paged_decode.bench.runner import _problem, _variants  # noqa: E402
 
 be = get_backend("cuda")
-case = BenchCase(b, ctx, 16, hq, hkv, d)
+kv_dtype = os.environ.get("KT_KV_DTYPE", "")
+case = BenchCase(b, ctx, 16, hq, hkv, d, kv_dtype=kv_dtype)
 q, k, v, table = _problem(be, case, 0)
-plan = plan_decode(table, hq, hkv, d, device=be.device_info(), path="v2")
+plan = plan_decode(table, hq, hkv, d, device=be.device_info(), path="v2",
+                   kv_dtype=kv_dtype or None)
 arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(d), _variants(be, case, 0, q))
 for _ in range(3):
     arm.call()

@@ -34,6 +34,8 @@
 #   cascade-rule  bench --suite cascade-rule (short prefixes: where cascade starts to pay)
 #   forks       bench --suite forks: flat decode over pages every request shares, v2 /
 #               v2tc / FlashInfer beside cascade (run fi first)
+#   forks-stages  the forks suite at the CUDA kernels' ring depths FORKS_STAGES (2 3; run fi
+#               first)
 #   tune-forks  bench/device/tune_forks.py: v2 and v2tc over shared and private pages at plan
 #               CTA targets 264-2112 (v2tc also at 8 warps)
 #   chunks      bench/device/tune_chunks.py: v2 / v2tc on balanced chunks against the
@@ -53,7 +55,8 @@
 #   append-host host time of one PagePool.append_batch, 128 sequences x 1 token x 32 layers
 #   engine      the step-table / engine-step GPU tests, then bench --suite engine (arms
 #               ENGINE_ARMS, default eager, captured, flashinfer; batch 8/64/128, 32 layers;
-#               run fi first) + its plot
+#               ENGINE_ARGS more bench options, e.g. --context 4096 --batch 64; run fi
+#               first) + its plot
 #   begin-host  bench/begin_host.py on the GPU machine's CPU (no GPU work): the steady and
 #               general begin's bookkeeping, to set its host beside this repository's CPU
 #   engine-models  bench --suite engine --model M (ENGINE_MODELS, default qwen2-7b) at batch
@@ -81,6 +84,8 @@
 #   v2-target   v2 over the targets preset at plan CTA targets 264 / 528 (V2_TARGETS)
 #   ncu-mem     ncu memory tables (requests, sectors, hit rates per operation) of v2tc and
 #               FlashInfer's tensor-core kernel (MEM_ARMS, MEM_CELL)
+#   ncu-fp8     ncu of v2tc over e4m3fn and float16 pools at 8 x 8K (FP8_NCU_DTYPES,
+#               FP8_NCU_CELL): pipe utilization, warp states, memory, per-instruction samples
 #   ncu-source  per-instruction stall samples of v2tc and FlashInfer's tensor-core kernel
 #               (ncu source counters, the SASS source page as CSV)
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
@@ -97,6 +102,8 @@
 #   tests       the GPU tests of TESTS (files; default fp8, engine step, transformers), TESTS_K
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
+#   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
+#               run: float16 / e4m3fn at 8/32/128 x 8K/32K (FP8_AB_STAGES), the targets preset
 #   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
 #   fp8-residency  the fp8 v2tc path at plan CTA targets 264-1056 x ring depths 2 / 3
 #               (FRES_TARGETS, FRES_STAGES, FRES_WARPS (4): other lists)
@@ -263,6 +270,16 @@ step_models() { run_bench models --preset models --arms ${BENCH_ARMS:-v2,sdpa,fl
 step_cascade() { run_bench cascade --suite cascade; }
 step_cascade_rule() { run_bench cascade-rule --suite cascade-rule; }
 step_forks() { run_bench forks --suite forks; }
+# the forks suite (flat decode over pages every request shares: their K/V come from L2,
+# every flat arm and cascade, FlashInfer's too after fi) at the CUDA kernels' ring depths
+# FORKS_STAGES (2 3): whether a deeper ring streams L2-resident pages faster
+step_forks_stages() {
+  local st
+  for st in ${FORKS_STAGES:-2 3}; do
+    PAGED_DECODE_STAGES=$st BENCH_TIMEOUT=${FORKS_TIMEOUT:-90} run_bench "forks_s$st" \
+      --suite forks | tail -9
+  done
+}
 step_tune_forks() {
   timeout ${TUNE_TIMEOUT:-240} python3 bench/device/tune_forks.py "$OUT/tune_forks.json" \
     2>&1 | tee "$L/tune_forks.txt" | tail -60
@@ -336,7 +353,7 @@ step_append_host() {
 step_engine() {
   python3 -m pytest -q tests/test_engine_step_gpu.py -rs > "$L/engine_tests.log" 2>&1
   echo "engine tests rc=$?"; grep -E "FAILED|passed|failed" "$L/engine_tests.log" | tail -8
-  timeout ${ENGINE_TIMEOUT:-500} paged-decode bench --backend cuda --suite engine \
+  timeout ${ENGINE_TIMEOUT:-500} paged-decode bench --backend cuda --suite engine ${ENGINE_ARGS:-} \
     --arms ${ENGINE_ARMS:-eager,captured,flashinfer,flashinfer-captured} --json "$OUT/engine.json" \
     --plot "$OUT/engine.png" > "$OUT/engine.txt" 2>&1
   echo "engine bench rc=$?"; tail -20 "$OUT/engine.txt"
@@ -712,6 +729,33 @@ step_ncu_source() {
     echo "source page $arm rc=$? ($(wc -l < "$OUT/ncu_source_$arm.csv") lines)"
   done
 }
+# what limits v2tc over fp8 pools where it trails the 1.8x-of-float16 target (#14): one
+# ncu profile per pool dtype (FP8_NCU_DTYPES; "" is float16) of the partial alone at
+# FP8_NCU_CELL (8 x 8K, 32/8; FP8_NCU_STAGES a ring depth), with the pipe utilization (ComputeWorkloadAnalysis,
+# InstructionStats), warp states, memory and per-SASS-instruction samples; details in
+# $OUT/ncu_fp8_<dtype>.txt, the source page in $OUT/ncu_fp8_src_<dtype>.csv
+step_ncu_fp8() {
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; return 1; }
+  local dt tag
+  for dt in ${FP8_NCU_DTYPES:-float8_e4m3fn float16}; do
+    tag=${dt:-float16}
+    [ "$dt" = float16 ] && dt=""
+    KT_KV_DTYPE=$dt PAGED_DECODE_STAGES=${FP8_NCU_STAGES:-} timeout 150 ncu --profile-from-start off -k regex:pd_decode_v2_tc \
+      --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section SourceCounters \
+      --metrics "regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
+      -o "$L/ncu_fp8_$tag" -f python3 bench/device/kernel_times.py v2tc ${FP8_NCU_CELL:-8 8192 32 8} \
+      > "$L/ncu_fp8_$tag.log" 2>&1
+    echo "ncu fp8 $tag rc=$?"; tail -3 "$L/ncu_fp8_$tag.log"
+    timeout 60 ncu --import "$L/ncu_fp8_$tag.ncu-rep" --print-details all > "$OUT/ncu_fp8_$tag.txt" 2>&1
+    timeout 60 ncu --import "$L/ncu_fp8_$tag.ncu-rep" --page raw --csv > "$L/ncu_fp8_raw_$tag.csv" 2>&1
+    timeout 60 ncu --import "$L/ncu_fp8_$tag.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/ncu_fp8_src_$tag.csv" 2>&1
+    grep -E "Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Executed Ipc|pipe|Stall" \
+      "$OUT/ncu_fp8_$tag.txt" | head -40
+  done
+}
 # v2tc at plan CTA targets beyond the default 2 per SM (TC_TARGETS; "" is the default),
 # where its 3-4 resident CTAs per SM are left idle or a second wave runs nearly empty:
 # GQA 7 and 16 at batch 8 / 64 x 8K / 32K, Llama-3-8B heads at batch 64 / 128 x 4K / 16K
@@ -832,6 +876,28 @@ step_fp8_quick() {
   [ "${FP8_QUICK_E5M2:-0}" = 1 ] && BENCH_TIMEOUT=${FP8_QUICK_TIMEOUT:-60} run_bench fq_e5m2 $c \
     --kv-dtype float8_e5m2 --arms $arms | tail -9
   return 0
+}
+# an A/B of this tree's v2tc against the package at FP8_AB_BASE (a copy of an earlier
+# commit's paged_decode/, carried: its bench and kernels imported first on PYTHONPATH), in
+# one run: float16 and e4m3fn pools at 8/32/128 x 8K/32K (this tree's fp8 ring at the depths
+# FP8_AB_STAGES, "S" or "S:TARGET" for a plan CTA target), then v2tc over the targets preset
+# (FP8_AB_TARGETS=0: not)
+step_fp8_ab() {
+  local c="--preset targets --context 8192 --context 32768 --batch 8 --batch 32 --batch 128"
+  local base; base=$(realpath "${FP8_AB_BASE:-.carry/base}"); local st tgt
+  [ -d "$base/paged_decode" ] || { echo "no $base/paged_decode"; return 1; }
+  PYTHONPATH=$base python3 -P -c "import paged_decode; print(\"base:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
+  PYTHONPATH=$base BENCH_TIMEOUT=60 run_bench ab_base_f16 $c --arms v2tc | tail -9
+  PYTHONPATH=$base BENCH_TIMEOUT=60 run_bench ab_base_e4m3 $c --kv-dtype float8_e4m3fn --arms v2tc | tail -9
+  BENCH_TIMEOUT=60 run_bench ab_new_f16 $c --arms v2tc | tail -9
+  for st in ${FP8_AB_STAGES:-2 3}; do
+    tgt=${st#*:}; [ "$tgt" = "$st" ] && tgt=""
+    PAGED_DECODE_STAGES=${st%%:*} PAGED_DECODE_TARGET_CTAS=$tgt BENCH_TIMEOUT=60 \
+      run_bench "ab_new_e4m3_s${st/:/_t}" $c --kv-dtype float8_e4m3fn --arms v2tc | tail -9
+  done
+  [ "${FP8_AB_TARGETS:-1}" = 1 ] || return 0
+  PYTHONPATH=$base BENCH_TIMEOUT=90 run_bench ab_base_targets --preset targets --arms v2tc | tail -28
+  BENCH_TIMEOUT=90 run_bench ab_new_targets --preset targets --arms v2tc | tail -28
 }
 # v2tc over fp8 pools at ring depths 2/3/4 (4 warps) and 2/3 (8 warps), float16 v2tc
 # beside them, 8/32/128 x 8K/32K at Llama-3-8B heads: the fp8 stage holds half float16's

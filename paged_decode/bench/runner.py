@@ -8,6 +8,11 @@ our arms this is the prepared call, and ``api_call`` is the plain ``decode(...)`
 the plan reused). ``host`` is the host time of one call alone (no wait for the GPU): the
 host overhead per call. On the reference backend only host time exists. The plan is made once
 per case and reused, as an engine reuses it across layers and steps.
+
+Device memory: pools are generated on the device slab by slab (``fill_slabs``), the
+allocators' cached blocks are handed back before each case (``release_memory``), and a
+case or an arm that still does not fit is reported unavailable with the reason, so one
+large case does not end a run on a smaller card.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from ..plan import DecodePlan
 from ..problems import make_table
 from ..reference import attention_f64, row_rel_error
 from . import timing
-from .arms import ALL_ARMS, EXPECTED, ArmUnavailable, make_arm
+from .arms import ALL_ARMS, EXPECTED, Arm, ArmUnavailable, make_arm
 from .cases import BenchCase
 
 ARMS = ALL_ARMS
@@ -113,12 +118,34 @@ def _problem(be: Backend, case: BenchCase, seed: int) -> tuple[Any, Any, Any, Pa
     if be.name == "cuda":   # generated on the device (pools of many GB)
         import cupy as cp
         g = cp.random.default_rng(seed)
-        return tuple(g.standard_normal(s, dtype=cp.float32).astype(dt)  # type: ignore[return-value]
-                     for s in (qshape, shape, shape)) + (table,)
+        def normal(s: tuple[int, ...]) -> Any:
+            return fill_slabs(cp, s, dt, lambda n: g.standard_normal((n, *s[1:]),
+                                                                     dtype=cp.float32))
+        return normal(qshape), normal(shape), normal(shape), table
     h = np.random.default_rng(seed)
     q, k, v = (be.asarray(h.standard_normal(s, dtype=np.float32).astype(dt))
                for s in (qshape, shape, shape))
     return q, k, v, table
+
+
+#: the most bytes of scratch a pool's generation holds at once (``fill_slabs``)
+SLAB_BYTES = 1 << 28
+
+
+def fill_slabs(xp: Any, shape: tuple[int, ...], dtype: Any,
+               draw: Callable[[int], Any]) -> Any:
+    """An array of ``shape`` and ``dtype`` (module ``xp``) filled slab by slab along its
+    first axis: ``draw(n)`` returns the next ``n`` rows (shape ``(n, *shape[1:])``, any
+    dtype, cast on assignment), each slab at most ``SLAB_BYTES`` of float32 scratch. A
+    pool drawn whole took its size in float32 (or int32 indices) beside itself: three
+    times a float16 pool, which ran an 80 GB card out of memory at 128 x 32K."""
+    out = xp.empty(shape, dtype=dtype)
+    per_row = 4 * int(np.prod(shape[1:], dtype=np.int64))
+    step = max(1, SLAB_BYTES // max(per_row, 1))
+    for i in range(0, shape[0], step):
+        n = min(step, shape[0] - i)
+        out[i:i + n] = draw(n)
+    return out
 
 
 #: fp8 benchmark pools: K ~ N(0, 2^2), V ~ N(0, 1), scaled so that 4 sigma reaches the
@@ -146,8 +173,12 @@ def _fp8_problem(be: Backend, case: BenchCase, seed: int, table: PageTable,
     if be.name == "cuda":
         import cupy as cp
         g = cp.random.default_rng(seed)
-        k, v = (cp.asarray(smp)[g.integers(0, smp.size, shape, dtype=cp.int32)]
-                for smp in sample)
+
+        def pool(smp: np.ndarray) -> Any:
+            codes = cp.asarray(smp)
+            return fill_slabs(cp, shape, cp.uint8, lambda n: codes[
+                g.integers(0, codes.size, (n, *shape[1:]), dtype=cp.int32)])
+        k, v = pool(sample[0]), pool(sample[1])
         return cp.asarray(q), k, v, table
     k, v = (smp[h.integers(0, smp.size, shape)].view(fp8.numpy_fp8(fmt)) for smp in sample)
     return be.asarray(q), be.asarray(k), be.asarray(v), table
@@ -276,8 +307,20 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather
                warmup: int = 5, reps: int = 30, cold_l2: bool = True, seed: int = 0,
                graph: bool = True) -> BenchResult:
     """Verify, then time, every arm of one case on ``be``. An arm that cannot run here
-    (``ArmUnavailable``) is reported as unverified with the reason in ``note``."""
-    q, k, v, table = _problem(be, case, seed)
+    (``ArmUnavailable``, or out of device memory) is reported as unverified with the
+    reason in ``note``; so is every arm of a case whose pools do not fit the device."""
+    release_memory(be)      # the previous case's pools and the arms' cached blocks
+    try:
+        q, k, v, table = _problem(be, case, seed)
+    except Exception as exc:
+        if not out_of_memory(exc):
+            raise
+        release_memory(be)
+        note = (f"the case's K/V pools (about {case.io_bytes() / 2**30:.1f} GiB read per "
+                f"call, 1.25x that allocated) do not fit the device's memory: {exc}")
+        return BenchResult(case, 0, 0, {arm: ArmResult(
+            arm, "unavailable", float("nan"), False, expected=EXPECTED.get(arm, ()),
+            note=note) for arm in arms})
     vk = _variants(be, case, seed, q)
     # v2's plan; the v2tc arm plans for its own CTAs (make_arm)
     plan = plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
@@ -299,20 +342,48 @@ def time_arms(be: Backend, arms: tuple[str, ...], q: Any, k: Any, v: Any, table:
     ``note``."""
     results = {}
     for arm in arms:
+        a: Arm | None = None
         try:
             a = make_arm(arm, be, q, k, v, table, plan, sm_scale, variants)
-        except ArmUnavailable as exc:
+            results[arm] = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table, variants),
+                                    nbytes, tolerance, a.expected, warmup=warmup, reps=reps,
+                                    cold_l2=cold_l2, ran=a.ran, api_call=a.api_call,
+                                    graph=graph, check_output=lambda o: _verify(
+                                        be, o, q, k, v, table, variants))
+            results[arm].plan = a.plan
+        except Exception as exc:
+            if not isinstance(exc, ArmUnavailable) and not out_of_memory(exc):
+                raise
+            a = None            # its buffers and graphs go before the next arm's
+            release_memory(be)
+            note = str(exc) if isinstance(exc, ArmUnavailable) else f"out of device memory: {exc}"
             results[arm] = ArmResult(arm, "unavailable", float("nan"), False,
-                                     expected=EXPECTED.get(arm, ()), note=str(exc))
-            continue
-        results[arm] = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table, variants),
-                                nbytes, tolerance, a.expected, warmup=warmup, reps=reps,
-                                cold_l2=cold_l2, ran=a.ran, api_call=a.api_call, graph=graph,
-                                check_output=lambda o: _verify(be, o, q, k, v, table,
-                                                               variants))
-        results[arm].plan = a.plan
+                                     expected=EXPECTED.get(arm, ()), note=note)
         del a
     return results
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a device allocation failure: CuPy's ``OutOfMemoryError`` is a
+    ``MemoryError``; torch's (``torch.OutOfMemoryError``) is a ``RuntimeError`` of that
+    name."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def release_memory(be: Backend) -> None:
+    """Hand the CUDA allocators' cached free blocks back to the device (CuPy's pool, and
+    torch's when an arm has loaded it), so that the next case's pools of many GB are not
+    refused beside blocks nothing uses any more. Nothing on other backends."""
+    if be.name != "cuda":
+        return
+    import gc
+
+    import cupy as cp
+    gc.collect()            # arrays kept alive only by reference cycles (captured graphs)
+    cp.get_default_memory_pool().free_all_blocks()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def run_bench(cases: list[BenchCase], *, backend: str | Backend | None = None,
