@@ -31,7 +31,7 @@ from typing import Any
 from .backends import Backend, Problem, c_contiguous, check_same_device, get_backend
 from .cascade import TC_LEVEL0, V2_LEVEL0, tc_level0_applies
 from .cascade_policy import resolve_cascade
-from .crossover import table_for
+from .crossover import measured_elsewhere, table_for
 from .device import DeviceInfo
 from .dtypes import check_dtype, expect_dtype
 from .errors import (
@@ -165,14 +165,17 @@ def choose_path_at(backend: Backend, table: Table, group: int,
         return single
     if kv_dtype is not None and is_fp8(kv_dtype) and "v2tc" in allowed:
         return "v2tc", FP8_AUTO
-    name = backend.device_info().name
-    xt = table_for(name)
+    dev = backend.device_info()
+    name = dev.name
+    xt = table_for(name, dev.arch)
     if xt is None:
         return "v2", f"auto: v2 (no crossover table for {name!r})"
     ctx = table.total_visible / max(1, table.batch_size)
     best, cell = xt.choose(table.batch_size, ctx, table.page_size, group, allowed)
     where = (f"the nearest measured cell (B{cell.batch} ctx{cell.context} ps{cell.page_size}"
              f" G{cell.group}) of {Path(xt.source).name}")
+    if measured_elsewhere(xt, name):
+        where += f", measured on {xt.device}, not on this {name}"
     if best is None:
         return "v2", f"auto: v2 (no path this call can run was timed at {where})"
     return best, f"auto: {best} was the fastest this call can run at {where}"

@@ -84,11 +84,13 @@ def info(backend: str | None, as_json: bool) -> None:
             "ctas_per_unit": dev.ctas_per_unit, "target_ctas": dev.target_ctas(),
             "detail": dev.detail, **{k: v for k, v in be.describe().items() if k != "backend"}}
     data["v2tc_plans"] = _v2tc_plan_rule(dev)
-    from .crossover import table_for
+    from .crossover import measured_elsewhere, table_for
     try:
-        xt = table_for(dev.name)
-        data["crossover"] = (f"{xt.source} ({len(xt.cells)} cells)" if xt is not None
-                             else "none: path='auto' runs v2")
+        xt = table_for(dev.name, dev.arch)
+        data["crossover"] = ("none: path='auto' runs v2" if xt is None else
+                             f"{xt.source} ({len(xt.cells)} cells"
+                             + (f"; measured on {xt.device}, not on this device"
+                                if measured_elsewhere(xt, dev.name) else "") + ")")
     except Exception as exc:   # a malformed table file must not hide the rest of info
         data["crossover"] = f"unreadable: {exc}"
     if as_json:

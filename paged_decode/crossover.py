@@ -12,9 +12,14 @@ fp8 call reads the cells measured on 16-bit pools).
 
 Lookup order for a device: ``PAGED_DECODE_CROSSOVER`` (a JSON file), then
 ``~/.cache/paged-decode/crossover/<device>.json`` (re-measured on this machine), then the
-table shipped in ``paged_decode/data/crossover/<device>.json``. ``<device>`` is the device
-name in lower case with non-alphanumerics as ``-`` (e.g. ``nvidia-h200``). With no table,
-auto runs v2.
+table shipped in ``paged_decode/data/crossover/<device>.json``, then a shipped table
+measured on another device of the same architecture (``SHIPPED_ARCH``: the H200's for any
+compute capability 9.0 GPU, an H100 included). ``<device>`` is the device name in lower
+case with non-alphanumerics as ``-`` (e.g. ``nvidia-h200``). With no table, auto runs v2.
+The architecture decides most of a cell's choice (at GQA 7-16 the CUDA-core partial runs
+out of issue slots and registers, at GQA 1-2 the tensor-core one pads most of its tile),
+the memory system the rest, so a borrowed table is a better guess than v2 everywhere but
+not a measurement: the call's reason names the device the table was measured on.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from .errors import InvalidArgumentError
 ENV = "PAGED_DECODE_CROSSOVER"
 PATHS = ("gather", "v1", "v2", "v2tc")
 SHIPPED = Path(__file__).parent / "data" / "crossover"
+#: each shipped table's architecture (CUDA compute capability), for devices with no table
+#: of their own (``table_for``)
+SHIPPED_ARCH = {"nvidia-h200": "9.0"}
 USER = Path(os.path.expanduser("~")) / ".cache" / "paged-decode" / "crossover"
 
 
@@ -118,12 +126,20 @@ def _candidates(env: str | None, device_name: str, user: str, shipped: str) -> t
                                        os.path.join(shipped, f"{slug}.json"))
 
 
-def table_for(device_name: str) -> CrossoverTable | None:
-    """The crossover table for ``device_name`` (see the module doc for the lookup). Every
-    ``path="auto"`` call looks it up, so the lookup is one ``stat`` per candidate file
-    (a table written or changed later is seen at the next call)."""
+@functools.lru_cache(maxsize=64)
+def _candidates_by_arch(arch: str, shipped: str) -> tuple[str, ...]:
+    return tuple(os.path.join(shipped, f"{slug}.json")
+                 for slug, a in SHIPPED_ARCH.items() if arch and a == arch)
+
+
+def table_for(device_name: str, arch: str = "") -> CrossoverTable | None:
+    """The crossover table for ``device_name`` of architecture ``arch`` (``DeviceInfo.arch``;
+    see the module doc for the lookup). Every ``path="auto"`` call looks it up, so the
+    lookup is one ``stat`` per candidate file (a table written or changed later is seen at
+    the next call). ``measured_elsewhere`` tells a borrowed table."""
     env = settings.get(ENV)
-    for p in _candidates(env, device_name, str(USER), str(SHIPPED)):
+    for p in (_candidates(env, device_name, str(USER), str(SHIPPED))
+              + _candidates_by_arch(arch, str(SHIPPED))):
         try:
             st = os.stat(p)
         except OSError:
@@ -133,6 +149,12 @@ def table_for(device_name: str) -> CrossoverTable | None:
         if env and p == env:
             raise InvalidArgumentError(f"{ENV}: no such file {env!r}")
     return None
+
+
+def measured_elsewhere(table: CrossoverTable, device_name: str) -> bool:
+    """Whether ``table`` was measured on another device than ``device_name`` (a table of
+    the same architecture, or a file named by ``PAGED_DECODE_CROSSOVER``)."""
+    return device_slug(table.device) != device_slug(device_name)
 
 
 def from_results(results: list[Any], device: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from collections.abc import Iterable
 
-from .specs import KernelSpec, cuda_source, l2_prefetch_bytes
+from .specs import KernelSpec, cuda_defines, cuda_source
 
 ARCH = "sm_90"
 
@@ -67,11 +67,11 @@ def available() -> str | None:
 
 
 def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None,
-                  l2_prefetch: int | None = None) -> None:
+                  l2_prefetch: int | None = None, timeline: bool | None = None) -> None:
     """Compile every spec (grouped by kernel source) as the ``cuda`` backend does, with
-    ``PD_L2_PREFETCH`` = ``l2_prefetch`` (default ``specs.l2_prefetch_bytes()``); raise
-    ``RuntimeError`` with the compiler's log on the first failure."""
-    define = f"-DPD_L2_PREFETCH={l2_prefetch_bytes() if l2_prefetch is None else l2_prefetch}"
+    the defines ``specs.cuda_defines(l2_prefetch, timeline)``; raise ``RuntimeError``
+    with the compiler's log on the first failure."""
+    defines = cuda_defines(l2_prefetch, timeline)
     by_kernel: dict[str, list[KernelSpec]] = {}
     for s in specs:
         by_kernel.setdefault(s.kernel, []).append(s)
@@ -81,9 +81,9 @@ def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None,
     for kernel, group in by_kernel.items():
         exprs = sorted({s.cuda_name_expression() for s in group})
         if how == "nvrtc":
-            _nvrtc(cuda_source(kernel), exprs, (define,))
+            _nvrtc(cuda_source(kernel), exprs, defines)
         else:
-            _nvcc(cuda_source(kernel), exprs, (define,))
+            _nvcc(cuda_source(kernel), exprs, defines)
 
 
 def _load_nvrtc() -> ctypes.CDLL:

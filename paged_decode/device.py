@@ -40,6 +40,9 @@ class DeviceInfo:
     ``fp8_ctas_per_unit``: ``ctas_per_unit`` for plans over fp8 pools (0: the same);
     an fp8 CTA streams half the bytes of a 16-bit one per token, so more of them in
     flight keep the memory system busy at small batches.
+    ``arch``: the architecture, ``"major.minor"`` compute capability on CUDA (``""``:
+    not known); ``path="auto"`` falls back to a crossover table measured on the same one
+    when the device has none (``crossover.table_for``).
     """
 
     backend: str
@@ -53,10 +56,11 @@ class DeviceInfo:
     shared_mem_per_unit: int = 0
     ragged_split: float = 0.0
     fp8_ctas_per_unit: int = 0
+    arch: str = ""
 
     def __post_init__(self) -> None:
         fn = "DeviceInfo"
-        for name in ("backend", "name", "detail"):
+        for name in ("backend", "name", "detail", "arch"):
             check_type(fn, name, getattr(self, name), str, "a str")
         for name, least in (("compute_units", 1), ("ctas_per_unit", 1), ("index", 0),
                             ("min_chunk_tokens", 1), ("prefix_tile_rows", 0),

@@ -31,6 +31,8 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_TC_WARPS": "CUDA v2tc warps per CTA, 2 / 4 / 8 (experiments)",
     "PAGED_DECODE_L2_PREFETCH": "CUDA cp.async L2 prefetch hint, 0 / 128 / 256 bytes "
                                 "(experiments)",
+    "PAGED_DECODE_TIMELINE": "CUDA kernels compiled with per-CTA timeline stamps, 0 / 1 "
+                             "(diagnostics: bench/device/timeline.py)",
     "PAGED_DECODE_PREFIX_TILE": "cascade prefix-kernel tile (experiments)",
     "PAGED_DECODE_PREFIX_CTAS_PER_SM": "cascade prefix-kernel residency (experiments)",
     "PAGED_DECODE_FUSED_MERGE": "the CUDA tensor-core partial's merge fused into it: unset "

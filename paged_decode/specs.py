@@ -308,6 +308,31 @@ def v2tc_warps(head_dim: int, kv_dtype: str = "float16") -> int:
     return warps
 
 
+TIMELINE_ENV = "PAGED_DECODE_TIMELINE"
+
+
+def timeline_enabled() -> bool:
+    """Whether the CUDA kernels compile with per-CTA timeline stamps (``PD_TIMELINE``,
+    ``kernels/common.py``): ``PAGED_DECODE_TIMELINE=1``, for ``bench/device/timeline.py``
+    (diagnostics; a kernel is then compiled apart from its plain build)."""
+    env = settings.get(TIMELINE_ENV)
+    if env in (None, "", "0"):
+        return False
+    if env != "1":
+        raise InvalidArgumentError(f"{TIMELINE_ENV} must be 0 or 1, got {env!r}")
+    return True
+
+
+def cuda_defines(l2_prefetch: int | None = None, timeline: bool | None = None
+                 ) -> tuple[str, ...]:
+    """The ``-D`` options every CUDA kernel compiles with: ``PD_L2_PREFETCH`` (default
+    ``l2_prefetch_bytes()``) and, when ``timeline`` (default ``timeline_enabled()``),
+    ``PD_TIMELINE``. One compiled module per distinct tuple."""
+    prefetch = l2_prefetch_bytes() if l2_prefetch is None else l2_prefetch
+    stamps = timeline_enabled() if timeline is None else timeline
+    return (f"-DPD_L2_PREFETCH={prefetch}",) + (("-DPD_TIMELINE=1",) if stamps else ())
+
+
 def l2_prefetch_bytes() -> int:
     """The L2 prefetch size (bytes) the CUDA kernels' ``cp.async`` copies hint:
     ``L2_PREFETCH``, or ``PAGED_DECODE_L2_PREFETCH`` (0, 128 or 256) for experiments.

@@ -288,3 +288,54 @@ def test_the_shipped_h200_table_names_its_runs():
     t = json.loads((crossover.SHIPPED / "nvidia-h200.json").read_text())
     sources = t["sources"]
     assert sources and all(c.get("source", sources[0]) in sources for c in t["cells"])
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_a_device_without_a_table_borrows_its_architectures(monkeypatch, tmp_path):
+    """An H100 (compute capability 9.0, no table of its own) gets the H200's shipped
+    table, flagged as measured elsewhere; another architecture, or none known, gets no
+    table; a table measured on the device itself comes first."""
+    monkeypatch.delenv(crossover.ENV, raising=False)
+    monkeypatch.setattr(crossover, "USER", tmp_path)
+    t = crossover.table_for(H100, "9.0")
+    assert t is not None and t.source.endswith("nvidia-h200.json")
+    assert crossover.measured_elsewhere(t, H100)
+    assert not crossover.measured_elsewhere(t, "NVIDIA H200")
+    assert crossover.table_for(H100, "8.0") is None and crossover.table_for(H100) is None
+    own = tmp_path / "nvidia-h100-80gb-hbm3.json"
+    own.write_text(json.dumps({"device": H100, "cells": _cells()}))
+    t = crossover.table_for(H100, "9.0")
+    assert t.source == str(own) and not crossover.measured_elsewhere(t, H100)
+
+
+class _Device:
+    """A backend as choose_path_at sees it: one device, no single-arm shortcut."""
+
+    def __init__(self, arch):
+        from paged_decode.device import DeviceInfo
+        self.info = DeviceInfo("cuda", H100, 132, 2, arch=arch)
+
+    def auto_path(self):
+        return None
+
+    def device_info(self):
+        return self.info
+
+
+def test_auto_on_a_borrowed_table_says_where_it_was_measured(monkeypatch, tmp_path):
+    """GQA 8 (Llama-3-70B at TP8): on the H200 table v2tc is fastest in every cell, so an
+    H100 without a table takes v2tc and says the table is the H200's; on an architecture
+    with no table it runs v2 (negative control)."""
+    from paged_decode.call import choose_path_at
+    monkeypatch.delenv(crossover.ENV, raising=False)
+    monkeypatch.setattr(crossover, "USER", tmp_path)
+    h200 = json.loads((crossover.SHIPPED / "nvidia-h200.json").read_text())
+    assert {c["best"] for c in h200["cells"] if c["group"] == 8} == {"v2tc"}
+    table = make_problem(ProblemSpec(8, 8192, 8, 1, 128, 16, seed=3)).table
+    path, why = choose_path_at(_Device("9.0"), table, 8, ("v2", "v2tc"))
+    assert path == "v2tc"
+    assert "nvidia-h200.json, measured on NVIDIA H200, not on this NVIDIA H100" in why
+    path, why = choose_path_at(_Device("8.0"), table, 8, ("v2", "v2tc"))
+    assert path == "v2" and "no crossover table" in why

@@ -145,6 +145,32 @@ def test_every_copying_kernel_compiles_with_an_l2_prefetch_hint(prefetch):
     }, l2_prefetch=prefetch)
 
 
+def test_the_tensor_core_partial_compiles_with_timeline_stamps():
+    """``PD_TIMELINE`` (``PAGED_DECODE_TIMELINE=1``, bench/device/timeline.py): v2tc over
+    16-bit and fp8 pools, with the fused merge, and a kernel that does not stamp (the
+    merge) compile with the stamps' global and ``%globaltimer`` / ``%smid`` reads."""
+    from paged_decode.specs import merge_spec, v2tc_spec
+    cuda_compile.compile_specs({
+        v2tc_spec("float16", "float32", 128, 16),
+        v2tc_spec("float8_e4m3fn", "float32", 128, 16, q_dtype="bfloat16",
+                  merged_dtype="float16"),
+        merge_spec("float16", 128),
+    }, timeline=True)
+
+
+def test_the_timeline_setting_is_checked(monkeypatch):
+    """``PD_TIMELINE`` is in the defines only when asked for; a bad value is refused."""
+    from paged_decode.errors import InvalidArgumentError
+    from paged_decode.specs import TIMELINE_ENV, cuda_defines
+    assert not any("PD_TIMELINE" in d for d in cuda_defines())
+    assert cuda_defines(128, True) == ("-DPD_L2_PREFETCH=128", "-DPD_TIMELINE=1")
+    monkeypatch.setenv(TIMELINE_ENV, "1")
+    assert "-DPD_TIMELINE=1" in cuda_defines()
+    monkeypatch.setenv(TIMELINE_ENV, "yes")
+    with pytest.raises(InvalidArgumentError, match="PAGED_DECODE_TIMELINE must be 0 or 1"):
+        cuda_defines()
+
+
 def test_the_l2_prefetch_setting_is_checked(monkeypatch):
     from paged_decode.errors import InvalidArgumentError
     from paged_decode.specs import L2_PREFETCH, L2_PREFETCH_ENV, l2_prefetch_bytes

@@ -301,7 +301,7 @@ def test_crossover_may_choose_v2tc_for_fp8_pools(monkeypatch):
     assert "v2tc" not in runnable_paths(be, a32)
     table = CrossoverTable("test", "test.json", (
         Cell(2, 40, 16, 4, "v2tc", {"v2": 2.0, "v2tc": 1.0, "v1": 3.0}),))
-    monkeypatch.setattr(call_mod, "table_for", lambda name: table)
+    monkeypatch.setattr(call_mod, "table_for", lambda name, arch="": table)
     out = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend=be, out_dtype="float32",
                     k_scale=K_SCALE, v_scale=V_SCALE)
     o = pd.last_outcome()

@@ -426,7 +426,7 @@ def test_auto_reads_the_folded_group_for_several_query_tokens(monkeypatch):
     table = CrossoverTable("test", "test.json", (
         Cell(2, 40, 16, 2, "v2", {"v2": 1.0, "v2tc": 2.0, "v1": 3.0}),
         Cell(2, 40, 16, 8, "v2tc", {"v2": 2.0, "v2tc": 1.0, "v1": 3.0})))
-    monkeypatch.setattr(call_mod, "table_for", lambda name: table)
+    monkeypatch.setattr(call_mod, "table_for", lambda name, arch="": table)
     pr = make_problem(ProblemSpec(2, 40, 4, 2, 64, 16, "float16", seed=81))
     rng = np.random.default_rng(82)
     q4 = rng.standard_normal((2, 4, 4, 64)).astype(np.float16)

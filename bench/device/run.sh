@@ -86,6 +86,8 @@
 #               FlashInfer's tensor-core kernel (MEM_ARMS, MEM_CELL)
 #   ncu-fp8     ncu of v2tc over e4m3fn and float16 pools at 8 x 8K (FP8_NCU_DTYPES,
 #               FP8_NCU_CELL): pipe utilization, warp states, memory, per-instruction samples
+#   timeline    bench/device/timeline.py: per-CTA stamps of one v2tc launch per cell
+#               (TIMELINE_CELLS, BxCTX[:KV_DTYPE]): prologue, streaming, epilogue, ramp, tail
 #   ncu-source  per-instruction stall samples of v2tc and FlashInfer's tensor-core kernel
 #               (ncu source counters, the SASS source page as CSV)
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
@@ -755,6 +757,15 @@ step_ncu_fp8() {
     grep -E "Duration|DRAM Throughput|Achieved Occupancy|Issue Slots Busy|Executed Ipc|pipe|Stall" \
       "$OUT/ncu_fp8_$tag.txt" | head -40
   done
+}
+# one stamped tensor-core partial launch per cell (bench/device/timeline.py: each CTA's SM,
+# start, first stage landed, loop end, rows written; PAGED_DECODE_TIMELINE=1): the call's
+# fixed part (prologue, ramp, tail) beside its streaming, float16 and fp8 pools
+step_timeline() {
+  timeout ${TIMELINE_TIMEOUT:-240} python3 bench/device/timeline.py "$OUT/timeline.json" \
+    ${TIMELINE_CELLS:-8x8192 8x8192:float8_e4m3fn 32x8192 32x8192:float8_e4m3fn 8x32768:float8_e4m3fn 20x16384 12x16384 64x4096} \
+    2>&1 | tee "$L/timeline.txt" | tail -12
+  echo "timeline rc=$?"
 }
 # v2tc at plan CTA targets beyond the default 2 per SM (TC_TARGETS; "" is the default),
 # where its 3-4 resident CTAs per SM are left idle or a second wave runs nearly empty:

@@ -350,7 +350,8 @@ def _device_info(index: int) -> DeviceInfo:
                       min_chunk_tokens=MIN_CHUNK_TOKENS, ragged_split=RAGGED_SPLIT,
                       fp8_ctas_per_unit=FP8_CTAS_PER_SM,
                       prefix_tile_rows=PREFIX_TILE_ROWS if tc else 0,
-                      shared_mem_per_unit=int(props.get("sharedMemPerMultiprocessor", 0)))
+                      shared_mem_per_unit=int(props.get("sharedMemPerMultiprocessor", 0)),
+                      arch=f"{props['major']}.{props['minor']}")
 
 
 

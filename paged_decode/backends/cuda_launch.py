@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..specs import KernelSpec, assert_compile_allowed, cuda_source, l2_prefetch_bytes
+from ..specs import KernelSpec, assert_compile_allowed, cuda_defines, cuda_source
 from .cuda_arrays import cp
 from .cuda_pdl import DependentLaunch
 from .launches import Launch
@@ -22,24 +22,45 @@ from .launches import Launch
 COMPILE_OPTIONS = ("-std=c++17",)
 
 
+#: (kernel, module) of every module compiled with timeline stamps (``PD_TIMELINE``)
+_timeline_modules: list[tuple[str, Any]] = []
+
+
 @functools.cache
-def _module(kernel: str, name_expressions: tuple[str, ...], l2_prefetch: int) -> Any:
-    return cp.RawModule(code=cuda_source(kernel),
-                        options=COMPILE_OPTIONS + (f"-DPD_L2_PREFETCH={l2_prefetch}",),
-                        name_expressions=list(name_expressions))
+def _module(kernel: str, name_expressions: tuple[str, ...], defines: tuple[str, ...]) -> Any:
+    module = cp.RawModule(code=cuda_source(kernel), options=COMPILE_OPTIONS + defines,
+                          name_expressions=list(name_expressions))
+    if "-DPD_TIMELINE=1" in defines:
+        _timeline_modules.append((kernel, module))
+    return module
 
 
 def compiled(spec: KernelSpec) -> Any:
-    """The compiled kernel of ``spec`` (one module per specialization and L2 prefetch
-    size, cached)."""
-    return _compiled(spec, l2_prefetch_bytes())
+    """The compiled kernel of ``spec`` (one module per specialization and set of
+    ``specs.cuda_defines``, cached)."""
+    return _compiled(spec, cuda_defines())
 
 
 @functools.cache
-def _compiled(spec: KernelSpec, l2_prefetch: int) -> Any:
+def _compiled(spec: KernelSpec, defines: tuple[str, ...]) -> Any:
     assert_compile_allowed(spec)
     expr = spec.cuda_name_expression()
-    return _module(spec.kernel, (expr,), l2_prefetch).get_function(expr)
+    return _module(spec.kernel, (expr,), defines).get_function(expr)
+
+
+def point_timeline(kernel: str, buffer: Any) -> int:
+    """Point ``pd_timeline`` of every module of ``kernel`` (``KernelSpec.kernel``, e.g.
+    ``"v2tc"``) compiled with timeline stamps at ``buffer`` (a CuPy ``uint64`` array of
+    ``PD_TIMELINE_FIELDS`` per CTA of the next launches, C order), or back at nothing
+    (``None``). Returns how many modules it set; diagnostics only
+    (``bench/device/timeline.py``)."""
+    n = 0
+    for name, module in _timeline_modules:
+        if name == kernel:
+            slot = cp.ndarray((1,), cp.uint64, memptr=module.get_global("pd_timeline"))
+            slot[...] = 0 if buffer is None else int(buffer.data.ptr)
+            n += 1
+    return n
 
 
 _smem_opt_in: dict[int, tuple[Any, int]] = {}

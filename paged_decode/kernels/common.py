@@ -110,6 +110,37 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
+// Per-CTA timeline stamps (diagnostics: ``PAGED_DECODE_TIMELINE=1`` compiles every kernel
+// with PD_TIMELINE, ``bench/device/timeline.py`` reads them). With PD_TIMELINE, and once
+// the host has pointed pd_timeline at a buffer of PD_TIMELINE_FIELDS uint64 per CTA
+// (grid order: blockIdx.y * gridDim.x + blockIdx.x), thread 0 of a kernel that stamps
+// writes its SM (field 0, at stamp 0) and %globaltimer nanoseconds (field 1 + i) at
+// stamp i. Otherwise, and on the emulator, pd_stamp compiles to nothing.
+#define PD_TIMELINE_FIELDS 5
+#ifdef PD_TIMELINE
+extern "C" {   // C linkage: the host finds it by this name in every module
+__device__ unsigned long long* pd_timeline = nullptr;
+}
+#endif
+__device__ __forceinline__ void pd_stamp(int i) {
+#if defined(PD_TIMELINE) && defined(__CUDA_ARCH__)
+  if (threadIdx.x == 0 && pd_timeline != nullptr) {
+    const unsigned long long at =
+        ((unsigned long long)blockIdx.y * gridDim.x + blockIdx.x) * PD_TIMELINE_FIELDS;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (i == 0) {
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      pd_timeline[at] = sm;
+    }
+    pd_timeline[at + 1 + i] = t;
+  }
+#else
+  (void)i;
+#endif
+}
+
 // Asynchronous 16-byte global->shared copies (sm_80+). With pred false the 16 bytes are
 // zero-filled and global memory is not read. Each thread waits for its own groups only.
 // Without __CUDA_ARCH__: the CPU emulator (PD_EMU_CP_ASYNC) keeps each copy in flight

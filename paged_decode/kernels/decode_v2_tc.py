@@ -260,6 +260,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   TKV* vs = ks + STAGES * KT * RLD;              // [STAGES][KT][RLD]
 
   allow_dependents();                 // the merge may be scheduled now; it waits for this grid
+  pd_stamp(0);                        // timeline (PD_TIMELINE only): the CTA started
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   const int c = blockIdx.x;
@@ -372,6 +373,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     // with stage - 1, whose slot the issue below refills
     __syncthreads();
     issue(stage + STAGES - 1);
+    if (stage == 0) pd_stamp(1);                 // timeline: the first stage has landed
     next_page = page_of(stage + STAGES);         // its row is made at the next round
     const int slot = stage % STAGES;
     const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
@@ -388,6 +390,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     }
   }
   cp_async_wait<0>();                            // no copy may outlive the loop
+  pd_stamp(2);                                   // timeline: the loop ended
   row_sums(l_run);
 
   // Combine the warps' states through shared memory: the float32 accumulators of warp w,
@@ -442,6 +445,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     v_out[out_row * D + d] = from_float<TO>(live ? num / den * v_scale : 0.f);
     if (d == 0) lse_out[out_row] = live ? mx + log2f(den) : -PD_INF;
   }
+  pd_stamp(3);                                   // timeline: this CTA's rows are written
   if constexpr (MERGE) {
     // the fence orders this thread's partial rows before the count that publishes them
     __shared__ int sm_last;
