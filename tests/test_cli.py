@@ -365,3 +365,8 @@ def test_an_arm_out_of_memory_is_unavailable_and_other_failures_still_raise(monk
     with pytest.raises(RuntimeError, match="unrelated"):
         runner.bench_case(runner.get_backend("reference"), BenchCase(2, 64, 16, 4, 2, 64),
                           arms=("v1", "v2"), warmup=0, reps=1)
+    from paged_decode.errors import PoolExhaustedError  # a MemoryError of ours: a bug
+    fail["v1"] = PoolExhaustedError("no free page")
+    with pytest.raises(PoolExhaustedError, match="no free page"):
+        runner.bench_case(runner.get_backend("reference"), BenchCase(2, 64, 16, 4, 2, 64),
+                          arms=("v1", "v2"), warmup=0, reps=1)

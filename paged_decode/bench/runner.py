@@ -30,6 +30,7 @@ from .. import __version__, fp8
 from ..backends import Backend, get_backend
 from ..call import plan_decode
 from ..dtypes import numpy_dtype
+from ..errors import PagedDecodeError
 from ..fp8 import is_fp8
 from ..outcome import last_outcome
 from ..page_table import PageTable
@@ -366,7 +367,10 @@ def time_arms(be: Backend, arms: tuple[str, ...], q: Any, k: Any, v: Any, table:
 def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is a device allocation failure: CuPy's ``OutOfMemoryError`` is a
     ``MemoryError``; torch's (``torch.OutOfMemoryError``) is a ``RuntimeError`` of that
-    name."""
+    name. This package's own errors are not (``PoolExhaustedError`` is a ``MemoryError``
+    too, but a full page pool is a bug to report, not a card too small)."""
+    if isinstance(exc, PagedDecodeError):
+        return False
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
 
 
