@@ -200,5 +200,5 @@ def merged(old: dict[str, Any], new: dict[str, Any], source: str) -> dict[str, A
     return out
 
 
-__all__ = ["Cell", "CrossoverTable", "ENV", "device_slug", "from_results", "merged", "parse",
-           "table_for"]
+__all__ = ["Cell", "CrossoverTable", "ENV", "device_slug", "from_results",
+           "measured_elsewhere", "merged", "parse", "table_for"]

@@ -29,7 +29,6 @@ from paged_decode.bench.cases import BenchCase  # noqa: E402
 from paged_decode.bench.runner import _problem, _variants  # noqa: E402
 from paged_decode.bench.timeline import FIELDS, summarize  # noqa: E402
 from paged_decode.bench.timing import L2_FLUSH_BYTES  # noqa: E402
-from paged_decode.specs import v2tc_row_tiles  # noqa: E402
 
 be = get_backend("cuda")
 flush = cp.empty(L2_FLUSH_BYTES // 4, cp.int32)
@@ -50,8 +49,7 @@ def run_cell(cell: str) -> dict:
         return decode(q, k, v, table, plan, path="v2tc", out=out, backend=be,
                       sm_scale=1 / np.sqrt(128), **vk)
     call()                                        # compiles, and the stamped modules exist
-    ctas = plan.num_chunks * 8 * v2tc_row_tiles(32, 8)
-    buf = cp.zeros((ctas, FIELDS), cp.uint64)
+    buf = cp.zeros((plan.num_ctas, FIELDS), cp.uint64)
     if point_timeline("v2tc", buf) == 0:
         sys.exit("no v2tc module was compiled with timeline stamps")
     flush.fill(0)
