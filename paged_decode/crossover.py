@@ -85,7 +85,10 @@ class CrossoverTable:
         return (min(times, key=lambda p: times[p]) if times else None), cell
 
 
+@functools.lru_cache(maxsize=64)
 def device_slug(name: str) -> str:
+    """``name`` in lower case with non-alphanumerics as ``-`` (cached: every
+    ``path="auto"`` call compares a table's device with its own, ``measured_elsewhere``)."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
