@@ -42,6 +42,7 @@ from .errors import (
     check_number,
     check_shape,
     check_type,
+    check_writable,
     fail,
 )
 from .fp8 import is_fp8
@@ -496,8 +497,7 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     expect_dtype(fn, name, be.dtype_of(arr), dtype)
     if not c_contiguous(arr):
         raise fail(fn, f"{name} must be C-contiguous")
-    if not getattr(getattr(arr, "flags", None), "writeable", True):   # numpy read-only
-        raise fail(fn, f"{name} must be writable, got a read-only array")
+    check_writable(fn, name, arr)
     return arr
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -14,6 +15,22 @@ import click
 
 from . import __version__
 from .backends import REGISTRY, availability, get_backend, last_auto_choice
+from .errors import PagedDecodeError
+from .page_table import MAX_ENTRIES
+from .variants import SOFT_CAP_RANGE
+
+
+def _package_errors(command: Any) -> Any:
+    """``command`` with this package's own errors (a value the options let through but
+    a function refuses, a pool that cannot be allocated) as one ``Error:`` line, not a
+    traceback."""
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except PagedDecodeError as exc:
+            raise click.ClickException(str(exc)) from exc
+    return run
 
 
 def _backend(name: str | None):  # type: ignore[no-untyped-def]
@@ -207,8 +224,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "cpu (small); cascade and sparse "
                    "select those "
                    "suites. Default: adr on a GPU backend, cpu on the others.")
-@click.option("--context", "contexts", multiple=True, type=POSITIVE,
-              help="Override contexts.")
+@click.option("--context", "contexts", multiple=True,
+              type=click.IntRange(min=1, max=MAX_ENTRIES), help="Override contexts.")
 @click.option("--batch", "batches", multiple=True, type=POSITIVE, help="Override batch sizes.")
 @click.option("--page", "pages", multiple=True, type=POSITIVE, help="Override page sizes.")
 @click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]))
@@ -260,6 +277,7 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "and captured-tc (the tensor-core partial) are named with --arms. "
                    "decode suite: only the preset's cases of that layout (models, "
                    "crossover).")
+@_package_errors
 def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
           reps: int, warmup: int, warm_l2: bool, no_graph: bool, plot_path: str | None,
@@ -272,6 +290,10 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     from .bench.report import markdown, table, to_csv, to_json
     from .bench.runner import ARMS, header
     from .bench.timing import measure_read_bandwidth
+    low, high = SOFT_CAP_RANGE
+    if soft_cap and not low <= soft_cap <= high:     # nan fails both comparisons
+        raise click.ClickException(f"bench: --soft-cap must be 0 (off) or a number in "
+                                   f"[{low:g}, {high:g}], got {soft_cap!r}")
     be = _backend(backend)
     if suite == "engine":
         ignored = [name for name, given in (

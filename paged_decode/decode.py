@@ -248,8 +248,9 @@ def _typed(x: Any) -> tuple[type, Any]:
 
 
 def _tokens_key(qo_indptr: Any) -> Any:
-    """What the fast-path key holds of a multi-token call's counts: ``qo_indptr``'s bytes
-    (``"uniform"`` for a 4-D ``q``, whose layout is keyed already), or ``None`` when it
+    """What the fast-path key holds of a multi-token call's counts: ``qo_indptr``'s dtype,
+    shape and bytes (the bytes alone match a reinterpreting view of a checked array:
+    ``"uniform"`` for a 4-D ``q``, whose layout is keyed already), or ``None`` when it
     is no host integer array (never cached; the checks say why)."""
     if qo_indptr is None:
         return "uniform"
@@ -257,7 +258,9 @@ def _tokens_key(qo_indptr: Any) -> Any:
         arr = np.asarray(qo_indptr)
     except (TypeError, ValueError):
         return None
-    return arr.tobytes() if arr.dtype.kind in "iu" and arr.ndim == 1 else None
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        return None
+    return arr.dtype.str, arr.shape, arr.tobytes()
 
 
 def _multitoken(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,

@@ -37,14 +37,22 @@ import numpy as np
 
 from .backends import c_contiguous
 from .call import LAUNCH_PATHS, choose_path_at, pool_paths
-from .decode import decode
-from .errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemError, check_int
+from .decode import run_decode
+from .dtypes import check_dtype
+from .errors import (
+    InvalidArgumentError,
+    PagedDecodeError,
+    UnsupportedProblemError,
+    check_int,
+    check_number,
+)
 from .kernels.append import AppendWrite, table_row_desc
-from .plan import DecodePlan, make_plan
+from .plan import DecodePlan, check_headroom, make_plan
 from .pool import AppendedBatch, PagePool
 from .prepared import layouts, prepare_call
 from .specs import plan_geometry
 from .steady_step import SteadyBegin
+from .variants import check_soft_cap
 
 #: the paths a step takes: "auto" (the crossover table's choice) or a launch path
 STEP_PATHS = ("auto", *LAUNCH_PATHS)
@@ -100,14 +108,21 @@ class DecodeStep:
         if single and path in STEP_PATHS:
             path = single[0]
         self.num_qo_heads = check_int(fn, "num_qo_heads", num_qo_heads)
-        self.headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
+        self.headroom = check_headroom(fn, headroom)
         #: the path asked for ("auto" or a path) and the one the step runs (``_plan``)
         self.requested_path = path
         self._auto_allowed: tuple[str, ...] | None = None
         self.path = path if path != "auto" else "v2"
         self.path_reason = f"path {path!r} asked for"
+        # checked here so that a bad value names DecodeStep, not its first decode
+        if sm_scale is not None:
+            check_number(fn, "sm_scale", sm_scale)
+        if out_dtype is not None:
+            check_dtype(fn, "out_dtype", out_dtype)
+        check_soft_cap(fn, logits_soft_cap)
         self.sm_scale, self.out_dtype = sm_scale, out_dtype
-        #: decode's variant keywords, checked by the first decode (the same for each layer)
+        #: decode's variant keywords (sinks, an array of the backend, are checked by the
+        #: first decode; the same for each layer)
         self.variants = {"logits_soft_cap": logits_soft_cap, "sinks": sinks}
         self.num_layers = pool.num_layers or 1
         self.table = pool.step_table(seqs, capacity=capacity, page_capacity=page_capacity,
@@ -251,10 +266,11 @@ class DecodeStep:
             self._apply_pending(q)
         k, v = self._layers[layer]
         if out is None or (return_lse and lse is None) or self.backend.functional_outputs:
-            return decode(q, k, v, self.table, self.plan, path=self.path,
-                          sm_scale=self.sm_scale, out=out, lse=lse, return_lse=return_lse,
-                          out_dtype=self.out_dtype, backend=self.backend, **self.variants,
-                          **self.pool.decode_args(layer))
+            return run_decode(fn, q, k, v, self.table, self.plan, path=self.path,
+                              sm_scale=self.sm_scale, out=out, lse=lse,
+                              return_lse=return_lse, out_dtype=self.out_dtype,
+                              backend=self.backend, cascade=None, **self.variants,
+                              **self.pool.decode_args(layer))
         # prepared launches read the table's device buffers (valid while its layout
         # holds), or on array-op backends its host view (valid for one version)
         t = self.table

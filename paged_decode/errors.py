@@ -102,6 +102,16 @@ def check_int(fn: str, name: str, value: Any, minimum: int | None = 1,
     raise error(f"{fn}: {name} must be {want}{note}, got {value!r}")
 
 
+def as_int64(fn: str, name: str, arr: np.ndarray) -> np.ndarray:
+    """Integer array ``arr`` as int64, or ``InvalidArgumentError`` where an unsigned value
+    does not fit (a cast would wrap it negative, and checks on differences of unsigned
+    values cannot see a decrease)."""
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise InvalidArgumentError(f"{fn}: {name} must hold values that fit int64, got "
+                                   f"{int(arr.max())}")
+    return arr.astype(np.int64)
+
+
 def env_positive_int(env_name: str) -> int | None:
     """The positive integer in environment variable ``env_name`` (``None`` when unset or
     empty); anything else raises ``InvalidArgumentError`` naming the variable."""
@@ -151,6 +161,14 @@ def check_type(fn: str, name: str, value: Any, cls: type | tuple[type, ...],
     """Raise unless ``value`` is an instance of ``cls`` (``what`` names it in words)."""
     if not isinstance(value, cls):
         raise InvalidArgumentError(f"{fn}: {name} must be {what}, got {type(value).__name__}")
+
+
+def check_writable(fn: str, name: str, arr: Any, why: str = "") -> None:
+    """Raise unless ``arr`` may be written: a read-only numpy array (``flags.writeable``
+    unset) is refused; other kinds carry no such flag. ``why`` follows in the message."""
+    if not getattr(getattr(arr, "flags", None), "writeable", True):
+        raise InvalidArgumentError(f"{fn}: {name} must be writable{why}, got a read-only "
+                                   "array")
 
 
 def fail(fn: str, message: str) -> InvalidArgumentError:

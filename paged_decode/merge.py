@@ -17,7 +17,13 @@ import numpy as np
 
 from .backends import Backend, Problem, backend_for, c_contiguous
 from .dtypes import check_dtype, expect_dtype
-from .errors import InvalidArgumentError, UnsupportedProblemError, check_ndim, check_shape
+from .errors import (
+    InvalidArgumentError,
+    UnsupportedProblemError,
+    as_int64,
+    check_ndim,
+    check_shape,
+)
 from .variants import check_variant
 
 
@@ -68,6 +74,7 @@ def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
     if ip.ndim != 1 or ip.size < 1 or (ip.size and not np.issubdtype(ip.dtype, np.integer)):
         raise InvalidArgumentError(f"{fn}: indptr must be a 1-D integer array [M+1], got "
                                    f"shape {list(ip.shape)} dtype {ip.dtype}")
+    ip = as_int64(fn, "indptr", ip)
     if ip[0] != 0 or ip[-1] != n or (np.diff(ip) < 0).any():
         raise InvalidArgumentError(f"{fn}: indptr must start at 0, be non-decreasing and end "
                                    f"at N = {n}, got {ip.tolist()[:16]}")

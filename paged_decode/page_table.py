@@ -94,7 +94,7 @@ class PageTable:
 
     def __post_init__(self) -> None:
         fn = getattr(_constructing, "fn", "PageTable")
-        check_int(fn, "page_size", self.page_size, error=PageTableError)
+        check_int(fn, "page_size", self.page_size, 1, MAX_ENTRIES, error=PageTableError)
         if self.num_pages is not None:
             check_int(fn, "num_pages", self.num_pages, 0, note=" or None", error=PageTableError)
         for name in _TABLE_ARRAYS:   # a table built directly owns read-only copies too
@@ -128,7 +128,7 @@ class PageTable:
         lengths; ``num_pages`` (the pool size) enables the page-id range check.
         """
         fn = "PageTable.build"
-        check_int(fn, "page_size", page_size, error=PageTableError)
+        check_int(fn, "page_size", page_size, 1, MAX_ENTRIES, error=PageTableError)
         if num_pages is not None:
             check_int(fn, "num_pages", num_pages, 0, note=" or None", error=PageTableError)
         ip = _as_i32(fn, "indptr", indptr)
@@ -210,7 +210,7 @@ class PageTable:
         """``validate`` for the public function ``fn`` (``build`` names itself)."""
         if num_pages is not None:
             check_int(fn, "num_pages", num_pages, 0, note=" or None", error=PageTableError)
-        p = check_int(fn, "page_size", self.page_size, error=PageTableError)
+        p = check_int(fn, "page_size", self.page_size, 1, MAX_ENTRIES, error=PageTableError)
         ip, lpl, fpo = self.indptr, self.last_page_len, self.first_page_offset
         if ip.size == 0:
             raise PageTableError(f"{fn}: indptr must have B+1 >= 1 entries, got 0")

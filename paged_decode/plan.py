@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from .device import DeviceInfo
+from .dtypes import KV_DTYPES, check_dtype
 from .errors import InvalidArgumentError, PlanMismatchError, check_int, check_type, fail
 from .kernels.decode_v2_tc import kv_bytes
 from .multitoken import MAX_QUERY_TOKENS, check_query_tokens_arg
-from .page_table import PageTable, frozen_int32
+from .page_table import MAX_ENTRIES, PageTable, frozen_int32
 from .specs import MAX_HEADS_PER_CTA, heads_per_cta
 from .step_table import StepTable
 from .variants import check_window, window_table
@@ -58,6 +59,13 @@ def check_geometry(fn: str, num_qo_heads: int, num_kv_heads: int, head_dim: int)
         raise InvalidArgumentError(
             f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got {num_qo_heads} "
             f"and {num_kv_heads}")
+
+
+def check_headroom(fn: str, headroom: Any) -> int:
+    """``headroom`` (tokens a request may still grow by) as an int in ``[0,
+    MAX_ENTRIES]``: no request holds more entries, and a larger one would overflow the
+    plan's token arithmetic."""
+    return check_int(fn, "headroom", headroom, 0, MAX_ENTRIES, note=" tokens")
 
 
 def chunk_counts(pages: np.ndarray, pages_per_chunk: int) -> np.ndarray:
@@ -402,7 +410,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
             the target rule made it).
     """
     check_type(fn, "table", table, (PageTable, StepTable), "a PageTable or StepTable")
-    headroom = check_int(fn, "headroom", headroom, 0, note=" tokens")
+    headroom = check_headroom(fn, headroom)
     check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
     window_left = check_window(fn, window_left)
     query_tokens = check_query_tokens_arg(fn, query_tokens)
@@ -417,6 +425,8 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
     check_type(fn, "device", device, DeviceInfo, "a DeviceInfo or None")
     if kv_dtype is not None:
         check_type(fn, "kv_dtype", kv_dtype, str, "a dtype name or None")
+        check_dtype(fn, "kv_dtype", kv_dtype, KV_DTYPES)
+    ragged_split = device.ragged_fraction(ragged_split, fn=fn)    # checked whether used or not
     target = device.target_ctas(target_ctas, fn=fn, kv_dtype=kv_dtype)
     slots_per_unit = check_int(fn, "slots_per_unit", slots_per_unit, 0)
     # the wave rule unless a target or a size is asked for
@@ -470,7 +480,9 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
         return lo
 
     if pages_per_chunk is not None:
-        ppc = check_int(fn, "pages_per_chunk", pages_per_chunk, note=" or None")
+        # a chunk's first entry (tile x size x P) is a 32-bit int in the kernels
+        ppc = check_int(fn, "pages_per_chunk", pages_per_chunk, 1,
+                        MAX_ENTRIES // table.page_size, note=" or None")
         if total(ppc) > max_chunks:
             raise InvalidArgumentError(
                 f"{fn}: pages_per_chunk = {ppc} gives {total(ppc)} chunks, above the grid "
@@ -519,11 +531,11 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
         _planning.active = False
 
 
-def _ragged_chunk(fn: str, device: DeviceInfo, ragged_split: float | None, nz: np.ndarray,
+def _ragged_chunk(fn: str, device: DeviceInfo, ragged_split: float, nz: np.ndarray,
                   total: Any, b: int, ppc: int, min_ppc: int) -> int:
-    """``make_plan``'s ragged-batch rule (its ``ragged_split``) applied to the searched
-    ``ppc``; ``nz``: the non-empty requests' page counts, ``total(ppc)``: chunk count."""
-    ragged_split = device.ragged_fraction(ragged_split, fn=fn)
+    """``make_plan``'s ragged-batch rule (its ``ragged_split``, the checked fraction)
+    applied to the searched ``ppc``; ``nz``: the non-empty requests' page counts,
+    ``total(ppc)``: chunk count."""
     if ragged_split == 0 or nz.size < 2 or total(ppc) != b:
         return ppc
     mean = float(nz.mean())

@@ -30,6 +30,7 @@ from .dtypes import KV_DTYPES, SUPPORTED, check_dtype, itemsize
 from .errors import (
     InvalidArgumentError,
     PoolExhaustedError,
+    as_int64,
     check_int,
     check_shape,
     fail,
@@ -38,7 +39,7 @@ from .errors import (
 )
 from .fp8 import check_kv_quant, check_layer_scales, is_fp8
 from .kernels.append import AppendWrite
-from .page_table import PageTable
+from .page_table import MAX_ENTRIES, PageTable
 from .step_table import StepTable
 
 
@@ -49,6 +50,10 @@ def _host(fn: str, name: str, x: Any) -> np.ndarray:
     except TypeError as exc:          # CuPy refuses implicit device-to-host copies
         raise InvalidArgumentError(f"{fn}: {name} must be host integers (a list or a numpy "
                                    f"array), got a {type(x).__name__}") from exc
+
+
+#: the range of sequence ids (int64): an id outside it names no sequence
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
 class _Sequences:
@@ -168,8 +173,10 @@ class PagePool:
                  backend: str | Backend | None = None, k_scale: Any = None,
                  v_scale: Any = None) -> None:
         fn = "PagePool"
-        for name, val in (("num_pages", num_pages), ("page_size", page_size),
-                          ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        # page ids are int32 (the tables' and kernels' type)
+        check_int(fn, "num_pages", num_pages, 1, int(np.iinfo(np.int32).max))
+        check_int(fn, "page_size", page_size, 1, MAX_ENTRIES)
+        for name, val in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             check_int(fn, name, val)
         if num_layers is not None:
             num_layers = check_int(fn, "num_layers", num_layers, note=" or None")
@@ -722,11 +729,17 @@ class PagePool:
                                        f"per sequence), got {fmt_shape(c.shape)}")
         if b and (c.dtype.kind not in "iu" or c.dtype == np.bool_):
             raise InvalidArgumentError(f"{fn}: counts must hold integers, got dtype {c.dtype}")
-        c = c.astype(np.int64)
+        c = as_int64(fn, "counts", c)
         if b and int(c.min()) < 0:
             i = int(np.argmin(c))
             raise InvalidArgumentError(f"{fn}: counts must be >= 0, got counts[{i}] = "
                                        f"{int(c[i])}")
+        most = self.num_pages * self.page_size     # no sequence can hold more: and the page
+        if b and int(c.max()) > most:              # arithmetic of a larger one overflows
+            i = int(np.argmax(c))
+            raise PoolExhaustedError(f"{fn}: counts[{i}] = {int(c[i])} is more tokens than "
+                                     f"the pool's {self.num_pages} pages x {self.page_size} "
+                                     f"hold ({most}); nothing was changed")
         if n is not None and int(c.sum()) != n:
             raise InvalidArgumentError(f"{fn}: counts must add up to the rows of k and v "
                                        f"(N = {n}), got a sum of {int(c.sum())}")
@@ -749,7 +762,7 @@ class PagePool:
             raise InvalidArgumentError(f"{fn}: seqs must hold sequence ids (integers), got "
                                        f"dtype {q.dtype}")
         # a copy: the result's ``seqs`` is made read-only, the caller's array must not be
-        return np.array(q, np.int64)
+        return np.array(as_int64(fn, "seqs", q), np.int64)
 
     def _lookup(self, fn: str, q: np.ndarray) -> np.ndarray:
         """Rows of the live ids ``q`` (int64)."""
@@ -779,6 +792,8 @@ class PagePool:
         if not is_int(seq):   # True would find sequence 1
             raise fail(fn, f"seq must be a sequence id (an int), got {type(seq).__name__} "
                            f"{seq!r}")
+        if not _INT64_MIN <= seq <= _INT64_MAX:    # ids are int64: no such sequence
+            raise self._unknown(fn, seq)
         i, found = self._seqs.find(np.array([seq], np.int64))
         if not found[0]:
             raise self._unknown(fn, seq)

@@ -22,6 +22,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from . import settings
 from .backends import Backend, backend_for
 from .call import (
@@ -37,7 +39,7 @@ from .call import (
     run_path,
 )
 from .cascade import run_cascade
-from .errors import InvalidArgumentError, PlanMismatchError, fail
+from .errors import InvalidArgumentError, PlanMismatchError, check_writable, fail
 from .multitoken_call import MultiTokenCall, multitoken_call, refuse_cascade
 from .outcome import DecodeOutcome, record
 from .plan import DecodePlan
@@ -61,9 +63,21 @@ class _PreparedCall:
     #: the table never changes, or the caller follows it itself (``DecodeStep``)
     _follow: _TableFollower | None = None
 
+    def _host_outputs(self) -> tuple[tuple[str, Any], ...]:
+        """The numpy arrays among ``out`` / ``lse`` (the only kind with a writeable flag;
+        computed once: none on a device backend)."""
+        got = self.__dict__.get("_host_outs")
+        if got is None:
+            got = self.__dict__["_host_outs"] = tuple(
+                (n, x) for n, x in (("out", self.out), ("lse", self.lse))
+                if isinstance(x, np.ndarray))
+        return got
+
     def __call__(self) -> Any:
         """Launch the decode; returns ``out`` (or ``(out, lse)`` if prepared with
         ``return_lse``)."""
+        for name, x in self._host_outputs():     # numpy's flag can change after preparing
+            check_writable(f"{type(self).__name__}()", name, x)
         f = self._follow
         if f is not None and f.behind():
             f.catch_up(self)
@@ -324,7 +338,8 @@ def layouts(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
     object (``q.shape = ...``, ``resize``): shape, dtype and strides (``None`` kept), and
     for a torch tensor its data address (``set_``, ``t.data = ...`` and a storage resize
     move a tensor's data; a numpy array the cache holds cannot be resized, and a CuPy
-    array's memory is fixed)."""
+    array's memory is fixed), and numpy's writeable flag (an output made read-only must
+    be refused by the checks, not by numpy)."""
     out: list[Any] = []
     for x in arrays:
         if x is None:
@@ -334,7 +349,8 @@ def layouts(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
         ptr = None
         if strides is None and callable(getattr(x, "stride", None)):   # torch
             strides, ptr = x.stride(), x.data_ptr()
-        out.append((tuple(x.shape), x.dtype, strides, ptr))
+        writable = getattr(getattr(x, "flags", None), "writeable", None)   # numpy's
+        out.append((tuple(x.shape), x.dtype, strides, ptr, writable))
     return tuple(out)
 
 

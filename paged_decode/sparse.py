@@ -164,7 +164,9 @@ def selection_from_blocks(block_ids: Any, *, block_size: int, live_lens: Any,
                     f"outside the live window of {n_blocks} blocks (live_len {int(live[bi])})")
             if include_tail and n_blocks and not (sel == n_blocks - 1).any():
                 sel = np.append(sel, n_blocks - 1)
-            tok = (sel[:, None] * block_size + np.arange(block_size)[None, :]).reshape(-1)
+            # offsets past the live length are dropped anyway: a huge block stays cheap
+            offs = np.arange(min(block_size, int(live[bi])))
+            tok = (sel[:, None] * block_size + offs[None, :]).reshape(-1)
             row.append(tok[tok < live[bi]])
         rows.append(row)
     s = max([len(t) for row in rows for t in row], default=0)

@@ -13,7 +13,7 @@ from typing import TypedDict
 
 from . import settings
 from .device import DeviceInfo
-from .errors import InvalidArgumentError, PagedDecodeError
+from .errors import InvalidArgumentError, PagedDecodeError, env_positive_int
 from .fp8 import FORMATS
 from .kernels import decode_v2_tc, prefix_tc
 from .kernels.decode_v2 import row_loads, stage_bytes_per_thread
@@ -124,8 +124,7 @@ def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int
                     requested_loads: int = 1) -> int:
     """Deepest ring <= ``preferred`` (env ``PAGED_DECODE_STAGES`` overrides it) that fits
     ``RING_BUDGET``; at least 2."""
-    env = settings.get(STAGES_ENV)
-    want = int(env) if env else preferred
+    want = env_stages() or preferred
     per_stage = num_warps * 32 * stage_bytes_per_thread(kv_dtype, head_dim, requested_loads)
     return max(2, min(want, RING_BUDGET // per_stage))
 
@@ -133,14 +132,21 @@ def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int
 def v2_row_loads(kv_dtype: str, head_dim: int, heads_per_cta: int) -> int:
     """Loads per lane per row of the v2 partial: ``PAGED_DECODE_V2_ROW_LOADS`` when set,
     else ``V2_ROW_LOADS`` (the minimum, 1, unless measured otherwise)."""
-    env = settings.get(ROW_LOADS_ENV)
-    want = int(env) if env else V2_ROW_LOADS
-    if want < 1:
-        raise ValueError(f"{ROW_LOADS_ENV} must be a positive integer, got {env!r}")
-    return row_loads(kv_dtype, head_dim, want)
+    return row_loads(kv_dtype, head_dim, env_positive_int(ROW_LOADS_ENV) or V2_ROW_LOADS)
 
 
 STAGES_ENV = "PAGED_DECODE_STAGES"
+
+
+def env_stages() -> int | None:
+    """``PAGED_DECODE_STAGES``: ``None`` when unset, else a ring depth of at least 2 (a
+    kernel's budget may then lower it), or ``InvalidArgumentError`` naming the variable."""
+    n = env_positive_int(STAGES_ENV)
+    if n is not None and n < 2:
+        raise InvalidArgumentError(f"{STAGES_ENV} must be an integer >= 2 (a ring of two "
+                                   f"stages or more), got {settings.get(STAGES_ENV)!r}")
+    return n
+
 TC_WARPS_ENV = "PAGED_DECODE_TC_WARPS"
 L2_PREFETCH_ENV = "PAGED_DECODE_L2_PREFETCH"
 #: bytes of the L2 prefetch hint on every CUDA cp.async copy (``PD_L2_PREFETCH``): 128
@@ -286,8 +292,7 @@ def v2tc_stages(head_dim: int, warps: int = decode_v2_tc.NUM_WARPS,
     ``PAGED_DECODE_STAGES``), at least 2 and at most what one block's shared memory
     holds for pools of ``kv_dtype`` (an fp8 ring holds bytes, beside the warps' scratch
     tiles)."""
-    env = settings.get(STAGES_ENV)
-    want = int(env) if env else decode_v2_tc.DEFAULT_STAGES
+    want = env_stages() or decode_v2_tc.DEFAULT_STAGES
     return max(2, min(want, decode_v2_tc.max_stages(head_dim, warps,
                                                     decode_v2_tc.kv_bytes(kv_dtype))))
 

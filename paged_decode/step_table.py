@@ -40,7 +40,7 @@ import numpy as np
 
 from .errors import InvalidArgumentError, check_int
 from .kernels.table_update import delta_header_words, table_views, table_words
-from .page_table import PageTable
+from .page_table import MAX_ENTRIES, PageTable
 from .step_upload import StepUpload
 
 _CLEAN = np.iinfo(np.int64).max // 4       # "no page changed" in _dirty_from
@@ -87,7 +87,7 @@ class StepTable:
         self.page_size = pool.page_size
         ids, rows = pool._batch_rows(fn, seqs)
         b = int(ids.size)
-        cap = b if capacity is None else check_int(fn, "capacity", capacity, 1,
+        cap = b if capacity is None else check_int(fn, "capacity", capacity, 1, MAX_ENTRIES,
                                                     note=f" (at least the {b} sequences)")
         if cap < b:
             raise InvalidArgumentError(f"{fn}: capacity must be at least the number of "
@@ -99,13 +99,19 @@ class StepTable:
         # default: room to double (a reallocation re-uploads every page and makes
         # captured graphs stale)
         pcap = max(64, 2 * need) if page_capacity is None else check_int(
-            fn, "page_capacity", page_capacity, 1, note=" or None")
+            fn, "page_capacity", page_capacity, 1, MAX_ENTRIES, note=" or None")
         if pcap < need:
             raise InvalidArgumentError(f"{fn}: page_capacity must hold the batch's {need} "
                                        f"pages, got {pcap}")
         self.version = 0
         self.layout = 0
-        self._alloc(cap, pcap)
+        try:
+            self._alloc(cap, pcap)
+        except (MemoryError, ValueError) as exc:   # CuPy's OutOfMemoryError is a MemoryError
+            raise InvalidArgumentError(
+                f"{fn}: a table of {cap} rows and {pcap} pages needs "
+                f"{4 * table_words(cap, pcap) / 2 ** 30:.3g} GiB twice over, which backend "
+                f"{self.backend.name!r} could not allocate ({type(exc).__name__})") from exc
         self._set_rows(np.concatenate([ids, np.full(cap - b, -1, np.int64)]),
                        np.concatenate([rows, np.full(cap - b, -1, np.int64)]),
                        np.full(cap, -1, np.int64))

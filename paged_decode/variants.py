@@ -44,7 +44,7 @@ import numpy as np
 from .dtypes import KV_DTYPES, check_dtype
 from .errors import InvalidArgumentError, UnsupportedProblemError, check_int
 from .fp8 import KVQuant, check_kv_quant, pool_dtype, raw_dtype_name
-from .page_table import PageTable
+from .page_table import MAX_ENTRIES, PageTable
 
 LOG2E = 1.4426950408889634
 
@@ -133,8 +133,10 @@ PLAIN = Variant()
 
 
 def check_window(fn: str, window_left: Any) -> int:
-    """``window_left``: an integer >= -1 (not a bool)."""
-    return check_int(fn, "window_left", window_left, -1)
+    """``window_left``: an integer >= -1 (not a bool). One past ``MAX_ENTRIES`` covers
+    every request whole, so a larger one is taken as that (the window's position
+    arithmetic stays within int64)."""
+    return min(check_int(fn, "window_left", window_left, -1), MAX_ENTRIES)
 
 
 #: the soft caps the kernels take: the cap in log2 units and its reciprocal stay normal

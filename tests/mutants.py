@@ -276,6 +276,7 @@ VAR = "tests/test_variants.py::"
 VAR_ORACLE = VAR + "test_variants_match_oracle"
 VAR_NAN = VAR + "test_non_finite_rules_hold_with_variants"
 STEP = "tests/test_step_table.py::"
+COVER = "tests/test_emulated_coverage.py::"
 STEADY = "tests/test_steady_step.py::"
 UPLOAD = "tests/test_step_upload.py::"
 MT = "tests/test_multitoken.py::"
@@ -1199,6 +1200,45 @@ MUTANTS: tuple[Mutant, ...] = (
        [MT + "test_variants_match_oracle[emulated-cuda-sinks]"],
        "the pieces pass keeps the call's sinks: a token's LSE counts its sink once per "
        "state it merges"),
+    _m("cuda-table-update-no-stride", "cuda", ("table_update",),
+       "for (int i = threadIdx.x; i < count; i += THREADS)",
+       "for (int i = threadIdx.x; i < count && i < THREADS; i += THREADS)",
+       [COVER + "test_table_update_row_of_more_than_128_pages[emulated-cuda]"],
+       "a row of more than 128 pages keeps its old page ids past the block's first pass"),
+    _m("metal-table-update-no-stride", "metal", ("table_update",),
+       "for (int i = tid; i < count; i += n)",
+       "for (int i = tid; i < count && i < n; i += n)",
+       [COVER + "test_table_update_row_of_more_than_128_pages[emulated-metal]"],
+       "a row of more than 128 pages keeps its old page ids past the group's first pass"),
+    _m("cuda-v2-sink-of-the-first-q-group", "cuda", ("v2",),
+       "d0, sinks, h0, v_scale, out_v",
+       "d0, sinks, h0 - h0 % (num_qo_heads / num_kv_heads), v_scale, out_v",
+       [COVER + "test_variants_with_two_q_groups[emulated-cuda]"],
+       "past 8 query heads per KV head (two q-groups of a CTA) every group takes the first "
+       "group's sinks"),
+    _m("metal-v2-sink-of-the-first-q-group", "metal", ("v2",),
+       "active, d0, sinks, h0, v_scale,",
+       "active, d0, sinks, h0 - h0 % (num_qo_heads / num_kv_heads), v_scale,",
+       [COVER + "test_variants_with_two_q_groups[emulated-metal]"],
+       "past 8 query heads per KV head every q-group takes the first group's sinks"),
+    _m("py-merge-split-ignores-shared-memory", "python", ("paged_decode.backends.launches",),
+       "                and merge.split_smem_bytes(head_dim, split) <= merge.STATIC_SMEM_LIMIT):",
+       "                and True):",
+       ["tests/test_merge.py::test_merge_at_head_dims_beyond_the_kernels[768]"],
+       "a split merge at head_dim 768 takes 16 warps, whose shared sums exceed CUDA's 48 KB "
+       "of static shared memory (the kernel would not compile)"),
+    _m("py-merge-indptr-unsigned-wraps", "python", ("paged_decode.merge",),
+       '    ip = as_int64(fn, "indptr", ip)',
+       "    ip = ip",
+       ["tests/test_input_limits.py::test_merge_refuses_a_decreasing_indptr_of_any_integer_"
+        "type[uint32-reference]"],
+       "a decreasing unsigned indptr passes the monotonicity check and merges a row twice"),
+    _m("py-fi-graph-buffers-unchecked", "python", ("paged_decode.compat.fi_graph",),
+       "        if self.be.capturing():",
+       "        if True:",
+       ["tests/test_input_limits.py::test_fi_graph_run_checks_buffers_edited_after_plan"
+        "[emulated-cuda]"],
+       "an eager graph-mode run reads a page id edited past the cache out of bounds"),
 )
 
 

@@ -192,3 +192,19 @@ def test_the_sources_default_l2_prefetch_is_the_hosts():
     from paged_decode.specs import L2_PREFETCH
     got = re.search(r"#define PD_L2_PREFETCH (\d+)", CUDA_COMMON)
     assert got is not None and int(got.group(1)) == L2_PREFETCH
+
+
+def test_the_split_merge_the_rule_picks_compiles_at_wide_heads():
+    """The merge alone takes any head_dim that is a multiple of 4: the split the rule picks
+    for a batch-1 merge of 256 partials per head must fit the 48 KB of static shared
+    memory ptxas allows (16 warps at 768 would take 49344 bytes and fail to build), and
+    the split one step wider must not (the bound is the limit, not a guess)."""
+    from paged_decode.backends.launches import merge_split
+    from paged_decode.kernels.merge import STATIC_SMEM_LIMIT, split_smem_bytes
+    from paged_decode.specs import merge_spec
+    for d in (764, 768, 1024):
+        split = merge_split(1, 8, 256, 132, d)
+        assert split_smem_bytes(d, split) <= STATIC_SMEM_LIMIT < split_smem_bytes(d, 2 * split)
+        cuda_compile.compile_specs({merge_spec("float32", d, split=split)})
+    with pytest.raises(RuntimeError, match=r"too much shared data"):
+        cuda_compile.compile_specs({merge_spec("float32", 768, split=16)})

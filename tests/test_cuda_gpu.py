@@ -12,7 +12,7 @@ import pytest
 import paged_decode as pd
 from paged_decode.backends import availability
 from paged_decode.problems import ProblemSpec, make_problem, make_table
-from paged_decode.reference import lse_error, max_rel_error, oracle_decode
+from paged_decode.reference import lse_error, max_rel_error, oracle_decode, row_rel_error
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not availability("cuda").ok,
@@ -48,7 +48,9 @@ def _run(cuda, spec, *, lengths=None, offsets=None, paths=PATHS, out_dtype="floa
         out, lse = pd.decode(q, k, v, pr.table, plan, path=path, return_lse=True,
                              out_dtype=out_dtype)
         assert isinstance(out, cp.ndarray)
-        e, le = max_rel_error(cp.asnumpy(out), ref), lse_error(cp.asnumpy(lse), ref_lse)
+        # each (request, head) row on its own scale: a long request's averaged output is
+        # far smaller than a short one's, and one batch-wide scale would hide its error
+        e, le = row_rel_error(cp.asnumpy(out), ref), lse_error(cp.asnumpy(lse), ref_lse)
         errs[(path, ppc)] = (e, le, pd.last_outcome().path)
         assert e <= TOL[out_dtype], (spec.label, path, ppc, e)
         assert le <= LSE_TOL, (spec.label, path, ppc, le)

@@ -395,3 +395,36 @@ def test_bad_schedule_names_are_refused(monkeypatch):
     monkeypatch.setenv("PAGED_DECODE_EMULATOR_CP_ASYNC", "eventually")
     with pytest.raises(EmulatorError, match="CP_ASYNC must be one of"):
         run("tickets", 1, 64, args, schedules=("forward",))
+
+
+def test_static_shared_memory_over_the_limit_is_reported_not_hung():
+    """A kernel whose static shared memory is past CUDA's 48 KB fails with the emulator's
+    error in every block. The check once failed inside the site's static initializer,
+    whose guard then stayed held: the next thread to reach it waited for ever. Run in a
+    subprocess with a time limit so that a hang fails this test instead of the suite."""
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent('''
+        import numpy as np
+        from paged_decode.emulator import Buffer, EmulatorError, launch
+        from paged_decode.kernels.common import CUDA_COMMON
+        SRC = CUDA_COMMON + r"""
+        __global__ void too_much_static(float* __restrict__ y) {
+          __shared__ float s[12352];   // 49408 bytes
+          s[threadIdx.x] = 1.0f;
+          __syncthreads();
+          y[blockIdx.x * blockDim.x + threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
+        }
+        """
+        y = np.zeros(128, np.float32)
+        try:
+            launch(SRC, "too_much_static", 2, 64, [Buffer("y", y, True)], 0)
+            print("RAN")
+        except EmulatorError as exc:
+            print("REFUSED", exc)
+    ''')
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert "REFUSED" in res.stdout, res.stdout + res.stderr
+    assert "static __shared__ memory exceeds 49152 bytes" in res.stdout

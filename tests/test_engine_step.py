@@ -333,8 +333,9 @@ def test_the_plan_serves_the_table_after_every_begin():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"page_capacity": 0}, "page_capacity must be a positive integer or None, got 0"),
-    ({"page_capacity": "64"}, "page_capacity must be a positive integer or None, got '64'"),
+    ({"page_capacity": 0}, r"page_capacity must be an integer in \[1, 2147483647\] or None, got 0"),
+    ({"page_capacity": "64"}, r"page_capacity must be an integer in \[1, 2147483647\] or None, "
+                              r"got '64'"),
     ({"page_capacity": 1}, "page_capacity must hold the batch's"),
     ({"capacity": 2}, "capacity must be at least the number of sequences"),
 ])

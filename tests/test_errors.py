@@ -149,8 +149,8 @@ def test_pool_refcount_and_ids():
                                                    r"\(an int\), got bool True"):
         pool.free(True)
     assert pool.sequences() == [0, 1]
-    with pytest.raises(InvalidArgumentError, match=r"PagePool: page_size must be a positive "
-                                                   r"integer, got True"):
+    with pytest.raises(InvalidArgumentError, match=r"PagePool: page_size must be an integer "
+                                                   r"in \[1, 2147483647\], got True"):
         pd.PagePool(4, True, 2, 64)
     with pytest.raises(InvalidArgumentError, match=r"PagePool.page_table: seqs must be a "
                                                    r"sequence"):
@@ -288,8 +288,8 @@ def test_fast_path_revalidates_arrays_reshaped_in_place(pr):
 
 
 def test_page_table_arguments(pr):
-    with pytest.raises(PageTableError, match=r"PageTable.build: page_size must be a positive "
-                                             r"integer, got True"):
+    with pytest.raises(PageTableError, match=r"PageTable.build: page_size must be an integer "
+                                             r"in \[1, 2147483647\], got True"):
         pd.PageTable.build([0], [0, 1], [1], page_size=True)
     with pytest.raises(PageTableError, match=r"PageTable.build: indices must be a 1-D integer"):
         pd.PageTable.build([[0], [1, 2]], [0, 1], [1], page_size=4)
@@ -382,7 +382,8 @@ def test_a_table_built_directly_is_validated_like_build():
         (dict(indptr=[]), r"PageTable: indptr must have B\+1 >= 1 entries, got 0"),
         (dict(indices=[[0]]), r"PageTable: indices must be 1-D, got shape \[1, 1\]"),
         (dict(indices=["a"]), r"PageTable: indices must hold integers"),
-        (dict(page_size="x"), r"PageTable: page_size must be a positive integer, got 'x'"),
+        (dict(page_size="x"), r"PageTable: page_size must be an integer in \[1, 2147483647\], "
+                             r"got 'x'"),
         (dict(last_page_len=[17]), r"PageTable: request 0: last_page_len must be in \[1, "
                                    r"page_size = 16\], got 17"),
         (dict(indices=[-1]), r"PageTable: request 0: indices\[0\] = -1 is not a page id"),
@@ -409,6 +410,6 @@ def test_a_plan_built_by_hand_must_follow_its_chunk_counts():
 
 def test_a_pool_too_large_to_allocate_is_a_clear_error():
     with pytest.raises(InvalidArgumentError, match=r"PagePool: k and v pages of shape "
-                       r"\[1000000000000, 16, 8, 128\] \(float16\) need .* GiB, which "
+                       r"\[2147483647, 16, 8, 128\] \(float16\) need .* GiB, which "
                        r"backend 'reference' could not allocate"):
-        pd.PagePool(10 ** 12, 16, 8, 128)
+        pd.PagePool(2**31 - 1, 16, 8, 128)      # the most pages int32 ids can name

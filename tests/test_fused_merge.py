@@ -204,7 +204,7 @@ def test_by_default_the_merge_does_not_fuse_where_the_merge_kernel_splits(emu, m
     monkeypatch.delenv(MERGE_SPLIT_ENV, raising=False)
     pr = make_problem(ProblemSpec(1, 1200, 8, 2, 64, 16, seed=16, jitter=False))
     plan = _plan(emu, pr, 1)
-    assert emu.merge_split(1, 8, plan.num_chunks) > 1
+    assert emu.merge_split(1, 8, plan.num_chunks, plan.head_dim) > 1
     assert not emu.fuses_merge(plan, "float16")
     run = lambda: pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan,  # noqa: E731
                             path="v2tc", backend=emu, out_dtype="float32")

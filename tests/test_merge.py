@@ -307,7 +307,7 @@ def test_split_merge_kernel_matches_closed_form(monkeypatch, split, d, gather, s
     from paged_decode.backends import get_backend
     monkeypatch.setenv("PAGED_DECODE_MERGE_SPLIT", str(split))
     be = get_backend("emulated-cuda")
-    assert be.merge_split(1, 1, 10**6) == split
+    assert be.merge_split(1, 1, 10**6, 128) == split
     rng = np.random.default_rng(split * 1000 + d)
     indptr = np.concatenate([[0], np.cumsum(SPLIT_SIZES)]).astype(np.int32)
     n, h = int(indptr[-1]), 2
@@ -347,16 +347,42 @@ def test_merge_split_rule():
     16 per SM and take 8+ partials each on average; 1 when the groups are many or short."""
     from paged_decode.backends.launches import merge_split
     sms = 132
-    assert merge_split(1, 8, 256, sms) == 16       # Llama-3-70B TP8, 1 x 32K: 256 chunks
-    assert merge_split(1, 8, 64, sms) == 8         # 1 x 8K: 64 chunks
-    assert merge_split(1, 32, 33, sms) == 4        # GQA 4, 1 x 16K: 33 chunks
-    assert merge_split(1, 32, 16, sms) == 2
-    assert merge_split(1, 32, 15, sms) == 1        # under 8 partials per warp
-    assert merge_split(8, 8, 8 * 33, sms) == 4     # 64 groups of 33
-    assert merge_split(8, 32, 8 * 4, sms) == 1     # short groups
-    assert merge_split(64, 32, 64 * 64, sms) == 1  # 2048 groups: 16 per SM already
-    assert merge_split(0, 8, 0, sms) == 1
-    assert merge_split(1, 8, 256, 1) == 2          # a one-unit device: 16 warps
+    assert merge_split(1, 8, 256, sms, 128) == 16       # Llama-3-70B TP8, 1 x 32K: 256 chunks
+    assert merge_split(1, 8, 64, sms, 128) == 8         # 1 x 8K: 64 chunks
+    assert merge_split(1, 32, 33, sms, 128) == 4        # GQA 4, 1 x 16K: 33 chunks
+    assert merge_split(1, 32, 16, sms, 128) == 2
+    assert merge_split(1, 32, 15, sms, 128) == 1        # under 8 partials per warp
+    assert merge_split(8, 8, 8 * 33, sms, 128) == 4     # 64 groups of 33
+    assert merge_split(8, 32, 8 * 4, sms, 128) == 1     # short groups
+    assert merge_split(64, 32, 64 * 64, sms, 128) == 1  # 2048 groups: 16 per SM already
+    assert merge_split(0, 8, 0, sms, 128) == 1
+    assert merge_split(1, 8, 256, 1, 128) == 2          # a one-unit device: 16 warps
+    # the block's shared sums must fit CUDA's 48 KB of static shared memory
+    assert merge_split(1, 8, 256, sms, 764) == 16       # 16 x 767 x 4 bytes = 49088
+    assert merge_split(1, 8, 256, sms, 768) == 8
+    assert merge_split(1, 8, 256, sms, 1536) == 4
+    assert merge_split(1, 8, 256, sms, 12288) == 1
+
+
+@pytest.mark.skipif(not __import__("paged_decode.backends", fromlist=["x"]).availability(
+    "emulated-cuda").ok, reason="emulator unavailable")
+@pytest.mark.parametrize("d", [4, 160, 768])
+def test_merge_at_head_dims_beyond_the_kernels(d):
+    """The merge alone takes any head_dim that is a multiple of 4: at 768 the rule's
+    split (8, not 16: ``merge.split_smem_bytes``) must fit the static shared memory the
+    emulator bounds as CUDA does, and match the closed form with the most partials."""
+    from paged_decode.backends import get_backend
+    be = get_backend("emulated-cuda")
+    rng = np.random.default_rng(d)
+    n, h = 256, 8
+    v = rng.standard_normal((n, h, d)).astype(np.float32)
+    lse = rng.uniform(-8, 12, (n, h)).astype(np.float32)
+    indptr = np.array([0, n], np.int32)
+    split = be.merge_split(1, h, n, d)
+    assert split == {4: 16, 160: 16, 768: 8}[d]
+    got_v, got_l = merge_states(v, lse, indptr, backend=be)
+    ref_v, ref_l = merge_states(v, lse, indptr, backend="reference")
+    assert_close_to_ref(got_v, got_l, ref_v, ref_l, tol=5e-6)
 
 
 def test_merge_split_setting_is_checked(monkeypatch):
@@ -368,13 +394,18 @@ def test_merge_split_setting_is_checked(monkeypatch):
     monkeypatch.setenv("PAGED_DECODE_MERGE_SPLIT", "3")
     with pytest.raises(InvalidArgumentError, match=r"merge: PAGED_DECODE_MERGE_SPLIT must be "
                        r"one of 1, 2, 4, 8, 16 or unset, got '3'"):
-        be.merge_split(1, 8, 256)
+        be.merge_split(1, 8, 256, 128)
+    monkeypatch.setenv("PAGED_DECODE_MERGE_SPLIT", "16")
+    with pytest.raises(InvalidArgumentError, match=r"merge: PAGED_DECODE_MERGE_SPLIT=16 at "
+                       r"head_dim 768 needs 49344 bytes of static shared memory, over "
+                       r"CUDA's 49152"):
+        be.merge_split(1, 8, 256, 768)
     monkeypatch.setenv("PAGED_DECODE_MERGE_SPLIT", "1")
-    assert be.merge_split(1, 8, 256) == 1
+    assert be.merge_split(1, 8, 256, 128) == 1
     monkeypatch.delenv("PAGED_DECODE_MERGE_SPLIT")
-    assert be.merge_split(1, 8, 256) == launches_rule(be)
+    assert be.merge_split(1, 8, 256, 128) == launches_rule(be)
 
 
 def launches_rule(be) -> int:
     from paged_decode.backends.launches import merge_split
-    return merge_split(1, 8, 256, be.device_info().compute_units)
+    return merge_split(1, 8, 256, be.device_info().compute_units, 128)

@@ -65,10 +65,13 @@ def test_split_merge_matches_closed_form(monkeypatch, split, d, gather):
         be.merge(cp.asarray(v), cp.asarray(lse), indptr, vo, lo, **kw)
         got_v, got_l = vo.get(), lo.get()
         assert np.array_equal(np.isnan(got_l), np.isnan(ref_l))
+        assert np.isnan(got_v[np.isnan(ref_l)]).all()          # the poisoned group's rows
         fin = np.isfinite(ref_l)
         np.testing.assert_allclose(got_l[fin], ref_l[fin], rtol=0, atol=2e-5)
         np.testing.assert_allclose(got_v[fin], ref_v[fin], rtol=0, atol=2e-5)
-        assert np.isneginf(got_l[0]).all() and (got_v[0] == 0).all()   # the empty group
+        empty = np.isneginf(ref_l)                              # every empty group
+        assert empty[0].all() and np.isneginf(got_l[empty]).all()
+        assert (got_v[empty] == 0).all()
         vo.fill(np.nan)
         lo.fill(np.nan)
 
@@ -91,7 +94,8 @@ def test_batch1_decode_with_the_split_merge(monkeypatch, path, hq, hkv, ctx):
     cpc = v2tc_ctas_per_chunk(hq, hkv) if path == "v2tc" else None
     plan = pd.plan_decode(pr.table, hq, hkv, 128, device=be.device_info(), ctas_per_chunk=cpc)
     assert plan.needs_merge
-    split = launches.merge_split(1, hq, plan.num_chunks, be.device_info().compute_units)
+    split = launches.merge_split(1, hq, plan.num_chunks, be.device_info().compute_units,
+                                  plan.head_dim)
     assert split > 1, plan.num_chunks
     monkeypatch.setenv("PAGED_DECODE_FUSED_MERGE", "0")
     outs = {}

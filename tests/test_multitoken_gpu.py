@@ -50,6 +50,21 @@ def test_ragged_tokens_match_oracle_on_cuda(cuda, path, hq, dtype):
                           str(pd.last_outcome()), tol=tol)
 
 
+@pytest.mark.parametrize("path", ["v2", "v2tc", "v1"])
+def test_up_to_eight_tokens_per_request_on_cuda(cuda, path):
+    """The most query tokens a request may bring (8), beside 5, 1 and 7: at GQA 4 the
+    tensor-core partial folds 8 tokens into 32 rows, two row tiles."""
+    import cupy as cp
+    pr, q, qi = _problem([8, 1500, 3000, 777], [8, 5, 1, 7], 32, "float16", seed=11)
+    ref, ref_lse = oracle_decode(q, pr.k_pages, pr.v_pages, pr.table, qo_indptr=qi)
+    out, lse = pd.decode(cp.asarray(q), cp.asarray(pr.k_pages), cp.asarray(pr.v_pages),
+                         pr.table, path=path, qo_indptr=qi, return_lse=True,
+                         out_dtype="float32", backend=cuda)
+    tol = tc_out_tol("float16", "float32") if path == "v2tc" else None
+    assert_matches_oracle(cp.asnumpy(out), cp.asnumpy(lse), ref, ref_lse, "float32",
+                          str(pd.last_outcome()), tol=tol)
+
+
 def test_variants_and_torch_tensors_on_cuda(cuda):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -259,7 +259,7 @@ def test_build_rejects(name):
 
 @pytest.mark.parametrize("page_size", [0, -3, 2.0, "4"])
 def test_build_rejects_bad_page_size(page_size):
-    with pytest.raises(PageTableError, match=r"page_size must be a positive integer"):
+    with pytest.raises(PageTableError, match=r"page_size must be an integer in \[1, 2147483647\]"):
         PageTable.build([0], [0, 1], [1], page_size=page_size)
 
 

@@ -420,7 +420,7 @@ def test_plan_is_frozen_plain_data():
     ((None, 6, 4, 64), {}, r"num_qo_heads must be a multiple of num_kv_heads, got 6 and 4"),
     ((None, 0, 4, 64), {}, r"num_qo_heads must be a positive integer, got 0"),
     ((None, 8, 8, -1), {}, r"head_dim must be a positive integer, got -1"),
-    ((None, 8, 8, 64), {"pages_per_chunk": 0}, r"pages_per_chunk must be a positive integer"),
+    ((None, 8, 8, 64), {"pages_per_chunk": 0}, r"pages_per_chunk must be an integer in \[1, "),
 ])
 def test_plan_rejects(args, kwargs, pattern):
     if args[0] is None:

@@ -502,8 +502,9 @@ def test_trim_and_lookups_reject_bad_arguments():
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
-    (dict(num_pages=0), r"PagePool: num_pages must be a positive integer, got 0"),
-    (dict(page_size=-1), r"PagePool: page_size must be a positive integer, got -1"),
+    (dict(num_pages=0), r"PagePool: num_pages must be an integer in \[1, 2147483647\], got 0"),
+    (dict(page_size=-1), r"PagePool: page_size must be an integer in \[1, 2147483647\], "
+                         r"got -1"),
     (dict(num_kv_heads=2.0), r"PagePool: num_kv_heads must be a positive integer"),
     (dict(head_dim=0), r"PagePool: head_dim must be a positive integer"),
     (dict(num_layers=0), r"PagePool: num_layers must be a positive integer or None"),

@@ -197,6 +197,11 @@ class Backend(ABC):
         for backends without streams); part of ``decode``'s fast-path key."""
         return 0
 
+    def capturing(self) -> bool:
+        """Whether launches now go into a CUDA-graph capture (inside a launch context;
+        then nothing may be copied back to the host). ``False`` without graphs."""
+        return False
+
     def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
         """A callable repeating the kernel launches ``run`` makes, for a prepared call
         (``prepare_decode``) on arrays like ``like``. ``run`` may only launch kernels

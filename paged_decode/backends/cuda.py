@@ -132,6 +132,10 @@ class CudaBackend(LaunchingBackend):
         """The raw current stream for arrays like ``like`` (torch's for torch tensors)."""
         return cuda_arrays.stream_getter(like)()
 
+    def capturing(self) -> bool:
+        """Whether the current stream (the launch context's) is capturing a graph."""
+        return bool(cp.cuda.get_current_stream().is_capturing())
+
     # ----------------------------------------------------------- device copies of host data
     def upload(self, arr: np.ndarray) -> Any:
         """Device copy of a host array on the current device (read-only arrays memoised

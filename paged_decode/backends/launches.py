@@ -22,7 +22,7 @@ import numpy as np
 
 from ..dtypes import itemsize
 from ..errors import UnsupportedProblemError
-from ..kernels import append
+from ..kernels import append, merge
 from ..kernels.merge import SPLITS as MERGE_SPLITS
 from ..kernels.merge import WARPS_PER_BLOCK as MERGE_ITEMS_PER_BLOCK
 from ..kernels.registry import kernel_def
@@ -290,11 +290,13 @@ MERGE_SPLIT_WARPS_PER_UNIT = 16
 MERGE_SPLIT_MIN_ROWS = 8
 
 
-def merge_split(outputs: int, heads: int, inputs: int, units: int) -> int:
+def merge_split(outputs: int, heads: int, inputs: int, units: int, head_dim: int) -> int:
     """Warps per (output row, head) of the merge (``kernels/merge.py`` ``SPLIT``): the most
     of ``MERGE_SPLITS`` whose warps, ``outputs x heads x split``, stay within
-    ``MERGE_SPLIT_WARPS_PER_UNIT`` per unit of ``units`` and take at least
-    ``MERGE_SPLIT_MIN_ROWS`` of a group's ``inputs / outputs`` partials each; else 1 (one
+    ``MERGE_SPLIT_WARPS_PER_UNIT`` per unit of ``units``, take at least
+    ``MERGE_SPLIT_MIN_ROWS`` of a group's ``inputs / outputs`` partials each and whose
+    block's shared sums at ``head_dim`` fit the static limit (``merge.split_smem_bytes``:
+    16 warps up to head_dim 765, any split to 381); else 1 (one
     warp per (row, head), four per block). Why: one warp merges a group's partials
     ``4`` at a time, each batch waiting on memory, so a batch-1 call over 256 chunks per
     head waits 64 times in a row on 8 warps of an idle device; a split warp takes about
@@ -304,7 +306,8 @@ def merge_split(outputs: int, heads: int, inputs: int, units: int) -> int:
     mean = inputs / outputs
     for split in sorted(MERGE_SPLITS, reverse=True):
         if (split > 1 and outputs * heads * split <= MERGE_SPLIT_WARPS_PER_UNIT * units
-                and mean >= MERGE_SPLIT_MIN_ROWS * split):
+                and mean >= MERGE_SPLIT_MIN_ROWS * split
+                and merge.split_smem_bytes(head_dim, split) <= merge.STATIC_SMEM_LIMIT):
             return split
     return 1
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import settings
 from ..errors import InvalidArgumentError, UnsupportedProblemError
+from ..kernels import merge
 from ..kernels.append import METAL_MIN_ELEMENTS, AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan
@@ -143,7 +144,7 @@ class LaunchingBackend(Backend):
         if val in (None, ""):
             return launches.fused_merge_pays(
                 plan, kv_dtype, self.merge_split(plan.batch_size, plan.num_qo_heads,
-                                                 plan.num_chunks))
+                                                 plan.num_chunks, plan.head_dim))
         return val != "0"
 
     def merge_counters(self, plan: DecodePlan) -> Any:
@@ -171,26 +172,31 @@ class LaunchingBackend(Backend):
               rows: Any = None, *, sinks: Any = None) -> None:
         if rows is not None and not self.merge_gathers:
             raise InvalidArgumentError(f"{self.name} backend: the merge takes no row index")
-        m, h, _ = v_out.shape
+        m, h, d = v_out.shape
         self._run(launches.merge_launch(
             out_dtype=self.dtype_of(v_out), shape=tuple(v_out.shape), v=v, lse=lse,
             o_indptr=self.index_array(o_indptr), v_out=v_out, lse_out=lse_out, rows=rows,
-            sinks=sinks, split=self.merge_split(int(m), int(h), int(o_indptr[-1]))))
+            sinks=sinks, split=self.merge_split(int(m), int(h), int(o_indptr[-1]), int(d))))
 
-    def merge_split(self, outputs: int, heads: int, inputs: int) -> int:
+    def merge_split(self, outputs: int, heads: int, inputs: int, head_dim: int) -> int:
         """Warps per (row, head) of a merge of ``inputs`` partials into ``outputs x heads``
-        groups: 1 on the Metal dialect (its merge has no split); else
+        groups of ``head_dim``: 1 on the Metal dialect (its merge has no split); else
         ``PAGED_DECODE_MERGE_SPLIT`` when set, ``launches.merge_split``'s rule when not."""
         if self.metal_dialect:
             return 1
         val = (settings.get(MERGE_SPLIT_ENV) or "").strip()
         if not val:
             return launches.merge_split(outputs, heads, inputs,
-                                        self.device_info().compute_units)
+                                        self.device_info().compute_units, head_dim)
         if val not in {str(s) for s in launches.MERGE_SPLITS}:
             raise InvalidArgumentError(
                 f"merge: {MERGE_SPLIT_ENV} must be one of "
                 f"{', '.join(map(str, launches.MERGE_SPLITS))} or unset, got {val!r}")
+        if merge.split_smem_bytes(head_dim, int(val)) > merge.STATIC_SMEM_LIMIT:
+            raise InvalidArgumentError(
+                f"merge: {MERGE_SPLIT_ENV}={val} at head_dim {head_dim} needs "
+                f"{merge.split_smem_bytes(head_dim, int(val))} bytes of static shared memory, "
+                f"over CUDA's {merge.STATIC_SMEM_LIMIT}; use a smaller split")
         return int(val)
 
     def decode_v1(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,

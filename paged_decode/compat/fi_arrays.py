@@ -18,7 +18,7 @@ from ..backends import Backend, array_kind
 from ..backends.base import poison_enabled
 from ..backends.reference import torch_cpu_view
 from ..dtypes import numpy_dtype
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, as_int64, check_writable
 
 
 def torch_module() -> Any:
@@ -67,7 +67,37 @@ def host_ints(fn: str, name: str, x: Any) -> np.ndarray:
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise InvalidArgumentError(f"{fn}: {name} must be a 1-D integer array, got shape "
                                    f"{list(arr.shape)} dtype {arr.dtype}")
-    return arr.astype(np.int64)
+    return as_int64(fn, name, arr)
+
+
+def checked_table(fn: str, indptr: np.ndarray, indices: np.ndarray,
+                  last_page_len: np.ndarray, page_size: int, prefix: str = "") -> np.ndarray:
+    """FlashInfer's CSR invariants over host int64 arrays (``host_ints``), or an error
+    naming ``fn`` and the argument (``prefix`` + ``indptr`` / ``indices`` /
+    ``last_page_len``): ``indptr [B+1]`` from 0, non-decreasing (B = len(last_page_len));
+    ``indices`` at least ``indptr[-1]`` long (a longer buffer is fine); ``1 <=
+    last_page_len <= page_size`` for a request with pages. A request without pages is empty
+    whatever its ``last_page_len`` (as CUDA-graph padding rows are): returns
+    ``last_page_len`` with those set to 0, paged-decode's spelling of an empty request."""
+    b = last_page_len.size
+    if indptr.size != b + 1:
+        raise InvalidArgumentError(f"{fn}: {prefix}indptr must have batch_size + 1 = {b + 1} "
+                                   f"entries (batch_size = len({prefix}last_page_len)), got "
+                                   f"{indptr.size}")
+    pages = np.diff(indptr)
+    if indptr[0] != 0 or (pages < 0).any():
+        raise InvalidArgumentError(f"{fn}: {prefix}indptr must start at 0 and be "
+                                   f"non-decreasing, got {indptr.tolist()[:16]}")
+    if indices.size < indptr[-1]:
+        raise InvalidArgumentError(f"{fn}: {prefix}indices has {indices.size} entries, "
+                                   f"{prefix}indptr[-1] = {int(indptr[-1])} needs that many")
+    lpl = np.where(pages > 0, last_page_len, 0)
+    bad = np.flatnonzero((pages > 0) & ((lpl < 1) | (lpl > page_size)))
+    if bad.size:
+        r = int(bad[0])
+        raise InvalidArgumentError(f"{fn}: {prefix}last_page_len must be in [1, page_size = "
+                                   f"{page_size}], got {int(lpl[r])} for request {r}")
+    return lpl
 
 
 def int32_buffer(fn: str, name: str, x: Any, size: int | None = None) -> None:
@@ -82,8 +112,7 @@ def int32_buffer(fn: str, name: str, x: Any, size: int | None = None) -> None:
     if size is not None and int(x.shape[0]) != size:
         raise InvalidArgumentError(f"{fn}: {name} must have {size} entries, got "
                                    f"{int(x.shape[0])}")
-    if array_kind(x) == "numpy" and not x.flags.writeable:
-        raise InvalidArgumentError(f"{fn}: {name} must be writable (plan copies into it)")
+    check_writable(fn, name, x, " (plan copies into it)")
 
 
 def copy_into(buf: Any, values: np.ndarray) -> None:
@@ -126,8 +155,8 @@ def in_kind(be: Backend, x: Any, like: Any) -> Any:
     return be.wrap_result(x, like=like)
 
 
-__all__ = ["as_backend", "copy_into", "empty_like_kind", "host_ints", "in_kind", "ints_like",
-           "int32_buffer", "is_cuda_tensor", "is_torch", "shape_of",
+__all__ = ["as_backend", "checked_table", "copy_into", "empty_like_kind", "host_ints",
+           "in_kind", "ints_like", "int32_buffer", "is_cuda_tensor", "is_torch", "shape_of",
            "torch_module"]
 
 

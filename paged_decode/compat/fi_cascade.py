@@ -16,7 +16,7 @@ import numpy as np
 from .. import merge as pd_merge
 from ..backends import Backend, backend_for
 from ..dtypes import check_dtype
-from ..errors import InvalidArgumentError, check_ndim, check_shape
+from ..errors import InvalidArgumentError, check_ndim, check_shape, check_writable
 from .fi_arrays import as_backend, in_kind, shape_of
 
 
@@ -59,6 +59,8 @@ def merge_state_in_place(v: Any, s: Any, v_other: Any, s_other: Any, mask: Any =
 def _merge_in_place(fn: str, be: Backend, v: Any, s: Any, v_other: Any, s_other: Any,
                     mask: Any) -> None:
     vt, st = as_backend(fn, "v", be, v), as_backend(fn, "s", be, s)
+    for name, x in (("v", v), ("s", s)):
+        check_writable(fn, name, x, " (the merge writes it in place)")
     if check_dtype(fn, "s", be.dtype_of(st)) != "float32":
         raise InvalidArgumentError(f"{fn}: s must be float32 (it receives the merged LSE), "
                                    f"got {be.dtype_of(st)}")

@@ -27,12 +27,20 @@ from ..errors import (
     check_int,
     check_number,
     check_shape,
+    check_writable,
     fmt_shape,
 )
 from ..fp8 import is_fp8, pool_dtype, raw_dtype_name
 from ..page_table import PageTable
 from ..plan import DecodePlan, check_geometry
-from .fi_arrays import as_backend, empty_like_kind, host_ints, int32_buffer, shape_of
+from .fi_arrays import (
+    as_backend,
+    checked_table,
+    empty_like_kind,
+    host_ints,
+    int32_buffer,
+    shape_of,
+)
 from .fi_cache import KVPools, decode_pools, first_array
 from .fi_graph import GraphState
 from .fi_unsupported import (
@@ -56,25 +64,9 @@ def fi_table_arrays(fn: str, indptr: Any, indices: Any, last_page_len: Any, page
     spelling of an empty request (output zeros, LSE ``-inf``)."""
     ip, idx, lpl = (host_ints(fn, n, x) for n, x in (("indptr", indptr), ("indices", indices),
                                                        ("last_page_len", last_page_len)))
-    b = lpl.size
-    if ip.size != b + 1:
-        raise InvalidArgumentError(f"{fn}: indptr must have batch_size + 1 = {b + 1} entries "
-                                   f"(batch_size = len(last_page_len)), got {ip.size}")
-    if b == 0:
+    lpl = checked_table(fn, ip, idx, lpl, page_size)
+    if lpl.size == 0:
         raise InvalidArgumentError(f"{fn}: the batch is empty (len(last_page_len) = 0)")
-    pages = np.diff(ip)
-    if ip[0] != 0 or (pages < 0).any():
-        raise InvalidArgumentError(f"{fn}: indptr must start at 0 and be non-decreasing, got "
-                                   f"{ip.tolist()[:16]}")
-    if idx.size < ip[-1]:
-        raise InvalidArgumentError(f"{fn}: indices has {idx.size} entries, indptr[-1] = "
-                                   f"{int(ip[-1])} needs that many")
-    lpl = np.where(pages > 0, lpl, 0)
-    bad = np.flatnonzero((pages > 0) & ((lpl < 1) | (lpl > page_size)))
-    if bad.size:
-        r = int(bad[0])
-        raise InvalidArgumentError(f"{fn}: last_page_len must be in [1, page_size = "
-                                   f"{page_size}], got {int(lpl[r])} for request {r}")
     used = idx[: int(ip[-1])]
     if used.size and (used.min() < 0 or used.max() > np.iinfo(np.int32).max // 2):
         raise InvalidArgumentError(f"{fn}: indices must be page ids in [0, 2^30), got "
@@ -369,6 +361,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         got = check_dtype(fn, name, given.dtype)
         if got != dtype:
             raise InvalidArgumentError(f"{fn}: {name} must have dtype {dtype}, got {got}")
+        check_writable(fn, name, given)
         return given
 
     def _table(self, interleaved: bool) -> PageTable:
@@ -396,6 +389,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous in graph mode "
                                            "(the merge kernel writes it directly)")
         hq, _, d, p = st["geometry"]
+        g.check_buffers(fn, pools)
         v_part, lse_part, spare = g.workspace(fn, self._float_workspace_buffer, hq, d)
         lse_out = spare if lse_a is None else lse_a
         table: Any = g.table(pools.interleaved) if g.kernels_read_buffers else \

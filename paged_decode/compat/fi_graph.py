@@ -133,6 +133,7 @@ class GraphState:
                               plan0.page_size, ppc, plan0.heads_per_cta, plan0.q_groups, c,
                               *own[:3])
         self.first_page_offset, self.doubled = own[3], own[4]
+        self.written: tuple[np.ndarray, ...] = ()    # what the last plan wrote (``load``)
 
     @property
     def kernels_read_buffers(self) -> bool:
@@ -145,6 +146,7 @@ class GraphState:
         map and the doubled ids into the wrapper's (one host-to-device copy each)."""
         for buf, vals in zip(self.user, (indptr, indices, last_page_len)):
             copy_into(buf, vals)
+        self.written = tuple(np.array(x, np.int64) for x in (indptr, indices, last_page_len))
         req, tiles, o_indptr = chunk_map(pages, self.plan.pages_per_chunk,
                                          self.plan.num_chunks)
         with self.be.launch_context(self.user[0]):
@@ -152,6 +154,50 @@ class GraphState:
                               (self.plan.kv_tile_indices, tiles),
                               (self.plan.o_indptr, o_indptr), (self.doubled, 2 * indices)):
                 copy_into(buf, vals)
+
+    def check_buffers(self, fn: str, pools: Any) -> None:
+        """Raise unless the caller's buffers are safe to read as the last plan left the
+        launches (``pools``: the run's ``KVPools``). A caller may rewrite page ids and
+        last-page lengths between plan and run (FlashInfer's kernels read the buffers,
+        and so do these), but not the page counts: the chunk map was made from
+        ``indptr``. So: ``indptr`` as the plan wrote it; page ids in ``[0, num_pages)``,
+        and as the plan wrote them for a combined cache (whose kernels read the plan's
+        doubled copy); ``last_page_len`` in ``[1, P]`` for a request with pages, ``[0,
+        P]`` without. One copy back to the host per buffer (a synchronization), so in an
+        eager run only: nothing can be read back inside a capture, and a replay reads
+        whatever the buffers hold."""
+        if self.be.capturing():
+            return
+        ip, idx, lpl = (np.asarray(self.be.to_numpy(v)).astype(np.int64) for v in self.views)
+        want_ip, want_idx = self.written[0], self.written[1]
+        n, p = want_idx.size, pools.page_size
+        idx, lpl = idx[:n], lpl[: want_ip.size - 1]
+        bad = np.flatnonzero(ip[: want_ip.size] != want_ip)
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidArgumentError(
+                f"{fn}: paged_kv_indptr_buffer[{i}] holds {int(ip[i])}, but the last plan "
+                f"wrote {int(want_ip[i])}: call plan after changing the page counts (the "
+                "launches' chunks were made from them)")
+        if pools.interleaved and (idx != want_idx).any():
+            i = int(np.flatnonzero(idx != want_idx)[0])
+            raise InvalidArgumentError(
+                f"{fn}: paged_kv_indices_buffer[{i}] holds {int(idx[i])}, but the last plan "
+                f"wrote {int(want_idx[i])}: with a combined K/V cache call plan after "
+                "changing page ids (the kernels read the plan's doubled copy)")
+        bad = np.flatnonzero((idx < 0) | (idx >= pools.num_pages))
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidArgumentError(
+                f"{fn}: paged_kv_indices_buffer[{i}] holds page {int(idx[i])}, outside the "
+                f"cache's {pools.num_pages} pages")
+        low = np.where(np.diff(want_ip) > 0, 1, 0)
+        bad = np.flatnonzero((lpl < low) | (lpl > p))
+        if bad.size:
+            r = int(bad[0])
+            raise InvalidArgumentError(
+                f"{fn}: paged_kv_last_page_len_buffer[{r}] holds {int(lpl[r])}, outside "
+                f"[{int(low[r])}, page_size = {p}] for request {r}")
 
     def table(self, interleaved: bool) -> BufferTable:
         """The CSR arrays the kernels read, for a combined cache or a pair."""

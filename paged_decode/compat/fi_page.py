@@ -23,7 +23,7 @@ from ..backends import backend_for
 from ..dtypes import KV_DTYPES, check_dtype
 from ..errors import InvalidArgumentError, check_int, check_ndim, check_shape
 from ..fp8 import is_fp8, raw_dtype_name
-from .fi_arrays import as_backend, host_ints, ints_like, shape_of
+from .fi_arrays import as_backend, checked_table, host_ints, ints_like, shape_of
 from .fi_cache import first_array, write_views
 from .fi_unsupported import check_layout
 
@@ -72,13 +72,12 @@ def get_batch_indices_positions(append_indptr: Any, seq_lens: Any, nnz: int) -> 
 def append_destinations(fn: str, batch: np.ndarray, pos: np.ndarray, indices: np.ndarray,
                         indptr: np.ndarray, last_page_len: np.ndarray, page_size: int,
                         num_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(page ids, entries)`` of each appended row, int64, after the checks."""
+    """``(page ids, entries)`` of each appended row, int64, after the checks (the table's
+    are ``checked_table``'s: a ``last_page_len`` past the page size would send a row into
+    the next request's page)."""
+    last_page_len = checked_table(fn, indptr, indices, last_page_len, page_size, "kv_")
     b = last_page_len.size
-    check_shape(fn, "kv_indptr", indptr.shape, (b + 1,), "[B+1]")
     pages = np.diff(indptr)
-    if indptr[0] != 0 or (pages < 0).any() or indices.size < indptr[-1]:
-        raise InvalidArgumentError(f"{fn}: kv_indptr must start at 0 and be non-decreasing, "
-                                   f"with kv_indices at least kv_indptr[-1] long")
     if batch.size and (batch.min() < 0 or batch.max() >= b):
         raise InvalidArgumentError(f"{fn}: batch_indices must be in [0, {b}), got "
                                    f"{int(batch.min())}..{int(batch.max())}")

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import UnsupportedProblemError, check_int, check_number
 from ..fp8 import check_scale
+from ..variants import check_soft_cap
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 #: FlashInfer backend names that select one of its own kernel families
@@ -53,7 +54,7 @@ def check_plan(fn: str, *, pos_encoding_mode: Any, window_left: Any, logits_soft
     """The plan arguments that would change the attention paged-decode computes; returns
     ``(window_left, logits_soft_cap)`` as decode takes them (``-1`` / ``None``: off;
     FlashInfer's cap of ``0`` is off too)."""
-    if pos_encoding_mode not in POS_ENCODING_MODES:
+    if not isinstance(pos_encoding_mode, str) or pos_encoding_mode not in POS_ENCODING_MODES:
         raise UnsupportedProblemError(f"{fn}: pos_encoding_mode must be one of "
                                       f"{', '.join(POS_ENCODING_MODES)}, got "
                                       f"{pos_encoding_mode!r}")
@@ -63,8 +64,9 @@ def check_plan(fn: str, *, pos_encoding_mode: Any, window_left: Any, logits_soft
     if pos_encoding_mode == "ALIBI":
         raise _refuse(fn, "pos_encoding_mode", pos_encoding_mode, "ALiBi biases")
     window = check_int(fn, "window_left", window_left, -1, note=" (-1: no window)")
-    cap = None if logits_soft_cap is None or logits_soft_cap == 0 else \
-        check_number(fn, "logits_soft_cap", logits_soft_cap, 0.0)   # > 0: decode checks
+    cap = None if logits_soft_cap is None else \
+        check_number(fn, "logits_soft_cap", logits_soft_cap, 0.0)
+    cap = None if cap == 0 else check_soft_cap(fn, cap)      # FlashInfer's 0: no cap
     if graph and window != -1:
         raise _refuse(fn, "window_left", window_left, "in graph mode (use_cuda_graph=True), "
                       "whose recorded launches serve a plain decode; plan it without the "
@@ -94,7 +96,8 @@ def check_run(fn: str, *, args: tuple[Any, ...], q_scale: Any, k_scale: Any, v_s
     scales = tuple(1.0 if value is None else check_scale(fn, name, value)
                    for name, value in (("q_scale", q_scale), ("k_scale", k_scale),
                                        ("v_scale", v_scale)))
-    if window_left is not None and window_left != planned_window:
+    if window_left is not None and check_int(fn, "window_left", window_left, -1,
+                                             note=" or None") != planned_window:
         raise _refuse(fn, "window_left", window_left, f"a window other than the plan's "
                       f"({planned_window}); plan again with it")
     if sinks is not None:

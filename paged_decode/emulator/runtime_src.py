@@ -166,12 +166,15 @@ inline T collective(unsigned mask, T v, int op, int param, int width) {
 namespace {
 std::atomic<std::size_t> g_static_smem{0};
 
+// The offset, or STATIC_SMEM_OVER when the site does not fit: the caller fails after its
+// static initializer has finished (a fail() inside one would leave its guard held, and
+// every other thread reaching the site would wait on it for ever).
+constexpr std::size_t STATIC_SMEM_OVER = ~std::size_t(0);
 inline std::size_t reserve_static(std::size_t size, std::size_t align) {
   std::size_t cur = g_static_smem.load();
   for (;;) {
     const std::size_t off = (cur + align - 1) / align * align;
-    if (off + size > STATIC_SMEM_CAP)
-      fail("static __shared__ memory exceeds %zu bytes", (std::size_t)STATIC_SMEM_CAP);
+    if (off + size > STATIC_SMEM_CAP) return STATIC_SMEM_OVER;
     if (g_static_smem.compare_exchange_weak(cur, off + size)) return off;
   }
 }
@@ -179,6 +182,8 @@ inline std::size_t reserve_static(std::size_t size, std::size_t align) {
 template <typename T, typename Site>
 inline T& shared_var() {
   static const std::size_t off = reserve_static(sizeof(T), alignof(T) < 16 ? 16 : alignof(T));
+  if (off == STATIC_SMEM_OVER)
+    fail("static __shared__ memory exceeds %zu bytes", (std::size_t)STATIC_SMEM_CAP);
   return *reinterpret_cast<T*>(self()->block->static_smem + off);
 }
 

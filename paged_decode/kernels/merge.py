@@ -28,6 +28,18 @@ from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue
 WARPS_PER_BLOCK = 4
 #: warps per (output row, head) the split merge may take (the kernel's ``SPLIT``)
 SPLITS = (1, 2, 4, 8, 16)
+#: CUDA's limit on one kernel's static ``__shared__`` memory, which holds a split merge's
+#: ``MergeSplitSmem``
+STATIC_SMEM_LIMIT = 48 * 1024
+
+
+def split_smem_bytes(head_dim: int, split: int) -> int:
+    """Static shared memory of a merge block at ``split`` warps per (row, head): none
+    unsplit; else ``MergeSplitSmem``, each warp's max, poison flag, row sum and
+    ``head_dim`` sums in float32."""
+    return 0 if split == 1 else split * (head_dim + 3) * 4
+
+
 #: partials each warp of a split merge loads at once: twice the unsplit merge's 4, because
 #: the split merge serves the cells where a few groups over many partials run alone on
 #: the device and only loads in flight hide the latency
