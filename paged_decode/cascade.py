@@ -38,7 +38,13 @@ import numpy as np
 
 from .backends import get_backend
 from .device import DeviceInfo
-from .errors import InvalidArgumentError, check_choice, check_int, check_type
+from .errors import (
+    InvalidArgumentError,
+    PlanMismatchError,
+    check_choice,
+    check_int,
+    check_type,
+)
 from .kernels import prefix_tc
 from .page_table import PageTable, frozen_int32
 from .plan import DecodePlan, check_geometry, make_plan
@@ -283,8 +289,12 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
                                     min_members=min_members, fn=fn)[0]
         if prefix is None:
             return None
-    elif not isinstance(prefix, CascadePlan) or not prefix.matches(table):
-        raise InvalidArgumentError(f"{fn}: prefix must be a CascadePlan made for this table")
+    elif not isinstance(prefix, CascadePlan):
+        raise InvalidArgumentError(f"{fn}: prefix must be a CascadePlan (detect_shared_prefix) "
+                                   f"or None, got {type(prefix).__name__}")
+    elif not prefix.matches(table):
+        raise PlanMismatchError(f"{fn}: prefix is a CascadePlan made for another page table "
+                                "(its CSR arrays or page size differ)")
     if device is None:
         device = get_backend(backend, fn=fn).device_info()
     check_type(fn, "device", device, DeviceInfo, "a DeviceInfo or None")

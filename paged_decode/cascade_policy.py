@@ -15,7 +15,7 @@ from . import settings
 from .cascade import CascadeDecodePlan, CascadePlan, detect_with_reason, plan_cascade
 from .device import CHUNK_ENV, RAGGED_ENV, TARGET_ENV
 from .dtypes import itemsize
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, PlanMismatchError
 from .page_table import PageTable
 from .specs import prefix_kernel_runs
 
@@ -102,14 +102,20 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
     """
     geo = (num_qo_heads, num_kv_heads, head_dim)
     if isinstance(cascade, CascadeDecodePlan):
-        if (cascade.num_qo_heads, cascade.num_kv_heads, cascade.head_dim) != geo \
-                or not cascade.prefix.matches(table):
-            raise InvalidArgumentError(f"{fn}: cascade plan was made for another table or "
-                                       f"geometry (Hq, Hkv, D) = {geo}")
+        planned = (cascade.num_qo_heads, cascade.num_kv_heads, cascade.head_dim)
+        if planned != geo:
+            raise PlanMismatchError(f"{fn}: the cascade plan was made for (Hq, Hkv, D) = "
+                                    f"{planned}, the call has {geo}: plan it for the call")
+        if not cascade.prefix.matches(table):
+            raise PlanMismatchError(f"{fn}: the cascade plan was made for another page table "
+                                    "(its CSR arrays or page size differ): plan it for this "
+                                    "table")
         forced: bool | None = True
     elif isinstance(cascade, CascadePlan):
         if not cascade.matches(table):
-            raise InvalidArgumentError(f"{fn}: cascade plan was made for another table")
+            raise PlanMismatchError(f"{fn}: the cascade plan was made for another page table "
+                                    "(its CSR arrays or page size differ): plan it for this "
+                                    "table")
         forced = True
     elif cascade is None or isinstance(cascade, bool):
         forced = cascade if cascade is not None else env_cascade(fn)

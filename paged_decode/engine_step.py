@@ -138,6 +138,11 @@ class DecodeStep:
         #: the steady begins' state (``steady_step.py``), armed by each general begin
         self._steady: SteadyBegin | None = None
         self._batch: AppendedBatch | None = None
+        #: layers appended since the last begin: while some are missing, that begin's
+        #: slots hold no K/V there (``pool._open_step`` is this step)
+        self._appended: set[int] = set()
+        #: inside CapturedStep's capture on a backend whose graphs repeat device work only
+        self._capturing = False
         #: the CUDA-dialect append reads its descriptor from the table's staging buffer
         #: (``step_upload.py``: fixed address, which a captured graph keeps; it travels
         #: with the table delta in one copy); the others take the host array per call
@@ -159,7 +164,19 @@ class DecodeStep:
     # ------------------------------------------------------------------ the step
     def set_sequences(self, seqs: Sequence[int] | np.ndarray) -> None:
         """The batch of the next steps (at most ``capacity`` sequences keep a captured
-        graph valid unless a replan is needed)."""
+        graph valid unless a replan is needed). Refused while the last ``begin``'s slots
+        are not written in every layer, unless each sequence holding one was freed."""
+        fn = "DecodeStep.set_sequences"
+        if self.pool._open_step is self:
+            live = set(self.pool.sequences())
+            held = [int(s) for s in self._batch.seqs if int(s) in live] \
+                if self._batch is not None else []
+            if held:
+                raise InvalidArgumentError(
+                    f"{fn}: sequences {held[:16]} hold the token slot the last begin() "
+                    f"reserved, which layers {self.unwritten_layers()} have not written: "
+                    "append those layers first, or free those sequences")
+            self.pool._open_step = None
         self.table.set_sequences(seqs)
         self._batch = None
         self._unchecked_begins = 0
@@ -172,6 +189,8 @@ class DecodeStep:
         append or decode runs it), a replan if a sequence outgrew the plan. Device work
         runs on the stream of ``like`` (an engine array; default: the pool's ``k``).
         Returns the reservation."""
+        fn = "DecodeStep.begin"
+        self._no_open_step(fn)
         if self.pool._version != self._pool_version:   # changed outside this step
             self._unchecked_begins = 0                  # (advance sees it too)
         steady = self._steady.advance() if self._steady is not None else None
@@ -198,6 +217,9 @@ class DecodeStep:
         else:
             self._replan_if_needed()
         self._batch = batch
+        self._appended = set()
+        if batch.write.num_touched:         # until every layer writes the new slots
+            self.pool._open_step = self
         self.steps += 1
         return batch
 
@@ -209,6 +231,17 @@ class DecodeStep:
         fn = "DecodeStep.append"
         batch = self._current(fn)
         layer = check_int(fn, "layer", layer, 0, self.num_layers - 1)
+        # (a graph capture runs the step's appends a second time: CapturedStep and
+        # record_update clear the set before it)
+        if layer in self._appended:
+            raise InvalidArgumentError(f"{fn}: layer {layer} was appended already since "
+                                       "begin() (its slot would be written twice): call "
+                                       "begin() for the next token")
+        self._append_rows(fn, batch, layer, k, v)
+        self._wrote((layer,))
+
+    def _append_rows(self, fn: str, batch: AppendedBatch, layer: int, k: Any, v: Any) -> None:
+        """``append``'s write, arguments checked but the rows'."""
         if batch.write.num_touched == 0:
             return
         self._apply_pending(k)
@@ -233,7 +266,17 @@ class DecodeStep:
         # are (the pool's dtype, or one float dtype for an fp8 pool's quantizing append;
         # C-contiguous) are recorded, others are converted per call
         as_is = kb.dtype == vb.dtype and (kb.dtype == pool.k.dtype or bool(pool._fp8_kw()))
-        if self._device_desc and as_is and c_contiguous(kb) and c_contiguous(vb):
+        recordable = bool(self._device_desc) and as_is and c_contiguous(kb) and \
+            c_contiguous(vb)
+        if not recordable and (self._capturing or self.backend.capturing()):
+            # a graph would repeat the launch on the rows converted at capture
+            raise InvalidArgumentError(
+                f"{fn}: rows of dtype {kb.dtype} / {vb.dtype}"
+                f"{'' if c_contiguous(kb) and c_contiguous(vb) else ', not C-contiguous,'} "
+                "are converted on the host at every call, which a captured graph does not "
+                f"repeat: capture with C-contiguous rows in the pool's dtype ({pool.dtype}"
+                f"{'' if not pool._fp8_kw() else ', or one float dtype for both'})")
+        if recordable:
             # like=k, the caller's array: replays go to its framework's current stream
             # (torch's for torch tensors, so a torch graph captures them), not to the
             # stream of kb, the backend's view
@@ -253,6 +296,12 @@ class DecodeStep:
         buffers every step, the launches are prepared once and replayed."""
         fn = "DecodeStep.decode"
         layer = check_int(fn, "layer", layer, 0, self.num_layers - 1)
+        if self.pool._open_step is self and layer not in self._appended:
+            raise InvalidArgumentError(f"{fn}: layer {layer} has not been appended since "
+                                       "begin(): the token slot begin() reserved holds no "
+                                       "K/V there yet (append it first)")
+        if self.pool._open_step is not None and self.pool._open_step is not self:
+            self._no_open_step(fn)
         if len(getattr(q, "shape", ())) == 4:
             raise UnsupportedProblemError(
                 f"{fn}: multi-token decode (q [B, T, Hq, D]) is not part of the engine step "
@@ -323,11 +372,19 @@ class DecodeStep:
                                        "staging buffer for a graph to read (cuda only)")
         with self.backend.launch_context(self.pool.k if like is None else like):
             self.table.record_update()
+        self._appended = set()      # the captured calls write this step's slots again
 
     def replayed(self) -> None:
-        """The caller's graph (``record_update``) replayed this step's update and calls."""
-        self._current("DecodeStep.replayed")
-        self.table.replayed()
+        """The caller's graph (``record_update``) replayed this step's update and calls
+        (every layer's append among them)."""
+        fn = "DecodeStep.replayed"
+        self._current(fn)
+        self.table.replayed(fn)
+        self._wrote(range(self.num_layers))
+
+    def unwritten_layers(self) -> list[int]:
+        """The layers not appended since the last ``begin`` (all of them written: ``[]``)."""
+        return [i for i in range(self.num_layers) if i not in self._appended]
 
     # ------------------------------------------------------------------ internals
     def _auto_path(self) -> tuple[str, str]:
@@ -369,12 +426,39 @@ class DecodeStep:
             left = self.plan.tokens_left(self.table)
         self._unchecked_begins = left
 
+    def _wrote(self, layers: Any) -> None:
+        """Layers ``layers`` wrote the slots of the last begin; with every layer written
+        the pool is free for other changes again."""
+        self._appended.update(layers)
+        if self.pool._open_step is self and len(self._appended) >= self.num_layers:
+            self.pool._open_step = None
+
+    def _no_open_step(self, fn: str) -> None:
+        """Raise while a begin's slots (this step's or another's over the pool) are not
+        written in every layer."""
+        step = self.pool._open_step
+        if step is self:
+            raise InvalidArgumentError(
+                f"{fn}: the last begin() reserved a token slot per sequence that layers "
+                f"{self.unwritten_layers()} have not written: append them before the next "
+                "begin() (an unwritten slot would be attended to)")
+        if step is not None:
+            raise InvalidArgumentError(
+                f"{fn}: another DecodeStep over this pool has begun a step that layers "
+                f"{step.unwritten_layers()} have not written: finish it first (its "
+                "sequences' new slots hold no K/V there yet)")
+
     def _current(self, fn: str) -> AppendedBatch:
         b = self._batch
         if b is None:
             raise InvalidArgumentError(f"{fn}: call begin() first (once per step, after any "
                                        "change to the batch)")
         if b.version != self.pool._version:
+            if self.pool._open_step is self:     # only a free can have changed it
+                raise InvalidArgumentError(
+                    f"{fn}: a sequence was freed since this step's begin(), before layers "
+                    f"{self.unwritten_layers()} were appended: the step cannot write its "
+                    "slots any more; free its other sequences and call set_sequences()")
             raise InvalidArgumentError(
                 f"{fn}: the pool changed since this step's begin() (an append, fork, trim "
                 "or free): call begin() again")
@@ -393,8 +477,18 @@ class CapturedStep:
         # starts with the table update (from the staging buffer each begin writes), so a
         # replay applies its begin's delta; the eager run applies the pending one itself
         table = step.table
-        self.graph, self._stream = step.backend.capture_graph(
-            lambda: body(step), table.record_update if table.upload.staged else None)
+
+        def run() -> None:
+            step._appended = set()     # each run writes the step's slots afresh
+            body(step)
+        step._capturing = step.backend.records_graphs
+        try:
+            self.graph, self._stream = step.backend.capture_graph(
+                run, table.record_update if table.upload.staged else None)
+        finally:
+            step._capturing = False
+        #: the layers the body appends (a replayed graph writes them)
+        self._layers = frozenset(step._appended)
 
     @property
     def stale(self) -> bool:
@@ -421,6 +515,7 @@ class CapturedStep:
         else:
             s.backend.replay_graph(self.graph, s.pool.k if like is None else like)
             s.table.replayed()     # the graph's first work was the update
+            s._wrote(self._layers)
 
 
 __all__ = ["STEP_PATHS", "CapturedStep", "DecodeStep", "StaleStepError"]

@@ -163,6 +163,35 @@ def check_type(fn: str, name: str, value: Any, cls: type | tuple[type, ...],
         raise InvalidArgumentError(f"{fn}: {name} must be {what}, got {type(value).__name__}")
 
 
+def check_int_array(fn: str, name: str, x: Any, length: int | None = None,
+                    minimum: int | None = None, maximum: int | None = None) -> np.ndarray:
+    """Host integers ``x`` (a list or numpy array) as int64 ``[length]``, every value in
+    ``[minimum, maximum]`` (either bound may be ``None``), or ``InvalidArgumentError``
+    naming ``fn``, ``name`` and the first value out of range. Floats, strings, bools and
+    ragged lists are refused, never truncated."""
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as exc:   # ragged lists; a device array's implicit copy
+        raise InvalidArgumentError(f"{fn}: {name} must be a 1-D array of host integers, got "
+                                   f"a {type(x).__name__} that is not one") from exc
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"{fn}: {name} must be a 1-D array of integers, got shape "
+                                   f"{fmt_shape(arr.shape)} dtype {arr.dtype}")
+    arr = as_int64(fn, name, arr)
+    if length is not None and arr.size != length:
+        raise InvalidArgumentError(f"{fn}: {name} must have {length} entries, got {arr.size}")
+    bad = np.zeros(arr.size, bool)
+    if minimum is not None:
+        bad |= arr < minimum
+    if maximum is not None:
+        bad |= arr > maximum
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise InvalidArgumentError(f"{fn}: {name}[{i}] must be in [{minimum}, {maximum}], "
+                                   f"got {int(arr[i])}")
+    return arr
+
+
 def check_writable(fn: str, name: str, arr: Any, why: str = "") -> None:
     """Raise unless ``arr`` may be written: a read-only numpy array (``flags.writeable``
     unset) is refused; other kinds carry no such flag. ``why`` follows in the message."""

@@ -220,6 +220,9 @@ class PagePool:
         self._seqs = _Sequences()
         self._next_id = 0
         self._version = 0     # counts appends, forks, trims and frees (write_layer)
+        #: the DecodeStep whose begin() reserved slots not yet written in every layer;
+        #: nothing else may add to or move the sequences until it has (``_no_open_step``)
+        self._open_step: Any = None
         #: step tables following this pool's sequences (``step_table``), weakly held (a
         #: list of references: iterated at every append, cheaper than a WeakSet)
         self._table_refs: list[weakref.ReferenceType[StepTable]] = []
@@ -284,6 +287,7 @@ class PagePool:
 
     def fork(self, seq: int) -> int:
         """A new sequence sharing every page of ``seq`` (refcounts go up, nothing copied)."""
+        self._no_open_step("PagePool.fork")
         src = self._row("PagePool.fork", seq)
         S = self._seqs
         pages = S.row_pages(src).copy()
@@ -315,6 +319,7 @@ class PagePool:
         batch of one (``append_batch``).
         """
         fn = "PagePool.append"
+        self._no_open_step(fn)
         row = self._row(fn, seq)
         kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
         kshape = tuple(kb.shape)
@@ -360,6 +365,7 @@ class PagePool:
         emulated backends (array ops on reference and mlx).
         """
         fn = "PagePool.append_batch"
+        self._no_open_step(fn)
         ahead = self._lookahead(seqs) if counts is None else None
         ids, rows = (ahead.ids, ahead.pr) if ahead is not None else self._batch_rows(fn, seqs)
         b = ids.size
@@ -388,6 +394,7 @@ class PagePool:
         new slots hold stale data. Same arguments, result and all-or-nothing rule as
         ``append_batch``; one launch when a page is copied, none otherwise."""
         fn = "PagePool.reserve_batch"
+        self._no_open_step(fn)
         ahead = self._lookahead(seqs) if counts is None else None
         if ahead is not None:
             return self._append_ahead(ahead, None, None, 0, 0)
@@ -503,6 +510,7 @@ class PagePool:
         always holds the sequence's end, so later appends continue in it.
         """
         fn = "PagePool.trim_front"
+        self._no_open_step(fn)
         r = self._row(fn, seq)
         S, p = self._seqs, self.page_size
         vis = int(S.filled[r] - S.start[r])
@@ -786,6 +794,17 @@ class PagePool:
             raise InvalidArgumentError(f"{fn}: seqs must not repeat a sequence, got "
                                        f"{int(q[i])} at seqs[{i}] and seqs[{int(mark[rows[i]])}]")
         return q, rows
+
+    def _no_open_step(self, fn: str) -> None:
+        """Raise while a ``DecodeStep``'s ``begin`` has reserved token slots that some
+        layer has not written: an append, fork or trim now would leave those slots
+        unwritten, and every later decode would attend to them."""
+        step = self._open_step
+        if step is not None:
+            raise InvalidArgumentError(
+                f"{fn}: a DecodeStep's begin() reserved a token slot in its sequences that "
+                f"layers {step.unwritten_layers()} have not written yet: append every layer "
+                "first (free() is allowed, to drop a sequence)")
 
     def _index(self, fn: str, seq: Any) -> int:
         """Position of live sequence ``seq`` in the id list."""

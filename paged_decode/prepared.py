@@ -309,20 +309,20 @@ class _TableFollower:
                 f"on the {be.name} backend its appends replace the pool arrays the call "
                 "holds: prepare again with the pool's current arrays (or use DecodeStep)")
         # the kernels read this table's device buffer (not a host view or window table)
-        if (isinstance(prep, PreparedDecode) and prep.args.table is t
-                and t.layout == self.layout):
+        if isinstance(prep, PreparedDecode) and prep.args.table is t:
             with settings.bound(settings.snapshot()):
-                if t.pending:
+                if t.pending:       # first: the update may grow the buffer (a new layout)
                     with be.launch_context(prep._like):
                         t.update_device()
-                a = prep.args
-                try:
-                    prep.plan.check(self.fn, t, a.hq, a.hkv, a.d)
-                    self.version, self.layout = t.version, t.layout
-                    return
-                except PlanMismatchError:
-                    if self.given_plan:
-                        raise
+                if t.layout == self.layout:     # the launches' buffer is still the table's
+                    a = prep.args
+                    try:
+                        prep.plan.check(self.fn, t, a.hq, a.hkv, a.d)
+                        self.version, self.layout = t.version, t.layout
+                        return
+                    except PlanMismatchError:
+                        if self.given_plan:
+                            raise
         fresh = self.remake()
         # the same object, so the caller's reference stays good; a cascade call may have
         # become flat (no shared prefix any more) or the reverse

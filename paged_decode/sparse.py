@@ -31,6 +31,7 @@ below it the gate keeps the dense path.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from .dtypes import check_dtype
 from .errors import (
     InvalidArgumentError,
     UnsupportedProblemError,
+    as_int64,
     check_bool,
     check_int,
     check_ndim,
@@ -51,7 +53,7 @@ from .errors import (
 )
 from .fp8 import KVQuant, decode_table
 from .outcome import DecodeOutcome, record
-from .page_table import PageTable, frozen_int32
+from .page_table import MAX_ENTRIES, PageTable, frozen_int32
 from .softmax import RowSoftmax
 from .variants import (
     Variant,
@@ -79,10 +81,20 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True, eq=False)
 class Selection:
     """Selected token rows: ``positions int32 [B, Hkv, S]``, ``counts int32 [B, Hkv]``
-    (host, read-only). Row ``(b, h)`` selects ``positions[b, h, :counts[b, h]]``."""
+    (host, read-only). Row ``(b, h)`` selects ``positions[b, h, :counts[b, h]]``.
+
+    Built directly it is checked as ``make_selection`` checks (errors name
+    ``Selection``) and owns read-only copies: ``sparse_decode`` checks a selection once
+    and keeps what it built from it, so its arrays must not change after."""
 
     positions: np.ndarray
     counts: np.ndarray
+
+    def __post_init__(self) -> None:
+        pos, cnt = _selection_arrays(getattr(_constructing, "fn", "Selection"),
+                                     self.positions, self.counts)
+        object.__setattr__(self, "positions", pos)
+        object.__setattr__(self, "counts", cnt)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -102,12 +114,26 @@ def make_selection(positions: Any, counts: Any = None) -> Selection:
 
 def _make_selection(fn: str, positions: Any, counts: Any) -> Selection:
     """``make_selection`` for ``fn`` (errors name it)."""
+    _constructing.fn = fn
+    try:
+        return Selection(positions, counts)
+    finally:
+        _constructing.fn = "Selection"
+
+
+#: the public function constructing a selection on this thread (its errors name it)
+_constructing = threading.local()
+
+
+def _selection_arrays(fn: str, positions: Any, counts: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A selection's arrays checked (``positions [B, Hkv, S]`` int32 values, ``counts
+    [B, Hkv]`` in ``[0, S]``, ``None``: all ``S``) as read-only int32 copies."""
     pos = _ints(fn, "positions", positions, "[B, Hkv, S]")
     b, h, s = pos.shape
     cnt = _counts(fn, "counts", counts, (b, h), s)
     if pos.size and (pos.min() < np.iinfo(np.int32).min or pos.max() > np.iinfo(np.int32).max):
         raise InvalidArgumentError(f"{fn}: positions has values outside int32")
-    return Selection(frozen_int32(pos), frozen_int32(cnt))
+    return frozen_int32(pos), frozen_int32(cnt)
 
 
 def _ints(fn: str, name: str, value: Any, dims: str) -> np.ndarray:
@@ -146,7 +172,7 @@ def selection_from_blocks(block_ids: Any, *, block_size: int, live_lens: Any,
     """
     fn = "selection_from_blocks"
     ids = _ints(fn, "block_ids", block_ids, "[B, Hkv, NB]")
-    block_size = check_int(fn, "block_size", block_size)
+    block_size = check_int(fn, "block_size", block_size, 1, MAX_ENTRIES)
     check_bool(fn, "include_tail", include_tail)
     b, h, nb = ids.shape
     live = _live_lens(fn, live_lens, b)
@@ -460,15 +486,23 @@ def _codes(xp: Any, x: Any) -> Any:
 
 
 def _live_lens(fn: str, live_lens: Any, b: int, cap: int | None = None) -> np.ndarray:
-    live = np.asarray(_host(live_lens))
+    """``live_lens`` as int64 ``[B]`` in ``[0, cap]`` (default: ``MAX_ENTRIES``, the
+    most a request holds: positions are int32)."""
+    try:
+        live = np.asarray(_host(live_lens))
+    except (TypeError, ValueError) as exc:       # ragged nested lists
+        raise InvalidArgumentError(f"{fn}: live_lens must be integers of shape [B] = [{b}], "
+                                   f"got a {type(live_lens).__name__} that is not one") from exc
     if live.shape != (b,) or (live.size and not np.issubdtype(live.dtype, np.integer)):
         raise InvalidArgumentError(f"{fn}: live_lens must be integers of shape [B] = [{b}], "
                                    f"got shape {list(live.shape)} dtype {live.dtype}")
-    if live.size and (live.min() < 0 or (cap is not None and live.max() > cap)):
-        raise InvalidArgumentError(f"{fn}: live_lens must be in [0, capacity"
-                                   f"{'' if cap is None else f' = {cap}'}], got "
-                                   f"{live.tolist()[:16]}")
-    return live.astype(np.int64)
+    most = MAX_ENTRIES if cap is None else cap
+    live = as_int64(fn, "live_lens", live)
+    if live.size and (live.min() < 0 or live.max() > most):
+        raise InvalidArgumentError(f"{fn}: live_lens must be in [0, "
+                                   f"{'MAX_ENTRIES' if cap is None else 'capacity'} = {most}], "
+                                   f"got {live.tolist()[:16]}")
+    return live
 
 
 def _host(x: Any) -> Any:

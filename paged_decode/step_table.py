@@ -105,6 +105,8 @@ class StepTable:
                                        f"pages, got {pcap}")
         self.version = 0
         self.layout = 0
+        #: the layout a graph's table update was recorded for (``record_update``)
+        self._recorded: int | None = None
         try:
             self._alloc(cap, pcap)
         except (MemoryError, ValueError) as exc:   # CuPy's OutOfMemoryError is a MemoryError
@@ -348,9 +350,18 @@ class StepTable:
         applies the delta its ``begin`` sent. Only with a staging buffer."""
         self.backend.update_table(self._buf, self.upload.delta, self._cap, self._pcap,
                                   scratch=self._scratch)
+        self._recorded = self.layout
 
-    def replayed(self) -> None:
-        """A captured step applied the staged delta on the device (``CapturedStep``)."""
+    def replayed(self, fn: str = "StepTable.replayed") -> None:
+        """A captured step applied the staged delta on the device (``CapturedStep``).
+        Refused (``fn`` named) unless a graph recorded the update for this buffer: the
+        pending update would be dropped, and the device table stay behind the pool."""
+        if self._recorded is None or self._recorded != self.layout:
+            why = ("record_update was never called" if self._recorded is None
+                   else "its buffer grew since the capture")
+            raise InvalidArgumentError(
+                f"{fn}: no graph recorded this table's update ({why}): a replay without it "
+                "would leave the device table behind the pool")
         self._device_pending = False
 
     def _general_delta(self) -> tuple[np.ndarray, np.ndarray]:

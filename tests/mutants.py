@@ -484,8 +484,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "the table's readers (page_table, device_arrays) only follow host changes: a sent "
        "delta is never applied for them"),
     _m("py-captured-step-without-the-update", "python", ("paged_decode.engine_step",),
-       "            lambda: body(step), table.record_update if table.upload.staged else None)",
-       "            lambda: body(step), None)",
+       "                run, table.record_update if table.upload.staged else None)",
+       "                run, None)",
        [UPLOAD + "test_a_captured_replay_equals_the_eager_step_and_the_oracle[emulated-cuda]"],
        "the graph leaves out the table update: every replay decodes the capture's table"),
     _m("py-moving-delta-applied-twice", "python", ("paged_decode.step_table",),
@@ -1221,6 +1221,31 @@ MUTANTS: tuple[Mutant, ...] = (
        "active, d0, sinks, h0 - h0 % (num_qo_heads / num_kv_heads), v_scale,",
        [COVER + "test_variants_with_two_q_groups[emulated-metal]"],
        "past 8 query heads per KV head every q-group takes the first group's sinks"),
+    _m("py-step-decodes-an-unwritten-slot", "python", ("paged_decode.engine_step",),
+       "        if self.pool._open_step is self and layer not in self._appended:",
+       "        if False:",
+       ["tests/test_engine_step.py::test_a_slot_begin_reserved_is_never_read_unwritten"
+        "[emulated-cuda]"],
+       "a decode of a layer not appended since begin() attends to its unwritten slot"),
+    _m("py-step-capture-keeps-converted-rows", "python", ("paged_decode.engine_step",),
+       "        if not recordable and (self._capturing or self.backend.capturing()):",
+       "        if False:",
+       ["tests/test_engine_step.py::test_a_capture_refuses_rows_it_would_replay_stale"
+        "[float32]"],
+       "a captured step replays the rows converted at capture, every step"),
+    _m("py-step-table-replayed-unrecorded", "python", ("paged_decode.step_table",),
+       "        if self._recorded is None or self._recorded != self.layout:",
+       "        if False:",
+       ["tests/test_engine_step.py::test_replayed_without_a_recorded_update_is_refused"
+        "[emulated-cuda]"],
+       "replayed() without a recorded update drops it: the device table stays behind"),
+    _m("py-prepared-checks-the-buffer-before-the-update", "python", ("paged_decode.prepared",),
+       "                if t.layout == self.layout:     # the launches' buffer is still "
+       "the table's",
+       "                if True:",
+       ["tests/test_prepared_follow.py::test_a_prepared_call_follows_a_table_whose_update_"
+        "grows_its_buffer[emulated-cuda]"],
+       "a prepared call keeps its launches over the table's old buffer after the update grew it"),
     _m("py-merge-split-ignores-shared-memory", "python", ("paged_decode.backends.launches",),
        "                and merge.split_smem_bytes(head_dim, split) <= merge.STATIC_SMEM_LIMIT):",
        "                and True):",

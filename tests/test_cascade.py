@@ -369,5 +369,5 @@ def test_forced_cascade_without_sharing_runs_flat():
     assert_matches_oracle(out, None, ref_out, None, "float32", "no sharing")
     other = shared_batch(MIXED, seed=1)[2]
     cp = detect_shared_prefix(other, min_shared_pages=2)
-    with pytest.raises(InvalidArgumentError, match="another table"):
+    with pytest.raises(InvalidArgumentError, match="another page table"):
         cascade_decode(q, pool.k, pool.v, table, cascade_plan=cp)

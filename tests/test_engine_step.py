@@ -111,7 +111,7 @@ def test_bad_use_is_refused_clearly():
         step.append(0, np.zeros((cap - 1, HKV, D), np.float32), k)
     with pytest.raises(InvalidArgumentError, match=r"DecodeStep.append: layer must be"):
         step.append(L, k, k)
-    graph = step.capture(lambda st: st.append(0, k, k))
+    graph = step.capture(lambda st: (st.append(0, k, k), st.append(1, k, k)))
     with pytest.raises(pd.StaleStepError, match=r"call step.begin\(\) before each replay"):
         graph.replay()
     pool.append(int(step.sequences[0]), np.zeros((L, 1, HKV, D), np.float32),
@@ -121,6 +121,8 @@ def test_bad_use_is_refused_clearly():
         step.append(0, k, k)
     for _ in range(6):                  # past the headroom: replanned, the graph is stale
         step.begin()
+        step.append(0, k, k)
+        step.append(1, k, k)
     assert step.replans >= 1 and graph.stale
     with pytest.raises(pd.StaleStepError, match=r"replanned .* capture again"):
         graph.replay()
@@ -152,6 +154,13 @@ def test_the_same_step_code_runs_on_mlx():
     assert step.path == "gather" and step.steps == 6
 
 
+def _write_rest(step, k, first):
+    """Append layers ``first ..`` of the step's token (rows ``k``, also as V): a begin's
+    slots must be written in every layer before the next begin or a decode of the layer."""
+    for layer in range(first, step.num_layers):
+        step.append(layer, k, k)
+
+
 def _f16_pool(rng):
     """A float16 pool on emulated-cuda with three sequences of 5, 1 and 10 tokens."""
     pool = pd.PagePool(96, P, HKV, D, "float16", num_layers=L, backend="emulated-cuda")
@@ -177,6 +186,7 @@ def test_the_tensor_core_partial_serves_the_step_on_emulated_cuda(monkeypatch):
         assert pd.last_outcome().path.startswith("v2tc")
         want, _ = _oracle(pool, step, 0, q)
         assert_matches_oracle(out, None, want, None, "float16", f"step {it}")
+        _write_rest(step, k, 1)
 
 
 def _crossover(tmp_path, monkeypatch, backend, cells, mtime):
@@ -221,6 +231,7 @@ def test_auto_takes_the_crossover_table_s_path_and_chooses_again_at_each_replan(
         paths.append(pd.last_outcome().path)
         want, _ = _oracle(pool, step, 0, q)
         assert_matches_oracle(out, None, want, None, "float16", f"step {it}")
+        _write_rest(step, k, 1)
     assert step.replans >= 1 and step.path == "v1"        # the new table at the replan
     assert paths[0].startswith("v2tc") and paths[-1] == "v1"
 
@@ -283,9 +294,11 @@ def test_the_plan_check_is_skipped_only_within_the_headroom(monkeypatch):
     monkeypatch.setattr(step, "_replan_if_needed", counting)
     cap = step.capacity
     q = rng.standard_normal((cap, HQ, D)).astype(np.float32)
+    k = rng.standard_normal((cap, HKV, D)).astype(np.float32)
 
     def run_step():
         step.begin()
+        _write_rest(step, k, 0)
         out = np.full((cap, HQ, D), np.nan, np.float32)
         step.decode(0, q, out=out)
         want, _ = _oracle(pool, step, 0, q)
@@ -322,8 +335,11 @@ def test_the_plan_serves_the_table_after_every_begin():
     pool, step = _setup("reference", rng, headroom=2)
     first = step.plan            # outgrown along the way: no room left once it mismatches
     skipped = 0
+    k = np.zeros((step.capacity, HKV, D), np.float32)
     for _ in range(60):
         skipped += step._unchecked_begins > 0
+        if step.steps:
+            _write_rest(step, k, 0)
         step.begin()
         assert step.plan.mismatch(step.table) is None
         assert step._unchecked_begins <= step.plan.tokens_left(step.table)
@@ -442,3 +458,137 @@ def test_auto_takes_v2tc_for_an_fp8_pool(tmp_path, monkeypatch):
     for s in s16:
         f16.append(s, np.ones((L, 6, HKV, D), np.float16), np.ones((L, 6, HKV, D), np.float16))
     assert pd.DecodeStep(f16, s16, num_qo_heads=HQ).path == "v2"      # the table's choice
+
+
+# ---------------------------------------------------------------------------- unwritten slots
+def _two_layer_step(backend="reference"):
+    rng = np.random.default_rng(11)
+    pool = pd.PagePool(32, P, HKV, D, "float32", num_layers=L, backend=backend)
+    s = pool.new_sequence()
+    x = rng.standard_normal((L, 3, HKV, D)).astype(np.float32)
+    pool.append(s, x, x)
+    k = rng.standard_normal((1, HKV, D)).astype(np.float32)
+    q = rng.standard_normal((1, HQ, D)).astype(np.float32)
+    return pool, s, pd.DecodeStep(pool, [s], num_qo_heads=HQ, capacity=1), k, q
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_a_slot_begin_reserved_is_never_read_unwritten(backend):
+    """A begin reserves one token slot per sequence in every layer. Decoding a layer before
+    its append, a second begin before every layer was appended, another step's begin, or
+    an outside append in between each read (or left) an unwritten slot: max-rel errors of
+    0.16-0.34 against what was written, no error (a session-24 audit). Each is refused
+    now, naming the layers still missing; the full step then runs right."""
+    pool, s, step, k, q = _two_layer_step(backend)
+    step.begin()
+    step.append(0, k, k)
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.decode: layer 1 has not been "
+                                                   r"appended since begin\(\)"):
+        step.decode(1, q)
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.append: layer 0 was appended "
+                                                   r"already since begin\(\)"):
+        step.append(0, k, k)
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.begin: the last begin\(\) "
+                                                   r"reserved a token slot per sequence that "
+                                                   r"layers \[1\] have not written"):
+        step.begin()
+    other = pd.DecodeStep(pool, [s], num_qo_heads=HQ, capacity=1)
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.begin: another DecodeStep over "
+                                                   r"this pool has begun a step that layers "
+                                                   r"\[1\] have not written"):
+        other.begin()
+    x = np.zeros((L, 1, HKV, D), np.float32)
+    for call in (lambda: pool.append(s, x, x), lambda: pool.fork(s),
+                 lambda: pool.trim_front(s, 1), lambda: pool.reserve_batch([s])):
+        with pytest.raises(InvalidArgumentError, match=r"a DecodeStep's begin\(\) reserved a "
+                                                       r"token slot in its sequences that "
+                                                       r"layers \[1\] have not written yet"):
+            call()
+    assert pool.seq_len(s) == 4                       # nothing changed the sequence
+    step.append(1, k, k)                              # the step completes: all is allowed
+    for layer in range(L):
+        out = step.decode(layer, q)
+        kk, vv = pool.layer(layer)
+        want = oracle_decode(q, np.asarray(kk), np.asarray(vv), step.table.page_table())
+        assert_matches_oracle(np.asarray(out), None, want[0], None, "float32", f"{layer}")
+        np.testing.assert_array_equal(np.asarray(kk)[pool.seq_pages(s)[-1], 3 % P], k[0])
+    other.begin()                                     # the other step may go on now
+    for layer in range(L):
+        other.append(layer, k, k)
+    pool.append(s, x, x)
+
+
+def test_an_abandoned_step_is_closed_only_by_freeing_its_sequences():
+    """A step that cannot finish (a sequence freed mid-step): its remaining sequences hold
+    an unwritten slot, so the batch cannot move on until they are freed too."""
+    pool, s, step, k, q = _two_layer_step()
+    t = pool.new_sequence()
+    x = np.ones((L, 2, HKV, D), np.float32)
+    pool.append(t, x, x)
+    step.set_sequences([s, t])
+    step.begin()
+    k2 = np.zeros((step.capacity, HKV, D), np.float32)
+    step.append(0, k2, k2)
+    pool.free(t)                                      # allowed: it drops a sequence
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.append: a sequence was freed "
+                                                   r"since this step's begin\(\), before layers "
+                                                   r"\[1\] were appended"):
+        step.append(1, k2, k2)
+    with pytest.raises(InvalidArgumentError, match=rf"^DecodeStep.set_sequences: sequences "
+                                                   rf"\[{s}\] hold the token slot"):
+        step.set_sequences([s])
+    pool.free(s)
+    step.set_sequences([pool.new_sequence()])         # every holder freed: closed
+    pool.append(step.sequences[0], x, x)
+
+
+@pytest.mark.parametrize("rows", ["float32", "strided"])
+def test_a_capture_refuses_rows_it_would_replay_stale(rows):
+    """Rows the append converts on the host (another dtype, not C-contiguous) were
+    converted once at capture: every replay wrote the capture step's rows (max-rel
+    0.67-0.88 on emulated-cuda). Capturing with them is refused; the pool's dtype works."""
+    rng = np.random.default_rng(3)
+    pool = pd.PagePool(16, P, HKV, D, "float16", num_layers=1, backend="emulated-cuda")
+    s = pool.new_sequence()
+    x = rng.standard_normal((1, 3, HKV, D)).astype(np.float16)
+    pool.append(s, x, x)
+    step = pd.DecodeStep(pool, [s], num_qo_heads=HQ, capacity=1, headroom=16)
+    q = np.zeros((1, HQ, D), np.float16)
+    out = np.zeros((1, HQ, D), np.float16)
+    k = np.zeros((1, HKV, D), np.float32) if rows == "float32" else \
+        np.zeros((1, HKV, 2 * D), np.float16)[:, :, ::2]
+    step.begin()
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.append: rows of dtype .* are "
+                                                   r"converted on the host at every call"):
+        step.capture(lambda st: (st.append(0, k, k), st.decode(0, q, out=out)))
+    good = np.zeros((1, HKV, D), np.float16)           # control: replays the new rows
+    graph = step.capture(lambda st: (st.append(0, good, good), st.decode(0, q, out=out)))
+    for _ in range(3):
+        step.begin()
+        good[...] = rng.standard_normal(good.shape)
+        q[...] = rng.standard_normal(q.shape)
+        graph.replay()
+        kk, vv = pool.layer(0)
+        np.testing.assert_array_equal(np.asarray(kk)[pool.seq_pages(s)[-1],
+                                                     (pool.seq_len(s) - 1) % P], good[0])
+        want = oracle_decode(q, np.asarray(kk), np.asarray(vv), step.table.page_table())
+        assert_matches_oracle(out, None, want[0], None, "float16")
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_replayed_without_a_recorded_update_is_refused(backend):
+    """replayed() marks the begin's table update as made by a graph: without a graph that
+    recorded it, it dropped the update and the device table stayed a token behind (an
+    out-of-bounds read on emulated-cuda once a new page id was lost)."""
+    pool, s, step, k, q = _two_layer_step(backend)
+    step.begin()
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.replayed: no graph recorded "
+                                                   r"this table's update \(record_update was "
+                                                   r"never called\)"):
+        step.replayed()
+    for layer in range(L):
+        step.append(layer, k, k)
+    out = step.decode(0, q)
+    kk, vv = pool.layer(0)
+    want = oracle_decode(q, np.asarray(kk), np.asarray(vv), pool.page_table([s]))
+    assert_matches_oracle(np.asarray(out), None, want[0], None, "float32")

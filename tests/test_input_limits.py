@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle
+from helpers import PREFIX_RTOL, assert_matches_oracle
 
 import paged_decode as pd
 import paged_decode.compat.flashinfer as fi
@@ -314,13 +314,54 @@ def test_a_step_table_too_large_to_allocate_is_a_clear_error(monkeypatch):
         pool.step_table([s])
 
 
-def test_a_huge_sparse_block_costs_no_memory():
-    for size in (2**40, 2**62):
-        sel = pd.selection_from_blocks(np.zeros((1, 1, 1), np.int64), block_size=size,
-                                       live_lens=[8])
-        np.testing.assert_array_equal(sel.positions[0, 0], np.arange(8))
+def test_sparse_sizes_are_bounded_and_a_huge_block_costs_no_memory():
+    """selection_from_blocks built np.arange(block_size): a block of 2**40 asked for 8 TiB
+    (a raw MemoryError), 2**64 a raw OverflowError; a ragged live_lens raised numpy's
+    ValueError."""
+    blocks = np.zeros((1, 1, 1), np.int64)
+    sel = pd.selection_from_blocks(blocks, block_size=2**31 - 1, live_lens=[8])
+    np.testing.assert_array_equal(sel.positions[0, 0], np.arange(8))
+    for size in (2**40, 2**64):
+        with pytest.raises(InvalidArgumentError, match=r"^selection_from_blocks: block_size "
+                                                       r"must be an integer in \[1, "):
+            pd.selection_from_blocks(blocks, block_size=size, live_lens=[8])
+    with pytest.raises(InvalidArgumentError, match=r"^selection_from_blocks: live_lens must "
+                                                   r"be in \[0, MAX_ENTRIES = 2147483647\]"):
+        pd.selection_from_blocks(blocks, block_size=4, live_lens=[2**40])
+    with pytest.raises(InvalidArgumentError, match=r"^selection_from_blocks: live_lens must "
+                                                   r"be integers of shape \[B\] = \[1\], got "
+                                                   r"a list that is not one"):
+        pd.selection_from_blocks(blocks, block_size=4, live_lens=[3, [3]])
     sel = pd.selection_from_blocks(np.array([[[1, 0]]]), block_size=4, live_lens=[7])
     np.testing.assert_array_equal(sel.positions[0, 0], [4, 5, 6, 0, 1, 2, 3])   # control
+
+
+def test_a_selection_built_directly_is_checked_and_owns_its_arrays():
+    """Selection is exported: built directly it checked nothing and kept the caller's
+    writable arrays, while sparse_decode remembers per selection that it was checked (an
+    edit after the first call: a position of -1 read row live - 1, or the old rows)."""
+    rng = np.random.default_rng(0)
+    kc = rng.standard_normal((1, 1, 8, 64)).astype(np.float32)
+    vc = rng.standard_normal((1, 1, 8, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 64)).astype(np.float32)
+    bad = [((np.zeros((1, 1), np.int32), np.zeros(1, np.int32)), r"positions must be an "
+            r"integer array \[B, Hkv, S\]"),
+           ((np.array([[[2.9]]]), np.array([[1]])), r"positions must be an integer array"),
+           ((np.zeros((1, 1, 1), np.int32), np.ones(1, np.int32)), r"counts must be an "
+            r"integer array \[B, Hkv\]"),
+           ((np.zeros((1, 1, 1), np.int32), np.full((1, 1), 3, np.int32)), r"counts must be "
+            r"integers in \[0, 1\]")]
+    for args, pattern in bad:
+        with pytest.raises(InvalidArgumentError, match=r"^Selection: " + pattern):
+            pd.Selection(*args)
+    pos = np.array([[[1, 2]]], np.int32)
+    sel = pd.Selection(pos, np.array([[2]], np.int32))
+    assert not sel.positions.flags.writeable and sel.positions is not pos
+    first = pd.sparse_decode(q, kc, vc, sel, live_lens=[6])
+    pos[0, 0, 1] = -1                        # the caller's array, not the selection's
+    np.testing.assert_array_equal(pd.sparse_decode(q, kc, vc, sel, live_lens=[6]), first)
+    again = pd.sparse_decode(q, kc, vc, pd.make_selection([[[1, 2]]]), live_lens=[6])
+    np.testing.assert_array_equal(again, first)          # control: the same rows
 
 
 # ---------------------------------------------------------------------------- DecodeStep
@@ -337,6 +378,7 @@ def test_decode_step_checks_its_decode_arguments_up_front_and_names_itself():
             pd.DecodeStep(pool, seqs, num_qo_heads=8, **kw)
     st = pd.DecodeStep(pool, seqs, num_qo_heads=8, capacity=4)
     st.begin()
+    st.append(0, np.ones((4, 2, 64), np.float16), np.ones((4, 2, 64), np.float16))
     with pytest.raises(InvalidArgumentError, match=r"^DecodeStep\.decode: q must have shape "
                                                    r"\[B, Hq, D\] = \[4, 8, 64\], got "
                                                    r"\[3, 8, 64\]"):
@@ -399,3 +441,30 @@ def test_row_loads_setting_is_checked_by_name(monkeypatch, pr):
     with pytest.raises(InvalidArgumentError, match=r"^PAGED_DECODE_V2_ROW_LOADS must be a "
                                                    r"positive integer, got 'two'"):
         pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend="emulated-cuda", path="v2")
+
+
+def test_a_cascade_plan_for_other_prefix_tiles_is_refused():
+    """A cascade plan made for a device whose prefix kernel takes 128 rows per CTA ran on
+    this kernel's 64: stacked rows 64-119 were never computed and the merge read stale
+    workspace (max-rel error ~3, no error; a session-24 audit)."""
+    import dataclasses
+    rng = np.random.default_rng(0)
+    p, hkv, g, d, m = 16, 1, 40, 64, 3            # M * G = 120 stacked rows
+    k = rng.standard_normal((20, p, hkv, d)).astype(np.float16)
+    v = rng.standard_normal((20, p, hkv, d)).astype(np.float16)
+    lists = [[0, 1, 2, 10 + i] for i in range(m)]
+    t = pd.PageTable.build(np.concatenate(lists), np.arange(0, 4 * m + 1, 4), [5] * m,
+                           page_size=p, num_pages=20)
+    q = rng.standard_normal((m, hkv * g, d)).astype(np.float16)
+    be = pd.get_backend("emulated-cuda")
+    wide = dataclasses.replace(be.device_info(), prefix_tile_rows=128)
+    cp = pd.plan_cascade(t, hkv * g, hkv, d, device=wide, min_shared_pages=1)
+    with pytest.raises(InvalidArgumentError, match=r"^cascade_decode: the cascade plan's 1 "
+                                                   r"level-0 row tile\(s\) of this kernel's 64 "
+                                                   r"rows cover fewer than the 120 stacked"):
+        pd.cascade_decode(q, k, v, t, cascade_plan=cp, backend=be, out_dtype="float32")
+    cp = pd.plan_cascade(t, hkv * g, hkv, d, device=be.device_info(), min_shared_pages=1)
+    out, lse = pd.cascade_decode(q, k, v, t, cascade_plan=cp, return_lse=True, backend=be,
+                                 out_dtype="float32")             # control
+    assert_matches_oracle(out, lse, *oracle_decode(q, k, v, t), "float32", "cascade",
+                          tol=PREFIX_RTOL["float16"])

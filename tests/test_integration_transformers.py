@@ -97,7 +97,9 @@ def test_greedy_tokens_equal_the_static_cache_without_sharing():
 
 def test_a_stale_layer_changes_the_tokens(monkeypatch):
     """Negative control: an adapter that forgets write_layer (every layer past 0 keeps
-    stale pages) must not pass the equality check."""
+    stale pages) must not pass the equality check. The prefill's stale layers change the
+    tokens; a decode step's layer 1 is refused before it reads its unwritten slot (since
+    session 24: DecodeStep.decode once read it)."""
     model, prompts, ref = reference("llama")
     real = PagedBatch.append
 
@@ -107,7 +109,10 @@ def test_a_stale_layer_changes_the_tokens(monkeypatch):
         self._next_layer += 1
 
     monkeypatch.setattr(PagedBatch, "append", first_layer_only)
-    assert pt.generate(model, prompts, NEW).tokens != ref.tokens
+    assert pt.generate(model, prompts, 1).tokens != [t[:1] for t in ref.tokens]   # prefill
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep.decode: layer 1 has not been "
+                                                   r"appended since begin\(\)"):
+        pt.generate(model, prompts, NEW)
 
 
 @pytest.mark.parametrize("backend", ["emulated-cuda", "emulated-metal"])

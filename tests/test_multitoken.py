@@ -411,6 +411,7 @@ def test_engine_step_refuses_multi_token_queries():
         pool.append(s, np.ones((5, HKV, D), np.float16), np.ones((5, HKV, D), np.float16))
     step = pd.DecodeStep(pool, seqs, num_qo_heads=8)
     step.begin()
+    step.append(0, np.ones((2, HKV, D), np.float16), np.ones((2, HKV, D), np.float16))
     with pytest.raises(UnsupportedProblemError, match=r"DecodeStep.decode: multi-token"):
         step.decode(0, np.zeros((2, 2, 8, D), np.float16))
 

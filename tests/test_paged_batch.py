@@ -93,8 +93,8 @@ def test_out_of_order_calls_are_refused(rng):
     with pytest.raises(InvalidArgumentError, match=r"the batch must hold one sequence to "
                        r"fork, it holds 2"):
         batch.fork(2)
-    with pytest.raises(InvalidArgumentError, match=r"counts must be 2 non-negative "
-                       r"integers, got \[1, -1\]"):
+    with pytest.raises(InvalidArgumentError, match=r"counts\[1\] must be in \[0, 2147483647\], "
+                       r"got -1"):
         batch.begin([1, -1])
     with pytest.raises(InvalidArgumentError, match="num_qo_heads \\(3\\) must be a "
                        "multiple of num_kv_heads \\(2\\)"):
@@ -343,3 +343,37 @@ def test_a_recorded_decode_forward_replays_each_begin_s_slots_and_table(rng):
             assert np.abs(np.asarray(outs[layer]) - want).max() <= 1e-5 * np.abs(want).max(), \
                 (step, layer)
     assert batch.lengths.tolist() == [16, 14, 19]
+
+
+def test_counts_and_rows_are_checked_not_coerced():
+    """begin's counts and gather's rows went through np.asarray(x, int64): 1.7 became 1,
+    -1 named the last sequence, and strings, huge values and rows past the batch raised
+    numpy's errors (a session-24 audit)."""
+    batch = _forked()
+    n = len(batch.seqs)
+    for counts, pattern in (([1.7] * n, r"counts must be a 1-D array of integers, got shape "
+                             rf"\[{n}\] dtype float64"),
+                            (["a"] * n, r"counts must be a 1-D array of integers"),
+                            ([2**63 + 5] * n, r"counts must hold values that fit int64"),
+                            ([1] * (n - 1), rf"counts must have {n} entries, got {n - 1}"),
+                            ([-1] + [1] * (n - 1), r"counts\[0\] must be in \[0, ")):
+        with pytest.raises(InvalidArgumentError, match=r"^PagedBatch.begin: " + pattern):
+            batch.begin(counts)
+    batch.begin([1] * n)                                   # control
+    rng = np.random.default_rng(2)
+    k, v = rows(rng, n), rows(rng, n)
+    batch.append(0, k[0], v[0])
+    for bad in ([n], [-1]):
+        with pytest.raises(InvalidArgumentError, match=rf"^PagedBatch.gather: rows\[0\] must be "
+                                                       rf"in \[0, {n - 1}\], got {bad[0]}"):
+            batch.gather(0, rows=bad)
+    got_k, _ = batch.gather(0, rows=[n - 1])
+    want_k, _ = batch.gather(0)
+    np.testing.assert_array_equal(np.asarray(got_k)[0], np.asarray(want_k)[n - 1])
+
+
+def test_replayed_before_a_decode_step_is_refused():
+    batch = _forked(step_engine=True)
+    with pytest.raises(InvalidArgumentError, match=r"^PagedBatch.replayed: no decode step of "
+                                                   r"the engine was begun"):
+        batch.replayed()

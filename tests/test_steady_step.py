@@ -38,6 +38,15 @@ def _twin(backend, num_pages=160, lens=(5, 1, 10, 4, 7), fork_of=2, capacity=8, 
     return pool, step, seqs
 
 
+def _write(*steps):
+    """Every layer's rows of each step's token (zeros): a begin's slots must be written
+    before the next begin."""
+    for step in steps:
+        k = np.zeros((step.capacity, HKV, step.pool.head_dim), np.float32)
+        for layer in range(L):
+            step.append(layer, k, k)
+
+
 def _general_begin(step):
     step._steady = None                  # never armed when begin() runs
     batch = step.begin()
@@ -184,6 +193,7 @@ def test_exhaustion_falls_back_and_changes_nothing(monkeypatch):
         xb = _general_begin(sb)
         _same_batch(xa, xb, f"step {it}")
         _same(_state(pa, sa, be), _state(pb, sb, be), f"step {it}")
+        _write(sa, sb)
     assert failed is not None and failed > 2
     assert count.applied >= 2
 
@@ -195,6 +205,7 @@ def test_arming_refuses_what_is_not_the_steady_case():
     assert SteadyBegin.arm(pool, step.table) is None
     step.begin()                           # the general begin copies it
     assert SteadyBegin.arm(pool, step.table) is not None
+    _write(step)
     s = pool.new_sequence()                # a sequence without pages joins
     step.set_sequences([*seqs, s])
     step.table.flush()
@@ -213,5 +224,6 @@ def test_a_long_steady_loop_takes_one_general_begin(monkeypatch):
     for _ in range(90):
         sa.begin()
         _general_begin(sb)
+        _write(sa, sb)
     _same(_state(pa, sa, be), _state(pb, sb, be), "after 90 begins")
     assert count.applied == 89, count.applied

@@ -22,6 +22,7 @@ from test_engine_step import _setup as engine_setup
 import paged_decode as pd
 from paged_decode.backends import cuda_staging
 from paged_decode.bench.device_calls import DeviceCalls
+from paged_decode.errors import InvalidArgumentError
 from paged_decode.kernels.table_update import delta_header_words, table_views
 from paged_decode.reference import oracle_decode
 from paged_decode.step_upload import StepUpload
@@ -77,11 +78,13 @@ def test_the_pending_update_is_applied_before_every_reader(backend, reader, monk
         assert t.pending and not t.changed, f"step {it}"
         np.testing.assert_array_equal(_raw(step), before, err_msg=f"step {it}")
         if reader in ("step-decode", "decode-outside-the-step"):
-            k, v = pool.layer(0)
             out[...] = np.nan
-            if reader == "step-decode":
+            if reader == "step-decode":     # the step's first call, then its decode
+                x = rng.standard_normal((cap, HKV, D)).astype(np.float32)
+                step.append(0, x, x)
                 step.decode(0, q, out=out)
             else:
+                k, v = pool.layer(0)
                 pd.decode(q, k, v, t, step.plan, out=out, backend=step.backend)
             want, _ = _oracle(pool, step, 0, q)
             assert_matches_oracle(out, None, want, None, "float32", f"{reader} {it}")
@@ -91,13 +94,15 @@ def test_the_pending_update_is_applied_before_every_reader(backend, reader, monk
             assert t.flush()
         elif reader == "device_arrays":
             t.device_arrays()
-        else:                                          # a begin without a step between
-            step.begin()
+        else:           # a begin without a step between: refused, the update stays pending
+            with pytest.raises(InvalidArgumentError, match=r"DecodeStep.begin: the last "
+                                                           r"begin\(\) reserved"):
+                step.begin()
             assert t.pending
             t.flush()
         assert not t.pending, f"{reader} {it}"
         _assert_buffer_is_the_pools(step, f"{reader} {it}")
-        for layer in range(L):
+        for layer in step.unwritten_layers():
             x = rng.standard_normal((cap, HKV, D)).astype(np.float32)
             step.append(layer, x, x)
 
@@ -192,7 +197,8 @@ def test_a_replay_after_an_eager_read_of_a_moving_delta(monkeypatch):
     out = np.full((cap, HQ, D), np.nan, np.float32)
 
     def body(st):
-        st.append(0, k, k)
+        for layer in range(L):
+            st.append(layer, k, k)
         st.decode(0, q, out=out)
 
     step.begin()

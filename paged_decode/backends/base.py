@@ -91,6 +91,10 @@ class Backend(ABC):
     #: runs the tensor-core v2 partial (``partial_tc``, ``path="v2tc"``): ``mma.sync`` in
     #: the CUDA dialect, ``simdgroup_matrix`` in the Metal dialect
     tensor_core_decode: bool = False
+    #: ``capture_graph`` records device work that a replay repeats without the host code
+    #: (so host work inside a capture is not repeated); else it runs ``run`` once and
+    #: the caller runs it again per replay
+    records_graphs: bool = False
 
     # ----------------------------------------------------------- availability
     @classmethod

@@ -54,6 +54,7 @@ class CudaBackend(LaunchingBackend):
     name = "cuda"
     merge_gathers = True
     tensor_core_decode = True
+    records_graphs = True
 
     def __init__(self) -> None:
         self._caches = DeviceCaches(self.empty)

@@ -46,6 +46,7 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
     name = "emulated-cuda"
     merge_gathers = True
     tensor_core_decode = True
+    records_graphs = True
 
     def __init__(self, *, check_races: bool | None = None,
                  schedules: tuple[str, ...] | None = None, cp_async: str | None = None
@@ -217,6 +218,7 @@ class EmulatedMetalBackend(EmulatedCudaBackend):
     name = "emulated-metal"
     merge_gathers = False      # the Metal merge has no row index
     tensor_core_decode = True  # on simdgroup_matrix
+    records_graphs = False     # no graphs (as on metal)
     metal_dialect = True
     in_place_append = False
 

@@ -25,7 +25,7 @@ from ..kernels import merge
 from ..kernels.append import METAL_MIN_ELEMENTS, AppendWrite
 from ..page_table import PageTable
 from ..plan import DecodePlan
-from ..specs import prefix_kernel_runs
+from ..specs import PREFIX_TILE_ROWS, prefix_kernel_runs
 from ..step_table import StepTable
 from . import launches
 from .base import Backend, Problem, Support
@@ -227,6 +227,13 @@ class LaunchingBackend(Backend):
         if not self.device_info().prefix_tile_rows:
             raise UnsupportedProblemError(f"{self.name} backend has no tensor-core prefix "
                                           "kernel")
+        rows = int(members.shape[0]) * (int(q.shape[1]) // int(k_pages.shape[2]))
+        if row_tiles * PREFIX_TILE_ROWS < rows:     # a plan made for another device's tiles
+            raise InvalidArgumentError(
+                f"cascade_decode: the cascade plan's {row_tiles} level-0 row tile(s) of this "
+                f"kernel's {PREFIX_TILE_ROWS} rows cover fewer than the {rows} stacked query "
+                "rows (members x GQA group): it was planned for a device with other prefix "
+                "tiles (DeviceInfo.prefix_tile_rows); plan it for this backend's device")
         self.check_pools("cascade_decode", k_pages, v_pages)
         self._run(launches.prefix_launch(
             kv_dtype=self.dtype_of(k_pages), plan0=plan0, num_members=int(members.shape[0]),

@@ -28,8 +28,8 @@ from ..cascade import CascadePlan, detect_shared_prefix
 from ..decode import decode
 from ..dtypes import numpy_dtype
 from ..engine_step import DecodeStep
-from ..errors import InvalidArgumentError, check_int
-from ..page_table import PageTable
+from ..errors import InvalidArgumentError, check_int, check_int_array
+from ..page_table import MAX_ENTRIES, PageTable
 from ..plan import DecodePlan
 from ..pool import AppendedBatch, PagePool
 from ..step_table import StepTable
@@ -130,11 +130,7 @@ class PagedBatch:
         fn = "PagedBatch.begin"
         self._check_between(fn)
         if counts is not None:
-            c = np.asarray(counts, np.int64)
-            if c.shape != (len(self.seqs),) or (c < 0).any():
-                raise InvalidArgumentError(f"{fn}: counts must be {len(self.seqs)} "
-                                           f"non-negative integers, got {c.tolist()}")
-            counts = c
+            counts = check_int_array(fn, "counts", counts, len(self.seqs), 0, MAX_ENTRIES)
         self._counts, self._next_layer = counts, 0
         if counts is None and self.step_engine:
             if self._engine is None:
@@ -234,7 +230,8 @@ class PagedBatch:
             raise InvalidArgumentError(f"{fn}: a decode step of a step_engine batch decodes "
                                        "every layer (call decode, not gather)")
         t = self.table
-        r = np.arange(len(self.seqs)) if rows is None else np.asarray(rows, np.int64)
+        r = np.arange(len(self.seqs)) if rows is None else \
+            check_int_array(fn, "rows", rows, None, 0, len(self.seqs) - 1)
         n = t.visible_lens[r].astype(np.int64)
         w = int(n.max(initial=0)) if width is None else check_int(fn, "width", width, 0)
         if n.size and int(n.max()) > w:
@@ -290,7 +287,9 @@ class PagedBatch:
     def replayed(self) -> None:
         """A captured decode forward was replayed after this step's ``begin``: its first
         work applied the table update, and every layer was appended and decoded."""
-        assert self._engine is not None
+        if self._engine is None or not self.in_engine_step:
+            raise InvalidArgumentError("PagedBatch.replayed: no decode step of the engine "
+                                       "was begun (begin(None) on a step_engine batch)")
         self._engine.replayed()
         self._next_layer = self.num_layers
 

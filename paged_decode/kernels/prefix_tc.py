@@ -26,6 +26,7 @@ are ``mma.py``'s, shared with the tensor-core decode partial.
 from __future__ import annotations
 
 from .. import settings
+from ..errors import InvalidArgumentError
 from .common import CUDA_COMMON
 from .kernel_def import Dtype, KernelDef, KernelSpec, TemplateValue
 from .mma import CUDA_MMA
@@ -44,7 +45,7 @@ def tokens_per_tile(head_dim: int) -> int:
     env = settings.get(TILE_ENV)
     if env:
         if env not in ("32", "64"):
-            raise ValueError(f"{TILE_ENV} must be 32 or 64, got {env!r}")
+            raise InvalidArgumentError(f"{TILE_ENV} must be 32 or 64, got {env!r}")
         return int(env)
     return 64 if head_dim <= 128 else 32
 
