@@ -168,8 +168,12 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     # a multi-token call is keyed by its counts' content (a host array may be rewritten
     # in place); it reads a step table's host view, so step tables are not cached for it
     tokens_key = None if one_token else _tokens_key(qo_indptr)
+    # a scale given as an array or tensor can change in place (calibrated scales): its
+    # value is read by the checks, so such a call is never replayed from the cache
+    number_scales = all(isinstance(s, (type(None), int, float, np.generic))
+                        for s in (variants["k_scale"], variants["v_scale"]))
     if ((one_token or (tokens_key is not None and not isinstance(table, StepTable)))
-            and out is not None and (lse is not None or not return_lse)
+            and number_scales and out is not None and (lse is not None or not return_lse)
             and not be.functional_outputs
             and ((plan is not None and (cascade is None or cascade is False))
                  or isinstance(cascade, CascadeDecodePlan))):

@@ -30,6 +30,7 @@ is zeros). ``set_sequences`` changes the batch between steps.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -149,7 +150,10 @@ class DecodeStep:
         self._device_desc = self.table.upload.staged
         self._desc: Any = (self.table.upload.desc if self._device_desc
                            else np.zeros((5, self.capacity), np.int32))
-        self._prepared: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = {}
+        #: prepared appends and decodes by (layer, buffers, table), least recently used
+        #: first; bounded: an engine that passes new arrays every step must not pin them all
+        self._prepared: OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = \
+            OrderedDict()
         self._layers = [pool.layer(i) for i in range(self.num_layers)]
 
     # ------------------------------------------------------------------ inspection
@@ -246,7 +250,7 @@ class DecodeStep:
             return
         self._apply_pending(k)
         key = ("append", layer, id(k), id(v), self.table.layout)
-        hit = self._prepared.get(key)
+        hit = self._cached(key)
         if hit is not None and hit[0][0] is k and hit[0][1] is v \
                 and layouts((k, v)) == hit[0][2]:
             hit[1]()
@@ -281,7 +285,7 @@ class DecodeStep:
             # (torch's for torch tensors, so a torch graph captures them), not to the
             # stream of kb, the backend's view
             replay = self.backend.compile_launches(run, like=k)
-            self._prepared[key] = ((k, v, layouts((k, v))), replay)
+            self._keep(key, ((k, v, layouts((k, v))), replay))
             replay()
             return
         with self.backend.launch_context(k):    # the caller's stream, as replays use
@@ -325,7 +329,7 @@ class DecodeStep:
         t = self.table
         key = (layer, id(q), id(out), id(lse), return_lse,
                t.layout if self.backend.reads_step_tables else t.version)
-        hit = self._prepared.get(key)
+        hit = self._cached(key)
         lay = layouts((q, out, lse))
         if hit is None or hit[0][0] is not q or hit[0][1] is not out \
                 or lay != hit[0][2]:                 # reshaped, or a tensor's data moved
@@ -336,8 +340,9 @@ class DecodeStep:
                                 **self.variants, **self.pool.decode_args(layer))
             hit = ((q, out, lay, lse), prep)
             if not self.backend.reads_step_tables:
-                self._prepared = {k: h for k, h in self._prepared.items() if k[-1] == key[-1]}
-            self._prepared[key] = hit
+                self._prepared = OrderedDict((k, h) for k, h in self._prepared.items()
+                                             if k[-1] == key[-1])
+            self._keep(key, hit)
         return hit[1]()
 
     def capture(self, body: Callable[[DecodeStep], Any]) -> CapturedStep:
@@ -425,6 +430,23 @@ class DecodeStep:
             self._prepared.clear()      # launches of the old plan
             left = self.plan.tokens_left(self.table)
         self._unchecked_begins = left
+
+    #: prepared calls kept per layer (appends and decodes together): two buffer sets of
+    #: each, as an engine that alternates two does
+    PREPARED_PER_LAYER = 4
+
+    def _cached(self, key: tuple[Any, ...]) -> Any:
+        """The prepared call under ``key`` (now the most recently used), or ``None``."""
+        hit = self._prepared.get(key)
+        if hit is not None:
+            self._prepared.move_to_end(key)
+        return hit
+
+    def _keep(self, key: tuple[Any, ...], hit: Any) -> None:
+        """Keep a prepared call, dropping the least recently used past the bound."""
+        self._prepared[key] = hit
+        while len(self._prepared) > self.PREPARED_PER_LAYER * self.num_layers:
+            self._prepared.popitem(last=False)
 
     def _wrote(self, layers: Any) -> None:
         """Layers ``layers`` wrote the slots of the last begin; with every layer written

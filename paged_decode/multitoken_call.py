@@ -127,8 +127,9 @@ class MultiTokenCall:
             merge(xp.take(v_all, self.merge_rows, axis=0),
                   xp.take(l_all, self.merge_rows, axis=0), self.split.merge_indptr,
                   self.out_flat, self.lse_flat, **sinks)
-        if be.functional_outputs and self.out_flat.shape != self.out.shape:
+        if be.functional_outputs and self.out_flat is not self.out:
             # MLX rebinds the flat arrays to the results: hand them to the call's arrays
+            # (a reshape is a new object even where the shape is the same: a flat q)
             self.out[...] = self.out_flat.reshape(self.out.shape)
             self.lse[...] = self.lse_flat.reshape(self.lse.shape)
 

@@ -182,7 +182,9 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
     returned by every call. The arrays stay bound to the prepared call: update them in
     place (``sinks`` too). ``window_left``, ``logits_soft_cap`` and ``sinks`` are
     ``decode``'s variants, fixed for the prepared call, and so are an fp8 pool's
-    ``kv_dtype``, ``k_scale`` and ``v_scale``. A multi-token ``q`` (``[B, T, Hq, D]``, or
+    ``kv_dtype``, ``k_scale`` and ``v_scale`` (a scale given as a one-element array or
+    tensor is read here, once: prepare again after changing it; ``decode`` reads it at
+    every call). A multi-token ``q`` (``[B, T, Hq, D]``, or
     ``[N, Hq, D]`` with ``qo_indptr``) prepares a ``PreparedMultiToken``.
 
     Over a ``StepTable`` each call follows what the pool did to the batch since the last:

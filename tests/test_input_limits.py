@@ -468,3 +468,136 @@ def test_a_cascade_plan_for_other_prefix_tiles_is_refused():
                                  out_dtype="float32")             # control
     assert_matches_oracle(out, lse, *oracle_decode(q, k, v, t), "float32", "cascade",
                           tol=PREFIX_RTOL["float16"])
+
+
+def test_a_scale_tensor_changed_in_place_is_read_again():
+    """decode's fast path keyed an fp8 scale given as a torch tensor by identity: updated
+    in place (calibrated scales), the prepared call kept its first value (max-rel error 5
+    against the oracle; a session-24 audit). Such calls are not replayed from the cache."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    p, hkv, hq, d = 16, 2, 8, 64
+    k16 = rng.standard_normal((4, p, hkv, d)).astype(np.float32)
+    import ml_dtypes
+    k8 = k16.astype(ml_dtypes.float8_e4m3fn)
+    v8 = rng.standard_normal((4, p, hkv, d)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    t = pd.PageTable.build(np.arange(4, dtype=np.int32), [0, 2, 4], [16, 9], page_size=p)
+    q = rng.standard_normal((2, hq, d)).astype(np.float16)
+    plan = pd.plan_decode(t, hq, hkv, d)
+    out = np.empty_like(q)
+    ks = torch.tensor([0.5], dtype=torch.float32)
+    for value in (0.5, 2.0):
+        ks.fill_(value)
+        pd.decode(q, k8, v8, t, plan, out=out, kv_dtype="float8_e4m3fn", k_scale=ks,
+                  v_scale=1.0)
+        want = oracle_decode(q, k8.astype(np.float32) * value, v8.astype(np.float32), t)
+        assert_matches_oracle(out, None, want[0], None, "float16", f"k_scale {value}")
+
+
+# ---------------------------------------------------------------------------- the shim, round 2
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fi_graph_padding_row_with_a_last_page_len_is_empty(backend):
+    """A request without pages is empty whatever its last_page_len (CUDA-graph padding
+    rows): the reference backend's graph run raised PageTableError naming PageTable.build
+    where emulated-cuda served zeros and -inf."""
+    rng = np.random.default_rng(0)
+    p, hq, hkv, d = 8, 8, 2, 64
+    k, v = (rng.standard_normal((10, p, hkv, d)).astype(np.float16) for _ in range(2))
+    q = rng.standard_normal((2, hq, d)).astype(np.float16)
+    w, bufs = _graph(backend, 10)
+    w.plan(np.array([0, 3, 3]), np.array([4, 1, 7]), np.array([5, 0]), hq, hkv, d, p)
+    bufs[2][1] = 1
+    out, lse = w.run(q, (k, v), return_lse=True)
+    assert (out[1] == 0).all() and np.isneginf(lse[1]).all()
+    t = pd.PageTable.build(np.array([4, 1, 7]), [0, 3, 3], [5, 0], page_size=p)
+    assert_matches_oracle(out, lse, *oracle_decode(q, k, v, t), "float16", backend)
+
+
+def test_fi_writes_check_their_targets_first():
+    """A read-only cache made append_paged_kv_cache write K and then fail on V with numpy's
+    error; a read-only or strided graph-mode workspace raised numpy's errors too."""
+    p, hkv, d = 4, 1, 64
+    k = np.zeros((8, p, hkv, d), np.float16)
+    v = np.zeros((8, p, hkv, d), np.float16)
+    v.setflags(write=False)
+    row = np.ones((1, hkv, d), np.float16)
+    with pytest.raises(InvalidArgumentError, match=r"^append_paged_kv_cache: v_cache must be "
+                                                   r"writable"):
+        fi.append_paged_kv_cache(row, row, np.array([0]), np.array([0]), (k, v),
+                                 np.array([5]), np.array([0, 1]), np.array([1]),
+                                 backend="reference")
+    assert not k.any()                               # nothing written
+    rng = np.random.default_rng(1)
+    kc = rng.standard_normal((10, 8, 2, 64)).astype(np.float16)
+    q = rng.standard_normal((2, 8, 64)).astype(np.float16)
+    for ws, pattern in ((np.zeros(1 << 20, np.uint8)[::2], r"must be a contiguous array"),
+                        (np.zeros(1 << 20, np.uint8), r"must be writable")):
+        if pattern == r"must be writable":
+            ws.setflags(write=False)
+        bufs = [np.zeros(3, np.int32), np.zeros(8, np.int32), np.zeros(2, np.int32)]
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(
+            ws, use_cuda_graph=True, paged_kv_indptr_buffer=bufs[0],
+            paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2],
+            backend="reference")
+        w.plan(np.array([0, 3, 5]), np.array([4, 1, 7, 2, 9]), np.array([5, 8]), 8, 2, 64, 8)
+        with pytest.raises(InvalidArgumentError, match=r"run: float_workspace_buffer " + pattern):
+            w.run(q, (kc, kc))
+
+
+def test_fi_arguments_that_are_not_arrays_or_on_other_devices_are_named(pr):
+    torch = pytest.importorskip("torch")
+    t = pr.table
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 16, np.uint8), backend="reference")
+    w.plan(t.indptr, t.indices, t.last_page_len, 8, 2, 64, 16)
+    with pytest.raises(InvalidArgumentError, match=r"run: k_cache must be an array .*, got "
+                                                   r"list"):
+        w.run(pr.q, ([[0.0]], [[0.0]]))
+    with pytest.raises(InvalidArgumentError, match=r"run: v_cache must be an array .*, got "
+                                                   r"NoneType"):
+        w.run(pr.q, (pr.k_pages, None))
+    meta = torch.empty((2, 8, 64), dtype=torch.float16, device="meta")
+    with pytest.raises(InvalidArgumentError, match=r"run: q is a torch tensor on device "
+                                                   r"'meta'; paged-decode takes CPU or CUDA"):
+        w.run(meta, (pr.k_pages, pr.v_pages))
+
+
+def test_fi_merge_state_names_the_callers_arguments_and_takes_float64_s():
+    rng = np.random.default_rng(2)
+    va, vb = (rng.standard_normal((2, 4, 64)).astype(np.float32) for _ in range(2))
+    sa, sb = (rng.standard_normal((2, 4)).astype(np.float32) for _ in range(2))
+    with pytest.raises(InvalidArgumentError, match=r"^merge_state: s_a must have shape "
+                                                   r"\[n, H\] = \[2, 4\], got \[2, 4, 1\]"):
+        fi.merge_state(va, sa[..., None], vb, sb, backend="reference")
+    with pytest.raises(InvalidArgumentError, match=r"^merge_state: s_b must have shape"):
+        fi.merge_state(va, sa, vb, sb[:, 0], backend="reference")
+    v64, s64 = fi.merge_state(va, sa.astype(np.float64), vb, sb, backend="reference")
+    v32, s32 = fi.merge_state(va, sa, vb, sb, backend="reference")     # control
+    np.testing.assert_array_equal(v64, v32)
+    np.testing.assert_array_equal(s64, s32)
+
+
+def test_fi_get_seq_lens_checks_its_table():
+    """get_seq_lens wrapped 2**30 pages of 16 to -12 and took a last_page_len past the page
+    and a decreasing indptr."""
+    for args, pattern in (((np.array([0, 2**30]), np.array([4]), 16), r"a request of "
+                           r"17179869172 tokens does not fit the int32 lengths"),
+                          ((np.array([0, 1, 3]), np.array([9, 2]), 4), r"kv_last_page_len "
+                           r"must be in \[1, page_size = 4\], got 9"),
+                          ((np.array([0, 3, 1]), np.array([1, 2]), 4), r"kv_indptr must start "
+                           r"at 0 and be non-decreasing")):
+        with pytest.raises(InvalidArgumentError, match=r"^get_seq_lens: " + pattern):
+            fi.get_seq_lens(*args)
+    np.testing.assert_array_equal(fi.get_seq_lens(np.array([0, 1, 3]), np.array([4, 2]), 4),
+                                  [4, 6])                            # control
+
+
+def test_fi_graph_plan_keeps_its_soft_cap_and_reports_a_dtype_as_a_dtype(pr):
+    """Graph-mode plan reused a local name for the indices buffer's length, so the plan
+    recorded a soft cap of 64; a byte cache under a 16-bit plan read as a shape error."""
+    w, _ = _graph("reference", 16)
+    t = pr.table
+    w.plan(t.indptr, t.indices, t.last_page_len, 8, 2, 64, 16)
+    assert w._planned["logits_soft_cap"] is None
+    with pytest.raises(PagedDecodeError, match=r"run: paged_kv_cache must have dtype in "
+                                               r".*, got uint8"):
+        w.run(pr.q, (pr.k_pages.view(np.uint8), pr.v_pages.view(np.uint8)))

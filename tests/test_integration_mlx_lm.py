@@ -77,8 +77,12 @@ def test_a_prompt_longer_than_the_pool_fails_before_the_model_runs():
         pm.generate(model, [[1] * 100], NEW, backend="mlx", num_pages=4)
     with pytest.raises(InvalidArgumentError, match=r"prompts\[0\]\[0\] = -1 is not a token"):
         pm.generate(model, [[-1]], NEW, backend="mlx")
-    with pytest.raises(InvalidArgumentError, match="cascade must be None with mlx-lm"):
+    with pytest.raises(InvalidArgumentError, match=r"cascade must be None with mlx-lm .*, got "
+                                                   r"True"):
         pm.generate(model, [[1]], NEW, backend="mlx", cascade=True)
+    with pytest.raises(InvalidArgumentError, match=r"generate: backend must be one of mlx, "
+                                                   r"metal .*, got 'reference'"):
+        pm.generate(model, [[1]], NEW, backend="reference")
 
 
 def _llama(**kw):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, sinks_for, tc_out_tol, variant_kwargs
+from helpers import assert_matches_oracle, require_mlx, sinks_for, tc_out_tol, variant_kwargs
 
 import paged_decode as pd
 from paged_decode import get_backend
@@ -489,3 +489,30 @@ def test_step_table_follows_the_pool(backend_name):
     padded = pool.step_table(seqs, capacity=3)
     with pytest.raises(InvalidArgumentError, match=r"request 2 has 0 visible tokens"):
         pd.decode(np.zeros((3, 2, 8, D), np.float32), pool.k, pool.v, padded, backend=be)
+
+
+@pytest.mark.parametrize("qo", [[0, 1, 2], [0, 2, 3]])
+def test_flat_queries_on_mlx_match_the_oracle(qo):
+    """A flat q [N, Hq, D] with qo_indptr on MLX (functional outputs): the merge rebinds
+    the flat results, which were handed back only where their shape differed from the
+    call's, so this case returned zeros for the output and the LSE (found by a
+    session-24 audit). Decode, prepared call and caller-given outputs."""
+    require_mlx()
+    import mlx.core as mx
+    rng = np.random.default_rng(0)
+    p, hkv, hq, d = 4, 1, 2, 64
+    table = pd.PageTable.build(np.arange(5, dtype=np.int32), np.array([0, 3, 5]),
+                               np.array([1, 2], np.int32), page_size=p)
+    k = rng.standard_normal((5, p, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((5, p, hkv, d)).astype(np.float32)
+    qi = np.array(qo)
+    q = rng.standard_normal((int(qi[-1]), hq, d)).astype(np.float32)
+    ref = oracle_decode(q, k, v, table, qo_indptr=qi)
+    args = (mx.array(q), mx.array(k), mx.array(v), table)
+    out, lse = pd.decode(*args, qo_indptr=qi, return_lse=True, backend="mlx")
+    assert_matches_oracle(np.array(out), np.array(lse), *ref, "float32", "decode")
+    out, lse = pd.prepare_decode(*args, qo_indptr=qi, return_lse=True, backend="mlx")()
+    assert_matches_oracle(np.array(out), np.array(lse), *ref, "float32", "prepared")
+    out, lse = mx.full((len(q), hq, d), 7.0), mx.full((len(q), hq), 7.0)
+    pd.decode(*args, qo_indptr=qi, out=out, lse=lse, return_lse=True, backend="mlx")
+    assert_matches_oracle(np.array(out), np.array(lse), *ref, "float32", "given out")

@@ -17,6 +17,7 @@ Explicit choice only (``backend="emulated-cuda"``, ``PAGED_DECODE_BACKEND`` or
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,9 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
         self.check_races = (settings.flag(RACES_ENV, True)
                             if check_races is None else check_races)
         self.schedules, self.cp_async = schedules, cp_async
+        # what this thread records (compile_launches, capture_graph): one backend object
+        # serves every thread, and another thread's launches must run, not join it
+        self._tls = threading.local()
 
     @classmethod
     def available(cls) -> Support:
@@ -81,8 +85,25 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
         return cuda_source(spec.kernel)
 
     # ----------------------------------------------------------- graphs
-    #: the operations a capture records (``capture_graph``), ``None`` when not capturing
-    _graph: list[tuple[Any, ...]] | None = None
+    @property
+    def _graph(self) -> list[tuple[Any, ...]] | None:
+        """The operations this thread's capture records (``capture_graph``), ``None``
+        when it is not capturing."""
+        return getattr(self._tls, "graph", None)
+
+    @_graph.setter
+    def _graph(self, value: list[tuple[Any, ...]] | None) -> None:
+        self._tls.graph = value
+
+    @property
+    def _recording(self) -> list[launches.Launch] | None:
+        """The launches this thread's ``compile_launches`` records, ``None`` when it is
+        not recording."""
+        return getattr(self._tls, "recording", None)
+
+    @_recording.setter
+    def _recording(self, value: list[launches.Launch] | None) -> None:
+        self._tls.recording = value
 
     def capture_graph(self, run: Callable[[], Any],
                       prologue: Callable[[], Any] | None = None) -> tuple[Any, Any]:
@@ -110,9 +131,6 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
                 self._run(op[1])
             else:
                 np.copyto(op[1], op[2])
-
-    #: the launches ``compile_launches`` records, ``None`` when not recording
-    _recording: list[launches.Launch] | None = None
 
     def compile_launches(self, run: Callable[[], Any], like: Any) -> Callable[[], Any]:
         """As the CUDA backend's: the launches ``run`` makes are recorded (nothing runs)

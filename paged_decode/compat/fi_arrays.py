@@ -41,6 +41,7 @@ def shape_of(x: Any) -> tuple[int, ...]:
 def as_backend(fn: str, name: str, be: Backend, x: Any) -> Any:
     """Argument ``name`` of ``fn`` as ``be``'s array, zero-copy where the kinds allow (CPU
     torch tensors become numpy views on the CPU backends); errors name both."""
+    _known_device(fn, name, x)
     if is_torch(x) and not x.is_cuda:
         if be.name == "cuda":
             raise InvalidArgumentError(f"{fn}: {name} is a CPU torch tensor, but the call runs "
@@ -52,9 +53,19 @@ def as_backend(fn: str, name: str, be: Backend, x: Any) -> Any:
     return be.array_arg(fn, name, x)
 
 
+def _known_device(fn: str, name: str, x: Any) -> None:
+    """Raise for a torch tensor on a device other than the CPU and CUDA (``meta``,
+    ``mps``, ...): no backend here reads it, and converting it fails inside torch."""
+    if is_torch(x) and x.device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"{fn}: {name} is a torch tensor on device "
+                                   f"{x.device.type!r}; paged-decode takes CPU or CUDA tensors "
+                                   "(or CuPy / numpy arrays)")
+
+
 def host_ints(fn: str, name: str, x: Any) -> np.ndarray:
     """A host numpy copy of an integer index array of any kind (a device array is copied
     to the host: the plan runs there, as FlashInfer's does)."""
+    _known_device(fn, name, x)
     if is_torch(x):
         x = x.detach().cpu().numpy()
     elif array_kind(x) == "cupy":
@@ -70,12 +81,13 @@ def host_ints(fn: str, name: str, x: Any) -> np.ndarray:
     return as_int64(fn, name, arr)
 
 
-def checked_table(fn: str, indptr: np.ndarray, indices: np.ndarray,
+def checked_table(fn: str, indptr: np.ndarray, indices: np.ndarray | None,
                   last_page_len: np.ndarray, page_size: int, prefix: str = "") -> np.ndarray:
     """FlashInfer's CSR invariants over host int64 arrays (``host_ints``), or an error
     naming ``fn`` and the argument (``prefix`` + ``indptr`` / ``indices`` /
     ``last_page_len``): ``indptr [B+1]`` from 0, non-decreasing (B = len(last_page_len));
-    ``indices`` at least ``indptr[-1]`` long (a longer buffer is fine); ``1 <=
+    ``indices`` at least ``indptr[-1]`` long (a longer buffer is fine; ``None``: not
+    checked); ``1 <=
     last_page_len <= page_size`` for a request with pages. A request without pages is empty
     whatever its ``last_page_len`` (as CUDA-graph padding rows are): returns
     ``last_page_len`` with those set to 0, paged-decode's spelling of an empty request."""
@@ -88,7 +100,7 @@ def checked_table(fn: str, indptr: np.ndarray, indices: np.ndarray,
     if indptr[0] != 0 or (pages < 0).any():
         raise InvalidArgumentError(f"{fn}: {prefix}indptr must start at 0 and be "
                                    f"non-decreasing, got {indptr.tolist()[:16]}")
-    if indices.size < indptr[-1]:
+    if indices is not None and indices.size < indptr[-1]:
         raise InvalidArgumentError(f"{fn}: {prefix}indices has {indices.size} entries, "
                                    f"{prefix}indptr[-1] = {int(indptr[-1])} needs that many")
     lpl = np.where(pages > 0, last_page_len, 0)

@@ -47,6 +47,9 @@ class KVPools:
 
 def _check_pair(fn: str, k: Any, v: Any) -> None:
     for name, x in zip(NAMES, (k, v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise InvalidArgumentError(f"{fn}: {name} must be an array (a torch tensor, CuPy "
+                                       f"or numpy array), got {type(x).__name__}")
         if len(x.shape) not in (3, 4):
             raise InvalidArgumentError(
                 f"{fn}: {name} must be 4-D [num_pages, P, Hkv, D] (NHD; 3-D when P = 1), got "

@@ -21,10 +21,15 @@ from .fi_arrays import as_backend, in_kind, shape_of
 
 
 def _state(fn: str, be: Backend, names: tuple[str, str], v: Any, s: Any) -> tuple[Any, Any, str]:
-    """``(v as float32, s as float32, v's dtype)`` as C-contiguous backend arrays."""
+    """``(v as float32, s as float32, v's dtype)`` as C-contiguous backend arrays, after
+    the checks under the caller's names: ``s`` has ``v``'s leading axes (float64 ``s`` is
+    taken too: FlashInfer converts ``s`` to float32 first)."""
     va, sa = as_backend(fn, names[0], be, v), as_backend(fn, names[1], be, s)
     v_dt = check_dtype(fn, names[0], be.dtype_of(va))
-    check_dtype(fn, names[1], be.dtype_of(sa))
+    if be.dtype_of(sa) != "float64":
+        check_dtype(fn, names[1], be.dtype_of(sa))
+    lead = shape_of(va)[:-1]
+    check_shape(fn, names[1], shape_of(sa), lead, "[n, H]" if len(lead) == 2 else "[n, S, H]")
     xp = be.array_module()
     return (xp.ascontiguousarray(va.astype(np.float32)),
             xp.ascontiguousarray(sa.astype(np.float32)), v_dt)

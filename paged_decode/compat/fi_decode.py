@@ -210,10 +210,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise InvalidArgumentError(
                     f"{fn}: the batch size is fixed in graph mode: the buffers hold "
                     f"{self._fixed_batch_size} requests, got {b}")
-            cap = int(self._buffers[1].shape[0])
-            if idx.size > cap:
+            room = int(self._buffers[1].shape[0])
+            if idx.size > room:
                 raise InvalidArgumentError(f"{fn}: {idx.size} page ids do not fit "
-                                           f"paged_kv_indices_buffer of {cap}")
+                                           f"paged_kv_indices_buffer of {room}")
             if self._graph is None:
                 self._graph = GraphState(fn, self._be, self._buffers, dplan)
             elif not _same_geometry(self._graph.plan, dplan):
@@ -290,14 +290,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_dt, kv_dt = st["dtypes"]
         fp8 = is_fp8(kv_dt)
         pools = decode_pools(fn, be, paged_kv_cache)
-        got = (pools.page_size, pools.num_kv_heads, pools.head_dim)
-        if got != (p, hkv, d):
-            raise InvalidArgumentError(f"{fn}: paged_kv_cache must have (P, Hkv, D) = "
-                                       f"{(p, hkv, d)} as planned, got {got}")
-        if st["max_page"] >= pools.num_pages:
-            raise InvalidArgumentError(f"{fn}: the plan references page {st['max_page']}, but "
-                                       f"paged_kv_cache has {pools.num_pages} pages")
-        # the caller's dtype name: a torch fp8 tensor is a uint8 CuPy view on `cuda`
+        # the dtype first: a byte cache under a 16-bit plan would read as a shape mismatch.
+        # (The caller's dtype name: a torch fp8 tensor is a uint8 CuPy view on `cuda`.)
         raw = raw_dtype_name(first_array(paged_kv_cache))
         kv_got = check_dtype(fn, "paged_kv_cache", pool_dtype(
             fn, raw, be.dtype_of(pools.k), kv_dt if fp8 else None, "paged_kv_cache"),
@@ -305,6 +299,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if kv_got != kv_dt:
             raise InvalidArgumentError(f"{fn}: paged_kv_cache has dtype {kv_got}, but plan's "
                                        f"kv_data_type is {kv_dt}")
+        got = (pools.page_size, pools.num_kv_heads, pools.head_dim)
+        if got != (p, hkv, d):
+            raise InvalidArgumentError(f"{fn}: paged_kv_cache must have (P, Hkv, D) = "
+                                       f"{(p, hkv, d)} as planned, got {got}")
+        if st["max_page"] >= pools.num_pages:
+            raise InvalidArgumentError(f"{fn}: the plan references page {st['max_page']}, but "
+                                       f"paged_kv_cache has {pools.num_pages} pages")
         qa = as_backend(fn, "q", be, q)
         b = st["table"].batch_size
         check_shape(fn, "q", qa.shape, (b, hq, d), "[B, Hq, D]")

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from ..backends import Backend, array_kind
+from ..backends import Backend, array_kind, c_contiguous
 from ..backends.launching import LaunchingBackend
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, check_writable
 from ..page_table import PageTable
 from ..plan import MAX_CHUNKS, DecodePlan, chunk_counts
 from .fi_arrays import as_backend, copy_into, is_cuda_tensor
@@ -210,6 +210,9 @@ class GraphState:
         indptr, indices, lpl = (np.asarray(self.be.to_numpy(x)) for x in self.views)
         n = int(indptr[-1])
         ids = indices[:n].astype(np.int64) * (2 if interleaved else 1)
+        # a request without pages is empty whatever its last_page_len (as checked_table
+        # reads FlashInfer's tables; the kernels read it so too)
+        lpl = np.where(np.diff(indptr.astype(np.int64)) > 0, lpl, 0)
         return PageTable.build(ids, indptr, lpl, page_size=page_size)
 
     def workspace(self, fn: str, ws: Any, hq: int, d: int) -> tuple[Any, Any, Any]:
@@ -218,6 +221,10 @@ class GraphState:
         c, b = self.plan.num_chunks, self.plan.batch_size
         sizes = (c * hq * d, c * hq, b * hq)
         arr = as_backend(fn, "float_workspace_buffer", self.be, ws)
+        check_writable(fn, "float_workspace_buffer", arr, " (the partials are written there)")
+        if not c_contiguous(arr):    # a strided buffer's bytes are not one run of floats
+            raise InvalidArgumentError(f"{fn}: float_workspace_buffer must be a contiguous "
+                                       "array (FlashInfer: a uint8 tensor)")
         try:
             raw = arr.reshape(-1).view(np.uint8)
         except (ValueError, TypeError, AttributeError) as exc:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..backends import backend_for
 from ..dtypes import KV_DTYPES, check_dtype
-from ..errors import InvalidArgumentError, check_int, check_ndim, check_shape
+from ..errors import InvalidArgumentError, check_int, check_ndim, check_shape, check_writable
 from ..fp8 import is_fp8, raw_dtype_name
 from .fi_arrays import as_backend, checked_table, host_ints, ints_like, shape_of
 from .fi_cache import first_array, write_views
@@ -40,8 +40,12 @@ def get_seq_lens(kv_indptr: Any, kv_last_page_len: Any, page_size: int) -> Any:
     p = check_int(fn, "page_size", page_size)
     ip, lpl = host_ints(fn, "kv_indptr", kv_indptr), host_ints(fn, "kv_last_page_len",
                                                                 kv_last_page_len)
-    check_shape(fn, "kv_indptr", ip.shape, (lpl.size + 1,), "[B+1]")
-    return ints_like(seq_lens_of(ip, lpl, p), kv_indptr)
+    checked_table(fn, ip, None, lpl, p, "kv_")   # (FlashInfer's rule keeps an empty
+    lens = seq_lens_of(ip, lpl, p)               # request's last_page_len: not zeroed)
+    if lens.size and int(lens.max()) > np.iinfo(np.int32).max:
+        raise InvalidArgumentError(f"{fn}: a request of {int(lens.max())} tokens does not "
+                                   "fit the int32 lengths returned")
+    return ints_like(lens, kv_indptr)
 
 
 def get_batch_indices_positions(append_indptr: Any, seq_lens: Any, nnz: int) -> tuple[Any, Any]:
@@ -144,6 +148,8 @@ def _append(fn: str, be: Any, append_key: Any, append_value: Any, batch_indices:
             kv_last_page_len: Any) -> None:
     """``append_paged_kv_cache`` on backend ``be``, inside the cache's launch context."""
     k, v = write_views(fn, be, paged_kv_cache)
+    for name, x in (("k_cache", k), ("v_cache", v)):     # before any write: all or nothing
+        check_writable(fn, name, x, " (the rows are written into it)")
     num_pages, p, hkv, d = shape_of(k)
     dt = _element(fn, "paged_kv_cache", be, k, first_array(paged_kv_cache))
     rows = []

@@ -148,6 +148,10 @@ def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:
                     name)
 
 
+#: the backends whose arrays are MLX's (what mlx-lm's attention takes)
+MLX_BACKENDS = ("mlx", "metal")
+
+
 def default_backend() -> str:
     """``"metal"`` where MLX has a Metal device, else ``"mlx"`` (MLX's CPU device)."""
     return "metal" if mx.metal.is_available() else "mlx"
@@ -195,7 +199,13 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
     fn = "generate"
     if cascade is not None:
         raise InvalidArgumentError(f"{fn}: cascade must be None with mlx-lm (its attention "
-                                   "is MLX's SDPA over gathered pages), got {cascade!r}")
+                                   f"is MLX's SDPA over gathered pages), got {cascade!r}")
+    name = backend if backend is not None else default_backend()
+    be_name = getattr(name, "name", name)
+    if be_name not in MLX_BACKENDS:      # the pages are gathered into MLX arrays for SDPA
+        raise InvalidArgumentError(f"{fn}: backend must be one of {', '.join(MLX_BACKENDS)} "
+                                   f"(MLX arrays: mlx-lm's attention reads them), got "
+                                   f"{be_name!r}")
     geo = check_model(fn, model, page_size)
     batch = prompt_batch(fn, prompts, max_new_tokens, vocab_size=geo.vocab_size,
                          max_positions=None, share_prefix=share_prefix)
@@ -203,7 +213,7 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
                        num_pages=pool_pages(fn, batch, page_size, num_pages),
                        page_size=page_size, num_kv_heads=geo.num_kv_heads,
                        num_qo_heads=geo.num_heads, head_dim=geo.head_dim, dtype=geo.dtype,
-                       backend=backend if backend is not None else default_backend())
+                       backend=name)
     state: dict[str, _Forward] = {}
     caches = [PagedLayerCache(paged, i, state) for i in range(geo.num_layers)]
 
