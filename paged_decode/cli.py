@@ -88,6 +88,7 @@ def main() -> None:
 @main.command()
 @click.option("--backend", default=None, help="Backend to describe (default: automatic).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_package_errors
 def info(backend: str | None, as_json: bool) -> None:
     """Available backends, the selected device and its plan target."""
     import numpy as np
@@ -158,6 +159,7 @@ def _v2tc_plan_rule(dev: Any) -> str:
 @click.option("--shard", default=None, metavar="K/N",
               help="Run every N-th configuration from the K-th (0-based), to split a matrix "
                    "over N processes.")
+@_package_errors
 def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: str | None,
           max_configs: int | None, paths: tuple[str, ...], shard: str | None) -> None:
     """Correctness matrix against the float64 oracle; exits non-zero on any failure."""
@@ -173,6 +175,7 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
             raise click.BadParameter(f"need 0 <= K < N, got {shard!r}", param_hint="--shard")
         part = (k, n)
     be = _backend(backend)
+    paths = tuple(dict.fromkeys(paths))      # a path named twice runs once (dtypes do too)
     tc = [p for p in paths if p in TC_PATHS]
     if tc and not be.tensor_core_decode:
         raise click.ClickException(f"check: --path {tc[0]} needs a backend with the "
@@ -269,8 +272,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @click.option("--markdown", "md_path", type=OutPath(), default=None)
 @click.option("--layers", default=32, show_default=True, type=POSITIVE,
               help="engine suite: layers per step.")
-@click.option("--steps", default=32, show_default=True, type=POSITIVE,
-              help="engine suite: decode steps per case.")
+@click.option("--steps", default=32, show_default=True, type=click.IntRange(min=2),
+              help="engine suite: decode steps per case (the first is a warm-up).")
 @click.option("--model", default=None,
               help="engine suite: the attention heads of a models-preset layout (e.g. "
                    "qwen2-7b, llama3-70b-tp8; default llama3-8b on a GPU). Arms eager-tc "
@@ -435,6 +438,9 @@ def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
     results = run_engine(be, cases, arms=arm_list,
                          progress=lambda s: click.echo(f"  {s}", err=True))
     click.echo(report(results))
+    if not any(r.ran for _, a in results for r in a.values()):
+        raise click.ClickException("bench --suite engine: no arm could run here (see the "
+                                   "table's notes); nothing was written")
     if json_path:
         _write("--json", json_path, json.dumps({"head": head, "suite": "engine",
                                                 "results": to_dict(results)}, indent=1))
@@ -453,6 +459,7 @@ def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
 @click.option("--metric", default="auto", show_default=True,
               type=click.Choice(["auto", "gpu", "call", "gbps"]),
               help="auto: GPU time when the run has it, else per-call time (CPU runs).")
+@_package_errors
 def plot(json_path: str, png_path: str, metric: str) -> None:
     """Plot a `bench --json` result file as a PNG (needs matplotlib)."""
     from .bench.plot import plot_file

@@ -413,7 +413,7 @@ def test_bench_turns_package_errors_into_one_line():
     from paged_decode.cli import main
     res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
                                     "--batch", "1", "--context", "64", "--page", "16",
-                                    "--steps", "1", "--layers", "100000000"])
+                                    "--steps", "2", "--layers", "100000000"])
     assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.exception
     assert res.output.strip().splitlines()[-1].startswith("Error: PagePool: k and v pages")
 
@@ -601,3 +601,47 @@ def test_fi_graph_plan_keeps_its_soft_cap_and_reports_a_dtype_as_a_dtype(pr):
     with pytest.raises(PagedDecodeError, match=r"run: paged_kv_cache must have dtype in "
                                                r".*, got uint8"):
         w.run(pr.q, (pr.k_pages.view(np.uint8), pr.v_pages.view(np.uint8)))
+
+
+def _run_cli(*args, env=None):
+    from click.testing import CliRunner
+
+    from paged_decode.cli import main
+    res = CliRunner().invoke(main, [str(a) for a in args], env=env)
+    assert "Traceback" not in res.output
+    return res
+
+
+def test_every_command_turns_package_errors_into_one_line(tmp_path):
+    """info and check printed a traceback for a bad setting (bench already did not)."""
+    env = {"PAGED_DECODE_TARGET_CTAS": "abc"}
+    for args in (("info",), ("check", "--backend", "reference", "--max-configs", "1")):
+        res = _run_cli(*args, env=env)
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert res.output.strip().splitlines()[-1] == ("Error: PAGED_DECODE_TARGET_CTAS must "
+                                                       "be a positive integer, got 'abc'")
+    bad = tmp_path / "b.json"
+    bad.write_text('{"header": [1], "results": []}')
+    res = _run_cli("plot", bad, tmp_path / "b.png")
+    assert "Traceback" not in res.output
+
+
+def test_engine_bench_fails_when_nothing_ran_and_needs_a_timed_step(tmp_path):
+    """The engine suite exited 0 (and wrote its JSON) with every arm 'not run', and
+    --steps 1 timed nothing (its one step is the warm-up) and reported NaN."""
+    base = ("bench", "--backend", "reference", "--suite", "engine", "--layers", "1",
+            "--batch", "1", "--context", "16")
+    out = tmp_path / "e.json"
+    res = _run_cli(*base, "--steps", "2", "--arms", "flashinfer", "--json", out)
+    assert res.exit_code == 1 and "no arm could run here" in res.output and not out.exists()
+    res = _run_cli(*base, "--steps", "1")
+    assert res.exit_code == 2 and "Invalid value for '--steps'" in res.output
+    res = _run_cli(*base, "--steps", "2", "--arms", "eager")            # control
+    assert res.exit_code == 0, res.output
+
+
+def test_check_runs_a_path_named_twice_once():
+    res = _run_cli("check", "--backend", "reference", "--max-configs", "1", "--path", "v1",
+                   "--path", "v1")
+    assert res.exit_code == 0, res.output
+    assert "PASS: 1/1 checks passed" in res.output, res.output     # it ran twice: 2/2

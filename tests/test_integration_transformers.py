@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 from helpers import assert_same_greedy, ragged_prompts
 
@@ -151,7 +152,7 @@ def test_a_prompt_longer_than_the_pool_fails_before_the_model_runs():
                        r"tokens cannot hold the run: 4 prompts of \[45, 57, 41, 70\]"):
         pt.generate(model, prompts, NEW, num_pages=8)
     with pytest.raises(InvalidArgumentError, match=r"prompts\[0\] has 4090 tokens; with "
-                       r"max_new_tokens=32 it needs 4122 positions, but the model has 4096"):
+                       r"max_new_tokens=32 it needs 4121 positions, but the model has 4096"):
         pt.generate(model, [[1] * 4090], NEW)
     assert calls[0] == 0
 
@@ -292,3 +293,32 @@ def test_cuda_graph_steps_equal_eager_steps_and_capture_again_after_a_replan(mon
     assert again.captures == 1 + steps // 8 and again.replays == steps - again.captures
     assert_same_greedy(eager.tokens, eager.logits.cpu(), again.tokens, again.logits.cpu())
     assert float((again.logits - eager.logits).abs().max()) <= 1e-4
+
+
+def test_flags_are_bools_and_the_last_token_takes_no_position():
+    """generate took cascade=np.True_ / 1 / "yes" as a flat decode without a word and
+    cuda_graph / return_logits of any truthiness; a prompt filling the position table
+    with max_new_tokens=1 was refused, though the one new token is never fed back
+    (transformers runs it). framework_generate applied the model's own generation config
+    (beams, repetition penalty): no longer the greedy run it is compared with."""
+    model, prompts, ref = reference("llama")
+    for kw in ({"cascade": 1}, {"cascade": "yes"}, {"cuda_graph": "off"},
+               {"return_logits": "no"}):
+        name = next(iter(kw))
+        with pytest.raises(InvalidArgumentError, match=rf"^generate: {name} must be a bool"):
+            pt.generate(model, prompts, 1, **kw)
+    got = pt.generate(model, prompts, 2, cascade=np.True_)
+    assert got.tokens == [t[:2] for t in ref.tokens]
+    small = transformers_model("llama", seed=0)
+    small.config.max_position_embeddings = n = 48        # what check_model reads
+    full = [[1] * n]
+    assert len(pt.generate(small, full, 1).tokens[0]) == 1
+    assert pt.framework_generate(small, full, 1).tokens == pt.generate(small, full, 1).tokens
+    with pytest.raises(InvalidArgumentError, match=rf"needs {n + 1} positions"):
+        pt.generate(small, full, 2)
+    saved = model.generation_config
+    model.generation_config = type(saved)(num_beams=3, repetition_penalty=1.3)
+    try:
+        assert pt.framework_generate(model, prompts, NEW).tokens == ref.tokens
+    finally:
+        model.generation_config = saved

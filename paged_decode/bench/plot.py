@@ -100,6 +100,8 @@ def plot_results(data: dict[str, Any], out: str | Path, *, metric: str = "auto")
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
     head = data.get("header", {})
+    if not isinstance(head, dict):      # a hand-edited file: the title goes without it
+        head = {}
     fig.suptitle(f"paged-decode bench: {head.get('device', '?')}, {head.get('date', '')}",
                  fontsize=11)
     fig.tight_layout()

@@ -88,9 +88,10 @@ def prompt_batch(fn: str, prompts: Sequence[Any], max_new_tokens: int, *, vocab_
     ids = tuple(_token_ids(fn, i, p, vocab_size) for i, p in enumerate(prompts))
     if max_positions is not None:
         for i, p in enumerate(ids):
-            if len(p) + new > max_positions:
+            # the last new token is chosen, never fed back: it takes no position
+            if len(p) + new - 1 > max_positions:
                 raise fail(fn, f"prompts[{i}] has {len(p)} tokens; with max_new_tokens="
-                               f"{new} it needs {len(p) + new} positions, but the model "
+                               f"{new} it needs {len(p) + new - 1} positions, but the model "
                                f"has {max_positions} (max_position_embeddings)")
     prefix = 0
     if share_prefix and len(ids) > 1:

@@ -39,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ImportError("paged_decode.integrations.transformers needs torch and transformers: "
                       "pip install 'paged-decode[transformers]'") from exc
 
-from ..errors import InvalidArgumentError, UnsupportedProblemError
+from ..errors import InvalidArgumentError, UnsupportedProblemError, check_bool
 from .decode_graph import DecodeGraph
 from .model_checks import Geometry, check_attention, refuse
 from .paged_batch import PagedBatch
@@ -275,6 +275,11 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
             (not ``cascade=True``); ``True`` requires exactly that.
     """
     fn = "generate"
+    if cascade is not None:     # np.True_ and 1 once ran a flat decode without a word
+        cascade = check_bool(fn, "cascade", cascade)
+    if cuda_graph is not None:
+        cuda_graph = check_bool(fn, "cuda_graph", cuda_graph)
+    return_logits = check_bool(fn, "return_logits", return_logits)
     geo = check_model(fn, model, page_size)
     batch = prompt_batch(fn, prompts, max_new_tokens, vocab_size=geo.vocab_size,
                          max_positions=geo.max_positions, share_prefix=share_prefix)
@@ -372,11 +377,20 @@ def framework_generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, 
     for i, p in enumerate(batch.prompts):
         ids[i, width - len(p):] = torch.tensor(p, device=device)
         mask[i, width - len(p):] = 1
-    config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
-    config.update(eos_token_id=None, pad_token_id=0, max_new_tokens=max_new_tokens,
-                  do_sample=False, return_dict_in_generate=True, output_logits=True,
-                  cache_implementation=cache_implementation, disable_compile=not compile)
-    with torch.inference_mode(), attn_implementation(model, attn):
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    # a fresh config: plain greedy, as generate decodes (a model's own config may carry
+    # beams, repetition penalties, suppressed or banned tokens). It stands in for the
+    # model's for the call: transformers fills a given config's default-valued fields
+    # from the model's, which would bring those back.
+    saved = model.generation_config
+    config = saved.__class__(
+        eos_token_id=None, pad_token_id=0, max_new_tokens=max_new_tokens, do_sample=False,
+        return_dict_in_generate=True, output_logits=True,
+        cache_implementation=cache_implementation, disable_compile=not compile)
+    model.generation_config = config
+    try:
+        with torch.inference_mode(), attn_implementation(model, attn):
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    finally:
+        model.generation_config = saved
     tokens = out.sequences[:, width:].tolist()
     return Generation(tokens, torch.stack([s.float() for s in out.logits]))
