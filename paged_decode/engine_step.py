@@ -459,6 +459,12 @@ class DecodeStep:
         """Raise while a begin's slots (this step's or another's over the pool) are not
         written in every layer."""
         step = self.pool._open_step
+        if step is self and self._batch is not None \
+                and self._batch.version != self.pool._version:     # a free since begin
+            raise InvalidArgumentError(
+                f"{fn}: a sequence was freed since the last begin(), before layers "
+                f"{self.unwritten_layers()} were appended: that step cannot write its slots "
+                "any more; free its other sequences and call set_sequences()")
         if step is self:
             raise InvalidArgumentError(
                 f"{fn}: the last begin() reserved a token slot per sequence that layers "

@@ -534,6 +534,9 @@ def test_an_abandoned_step_is_closed_only_by_freeing_its_sequences():
                                                    r"since this step's begin\(\), before layers "
                                                    r"\[1\] were appended"):
         step.append(1, k2, k2)
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.begin: a sequence was freed "
+                                                   r"since the last begin\(\)"):
+        step.begin()
     with pytest.raises(InvalidArgumentError, match=rf"^DecodeStep.set_sequences: sequences "
                                                    rf"\[{s}\] hold the token slot"):
         step.set_sequences([s])
