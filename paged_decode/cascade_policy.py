@@ -16,6 +16,7 @@ from .cascade import CascadeDecodePlan, CascadePlan, detect_with_reason, plan_ca
 from .device import CHUNK_ENV, RAGGED_ENV, TARGET_ENV
 from .dtypes import itemsize
 from .errors import InvalidArgumentError, PlanMismatchError
+from .kernels import prefix_tc
 from .page_table import PageTable
 from .specs import prefix_kernel_runs
 
@@ -145,7 +146,9 @@ def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_h
     else:
         why = "forced " + ("(argument)" if cascade else f"({CASCADE_ENV}=1)")
     dev = device()
+    # every setting the plan reads (the prefix kernel's ones size level 0's chunks)
     key = ("plan", geo, dev, settings.get(TARGET_ENV), settings.get(CHUNK_ENV),
-           settings.get(RAGGED_ENV))
+           settings.get(RAGGED_ENV), settings.get(prefix_tc.TILE_ENV),
+           settings.get(prefix_tc.CTAS_ENV))
     cplan = _memoised(table, key, lambda: plan_cascade(table, *geo, prefix=prefix, device=dev))
     return cplan, why

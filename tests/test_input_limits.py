@@ -645,3 +645,32 @@ def test_check_runs_a_path_named_twice_once():
                    "--path", "v1")
     assert res.exit_code == 0, res.output
     assert "PASS: 1/1 checks passed" in res.output, res.output     # it ran twice: 2/2
+
+
+def test_prefix_kernel_settings_are_checked_and_key_the_cascade_plan(monkeypatch):
+    """PAGED_DECODE_PREFIX_CTAS_PER_SM "x" raised int()'s ValueError; the cascade plan
+    memo was keyed without the two prefix-kernel settings that size level 0's chunks, so
+    a sweep over them timed one cached plan."""
+    import dataclasses
+
+    from paged_decode import cascade_policy
+    from paged_decode.kernels import prefix_tc
+    monkeypatch.setenv("PAGED_DECODE_PREFIX_CTAS_PER_SM", "x")
+    with pytest.raises(InvalidArgumentError, match=r"^PAGED_DECODE_PREFIX_CTAS_PER_SM must be "
+                                                   r"a positive integer, got 'x'"):
+        prefix_tc.ctas_per_sm(128, 233472)
+    p, m, shared = 16, 3, 64                  # 64 shared pages, one private page each
+    t = pd.PageTable.build(np.concatenate([list(range(shared)) + [shared + i]
+                                           for i in range(m)]),
+                           np.arange(0, (shared + 1) * m + 1, shared + 1), [5] * m,
+                           page_size=p, num_pages=shared + m)
+    dev = dataclasses.replace(pd.get_backend("emulated-cuda").device_info(),
+                              shared_mem_per_unit=233472)
+    plans = []
+    for n in ("1", "4"):
+        monkeypatch.setenv("PAGED_DECODE_PREFIX_CTAS_PER_SM", n)
+        cp, _ = cascade_policy.resolve_cascade("decode", True, "auto", t, 8, 2, 64,
+                                               lambda: dev)
+        plans.append(cp)
+    assert plans[0] is not plans[1]                     # not the cached plan of "1"
+    assert plans[0].plan0.num_chunks != plans[1].plan0.num_chunks

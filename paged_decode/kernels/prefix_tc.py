@@ -26,7 +26,7 @@ are ``mma.py``'s, shared with the tensor-core decode partial.
 from __future__ import annotations
 
 from .. import settings
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, env_positive_int
 from .common import CUDA_COMMON
 from .kernel_def import Dtype, KernelDef, KernelSpec, TemplateValue
 from .mma import CUDA_MMA
@@ -66,9 +66,9 @@ def ctas_per_sm(head_dim: int, smem_per_sm: int) -> int:
     registers at head_dim 64; measured 181 registers at 128, 241 at 256 on sm_90, which
     allow 2);
     ``PAGED_DECODE_PREFIX_CTAS_PER_SM`` overrides (tuning)."""
-    env = settings.get(CTAS_ENV)
-    if env:
-        return max(1, int(env))
+    env = env_positive_int(CTAS_ENV)
+    if env is not None:
+        return env
     fit = smem_per_sm // (dynamic_smem_bytes(head_dim) + 1024)
     return max(1, min(4, fit))
 
