@@ -300,12 +300,13 @@ class DecodeStep:
         buffers every step, the launches are prepared once and replayed."""
         fn = "DecodeStep.decode"
         layer = check_int(fn, "layer", layer, 0, self.num_layers - 1)
-        if self.pool._open_step is self and layer not in self._appended:
-            raise InvalidArgumentError(f"{fn}: layer {layer} has not been appended since "
-                                       "begin(): the token slot begin() reserved holds no "
-                                       "K/V there yet (append it first)")
-        if self.pool._open_step is not None and self.pool._open_step is not self:
-            self._no_open_step(fn)
+        if self.pool._open_step is self:
+            if layer not in self._appended:
+                raise InvalidArgumentError(f"{fn}: layer {layer} has not been appended since "
+                                           "begin(): the token slot begin() reserved holds no "
+                                           "K/V there yet (append it first)")
+        else:
+            self.pool._no_open_step(fn)        # another step's slots, not written yet
         if len(getattr(q, "shape", ())) == 4:
             raise UnsupportedProblemError(
                 f"{fn}: multi-token decode (q [B, T, Hq, D]) is not part of the engine step "
@@ -458,23 +459,23 @@ class DecodeStep:
     def _no_open_step(self, fn: str) -> None:
         """Raise while a begin's slots (this step's or another's over the pool) are not
         written in every layer."""
-        step = self.pool._open_step
-        if step is self and self._batch is not None \
-                and self._batch.version != self.pool._version:     # a free since begin
-            raise InvalidArgumentError(
-                f"{fn}: a sequence was freed since the last begin(), before layers "
-                f"{self.unwritten_layers()} were appended: that step cannot write its slots "
-                "any more; free its other sequences and call set_sequences()")
-        if step is self:
-            raise InvalidArgumentError(
-                f"{fn}: the last begin() reserved a token slot per sequence that layers "
-                f"{self.unwritten_layers()} have not written: append them before the next "
-                "begin() (an unwritten slot would be attended to)")
-        if step is not None:
-            raise InvalidArgumentError(
-                f"{fn}: another DecodeStep over this pool has begun a step that layers "
-                f"{step.unwritten_layers()} have not written: finish it first (its "
-                "sequences' new slots hold no K/V there yet)")
+        if self.pool._open_step is not self:
+            self.pool._no_open_step(fn)          # another step's, or none
+            return
+        if self._batch is not None and self._batch.version != self.pool._version:
+            raise self._stranded(fn)
+        raise InvalidArgumentError(
+            f"{fn}: the last begin() reserved a token slot per sequence that layers "
+            f"{self.unwritten_layers()} have not written: append them before the next "
+            "begin() (an unwritten slot would be attended to)")
+
+    def _stranded(self, fn: str) -> InvalidArgumentError:
+        """The error of a step whose sequence was freed before every layer was appended
+        (only a free can change the pool while a step is open)."""
+        return InvalidArgumentError(
+            f"{fn}: a sequence was freed since the last begin(), before layers "
+            f"{self.unwritten_layers()} were appended: that step cannot write its slots any "
+            "more; free its other sequences and call set_sequences()")
 
     def _current(self, fn: str) -> AppendedBatch:
         b = self._batch
@@ -482,11 +483,8 @@ class DecodeStep:
             raise InvalidArgumentError(f"{fn}: call begin() first (once per step, after any "
                                        "change to the batch)")
         if b.version != self.pool._version:
-            if self.pool._open_step is self:     # only a free can have changed it
-                raise InvalidArgumentError(
-                    f"{fn}: a sequence was freed since this step's begin(), before layers "
-                    f"{self.unwritten_layers()} were appended: the step cannot write its "
-                    "slots any more; free its other sequences and call set_sequences()")
+            if self.pool._open_step is self:
+                raise self._stranded(fn)
             raise InvalidArgumentError(
                 f"{fn}: the pool changed since this step's begin() (an append, fork, trim "
                 "or free): call begin() again")

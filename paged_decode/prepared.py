@@ -18,6 +18,7 @@ so it can be captured in a CUDA graph and replayed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -63,20 +64,17 @@ class _PreparedCall:
     #: the table never changes, or the caller follows it itself (``DecodeStep``)
     _follow: _TableFollower | None = None
 
+    @functools.cached_property
     def _host_outputs(self) -> tuple[tuple[str, Any], ...]:
-        """The numpy arrays among ``out`` / ``lse`` (the only kind with a writeable flag;
-        computed once: none on a device backend)."""
-        got = self.__dict__.get("_host_outs")
-        if got is None:
-            got = self.__dict__["_host_outs"] = tuple(
-                (n, x) for n, x in (("out", self.out), ("lse", self.lse))
-                if isinstance(x, np.ndarray))
-        return got
+        """The numpy arrays among ``out`` / ``lse``: the only kind with a writeable flag,
+        so a call on a device backend checks none."""
+        return tuple((n, x) for n, x in (("out", self.out), ("lse", self.lse))
+                     if isinstance(x, np.ndarray))
 
     def __call__(self) -> Any:
         """Launch the decode; returns ``out`` (or ``(out, lse)`` if prepared with
         ``return_lse``)."""
-        for name, x in self._host_outputs():     # numpy's flag can change after preparing
+        for name, x in self._host_outputs:      # numpy's flag can change after preparing
             check_writable(f"{type(self).__name__}()", name, x)
         f = self._follow
         if f is not None and f.behind():

@@ -136,17 +136,6 @@ def v2_row_loads(kv_dtype: str, head_dim: int, heads_per_cta: int) -> int:
 
 
 STAGES_ENV = "PAGED_DECODE_STAGES"
-
-
-def env_stages() -> int | None:
-    """``PAGED_DECODE_STAGES``: ``None`` when unset, else a ring depth of at least 2 (a
-    kernel's budget may then lower it), or ``InvalidArgumentError`` naming the variable."""
-    n = env_positive_int(STAGES_ENV)
-    if n is not None and n < 2:
-        raise InvalidArgumentError(f"{STAGES_ENV} must be an integer >= 2 (a ring of two "
-                                   f"stages or more), got {settings.get(STAGES_ENV)!r}")
-    return n
-
 TC_WARPS_ENV = "PAGED_DECODE_TC_WARPS"
 L2_PREFETCH_ENV = "PAGED_DECODE_L2_PREFETCH"
 #: bytes of the L2 prefetch hint on every CUDA cp.async copy (``PD_L2_PREFETCH``): 128
@@ -284,6 +273,16 @@ def plan_geometry(path: str, num_qo_heads: int, num_kv_heads: int, head_dim: int
              and (settings.get(WAVE_PLAN_ENV) or "1").strip() != "0")
     return {"ctas_per_chunk": ctas,
             "slots_per_unit": v2tc_slots_per_unit(head_dim, kv, device) if waves else 0}
+
+
+def env_stages() -> int | None:
+    """``PAGED_DECODE_STAGES``: ``None`` when unset, else a ring depth of at least 2 (a
+    kernel's budget may then lower it), or ``InvalidArgumentError`` naming the variable."""
+    n = env_positive_int(STAGES_ENV)
+    if n is not None and n < 2:
+        raise InvalidArgumentError(f"{STAGES_ENV} must be an integer >= 2 (a ring of two "
+                                   f"stages or more), got {settings.get(STAGES_ENV)!r}")
+    return n
 
 
 def v2tc_stages(head_dim: int, warps: int = decode_v2_tc.NUM_WARPS,

@@ -1217,8 +1217,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [COVER + "test_variants_with_two_q_groups[emulated-metal]"],
        "past 8 query heads per KV head every q-group takes the first group's sinks"),
     _m("py-step-decodes-an-unwritten-slot", "python", ("paged_decode.engine_step",),
-       "        if self.pool._open_step is self and layer not in self._appended:",
-       "        if False:",
+       "            if layer not in self._appended:",
+       "            if False:",
        ["tests/test_engine_step.py::test_a_slot_begin_reserved_is_never_read_unwritten"
         "[emulated-cuda]"],
        "a decode of a layer not appended since begin() attends to its unwritten slot"),

@@ -493,9 +493,9 @@ def test_a_slot_begin_reserved_is_never_read_unwritten(backend):
                                                    r"layers \[1\] have not written"):
         step.begin()
     other = pd.DecodeStep(pool, [s], num_qo_heads=HQ, capacity=1)
-    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.begin: another DecodeStep over "
-                                                   r"this pool has begun a step that layers "
-                                                   r"\[1\] have not written"):
+    with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.begin: a DecodeStep's begin\(\) "
+                                                   r"reserved a token slot in its sequences that "
+                                                   r"layers \[1\] have not written"):
         other.begin()
     x = np.zeros((L, 1, HKV, D), np.float32)
     for call in (lambda: pool.append(s, x, x), lambda: pool.fork(s),
@@ -531,7 +531,7 @@ def test_an_abandoned_step_is_closed_only_by_freeing_its_sequences():
     step.append(0, k2, k2)
     pool.free(t)                                      # allowed: it drops a sequence
     with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.append: a sequence was freed "
-                                                   r"since this step's begin\(\), before layers "
+                                                   r"since the last begin\(\), before layers "
                                                    r"\[1\] were appended"):
         step.append(1, k2, k2)
     with pytest.raises(InvalidArgumentError, match=r"^DecodeStep.begin: a sequence was freed "

@@ -87,10 +87,10 @@ def checked_table(fn: str, indptr: np.ndarray, indices: np.ndarray | None,
     naming ``fn`` and the argument (``prefix`` + ``indptr`` / ``indices`` /
     ``last_page_len``): ``indptr [B+1]`` from 0, non-decreasing (B = len(last_page_len));
     ``indices`` at least ``indptr[-1]`` long (a longer buffer is fine; ``None``: not
-    checked); ``1 <=
-    last_page_len <= page_size`` for a request with pages. A request without pages is empty
-    whatever its ``last_page_len`` (as CUDA-graph padding rows are): returns
-    ``last_page_len`` with those set to 0, paged-decode's spelling of an empty request."""
+    checked); ``1 <= last_page_len <= page_size`` for a request with pages. A request
+    without pages is empty whatever its ``last_page_len`` (as CUDA-graph padding rows
+    are): returns ``last_page_len`` with those set to 0, paged-decode's spelling of an
+    empty request."""
     b = last_page_len.size
     if indptr.size != b + 1:
         raise InvalidArgumentError(f"{fn}: {prefix}indptr must have batch_size + 1 = {b + 1} "
