@@ -170,8 +170,8 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     tokens_key = None if one_token else _tokens_key(qo_indptr)
     # a scale given as an array or tensor can change in place (calibrated scales): its
     # value is read by the checks, so such a call is never replayed from the cache
-    number_scales = all(isinstance(s, (type(None), int, float, np.generic))
-                        for s in (variants["k_scale"], variants["v_scale"]))
+    number_scales = (isinstance(variants["k_scale"], _NUMBER_SCALE)
+                     and isinstance(variants["v_scale"], _NUMBER_SCALE))
     if ((one_token or (tokens_key is not None and not isinstance(table, StepTable)))
             and number_scales and out is not None and (lse is not None or not return_lse)
             and not be.functional_outputs
@@ -245,6 +245,10 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
                                         lse=lse if want_lse else None, out_a=out_a,
                                         lse_a=lse_a, return_lse=return_lse, like=q))
     return results(be, q, out, lse, out_a, lse_a, return_lse)
+
+
+#: the scale types a fast-path key may hold: values that cannot change in place
+_NUMBER_SCALE = (type(None), int, float, np.generic)
 
 
 def _typed(x: Any) -> tuple[type, Any]:
