@@ -243,6 +243,12 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "calls).")
 @click.option("--warmup", default=5, show_default=True, type=click.IntRange(min=0))
 @click.option("--warm-l2", is_flag=True, help="Do not flush L2 between iterations.")
+@click.option("--l2-flush", "l2_flush", default="clean", show_default=True,
+              type=click.Choice(["clean", "dirty"]),
+              help="How L2 is flushed between iterations: clean reads a 256 MB buffer "
+                   "(L2 left holding clean lines, as a projection's weights leave it "
+                   "before attention); dirty overwrites it (L2 left full of modified "
+                   "lines that the timed call writes back: the flush before session 25).")
 @click.option("--no-graph", is_flag=True,
               help="GPU time from eager CUDA events instead of CUDA-graph replay.")
 @click.option("--plot", "plot_path", type=OutPath(), default=None,
@@ -283,7 +289,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
 @_package_errors
 def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
-          reps: int, warmup: int, warm_l2: bool, no_graph: bool, plot_path: str | None,
+          reps: int, warmup: int, warm_l2: bool, l2_flush: str, no_graph: bool,
+          plot_path: str | None,
           crossover_path: str | None, window_left: int, soft_cap: float, sinks: bool,
           kv_dtype: str | None, json_path: str | None, csv_path: str | None,
           md_path: str | None, layers: int, steps: int, model: str | None) -> None:
@@ -302,7 +309,8 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
         ignored = [name for name, given in (
             ("--preset", preset is not None), ("--window-left", window_left >= 0),
             ("--soft-cap", bool(soft_cap)), ("--sinks", sinks), ("--kv-dtype", bool(kv_dtype)),
-            ("--warm-l2", warm_l2), ("--no-graph", no_graph),
+            ("--warm-l2", warm_l2), ("--l2-flush", l2_flush != "clean"),
+            ("--no-graph", no_graph),
             ("--write-crossover", crossover_path is not None),
             ("--csv", csv_path is not None), ("--markdown", md_path is not None),
             ("--reps", reps != 30), ("--warmup", warmup != 5)) if given]
@@ -350,8 +358,13 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     if bad or not arm_list:
         raise click.ClickException(f"bench: --arms must name some of {', '.join(ARMS)}, "
                                    f"got {', '.join(bad) or repr(arms)}")
+    if warm_l2 and l2_flush != "clean":
+        raise click.ClickException(f"bench: --warm-l2 flushes nothing, so --l2-flush "
+                                   f"{l2_flush} has no effect; give one of them")
+    cold_l2: bool | str = False if warm_l2 else l2_flush
     bw = measure_read_bandwidth() if be.name == "cuda" else None
-    head = header(be, bandwidth=bw)
+    head = header(be, bandwidth=bw,
+                  l2=("warm" if warm_l2 else l2_flush) if be.name == "cuda" else None)
     click.echo(" ".join(f"{k}={v}" for k, v in head.items()))
     if suite != "decode":
         from .bench.suites import SUITES, run_suite
@@ -360,13 +373,13 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                                        "contexts); run it with --backend cuda")
         n = len(SUITES[suite]())
         with click.progressbar(length=n, label=f"{n} cases", file=sys.stderr) as bar:
-            results = run_suite(suite, be, warmup=warmup, reps=reps, cold_l2=not warm_l2,
+            results = run_suite(suite, be, warmup=warmup, reps=reps, cold_l2=cold_l2,
                                 graph=not no_graph, progress=lambda r: bar.update(1))
     else:
         with click.progressbar(length=len(cases), label=f"{len(cases)} cases",
                                file=sys.stderr) as bar:
             results = run_bench(cases, backend=be, arms=arm_list, warmup=warmup, reps=reps,
-                                cold_l2=not warm_l2, graph=not no_graph,
+                                cold_l2=cold_l2, graph=not no_graph,
                                 progress=lambda r: bar.update(1))
     click.echo(table(results, bandwidth=bw))
     ran = [a for r in results for a in r.arms.values() if a.ran != "unavailable"]

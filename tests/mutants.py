@@ -1269,6 +1269,13 @@ MUTANTS: tuple[Mutant, ...] = (
        ["tests/test_input_limits.py::test_fi_graph_run_checks_buffers_edited_after_plan"
         "[emulated-cuda]"],
        "an eager graph-mode run reads a page id edited past the cache out of bounds"),
+    _m("py-fi-graph-merge-reads-the-device-indptr", "python", ("paged_decode.compat.fi_decode",),
+       "lse_out, inputs=g.plan.num_chunks)",
+       "lse_out)",
+       ["tests/test_fi_decode.py::"
+        "test_graph_mode_sizes_the_merge_without_reading_the_device_chunk_map"],
+       "a graph-mode run reads the device chunk map back to size its merge: a "
+       "synchronization, and a failed torch graph capture on the GPU (S25-R2)"),
 )
 
 

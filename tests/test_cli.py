@@ -91,6 +91,35 @@ def test_small_bench_prints_the_three_arms(run, tmp_path):
     assert cs.read_text().count("\n") == 1 + 3                 # header + one row per arm
 
 
+@pytest.mark.parametrize("opts, cold_l2", [([], "clean"), (["--l2-flush", "clean"], "clean"),
+                                           (["--l2-flush", "dirty"], "dirty"),
+                                           (["--warm-l2"], False)])
+def test_bench_passes_the_l2_flush_to_the_timers(run, monkeypatch, tmp_path, opts, cold_l2):
+    import paged_decode.bench as bench_pkg
+    seen = []
+    real = bench_pkg.run_bench
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["cold_l2"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bench_pkg, "run_bench", spy)
+    js = tmp_path / "b.json"
+    res = run("bench", "--backend", "reference", "--context", "32", "--batch", "1",
+              "--arms", "v2", "--reps", "1", "--warmup", "0", "--json", str(js), *opts)
+    assert res.exit_code == 0, res.output
+    assert seen == [cold_l2]
+    # no L2 is flushed on a CPU backend, so its report names none
+    assert "l2" not in json.loads(js.read_text())["header"]
+
+
+def test_bench_refuses_a_flush_with_a_warm_l2():
+    res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--warm-l2",
+                                    "--l2-flush", "dirty"])
+    assert res.exit_code != 0 and "--warm-l2 flushes nothing" in res.output
+    res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--l2-flush", "cold"])
+    assert res.exit_code != 0 and "'cold' is not one of 'clean', 'dirty'" in res.output
+
+
 def test_bench_rejects_unknown_arm_and_gpu_suites_on_cpu(run):
     res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--arms", "v3"])
     assert res.exit_code != 0 and "v3" in res.output
@@ -202,7 +231,8 @@ def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path):
                                     "--model", "llama9"])
     assert bad.exit_code != 0 and "--model must be one of" in bad.output
     for opts in (["--kv-dtype", "float8_e4m3fn"], ["--window-left", "5"], ["--sinks"],
-                 ["--soft-cap", "3"], ["--preset", "targets"], ["--warm-l2"]):
+                 ["--soft-cap", "3"], ["--preset", "targets"], ["--warm-l2"],
+                 ["--l2-flush", "dirty"]):
         bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite",
                                         "engine", *opts])
         assert bad.exit_code != 0 and f"bench --suite engine: {opts[0]} apply to the decode " \

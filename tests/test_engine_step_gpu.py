@@ -109,7 +109,8 @@ def test_table_update_runs_on_the_torch_stream_of_q():
         k = torch.randn(cap, HKV, D, device="cuda", dtype=torch.float16)
         for _ in range(6):
             step.begin(like=q)
-            step.append(0, k, k)
+            for layer in range(L):          # every layer's slot, before the next begin
+                step.append(layer, k, k)
             step.decode(0, q, out=out)
     s.synchronize()
     kp, vp = pool.layer(0)
@@ -124,17 +125,23 @@ def test_a_stale_graph_is_refused_on_cuda():
     pool, step = _engine("float16", headroom=1)
     cap = step.capacity
     k = cp.zeros((cap, HKV, D), pool.k.dtype)
+    def append_all(st):
+        for layer in range(L):
+            st.append(layer, k, k)
     step.begin()
-    graph = step.capture(lambda st: st.append(0, k, k))
+    graph = step.capture(append_all)
     for _ in range(P + 1):
         step.begin()
+        append_all(step)                   # eagerly: every begin's slots written
     assert graph.stale
     with pytest.raises(pd.StaleStepError):
         graph.replay()
 
 
 def _one_layer_captured(seed):
-    """A float16 step, random q and k rows, and a captured append + decode of layer 0."""
+    """A float16 step, random q and k rows, and a captured step: every layer's append (a
+    begin's slots are written in every layer before the next begin), then layer 0's
+    decode."""
     import cupy as cp
     pool, step = _engine("float16", headroom=32)
     cap, dt = step.capacity, pool.k.dtype
@@ -142,8 +149,12 @@ def _one_layer_captured(seed):
     q = cp.asarray(rng.standard_normal((cap, HQ, D))).astype(dt)
     k = cp.asarray(rng.standard_normal((cap, HKV, D))).astype(dt)
     out = cp.full((cap, HQ, D), cp.nan, dt)
+    def body(st):
+        for layer in range(L):
+            st.append(layer, k, k)
+        st.decode(0, q, out=out)
     step.begin()
-    graph = step.capture(lambda st: (st.append(0, k, k), st.decode(0, q, out=out)))
+    graph = step.capture(body)
     return pool, step, q, out, graph
 
 

@@ -286,6 +286,43 @@ def test_graph_mode_plan_fills_the_buffers_and_run_reads_them(backend):
                           "float16", f"{backend} buffers edited in place")
 
 
+def test_graph_mode_sizes_the_merge_without_reading_the_device_chunk_map(monkeypatch):
+    """Graph mode merges over the wrapper's device ``o_indptr``: the launch is sized by the
+    fixed chunk count (``inputs``), never by reading the map back, which would synchronize
+    and is refused inside a CUDA capture (S25-R2 met that on the GPU)."""
+    from paged_decode.backends.launching import LaunchingBackend
+    case = FiCase(12, 97, 8, 32, 4, 128, ragged=True, spare_pages=80)
+    a = make_fi_problem(case, seed=6)
+    w, _ = graph_wrapper(12, a.cache.shape[0], "emulated-cuda")
+    replan(w, a)
+    seen = []
+    real = LaunchingBackend.merge
+
+    def spy(self, v, lse, o_indptr, *args, **kwargs):
+        seen.append((o_indptr, kwargs.get("inputs")))
+        return real(self, v, lse, o_indptr, *args, **kwargs)
+    monkeypatch.setattr(LaunchingBackend, "merge", spy)
+    out, lse = w.run(a.q, a.cache, return_lse=True)
+    assert_matches_oracle(out, lse, *a.oracle(), "float16", "graph mode")
+    assert len(seen) == 1
+    ip, inputs = seen[0]
+    assert ip is w._graph.plan.o_indptr and inputs == w._graph.plan.num_chunks
+
+
+def test_the_kernel_merge_refuses_a_device_indptr_without_its_size():
+    from paged_decode.backends import get_backend
+    be = get_backend("emulated-cuda")
+    v, lse = np.zeros((2, 4, 64), np.float32), np.zeros((2, 4), np.float32)
+    out, lse_out = np.zeros((1, 4, 64), np.float32), np.zeros((1, 4), np.float32)
+
+    class DeviceIndptr(list):
+        """Stands in for a device array: not a host numpy array."""
+    with pytest.raises(InvalidArgumentError, match="o_indptr is a device array, so inputs="):
+        be.merge(v, lse, DeviceIndptr([0, 2]), out, lse_out)
+    be.merge(v, lse, np.array([0, 2], np.int32), out, lse_out)      # host: read here
+    be.merge(v, lse, np.array([0, 2], np.int32), out, lse_out, inputs=2)
+
+
 def test_graph_mode_covers_a_request_holding_every_page():
     case = FiCase(12, 54, 8, 4, 4, 128, spare_pages=0)
     a = make_fi_problem(case, seed=9)

@@ -102,6 +102,9 @@
 #               cores beside it unless FUSED_MODEL_ARMS=v2tc: run fi first), and over e4m3fn
 #               pools at GQA 16 (FUSED_FP8=0: not)
 #   tests       the GPU tests of TESTS (files; default fp8, engine step, transformers), TESTS_K
+#   l2          the bench's two cold-L2 flushes (--l2-flush clean / dirty) side by side over
+#               float16 and e4m3fn pools at 8/32/128 x 8K/32K (L2_ARMS, L2_FLUSHES,
+#               L2_BATCHES, L2_TIMEOUT)
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
@@ -879,6 +882,23 @@ step_tests() {
     ${TESTS_K:+-k "$TESTS_K"} > "$L/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/tests.log" | tail -12
 }
+# how the flush shapes the time (paged_decode.bench.timing): L2 read before each iteration
+# (clean lines) against L2 overwritten (dirty lines the timed call writes back), #14's fp8
+# cells (8 / 32 / 128 x 8K / 32K), float16 and e4m3fn pools, our arm beside FlashInfer's (run
+# fi first)
+step_l2() {
+  local c="--preset targets --context 8192 --context 32768" f b
+  for b in ${L2_BATCHES:-8 32 128}; do c="$c --batch $b"; done
+  local arms=${L2_ARMS:-v2tc,flashinfer-tc}
+  for f in ${L2_FLUSHES:-clean dirty}; do
+    BENCH_TIMEOUT=${L2_TIMEOUT:-70} run_bench "l2_${f}_f16" $c --l2-flush $f --arms $arms \
+      | tail -7
+    BENCH_TIMEOUT=${L2_TIMEOUT:-70} run_bench "l2_${f}_e4m3" $c --l2-flush $f \
+      --kv-dtype float8_e4m3fn --arms $arms | tail -7
+  done
+  return 0
+}
+
 # v2tc over float16 and float8_e4m3fn pools (float16 queries) at 8/32/128 x 8K/32K,
 # Llama-3-8B heads, side by side (FP8_QUICK_ARMS: add flashinfer-tc after fi;
 # FP8_QUICK_F16=0 skips the float16 pools)

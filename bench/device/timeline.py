@@ -7,10 +7,11 @@ Usage on the GPU machine: python3 bench/device/timeline.py OUT.json CELL [CELL .
 CELL: BATCHxCONTEXT[:KV_DTYPE], e.g. 8x8192 8x8192:float8_e4m3fn (Llama-3-8B heads,
 32/8 x 128, page 16, float16 queries; the bench's problem, plan and variants).
 
-Per cell: one stamped call after L2 is flushed (as the bench times its calls), its
-summary, the call's GPU time between CUDA events (the merge launch included), and the
-raw records in the JSON. The stamps cost a few instructions per CTA; the call's time is
-for orientation, not a benchmark.
+Per cell: one stamped call after L2 is flushed (as the bench times its calls; TIMELINE_L2
+"clean", the default, or "dirty": ``paged_decode.bench.timing``; both with TIMELINE_L2=both,
+the dirty call's summary under ``dirty``), its summary, the call's GPU time between CUDA
+events (the merge launch included), and the raw records in the JSON. The stamps cost a
+few instructions per CTA; the call's time is for orientation, not a benchmark.
 """
 
 import json
@@ -28,10 +29,17 @@ from paged_decode.backends.cuda_launch import point_timeline  # noqa: E402
 from paged_decode.bench.cases import BenchCase  # noqa: E402
 from paged_decode.bench.runner import _problem, _variants  # noqa: E402
 from paged_decode.bench.timeline import FIELDS, summarize  # noqa: E402
-from paged_decode.bench.timing import L2_FLUSH_BYTES  # noqa: E402
+from paged_decode.bench.timing import L2_FLUSH_BYTES, l2_flush_kind, l2_flusher  # noqa: E402
 
 be = get_backend("cuda")
-flush = cp.empty(L2_FLUSH_BYTES // 4, cp.int32)
+buffer = cp.ones(L2_FLUSH_BYTES // 4, cp.int32)
+FLUSHES = (("clean", "dirty") if os.environ.get("TIMELINE_L2") == "both"
+           else (l2_flush_kind(os.environ.get("TIMELINE_L2", "clean")),))
+
+
+def flush(kind: str) -> None:
+    """L2 left as ``kind`` says (the bench's two cold flushes)."""
+    l2_flusher(buffer, kind)(0)
 
 
 def run_cell(cell: str) -> dict:
@@ -49,10 +57,30 @@ def run_cell(cell: str) -> dict:
         return decode(q, k, v, table, plan, path="v2tc", out=out, backend=be,
                       sm_scale=1 / np.sqrt(128), **vk)
     call()                                        # compiles, and the stamped modules exist
-    buf = cp.zeros((plan.num_ctas, FIELDS), cp.uint64)
+    result = {"cell": cell, "chunks": plan.num_chunks}
+    for kind in FLUSHES:
+        s, rec = stamped(call, plan.num_ctas, kind)
+        print(f"{cell:24s} {kind:5s} CTAs {s['ctas']:5.0f} on {s['sms']:3.0f} SMs (<= "
+              f"{s['ctas_per_sm_max']:.0f} each) call {s['call_us']:8.1f} us  span "
+              f"{s['span_us']:8.1f}  starts p50 / max {s['start_p50_us']:6.1f} / "
+              f"{s['start_max_us']:6.1f}  prologue {s['prologue_us']:5.1f} (p90 "
+              f"{s['prologue_p90_us']:5.1f})  stream {s['stream_us']:7.1f}  epilogue "
+              f"{s['epilogue_us']:5.1f}  tail {s['tail_us']:6.1f}  SM idle {s['sm_idle']:.0%}",
+              flush=True)
+        if kind == FLUSHES[0]:
+            result.update(summary=s, l2=kind, records=rec.tolist())
+        else:
+            result[kind] = s
+    return result
+
+
+def stamped(call, num_ctas: int, kind: str) -> tuple[dict, np.ndarray]:
+    """One stamped ``call`` after an L2 flush of ``kind``: its summary (with the call's
+    GPU time, ``call_us``) and the raw records."""
+    buf = cp.zeros((num_ctas, FIELDS), cp.uint64)
     if point_timeline("v2tc", buf) == 0:
         sys.exit("no v2tc module was compiled with timeline stamps")
-    flush.fill(0)
+    flush(kind)
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record()
     call()
@@ -62,13 +90,7 @@ def run_cell(cell: str) -> dict:
     rec = cp.asnumpy(buf)
     s = summarize(rec)
     s["call_us"] = cp.cuda.get_elapsed_time(start, end) * 1e3
-    print(f"{cell:24s} CTAs {s['ctas']:5.0f} on {s['sms']:3.0f} SMs (<= {s['ctas_per_sm_max']:.0f}"
-          f" each) call {s['call_us']:8.1f} us  span {s['span_us']:8.1f}  starts p50 / max "
-          f"{s['start_p50_us']:6.1f} / {s['start_max_us']:6.1f}  prologue {s['prologue_us']:5.1f}"
-          f" (p90 {s['prologue_p90_us']:5.1f})  stream {s['stream_us']:7.1f}  epilogue "
-          f"{s['epilogue_us']:5.1f}  tail {s['tail_us']:6.1f}  SM idle {s['sm_idle']:.0%}",
-          flush=True)
-    return {"cell": cell, "chunks": plan.num_chunks, "summary": s, "records": rec.tolist()}
+    return s, rec
 
 
 rows = []

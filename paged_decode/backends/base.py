@@ -336,9 +336,13 @@ class Backend(ABC):
 
     @abstractmethod
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any, *,
-              sinks: Any = None) -> None:
+              sinks: Any = None, inputs: int | None = None) -> None:
         """Variable-length merge: ``v [N, H, D]`` f32, ``lse [N, H]`` f32 (log2),
         ``o_indptr`` host ``int32 [M+1]`` -> ``v_out [M, H, D]``, ``lse_out [M, H]``.
+        ``o_indptr`` may be a device ``int32 [M+1]`` array of this backend when
+        ``inputs`` is given: a bound on its last entry (the partials merged), which kernel
+        backends size the launch by instead of reading it back (a synchronization, and
+        refused inside a graph capture; FlashInfer graph mode rewrites it between replays).
         Backends with ``merge_gathers`` also take ``rows=`` (device ``int32
         [o_indptr[M]]``): merge input ``i`` is then row ``rows[i]`` of ``v`` / ``lse``.
         ``sinks`` (``[H]`` float32, natural units): each group takes one more state, LSE

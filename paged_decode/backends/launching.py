@@ -169,14 +169,21 @@ class LaunchingBackend(Backend):
                    fused=fused)
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any,
-              rows: Any = None, *, sinks: Any = None) -> None:
+              rows: Any = None, *, sinks: Any = None, inputs: int | None = None) -> None:
         if rows is not None and not self.merge_gathers:
             raise InvalidArgumentError(f"{self.name} backend: the merge takes no row index")
+        if inputs is None:
+            if not isinstance(o_indptr, np.ndarray):
+                raise InvalidArgumentError(
+                    f"{self.name} backend: merge: o_indptr is a device array, so inputs= "
+                    "(a bound on its last entry) must size the launch; reading it back "
+                    "would synchronize, and fails inside a graph capture")
+            inputs = int(o_indptr[-1])
         m, h, d = v_out.shape
         self._run(launches.merge_launch(
             out_dtype=self.dtype_of(v_out), shape=tuple(v_out.shape), v=v, lse=lse,
             o_indptr=self.index_array(o_indptr), v_out=v_out, lse_out=lse_out, rows=rows,
-            sinks=sinks, split=self.merge_split(int(m), int(h), int(o_indptr[-1]), int(d))))
+            sinks=sinks, split=self.merge_split(int(m), int(h), inputs, int(d))))
 
     def merge_split(self, outputs: int, heads: int, inputs: int, head_dim: int) -> int:
         """Warps per (row, head) of a merge of ``inputs`` partials into ``outputs x heads``

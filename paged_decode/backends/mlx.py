@@ -246,7 +246,7 @@ class MlxBackend(Backend):
         return None
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any, *,
-              sinks: Any = None) -> None:
+              sinks: Any = None, inputs: int | None = None) -> None:
         vo, lo = merge_ops(v, lse, o_indptr, sinks=sinks)
         v_out[...] = vo.astype(v_out.dtype)
         lse_out[...] = lo

@@ -219,7 +219,7 @@ class ReferenceBackend(Backend):
             lse_out[c] = lse
 
     def merge(self, v: Any, lse: Any, o_indptr: Any, v_out: Any, lse_out: Any, *,
-              sinks: Any = None) -> None:
+              sinks: Any = None, inputs: int | None = None) -> None:
         ip = np.asarray(o_indptr, dtype=np.int64)
         for o in range(ip.size - 1):
             vo, lo = combine_f32(v[ip[o]:ip[o + 1]].astype(np.float32),

@@ -99,12 +99,16 @@ class BenchResult:
                    arms)
 
 
-def header(be: Backend, *, bandwidth: float | None) -> dict[str, Any]:
+def header(be: Backend, *, bandwidth: float | None, l2: str | None = None) -> dict[str, Any]:
+    """The run's facts for a report: date, versions, host, the backend's device and the
+    measured read bandwidth; ``l2``: how L2 was left before each timed iteration (warm,
+    clean, dirty; ``timing``), when the run times GPU work."""
     info = be.describe()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "paged_decode": __version__, "python": sys.version.split()[0],
             "numpy": np.__version__, "host": platform.node(), **info,
-            "read_bandwidth_GBps": None if bandwidth is None else bandwidth / 1e9}
+            "read_bandwidth_GBps": None if bandwidth is None else bandwidth / 1e9,
+            **({} if l2 is None else {"l2": l2})}
 
 
 def _problem(be: Backend, case: BenchCase, seed: int) -> tuple[Any, Any, Any, PageTable]:
@@ -242,7 +246,7 @@ def verifier(be: Backend, arm: Any, q: Any, k: Any, v: Any, table: PageTable,
 
 def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[], float],
              nbytes: int, tolerance: float, expected: tuple[str, ...], *, warmup: int,
-             reps: int, cold_l2: bool, ran: str | None = None,
+             reps: int, cold_l2: bool | str, ran: str | None = None,
              api_call: Callable[[], Any] | None = None, graph: bool = True,
              check_output: Callable[[Any], float] | None = None) -> ArmResult:
     """Run ``call`` once, verify it (``verify`` returns the max relative error against the
@@ -305,7 +309,7 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
 
 
 def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather", "v1", "v2"),
-               warmup: int = 5, reps: int = 30, cold_l2: bool = True, seed: int = 0,
+               warmup: int = 5, reps: int = 30, cold_l2: bool | str = True, seed: int = 0,
                graph: bool = True) -> BenchResult:
     """Verify, then time, every arm of one case on ``be``. An arm that cannot run here
     (``ArmUnavailable``, or out of device memory) is reported as unverified with the
@@ -337,7 +341,7 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather
 def time_arms(be: Backend, arms: tuple[str, ...], q: Any, k: Any, v: Any, table: PageTable,
               plan: DecodePlan, sm_scale: float, nbytes: int, tolerance: float,
               variants: dict[str, Any] | None = None, *, warmup: int, reps: int,
-              cold_l2: bool, graph: bool = True) -> dict[str, ArmResult]:
+              cold_l2: bool | str, graph: bool = True) -> dict[str, ArmResult]:
     """Build (``make_arm``), verify and time each of ``arms`` on one problem; an arm that
     cannot run here (``ArmUnavailable``) is reported unverified with the reason in
     ``note``."""
@@ -392,7 +396,7 @@ def release_memory(be: Backend) -> None:
 
 def run_bench(cases: list[BenchCase], *, backend: str | Backend | None = None,
               arms: tuple[str, ...] = ("gather", "v1", "v2"), warmup: int = 5, reps: int = 30,
-              cold_l2: bool = True, seed: int = 0, graph: bool = True,
+              cold_l2: bool | str = True, seed: int = 0, graph: bool = True,
               progress: Callable[[BenchResult], None] | None = None) -> list[BenchResult]:
     """Verify and time every arm of every case; see the module docstring."""
     be = get_backend(backend)

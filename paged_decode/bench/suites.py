@@ -128,7 +128,7 @@ FORK_ARMS = ("v2", "v2tc", "flashinfer", "flashinfer-tc")
 
 
 def bench_forks(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
-                cold_l2: bool, graph: bool = True) -> BenchResult:
+                cold_l2: bool | str, graph: bool = True) -> BenchResult:
     """Every flat arm of ``FORK_ARMS`` (each on its own plan of the flat table) and cascade,
     on one case; each verified against the oracle before it is timed. An arm that cannot
     run here is reported unverified with the reason."""
@@ -150,7 +150,7 @@ def bench_forks(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
 
 
 def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
-                  cold_l2: bool, graph: bool = True) -> BenchResult:
+                  cold_l2: bool | str, graph: bool = True) -> BenchResult:
     q, k, v, table = cascade_problem(be, case)
     geo = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
     with be.launch_context(q):
@@ -175,7 +175,7 @@ def bench_cascade(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
 
 
 def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
-                 cold_l2: bool, graph: bool = True) -> BenchResult:
+                 cold_l2: bool | str, graph: bool = True) -> BenchResult:
     b, hkv, d = case.batch, case.num_kv_heads, case.head_dim
     rng = np.random.default_rng(4)
     pos = np.stack([np.stack([np.sort(rng.choice(case.context, case.selected, replace=False))
@@ -215,8 +215,9 @@ def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
     return BenchResult(case, 0, 1, arms)
 
 
-def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30, cold_l2: bool = True,
-              graph: bool = True, progress: Any = None) -> list[BenchResult]:
+def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30,
+              cold_l2: bool | str = True, graph: bool = True,
+              progress: Any = None) -> list[BenchResult]:
     """All cases of suite ``name`` (``"cascade"``, ``"cascade-rule"``, ``"forks"`` or
     ``"sparse"``) on
     ``be``."""

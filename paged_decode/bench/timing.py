@@ -1,6 +1,14 @@
 """Timers: CUDA-graph replay and CUDA events per iteration (optionally with a cold L2),
 per-call wall time, or host perf counters.
 
+A cold L2 (``cold_l2`` True or ``"clean"``, the default) is made by reading a 256 MB
+buffer before each iteration, outside the events: L2 then holds clean lines of that
+buffer, as it holds a projection's weights before attention in a model's step.
+``"dirty"`` overwrites the buffer instead (this bench's only flush before session 25): L2
+is left full of modified lines, which the timed call must write back to DRAM as its reads
+evict them, up to an L2's worth (50 MB on an H100 or H200) of extra DRAM traffic charged
+to every call. ``False``: no flush.
+
 Each returns per-iteration seconds; the runner reports median, p20 and p80.
 
 GPU time is measured under CUDA-graph replay by default: the call is captured once and
@@ -21,6 +29,30 @@ import numpy as np
 
 L2_FLUSH_BYTES = 256 << 20   # larger than any current GPU's L2 (H200: 60 MB)
 
+#: the cold-L2 flushes (``cold_l2`` True means "clean")
+L2_FLUSHES = ("clean", "dirty")
+
+
+def l2_flush_kind(cold_l2: bool | str) -> str | None:
+    """``cold_l2`` as a flush kind: None (warm L2), "clean" or "dirty"."""
+    if cold_l2 is False:
+        return None
+    kind = "clean" if cold_l2 is True else cold_l2
+    if kind not in L2_FLUSHES:
+        raise ValueError(f"cold_l2 must be True, False or one of {', '.join(L2_FLUSHES)}, "
+                         f"got {cold_l2!r}")
+    return kind
+
+
+def l2_flusher(buffer: Any, kind: str | None) -> Callable[[int], Any] | None:
+    """The per-iteration flush of ``buffer`` (a CuPy array or torch tensor): a read (its
+    sum, reduced on the device) for "clean", an overwrite for "dirty"."""
+    if kind is None:
+        return None
+    if kind == "dirty":
+        return lambda i: buffer.fill_(i) if hasattr(buffer, "fill_") else buffer.fill(i)
+    return lambda i: buffer.sum()
+
 
 def host_times(fn: Callable[[], Any], *, warmup: int, reps: int,
                sync: Callable[[], Any] = lambda: None) -> np.ndarray:
@@ -38,19 +70,19 @@ def host_times(fn: Callable[[], Any], *, warmup: int, reps: int,
 
 
 def _event_loop(fn: Callable[[], Any], *, warmup: int, reps: int,
-                overwrite: Callable[[int], Any] | None, new_event: Callable[[], Any],
+                flush: Callable[[int], Any] | None, new_event: Callable[[], Any],
                 elapsed_ms: Callable[[Any, Any], float],
                 wait: Callable[[], Any]) -> np.ndarray:
-    """The timed loop shared by the event timers: per iteration, ``overwrite(i)`` the L2
-    flush buffer (if given), record an event, run ``fn``, record an event; returns the
+    """The timed loop shared by the event timers: per iteration, ``flush(i)`` L2 (if
+    given), record an event, run ``fn``, record an event; returns the
     seconds between each pair."""
     for _ in range(warmup):
         fn()
     starts = [new_event() for _ in range(reps)]
     ends = [new_event() for _ in range(reps)]
     for i in range(reps):
-        if overwrite is not None:
-            overwrite(i)
+        if flush is not None:
+            flush(i)
         starts[i].record()
         fn()
         ends[i].record()
@@ -59,16 +91,17 @@ def _event_loop(fn: Callable[[], Any], *, warmup: int, reps: int,
 
 
 def cuda_event_times(fn: Callable[[], Any], *, warmup: int, reps: int,
-                     cold_l2: bool = True) -> np.ndarray:
+                     cold_l2: bool | str = True) -> np.ndarray:
     """GPU time of each call between CUDA events on CuPy's current stream.
 
-    With ``cold_l2`` a 256 MB buffer is overwritten before every iteration (outside the
-    events), so no iteration reads K/V left in L2 by the previous one.
+    With ``cold_l2`` a 256 MB buffer is read ("clean") or overwritten ("dirty") before
+    every iteration (outside the events), so no iteration reads K/V left in L2 by the
+    previous one (the module docstring says what each leaves in L2).
     """
     import cupy as cp
-    flush = cp.empty(L2_FLUSH_BYTES // 4, cp.int32) if cold_l2 else None
-    return _event_loop(fn, warmup=warmup, reps=reps,
-                       overwrite=None if flush is None else flush.fill,
+    kind = l2_flush_kind(cold_l2)
+    buffer = cp.ones(L2_FLUSH_BYTES // 4, cp.int32) if kind else None
+    return _event_loop(fn, warmup=warmup, reps=reps, flush=l2_flusher(buffer, kind),
                        new_event=cp.cuda.Event,
                        elapsed_ms=cp.cuda.get_elapsed_time,
                        wait=lambda: cp.cuda.get_current_stream().synchronize())
@@ -140,17 +173,18 @@ def capture(fn: Callable[[], Any], *, warmup: int = 2) -> tuple[Callable[[], Non
 
 
 def replay_times(replay: Callable[[], None], *, warmup: int, reps: int,
-                 cold_l2: bool = True) -> np.ndarray:
+                 cold_l2: bool | str = True) -> np.ndarray:
     """GPU time of each ``replay`` between events on the stream it launches on (torch's
     current stream when torch is importable, else CuPy's); with ``cold_l2`` a 256 MB
-    buffer is overwritten on that stream before each iteration, outside the events."""
+    buffer is read or overwritten on that stream before each iteration, outside the
+    events (as ``cuda_event_times``)."""
     torch = _torch()
     if torch is None:
         return cuda_event_times(replay, warmup=warmup, reps=reps, cold_l2=cold_l2)
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") \
-        if cold_l2 else None
-    return _event_loop(replay, warmup=warmup, reps=reps,
-                       overwrite=None if flush is None else flush.fill_,
+    kind = l2_flush_kind(cold_l2)
+    buffer = torch.ones(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") \
+        if kind else None
+    return _event_loop(replay, warmup=warmup, reps=reps, flush=l2_flusher(buffer, kind),
                        new_event=lambda: torch.cuda.Event(enable_timing=True),
                        elapsed_ms=lambda s, e: s.elapsed_time(e), wait=torch.cuda.synchronize)
 

@@ -401,7 +401,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         be.partial(qa, pools.k, pools.v, table, cast(DecodePlan, g.plan), sm_scale,
                    v_part, lse_part, kv_dtype=kv_dt if is_fp8(kv_dt) else None,
                    v_scale=v_scale)
-        be.merge(v_part, lse_part, g.plan.o_indptr, out_a, lse_out)
+        # the device chunk map's partials are at most its chunks: the split is fixed at
+        # capture, and every later plan's map merges right under it
+        be.merge(v_part, lse_part, g.plan.o_indptr, out_a, lse_out, inputs=g.plan.num_chunks)
 
 
 def _geometry(plan: Any) -> tuple[int, int, int, int]:
