@@ -30,7 +30,6 @@ from .. import __version__, fp8
 from ..backends import Backend, get_backend
 from ..call import plan_decode
 from ..dtypes import numpy_dtype
-from ..errors import PagedDecodeError
 from ..fp8 import is_fp8
 from ..outcome import last_outcome
 from ..page_table import PageTable
@@ -40,6 +39,7 @@ from ..reference import attention_f64, row_rel_error
 from . import timing
 from .arms import ALL_ARMS, EXPECTED, Arm, ArmUnavailable, make_arm
 from .cases import BenchCase
+from .memory import out_of_memory, release_memory
 
 ARMS = ALL_ARMS
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3, "bfloat16": 2e-2}
@@ -368,30 +368,6 @@ def time_arms(be: Backend, arms: tuple[str, ...], q: Any, k: Any, v: Any, table:
     return results
 
 
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is a device allocation failure: CuPy's ``OutOfMemoryError`` is a
-    ``MemoryError``; torch's (``torch.OutOfMemoryError``) is a ``RuntimeError`` of that
-    name. This package's own errors are not (``PoolExhaustedError`` is a ``MemoryError``
-    too, but a full page pool is a bug to report, not a card too small)."""
-    if isinstance(exc, PagedDecodeError):
-        return False
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-
-
-def release_memory(be: Backend) -> None:
-    """Hand the CUDA allocators' cached free blocks back to the device (CuPy's pool, and
-    torch's when an arm has loaded it), so that the next case's pools of many GB are not
-    refused beside blocks nothing uses any more. Nothing on other backends."""
-    if be.name != "cuda":
-        return
-    import gc
-
-    import cupy as cp
-    gc.collect()            # arrays kept alive only by reference cycles (captured graphs)
-    cp.get_default_memory_pool().free_all_blocks()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def run_bench(cases: list[BenchCase], *, backend: str | Backend | None = None,
