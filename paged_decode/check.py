@@ -31,7 +31,6 @@ specialization (head_dim x GQA x page) and both extreme corners.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import time
 import zlib
@@ -41,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from . import problems, reference
+from . import json_text, problems, reference
 from .backends import Backend, get_backend
 from .call import plan_decode
 from .decode import decode
@@ -280,7 +279,7 @@ class CheckReport:
                 "timings": self.timings, "results": [r.to_dict() for r in self.results]}
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+        return json_text.dumps(self.to_dict(), indent=indent)
 
 
 # ---------------------------------------------------------------------------- running

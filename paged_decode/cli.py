@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from . import __version__
+from . import __version__, json_text
 from .backends import REGISTRY, availability, get_backend, last_auto_choice
 from .errors import PagedDecodeError
 from .page_table import MAX_ENTRIES
@@ -112,7 +112,7 @@ def info(backend: str | None, as_json: bool) -> None:
     except Exception as exc:   # a malformed table file must not hide the rest of info
         data["crossover"] = f"unreadable: {exc}"
     if as_json:
-        click.echo(json.dumps(data, indent=1, default=str))
+        click.echo(json_text.dumps(data, indent=1, default=str))
         return
     click.echo(f"paged-decode {__version__} (numpy {np.__version__})")
     for n, s in rows.items():
@@ -393,7 +393,7 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     if crossover_path:
         from .crossover import from_results
         xt = from_results(results, str(head.get("device", be.name)))
-        _write("--write-crossover", crossover_path, json.dumps(xt, indent=1))
+        _write("--write-crossover", crossover_path, json_text.dumps(xt, indent=1))
         click.echo(f"crossover table: {len(xt['cells'])} cells -> {crossover_path}")
     if csv_path:
         _write("--csv", csv_path, to_csv(results))
@@ -455,8 +455,8 @@ def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
         raise click.ClickException("bench --suite engine: no arm could run here (see the "
                                    "table's notes); nothing was written")
     if json_path:
-        _write("--json", json_path, json.dumps({"head": head, "suite": "engine",
-                                                "results": to_dict(results)}, indent=1))
+        _write("--json", json_path, json_text.dumps({"head": head, "suite": "engine",
+                                                     "results": to_dict(results)}, indent=1))
     if plot_path:
         _plot(lambda: Path(plot(results, plot_path)), plot_path, "bench --suite engine")
     bad_arms = [f"{c.label} {n}" for c, a in results for n, r in a.items()

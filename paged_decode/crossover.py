@@ -167,9 +167,10 @@ def from_results(results: list[Any], device: str) -> dict[str, Any]:
     cells = []
     gpu = any(x.gpu for r in results for x in r.arms.values())
     for r in results:
+        # a NaN median (a timer that measured nothing) is truthy: finite ones only
         times = {a: (x.gpu if gpu else x.call)["median_us"] for a, x in r.arms.items()
                  if a in PATHS and x.verified and not x.fell_back
-                 and (x.gpu if gpu else x.call).get("median_us")}
+                 and math.isfinite((x.gpu if gpu else x.call).get("median_us") or math.nan)}
         if not times:
             continue
         c = r.case

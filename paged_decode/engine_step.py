@@ -47,6 +47,7 @@ from .errors import (
     check_int,
     check_number,
 )
+from .fp8 import is_fp8
 from .kernels.append import AppendWrite, table_row_desc
 from .plan import DecodePlan, check_headroom, make_plan
 from .pool import AppendedBatch, PagePool
@@ -134,6 +135,7 @@ class DecodeStep:
         #: through the pool's version) sets it to 0
         self._unchecked_begins = self.plan.tokens_left(self.table)
         self._pool_version = pool._version
+        self._table_batches = self.table.batches      # set_sequences calls followed
         self.replans = 0
         self.steps = 0
         #: the steady begins' state (``steady_step.py``), armed by each general begin
@@ -182,6 +184,13 @@ class DecodeStep:
                     "append those layers first, or free those sequences")
             self.pool._open_step = None
         self.table.set_sequences(seqs)
+        self._follow_batch()
+
+    def _follow_batch(self) -> None:
+        """Take the table's batch as set by ``set_sequences`` (the step's or, between
+        steps, the table's own): the next begin replans if the plan no longer fits, and
+        re-arms its steady path."""
+        self._table_batches = self.table.batches
         self._batch = None
         self._unchecked_begins = 0
         self._steady = None
@@ -195,6 +204,8 @@ class DecodeStep:
         Returns the reservation."""
         fn = "DecodeStep.begin"
         self._no_open_step(fn)
+        if self.table.batches != self._table_batches:   # step.table.set_sequences
+            self._follow_batch()
         if self.pool._version != self._pool_version:   # changed outside this step
             self._unchecked_begins = 0                  # (advance sees it too)
         steady = self._steady.advance() if self._steady is not None else None
@@ -320,6 +331,7 @@ class DecodeStep:
             self._apply_pending(q)
         k, v = self._layers[layer]
         if out is None or (return_lse and lse is None) or self.backend.functional_outputs:
+            self._check_auto_query(fn, q)
             return run_decode(fn, q, k, v, self.table, self.plan, path=self.path,
                               sm_scale=self.sm_scale, out=out, lse=lse,
                               return_lse=return_lse, out_dtype=self.out_dtype,
@@ -334,6 +346,7 @@ class DecodeStep:
         lay = layouts((q, out, lse))
         if hit is None or hit[0][0] is not q or hit[0][1] is not out \
                 or lay != hit[0][2]:                 # reshaped, or a tensor's data moved
+            self._check_auto_query(fn, q)
             prep = prepare_call("DecodeStep.decode", q, k, v, self.table, self.plan,
                                 path=self.path, sm_scale=self.sm_scale, out=out, lse=lse,
                                 return_lse=return_lse, out_dtype=self.out_dtype,
@@ -393,6 +406,20 @@ class DecodeStep:
         return [i for i in range(self.num_layers) if i not in self._appended]
 
     # ------------------------------------------------------------------ internals
+    def _check_auto_query(self, fn: str, q: Any) -> None:
+        """``path="auto"`` plans before any query is seen, taking 16-bit queries over fp8
+        pools (``_auto_path``): a query of another dtype is refused here, saying so,
+        rather than by the chosen path's checks, which would blame a path the caller
+        never named."""
+        if self.requested_path != "auto" or self.path != "v2tc" or not is_fp8(self.pool.dtype):
+            return
+        got = self.backend.dtype_of(q)
+        if got not in ("float16", "bfloat16"):
+            raise InvalidArgumentError(
+                f"{fn}: path='auto' chose v2tc for this step's {self.pool.dtype} pools, "
+                f"assuming float16 or bfloat16 queries; got q {got}: pass 16-bit queries, "
+                "or make the step with path='v2' (any query dtype)")
+
     def _auto_path(self) -> tuple[str, str]:
         """``path="auto"``: ``decode``'s rule (``call.choose_path_at``) at the step table's
         batch and contexts, among the paths the backend supports for the pools (queries
@@ -488,6 +515,11 @@ class DecodeStep:
             raise InvalidArgumentError(
                 f"{fn}: the pool changed since this step's begin() (an append, fork, trim "
                 "or free): call begin() again")
+        if self.table.batches != self._table_batches:
+            raise InvalidArgumentError(
+                f"{fn}: the step's table took another batch (step.table.set_sequences) "
+                "since this step's begin(): its reserved slots belong to the old batch; "
+                "change the batch between steps, with DecodeStep.set_sequences")
         return b
 
 

@@ -53,7 +53,7 @@ class StepTable:
     ``capacity``), ``page_size``, ``sequences`` (int64 ``[capacity]``, ``-1`` padding),
     ``pages_per_request`` / ``visible_lens`` (int32 ``[capacity]``), ``total_visible``,
     ``version`` (counts flushes that changed the device copy), ``layout`` (counts
-    reallocations of the device buffer).
+    reallocations of the device buffer), ``batches`` (counts ``set_sequences`` calls).
     """
     # host state (int64 [capacity] each unless noted), set in _alloc / _set_rows / flush
     _ids: np.ndarray             # sequence of each row, -1 padding
@@ -105,6 +105,7 @@ class StepTable:
                                        f"pages, got {pcap}")
         self.version = 0
         self.layout = 0
+        self.batches = 0
         #: the layout a graph's table update was recorded for (``record_update``)
         self._recorded: int | None = None
         try:
@@ -214,7 +215,15 @@ class StepTable:
         already in the table keep their device pages (only new ones are uploaded); more
         sequences than ``capacity`` reallocate (``layout`` changes)."""
         fn = "StepTable.set_sequences"
+        step = self.pool._open_step
+        if step is not None and step.table is self:
+            raise InvalidArgumentError(
+                f"{fn}: a DecodeStep over this table has begun a step whose new slots "
+                f"layers {step.unwritten_layers()} have not written (its rows are this "
+                "batch's): write them first, and change a step's batch with "
+                "DecodeStep.set_sequences")
         ids, rows = self.pool._batch_rows(fn, seqs)
+        self.batches += 1
         b = int(ids.size)
         grew = b > self._cap
         if grew:   # a new buffer: every row is rebuilt from the pool at the flush

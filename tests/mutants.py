@@ -1276,6 +1276,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "test_graph_mode_sizes_the_merge_without_reading_the_device_chunk_map"],
        "a graph-mode run reads the device chunk map back to size its merge: a "
        "synchronization, and a failed torch graph capture on the GPU (S25-R2)"),
+    _m("py-step-ignores-its-table-s-new-batch", "python", ("paged_decode.engine_step",),
+       "        if self.table.batches != self._table_batches:   # step.table.set_sequences",
+       "        if False:",
+       ["tests/test_engine_step.py::"
+        "test_the_step_follows_its_table_s_own_set_sequences_between_steps[reference]"],
+       "a step keeps its plan after step.table.set_sequences, and every decode of a "
+       "larger batch raises a PlanMismatchError its caller cannot act on"),
+    _m("py-bench-preset-override-merges-shapes", "python", ("paged_decode.bench.cases",),
+       "shape = tuple(v for k, v in dataclasses.asdict(c).items() if k not in axes)",
+       "shape = (c.model, c.num_qo_heads, c.head_dim, c.dtype)",
+       ["tests/test_cli.py::test_a_preset_s_axes_can_be_replaced_without_losing_its_shapes"],
+       "--batch over the ragged preset times one of its two ragged shapes only"),
 )
 
 

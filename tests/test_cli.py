@@ -332,6 +332,35 @@ def test_ragged_cases_draw_their_lengths_and_count_their_bytes():
     assert ",20-300," in to_csv([r])
 
 
+def test_a_preset_s_axes_can_be_replaced_without_losing_its_shapes():
+    """``--batch`` / ``--context`` / ``--page`` / ``--dtype`` over a preset keep every
+    other field of each of its shapes (before: a ragged batch came back uniform, and an
+    fp8 or variant case lost its pools' dtype and its variant, under the same preset)."""
+    from paged_decode.bench.cases import BenchCase, preset_cases
+    got = preset_cases("ragged", batches=[16])
+    assert sorted((c.batch, c.ragged_min, c.context) for c in got) == \
+        [(16, 512, 4096), (16, 512, 8192), (16, 1024, 4096), (16, 1024, 8192)]
+    with pytest.raises(ValueError, match="ragged batch draws requests of 1024 tokens and "
+                                         "more; --context 800 is shorter"):
+        preset_cases("ragged", contexts=[800])
+    models = preset_cases("models", contexts=[2048], dtype="bfloat16")
+    assert {(c.model, c.num_qo_heads, c.num_kv_heads, c.head_dim) for c in models} == \
+        {(c.model, c.num_qo_heads, c.num_kv_heads, c.head_dim)
+         for c in preset_cases("models")}
+    assert {c.context for c in models} == {2048} and {c.dtype for c in models} == {"bfloat16"}
+    # every field that is not an axis survives (a case the presets do not hold today)
+    import paged_decode.bench.cases as cases_mod
+    odd = BenchCase(4, 4096, 16, 28, 4, 128, kv_dtype="float8_e4m3fn", window_left=511,
+                    soft_cap=30.0, sinks=True, ragged_min=100, model="qwen2-7b")
+    cases_mod.PRESETS["_odd"] = lambda: [odd]
+    try:
+        (c,) = preset_cases("_odd", batches=[2])
+    finally:
+        del cases_mod.PRESETS["_odd"]
+    assert c == BenchCase(2, 4096, 16, 28, 4, 128, kv_dtype="float8_e4m3fn", window_left=511,
+                          soft_cap=30.0, sinks=True, ragged_min=100, model="qwen2-7b")
+
+
 def test_pools_are_filled_slab_by_slab(monkeypatch):
     """fill_slabs: every row drawn once, in order, cast on assignment, no slab over
     SLAB_BYTES of float32 scratch, the last one short."""

@@ -4,12 +4,13 @@ path ``decode(path="auto")`` takes from them."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 
 import paged_decode as pd
-from paged_decode import crossover
+from paged_decode import crossover, json_text
 from paged_decode.bench.cases import BenchCase
 from paged_decode.bench.runner import ArmResult, BenchResult
 from paged_decode.errors import InvalidArgumentError
@@ -87,6 +88,15 @@ def test_from_results_skips_failed_and_fallen_back_arms():
     assert t["cells"] == [{"batch": 4, "context": 4096, "page_size": 16, "group": 4,
                            "best": "v2", "times_us": {"v2": 7.0}}]
     assert crossover.parse(t, "x").choose(4, 4096, 16, 4)[0] == "v2"
+    # a verified arm whose timer measured nothing (NaN, truthy) is no cell's best, and a
+    # case with nothing else timed writes no cell: the table stays parseable
+    r.arms["v1"] = arm("v1", math.nan)
+    r.arms["v2"] = arm("v2", math.nan)
+    assert crossover.from_results([r], "dev")["cells"] == []
+    r.arms["v2"] = arm("v2", 7.0)
+    t = crossover.from_results([r], "dev")
+    assert t["cells"][0]["times_us"] == {"v2": 7.0}
+    crossover.parse(json.loads(json_text.dumps(t)), "x")
 
 
 def test_shipped_tables_parse():
@@ -255,9 +265,12 @@ def test_bench_results_round_trip_through_json():
                                                            "rule": "target"}),
         "flashinfer": ArmResult("flashinfer", "unavailable", float("nan"), False,
                                 note="no GPU")})
-    d = json.loads(json.dumps(r.to_dict()))
+    text = json_text.dumps(r.to_dict())
+    assert "NaN" not in text and '"max_rel_error": null' in text      # strict JSON
+    d = json.loads(text)
     back = BenchResult.from_dict(d)
     assert back.case == r.case and back.arms["v2"] == r.arms["v2"]
+    assert math.isnan(back.arms["flashinfer"].max_rel_error)         # null read back as NaN
     assert back.to_dict()["arms"]["v2"] == r.to_dict()["arms"]["v2"]
     d["arms"]["v2"]["field_of_a_newer_writer"] = 1          # dropped, not an error
     assert BenchResult.from_dict(d).arms["v2"].gpu == {"median_us": 7.0}

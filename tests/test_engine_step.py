@@ -595,3 +595,71 @@ def test_replayed_without_a_recorded_update_is_refused(backend):
     kk, vv = pool.layer(0)
     want = oracle_decode(q, np.asarray(kk), np.asarray(vv), pool.page_table([s]))
     assert_matches_oracle(np.asarray(out), None, want[0], None, "float32")
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_the_step_follows_its_table_s_own_set_sequences_between_steps(backend):
+    """``step.table.set_sequences`` between steps (not the step's own ``set_sequences``):
+    the next begin takes the new batch, replanning when it no longer fits the plan
+    (before: the step kept its plan and every decode raised a ``PlanMismatchError`` that
+    told the caller to call ``plan_decode``, which a step's caller cannot); mid-step the
+    table refuses, naming the unwritten layers (its rows are the begun step's)."""
+    rng = np.random.default_rng(11)
+    pool, step = _setup(backend, rng, capacity=4)
+    extra = pool.new_sequence()
+    x = rng.standard_normal((L, 40, HKV, D)).astype(np.float32)
+    pool.append(extra, x, x)
+    batches = [list(step.sequences[:4]), [int(step.sequences[0]), extra],
+               [*map(int, step.sequences[:4]), extra]]
+    for it, seqs in enumerate(batches):
+        step.table.set_sequences(seqs)
+        for _ in range(2):
+            step.begin()
+            cap = step.capacity
+            q = rng.standard_normal((cap, HQ, D)).astype(np.float32)
+            for layer in range(L):
+                k = rng.standard_normal((cap, HKV, D)).astype(np.float32)
+                step.append(layer, k, k)
+            out = np.asarray(step.decode(0, q))
+            want, _ = _oracle(pool, step, 0, q)
+            b = len(seqs)
+            assert_matches_oracle(out[:b], None, want[:b], None, "float32", f"batch {it}")
+    assert step.replans >= 1                  # five sequences outgrew the first plan
+    step.begin()
+    with pytest.raises(InvalidArgumentError, match=r"StepTable.set_sequences: a DecodeStep "
+                       r"over this table has begun a step whose new slots layers \[0, 1\] "
+                       r"have not written"):
+        step.table.set_sequences(batches[0])
+
+
+def test_auto_over_fp8_pools_refuses_a_query_it_did_not_plan_for():
+    """``path="auto"`` over fp8 pools plans v2tc for 16-bit queries before any query is
+    seen; a float32 query is refused by name, saying what auto assumed (before: v2tc's own
+    refusal, about a path the caller never asked for). Named v2 runs it."""
+    from paged_decode.fp8 import dequantize
+    rng = np.random.default_rng(3)
+    for path in ("auto", "v2"):
+        pool = pd.PagePool(64, 16, HKV, D, "float8_e4m3fn", num_layers=1,
+                           backend="emulated-cuda", k_scale=0.5, v_scale=0.5)
+        seqs = [pool.new_sequence() for _ in range(2)]
+        for s in seqs:
+            x = rng.standard_normal((1, 20, HKV, D)).astype(np.float32)
+            pool.append(s, x, x)
+        step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ, path=path)
+        step.begin()
+        k = rng.standard_normal((step.capacity, HKV, D)).astype(np.float32)
+        step.append(0, k, k)
+        q = rng.standard_normal((step.capacity, HQ, D)).astype(np.float32)
+        if path == "auto":
+            assert step.path == "v2tc"
+            with pytest.raises(InvalidArgumentError, match=r"DecodeStep.decode: path='auto' "
+                               r"chose v2tc for this step's float8_e4m3fn pools, assuming "
+                               r"float16 or bfloat16 queries; got q float32"):
+                step.decode(0, q)
+            out = step.decode(0, q.astype(np.float16))      # what auto planned for
+        else:
+            out = step.decode(0, q)
+        kp, vp = (dequantize(x, "float8_e4m3fn", 0.5) for x in pool.layer(0))
+        qf = q.astype(np.float16).astype(np.float32) if path == "auto" else q
+        want, _ = oracle_decode(qf, kp, vp, step.table.page_table())
+        assert_matches_oracle(np.asarray(out, np.float32), None, want, None, "float16", path)

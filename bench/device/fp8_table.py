@@ -35,8 +35,8 @@ def timings(paths: list[str]) -> tuple[dict[str, dict[str, float]], list[str]]:
                     cols.append(col)
                 ok = a.get("verified") and (not a.get("expected")
                                             or a.get("ran") in a.get("expected"))
-                med = (a.get("gpu") or {}).get("median_us", math.nan)
-                cells.setdefault(key, {})[col] = med if ok else math.nan
+                med = (a.get("gpu") or {}).get("median_us")     # null: not measured
+                cells.setdefault(key, {})[col] = med if ok and med is not None else math.nan
     return cells, cols
 
 

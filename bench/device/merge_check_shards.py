@@ -5,6 +5,7 @@ Prints the pass count, the worst errors and the failures.
 """
 
 import json
+import math
 import sys
 
 out, shards = sys.argv[1], sys.argv[2:]
@@ -17,10 +18,16 @@ merged["shards"] = len(reports)
 merged.pop("timings", None)
 res = merged["results"]
 json.dump(merged, open(out, "w"), indent=1)
-worst = max(res, key=lambda r: r["max_rel_error"])
-worst_lse = max(res, key=lambda r: r["lse_error"])
+
+
+def _err(x):
+    return math.inf if x is None or x != x else x    # null / NaN (json_text): the worst
+
+
+worst = max(res, key=lambda r: _err(r["max_rel_error"]))
+worst_lse = max(res, key=lambda r: _err(r["lse_error"]))
 print(f"{out}: {sum(r['passed'] for r in res)}/{len(res)} passed; worst max-rel "
-      f"{worst['max_rel_error']:.3g}; worst LSE {worst_lse['lse_error']:.3g}; "
+      f"{_err(worst['max_rel_error']):.3g}; worst LSE {_err(worst_lse['lse_error']):.3g}; "
       f"configs {len({json.dumps(r['config'], sort_keys=True) for r in res})}")
 for r in res:
     if not r["passed"]:

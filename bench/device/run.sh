@@ -105,6 +105,7 @@
 #   l2          the bench's two cold-L2 flushes (--l2-flush clean / dirty) side by side over
 #               float16 and e4m3fn pools at 8/32/128 x 8K/32K (L2_ARMS, L2_FLUSHES,
 #               L2_BATCHES, L2_TIMEOUT)
+#   fp8-fixed   v2tc at 8 x 8K over e4m3fn under the switches of a call's fixed part
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
@@ -896,6 +897,21 @@ step_l2() {
     BENCH_TIMEOUT=${L2_TIMEOUT:-70} run_bench "l2_${f}_e4m3" $c --l2-flush $f \
       --kv-dtype float8_e4m3fn --arms $arms | tail -7
   done
+  return 0
+}
+
+# #14's farthest cell (8 x 8K, e4m3fn; float16 beside it) under the switches that move a
+# call's fixed part: the fused merge off, the merge as a dependent launch, 5 CTAs per SM,
+# a 3-deep ring (FIXED_TIMEOUT each)
+step_fp8_fixed() {
+  local c="--preset targets --context 8192 --batch 8 --arms v2tc" t=${FIXED_TIMEOUT:-40}
+  BENCH_TIMEOUT=$t run_bench fx_f16 $c | grep B8
+  BENCH_TIMEOUT=$t run_bench fx_e4m3 $c --kv-dtype float8_e4m3fn | grep B8
+  PAGED_DECODE_FUSED_MERGE=0 BENCH_TIMEOUT=$t run_bench fx_unfused $c --kv-dtype float8_e4m3fn | grep B8
+  PAGED_DECODE_FUSED_MERGE=0 PAGED_DECODE_PDL=1 BENCH_TIMEOUT=$t run_bench fx_pdl $c \
+    --kv-dtype float8_e4m3fn | grep B8
+  PAGED_DECODE_TARGET_CTAS=660 BENCH_TIMEOUT=$t run_bench fx_t660 $c --kv-dtype float8_e4m3fn | grep B8
+  PAGED_DECODE_STAGES=3 BENCH_TIMEOUT=$t run_bench fx_s3 $c --kv-dtype float8_e4m3fn | grep B8
   return 0
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -142,20 +143,29 @@ PRESETS = {
 def preset_cases(name: str, *, contexts: list[int] | None = None,
                  batches: list[int] | None = None, pages: list[int] | None = None,
                  dtype: str | None = None) -> list[BenchCase]:
-    """The cases of preset ``name``, optionally with axes replaced."""
+    """The cases of preset ``name``, optionally with axes replaced: each distinct shape of
+    the preset (every field but batch, context and page size: heads, variants, pool dtype,
+    a ragged batch's shortest request) over the product of the given axes and the
+    preset's own values of the others; ``dtype`` replaces the queries' dtype."""
     if name not in PRESETS:
         raise ValueError(f"bench: preset must be one of {', '.join(PRESETS)}, got {name!r}")
     cases = PRESETS[name]()
     if contexts or batches or pages or dtype:
-        seen: dict[tuple[str, int, int, str], BenchCase] = {}
+        axes = ("batch", "context", "page_size")
+        seen: dict[tuple[Any, ...], BenchCase] = {}
         for c in cases:
-            seen.setdefault((c.model, c.num_qo_heads, c.head_dim, c.dtype), c)
+            shape = tuple(v for k, v in dataclasses.asdict(c).items() if k not in axes)
+            seen.setdefault(shape, c)
         out = []
         for base in seen.values():
-            hq, hkv, d = base.num_qo_heads, base.num_kv_heads, base.head_dim
             for ctx, b, p in itertools.product(contexts or sorted({x.context for x in cases}),
                                                batches or sorted({x.batch for x in cases}),
                                                pages or sorted({x.page_size for x in cases})):
-                out.append(BenchCase(b, ctx, p, hq, hkv, d, dtype or base.dtype, base.model))
-        cases = out
+                if base.ragged_min > ctx:
+                    raise ValueError(f"bench: preset {name}'s ragged batch draws requests of "
+                                     f"{base.ragged_min} tokens and more; --context {ctx} "
+                                     "is shorter")
+                out.append(dataclasses.replace(base, batch=b, context=ctx, page_size=p,
+                                               dtype=dtype or base.dtype))
+        cases = list(dict.fromkeys(out))
     return cases

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from typing import Any
 
 import numpy as np
 
+from .. import json_text
 from .runner import ArmResult, BenchResult
 
 MAIN_ARM = "v2"
@@ -107,7 +107,9 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
 
 
 def to_json(results: list[BenchResult], head: dict[str, Any]) -> str:
-    return json.dumps({"header": head, "results": [r.to_dict() for r in results]}, indent=1)
+    """The bench's JSON (strict: a NaN measurement is written ``null``)."""
+    return json_text.dumps({"header": head, "results": [r.to_dict() for r in results]},
+                           indent=1)
 
 
 def _context(case: Any) -> str:

@@ -88,11 +88,18 @@ class BenchResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchResult:
         """A decode-suite result from its ``to_dict`` form (a bench JSON's ``results``);
-        unknown arm fields (a newer writer's) are dropped, missing ones take defaults."""
+        unknown arm fields (a newer writer's) are dropped, missing ones take defaults, and
+        a number written ``null`` (a NaN: ``json_text``) is NaN again."""
         names = {f.name for f in fields(ArmResult)}
         arms = {}
         for k, a in d["arms"].items():
             kept = {n: v for n, v in a.items() if n in names}
+            for n in ("max_rel_error", "gbps"):
+                if n in kept and kept[n] is None:
+                    kept[n] = float("nan")
+            for n in ("gpu", "call", "api_call", "host"):
+                if isinstance(kept.get(n), dict):
+                    kept[n] = {m: float("nan") if x is None else x for m, x in kept[n].items()}
             kept["expected"] = tuple(kept.get("expected", ()))
             arms[k] = ArmResult(**kept)
         return cls(BenchCase(**d["case"]), int(d["num_chunks"]), int(d["pages_per_chunk"]),
