@@ -125,14 +125,34 @@ class KVQuant:
         return f"kv {self.dtype} (k_scale={self.k_scale:g}, v_scale={self.v_scale:g})"
 
 
+def _capturing_device_array(x: Any) -> bool:
+    """Whether ``x`` is a CUDA array (torch or CuPy) and its framework's current stream is
+    capturing a CUDA graph (a host read of ``x`` would then fail)."""
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch" and getattr(x, "is_cuda", False):
+        import torch
+        return bool(torch.cuda.is_current_stream_capturing())
+    if mod == "cupy":
+        import cupy
+        return bool(cupy.cuda.get_current_stream().is_capturing())
+    return False
+
+
 def check_scale(fn: str, arg: str, value: Any) -> float:
     """A per-layer scale: a real number (or a one-element numpy / torch / CuPy array of a
-    real dtype) that is positive and finite as float32; returned as that float32 value."""
+    real dtype) that is positive and finite as float32; returned as that float32 value.
+    A device array is read back (a synchronization); inside a CUDA graph capture it is
+    refused, since the read cannot happen there and a replay would keep one value."""
     v = value
     shape = getattr(v, "shape", None)
     if (shape is not None and not isinstance(v, np.generic) and callable(getattr(v, "item", None))
             and math.prod(shape) == 1
             and not any(k in str(v.dtype) for k in ("bool", "complex"))):
+        if _capturing_device_array(v):
+            raise InvalidArgumentError(
+                f"{fn}: {arg} is a device array, read back on the host every call; inside "
+                "a CUDA graph capture that read is not allowed (and a replay would keep "
+                "the captured value): pass the scale as a Python float")
         v = v.item()    # a one-element array or tensor of any kind (a device one is copied)
     ok = (isinstance(v, (int, float, np.integer, np.floating))
           and not isinstance(v, (bool, np.bool_)))

@@ -269,7 +269,9 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         q: ``[B, Hq, D]`` queries, C-contiguous.
         k_cache, v_cache: ``[B, Hkv, capacity, D]`` C-contiguous caches (same dtype).
         selection: a ``Selection`` (or positions ``[B, Hkv, S]``, all valid).
-        live_lens: host integers ``[B]`` in ``[0, capacity]``.
+        live_lens: integers ``[B]`` in ``[0, capacity]``, read on the host: a device
+            array is copied down each call (a synchronization, and an error inside a
+            CUDA graph capture), so keep them on the host.
         min_sparsity: the gate ratio (0 disables the gate: always fused).
         sm_scale: natural-units softmax scale (default ``1 / sqrt(D)``).
         return_lse: also return the ``[B, Hq]`` float32 base-2 LSE (``-inf`` for an

@@ -246,6 +246,23 @@ def test_append_page_size_one_and_emulated_backend_arrays():
     np.testing.assert_array_equal(cache, want)
 
 
+def test_append_is_refused_inside_a_graph_capture(monkeypatch):
+    """The append maps its index arrays on the host: inside a capture (here the emulated
+    backend told it is capturing) it is refused by name, the cache untouched, rather than
+    failing in the framework's device-to-host copy."""
+    from paged_decode.backends import get_backend
+    cache, key, value, aip, lens, indptr, indices, lpl = append_problem(30, page_size=1)
+    before = cache.copy()
+    batch, pos = fi.get_batch_indices_positions(aip, lens, int(aip[-1]))
+    be = get_backend("emulated-cuda")
+    monkeypatch.setattr(type(be), "capturing", lambda self: True)
+    with pytest.raises(InvalidArgumentError, match=r"^append_paged_kv_cache: called inside "
+                                                   r"a CUDA graph capture"):
+        fi.append_paged_kv_cache(key, value, batch, pos, cache[:, :, 0], indices, indptr,
+                                 lpl, backend=be)
+    np.testing.assert_array_equal(cache, before)
+
+
 def test_append_refuses_bad_input():
     cache, key, value, aip, lens, indptr, indices, lpl = append_problem(29)
     batch, pos = (np.asarray(x) for x in fi.get_batch_indices_positions(aip, lens,

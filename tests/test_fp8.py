@@ -600,6 +600,32 @@ def test_a_scale_may_be_any_one_element_real_array():
             fp8.check_scale("f", "k_scale", v)
 
 
+def test_a_device_scale_is_refused_inside_a_graph_capture(monkeypatch):
+    """A device scale is read back every call; inside a CUDA graph capture that read
+    would fail with the framework's own error (and a replay would keep one value), so it
+    is refused by name. A stand-in CuPy module and array (no GPU here); outside a capture
+    the same array is read as any one-element array is."""
+    import sys
+    import types
+    capturing = [True]
+
+    class Stream:
+        def is_capturing(self):
+            return capturing[0]
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(get_current_stream=lambda: Stream())
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    DeviceScale = type("ndarray", (), {"__module__": "cupy._core.core", "shape": (1,),
+                                        "dtype": np.dtype(np.float32),
+                                        "item": lambda self: 0.25})
+    with pytest.raises(InvalidArgumentError, match=r"^decode: k_scale is a device array, "
+                       r"read back on the host every call; inside a CUDA graph capture"):
+        fp8.check_scale("decode", "k_scale", DeviceScale())
+    capturing[0] = False
+    assert fp8.check_scale("decode", "k_scale", DeviceScale()) == np.float32(0.25)
+    assert not fp8._capturing_device_array(np.array([1.0]))      # host arrays: never
+
+
 def test_fp8_dtype_rules():
     q, k, v, table = _small()
     with pytest.raises(InvalidArgumentError, match="^decode: k_scale is for fp8 pools"):

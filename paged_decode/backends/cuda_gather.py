@@ -79,7 +79,8 @@ def gather_attention(be: Any, q: Any, k_pages: Any, v_pages: Any, table: PageTab
     if torch is not None and lse_out is None and soft_cap is None and sinks is None:
         tq = torch.from_dlpack(q).unsqueeze(2)                     # [B, Hq, 1, D]
         tk, tv = torch.from_dlpack(kf), torch.from_dlpack(vf)
-        mask = None if bool(valid.all()) else torch.from_dlpack(valid)[:, None, None, :]
+        # the host rows say whether any slot is padding (a device read would synchronize)
+        mask = None if bool((rows_h >= 0).all()) else torch.from_dlpack(valid)[:, None, None, :]
         o = torch.nn.functional.scaled_dot_product_attention(
             tq, tk.to(tq.dtype), tv.to(tq.dtype), attn_mask=mask, scale=sm_scale,
             enable_gqa=g > 1)

@@ -10,7 +10,10 @@ not the project's append kernel: that kernel takes, per page, one run of consecu
 rows (``kernels/append.py``), while FlashInfer's rows may go anywhere. Unlike FlashInfer,
 the arguments are checked first on the host (a device array costs one copy there): a row
 outside its request's pages, a request id out of range or two rows for one slot raise
-instead of writing out of bounds or racing.
+instead of writing out of bounds or racing. Those host copies make the append (and the
+helpers ``get_seq_lens`` / ``get_batch_indices_positions``, which compute on the host too)
+unfit for a CUDA graph capture: inside one the append is refused by name. Capture the
+decode ``run`` (graph mode) and append outside the graph, or use the page pool's appends.
 """
 
 from __future__ import annotations
@@ -147,6 +150,12 @@ def _append(fn: str, be: Any, append_key: Any, append_value: Any, batch_indices:
             positions: Any, paged_kv_cache: Any, kv_indices: Any, kv_indptr: Any,
             kv_last_page_len: Any) -> None:
     """``append_paged_kv_cache`` on backend ``be``, inside the cache's launch context."""
+    if be.capturing():
+        raise InvalidArgumentError(
+            f"{fn}: called inside a CUDA graph capture: it checks and maps its index arrays "
+            "on the host (a device-to-host copy each, which a capture does not allow); "
+            "append outside the graph, or write the rows with PagePool.append_batch or "
+            "DecodeStep.append, which capture")
     k, v = write_views(fn, be, paged_kv_cache)
     for name, x in (("k_cache", k), ("v_cache", v)):     # before any write: all or nothing
         check_writable(fn, name, x, " (the rows are written into it)")
