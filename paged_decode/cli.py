@@ -305,11 +305,14 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
         raise click.ClickException(f"bench: --soft-cap must be 0 (off) or a number in "
                                    f"[{low:g}, {high:g}], got {soft_cap!r}")
     be = _backend(backend)
+    # --l2-flush given on the command line (its default is a value too)
+    flush_given = (click.get_current_context().get_parameter_source("l2_flush")
+                   != click.core.ParameterSource.DEFAULT)
     if suite == "engine":
         ignored = [name for name, given in (
             ("--preset", preset is not None), ("--window-left", window_left >= 0),
             ("--soft-cap", bool(soft_cap)), ("--sinks", sinks), ("--kv-dtype", bool(kv_dtype)),
-            ("--warm-l2", warm_l2), ("--l2-flush", l2_flush != "clean"),
+            ("--warm-l2", warm_l2), ("--l2-flush", flush_given),
             ("--no-graph", no_graph),
             ("--write-crossover", crossover_path is not None),
             ("--csv", csv_path is not None), ("--markdown", md_path is not None),
@@ -358,7 +361,7 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     if bad or not arm_list:
         raise click.ClickException(f"bench: --arms must name some of {', '.join(ARMS)}, "
                                    f"got {', '.join(bad) or repr(arms)}")
-    if warm_l2 and l2_flush != "clean":
+    if warm_l2 and flush_given:
         raise click.ClickException(f"bench: --warm-l2 flushes nothing, so --l2-flush "
                                    f"{l2_flush} has no effect; give one of them")
     cold_l2: bool | str = False if warm_l2 else l2_flush

@@ -318,6 +318,8 @@ class DecodeStep:
                                            "K/V there yet (append it first)")
         else:
             self.pool._no_open_step(fn)        # another step's slots, not written yet
+        if self._batch is not None and self.table.batches != self._table_batches:
+            self._current(fn)                  # the table took another batch mid-step
         if len(getattr(q, "shape", ())) == 4:
             raise UnsupportedProblemError(
                 f"{fn}: multi-token decode (q [B, T, Hq, D]) is not part of the engine step "
@@ -408,17 +410,17 @@ class DecodeStep:
     # ------------------------------------------------------------------ internals
     def _check_auto_query(self, fn: str, q: Any) -> None:
         """``path="auto"`` plans before any query is seen, taking 16-bit queries over fp8
-        pools (``_auto_path``): a query of another dtype is refused here, saying so,
-        rather than by the chosen path's checks, which would blame a path the caller
-        never named."""
+        pools (``_auto_path``): a float32 query, which v2 would take, is refused here,
+        saying so, rather than by the chosen path's checks, which would blame a path the
+        caller never named."""
         if self.requested_path != "auto" or self.path != "v2tc" or not is_fp8(self.pool.dtype):
             return
         got = self.backend.dtype_of(q)
-        if got not in ("float16", "bfloat16"):
+        if got == "float32":        # other dtypes: no path takes them (decode's check)
             raise InvalidArgumentError(
                 f"{fn}: path='auto' chose v2tc for this step's {self.pool.dtype} pools, "
                 f"assuming float16 or bfloat16 queries; got q {got}: pass 16-bit queries, "
-                "or make the step with path='v2' (any query dtype)")
+                "or make the step with path='v2' (float32 queries too)")
 
     def _auto_path(self) -> tuple[str, str]:
         """``path="auto"``: ``decode``'s rule (``call.choose_path_at``) at the step table's

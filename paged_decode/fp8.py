@@ -23,6 +23,7 @@ then comes from the call (``kv_dtype=``) or the pool (``PagePool.dtype``).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,16 +127,17 @@ class KVQuant:
 
 
 def _capturing_device_array(x: Any) -> bool:
-    """Whether ``x`` is a CUDA array (torch or CuPy) and its framework's current stream is
-    capturing a CUDA graph (a host read of ``x`` would then fail)."""
+    """Whether ``x`` is a CUDA array (a torch CUDA tensor or a CuPy array) while a CUDA
+    graph capture is under way on the current stream of torch or CuPy (whichever is
+    loaded: a CuPy scale may meet a torch capture), where a host read of ``x`` fails."""
     mod = type(x).__module__.split(".")[0]
-    if mod == "torch" and getattr(x, "is_cuda", False):
-        import torch
-        return bool(torch.cuda.is_current_stream_capturing())
-    if mod == "cupy":
-        import cupy
-        return bool(cupy.cuda.get_current_stream().is_capturing())
-    return False
+    if not ((mod == "torch" and getattr(x, "is_cuda", False)) or mod == "cupy"):
+        return False
+    torch, cupy = sys.modules.get("torch"), sys.modules.get("cupy")
+    if torch is not None and torch.cuda.is_available() \
+            and torch.cuda.is_current_stream_capturing():
+        return True
+    return cupy is not None and bool(cupy.cuda.get_current_stream().is_capturing())
 
 
 def check_scale(fn: str, arg: str, value: Any) -> float:

@@ -219,9 +219,9 @@ class StepTable:
         if step is not None and step.table is self:
             raise InvalidArgumentError(
                 f"{fn}: a DecodeStep over this table has begun a step whose new slots "
-                f"layers {step.unwritten_layers()} have not written (its rows are this "
-                "batch's): write them first, and change a step's batch with "
-                "DecodeStep.set_sequences")
+                f"have not been written in layers {step.unwritten_layers()} (its rows are "
+                "this batch's): append those layers first (or free the sequences holding "
+                "them), and change a step's batch with DecodeStep.set_sequences")
         ids, rows = self.pool._batch_rows(fn, seqs)
         self.batches += 1
         b = int(ids.size)

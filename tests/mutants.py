@@ -1283,6 +1283,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "test_the_step_follows_its_table_s_own_set_sequences_between_steps[reference]"],
        "a step keeps its plan after step.table.set_sequences, and every decode of a "
        "larger batch raises a PlanMismatchError its caller cannot act on"),
+    _m("py-step-decodes-over-an-unfollowed-batch", "python", ("paged_decode.engine_step",),
+       "        if self._batch is not None and self.table.batches != self._table_batches:",
+       "        if False:",
+       ["tests/test_engine_step.py::"
+        "test_the_step_follows_its_table_s_own_set_sequences_between_steps[reference]"],
+       "after every layer's append, step.table.set_sequences lets the step's decodes run "
+       "the begun batch's q rows over the new batch (max abs error 2.6)"),
     _m("py-bench-preset-override-merges-shapes", "python", ("paged_decode.bench.cases",),
        "shape = tuple(v for k, v in dataclasses.asdict(c).items() if k not in axes)",
        "shape = (c.model, c.num_qo_heads, c.head_dim, c.dtype)",

@@ -56,7 +56,7 @@ def test_small_run_passes_on_reference():
     assert data["passed"] and len(data["results"]) == n
 
 
-def test_ignoring_indices_fails():
+def test_ignoring_indices_fails(tmp_path):
     rep = run_check(IgnoresIndices(), max_configs=2)
     assert not rep.passed
     bad = {r.path for r in rep.failures}
@@ -65,6 +65,20 @@ def test_ignoring_indices_fails():
     assert all(r.max_rel_error > 1e-1 for r in rep.failures)
     assert "FAIL" in rep.summary() and "FAIL" in format_result(rep.failures[0])
     assert not json.loads(rep.to_json())["passed"]
+    # a non-finite error is written null (strict JSON), and the shard merger reads it as
+    # the worst error
+    import subprocess
+    import sys
+    from pathlib import Path
+    rep.failures[0].max_rel_error = math.nan
+    text = rep.to_json()
+    assert "NaN" not in text
+    assert any(r["max_rel_error"] is None for r in json.loads(text)["results"])
+    (tmp_path / "a.json").write_text(text)
+    res = subprocess.run([sys.executable, "bench/device/merge_check_shards.py",
+                          str(tmp_path / "m.json"), str(tmp_path / "a.json")],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert res.returncode == 0 and "worst max-rel inf" in res.stdout, res.stderr
 
 
 def test_wrong_path_recorded_fails(monkeypatch):

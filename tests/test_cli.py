@@ -112,9 +112,20 @@ def test_bench_passes_the_l2_flush_to_the_timers(run, monkeypatch, tmp_path, opt
     assert "l2" not in json.loads(js.read_text())["header"]
 
 
+def test_the_report_header_names_the_flush_when_given():
+    from paged_decode.backends import get_backend
+    from paged_decode.bench.runner import header
+    be = get_backend("reference")
+    assert header(be, bandwidth=None, l2="dirty")["l2"] == "dirty"
+    assert "l2" not in header(be, bandwidth=None)
+
+
 def test_bench_refuses_a_flush_with_a_warm_l2():
     res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--warm-l2",
                                     "--l2-flush", "dirty"])
+    assert res.exit_code != 0 and "--warm-l2 flushes nothing" in res.output
+    res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--warm-l2",
+                                    "--l2-flush", "clean"])             # the default, named
     assert res.exit_code != 0 and "--warm-l2 flushes nothing" in res.output
     res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--l2-flush", "cold"])
     assert res.exit_code != 0 and "'cold' is not one of 'clean', 'dirty'" in res.output
@@ -208,7 +219,10 @@ def test_info_names_the_crossover_table(run, tmp_path, monkeypatch):
     assert "crossover table: unreadable" in res.output
 
 
-def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path):
+def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path, monkeypatch):
+    import paged_decode.bench.engine as engine_mod
+    released = []      # the allocators' cached blocks go back before every arm (S25-R3)
+    monkeypatch.setattr(engine_mod, "release_memory", lambda be: released.append(be.name))
     out = tmp_path / "engine.json"
     res = run("bench", "--backend", "reference", "--suite", "engine", "--layers", "2",
               "--steps", "5", "--batch", "3", "--context", "40", "--json", str(out))
@@ -223,6 +237,7 @@ def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path):
         assert len(arms[name]["errors"]) == 4           # layers 0 and L-1, first and last
         assert arms[name]["step_us"] > 0
     assert not arms["flashinfer"]["ran"] and not arms["flashinfer-captured"]["ran"]
+    assert released == ["reference"] * len(arms)
     bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
                                     "--arms", "v2"])
     assert bad.exit_code != 0 and "eager, captured, eager-tc, captured-tc, flashinfer" \
@@ -232,7 +247,7 @@ def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path):
     assert bad.exit_code != 0 and "--model must be one of" in bad.output
     for opts in (["--kv-dtype", "float8_e4m3fn"], ["--window-left", "5"], ["--sinks"],
                  ["--soft-cap", "3"], ["--preset", "targets"], ["--warm-l2"],
-                 ["--l2-flush", "dirty"]):
+                 ["--l2-flush", "dirty"], ["--l2-flush", "clean"]):
         bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite",
                                         "engine", *opts])
         assert bad.exit_code != 0 and f"bench --suite engine: {opts[0]} apply to the decode " \

@@ -14,7 +14,7 @@ import pytest
 from helpers import assert_matches_oracle, require_mlx, run_step
 
 import paged_decode as pd
-from paged_decode.errors import InvalidArgumentError
+from paged_decode.errors import InvalidArgumentError, InvalidDtypeError
 from paged_decode.reference import oracle_decode
 
 BACKENDS = ["reference", "emulated-cuda", "emulated-metal"]
@@ -626,10 +626,29 @@ def test_the_step_follows_its_table_s_own_set_sequences_between_steps(backend):
             assert_matches_oracle(out[:b], None, want[:b], None, "float32", f"batch {it}")
     assert step.replans >= 1                  # five sequences outgrew the first plan
     step.begin()
+    before = step.table.batches
     with pytest.raises(InvalidArgumentError, match=r"StepTable.set_sequences: a DecodeStep "
-                       r"over this table has begun a step whose new slots layers \[0, 1\] "
-                       r"have not written"):
+                       r"over this table has begun a step whose new slots have not been "
+                       r"written in layers \[0, 1\]"):
         step.table.set_sequences(batches[0])
+    assert step.table.batches == before       # a refused call changes nothing
+    # once every layer is appended the table may take a batch, but this step's decodes
+    # (their q rows are the begun batch's) are refused until the next begin follows it
+    cap = step.capacity
+    for layer in range(L):
+        step.append(layer, *(2 * [rng.standard_normal((cap, HKV, D)).astype(np.float32)]))
+    step.table.set_sequences(batches[1])
+    assert step.table.batches == before + 1
+    q = rng.standard_normal((cap, HQ, D)).astype(np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep.decode: the step's table "
+                                                   r"took another batch"):
+        step.decode(1, q)
+    step.begin()
+    for layer in range(L):
+        step.append(layer, *(2 * [rng.standard_normal((cap, HKV, D)).astype(np.float32)]))
+    out = np.asarray(step.decode(1, q))
+    want, _ = _oracle(pool, step, 1, q)
+    assert_matches_oracle(out[:2], None, want[:2], None, "float32", "followed")
 
 
 def test_auto_over_fp8_pools_refuses_a_query_it_did_not_plan_for():
@@ -652,6 +671,8 @@ def test_auto_over_fp8_pools_refuses_a_query_it_did_not_plan_for():
         q = rng.standard_normal((step.capacity, HQ, D)).astype(np.float32)
         if path == "auto":
             assert step.path == "v2tc"
+            with pytest.raises(InvalidDtypeError):      # no path takes float64: decode's
+                step.decode(0, q.astype(np.float64))     # own dtype error, as before
             with pytest.raises(InvalidArgumentError, match=r"DecodeStep.decode: path='auto' "
                                r"chose v2tc for this step's float8_e4m3fn pools, assuming "
                                r"float16 or bfloat16 queries; got q float32"):

@@ -603,26 +603,42 @@ def test_a_scale_may_be_any_one_element_real_array():
 def test_a_device_scale_is_refused_inside_a_graph_capture(monkeypatch):
     """A device scale is read back every call; inside a CUDA graph capture that read
     would fail with the framework's own error (and a replay would keep one value), so it
-    is refused by name. A stand-in CuPy module and array (no GPU here); outside a capture
-    the same array is read as any one-element array is."""
+    is refused by name, whichever framework captures (a CuPy scale may meet a torch
+    capture). Stand-in torch and CuPy modules and arrays (no GPU here); outside a capture
+    the same arrays are read as any one-element array is."""
     import sys
     import types
-    capturing = [True]
+    state = {"cupy": False, "torch": False}
 
     class Stream:
         def is_capturing(self):
-            return capturing[0]
-    fake = types.ModuleType("cupy")
-    fake.cuda = types.SimpleNamespace(get_current_stream=lambda: Stream())
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    DeviceScale = type("ndarray", (), {"__module__": "cupy._core.core", "shape": (1,),
-                                        "dtype": np.dtype(np.float32),
-                                        "item": lambda self: 0.25})
-    with pytest.raises(InvalidArgumentError, match=r"^decode: k_scale is a device array, "
-                       r"read back on the host every call; inside a CUDA graph capture"):
-        fp8.check_scale("decode", "k_scale", DeviceScale())
-    capturing[0] = False
-    assert fp8.check_scale("decode", "k_scale", DeviceScale()) == np.float32(0.25)
+            return state["cupy"]
+    fake_cupy = types.ModuleType("cupy")
+    fake_cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: Stream())
+    fake_torch = types.ModuleType("torch")
+    fake_torch.cuda = types.SimpleNamespace(
+        is_available=lambda: True, is_current_stream_capturing=lambda: state["torch"])
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+
+    def scale(module, **extra):
+        cls = type("ndarray", (), {"__module__": module, "shape": (1,),
+                                   "dtype": np.dtype(np.float32),
+                                   "item": lambda self: 0.25, **extra})
+        return cls()
+    cupy_scale, torch_scale = scale("cupy._core.core"), scale("torch", is_cuda=True)
+    host_like_torch = scale("torch", is_cuda=False)
+    for who in ("cupy", "torch"):
+        state.update(cupy=who == "cupy", torch=who == "torch")
+        for v in (cupy_scale, torch_scale):
+            with pytest.raises(InvalidArgumentError, match=r"^decode: k_scale is a device "
+                               r"array, read back on the host every call; inside a CUDA "
+                               r"graph capture"):
+                fp8.check_scale("decode", "k_scale", v)
+        assert fp8.check_scale("decode", "k_scale", host_like_torch) == np.float32(0.25)
+    state.update(cupy=False, torch=False)
+    for v in (cupy_scale, torch_scale):
+        assert fp8.check_scale("decode", "k_scale", v) == np.float32(0.25)
     assert not fp8._capturing_device_array(np.array([1.0]))      # host arrays: never
 
 

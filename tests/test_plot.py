@@ -43,6 +43,8 @@ def test_unverified_and_unavailable_arms_are_not_plotted():
     assert _value(d["v2"], "gpu") == pytest.approx(10.24)
     assert _value(d["v1"], "gpu") is None and _value(d["fi"], "gpu") is None
     assert _value(d["v2"], "call") == 20.0 and _value(d["v2"], "gbps") == 100.0
+    # a NaN rate is written null (json_text): a gap in the plot, as NaN was
+    assert _value({**d["v2"], "gbps": None}, "gbps") is None
 
 
 def test_plot_rejects_bad_metric_and_empty_results(tmp_path):

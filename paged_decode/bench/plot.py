@@ -17,8 +17,8 @@ def _value(arm: dict[str, Any], metric: str) -> float | None:
     if not arm.get("verified") or arm.get("ran") == "unavailable":
         return None
     try:
-        if metric == "gbps":
-            return float(arm["gbps"]) or None
+        if metric == "gbps":        # null: a NaN rate (json_text), drawn as a gap
+            return None if arm["gbps"] is None else (float(arm["gbps"]) or None)
         key = "gpu" if metric == "gpu" else "call"
         med = arm.get(key, {}).get("median_us")
         return float(med) if med else None

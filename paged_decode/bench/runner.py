@@ -375,8 +375,6 @@ def time_arms(be: Backend, arms: tuple[str, ...], q: Any, k: Any, v: Any, table:
     return results
 
 
-
-
 def run_bench(cases: list[BenchCase], *, backend: str | Backend | None = None,
               arms: tuple[str, ...] = ("gather", "v1", "v2"), warmup: int = 5, reps: int = 30,
               cold_l2: bool | str = True, seed: int = 0, graph: bool = True,

@@ -6,8 +6,9 @@ buffer before each iteration, outside the events: L2 then holds clean lines of t
 buffer, as it holds a projection's weights before attention in a model's step.
 ``"dirty"`` overwrites the buffer instead (this bench's only flush before session 25): L2
 is left full of modified lines, which the timed call must write back to DRAM as its reads
-evict them, up to an L2's worth (50 MB on an H100 or H200) of extra DRAM traffic charged
-to every call. ``False``: no flush.
+evict them, up to an L2's worth (50 MB on an H100) of extra DRAM traffic charged to every
+call. ``False``: no flush. Every timer here, the device scripts' included, has flushed by
+the read since session 25: compare with earlier runs only under ``"dirty"``.
 
 Each returns per-iteration seconds; the runner reports median, p20 and p80.
 
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-L2_FLUSH_BYTES = 256 << 20   # larger than any current GPU's L2 (H200: 60 MB)
+L2_FLUSH_BYTES = 256 << 20   # larger than any current GPU's L2 (tens of MB)
 
 #: the cold-L2 flushes (``cold_l2`` True means "clean")
 L2_FLUSHES = ("clean", "dirty")
