@@ -235,9 +235,11 @@ step_racecheck() {
   echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$L/racecheck.log" | tail -3
 }
 # run_bench NAME ARGS...: one bench run into $OUT/bench_NAME.{json,md,txt}, stderr logged
+# (BENCH_L2=dirty: the flush of the runs before session 25, for comparisons with them)
 run_bench() {
   local name=$1; shift
-  timeout ${BENCH_TIMEOUT:-260} paged-decode bench --backend cuda --reps $REPS --warmup 3 "$@" \
+  timeout ${BENCH_TIMEOUT:-260} paged-decode bench --backend cuda --reps $REPS --warmup 3 \
+    ${BENCH_L2:+--l2-flush $BENCH_L2} "$@" \
     --json "$OUT/bench_$name.json" --markdown "$OUT/bench_$name.md" 2>"$L/bench_$name.err" \
     | tee "$OUT/bench_$name.txt" | tail -40
   echo "$name rc=$?"; tail -3 "$L/bench_$name.err"
