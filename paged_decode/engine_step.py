@@ -178,10 +178,14 @@ class DecodeStep:
             held = [int(s) for s in self._batch.seqs if int(s) in live] \
                 if self._batch is not None else []
             if held:
+                stranded = self._batch is not None and \
+                    self._batch.version != self.pool._version
                 raise InvalidArgumentError(
                     f"{fn}: sequences {held[:16]} hold the token slot the last begin() "
                     f"reserved, which layers {self.unwritten_layers()} have not written: "
-                    "append those layers first, or free those sequences")
+                    + ("free those sequences (a sequence of the step was freed, so it "
+                       "cannot write them any more)" if stranded else
+                       "append those layers first, or free those sequences"))
             self.pool._open_step = None
         self.table.set_sequences(seqs)
         self._follow_batch()
@@ -258,6 +262,13 @@ class DecodeStep:
     def _append_rows(self, fn: str, batch: AppendedBatch, layer: int, k: Any, v: Any) -> None:
         """``append``'s write, arguments checked but the rows'."""
         if batch.write.num_touched == 0:
+            if self._capturing or self.backend.capturing():
+                # nothing to launch now, so nothing would be recorded, and every replay
+                # would leave its begin's slots unwritten (read as stale K/V)
+                raise InvalidArgumentError(
+                    f"{fn}: the batch has no live sequence, so a graph captured now would "
+                    "write no rows when replayed over a later batch: capture after "
+                    "set_sequences gives the step a sequence")
             return
         self._apply_pending(k)
         key = ("append", layer, id(k), id(v), self.table.layout)
@@ -569,6 +580,12 @@ class CapturedStep:
         if s.steps == self._last:
             raise StaleStepError(f"{fn}: call step.begin() before each replay (the same "
                                  "slots would be written twice)")
+        if s._appended & self._layers:
+            # the graph writes those layers' slots again (or, re-run, refuses half-way)
+            raise InvalidArgumentError(
+                f"{fn}: layers {sorted(s._appended & self._layers)} were appended since "
+                "begin(), and the replay appends them again: replay a step whole, or "
+                "write it eagerly")
         self._last = s.steps
         if self.graph is None:
             self.body(s)           # its first append or decode applies the table update

@@ -308,7 +308,13 @@ class PagePool:
         S = self._seqs
         self._release(S.row_pages(int(S.id_rows[i])))
         S.remove(i)
+        step, old = self._open_step, self._version
         self._version += 1
+        if step is not None and step._batch is not None and step._batch.version == old \
+                and int(seq) not in step._batch.seqs:
+            # a sequence outside an open step's batch: its slots and table rows are as
+            # they were, so the step goes on (a free of one of its own strands it)
+            step._batch.version = self._version
         for table in self._tables():
             table._on_free(int(seq))
 
@@ -801,6 +807,12 @@ class PagePool:
         unwritten, and every later decode would attend to them."""
         step = self._open_step
         if step is not None:
+            if step._batch is not None and step._batch.version != self._version:
+                raise InvalidArgumentError(
+                    f"{fn}: a DecodeStep's begin() reserved token slots that layers "
+                    f"{step.unwritten_layers()} can no longer write (one of its sequences "
+                    "was freed): free its other sequences that hold one, then call the "
+                    "step's set_sequences")
             raise InvalidArgumentError(
                 f"{fn}: a DecodeStep's begin() reserved a token slot in its sequences that "
                 f"layers {step.unwritten_layers()} have not written yet: append every layer "

@@ -229,15 +229,19 @@ class StepTable:
         if grew:   # a new buffer: every row is rebuilt from the pool at the flush
             self._grow(fn, b, self._pcap)
         pad = self._cap - b
-        pos, found = self._find(ids)
-        src = np.where(found & (not grew), pos, -1)
-        old_front, old_dirty = self._front, self._dirty_from
+        pos, found = self._find(ids)                 # rows of the current (host) batch
+        at = np.where(found & (not grew), pos, -1)
+        # `_src` maps host rows to the device rows they keep pages of; a batch set since
+        # the last flush is not on the device yet, so compose through it (a row of the
+        # current batch that is not on the device itself stays -1: sent whole)
+        old_src, old_front, old_dirty = self._src, self._front, self._dirty_from
+        src = np.where(at >= 0, old_src[np.maximum(at, 0)], -1)
         self._set_rows(np.concatenate([ids, np.full(pad, -1, np.int64)]),
                        np.concatenate([rows, np.full(pad, -1, np.int64)]),
                        np.concatenate([src, np.full(pad, -1, np.int64)]))
-        kept = self._src >= 0
-        self._front[kept] = old_front[self._src[kept]]
-        self._dirty_from[kept] = old_dirty[self._src[kept]]
+        kept = np.flatnonzero(self._src >= 0)        # the pending trims and appends
+        self._front[kept] = old_front[at[kept]]      # travel with their sequence's row
+        self._dirty_from[kept] = old_dirty[at[kept]]
         self._simple = self._simple and not self._front.any()
         self._dirty = True
 

@@ -1290,6 +1290,31 @@ MUTANTS: tuple[Mutant, ...] = (
         "test_the_step_follows_its_table_s_own_set_sequences_between_steps[reference]"],
        "after every layer's append, step.table.set_sequences lets the step's decodes run "
        "the begun batch's q rows over the new batch (max abs error 2.6)"),
+    _m("py-step-table-second-batch-maps-host-rows", "python", ("paged_decode.step_table",),
+       "        src = np.where(at >= 0, old_src[np.maximum(at, 0)], -1)",
+       "        src = at",
+       ["tests/test_step_table.py::"
+        "test_several_batches_between_flushes_keep_the_device_table_right[reference]"],
+       "a second set_sequences before a flush maps rows through the first's unsent order: "
+       "moved rows get another row's pages (max-rel 1.2 on emulated-cuda)"),
+    _m("py-step-captures-an-empty-batch", "python", ("paged_decode.engine_step",),
+       "            if self._capturing or self.backend.capturing():",
+       "            if False:",
+       ["tests/test_engine_step.py::test_an_empty_batch_is_not_captured"],
+       "a graph captured over an empty batch replays no append: later begins' slots are "
+       "never written and decodes read stale K/V (max-rel 0.49 on emulated-cuda)"),
+    _m("py-replay-after-a-partial-eager-step", "python", ("paged_decode.engine_step",),
+       "        if s._appended & self._layers:",
+       "        if False:",
+       ["tests/test_engine_step.py::"
+        "test_a_replay_after_an_eager_append_is_refused_before_it_writes[emulated-cuda]"],
+       "a replay after one layer's eager append rewrites that layer's slot"),
+    _m("py-free-outside-the-batch-strands-the-step", "python", ("paged_decode.pool",),
+       "            step._batch.version = self._version",
+       "            pass",
+       ["tests/test_engine_step.py::"
+        "test_a_free_outside_the_batch_leaves_the_step_going[reference]"],
+       "a free of a sequence outside an open step's batch blocks the step for good"),
     _m("py-bench-preset-override-merges-shapes", "python", ("paged_decode.bench.cases",),
        "shape = tuple(v for k, v in dataclasses.asdict(c).items() if k not in axes)",
        "shape = (c.model, c.num_qo_heads, c.head_dim, c.dtype)",

@@ -684,3 +684,106 @@ def test_auto_over_fp8_pools_refuses_a_query_it_did_not_plan_for():
         qf = q.astype(np.float16).astype(np.float32) if path == "auto" else q
         want, _ = oracle_decode(qf, kp, vp, step.table.page_table())
         assert_matches_oracle(np.asarray(out, np.float32), None, want, None, "float16", path)
+
+
+def _one_seq_step(backend, extra=False):
+    rng = np.random.default_rng(21)
+    pool = pd.PagePool(32, 4, HKV, D, "float32", num_layers=L, backend=backend)
+    a = pool.new_sequence()
+    x = rng.standard_normal((L, 5, HKV, D)).astype(np.float32)
+    pool.append(a, x, x)
+    other = None
+    if extra:
+        other = pool.new_sequence()
+        pool.append(other, x, x)
+    step = pd.DecodeStep(pool, [a], num_qo_heads=HQ, capacity=2, headroom=8, path="v2")
+    return pool, step, a, other, rng
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_a_free_outside_the_batch_leaves_the_step_going(backend):
+    """free() is allowed mid-step: of a sequence outside the begun batch, the step goes on
+    (before: every later call said the step was stranded and advised freeing the step's
+    own sequences); of one of its own, the step is stranded and every message says the
+    one way out (free the others that hold slots), none says to append."""
+    pool, step, a, other, rng = _one_seq_step(backend, extra=True)
+    k = rng.standard_normal((2, HKV, D)).astype(np.float32)
+    step.begin()
+    step.append(0, k, k)
+    pool.free(other)
+    step.append(1, k, k)                         # the step goes on
+    q = rng.standard_normal((2, HQ, D)).astype(np.float32)
+    out = np.asarray(step.decode(1, q))
+    want, _ = _oracle(pool, step, 1, q)
+    assert_matches_oracle(out[:1], None, want[:1], None, "float32", "after the free")
+    # freeing a sequence of the batch strands it
+    b = pool.new_sequence()
+    x = rng.standard_normal((L, 3, HKV, D)).astype(np.float32)
+    pool.append(b, x, x)
+    step.set_sequences([a, b])
+    step.begin()
+    step.append(0, k, k)
+    pool.free(b)
+    with pytest.raises(InvalidArgumentError, match=r"a sequence was freed since the last "
+                                                   r"begin\(\)"):
+        step.append(1, k, k)
+    with pytest.raises(InvalidArgumentError, match=r"can no longer write .*free its other "
+                                                   r"sequences"):
+        pool.append(a, x[:, :1], x[:, :1])
+    with pytest.raises(InvalidArgumentError, match=r"free those sequences \(a sequence of "
+                                                   r"the step was freed"):
+        step.set_sequences([a])
+
+
+def test_an_empty_batch_is_not_captured():
+    """A graph recorded while the batch has no live sequence records no append, and every
+    replay over a later batch would leave its begin's slots unwritten (stale K/V read:
+    max-rel 0.49 on emulated-cuda, S25's fuzzing): refused; the step recovers."""
+    pool, step, a, _, rng = _one_seq_step("emulated-cuda")
+    k = np.zeros((2, HKV, D), np.float32)
+
+    def body(st):
+        for layer in range(L):
+            st.append(layer, k, k)
+    step.set_sequences([])
+    step.begin()
+    with pytest.raises(InvalidArgumentError, match=r"the batch has no live sequence, so a "
+                                                   r"graph captured now would write no rows"):
+        step.capture(body)
+    step.set_sequences([a])
+    step.begin()
+    graph = step.capture(body)
+    step.begin()
+    k[...] = rng.standard_normal(k.shape)
+    graph.replay()
+    kp = np.asarray(pool.layer(0)[0])
+    slot = kp[pool.seq_pages(a)[-1], (pool.seq_len(a) - 1) % 4]
+    np.testing.assert_array_equal(slot, k[0])
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_a_replay_after_an_eager_append_is_refused_before_it_writes(backend):
+    """begin, one layer appended eagerly, then a replay of a graph that appends every
+    layer: refused before anything runs (before: reference re-ran the body, wrote layer 0
+    and refused at layer 1; emulated-cuda rewrote layer 1's slot silently)."""
+    pool, step, a, _, rng = _one_seq_step(backend)
+    k = np.ones((2, HKV, D), np.float32)
+
+    def body(st):
+        for layer in range(L):
+            st.append(layer, k, k)
+    step.begin()
+    graph = step.capture(body)
+    step.begin()
+    eager = np.full((2, HKV, D), 7.0, np.float32)
+    step.append(1, eager, eager)
+    k[...] = 3.0
+    with pytest.raises(InvalidArgumentError, match=r"CapturedStep.replay: layers \[1\] were "
+                                                   r"appended since begin\(\)"):
+        graph.replay()
+    assert step.unwritten_layers() == [0]
+    slot = (pool.seq_pages(a)[-1], (pool.seq_len(a) - 1) % 4)
+    assert np.asarray(pool.layer(1)[0])[slot][0, 0] == 7.0      # untouched
+    assert np.asarray(pool.layer(0)[0])[slot][0, 0] != 3.0
+    step.append(0, k, k)                                       # the step completes
+    assert step.unwritten_layers() == []

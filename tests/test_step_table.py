@@ -88,6 +88,32 @@ def test_random_operations_keep_the_device_table_equal_to_the_pool(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_several_batches_between_flushes_keep_the_device_table_right(backend):
+    """Two or more set_sequences calls (reorders, subsets, new members) with appends and
+    trims between them and no flush: the delta maps each row to the device row it keeps
+    pages of through every unsent batch (before, the second call took the first's unsent
+    order for the device's, and moved rows got another row's pages: S25's fuzzing)."""
+    rng = np.random.default_rng(17)
+    pool = pd.PagePool(128, 4, HKV, D, "float32", backend=backend)
+    seqs = [pool.new_sequence() for _ in range(6)]
+    for s, n in zip(seqs, [5, 9, 14, 1, 7, 22]):
+        pool.append(s, rows(rng, n), rows(rng, n))
+    st = pool.step_table(seqs[:3], capacity=6, page_capacity=64)
+    assert_matches_pool(st)
+    for _ in range(30):
+        for _ in range(int(rng.integers(2, 5))):       # batches set without a flush
+            live = [int(x) for x in rng.permutation(seqs)[: int(rng.integers(1, 7))]]
+            st.set_sequences(live)
+            op = rng.integers(0, 3)
+            if op == 0:
+                pool.append_batch(live, rows(rng, len(live)), rows(rng, len(live)))
+            elif op == 1:
+                s = live[int(rng.integers(len(live)))]
+                pool.trim_front(s, int(rng.integers(0, min(3, pool.seq_len(s)) + 1)))
+        assert_matches_pool(st)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_decode_step_uploads_only_what_changed(backend, monkeypatch):
     rng = np.random.default_rng(3)
     pool = pd.PagePool(256, 4, HKV, D, "float32", backend=backend)
