@@ -217,7 +217,7 @@ class DecodeStep:
             batch, desc = steady[0], steady[1]
         else:
             rows, ids, pool_rows = self.table.live_rows()
-            batch = self.pool._reserve_rows(ids, pool_rows)
+            batch = self.pool._reserve_rows(ids, pool_rows, fn)
             desc = table_row_desc(batch.write.desc, rows, self.capacity)
         self._pool_version = self.pool._version
         # the host part only: one upload of the table delta and the descriptor; the

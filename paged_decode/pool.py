@@ -462,10 +462,12 @@ class PagePool:
             self._table_refs = [weakref.ref(t) for t in live]
         return live
 
-    def _reserve_rows(self, ids: np.ndarray, rows: np.ndarray) -> AppendedBatch:
+    def _reserve_rows(self, ids: np.ndarray, rows: np.ndarray,
+                      fn: str = "PagePool.reserve_batch") -> AppendedBatch:
         """``reserve_batch`` of distinct live sequences ``ids`` in pool rows ``rows``,
-        already checked (a step table's own sequences; the table follows every free)."""
-        return self._append("PagePool.reserve_batch", ids, rows, None, None, None, 0, 0)
+        already checked (a step table's own sequences; the table follows every free);
+        ``fn`` names the caller's call in errors (a full pool)."""
+        return self._append(fn, ids, rows, None, None, None, 0, 0)
 
     def step_table(self, seqs: Sequence[int] | np.ndarray, *, capacity: int | None = None,
                    page_capacity: int | None = None,

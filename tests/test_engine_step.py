@@ -787,3 +787,15 @@ def test_a_replay_after_an_eager_append_is_refused_before_it_writes(backend):
     assert np.asarray(pool.layer(0)[0])[slot][0, 0] != 3.0
     step.append(0, k, k)                                       # the step completes
     assert step.unwritten_layers() == []
+
+
+def test_a_full_pool_is_reported_by_the_call_the_caller_made():
+    pool = pd.PagePool(3, 4, HKV, D, "float32", num_layers=1, backend="reference")
+    x = np.zeros((1, 4, HKV, D), np.float32)
+    seqs = [pool.new_sequence(), pool.new_sequence()]
+    for s in seqs:
+        pool.append(s, x, x)
+    step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ, capacity=2)
+    with pytest.raises(pd.PoolExhaustedError, match=r"^DecodeStep.begin: need 2 free pages"):
+        step.begin()
+    assert step.unwritten_layers() == [0] and pool._open_step is None   # nothing reserved
