@@ -172,8 +172,11 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     # value is read by the checks, so such a call is never replayed from the cache
     number_scales = (isinstance(variants["k_scale"], _NUMBER_SCALE)
                      and isinstance(variants["v_scale"], _NUMBER_SCALE))
+    # arrays only: a list accepted for q or sinks has no layout for a hit to compare
+    # (and would fail the cache's bookkeeping after the launches wrote `out`)
     if ((one_token or (tokens_key is not None and not isinstance(table, StepTable)))
             and number_scales and out is not None and (lse is not None or not return_lse)
+            and all(x is None or hasattr(x, "shape") for x in arrays)
             and not be.functional_outputs
             and ((plan is not None and (cascade is None or cascade is False))
                  or isinstance(cascade, CascadeDecodePlan))):

@@ -41,6 +41,7 @@ from .call import (
 )
 from .cascade import run_cascade
 from .errors import InvalidArgumentError, PlanMismatchError, check_writable, fail
+from .fp8 import check_scale
 from .multitoken_call import MultiTokenCall, multitoken_call, refuse_cascade
 from .outcome import DecodeOutcome, record
 from .plan import DecodePlan
@@ -63,6 +64,9 @@ class _PreparedCall:
     #: set by ``prepare_decode`` over a ``StepTable`` (``_follow_table``); ``None``:
     #: the table never changes, or the caller follows it itself (``DecodeStep``)
     _follow: _TableFollower | None = None
+    #: ``(qo_indptr, its bytes)`` of a multi-token call prepared with one: the split of
+    #: the queries was made from those bytes, so a call after an edit is refused
+    _qo_indptr: tuple[Any, bytes] | None = None
 
     @functools.cached_property
     def _host_outputs(self) -> tuple[tuple[str, Any], ...]:
@@ -76,6 +80,11 @@ class _PreparedCall:
         ``return_lse``)."""
         for name, x in self._host_outputs:      # numpy's flag can change after preparing
             check_writable(f"{type(self).__name__}()", name, x)
+        qo = self._qo_indptr
+        if qo is not None and _bytes_of(qo[0]) != qo[1]:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}(): qo_indptr changed since prepare_decode, which "
+                "split the queries by it once: prepare again (decode reads it per call)")
         f = self._follow
         if f is not None and f.behind():
             f.catch_up(self)
@@ -160,6 +169,13 @@ class PreparedMultiToken(_PreparedCall):
                                            reason=f"{call.outcome.reason}; prepared call")
 
 
+def _bytes_of(x: Any) -> bytes:
+    """The contents of a host index array (``qo_indptr``: host integers), as bytes with
+    their dtype, for a cheap compare."""
+    a = np.asarray(x)
+    return a.dtype.str.encode() + a.tobytes()
+
+
 def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                    plan: DecodePlan | None = None, *, path: str = "auto",
                    sm_scale: float | None = None, out: Any = None, lse: Any = None,
@@ -182,8 +198,10 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
     ``decode``'s variants, fixed for the prepared call, and so are an fp8 pool's
     ``kv_dtype``, ``k_scale`` and ``v_scale`` (a scale given as a one-element array or
     tensor is read here, once: prepare again after changing it; ``decode`` reads it at
-    every call). A multi-token ``q`` (``[B, T, Hq, D]``, or
-    ``[N, Hq, D]`` with ``qo_indptr``) prepares a ``PreparedMultiToken``.
+    every call; a step table's re-preparation keeps the value read here). A multi-token
+    ``q`` (``[B, T, Hq, D]``, or ``[N, Hq, D]`` with ``qo_indptr``) prepares a
+    ``PreparedMultiToken``; its split of the queries is made here from ``qo_indptr``, and a
+    call after an in-place edit of ``qo_indptr`` is refused.
 
     Over a ``StepTable`` each call follows what the pool did to the batch since the last:
     the device table is brought up to date and ``plan`` checked against it (a plan that
@@ -200,6 +218,13 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
           "qo_indptr": qo_indptr, "kv_dtype": kv_dtype, "k_scale": k_scale,
           "v_scale": v_scale}
     made = prepare_call(fn, q, k_pages, v_pages, table, plan, out=out, lse=lse, **kw)
+    for name in ("k_scale", "v_scale"):
+        if kw[name] is not None and not isinstance(kw[name], (int, float)):
+            # read once, here (the call checked it): a remake over a changed step table
+            # keeps this value, not the array's value of that moment
+            kw[name] = check_scale(fn, name, kw[name])
+    if qo_indptr is not None:
+        made._qo_indptr = (qo_indptr, _bytes_of(qo_indptr))
     if isinstance(table, StepTable):
 
         def remake() -> Prepared:   # the same call on the table as it is now, same outputs

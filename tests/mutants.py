@@ -1315,6 +1315,20 @@ MUTANTS: tuple[Mutant, ...] = (
        ["tests/test_engine_step.py::"
         "test_a_free_outside_the_batch_leaves_the_step_going[reference]"],
        "a free of a sequence outside an open step's batch blocks the step for good"),
+    _m("py-prepared-remake-rereads-array-scales", "python", ("paged_decode.prepared",),
+       "            kw[name] = check_scale(fn, name, kw[name])",
+       "            pass",
+       ["tests/test_prepared_follow.py::"
+        "test_a_prepared_call_keeps_the_array_scales_it_read_through_a_remake[reference]"],
+       "a prepared call over a step table re-reads an array scale when the pool changes "
+       "the batch: the scale switches at an unrelated event"),
+    _m("py-prepared-multitoken-ignores-qo-edit", "python", ("paged_decode.prepared",),
+       "        if qo is not None and _bytes_of(qo[0]) != qo[1]:",
+       "        if False:",
+       ["tests/test_prepared_follow.py::"
+        "test_a_prepared_multi_token_call_refuses_an_edited_qo_indptr"],
+       "a prepared multi-token call runs the old split after qo_indptr is edited in place "
+       "(max-rel 1.7)"),
     _m("py-bench-preset-override-merges-shapes", "python", ("paged_decode.bench.cases",),
        "shape = tuple(v for k, v in dataclasses.asdict(c).items() if k not in axes)",
        "shape = (c.model, c.num_qo_heads, c.head_dim, c.dtype)",

@@ -216,3 +216,92 @@ def test_the_fast_path_refuses_what_the_checks_refuse(arg, cached, refused, msg)
     with pytest.raises(InvalidArgumentError, match=msg):
         pd.decode(q, pool.k, pool.v, t, plan, out=out, backend="reference",
                   **{arg: refused})
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_a_prepared_call_keeps_the_array_scales_it_read_through_a_remake(backend):
+    """An array k_scale / v_scale is read once, at preparation (documented); a prepared
+    call over a step table re-prepares itself when the pool changes the batch, and that
+    used to read the arrays again: on reference the scale switched to the array's value
+    of that moment, on emulated-cuda it did not (S25's fuzzing). Both keep 0.5 now."""
+    from paged_decode.reference import oracle_decode, row_rel_error
+    rng = np.random.default_rng(0)
+    hq, hkv, d = 4, 2, 64
+    pool = pd.PagePool(32, 8, num_kv_heads=hkv, head_dim=d, dtype="float8_e4m3fn",
+                       backend=backend, k_scale=1.0, v_scale=1.0)
+    s = pool.new_sequence()
+    x = rng.standard_normal((20, hkv, d)).astype(np.float32)
+    pool.append(s, x, x)
+    st = pool.step_table([s])
+    plan = pd.plan_decode(st, hq, hkv, d, backend=backend, headroom=32,
+                          kv_dtype="float8_e4m3fn")
+    q = rng.standard_normal((1, hq, d)).astype(np.float16)
+    out = np.zeros_like(q)
+    vs = np.array([0.5], np.float32)
+    prep = pd.prepare_decode(q, pool.k, pool.v, st, plan, path="v2", out=out,
+                             backend=backend, kv_dtype="float8_e4m3fn",
+                             k_scale=np.array([1.0], np.float32), v_scale=vs)
+
+    def err(v):
+        want, _ = oracle_decode(q, pool.k, pool.v, st.page_table(), k_scale=1.0, v_scale=v)
+        return row_rel_error(out, want)
+    prep()
+    vs[0] = 2.0
+    for _ in range(2):               # before and after the pool changes the batch
+        prep()
+        assert err(0.5) < 5e-3 < err(2.0)
+        y = rng.standard_normal((1, hkv, d)).astype(np.float32)
+        pool.append(s, y, y)
+
+
+def test_a_prepared_multi_token_call_refuses_an_edited_qo_indptr():
+    """The queries' split is made once from qo_indptr; an in-place edit used to be
+    ignored by the prepared call (max-rel 1.7) while decode follows it: refused now."""
+    from paged_decode.reference import oracle_decode, row_rel_error
+    rng = np.random.default_rng(0)
+    hq, hkv, d = 4, 2, 64
+    pool = pd.PagePool(32, 8, num_kv_heads=hkv, head_dim=d, dtype="float16",
+                       backend="reference")
+    seqs = [pool.new_sequence() for _ in range(2)]
+    for s, n in zip(seqs, (30, 40)):
+        x = rng.standard_normal((n, hkv, d)).astype(np.float32)
+        pool.append(s, x, x)
+    t = pool.page_table(seqs)
+    plan = pd.plan_decode(t, hq, hkv, d, backend="reference", query_tokens=3)
+    qi = np.array([0, 3, 4], np.int32)
+    q = rng.standard_normal((4, hq, d)).astype(np.float16)
+    out = np.zeros_like(q)
+    prep = pd.prepare_decode(q, pool.k, pool.v, t, plan, path="v2", out=out, qo_indptr=qi,
+                             backend="reference")
+    prep()
+    want, _ = oracle_decode(q, pool.k, pool.v, t, qo_indptr=qi)
+    assert row_rel_error(out, want) < 5e-3
+    qi[1] = 1
+    with pytest.raises(InvalidArgumentError, match=r"PreparedMultiToken\(\): qo_indptr "
+                                                   r"changed since prepare_decode"):
+        prep()
+    qi[1] = 3                                      # back as prepared: runs again
+    prep()
+
+
+def test_a_list_argument_is_computed_not_cached():
+    """sinks (or q) as a list is accepted by the checks; with plan and out given, the fast
+    path's cache used to read its .shape after the launches wrote out (AttributeError).
+    Such a call is computed every time, never cached."""
+    rng = np.random.default_rng(0)
+    hq, hkv, d = 4, 2, 64
+    pool = pd.PagePool(16, 8, num_kv_heads=hkv, head_dim=d, dtype="float32",
+                       backend="reference")
+    s = pool.new_sequence()
+    x = rng.standard_normal((13, hkv, d)).astype(np.float32)
+    pool.append(s, x, x)
+    t = pool.page_table([s])
+    plan = pd.plan_decode(t, hq, hkv, d, backend="reference")
+    q = rng.standard_normal((1, hq, d)).astype(np.float32)
+    out = np.full((1, hq, d), np.nan, np.float32)
+    want = pd.decode(q, pool.k, pool.v, t, plan, sinks=np.full(hq, 0.5, np.float32),
+                     backend="reference")
+    for _ in range(2):
+        pd.decode(q, pool.k, pool.v, t, plan, sinks=[np.float32(0.5)] * hq, out=out,
+                  backend="reference")
+        np.testing.assert_allclose(out, want, rtol=1e-6)
