@@ -30,7 +30,8 @@ def request_kv_f64(pages: Any, table: PageTable, r: int, kv_dtype: str | None = 
     sel = host[np.asarray(ids)]
     fmt = kv_dtype if kv_dtype is not None else sel.dtype.name
     run = (dequantize(sel, fmt).astype(np.float64) if is_fp8(fmt) else as_float64(sel))
-    run = (run * float(scale)).reshape(-1, *host.shape[2:])
+    # a scale as decode takes it: a number or a one-element array
+    run = (run * float(np.asarray(scale, np.float64).reshape(()))).reshape(-1, *host.shape[2:])
     end = (len(ids) - 1) * p + int(table.last_page_len[r])
     return run[int(table.first_page_offset[r]):end]
 

@@ -588,6 +588,17 @@ def test_bad_fp8_arguments_are_refused(entry, kw, msg):
         getattr(pd, entry)(q, k, v, table, **kw)
 
 
+def test_the_oracle_takes_a_scale_as_decode_does():
+    """A one-element array scale, which decode accepts, in the float64 oracle too (it
+    raised numpy's TypeError: S25's Metal fuzzing)."""
+    from paged_decode.reference import oracle_decode
+    q, k, v, table = _small()
+    want = oracle_decode(q, k, v, table, k_scale=0.5, v_scale=2.0)
+    got = oracle_decode(q, k, v, table, k_scale=np.array([0.5]), v_scale=np.array([[2.0]]))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_a_scale_may_be_any_one_element_real_array():
     """A number, or a one-element numpy / torch array of a real dtype (int included), as
     any scalar is; bool and complex ones are refused like bool and complex numbers."""
