@@ -41,7 +41,7 @@ from .call import (
 )
 from .cascade import CascadeDecodePlan, CascadePlan, run_cascade
 from .errors import InvalidArgumentError
-from .multitoken_call import multitoken_call, refuse_cascade
+from .multitoken_call import counts_key, multitoken_call, refuse_cascade
 from .outcome import DecodeOutcome, record
 from .plan import DecodePlan
 from .prepared import PreparedCascade, PreparedDecode, PreparedMultiToken, decode_cache
@@ -167,7 +167,7 @@ def _run_decode(fn: str, be: Backend, conf: settings.Settings, q: Any, k_pages: 
     one_token = qo_indptr is None and len(getattr(q, "shape", ())) != 4
     # a multi-token call is keyed by its counts' content (a host array may be rewritten
     # in place); it reads a step table's host view, so step tables are not cached for it
-    tokens_key = None if one_token else _tokens_key(qo_indptr)
+    tokens_key = None if one_token else counts_key(qo_indptr)
     # a scale given as an array or tensor can change in place (calibrated scales): its
     # value is read by the checks, so such a call is never replayed from the cache
     number_scales = (isinstance(variants["k_scale"], _NUMBER_SCALE)
@@ -256,22 +256,6 @@ _NUMBER_SCALE = (type(None), int, float, np.generic)
 
 def _typed(x: Any) -> tuple[type, Any]:
     return type(x), x
-
-
-def _tokens_key(qo_indptr: Any) -> Any:
-    """What the fast-path key holds of a multi-token call's counts: ``qo_indptr``'s dtype,
-    shape and bytes (the bytes alone match a reinterpreting view of a checked array:
-    ``"uniform"`` for a 4-D ``q``, whose layout is keyed already), or ``None`` when it
-    is no host integer array (never cached; the checks say why)."""
-    if qo_indptr is None:
-        return "uniform"
-    try:
-        arr = np.asarray(qo_indptr)
-    except (TypeError, ValueError):
-        return None
-    if arr.dtype.kind not in "iu" or arr.ndim != 1:
-        return None
-    return arr.dtype.str, arr.shape, arr.tobytes()
 
 
 def _multitoken(fn: str, be: Backend, a: CallArgs, plan: DecodePlan | None, path: str,

@@ -178,8 +178,7 @@ class DecodeStep:
             held = [int(s) for s in self._batch.seqs if int(s) in live] \
                 if self._batch is not None else []
             if held:
-                stranded = self._batch is not None and \
-                    self._batch.version != self.pool._version
+                stranded = self._is_stranded
                 raise InvalidArgumentError(
                     f"{fn}: sequences {held[:16]} hold the token slot the last begin() "
                     f"reserved, which layers {self.unwritten_layers()} have not written: "
@@ -502,12 +501,18 @@ class DecodeStep:
         if self.pool._open_step is not self:
             self.pool._no_open_step(fn)          # another step's, or none
             return
-        if self._batch is not None and self._batch.version != self.pool._version:
+        if self._is_stranded:
             raise self._stranded(fn)
         raise InvalidArgumentError(
             f"{fn}: the last begin() reserved a token slot per sequence that layers "
             f"{self.unwritten_layers()} have not written: append them before the next "
             "begin() (an unwritten slot would be attended to)")
+
+    @property
+    def _is_stranded(self) -> bool:
+        """Whether the pool changed since this step's begin (while a step is open, only a
+        free of one of its own sequences does that): its slots cannot be written."""
+        return self._batch is not None and self._batch.version != self.pool._version
 
     def _stranded(self, fn: str) -> InvalidArgumentError:
         """The error of a step whose sequence was freed before every layer was appended

@@ -30,6 +30,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .backends import Backend
 from .call import (
     CallArgs,
@@ -70,6 +72,23 @@ def _pieces_plan(be: Backend, pieces: PageTable, hq: int, hkv: int, d: int,
         with _plans_lock:
             _piece_plans.setdefault(pieces, {})[key] = hit
     return hit
+
+
+def counts_key(qo_indptr: Any) -> Any:
+    """What a cached or prepared multi-token call keeps of its counts, to notice an
+    in-place edit: ``qo_indptr``'s dtype, shape and bytes (the bytes alone match a
+    reinterpreting view of a checked array; ``"uniform"`` for a 4-D ``q``, whose layout
+    is keyed already), or ``None`` when it is no host integer array (never cached; the
+    checks say why)."""
+    if qo_indptr is None:
+        return "uniform"
+    try:
+        arr = np.asarray(qo_indptr)
+    except (TypeError, ValueError):
+        return None
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        return None
+    return arr.dtype.str, arr.shape, arr.tobytes()
 
 
 @dataclass(frozen=True, eq=False)

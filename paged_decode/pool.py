@@ -809,7 +809,7 @@ class PagePool:
         unwritten, and every later decode would attend to them."""
         step = self._open_step
         if step is not None:
-            if step._batch is not None and step._batch.version != self._version:
+            if step._is_stranded:
                 raise InvalidArgumentError(
                     f"{fn}: a DecodeStep's begin() reserved token slots that layers "
                     f"{step.unwritten_layers()} can no longer write (one of its sequences "

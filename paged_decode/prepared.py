@@ -42,7 +42,7 @@ from .call import (
 from .cascade import run_cascade
 from .errors import InvalidArgumentError, PlanMismatchError, check_writable, fail
 from .fp8 import check_scale
-from .multitoken_call import MultiTokenCall, multitoken_call, refuse_cascade
+from .multitoken_call import MultiTokenCall, counts_key, multitoken_call, refuse_cascade
 from .outcome import DecodeOutcome, record
 from .plan import DecodePlan
 from .step_table import StepTable
@@ -64,9 +64,9 @@ class _PreparedCall:
     #: set by ``prepare_decode`` over a ``StepTable`` (``_follow_table``); ``None``:
     #: the table never changes, or the caller follows it itself (``DecodeStep``)
     _follow: _TableFollower | None = None
-    #: ``(qo_indptr, its bytes)`` of a multi-token call prepared with one: the split of
-    #: the queries was made from those bytes, so a call after an edit is refused
-    _qo_indptr: tuple[Any, bytes] | None = None
+    #: ``(qo_indptr, counts_key(qo_indptr))`` of a multi-token call prepared with one: the
+    #: split of the queries was made from those counts, so a call after an edit is refused
+    _qo_indptr: tuple[Any, Any] | None = None
 
     @functools.cached_property
     def _host_outputs(self) -> tuple[tuple[str, Any], ...]:
@@ -81,7 +81,7 @@ class _PreparedCall:
         for name, x in self._host_outputs:      # numpy's flag can change after preparing
             check_writable(f"{type(self).__name__}()", name, x)
         qo = self._qo_indptr
-        if qo is not None and _bytes_of(qo[0]) != qo[1]:
+        if qo is not None and counts_key(qo[0]) != qo[1]:
             raise InvalidArgumentError(
                 f"{type(self).__name__}(): qo_indptr changed since prepare_decode, which "
                 "split the queries by it once: prepare again (decode reads it per call)")
@@ -169,13 +169,6 @@ class PreparedMultiToken(_PreparedCall):
                                            reason=f"{call.outcome.reason}; prepared call")
 
 
-def _bytes_of(x: Any) -> bytes:
-    """The contents of a host index array (``qo_indptr``: host integers), as bytes with
-    their dtype, for a cheap compare."""
-    a = np.asarray(x)
-    return a.dtype.str.encode() + a.tobytes()
-
-
 def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
                    plan: DecodePlan | None = None, *, path: str = "auto",
                    sm_scale: float | None = None, out: Any = None, lse: Any = None,
@@ -224,7 +217,7 @@ def prepare_decode(q: Any, k_pages: Any, v_pages: Any, table: Table,
             # keeps this value, not the array's value of that moment
             kw[name] = check_scale(fn, name, kw[name])
     if qo_indptr is not None:
-        made._qo_indptr = (qo_indptr, _bytes_of(qo_indptr))
+        made._qo_indptr = (qo_indptr, counts_key(qo_indptr))
     if isinstance(table, StepTable):
 
         def remake() -> Prepared:   # the same call on the table as it is now, same outputs

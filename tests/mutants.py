@@ -1323,7 +1323,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "a prepared call over a step table re-reads an array scale when the pool changes "
        "the batch: the scale switches at an unrelated event"),
     _m("py-prepared-multitoken-ignores-qo-edit", "python", ("paged_decode.prepared",),
-       "        if qo is not None and _bytes_of(qo[0]) != qo[1]:",
+       "        if qo is not None and counts_key(qo[0]) != qo[1]:",
        "        if False:",
        ["tests/test_prepared_follow.py::"
         "test_a_prepared_multi_token_call_refuses_an_edited_qo_indptr"],
