@@ -110,6 +110,21 @@ def test_v2tc_ragged_batch_with_empty_requests(name):
 
 
 @needs_emulator
+@pytest.mark.parametrize("spec", [ProblemSpec(2, 40, 8, 2, 64, 16, seed=58),
+                                  ProblemSpec(2, 40, 8, 2, 128, 16, "bfloat16",
+                                              "float8_e4m3fn", seed=59)],
+                         ids=["f16", "e4m3-bf16"])
+def test_v2tc_reads_a_q_off_16_byte_alignment(emu, monkeypatch, spec):
+    # a q whose address is not 16-byte aligned (a view into a larger buffer) is read by
+    # 16-bit loads, and over fp8 pools its columns take the same q_column order
+    from paged_decode.emulator.launch import MISALIGN
+    monkeypatch.setitem(MISALIGN, "q", 2)
+    fp8 = spec.kv_dtype.startswith("float8")
+    run_v2tc(emu, spec, [None, SINGLE],
+             **({"k_scale": 0.37, "v_scale": 2.5} if fp8 else {}))
+
+
+@needs_emulator
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_v2tc_long_chunk_every_schedule(emu, head_dim):
     # one chunk of 330 tokens over shuffled pages of 8: six stages of 64 tokens through the

@@ -87,7 +87,8 @@
 #   ncu-fp8     ncu of v2tc over e4m3fn and float16 pools at 8 x 8K (FP8_NCU_DTYPES,
 #               FP8_NCU_CELL): pipe utilization, warp states, memory, per-instruction samples
 #   timeline    bench/device/timeline.py: per-CTA stamps of one v2tc launch per cell
-#               (TIMELINE_CELLS, BxCTX[:KV_DTYPE]): prologue, streaming, epilogue, ramp, tail
+#               (TIMELINE_CELLS, BxCTX[:KV_DTYPE]): prologue, streaming, epilogue, ramp, tail;
+#               TIMELINE_BASE=DIR: the same cells on a carried paged_decode after them
 #   ncu-source  per-instruction stall samples of v2tc and FlashInfer's tensor-core kernel
 #               (ncu source counters, the SASS source page as CSV)
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
@@ -110,6 +111,8 @@
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
 #               run: float16 / e4m3fn at 8/32/128 x 8K/32K (FP8_AB_STAGES), the targets preset
+#   ab          this tree against a carried paged_decode (AB_BASE, default .carry/base) on
+#               the same cells, alternated AB_ROUNDS times (AB_ARGS, AB_KV, AB_ARMS)
 #   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
 #   fp8-residency  the fp8 v2tc path at plan CTA targets 264-1056 x ring depths 2 / 3
 #               (FRES_TARGETS, FRES_STAGES, FRES_WARPS (4): other lists)
@@ -771,10 +774,16 @@ step_ncu_fp8() {
 # start, first stage landed, loop end, rows written; PAGED_DECODE_TIMELINE=1): the call's
 # fixed part (prologue, ramp, tail) beside its streaming, float16 and fp8 pools
 step_timeline() {
+  local cells=${TIMELINE_CELLS:-8x8192 8x8192:float8_e4m3fn 32x8192 32x8192:float8_e4m3fn 8x32768:float8_e4m3fn 20x16384 12x16384 64x4096}
   timeout ${TIMELINE_TIMEOUT:-240} python3 bench/device/timeline.py "$OUT/timeline.json" \
-    ${TIMELINE_CELLS:-8x8192 8x8192:float8_e4m3fn 32x8192 32x8192:float8_e4m3fn 8x32768:float8_e4m3fn 20x16384 12x16384 64x4096} \
-    2>&1 | tee "$L/timeline.txt" | tail -12
+    $cells 2>&1 | tee "$L/timeline.txt" | tail -12
   echo "timeline rc=$?"
+  # TIMELINE_BASE: the same cells on a carried paged_decode (as the ab step's AB_BASE)
+  [ -n "${TIMELINE_BASE:-}" ] || return 0
+  PYTHONPATH=$(realpath "$TIMELINE_BASE") timeout ${TIMELINE_TIMEOUT:-240} python3 \
+    bench/device/timeline.py "$OUT/timeline_base.json" $cells 2>&1 \
+    | tee "$L/timeline_base.txt" | tail -12
+  echo "timeline base rc=$?"
 }
 # v2tc at plan CTA targets beyond the default 2 per SM (TC_TARGETS; "" is the default),
 # where its 3-4 resident CTAs per SM are left idle or a second wave runs nearly empty:
@@ -950,6 +959,29 @@ step_fp8_ab() {
   [ "${FP8_AB_TARGETS:-1}" = 1 ] || return 0
   PYTHONPATH=$base BENCH_TIMEOUT=90 run_bench ab_base_targets --preset targets --arms v2tc | tail -28
   BENCH_TIMEOUT=90 run_bench ab_new_targets --preset targets --arms v2tc | tail -28
+}
+# this tree against a carried paged_decode (AB_BASE, default .carry/base; make it with
+# `rm -rf .carry/base && mkdir -p .carry/base && git archive REV paged_decode | tar -x -C
+# .carry/base`) in one run: each of AB_ROUNDS rounds (2) times the base, then this tree,
+# on AB_ARGS (bench arguments; default batch 1 / 8 x 1K / 8K of the targets preset) over
+# each pool dtype of AB_KV ("f16 float8_e4m3fn"), arms AB_ARMS (v2tc), AB_TIMEOUT (60 s) a
+# bench; alternating shows the drift between rounds beside the difference
+step_ab() {
+  local base; base=$(realpath "${AB_BASE:-.carry/base}"); local i kv
+  [ -d "$base/paged_decode" ] || { echo "no $base/paged_decode"; return 1; }
+  PYTHONPATH=$base python3 -c "import paged_decode; print(\"base:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
+  python3 -c "import paged_decode; print(\"new:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
+  local c=${AB_ARGS:-"--preset targets --context 1024 --context 8192 --batch 1 --batch 8"}
+  for i in $(seq ${AB_ROUNDS:-2}); do
+    for kv in ${AB_KV:-f16 float8_e4m3fn}; do
+      local k=""; [ "$kv" = f16 ] || k="--kv-dtype $kv"
+      PYTHONPATH=$base BENCH_TIMEOUT=${AB_TIMEOUT:-60} run_bench "ab_base_${kv}_$i" $c $k \
+        --arms ${AB_ARMS:-v2tc} | grep -E " B[0-9]+ |rc="
+      BENCH_TIMEOUT=${AB_TIMEOUT:-60} run_bench "ab_new_${kv}_$i" $c $k \
+        --arms ${AB_ARMS:-v2tc} | grep -E " B[0-9]+ |rc="
+    done
+  done
+  return 0
 }
 # v2tc over fp8 pools at ring depths 2/3/4 (4 warps) and 2/3 (8 warps), float16 v2tc
 # beside them, 8/32/128 x 8K/32K at Llama-3-8B heads: the fp8 stage holds half float16's

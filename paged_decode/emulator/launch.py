@@ -48,6 +48,10 @@ DEFAULT_SCHEDULES = ("forward", "reverse", "random", "runahead")
 LEGACY_SCHEDULES = ("forward", "reverse")
 CP_ASYNC_MODES = ("deferred", "sync")
 DEFAULT_SEED = 1
+#: buffer name -> bytes (1-15) past a 16-byte boundary its copy starts at, as a view into
+#: a larger allocation would on a GPU (a test hook; empty otherwise): kernels that take
+#: 16-byte loads of an argument must check its address
+MISALIGN: dict[str, int] = {}
 
 
 @dataclass
@@ -140,12 +144,18 @@ class _Guarded:
         for i, b in enumerate(buffers):
             d = self.descs[i]
             arr = b.array
-            if rt.pd_emu_alloc(ctypes.c_uint64(arr.nbytes),
-                               ctypes.c_uint64(_align(arr.nbytes, arr.itemsize)),
+            skew = MISALIGN.get(b.name, 0)
+            if not 0 <= skew < 16:
+                raise EmulatorError(f"emulator: MISALIGN['{b.name}'] must be 0-15, got {skew}")
+            # a skewed copy: 16 bytes more, 16-byte aligned, started `skew` bytes in
+            if rt.pd_emu_alloc(ctypes.c_uint64(arr.nbytes + (16 if skew else 0)),
+                               ctypes.c_uint64(16 if skew else _align(arr.nbytes, arr.itemsize)),
                                ctypes.c_int(int(end_aligned)), ctypes.c_uint64(GUARD_BYTES),
                                ctypes.byref(d)) != 0:
                 self.free()
                 raise EmulatorError(f"emulator: cannot map {arr.nbytes} bytes for '{b.name}'")
+            d.data += skew
+            d.nbytes = arr.nbytes
             self.count += 1
             d.name = self._names[i]
             d.itemsize = arr.itemsize

@@ -281,14 +281,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   const int n_stages = (n_tok + KT - 1) / KT;
   const int* __restrict__ page_ids = indices + pb;
 
-  // Q tile: row i is query head h0 + i (zeros past the group; made visible to every warp
-  // by the first barrier of the loop); over fp8 pools each chunk's columns in q_column order
-  for (int e = tid; e < 16 * D; e += THREADS) {
-    const int i = e / D, d = e % D;
-    const int src = FP8 ? (d & ~15) + q_column(d & 15) : d;
-    qs[i * LD + d] = i < rows ? q[((long long)r * num_qo_heads + h0 + i) * D + src] : from_float<T>(0.f);
-  }
-
   // Token rows: thread tid < KT looks up token tid of a stage (its pool row, page *
   // PAGE_SIZE + entry, 0 past the range) one stage before that stage's copies are issued:
   // `page_of` loads the page id, `row_of` makes the row of it at the next round, where it
@@ -308,6 +300,55 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const unsigned a = (unsigned)(a_begin + i);
     return tid < KT && i < n_tok ? (unsigned)page * PAGE_SIZE + a % PAGE_SIZE : 0u;
   };
+  // The prologue is a chain of dependent loads (the plan, the request's table entries, the
+  // page ids, the first stage); the page ids of the first STAGES stages are loaded here,
+  // before Q, so that Q's round trip overlaps theirs instead of adding one to the chain.
+  int first_page[STAGES];
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) first_page[s] = page_of(s);
+
+  // Q tile: row i is query head h0 + i (zeros past the group; made visible to every warp
+  // by the first barrier of the loop); over fp8 pools each chunk's columns in q_column
+  // order. A thread takes whole 16-column chunks, loaded as two 16-byte pieces into
+  // registers (16-bit loads when q is not 16-byte aligned) before any is stored.
+  static_assert(sizeof(T) == 2, "the Q tile is moved as 16-bit column pairs");
+  constexpr int QCH = D / 16;                    // chunks per row
+  constexpr int Q_PER = (16 * QCH + THREADS - 1) / THREADS;
+  const bool q_vec = ((unsigned long long)q & 15) == 0;
+  unsigned qw[Q_PER][8];
+#pragma unroll
+  for (int j = 0; j < Q_PER; ++j) {
+    const int e = tid + j * THREADS, i = e / QCH;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) qw[j][k] = 0u;
+    if (e < 16 * QCH && i < rows) {
+      const T* src = q + ((long long)r * num_qo_heads + h0 + i) * D + (e % QCH) * 16;
+      if (q_vec) {
+        const uint4 a = reinterpret_cast<const uint4*>(src)[0];
+        const uint4 b = reinterpret_cast<const uint4*>(src)[1];
+        qw[j][0] = a.x; qw[j][1] = a.y; qw[j][2] = a.z; qw[j][3] = a.w;
+        qw[j][4] = b.x; qw[j][5] = b.y; qw[j][6] = b.z; qw[j][7] = b.w;
+      } else {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(src);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) qw[j][k] = h[2 * k] | (unsigned)h[2 * k + 1] << 16;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < Q_PER; ++j) {
+    const int e = tid + j * THREADS;
+    if (e < 16 * QCH) {
+      // q_column order moves whole column pairs (it maps 2k to an even column)
+      unsigned w[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) w[k] = qw[j][FP8 ? q_column(2 * k) / 2 : k];
+      uint4* dst = reinterpret_cast<uint4*>(qs + (e / QCH) * LD + (e % QCH) * 16);
+      dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+  }
+
   const unsigned row_bytes = (unsigned)(num_kv_heads * D * (int)sizeof(TKV));
   // A thread copies piece `piece` of the tokens tok_first + j * TOK_STEP when the threads
   // cover whole rows (THREADS % PIECES == 0, every shape but head_dim 96); otherwise each
@@ -359,11 +400,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s)
-    if (tid < KT) sm_rows[s][tid] = row_of(s, page_of(s));
+    if (tid < KT) sm_rows[s][tid] = row_of(s, first_page[s]);
   __syncthreads();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
-  int next_page = page_of(STAGES - 1);
+  int next_page = first_page[STAGES - 1];
   for (int stage = 0; stage < n_stages; ++stage) {
     // the rows of stage + STAGES - 1; their slot's last reader, that stage's issue a round
     // or more ago, is behind a barrier
