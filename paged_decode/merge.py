@@ -42,12 +42,21 @@ def _check_state(fn: str, be: Backend, names: tuple[str, str], v: Any, lse: Any,
     return va, la, shape
 
 
+def _check_supported(fn: str, be: Backend, h: int, d: int) -> None:
+    """Refuse, under ``fn``'s name, a merge of ``h`` heads x ``d`` the backend's merge
+    kernel cannot take (a head_dim that is not a multiple of 4, on the kernel backends)."""
+    sup = be.supports(Problem("float32", "float32", h, h, d, 1, "merge"))
+    if not sup:
+        raise UnsupportedProblemError(f"{fn}: {sup.reason} (backend {be.name!r})")
+
+
 def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
                  backend: str | Backend | None = None, sinks: Any = None) -> tuple[Any, Any]:
     """Variable-length merge of normalized partial states.
 
     Args:
-        v: ``[N, H, D]`` float32 partials, each normalized by its own denominator.
+        v: ``[N, H, D]`` float32 partials, each normalized by its own denominator (D a
+            multiple of 4: the merge kernels move float4 slices; others are refused).
         lse: ``[N, H]`` float32 log-sum-exps, **base 2**.
         indptr: host ints ``[M+1]``: output row ``o`` merges rows ``indptr[o]:indptr[o+1]``
             (``indptr[0] == 0``, non-decreasing, ``indptr[-1] == N``).
@@ -81,9 +90,7 @@ def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
     m = ip.size - 1
     o_dt = check_dtype(fn, "out_dtype", out_dtype)
     variant = check_variant(fn, be, h, sinks=sinks)
-    sup = be.supports(Problem("float32", "float32", h, h, d, 1, "merge"))
-    if not sup:
-        raise UnsupportedProblemError(f"{fn}: {sup.reason} (backend {be.name!r})")
+    _check_supported(fn, be, h, d)
     v_out = be.empty((m, h, d), o_dt)
     lse_out = be.empty((m, h), "float32")
     be.merge(va, la, ip.astype(np.int32), v_out, lse_out, **variant.merge_kwargs())
@@ -100,6 +107,7 @@ def merge_state(v_a: Any, lse_a: Any, v_b: Any, lse_b: Any, *, out_dtype: str = 
     vb, lb, _ = _check_state(fn, be, ("v_b", "lse_b"), v_b, lse_b, "[n, H, D]", shape)
     check_dtype(fn, "out_dtype", out_dtype)
     n, h, d = shape
+    _check_supported(fn, be, h, d)
     xp = be.array_module()
     v = xp.stack([va, vb], axis=1).reshape(2 * n, h, d)
     lse = xp.stack([la, lb], axis=1).reshape(2 * n, h)

@@ -284,6 +284,10 @@ def test_merge_head_dim_the_kernels_cannot_take_is_refused(monkeypatch):
     with pytest.raises(UnsupportedProblemError, match=r"merge_states: head_dim must be a "
                        r"positive multiple of 4 for the merge kernel, got 6"):
         merge_states(v, lse, [0, 2])
+    # merge_state refuses under its own name (it merges through merge_states)
+    with pytest.raises(UnsupportedProblemError, match=r"^merge_state: head_dim must be a "
+                       r"positive multiple of 4 for the merge kernel, got 6"):
+        merge_state(v, lse, v, lse)
     out, _ = merge_states(np.zeros((2, H, 8), np.float32), lse, [0, 2])
     assert out.shape == (1, H, 8)
 
