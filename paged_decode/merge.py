@@ -99,8 +99,8 @@ def merge_states(v: Any, lse: Any, indptr: Any, *, out_dtype: str = "float32",
 
 def merge_state(v_a: Any, lse_a: Any, v_b: Any, lse_b: Any, *, out_dtype: str = "float32",
                 backend: str | Backend | None = None) -> tuple[Any, Any]:
-    """Merge two states row by row: ``v_a, v_b [n, H, D]`` f32, ``lse_a, lse_b [n, H]`` f32
-    (base 2) -> ``(v [n, H, D], lse [n, H])``."""
+    """Merge two states row by row: ``v_a, v_b [n, H, D]`` f32 (D a multiple of 4, as for
+    ``merge_states``), ``lse_a, lse_b [n, H]`` f32 (base 2) -> ``(v [n, H, D], lse [n, H])``."""
     fn = "merge_state"
     be = backend_for(backend, v_a, fn=fn)
     va, la, shape = _check_state(fn, be, ("v_a", "lse_a"), v_a, lse_a, "[n, H, D]")

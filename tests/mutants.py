@@ -981,6 +981,11 @@ MUTANTS: tuple[Mutant, ...] = (
        "qw[j][k] = h[2 * k + 1] | (unsigned)h[2 * k] << 16;",
        [V2TC + "test_v2tc_reads_a_q_off_16_byte_alignment[f16]"],
        "an unaligned q's 16-bit loads packed with the two columns of a pair swapped"),
+    _m("v2tc-q-alignment-unchecked", "cuda", ("v2tc",),
+       "const bool q_vec = ((unsigned long long)q & 15) == 0;", "const bool q_vec = true;",
+       [V2TC + "test_v2tc_reads_a_q_off_16_byte_alignment[f16]"],
+       "16-byte loads of a q that is not 16-byte aligned (a misaligned-address fault on a GPU; "
+       "the emulator's alignas(16) uint4 faults too)"),
     _m("v2tc-q-second-piece-dropped", "cuda", ("v2tc",),
        "qw[j][4] = b.x; qw[j][5] = b.y; qw[j][6] = b.z; qw[j][7] = b.w;", "",
        [V2TC_CASE + "[d64-g1-ps16-f16]"],

@@ -171,6 +171,23 @@ def test_v2tc_on_cuda_ragged_with_empty_requests(cuda):
              lengths=[4000, 0, 1, 777, 0, 8191, 64], offsets=[3, 0, 0, 15, 0, 9, 0])
 
 
+def test_v2tc_on_cuda_reads_a_q_off_16_byte_alignment(cuda):
+    # a contiguous q one element past a 16-byte boundary (a view into a larger buffer;
+    # the host passes it as is): the kernel's 16-bit Q loads, float16 and fp8 pools
+    import cupy as cp
+    from test_v2tc import run_v2tc
+
+    def offset(q):
+        buf = cp.zeros(q.size + 8, q.dtype)
+        view = buf[1:1 + q.size].reshape(q.shape)
+        view[...] = q
+        assert view.data.ptr % 16 and view.flags.c_contiguous
+        return view
+    run_v2tc(cuda, ProblemSpec(3, 700, 32, 8, 128, 16, seed=67), [None, 10**6], q_of=offset)
+    run_v2tc(cuda, ProblemSpec(2, 500, 28, 4, 128, 16, "bfloat16", "float8_e4m3fn", seed=68),
+             [None, 10**6], q_of=offset, k_scale=0.37, v_scale=2.5)
+
+
 def test_v2tc_negative_control_mutated_kernel_fails(cuda):
     bad = _mutated_backend(cuda, "v2tc-ignores-indices")
     pr = make_problem(ProblemSpec(4, 500, 16, 4, 128, 16, seed=66))

@@ -47,18 +47,22 @@ def metal():
 
 
 def run_v2tc(be, spec: ProblemSpec, ppcs, *, lengths=None, offsets=None, k_scale=None,
-             v_scale=None) -> None:
+             v_scale=None, q_of=None) -> None:
     """Decode ``spec``'s random problem on ``path="v2tc"`` under each forced
     ``pages_per_chunk`` (``None``: the plan searched for the tensor-core partial's CTAs)
     and compare with the float64 oracle: float32 outputs always, and q's dtype written by
     the partial itself when a plan needs no merge. Pools of an fp8 ``spec.kv_dtype`` take
     ``k_scale`` / ``v_scale`` (the oracle on the dequantized values; the outcome must
-    name the format)."""
+    name the format). ``q_of``: applied to the backend's q before the calls (a view of
+    it at another address, say).
+    """
     fp8 = k_scale is not None
     scales = {"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}
     pr = make_problem(spec, lengths=lengths, offsets=offsets)
     ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **scales)
     q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))   # cupy on "cuda"
+    if q_of is not None:
+        q = q_of(q)
     hq, hkv, d = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     kw = {"kv_dtype": spec.kv_dtype, **scales} if fp8 else {}
     for ppc in ppcs:

@@ -967,8 +967,9 @@ step_fp8_ab() {
 # each pool dtype of AB_KV ("f16 float8_e4m3fn"), arms AB_ARMS (v2tc), AB_TIMEOUT (60 s) a
 # bench; alternating shows the drift between rounds beside the difference
 step_ab() {
-  local base; base=$(realpath "${AB_BASE:-.carry/base}"); local i kv
-  [ -d "$base/paged_decode" ] || { echo "no $base/paged_decode"; return 1; }
+  local base=${AB_BASE:-.carry/base} i kv
+  [ -d "$base/paged_decode" ] || { echo "ab: no $base/paged_decode"; return 1; }
+  base=$(realpath "$base")
   PYTHONPATH=$base python3 -c "import paged_decode; print(\"base:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
   python3 -c "import paged_decode; print(\"new:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
   local c=${AB_ARGS:-"--preset targets --context 1024 --context 8192 --batch 1 --batch 8"}

@@ -147,8 +147,8 @@ class _Guarded:
             skew = MISALIGN.get(b.name, 0)
             if not 0 <= skew < 16:
                 raise EmulatorError(f"emulator: MISALIGN['{b.name}'] must be 0-15, got {skew}")
-            # a skewed copy: 16 bytes more, 16-byte aligned, started `skew` bytes in
-            if rt.pd_emu_alloc(ctypes.c_uint64(arr.nbytes + (16 if skew else 0)),
+            # a skewed copy: `skew` bytes more, 16-byte aligned, started `skew` bytes in
+            if rt.pd_emu_alloc(ctypes.c_uint64(arr.nbytes + skew),
                                ctypes.c_uint64(16 if skew else _align(arr.nbytes, arr.itemsize)),
                                ctypes.c_int(int(end_aligned)), ctypes.c_uint64(GUARD_BYTES),
                                ctypes.byref(d)) != 0:

@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   for (int s = 0; s < STAGES; ++s) first_page[s] = page_of(s);
 
   // Q tile: row i is query head h0 + i (zeros past the group; made visible to every warp
-  // by the first barrier of the loop); over fp8 pools each chunk's columns in q_column
+  // by the barrier before the loop); over fp8 pools each chunk's columns in q_column
   // order. A thread takes whole 16-column chunks, loaded as two 16-byte pieces into
   // registers (16-bit loads when q is not 16-byte aligned) before any is stored.
   static_assert(sizeof(T) == 2, "the Q tile is moved as 16-bit column pairs");
@@ -324,8 +324,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     if (e < 16 * QCH && i < rows) {
       const T* src = q + ((long long)r * num_qo_heads + h0 + i) * D + (e % QCH) * 16;
       if (q_vec) {
-        const uint4 a = reinterpret_cast<const uint4*>(src)[0];
-        const uint4 b = reinterpret_cast<const uint4*>(src)[1];
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(src));
+        const uint4 b = __ldg(reinterpret_cast<const uint4*>(src) + 1);
         qw[j][0] = a.x; qw[j][1] = a.y; qw[j][2] = a.z; qw[j][3] = a.w;
         qw[j][4] = b.x; qw[j][5] = b.y; qw[j][6] = b.z; qw[j][7] = b.w;
       } else {
