@@ -257,6 +257,7 @@ APPEND = "tests/test_append_batch.py::"
 V2TC = "tests/test_v2tc.py::"
 V2TC_CASE = V2TC + "test_v2tc_matches_oracle"
 V2TC_LONG = V2TC + "test_v2tc_long_chunk_every_schedule[64]"
+V2TC_SKEWED_Q = V2TC + "test_v2tc_reads_a_q_off_16_byte_alignment[f16]"
 V2TC_METAL = V2TC + "test_v2tc_metal_matches_oracle"
 V2TC_METAL_LONG = V2TC + "test_v2tc_metal_long_chunk_every_schedule[64]"
 TCVAR = "tests/test_v2tc_variants.py::"
@@ -979,11 +980,11 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("v2tc-q-unaligned-pairs-swapped", "cuda", ("v2tc",),
        "qw[j][k] = h[2 * k] | (unsigned)h[2 * k + 1] << 16;",
        "qw[j][k] = h[2 * k + 1] | (unsigned)h[2 * k] << 16;",
-       [V2TC + "test_v2tc_reads_a_q_off_16_byte_alignment[f16]"],
+       [V2TC_SKEWED_Q],
        "an unaligned q's 16-bit loads packed with the two columns of a pair swapped"),
     _m("v2tc-q-alignment-unchecked", "cuda", ("v2tc",),
        "const bool q_vec = ((unsigned long long)q & 15) == 0;", "const bool q_vec = true;",
-       [V2TC + "test_v2tc_reads_a_q_off_16_byte_alignment[f16]"],
+       [V2TC_SKEWED_Q],
        "16-byte loads of a q that is not 16-byte aligned (a misaligned-address fault on a GPU; "
        "the emulator's alignas(16) uint4 faults too)"),
     _m("v2tc-q-second-piece-dropped", "cuda", ("v2tc",),

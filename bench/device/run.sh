@@ -773,6 +773,17 @@ step_ncu_fp8() {
 # one stamped tensor-core partial launch per cell (bench/device/timeline.py: each CTA's SM,
 # start, first stage landed, loop end, rows written; PAGED_DECODE_TIMELINE=1): the call's
 # fixed part (prologue, ramp, tail) beside its streaming, float16 and fp8 pools
+# carried_base DIR: DIR's absolute path when it holds a paged_decode package (a copy of an
+# earlier commit's, for A/B steps: PYTHONPATH=that path runs it), after printing which
+# package imports from it (-P: not this tree's from the current folder); else a message
+# and status 1
+carried_base() {
+  [ -d "$1/paged_decode" ] || { echo "no $1/paged_decode" >&2; return 1; }
+  local d; d=$(realpath "$1")
+  PYTHONPATH=$d python3 -P -c "import paged_decode; print(\"base:\", paged_decode.__file__)" 2>&1 \
+    | sed "s/^/  /" >&2
+  echo "$d"
+}
 step_timeline() {
   local cells=${TIMELINE_CELLS:-8x8192 8x8192:float8_e4m3fn 32x8192 32x8192:float8_e4m3fn 8x32768:float8_e4m3fn 20x16384 12x16384 64x4096}
   timeout ${TIMELINE_TIMEOUT:-240} python3 bench/device/timeline.py "$OUT/timeline.json" \
@@ -780,7 +791,8 @@ step_timeline() {
   echo "timeline rc=$?"
   # TIMELINE_BASE: the same cells on a carried paged_decode (as the ab step's AB_BASE)
   [ -n "${TIMELINE_BASE:-}" ] || return 0
-  PYTHONPATH=$(realpath "$TIMELINE_BASE") timeout ${TIMELINE_TIMEOUT:-240} python3 \
+  local base; base=$(carried_base "$TIMELINE_BASE") || return 1
+  PYTHONPATH=$base timeout ${TIMELINE_TIMEOUT:-240} python3 \
     bench/device/timeline.py "$OUT/timeline_base.json" $cells 2>&1 \
     | tee "$L/timeline_base.txt" | tail -12
   echo "timeline base rc=$?"
@@ -945,9 +957,7 @@ step_fp8_quick() {
 # (FP8_AB_TARGETS=0: not)
 step_fp8_ab() {
   local c="--preset targets --context 8192 --context 32768 --batch 8 --batch 32 --batch 128"
-  local base; base=$(realpath "${FP8_AB_BASE:-.carry/base}"); local st tgt
-  [ -d "$base/paged_decode" ] || { echo "no $base/paged_decode"; return 1; }
-  PYTHONPATH=$base python3 -P -c "import paged_decode; print(\"base:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
+  local base; base=$(carried_base "${FP8_AB_BASE:-.carry/base}") || return 1; local st tgt
   PYTHONPATH=$base BENCH_TIMEOUT=60 run_bench ab_base_f16 $c --arms v2tc | tail -9
   PYTHONPATH=$base BENCH_TIMEOUT=60 run_bench ab_base_e4m3 $c --kv-dtype float8_e4m3fn --arms v2tc | tail -9
   BENCH_TIMEOUT=60 run_bench ab_new_f16 $c --arms v2tc | tail -9
@@ -967,11 +977,8 @@ step_fp8_ab() {
 # each pool dtype of AB_KV ("f16 float8_e4m3fn"), arms AB_ARMS (v2tc), AB_TIMEOUT (60 s) a
 # bench; alternating shows the drift between rounds beside the difference
 step_ab() {
-  local base=${AB_BASE:-.carry/base} i kv
-  [ -d "$base/paged_decode" ] || { echo "ab: no $base/paged_decode"; return 1; }
-  base=$(realpath "$base")
-  PYTHONPATH=$base python3 -c "import paged_decode; print(\"base:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
-  python3 -c "import paged_decode; print(\"new:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
+  local base; base=$(carried_base "${AB_BASE:-.carry/base}") || return 1; local i kv
+  python3 -P -c "import paged_decode; print(\"new:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
   local c=${AB_ARGS:-"--preset targets --context 1024 --context 8192 --batch 1 --batch 8"}
   for i in $(seq ${AB_ROUNDS:-2}); do
     for kv in ${AB_KV:-f16 float8_e4m3fn}; do
