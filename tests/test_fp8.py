@@ -561,6 +561,23 @@ def test_mlx_backend_fp8_pool():
                           tol=fp8_out_tol("float32"))
 
 
+def test_mlx_backend_takes_host_fp8_arrays():
+    """numpy fp8 pools (ml_dtypes) on the MLX backend: uploaded as their bytes with the
+    format read off the caller's arrays, the answer of the same pools as uint8 plus
+    ``kv_dtype`` (not std::bad_cast out of ``mx.array``)."""
+    from helpers import require_mlx
+    mx = require_mlx()
+    q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn")
+    be = pd.get_backend("mlx")
+    assert be.asarray(k).dtype == mx.uint8
+    ref, _ = oracle_decode(q, k, v, table, k_scale=ks, v_scale=vs)
+    got = pd.decode(q, k, v, table, k_scale=ks, v_scale=vs, out_dtype="float32", backend=be)
+    assert_matches_oracle(np.array(got), None, ref, None, "float32", tol=fp8_out_tol("float32"))
+    as_bytes = pd.decode(q, fp8.codes(k), fp8.codes(v), table, kv_dtype="float8_e4m3fn",
+                         k_scale=ks, v_scale=vs, out_dtype="float32", backend=be)
+    np.testing.assert_array_equal(np.array(got), np.array(as_bytes))
+
+
 # ---------------------------------------------------------------------------- bad arguments
 def _small():
     q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn", lengths=(20,), fpo=(0,))

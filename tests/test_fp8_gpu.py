@@ -174,3 +174,20 @@ def test_v2tc_fp8_on_cuda(cuda, fmt, q_dtype, hq, hkv, d, p, ctx):
                     kt, vt, pr.table, path="v2tc", out_dtype="float32", k_scale=ks, v_scale=vs)
     assert_matches_oracle(out.cpu().numpy(), None, ref, None, "float32", "torch fp8",
                           tol=tc_fp8_out_tol(q_dtype, "float32"))
+
+
+def test_host_fp8_arrays_on_cuda(cuda):
+    """numpy fp8 pools (ml_dtypes) given to the CUDA backend: uploaded as their bytes (CuPy
+    has no fp8 dtype) with the format read off the caller's arrays; the answer of the same
+    pools as CuPy bytes plus ``kv_dtype``."""
+    import cupy as cp
+    q, k, v, table, ks, vs = _fp8_problem("float8_e5m2")
+    assert cuda.asarray(k).dtype == cp.uint8
+    ref, _ = oracle_decode(q, k, v, table, k_scale=ks, v_scale=vs)
+    got = pd.decode(q, k, v, table, k_scale=ks, v_scale=vs, out_dtype="float32", backend=cuda)
+    assert_matches_oracle(cuda.to_numpy(got), None, ref, None, "float32",
+                          tol=fp8_out_tol("float32"))
+    as_bytes = pd.decode(cp.asarray(q), cp.asarray(fp8.codes(k)), cp.asarray(fp8.codes(v)),
+                         table, kv_dtype="float8_e5m2", k_scale=ks, v_scale=vs,
+                         out_dtype="float32", backend=cuda)
+    np.testing.assert_array_equal(cuda.to_numpy(got), cuda.to_numpy(as_bytes))

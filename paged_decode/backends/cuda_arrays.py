@@ -35,7 +35,8 @@ def is_torch(x: Any) -> bool:
 
 
 def as_cupy(x: Any) -> Any:
-    """A CuPy view of ``x`` (no copy for device arrays; host arrays are uploaded)."""
+    """A CuPy view of ``x`` (no copy for device arrays; host arrays are uploaded, a host fp8
+    array as its bytes, ``uint8``: the call reads the format off the caller's array)."""
     if isinstance(x, cp.ndarray):
         return x
     if is_torch(x):
@@ -47,7 +48,10 @@ def as_cupy(x: Any) -> Any:
         return cp.asarray(x)
     if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
         return cp.from_dlpack(x)
-    return cp.asarray(np.asarray(x))
+    a = np.asarray(x)
+    if a.dtype.name in FP8_DTYPES:   # ml_dtypes fp8: uploaded as its bytes, as from_torch
+        a = np.ascontiguousarray(a).view(np.uint8)
+    return cp.asarray(a)
 
 
 def like_caller(x: Any, like: Any) -> Any:

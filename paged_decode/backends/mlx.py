@@ -28,7 +28,7 @@ import numpy as np
 from ..device import DeviceInfo
 from ..dtypes import dtype_name, itemsize, numpy_dtype
 from ..errors import InvalidArgumentError, InvalidDtypeError, UnsupportedProblemError
-from ..fp8 import is_fp8, quantize_rows
+from ..fp8 import FP8_DTYPES, is_fp8, quantize_rows
 from ..kernels import append as append_kernel
 from ..kernels.append import AppendWrite
 from ..kernels.table_update import apply_delta
@@ -88,6 +88,8 @@ class MlxNumpy:
 def _to_mx(a: np.ndarray) -> Any:
     if a.dtype == numpy_dtype("bfloat16"):
         return mx.array(np.ascontiguousarray(a).view(np.uint16)).view(mx.bfloat16)
+    if a.dtype.name in FP8_DTYPES:   # MLX has no fp8 dtype: the bytes; the call reads the
+        return mx.array(np.ascontiguousarray(a).view(np.uint8))   # format off the caller's
     return mx.array(a)
 
 
