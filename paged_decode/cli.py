@@ -251,6 +251,13 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "lines that the timed call writes back: the flush before session 25).")
 @click.option("--no-graph", is_flag=True,
               help="GPU time from eager CUDA events instead of CUDA-graph replay.")
+@click.option("--graph-layers", "graph_layers", default=1, show_default=True, type=POSITIVE,
+              help="decode suite: GPU time of N calls captured in one CUDA graph, each over "
+                   "its own copy of the case's K/V pools (as an engine's step runs one call "
+                   "per layer), reported per call (graph time / N); the L2 flush still "
+                   "comes before each replay. N is capped per case so that the copies take "
+                   "at most half the free device memory (the report gives each case's N). "
+                   "1: one call per replay.")
 @click.option("--plot", "plot_path", type=OutPath(), default=None,
               help="Also write a PNG (GPU time against context, or per-call time on CPU "
                    "backends; one line per arm; needs matplotlib).")
@@ -271,8 +278,9 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "FlashInfer's decode wrapper and sdpa report unavailable).")
 @click.option("--kv-dtype", "kv_dtype", default=None,
               type=click.Choice(["float8_e4m3fn", "float8_e5m2"]),
-              help="decode suite: fp8 K/V pools (queries and outputs keep --dtype; our "
-                   "arms and FlashInfer's fp8 decode; docs/fp8.md).")
+              help="decode and engine suites: fp8 K/V pools (queries and outputs keep "
+                   "--dtype; our arms and FlashInfer's fp8 decode; the engine suite "
+                   "calibrates per-layer scales on its prompts; docs/fp8.md).")
 @click.option("--json", "json_path", type=OutPath(), default=None)
 @click.option("--csv", "csv_path", type=OutPath(), default=None)
 @click.option("--markdown", "md_path", type=OutPath(), default=None)
@@ -293,7 +301,8 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
           plot_path: str | None,
           crossover_path: str | None, window_left: int, soft_cap: float, sinks: bool,
           kv_dtype: str | None, json_path: str | None, csv_path: str | None,
-          md_path: str | None, layers: int, steps: int, model: str | None) -> None:
+          md_path: str | None, layers: int, steps: int, model: str | None,
+          graph_layers: int) -> None:
     """Time decode arms over a context x batch x page sweep (each arm verified against the
     float64 oracle first): GPU time under CUDA-graph replay and per-call time."""
     from .bench import preset_cases, run_bench
@@ -308,12 +317,13 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
     # --l2-flush given on the command line (its default is a value too)
     flush_given = (click.get_current_context().get_parameter_source("l2_flush")
                    != click.core.ParameterSource.DEFAULT)
+    if graph_layers > 1:
+        _check_graph_layers(graph_layers, suite, preset, no_graph, be.name)
     if suite == "engine":
         ignored = [name for name, given in (
             ("--preset", preset is not None), ("--window-left", window_left >= 0),
-            ("--soft-cap", bool(soft_cap)), ("--sinks", sinks), ("--kv-dtype", bool(kv_dtype)),
-            ("--warm-l2", warm_l2), ("--l2-flush", flush_given),
-            ("--no-graph", no_graph),
+            ("--soft-cap", bool(soft_cap)), ("--sinks", sinks), ("--warm-l2", warm_l2),
+            ("--l2-flush", flush_given), ("--no-graph", no_graph),
             ("--write-crossover", crossover_path is not None),
             ("--csv", csv_path is not None), ("--markdown", md_path is not None),
             ("--reps", reps != 30), ("--warmup", warmup != 5)) if given]
@@ -322,7 +332,7 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                                        "apply to the decode suite (the engine suite times "
                                        "--steps steps of --layers layers)")
         _bench_engine(be, contexts, batches, pages, dtype, arms, layers, steps, model, json_path,
-                      plot_path)
+                      plot_path, kv_dtype=kv_dtype or "")
         return
     if preset in ("cascade", "cascade-rule", "sparse"):   # the suites are presets too
         if suite not in ("decode", preset):
@@ -383,7 +393,7 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                                file=sys.stderr) as bar:
             results = run_bench(cases, backend=be, arms=arm_list, warmup=warmup, reps=reps,
                                 cold_l2=cold_l2, graph=not no_graph,
-                                progress=lambda r: bar.update(1))
+                                progress=lambda r: bar.update(1), graph_layers=graph_layers)
     click.echo(table(results, bandwidth=bw))
     ran = [a for r in results for a in r.arms.values() if a.ran != "unavailable"]
     if not ran:
@@ -413,11 +423,29 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                                    "were withheld")
 
 
+def _check_graph_layers(n: int, suite: str, preset: str | None, no_graph: bool,
+                        backend: str) -> None:
+    """Refuse ``bench --graph-layers n`` (n > 1) where it cannot measure what it says."""
+    from .bench.suites import SUITES
+    runs = preset if preset in SUITES else suite       # --preset cascade runs that suite
+    if runs != "decode":
+        raise click.ClickException(f"bench: --graph-layers {n} applies to the decode suite, "
+                                   f"not the {runs} suite")
+    if no_graph:
+        raise click.ClickException(f"bench: --graph-layers {n} times {n} calls in one "
+                                   "CUDA-graph replay, without the launch gaps that --no-graph "
+                                   "(eager calls between events) includes; give one of them")
+    if backend != "cuda":
+        raise click.ClickException(f"bench: --graph-layers {n} times CUDA-graph replays, "
+                                   f"which only --backend cuda has; got backend {backend}")
+
+
 def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
                   pages: tuple[int, ...], dtype: str | None, arms: str, layers: int,
                   steps: int, model: str | None, json_path: str | None,
-                  plot_path: str | None) -> None:
-    """``bench --suite engine`` (``paged_decode.bench.engine``)."""
+                  plot_path: str | None, *, kv_dtype: str = "") -> None:
+    """``bench --suite engine`` (``paged_decode.bench.engine``); ``kv_dtype``: fp8 pools
+    (``""``: pools of the queries' dtype)."""
     from .bench.cases import MODELS
     from .bench.engine import (
         ALL_ENGINE_ARMS,
@@ -445,7 +473,7 @@ def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
         hq, hkv, d = MODELS[model]
         heads = {"num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d, "model": model}
     cases = [EngineCase(b, c, layers, steps, page_size=p, dtype=dtype or (
-                 "float16" if gpu else "float32"), **heads)
+                 "float16" if gpu else "float32"), kv_dtype=kv_dtype, **heads)
              for b in (batches or ((8, 64, 128) if gpu else (4,)))
              for c in (contexts or ((1024,) if gpu else (64,)))
              for p in (pages or (16,))]

@@ -55,6 +55,13 @@ def max_finite(name: str) -> float:
     return FORMATS[name][2]
 
 
+def amax_scales(amax: Any, name: str) -> np.ndarray:
+    """The scales an amax calibration gives: float32 ``amax / max_finite(name)`` (same
+    shape as ``amax``, e.g. ``[L]``: each layer's largest K or V magnitude), so the
+    largest value calibrated on is stored as the format's largest finite value."""
+    return (np.asarray(amax, np.float32) / np.float32(max_finite(name))).astype(np.float32)
+
+
 _LUTS: dict[str, np.ndarray] = {}
 
 
@@ -234,7 +241,7 @@ def raw_dtype_name(x: Any) -> str:
     return name
 
 
-__all__ = ["FORMATS", "FP8_DTYPES", "KVQuant", "ROW_DTYPES", "check_kv_quant",
+__all__ = ["FORMATS", "FP8_DTYPES", "KVQuant", "ROW_DTYPES", "amax_scales", "check_kv_quant",
            "check_layer_scales", "check_scale", "codes", "decode_table", "dequantize",
            "is_fp8", "max_finite", "numpy_fp8", "pool_dtype", "quantize", "quantize_rows",
            "raw_dtype_name"]

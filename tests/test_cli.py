@@ -245,7 +245,7 @@ def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path, monkeypatch
     bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
                                     "--model", "llama9"])
     assert bad.exit_code != 0 and "--model must be one of" in bad.output
-    for opts in (["--kv-dtype", "float8_e4m3fn"], ["--window-left", "5"], ["--sinks"],
+    for opts in (["--window-left", "5"], ["--sinks"],
                  ["--soft-cap", "3"], ["--preset", "targets"], ["--warm-l2"],
                  ["--l2-flush", "dirty"], ["--l2-flush", "clean"]):
         bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite",
@@ -289,6 +289,46 @@ def test_bench_engine_suite_model_heads_and_tensor_core_arms(run, tmp_path):
     arms = json.loads(out.read_text())["results"][0]["arms"]
     for name in ("eager-tc", "captured-tc"):
         assert arms[name]["ran"] and arms[name]["verified"], arms[name]
+
+
+def test_bench_engine_suite_over_fp8_pools(run, tmp_path, monkeypatch):
+    """``--kv-dtype`` applies to the engine suite: the case names its pools' format in the
+    table and the JSON, with each arm's per-layer scales; the arms are verified against
+    the oracle on the dequantized pools (tests/test_engine_fp8.py has the rest)."""
+    out = tmp_path / "fp8.json"
+    res = run("bench", "--backend", "emulated-cuda", "--suite", "engine", "--layers", "2",
+              "--steps", "3", "--batch", "3", "--context", "40", "--dtype", "float16",
+              "--kv-dtype", "float8_e4m3fn", "--arms", "eager,captured-tc", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    assert re.search(r"float16 kv float8_e4m3fn +eager ", res.output), res.output
+    assert re.search(r"float16 kv float8_e4m3fn +captured-tc ", res.output), res.output
+    [case] = json.loads(out.read_text())["results"]
+    assert case["case"]["kv_dtype"] == "float8_e4m3fn" and case["case"]["dtype"] == "float16"
+    for name in ("eager", "captured-tc"):
+        arm = case["arms"][name]
+        assert arm["ran"] and arm["verified"] and arm["kv_dtype"] == "float8_e4m3fn", arm
+        assert len(arm["k_scale"]) == len(arm["v_scale"]) == 2
+        assert all(0 < x < 1 for x in arm["k_scale"] + arm["v_scale"])
+    # 16-bit pools record no scales
+    res = run("bench", "--backend", "reference", "--suite", "engine", "--layers", "1",
+              "--steps", "2", "--batch", "2", "--context", "20", "--arms", "eager",
+              "--json", str(out))
+    arm = json.loads(out.read_text())["results"][0]["arms"]["eager"]
+    assert res.exit_code == 0 and arm["kv_dtype"] == "" and arm["k_scale"] == []
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
+                                    "--kv-dtype", "float16"])
+    assert bad.exit_code != 0 and "--kv-dtype" in bad.output and "float8_e5m2" in bad.output
+    # negative control: an oracle reading the pools with another v_scale fails the command
+    import paged_decode.bench.engine as engine_mod
+    real = engine_mod.oracle_decode
+    monkeypatch.setattr(engine_mod, "oracle_decode", lambda *a, **kw: real(
+        *a, **{**kw, "v_scale": kw["v_scale"] * 1.1}))
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
+                                    "--layers", "1", "--steps", "2", "--batch", "2",
+                                    "--context", "20", "--arms", "eager", "--kv-dtype",
+                                    "float8_e5m2"])
+    assert bad.exit_code != 0 and "engine arms failed verification" in bad.output
+    assert "kv float8_e5m2 eager" in bad.output
 
 
 def test_an_engine_arm_with_a_wrong_answer_fails_verification():

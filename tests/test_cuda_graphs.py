@@ -149,6 +149,21 @@ def test_bench_graph_timer_captures_every_arm_of_ours(cuda):
     assert r.arms["v2"].gpu_mode == "graph" and r.arms["v1"].gpu_mode == "graph"
 
 
+def test_bench_graph_layers_time_three_layers_in_one_graph(cuda):
+    """``--graph-layers 3``: each arm's three calls (each over its own copy of the pools)
+    are captured in one graph, every layer's replayed output is verified, and the GPU time
+    is per call."""
+    from paged_decode.bench.cases import BenchCase
+    from paged_decode.bench.runner import run_bench
+    (r,) = run_bench([BenchCase(2, 1024, 16)], backend=cuda, arms=("v2", "v2tc"), warmup=1,
+                     reps=3, graph_layers=3)
+    assert r.graph_layers == 3 and r.layers_note == ""
+    for name, arm in r.arms.items():
+        assert arm.verified, (name, arm.max_rel_error, arm.note)
+        assert arm.gpu_mode == "graph" and arm.graph_layers == 3, (name, arm.note)
+        assert arm.gpu["median_us"] > 0 and arm.call["median_us"] > 0
+
+
 @pytest.mark.parametrize("how", ["decode", "prepared"])
 def test_cascade_with_plan_and_out_is_capturable(cuda, how):
     """Cascade with the tensor-core level 0: three launches, capturable in global mode;

@@ -65,15 +65,81 @@ def test_host_pages_follow_the_per_request_model(batch, context, p):
     assert host.next <= host.num_pages
 
 
+@pytest.mark.parametrize("kv_dtype", ["", "float8_e4m3fn", "float8_e5m2"])
 @pytest.mark.parametrize("arm", ["flashinfer", "flashinfer-captured"])
-def test_the_flashinfer_loop_runs_and_verifies_through_the_drop_in(arm):
+def test_the_flashinfer_loop_runs_and_verifies_through_the_drop_in(arm, kv_dtype):
+    """16-bit and fp8 caches (the new rows quantized by the arm, the run given the
+    layer's scales, the oracle reading the cache's bytes with them)."""
     torch = pytest.importorskip("torch")
     import paged_decode.compat.flashinfer as shim
     case = EngineCase(6, context=24, layers=2, steps=4, page_size=4, num_qo_heads=4,
-                      num_kv_heads=2, head_dim=64, dtype="float16")
+                      num_kv_heads=2, head_dim=64, dtype="float16", kv_dtype=kv_dtype)
     res = run_loop(shim, torch, torch.device("cpu"), case, arm)
     assert res.ran and len(res.errors) == 6 and res.verified, res
     assert np.isnan(res.gpu_us) and res.step_us > 0
+    assert res.kv_dtype == kv_dtype
+    n = case.layers if kv_dtype else 0
+    assert len(res.k_scale) == len(res.v_scale) == n and all(x > 0 for x in res.k_scale)
+    assert (f"{kv_dtype} cache" in res.note) == bool(kv_dtype)
+
+
+def _fp8_case(layers=1):
+    return EngineCase(4, context=24, layers=layers, steps=3, page_size=4, num_qo_heads=4,
+                      num_kv_heads=2, head_dim=64, dtype="float16", kv_dtype="float8_e4m3fn")
+
+
+def test_an_fp8_run_given_another_v_scale_fails_the_flashinfer_loop_s_verification(
+        monkeypatch):
+    """Negative control: the cache holds codes of the calibrated scales; a ``run`` that
+    reads them with a v_scale 10% off must fail the oracle."""
+    torch = pytest.importorskip("torch")
+    import paged_decode.compat.flashinfer as shim
+    cls = shim.BatchDecodeWithPagedKVCacheWrapper
+    real = cls.run
+
+    def off(self, q, cache, *args, **kw):
+        kw["v_scale"] = kw["v_scale"] * 1.1
+        return real(self, q, cache, *args, **kw)
+
+    monkeypatch.setattr(cls, "run", off)
+    res = run_loop(shim, torch, torch.device("cpu"), _fp8_case(), "flashinfer")
+    assert res.ran and not res.verified
+
+
+def test_the_flashinfer_loop_s_oracle_reads_the_scales_it_was_written_with(monkeypatch):
+    """Negative control: the check must dequantize with the layer's scales; with a K
+    scale twice too large it fails."""
+    torch = pytest.importorskip("torch")
+    import paged_decode.bench.engine_flashinfer as efi
+    import paged_decode.compat.flashinfer as shim
+    real = efi.oracle_decode
+
+    def wrong(*args, **kw):
+        kw["k_scale"] = kw["k_scale"] * 2
+        return real(*args, **kw)
+
+    monkeypatch.setattr(efi, "oracle_decode", wrong)
+    res = run_loop(shim, torch, torch.device("cpu"), _fp8_case(), "flashinfer-captured")
+    assert res.ran and not res.verified
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_arm_s_torch_quantization_is_the_pools_convention(fmt):
+    """``_quantizer`` (the FlashInfer arm's torch ops) gives the codes of ``fp8.quantize``
+    (float32 ``x / scale``, saturated, round to nearest even): normals, values past the
+    largest finite one (which torch's bare cast would not saturate), NaN (any NaN code:
+    torch's e5m2 NaN is 0x7F, ml_dtypes' 0x7E)."""
+    torch = pytest.importorskip("torch")
+    from paged_decode import fp8
+    from paged_decode.bench.engine_flashinfer import _quantizer
+    x = (np.random.default_rng(0).standard_normal((64, 2, 8)) * 3).astype(np.float16)
+    x[0, 0, :4] = [60000.0, -60000.0, np.inf, np.nan]
+    scale = 0.37 if fmt == "float8_e4m3fn" else 0.5
+    got = _quantizer(torch, getattr(torch, fmt), fmt)(torch.from_numpy(x), scale)
+    assert got.dtype == getattr(torch, fmt)
+    want = fp8.quantize(x, fmt, scale)
+    np.testing.assert_array_equal(fp8.dequantize(got.view(torch.uint8).numpy(), fmt),
+                                  fp8.dequantize(want, fmt))     # NaN matches NaN
 
 
 def test_a_plan_over_a_wrong_page_fails_the_flashinfer_loop_s_verification(monkeypatch):

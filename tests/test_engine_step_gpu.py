@@ -6,7 +6,9 @@ to replay once stale; a captured loop makes one upload per begin and nothing els
 the graph launch per replay (the table update is in the graph), also after a reader
 applied a trim's update eagerly; a step inside a torch CUDA graph of the caller's forward
 (``record_update``) matches the oracle through replans. That last one was written in
-session 9 after its device time was spent and has not run on a GPU yet.
+session 9 after its device time was spent and has not run on a GPU yet. The engine
+suite's arms over fp8 pools (``bench --suite engine --kv-dtype``) are verified here too;
+written without a GPU, not run on one yet.
 """
 
 from __future__ import annotations
@@ -258,3 +260,43 @@ def test_a_step_inside_a_torch_graph_of_the_caller_s_forward():
             assert_matches_oracle(outs[layer].float().cpu().numpy(), None, want, None,
                                   "float16", f"step {it} layer {layer}")
     assert step.replans >= 1 and captures == 1 + step.replans
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_engine_suite_over_fp8_pools_on_cuda(fmt):
+    """``bench --suite engine --kv-dtype FMT``'s arms at Llama-3-8B heads (32/8 x 128),
+    a short loop: ours (v2 and v2tc, eager and CUDA graph) over fp8 pools verified
+    against the oracle on the dequantized pools; FlashInfer's two arms too where it is
+    importable (run.sh fi first), else left out.
+
+    On the H200 (S27-R3, R5) every arm verified over e4m3fn, and ours over e5m2;
+    FlashInfer's eager arm over an e5m2 cache was 0.17-0.20 off the oracle at every check,
+    while its decode-suite arms over e5m2 pools verified in the same run (S27-R5's
+    fp8-quick).
+    Until that is explained, FlashInfer's engine arms over e5m2 are a strict xfail: the
+    test fails when they verify, so the expectation cannot outlive the fault."""
+    from paged_decode.bench.engine import ALL_ENGINE_ARMS, run_engine
+    from paged_decode.bench.engine_case import EngineCase
+    from paged_decode.bench.flashinfer_arm import available
+    case = EngineCase(8, context=256, layers=4, steps=6, kv_dtype=fmt)
+    [(_, got)] = run_engine(pd.get_backend("cuda"), [case], arms=ALL_ENGINE_ARMS)
+    fi_ok, why = available()
+    unexplained = []
+    for name, a in got.items():
+        if name.startswith("flashinfer") and not fi_ok:
+            assert not a.ran and a.note == why, a
+            continue
+        assert a.ran and a.kv_dtype == fmt, a
+        assert len(a.k_scale) == case.layers and not np.isnan(a.gpu_us), a
+        summary = f"{name}: errors {a.errors}, note {a.note}"
+        if name.startswith("flashinfer") and fmt == "float8_e5m2":
+            assert a.errors, summary
+            if not a.verified:
+                unexplained.append(summary)
+                continue
+            pytest.fail(f"FlashInfer's e5m2 engine arm now verifies ({summary}): drop the "
+                        "xfail here and its entry in docs/benchmarks/pending-device-runs.md")
+        assert a.verified, summary
+    if unexplained:
+        pytest.xfail("FlashInfer's engine arms over e5m2 caches fail the oracle (S27-R3, "
+                     "R5; cause not found): " + "; ".join(unexplained))

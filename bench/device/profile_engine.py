@@ -72,7 +72,7 @@ def med(xs):
 def profile(batch: int) -> dict:
     be = get_backend("cuda")
     case = EngineCase(batch, steps=100)       # the pool holds 100 steps of growth (84 run)
-    pool, seqs = _pool(be, case, 0)
+    pool, seqs, _ = _pool(be, case, 0)
     step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom)
     cap = step.capacity
     rng = np.random.default_rng(2)

@@ -55,7 +55,10 @@
 #   append-host host time of one PagePool.append_batch, 128 sequences x 1 token x 32 layers
 #   engine      the step-table / engine-step GPU tests, then bench --suite engine (arms
 #               ENGINE_ARMS, default eager, captured, flashinfer; batch 8/64/128, 32 layers;
-#               ENGINE_ARGS more bench options, e.g. --context 4096 --batch 64; run fi
+#               ENGINE_ARGS more bench options, e.g. --context 4096 --batch 64;
+#               ENGINE_KV pool formats, one bench each: 16bit (the default, engine.json) and
+#               fp8 formats (float8_e4m3fn, float8_e5m2: --kv-dtype, per-layer calibrated
+#               scales, engine_FORMAT.json), e.g. ENGINE_KV="16bit float8_e4m3fn"; run fi
 #               first) + its plot
 #   begin-host  bench/begin_host.py on the GPU machine's CPU (no GPU work): the steady and
 #               general begin's bookkeeping, to set its host beside this repository's CPU
@@ -105,8 +108,12 @@
 #   tests       the GPU tests of TESTS (files; default fp8, engine step, transformers), TESTS_K
 #   l2          the bench's two cold-L2 flushes (--l2-flush clean / dirty) side by side over
 #               float16 and e4m3fn pools at 8/32/128 x 8K/32K (L2_ARMS, L2_FLUSHES,
-#               L2_BATCHES, L2_TIMEOUT)
+#               L2_BATCHES, L2_TIMEOUT; L2_LAYERS="1 8": each flush once per --graph-layers
+#               count, outputs of N > 1 named l2_FLUSH_LN_*)
 #   fp8-fixed   v2tc at 8 x 8K over e4m3fn under the switches of a call's fixed part
+#   fi-e5m2     FlashInfer over e5m2 caches (run fi first): the decode suite at batch 8 x 256 /
+#               8K beside the engine suite's FlashInfer arms at the same sizes (S27-R3 / R5:
+#               the engine arm 0.17-0.20 off the oracle, the decode arms verified)
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
@@ -165,7 +172,10 @@
 #               one 600 s device command: run fi in a command before it
 # Knobs: GPU_TEST_K (a -k expression for gpu-tests), MEMCHECK_K (the memcheck subset),
 # NCU_KV_DTYPE / NCU_BATCH (the ncu steps over fp8 pools / another batch than 8),
-# BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models).
+# BENCH_REPS (15), BENCH_TIMEOUT (260), BENCH_ARMS (the arms of targets/adr/variants/models),
+# BENCH_L2 (run_bench's --l2-flush), BENCH_LAYERS (run_bench's --graph-layers N: N calls,
+# each over its own copy of the pools, per graph replay, times per call; decode-suite
+# steps only: the other suites refuse it; default 1).
 source bench/device/setup.sh
 set -o pipefail
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -238,11 +248,12 @@ step_racecheck() {
   echo "racecheck rc=$?"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|passed|failed" "$L/racecheck.log" | tail -3
 }
 # run_bench NAME ARGS...: one bench run into $OUT/bench_NAME.{json,md,txt}, stderr logged
-# (BENCH_L2=dirty: the flush of the runs before session 25, for comparisons with them)
+# (BENCH_L2=dirty: the flush of the runs before session 25, for comparisons with them;
+# BENCH_LAYERS=32: 32 calls over 32 layers' pools per graph replay, as an engine's step)
 run_bench() {
   local name=$1; shift
   timeout ${BENCH_TIMEOUT:-260} paged-decode bench --backend cuda --reps $REPS --warmup 3 \
-    ${BENCH_L2:+--l2-flush $BENCH_L2} "$@" \
+    ${BENCH_L2:+--l2-flush $BENCH_L2} ${BENCH_LAYERS:+--graph-layers $BENCH_LAYERS} "$@" \
     --json "$OUT/bench_$name.json" --markdown "$OUT/bench_$name.md" 2>"$L/bench_$name.err" \
     | tee "$OUT/bench_$name.txt" | tail -40
   echo "$name rc=$?"; tail -3 "$L/bench_$name.err"
@@ -364,10 +375,15 @@ step_append_host() {
 step_engine() {
   python3 -m pytest -q tests/test_engine_step_gpu.py -rs > "$L/engine_tests.log" 2>&1
   echo "engine tests rc=$?"; grep -E "FAILED|passed|failed" "$L/engine_tests.log" | tail -8
-  timeout ${ENGINE_TIMEOUT:-500} paged-decode bench --backend cuda --suite engine ${ENGINE_ARGS:-} \
-    --arms ${ENGINE_ARMS:-eager,captured,flashinfer,flashinfer-captured} --json "$OUT/engine.json" \
-    --plot "$OUT/engine.png" > "$OUT/engine.txt" 2>&1
-  echo "engine bench rc=$?"; tail -20 "$OUT/engine.txt"
+  local kv n
+  for kv in ${ENGINE_KV:-16bit}; do
+    n=engine; [ "$kv" = 16bit ] || n="engine_$kv"
+    timeout ${ENGINE_TIMEOUT:-500} paged-decode bench --backend cuda --suite engine ${ENGINE_ARGS:-} \
+      $([ "$kv" = 16bit ] || echo "--kv-dtype $kv") \
+      --arms ${ENGINE_ARMS:-eager,captured,flashinfer,flashinfer-captured} --json "$OUT/$n.json" \
+      --plot "$OUT/$n.png" > "$OUT/$n.txt" 2>&1
+    echo "$n bench rc=$?"; tail -20 "$OUT/$n.txt"
+  done
 }
 step_begin_host() {   # CPU only: the same numpy bookkeeping this repository's CPU times
   timeout 120 python3 bench/begin_host.py 8 64 128 > "$L/begin_host.txt" 2>&1
@@ -911,14 +927,17 @@ step_tests() {
 # cells (8 / 32 / 128 x 8K / 32K), float16 and e4m3fn pools, our arm beside FlashInfer's (run
 # fi first)
 step_l2() {
-  local c="--preset targets --context 8192 --context 32768" f b
+  local c="--preset targets --context 8192 --context 32768" f b n t
   for b in ${L2_BATCHES:-8 32 128}; do c="$c --batch $b"; done
   local arms=${L2_ARMS:-v2tc,flashinfer-tc}
-  for f in ${L2_FLUSHES:-clean dirty}; do
-    BENCH_TIMEOUT=${L2_TIMEOUT:-70} run_bench "l2_${f}_f16" $c --l2-flush $f --arms $arms \
-      | tail -7
-    BENCH_TIMEOUT=${L2_TIMEOUT:-70} run_bench "l2_${f}_e4m3" $c --l2-flush $f \
-      --kv-dtype float8_e4m3fn --arms $arms | tail -7
+  for n in ${L2_LAYERS:-1}; do
+    t=""; [ "$n" = 1 ] || t="_L$n"
+    for f in ${L2_FLUSHES:-clean dirty}; do
+      BENCH_LAYERS=$n BENCH_TIMEOUT=${L2_TIMEOUT:-70} run_bench "l2_${f}${t}_f16" $c \
+        --l2-flush $f --arms $arms | tail -7
+      BENCH_LAYERS=$n BENCH_TIMEOUT=${L2_TIMEOUT:-70} run_bench "l2_${f}${t}_e4m3" $c \
+        --l2-flush $f --kv-dtype float8_e4m3fn --arms $arms | tail -7
+    done
   done
   return 0
 }
@@ -926,6 +945,14 @@ step_l2() {
 # #14's farthest cell (8 x 8K, e4m3fn; float16 beside it) under the switches that move a
 # call's fixed part: the fused merge off, the merge as a dependent launch, 5 CTAs per SM,
 # a 3-deep ring (FIXED_TIMEOUT each)
+step_fi_e5m2() {
+  BENCH_TIMEOUT=90 REPS=3 run_bench e5m2_decode --preset targets --context 256 --context 8192 \
+    --batch 8 --kv-dtype float8_e5m2 --arms v2,flashinfer,flashinfer-tc | tail -6
+  timeout 150 paged-decode bench --backend cuda --suite engine --context 8192 --context 256 \
+    --batch 8 --layers 2 --steps 3 --kv-dtype float8_e5m2 --arms eager,flashinfer,flashinfer-captured \
+    --json "$OUT/e5m2_engine.json" > "$OUT/e5m2_engine.txt" 2>&1
+  echo "e5m2 engine rc=$?"; tail -8 "$OUT/e5m2_engine.txt"
+}
 step_fp8_fixed() {
   local c="--preset targets --context 8192 --batch 8 --arms v2tc" t=${FIXED_TIMEOUT:-40}
   BENCH_TIMEOUT=$t run_bench fx_f16 $c | grep B8

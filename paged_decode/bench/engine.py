@@ -9,7 +9,7 @@ token in every layer and every layer decodes the whole batch. Arms:
 - ``captured``: the same step recorded once (``DecodeStep.capture``; a CUDA graph on the
   ``cuda`` backend) and replayed after every ``begin`` (recaptured when stale);
 - ``eager-tc`` / ``captured-tc`` (named with ``--arms``): the same two on the tensor-core
-  partial (``DecodeStep(path="v2tc")``; CUDA, 16-bit pools);
+  partial (``DecodeStep(path="v2tc")``; CUDA, 16-bit queries over 16-bit or fp8 pools);
 - ``flashinfer`` / ``flashinfer-captured`` (CUDA, when importable): per step the host
   table's update (vectorized numpy), one ``plan``, then ``append_paged_kv_cache`` and
   ``run`` for every layer on FlashInfer's own cache of the same shape, launched eagerly or
@@ -22,6 +22,17 @@ events around the whole step, host preparation included: ``begin`` for ours, the
 update and ``plan`` for FlashInfer's), replans and recaptures. Every arm's outputs are
 checked against the float64 oracle at the first and the last step (layer 0 and L-1;
 requests 0, the first fork and the last).
+
+fp8 K/V (``--kv-dtype``, ``EngineCase.kv_dtype``; ``docs/fp8.md``): the pools hold
+``float8_e4m3fn`` or ``float8_e5m2`` codes with per-layer float32 K and V scales, each the
+amax of the layer's prompt K (or V) block over the format's largest finite value (an amax
+calibration; later rows beyond it saturate). Queries, outputs and appended rows stay
+``--dtype``; our appends quantize in the append kernel, FlashInfer's arms quantize each
+layer's new rows with torch ops first (its append copies rows of the cache's dtype). The
+oracle reads the pools as stored, the codes dequantized with the calibrated scales, so the
+bound is the 16-bit one (``engine_case.tolerance``) and a wrong scale fails; the JSON
+records each arm's scales. No arm falls back to 16-bit pools: one whose path refuses fp8
+is reported not run, with the library's reason.
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ import numpy as np
 from ..backends import Backend
 from ..dtypes import numpy_dtype
 from ..engine_step import DecodeStep
-from ..errors import UnsupportedProblemError
+from ..errors import UnsupportedProblemError, fail, fmt_shape
+from ..fp8 import amax_scales, is_fp8
 from ..pool import PagePool
 from ..reference import oracle_decode, row_rel_error
 from .engine_case import EngineArm, EngineCase, EventTimer, NoTimer, mean_us, median_us, prompts
@@ -50,20 +62,29 @@ ALL_ENGINE_ARMS = ("eager", "captured", "eager-tc", "captured-tc", *FLASHINFER_A
 _SHIFT, _SPREAD = 37, 512
 
 
-def _pool(be: Backend, case: EngineCase, seed: int) -> tuple[PagePool, list[int]]:
+def _pool(be: Backend, case: EngineCase, seed: int
+          ) -> tuple[PagePool, list[int], dict[str, np.ndarray]]:
+    """The case's pool ``[L, num_pages, P, Hkv, D]`` of ``case.pool_dtype``, its
+    sequences (prompts appended, forks made) and, for an fp8 pool, the per-layer K and V
+    scales (float32 ``[L]`` each, calibrated on the prompt blocks: ``amax_scales``)
+    it was made with; its append quantizes with them. ``{}`` for 16-bit pools."""
     lens = prompts(case, seed)
     need = sum(-(-(n + case.steps + 1) // case.page_size) for n in lens) + case.batch
-    pool = PagePool(need, case.page_size, case.num_kv_heads, case.head_dim, case.dtype,
-                    num_layers=case.layers, backend=be)
-    # one K and one V block for the whole batch, generated once in float32: each sequence
-    # takes its own window of it (starting SHIFT * i tokens in, modulo SPREAD), so no two
-    # sequences hold the same tokens at the same positions. (float64 normals per sequence
-    # took about 1 s a sequence at 32 layers: minutes per arm at batch 128.)
-    rng = np.random.default_rng(seed + 1)
-    dt = numpy_dtype(case.dtype)
-    shape = (case.layers, max(lens) + _SPREAD, case.num_kv_heads, case.head_dim)
-    k_block = rng.standard_normal(shape, dtype=np.float32).astype(dt)
-    v_block = rng.standard_normal(shape, dtype=np.float32).astype(dt)
+
+    def new_pool(**scales: np.ndarray) -> PagePool:
+        return PagePool(need, case.page_size, case.num_kv_heads, case.head_dim,
+                        case.pool_dtype, num_layers=case.layers, backend=be, **scales)
+
+    scales: dict[str, np.ndarray] = {}
+    # a 16-bit pool first, as before the fp8 pools: its allocation (on a device, and
+    # usually the larger) fails with its own error before the host blocks are drawn; an
+    # fp8 pool's scales come from the blocks
+    pool = None if is_fp8(case.pool_dtype) else new_pool()
+    k_block, v_block = _blocks(case, max(lens), seed)
+    if pool is None:        # each layer's amax of the rows it is filled from
+        scales = {name: amax_scales(np.abs(x).max(axis=(1, 2, 3)), case.pool_dtype)
+                  for name, x in (("k_scale", k_block), ("v_scale", v_block))}
+        pool = new_pool(**scales)
     seqs: list[int] = []
     half = case.batch // 2
     for i, n in enumerate(lens):
@@ -74,11 +95,35 @@ def _pool(be: Backend, case: EngineCase, seed: int) -> tuple[PagePool, list[int]
             at = _SHIFT * i % _SPREAD
             pool.append(s, k_block[:, at:at + n], v_block[:, at:at + n])
         seqs.append(s)
-    return pool, seqs
+    return pool, seqs, scales
+
+
+def _blocks(case: EngineCase, longest: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts' K and V blocks, ``[L, longest + SPREAD, Hkv, D]`` each in
+    ``case.dtype``: one block for the whole batch, generated once in float32; each
+    sequence takes its own window of it (starting SHIFT * i tokens in, modulo SPREAD), so
+    no two sequences hold the same tokens at the same positions. (float64 normals per
+    sequence took about 1 s a sequence at 32 layers: minutes per arm at batch 128.)"""
+    rng = np.random.default_rng(seed + 1)
+    dt = numpy_dtype(case.dtype)
+    shape = (case.layers, longest + _SPREAD, case.num_kv_heads, case.head_dim)
+    try:
+        k = rng.standard_normal(shape, dtype=np.float32).astype(dt)
+        return k, rng.standard_normal(shape, dtype=np.float32).astype(dt)
+    except (MemoryError, ValueError) as exc:     # ValueError: a size numpy cannot index
+        gib = 2 * float(np.prod(shape, dtype=np.float64)) * 4 / 2 ** 30
+        raise fail("bench --suite engine", f"the prompts' K and V blocks of shape "
+                   f"{fmt_shape(shape)} (float32 while drawn) need {gib:.3g} GiB of host "
+                   f"memory, which could not be allocated; fewer --layers or a shorter "
+                   f"--context") from exc
 
 
 def _check(be: Backend, pool: PagePool, step: DecodeStep, layer: int, q: Any,
-           out: Any) -> float:
+           out: Any, scales: dict[str, np.ndarray]) -> float:
+    """Max-rel error per (request, head) row of requests 0, the first fork and the last
+    against the float64 oracle on the pool's layer ``layer`` as stored; an fp8 pool's
+    codes are dequantized with the layer's entry of ``scales`` (``_pool``'s calibration,
+    not read back from the pool: a decode given other scales fails)."""
     k, v = pool.layer(layer)
     table = step.table.page_table()
     n = int(step.table.num_live)
@@ -86,13 +131,18 @@ def _check(be: Backend, pool: PagePool, step: DecodeStep, layer: int, q: Any,
     rows = sorted({0, n - 1, *forks[:1]})
     sub = table.subset(rows)
     qn = be.to_numpy(q)[rows]
-    want, _ = oracle_decode(qn, be.to_numpy(k), be.to_numpy(v), sub)
+    quant: dict[str, Any] = {}
+    if scales:
+        quant = {"kv_dtype": pool.dtype, **{nm: float(x[layer]) for nm, x in scales.items()}}
+    want, _ = oracle_decode(qn, be.to_numpy(k), be.to_numpy(v), sub, **quant)
     return row_rel_error(be.to_numpy(out)[rows], want)   # per (request, head) row
 
 
 def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
-    """The ``eager`` or ``captured`` arm (``-tc``: on the tensor-core partial)."""
-    pool, seqs = _pool(be, case, seed)
+    """The ``eager`` or ``captured`` arm (``-tc``: on the tensor-core partial). Queries,
+    outputs and the appended rows are ``case.dtype``; over an fp8 pool the pool's append
+    quantizes the rows with the layer's scales and the decode reads the codes."""
+    pool, seqs, scales = _pool(be, case, seed)
     mode, _, tc = arm.partition("-")
     step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom,
                       path="v2tc" if tc else "v2")
@@ -135,13 +185,12 @@ def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> Engin
         hosts.append(t1 - t0)
         gpus.append(timer.last)
         if i in (0, case.steps - 1):
-            errors += [_check(be, pool, step, layer, qs[layer], outs[layer])
+            errors += [_check(be, pool, step, layer, qs[layer], outs[layer], scales)
                        for layer in (0, case.layers - 1)]
-    res = EngineArm(arm, True, case.dtype, step_us=median_us(walls), mean_us=mean_us(walls),
-                    host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
-                    replans=step.replans,
-                    recaptures=max(0, recaptures - 1))
-    return res
+    return EngineArm(arm, True, case.dtype, step_us=median_us(walls), mean_us=mean_us(walls),
+                     host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
+                     replans=step.replans, recaptures=max(0, recaptures - 1),
+                     kv_dtype=case.kv_dtype, **{n: x.tolist() for n, x in scales.items()})
 
 
 def _gpu_timer(be: Backend) -> Any:
@@ -167,12 +216,14 @@ def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = 
                     got[arm] = run_flashinfer(be, case, arm)
                 except Exception as exc:   # reported (not run, with why), the others go on
                     got[arm] = EngineArm(arm, False, case.dtype,
-                                         note=f"failed: {type(exc).__name__}: {exc}"[:300])
+                                         note=f"failed: {type(exc).__name__}: {exc}"[:300],
+                                         kv_dtype=case.kv_dtype)
             else:
                 try:
                     got[arm] = run_ours(be, case, arm)
                 except UnsupportedProblemError as exc:    # e.g. v2tc off CUDA or on f32
-                    got[arm] = EngineArm(arm, False, case.dtype, note=str(exc)[:300])
+                    got[arm] = EngineArm(arm, False, case.dtype, note=str(exc)[:300],
+                                         kv_dtype=case.kv_dtype)
             if progress:
                 progress(f"{case.label} {arm}")
         out.append((case, got))
@@ -183,7 +234,8 @@ def report(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> str:
     """A text table: per case and arm, step / host / GPU microseconds, the step time
     against the faster verified FlashInfer arm's where one ran, the oracle errors,
     replans."""
-    lines = [f"{'case':44} {'arm':19} {'step us':>10} {'mean us':>10} {'host us':>10} "
+    w = max([44, *(len(case.label) for case, _ in results)])   # fp8 labels run longer
+    lines = [f"{'case':{w}} {'arm':19} {'step us':>10} {'mean us':>10} {'host us':>10} "
              f"{'gpu us':>10} {'vs FI':>7} {'max err':>9} replans"]
     for case, arms in results:
         fi = [a.step_us for n, a in arms.items()
@@ -191,12 +243,12 @@ def report(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> str:
         best = min(fi) if fi else float("nan")
         for name, a in arms.items():
             if not a.ran:
-                lines.append(f"{case.label:44} {name:19} not run: {a.note}")
+                lines.append(f"{case.label:{w}} {name:19} not run: {a.note}")
                 continue
             ratio = (a.step_us / best if name not in FLASHINFER_ARMS and a.verified
                      else float("nan"))
             err = max(a.errors) if a.errors else float("nan")
-            lines.append(f"{case.label:44} {name:19} {a.step_us:10.1f} {a.mean_us:10.1f} "
+            lines.append(f"{case.label:{w}} {name:19} {a.step_us:10.1f} {a.mean_us:10.1f} "
                          f"{a.host_us:10.1f} {a.gpu_us:10.1f} {ratio:7.2f} {err:9.2e} "
                          f"{a.replans}")
     return "\n".join(lines)

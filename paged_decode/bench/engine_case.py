@@ -8,8 +8,22 @@ from typing import Any
 
 import numpy as np
 
+from ..fp8 import is_fp8
+
 #: max-rel error of an output against the float64 oracle, per dtype (the bench's bound)
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4}
+#: what fp8 pools add to that bound: the oracle reads the same stored values, dequantized
+#: with the same scales, so only the kernels' two float32 roundings of the scales remain
+#: (``k_scale`` folded into the softmax scale, ``v_scale`` times the output; as
+#: tests/helpers.py ``fp8_out_tol``). The quantization error itself is not in it: a wrong
+#: scale moves the output by its factor and fails.
+FP8_SCALE_ROUNDING = 2 * 2.0 ** -24
+
+
+def tolerance(dtype: str, kv_dtype: str = "") -> float:
+    """The bench's max-rel bound for outputs of ``dtype`` (the queries' and outputs') over
+    pools of ``kv_dtype`` (``""``: ``dtype`` itself); 0 for a dtype it has none for."""
+    return TOLERANCE.get(dtype, 0.0) + (FP8_SCALE_ROUNDING if is_fp8(kv_dtype) else 0.0)
 
 
 @dataclass(frozen=True)
@@ -22,15 +36,23 @@ class EngineCase:
     num_qo_heads: int = 32
     num_kv_heads: int = 8
     head_dim: int = 128
-    dtype: str = "float16"
+    dtype: str = "float16"         # the queries', outputs' and appended rows' dtype
     headroom: int = 64
     model: str = ""                # the models-preset layout of the heads ("": as given)
+    #: the pools' dtype when it is not ``dtype``: an fp8 K/V cache (``"float8_e4m3fn"``,
+    #: ``"float8_e5m2"``; per-layer scales calibrated on the prompt's K/V, ``docs/fp8.md``)
+    kv_dtype: str = ""
+
+    @property
+    def pool_dtype(self) -> str:
+        return self.kv_dtype or self.dtype
 
     @property
     def label(self) -> str:
         name = f"{self.model} " if self.model else ""
+        kv = f" kv {self.kv_dtype}" if self.kv_dtype else ""
         return (f"{name}B{self.batch} ctx{self.context} L{self.layers} x{self.steps} "
-                f"{self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim} {self.dtype}")
+                f"{self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim} {self.dtype}{kv}")
 
 
 @dataclass
@@ -46,11 +68,16 @@ class EngineArm:
     errors: list[float] = field(default_factory=list)   # max-rel error: first, last step
     replans: int = 0
     recaptures: int = 0
+    kv_dtype: str = ""                    # the pools' dtype when not ``dtype`` (fp8)
+    #: fp8 pools: the per-layer float32 scales the arm quantized with and the oracle read
+    #: the pools with (``[L]`` each; empty for 16-bit pools)
+    k_scale: list[float] = field(default_factory=list)
+    v_scale: list[float] = field(default_factory=list)
 
     @property
     def verified(self) -> bool:
         """Every checked output within the dtype's tolerance of the float64 oracle."""
-        tol = TOLERANCE.get(self.dtype, 0.0)
+        tol = tolerance(self.dtype, self.kv_dtype)
         return bool(self.errors) and all(e <= tol for e in self.errors)
 
 
@@ -107,5 +134,5 @@ class NoTimer:
         return None
 
 
-__all__ = ["TOLERANCE", "EngineArm", "EngineCase", "EventTimer", "NoTimer", "mean_us",
-           "median_us", "prompts"]
+__all__ = ["FP8_SCALE_ROUNDING", "TOLERANCE", "EngineArm", "EngineCase", "EventTimer",
+           "NoTimer", "mean_us", "median_us", "prompts", "tolerance"]

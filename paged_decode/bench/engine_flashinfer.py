@@ -14,6 +14,10 @@ decode). Two arms:
   runs captured once in a torch CUDA graph and replayed after each step's ``plan``, as
   engines serving FlashInfer do (vLLM, SGLang).
 
+fp8 caches (``--kv-dtype``): FlashInfer's own fp8 decode (``plan(kv_data_type=)``,
+``run(k_scale=, v_scale=)``), each layer's new rows quantized by torch ops before its
+append (``run_loop``).
+
 Timing is ours' (``engine.py``): the CUDA events bracket the host bookkeeping, the copies,
 ``plan`` and the launches (or the replay), as ours bracket ``begin`` and the step. Needs
 the ``cuda`` backend with torch and FlashInfer importable; elsewhere an arm is reported as
@@ -31,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..backends import Backend
+from ..fp8 import amax_scales, is_fp8, max_finite
 from ..page_table import PageTable
 from ..reference import oracle_decode, row_rel_error
 from .engine_case import EngineArm, EngineCase, EventTimer, NoTimer, mean_us, median_us, prompts
@@ -143,10 +148,10 @@ def run_flashinfer(be: Backend, case: EngineCase, arm: str = "flashinfer", *,
                    seed: int = 0) -> EngineArm:
     """Arm ``arm`` (``ARMS``) on the H200 path: the ``cuda`` backend, FlashInfer and torch."""
     if be.name != "cuda":
-        return EngineArm(arm, False, note="needs the cuda backend")
+        return EngineArm(arm, False, note="needs the cuda backend", kv_dtype=case.kv_dtype)
     ok, why = available()
     if not ok:
-        return EngineArm(arm, False, note=why)
+        return EngineArm(arm, False, note=why, kv_dtype=case.kv_dtype)
     import torch
     return run_loop(_import_flashinfer(), torch, torch.device("cuda"), case, arm, seed=seed)
 
@@ -155,27 +160,46 @@ def run_loop(fi: Any, torch: Any, dev: Any, case: EngineCase, arm: str, *,
              seed: int = 0) -> EngineArm:
     """The loop of arm ``arm`` with FlashInfer module ``fi`` (FlashInfer's API) on torch
     device ``dev``; on a CPU device the captured arm runs its body eagerly each step and
-    no GPU time is reported."""
+    no GPU time is reported.
+
+    fp8 caches (``case.kv_dtype``; torch ``float8_e4m3fn`` / ``float8_e5m2``): per-layer
+    scales calibrated on the prompt's rows (``amax_scales``; K and V hold the same
+    rows here, so the two are equal), ``plan(kv_data_type=)`` the format, ``run`` the
+    layer's ``k_scale`` / ``v_scale``. FlashInfer 0.3.1's ``append_paged_kv_cache`` copies
+    rows of the cache's dtype (its kernel reads them as that type), so each layer's new
+    rows are quantized first by torch ops (``_quantizer``), inside the timed step."""
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
           "float32": torch.float32}.get(case.dtype)
     if dt is None or (dev.type == "cuda" and dt == torch.float32):
-        return EngineArm(arm, False, note=f"FlashInfer decode takes f16/bf16, not {case.dtype}")
+        return EngineArm(arm, False, note=f"FlashInfer decode takes f16/bf16, not {case.dtype}",
+                         kv_dtype=case.kv_dtype)
+    fp8 = is_fp8(case.kv_dtype)
+    cdt = getattr(torch, case.kv_dtype) if fp8 else dt       # the caches' dtype
     captured = arm == "flashinfer-captured"
     p, hkv, d, hq, nl, b = (case.page_size, case.num_kv_heads, case.head_dim,
                             case.num_qo_heads, case.layers, case.batch)
     host = HostPages(prompts(case, seed), p, case.steps)
     gen = torch.Generator(device=dev).manual_seed(seed + 1)
-    caches = [(torch.zeros(host.num_pages, p, hkv, d, dtype=dt, device=dev),
-               torch.zeros(host.num_pages, p, hkv, d, dtype=dt, device=dev))
+    # an fp8 cache is allocated and index-written as its bytes (uint8: zeros and index
+    # copies need no fp8 kernels) and read by FlashInfer through an fp8 view of them
+    writes = [tuple(torch.zeros(host.num_pages, p, hkv, d, device=dev,
+                                dtype=torch.uint8 if fp8 else dt) for _ in range(2))
               for _ in range(nl)]
-    for r in np.flatnonzero(~host.forks):
-        n = int(host.length[r])
-        pg = host.pages(int(r))
-        slots = torch.from_numpy(pg[np.arange(n) // p] * p + np.arange(n) % p).to(dev)
-        for k, v in caches:
-            k.view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen, device=dev,
-                                                   dtype=dt)
-            v.view(-1, hkv, d)[slots] = k.view(-1, hkv, d)[slots]
+    caches = [tuple(c.view(cdt) for c in kv) if fp8 else kv for kv in writes]
+    own = np.flatnonzero(~host.forks)
+    slots = torch.from_numpy(np.concatenate([
+        host.pages(int(r))[np.arange(int(host.length[r])) // p] * p
+        + np.arange(int(host.length[r])) % p for r in own])).to(dev)
+    quant = _quantizer(torch, cdt, case.kv_dtype) if fp8 else None
+    scales: list[dict[str, float]] = []      # run's keywords per layer (fp8 only)
+    for k, v in writes:        # every prompt row of a layer, K and V the same rows
+        rows = torch.randn(int(slots.numel()), hkv, d, generator=gen, device=dev, dtype=dt)
+        if quant is not None:
+            s = float(amax_scales([float(rows.abs().max())], case.kv_dtype)[0])
+            scales.append({"k_scale": s, "v_scale": s})
+            rows = quant(rows, s).view(torch.uint8)
+        k.view(-1, hkv, d)[slots] = rows
+        v.view(-1, hkv, d)[slots] = rows
     workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
     i32 = {"dtype": torch.int32, "device": dev}
     # fixed device buffers: the table (graph mode's plan copies into them; the appends of
@@ -202,15 +226,19 @@ def run_loop(fi: Any, torch: Any, dev: Any, case: EngineCase, arm: str, *,
     def layers() -> None:
         for layer in range(nl):
             kv = caches[layer]
-            fi.append_paged_kv_cache(ks[layer], ks[layer], batch_idx, positions, kv,
+            kn = vn = ks[layer]
+            if quant is not None:      # the new rows in the cache's format
+                kn = quant(ks[layer], scales[layer]["k_scale"])
+                vn = quant(ks[layer], scales[layer]["v_scale"])
+            fi.append_paged_kv_cache(kn, vn, batch_idx, positions, kv,
                                      bufs[1], bufs[0], bufs[2], kv_layout="NHD")
-            wrapper.run(qs[layer], kv, out=outs[layer])
+            wrapper.run(qs[layer], kv, out=outs[layer], **(scales[layer] if fp8 else {}))
 
     def prepare(t: StepTable) -> None:
         """Host side of a step, and its small copies: copy-on-write, the table, plan."""
         if t.copy_src.size:
             src, dst = (torch.from_numpy(x).to(dev) for x in (t.copy_src, t.copy_dst))
-            for k, v in caches:
+            for k, v in writes:
                 k[dst] = k[src]
                 v[dst] = v[src]
         pos_host.numpy()[:] = t.positions
@@ -221,7 +249,7 @@ def run_loop(fi: Any, torch: Any, dev: Any, case: EngineCase, arm: str, *,
             bufs[1][: ix.numel()].copy_(ix, non_blocking=True)
             bufs[2].copy_(lpl, non_blocking=True)
         wrapper.plan(ip, ix, lpl, hq, hkv, d, p, pos_encoding_mode="NONE", q_data_type=dt,
-                     kv_data_type=dt)
+                     kv_data_type=cdt)
 
     timer = _timer(torch, dev)
     graph: Callable[[], None] | None = None
@@ -244,13 +272,30 @@ def run_loop(fi: Any, torch: Any, dev: Any, case: EngineCase, arm: str, *,
         hosts.append(t1 - t0)
         gpus.append(timer.last)
         if step in (0, 1, case.steps - 1):      # 1: the first replay of the captured arm
-            errors += [_check(caches[layer], host, qs[layer], outs[layer])
+            errors += [_check(writes[layer], host, qs[layer], outs[layer],
+                              {"kv_dtype": case.kv_dtype, **scales[layer]} if fp8 else {})
                        for layer in (0, nl - 1)]
     version = getattr(fi, "__version__", "paged-decode drop-in")
     mode = "CUDA graph of L x (append + run) per step" if captured else "eager launches"
+    kv = f", {case.kv_dtype} cache (new rows quantized by torch ops)" if fp8 else ""
     return EngineArm(arm, True, case.dtype, f"flashinfer {version} tensor-core decode, "
-                     f"{mode}", step_us=median_us(walls), mean_us=mean_us(walls),
-                     host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors)
+                     f"{mode}{kv}", step_us=median_us(walls), mean_us=mean_us(walls),
+                     host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
+                     kv_dtype=case.kv_dtype,
+                     k_scale=[x["k_scale"] for x in scales],
+                     v_scale=[x["v_scale"] for x in scales])
+
+
+def _quantizer(torch: Any, cdt: Any, fmt: str) -> Callable[[Any, float], Any]:
+    """``rows [N, Hkv, D]`` (16-bit) -> ``saturate(round_ne(rows / scale))`` in torch fp8
+    dtype ``cdt`` (format ``fmt``): ``docs/fp8.md``'s convention, ``x / scale`` in
+    float32. The clamp is there because torch's cast does not saturate (e5m2 would make
+    infinities); NaN stays NaN."""
+    top = max_finite(fmt)
+
+    def quantize(rows: Any, scale: float) -> Any:
+        return (rows.float() / scale).clamp_(-top, top).to(cdt)
+    return quantize
 
 
 def _capture(torch: Any, body: Callable[[], None]) -> Callable[[], None]:
@@ -280,16 +325,19 @@ def _timer(torch: Any, dev: Any) -> Any:
                       lambda s, e: s.elapsed_time(e))
 
 
-def _check(cache: tuple[Any, Any], host: HostPages, q: Any, out: Any) -> float:
-    """Requests 0, the last and a fork against the float64 oracle."""
+def _check(cache: tuple[Any, Any], host: HostPages, q: Any, out: Any,
+           quant: dict[str, Any]) -> float:
+    """Requests 0, the last and a fork against the float64 oracle on the cache as stored:
+    16-bit values, or (``quant``: ``kv_dtype``, ``k_scale``, ``v_scale``) the bytes of an
+    fp8 cache, which the oracle dequantizes with the layer's scales."""
     forks = np.flatnonzero(host.forks)
     rows = sorted({0, host.b - 1, *(forks[:1].tolist())})
-    k, v = (c.float().cpu().numpy() for c in cache)
+    k, v = (c.cpu().numpy() if quant else c.float().cpu().numpy() for c in cache)
     sel = [host.pages(r) for r in rows]
     table = PageTable.build(np.concatenate(sel), np.cumsum([0] + [x.size for x in sel]),
                             [(int(host.length[r]) - 1) % host.p + 1 for r in rows],
                             page_size=host.p)
-    want, _ = oracle_decode(q[rows].float().cpu().numpy(), k, v, table)
+    want, _ = oracle_decode(q[rows].float().cpu().numpy(), k, v, table, **quant)
     return row_rel_error(out[rows].float().cpu().numpy(), want)   # per (request, head) row
 
 

@@ -102,7 +102,11 @@ def plot_results(data: dict[str, Any], out: str | Path, *, metric: str = "auto")
     head = data.get("header", {})
     if not isinstance(head, dict):      # a hand-edited file: the title goes without it
         head = {}
-    fig.suptitle(f"paged-decode bench: {head.get('device', '?')}, {head.get('date', '')}",
+    # GPU times of a --graph-layers run are per call, of N calls per replay: say N
+    layers = sorted({n for r in results if is_int(n := r.get("graph_layers", 1)) and n > 1})
+    per = (f"; GPU times per call, {'/'.join(map(str, layers))} calls per graph replay"
+           if layers else "")
+    fig.suptitle(f"paged-decode bench: {head.get('device', '?')}, {head.get('date', '')}{per}",
                  fontsize=11)
     fig.tight_layout()
     out = Path(out)

@@ -48,7 +48,9 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
     events because the call could not be captured, ``n/a`` the arm cannot run here), then
     the main arm's (v2) GB/s and fraction of the measured read bandwidth, and each other
     arm's time divided by the main arm's (GPU time; > 1 means v2 is faster). A ratio
-    involving an arm that fell back or failed is withheld (``-``)."""
+    involving an arm that fell back or failed is withheld (``-``). When a case ran more
+    than one layer per graph replay (``graph_layers``), a ``layers`` column gives each
+    case's N (GPU times are then per call: replay / N) and a capped N is noted."""
     if not results:
         return "(no results)"
     arms = list(results[0].arms)
@@ -64,6 +66,9 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
     head += f"{gbps_h:>{gbps_w}}{'%bw':>6}" + "".join(f"{o + '/' + main:>{ratio_w[o]}}"
                                                       for o in others)
     head += f"{'chunks':>7}"
+    layered = any(r.graph_layers > 1 for r in results)
+    if layered:
+        head += f"{'layers':>7}"
     lines = [head, "-" * len(head)]
     withheld = []
     for r in results:
@@ -78,14 +83,18 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
                     else f"{'-':>{ratio_w[o]}}")
             if not ok and x.ran != "unavailable":
                 withheld.append(f"{r.case.label}: {main} vs {o}")
-        lines.append(row + f"{r.num_chunks:>7}")
+        lines.append(row + f"{r.num_chunks:>7}" + (f"{r.graph_layers:>7}" if layered else ""))
     host = {a: [x.host["median_us"] for r in results for b, x in r.arms.items()
                 if b == a and x.host] for a in arms}
     if any(host.values()):
         lines.append("host us per call (enqueue only, median over cases; min-max): " + ", ".join(
             f"{a} {np.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for a, v in host.items() if v))
     ran = sorted({f"{a}->{x.ran}" for r in results for a, x in r.arms.items()})
-    if any(x.gpu for r in results for x in r.arms.values()):
+    if layered:
+        lines.append("columns: GPU us per call (layers calls, each over its own layer's "
+                     "pools, in one CUDA-graph replay, cold L2: replay / layers; 'e': one "
+                     "eager call) / per-call us (host included)")
+    elif any(x.gpu for r in results for x in r.arms.values()):
         lines.append("columns: GPU us (CUDA-graph replay, cold L2) / per-call us (host "
                      "included)")
     else:
@@ -100,6 +109,7 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
                      + (f" ... ({len(own)} in all)" if len(own) > 12 else ""))
     notes = sorted({f"{a}: {x.note}" for r in results for a, x in r.arms.items() if x.note})
     lines += [f"note: {n}" for n in notes[:10]]
+    lines += [f"note: {r.case.label}: {r.layers_note}" for r in results if r.layers_note]
     if withheld:
         lines.append(f"comparisons withheld (an arm fell back or failed): {len(withheld)}: "
                      + "; ".join(withheld[:8]) + (" ..." if len(withheld) > 8 else ""))
@@ -122,7 +132,8 @@ def to_csv(results: list[BenchResult]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["model", "batch", "context", "page_size", "hq", "hkv", "head_dim", "dtype",
-                "arm", "ran", "verified", "max_rel_error", "gpu_mode", "gpu_median_us",
+                "arm", "ran", "verified", "max_rel_error", "gpu_mode", "graph_layers",
+                "gpu_median_us",
                 "gpu_p20_us", "gpu_p80_us", "call_median_us", "call_p20_us", "call_p80_us",
                 "api_call_median_us", "host_median_us", "gbps", "num_chunks",
                 "pages_per_chunk", "note"])
@@ -131,7 +142,8 @@ def to_csv(results: list[BenchResult]) -> str:
         for a in r.arms.values():
             w.writerow([c.model, c.batch, _context(c), c.page_size, c.num_qo_heads,
                         c.num_kv_heads, c.head_dim, c.dtype, a.arm, a.ran, a.verified,
-                        f"{a.max_rel_error:.3g}", a.gpu_mode, a.gpu.get("median_us", ""),
+                        f"{a.max_rel_error:.3g}", a.gpu_mode, a.graph_layers,
+                        a.gpu.get("median_us", ""),
                         a.gpu.get("p20_us", ""), a.gpu.get("p80_us", ""),
                         a.call.get("median_us", ""), a.call.get("p20_us", ""),
                         a.call.get("p80_us", ""), a.api_call.get("median_us", ""),

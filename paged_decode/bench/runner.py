@@ -9,6 +9,14 @@ the plan reused). ``host`` is the host time of one call alone (no wait for the G
 host overhead per call. On the reference backend only host time exists. The plan is made once
 per case and reused, as an engine reuses it across layers and steps.
 
+``graph_layers`` N > 1 (``layers``; 1, one call per replay, is the default and the
+historical method) times N calls captured in one CUDA graph, each over its own copy of the
+case's K/V pools, as an engine's step runs one call per layer: GPU time per call is the
+replay's time / N, without the launch latency a single-call replay charges every call.
+Every layer's output is checked after a NaN-poisoned replay; a wrong one leaves the arm
+unverified and untimed. N is capped per case by device memory and recorded
+(``BenchResult.graph_layers``, ``ArmResult.graph_layers``).
+
 Device memory: pools are generated on the device slab by slab (``fill_slabs``), the
 allocators' cached blocks are handed back before each case (``release_memory``), and a
 case or an arm that still does not fit is reported unavailable with the reason, so one
@@ -20,7 +28,7 @@ from __future__ import annotations
 import datetime
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -39,6 +47,13 @@ from ..reference import attention_f64, row_rel_error
 from . import timing
 from .arms import ALL_ARMS, EXPECTED, Arm, ArmUnavailable, make_arm
 from .cases import BenchCase
+from .layers import (
+    LayerOutputError,
+    check_graph_layers,
+    graph_layer_times,
+    layer_pools,
+    output_of,
+)
 from .memory import out_of_memory, release_memory
 
 ARMS = ALL_ARMS
@@ -61,6 +76,9 @@ class ArmResult:
     note: str = ""             # why an arm was unavailable, or a capture failure
     #: ours: the plan the arm ran (chunks, ctas, rule: "wave" or "target"); {} otherwise
     plan: dict[str, Any] = field(default_factory=dict)
+    #: calls per graph replay that ``gpu`` was measured with (``gpu`` is per call: the
+    #: replay's time / this); 1 in events mode and for a single-call replay
+    graph_layers: int = 1
 
     @property
     def fell_back(self) -> bool:
@@ -78,10 +96,15 @@ class BenchResult:
     num_chunks: int
     pages_per_chunk: int
     arms: dict[str, ArmResult]
+    #: layers per graph replay the case ran (``layers``; below the requested N when the
+    #: copies of its pools did not fit, ``layers_note`` then says why)
+    graph_layers: int = 1
+    layers_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = {"case": asdict(self.case), "label": self.case.label, "num_chunks": self.num_chunks,
-             "pages_per_chunk": self.pages_per_chunk, "io_bytes": self.case.io_bytes()}
+             "pages_per_chunk": self.pages_per_chunk, "io_bytes": self.case.io_bytes(),
+             "graph_layers": self.graph_layers, "layers_note": self.layers_note}
         d["arms"] = {k: asdict(v) for k, v in self.arms.items()}
         return d
 
@@ -103,7 +126,7 @@ class BenchResult:
             kept["expected"] = tuple(kept.get("expected", ()))
             arms[k] = ArmResult(**kept)
         return cls(BenchCase(**d["case"]), int(d["num_chunks"]), int(d["pages_per_chunk"]),
-                   arms)
+                   arms, int(d.get("graph_layers", 1)), str(d.get("layers_note", "")))
 
 
 def header(be: Backend, *, bandwidth: float | None, l2: str | None = None) -> dict[str, Any]:
@@ -245,9 +268,7 @@ def verifier(be: Backend, arm: Any, q: Any, k: Any, v: Any, table: PageTable,
     """A function running ``arm`` once and returning its max relative error against the
     oracle (the output the call returns, else ``arm.out``)."""
     def verify() -> float:
-        res = arm.call()
-        target = res[0] if isinstance(res, tuple) else res
-        return _verify(be, arm.out if target is None else target, q, k, v, table, variants)
+        return _verify(be, output_of(arm.call(), arm.out), q, k, v, table, variants)
     return verify
 
 
@@ -255,7 +276,8 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
              nbytes: int, tolerance: float, expected: tuple[str, ...], *, warmup: int,
              reps: int, cold_l2: bool | str, ran: str | None = None,
              api_call: Callable[[], Any] | None = None, graph: bool = True,
-             check_output: Callable[[Any], float] | None = None) -> ArmResult:
+             check_output: Callable[[Any], float] | None = None,
+             layers: Sequence[Arm] = ()) -> ArmResult:
     """Run ``call`` once, verify it (``verify`` returns the max relative error against the
     oracle), record what ran (``ran``, else the last decode outcome's path), then time it:
     on a GPU backend GPU time and per-call wall time (and ``api_call``'s per-call time when
@@ -266,7 +288,14 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
     with ``check_output`` (the max relative error of a given output array) the graph's
     output is NaN-poisoned, replayed and verified, so a graph that does not do the work
     cannot be timed. When capture fails, or the replay does not reproduce the output,
-    eager CUDA events are used instead and ``note`` says why."""
+    eager CUDA events are used instead and ``note`` says why.
+
+    ``layers`` (2 or more, with ``graph`` and ``check_output``): the arm built once per
+    layer over that layer's pools, layer 0's first (its call is ``call``); the graph holds
+    every layer's call and GPU time is per call (``layers.graph_layer_times``). A layer
+    whose replayed output fails the check leaves the arm unverified and untimed, with the
+    layer in ``note``; a failed capture falls back to one eager call between events.
+    ``call``, ``host`` and ``api_call`` stay layer 0's, one call each."""
     call()
     if ran is None:
         done = last_outcome()
@@ -277,7 +306,18 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
         return res
     if be.name == "cuda":
         times = None
-        if graph:
+        if graph and len(layers) > 1:
+            try:
+                times = graph_layer_times(be, layers, check_output, tolerance, warmup=warmup,
+                                          reps=reps, cold_l2=cold_l2)
+                res.gpu_mode, res.graph_layers = "graph", len(layers)
+            except LayerOutputError as exc:
+                res.verified, res.max_rel_error, res.note = False, exc.error, str(exc)
+                return res
+            except timing.GraphCaptureError as exc:
+                res.note = (f"graph timing of {len(layers)} layers unusable "
+                            f"({str(exc)[:160]}); one eager call between events")
+        elif graph:
             try:
                 replay, result = timing.capture(call)
                 target = result[0] if isinstance(result, tuple) else result
@@ -317,10 +357,14 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
 
 def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather", "v1", "v2"),
                warmup: int = 5, reps: int = 30, cold_l2: bool | str = True, seed: int = 0,
-               graph: bool = True) -> BenchResult:
+               graph: bool = True, graph_layers: int = 1) -> BenchResult:
     """Verify, then time, every arm of one case on ``be``. An arm that cannot run here
     (``ArmUnavailable``, or out of device memory) is reported as unverified with the
-    reason in ``note``; so is every arm of a case whose pools do not fit the device."""
+    reason in ``note``; so is every arm of a case whose pools do not fit the device.
+    ``graph_layers`` > 1 (cuda, ``graph``): N calls per replay over N layers' pools (the
+    module docstring), N capped by device memory (``layers.layer_pools``); the copies are
+    released after the case."""
+    check_graph_layers("bench_case", graph_layers, be.name, graph)
     release_memory(be)      # the previous case's pools and the arms' cached blocks
     try:
         q, k, v, table = _problem(be, case, seed)
@@ -339,52 +383,69 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather
                        device=be.device_info(), window_left=case.window_left,
                        kv_dtype=case.kv_dtype or None, path="v2")
     scale = 1.0 / float(np.sqrt(case.head_dim))
+    more, note = layer_pools(be, k, v, graph_layers) if graph_layers > 1 else ([], "")
+    n_layers = 1 + len(more)
     results = time_arms(be, arms, q, k, v, table, plan, scale, case.io_bytes(),
                         TOLERANCE[case.dtype], vk, warmup=warmup, reps=reps,
-                        cold_l2=cold_l2, graph=graph)
-    return BenchResult(case, plan.num_chunks, plan.pages_per_chunk, results)
+                        cold_l2=cold_l2, graph=graph, layer_pools=more)
+    if more:
+        del more            # the copies go now, not at the next case's release
+        release_memory(be)
+    return BenchResult(case, plan.num_chunks, plan.pages_per_chunk, results,
+                       graph_layers=n_layers, layers_note=note)
 
 
 def time_arms(be: Backend, arms: tuple[str, ...], q: Any, k: Any, v: Any, table: PageTable,
               plan: DecodePlan, sm_scale: float, nbytes: int, tolerance: float,
               variants: dict[str, Any] | None = None, *, warmup: int, reps: int,
-              cold_l2: bool | str, graph: bool = True) -> dict[str, ArmResult]:
+              cold_l2: bool | str, graph: bool = True,
+              layer_pools: Sequence[tuple[Any, Any]] = ()) -> dict[str, ArmResult]:
     """Build (``make_arm``), verify and time each of ``arms`` on one problem; an arm that
     cannot run here (``ArmUnavailable``) is reported unverified with the reason in
-    ``note``."""
+    ``note``. ``layer_pools``: the ``(k, v)`` of layers 1 .. N-1 (copies of ``k`` / ``v``,
+    ``layers.layer_pools``): each arm is also built over each of them (the same ``q``,
+    table, plan and variants; its own output) and the N calls timed in one graph
+    (``time_arm``'s ``layers``)."""
     results = {}
     for arm in arms:
         a: Arm | None = None
+        layers: list[Arm] = []
         try:
             a = make_arm(arm, be, q, k, v, table, plan, sm_scale, variants)
+            if layer_pools:
+                layers = [a, *(make_arm(arm, be, q, lk, lv, table, plan, sm_scale, variants)
+                               for lk, lv in layer_pools)]
             results[arm] = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table, variants),
                                     nbytes, tolerance, a.expected, warmup=warmup, reps=reps,
                                     cold_l2=cold_l2, ran=a.ran, api_call=a.api_call,
                                     graph=graph, check_output=lambda o: _verify(
-                                        be, o, q, k, v, table, variants))
+                                        be, o, q, k, v, table, variants), layers=layers)
             results[arm].plan = a.plan
         except Exception as exc:
             if not isinstance(exc, ArmUnavailable) and not out_of_memory(exc):
                 raise
-            a = None            # its buffers and graphs go before the next arm's
+            a, layers = None, []    # their buffers and graphs go before the next arm's
             release_memory(be)
             note = str(exc) if isinstance(exc, ArmUnavailable) else f"out of device memory: {exc}"
             results[arm] = ArmResult(arm, "unavailable", float("nan"), False,
                                      expected=EXPECTED.get(arm, ()), note=note)
-        del a
+        del a, layers
     return results
 
 
 def run_bench(cases: list[BenchCase], *, backend: str | Backend | None = None,
               arms: tuple[str, ...] = ("gather", "v1", "v2"), warmup: int = 5, reps: int = 30,
               cold_l2: bool | str = True, seed: int = 0, graph: bool = True,
-              progress: Callable[[BenchResult], None] | None = None) -> list[BenchResult]:
-    """Verify and time every arm of every case; see the module docstring."""
+              progress: Callable[[BenchResult], None] | None = None,
+              graph_layers: int = 1) -> list[BenchResult]:
+    """Verify and time every arm of every case; see the module docstring
+    (``graph_layers``: calls per graph replay, each over its own layer's pools)."""
     be = get_backend(backend)
+    check_graph_layers("run_bench", graph_layers, be.name, graph)
     results = []
     for case in cases:
         r = bench_case(be, case, arms=arms, warmup=warmup, reps=reps, cold_l2=cold_l2,
-                       seed=seed, graph=graph)
+                       seed=seed, graph=graph, graph_layers=graph_layers)
         results.append(r)
         if progress:
             progress(r)
