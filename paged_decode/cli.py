@@ -73,6 +73,9 @@ def _write(what: str, path: str, text: str) -> None:
 
 
 POSITIVE = click.IntRange(min=1)
+#: bench --graph-layers' most (``paged_decode.bench.layers.MAX_GRAPH_LAYERS``, not
+#: imported here: the bench modules load only when a bench runs; a test checks they agree)
+MAX_GRAPH_LAYERS = 256
 
 
 @click.group()
@@ -251,13 +254,16 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "lines that the timed call writes back: the flush before session 25).")
 @click.option("--no-graph", is_flag=True,
               help="GPU time from eager CUDA events instead of CUDA-graph replay.")
-@click.option("--graph-layers", "graph_layers", default=1, show_default=True, type=POSITIVE,
+@click.option("--graph-layers", "graph_layers", default=1, show_default=True,
+              type=click.IntRange(min=1, max=MAX_GRAPH_LAYERS),
               help="decode suite: GPU time of N calls captured in one CUDA graph, each over "
-                   "its own copy of the case's K/V pools (as an engine's step runs one call "
-                   "per layer), reported per call (graph time / N); the L2 flush still "
-                   "comes before each replay. N is capped per case so that the copies take "
-                   "at most half the free device memory (the report gives each case's N). "
-                   "1: one call per replay.")
+                   "its own copy of the case's K/V pools at other pages, read through its "
+                   "own table (as an engine's step runs one call per layer), reported per "
+                   "call (graph time / N); the L2 flush still comes before each replay. N "
+                   "is capped per case so that the copies take at most half the free device "
+                   "memory, and halved where the copies or an arm's per-layer buffers run "
+                   "out of it (the report gives each case's and arm's N). 1: one call per "
+                   f"replay; at most {MAX_GRAPH_LAYERS}.")
 @click.option("--plot", "plot_path", type=OutPath(), default=None,
               help="Also write a PNG (GPU time against context, or per-call time on CPU "
                    "backends; one line per arm; needs matplotlib).")

@@ -150,18 +150,47 @@ def test_bench_graph_timer_captures_every_arm_of_ours(cuda):
 
 
 def test_bench_graph_layers_time_three_layers_in_one_graph(cuda):
-    """``--graph-layers 3``: each arm's three calls (each over its own copy of the pools)
-    are captured in one graph, every layer's replayed output is verified, and the GPU time
-    is per call."""
+    """``--graph-layers 3``: each arm's three calls (each over its own copy of the pools,
+    at other pages, through its own table) are captured in one graph, every layer's
+    replayed output is verified, the layers' pools are distinct memory holding the case's
+    tokens, and the GPU time is per call: within a sane factor of one call's alone (a
+    replay of 3 calls not divided by 3 would be about 3x)."""
+    import cupy as cp
+
+    from paged_decode.bench import layers
     from paged_decode.bench.cases import BenchCase
-    from paged_decode.bench.runner import run_bench
-    (r,) = run_bench([BenchCase(2, 1024, 16)], backend=cuda, arms=("v2", "v2tc"), warmup=1,
-                     reps=3, graph_layers=3)
+    from paged_decode.bench.runner import _problem, run_bench
+    case = BenchCase(2, 1024, 16)
+    (r,) = run_bench([case], backend=cuda, arms=("v2", "v2tc"), warmup=1, reps=3,
+                     graph_layers=3)
     assert r.graph_layers == 3 and r.layers_note == ""
     for name, arm in r.arms.items():
         assert arm.verified, (name, arm.max_rel_error, arm.note)
         assert arm.gpu_mode == "graph" and arm.graph_layers == 3, (name, arm.note)
         assert arm.gpu["median_us"] > 0 and arm.call["median_us"] > 0
+    # the layers' pools, as bench_case makes them: distinct device memory, the case's
+    # tokens through each layer's own table, at other pages
+    _q, k, v, table = _problem(cuda, case, 0)
+    pools, note = layers.layer_pools(cuda, k, v, table, 3)
+    assert note == "" and len(pools) == 2 and len({p.shift for p in pools}) == 2
+    arrays = [k, v, *(a for p in pools for a in (p.k, p.v))]
+    spans = sorted(layers.byte_range(a) for a in arrays)
+    assert all(hi <= lo for (_lo, hi), (lo, _hi) in zip(spans, spans[1:])), spans
+    ids = cp.asarray(table.indices.astype(np.int64))
+    for p in pools:
+        own = cp.asarray(p.table.indices.astype(np.int64))
+        assert bool(cp.array_equal(p.k[own], k[ids])) and bool(cp.array_equal(p.v[own], v[ids]))
+        assert not bool(cp.array_equal(p.k, k))
+    del pools, arrays
+    # per call: 3 calls in one replay / 3 against one call per replay, on a case whose
+    # calls outweigh the graph's launch
+    big = BenchCase(8, 4096, 16)
+    per = {n: run_bench([big], backend=cuda, arms=("v2",), warmup=2, reps=10,
+                        graph_layers=n)[0].arms["v2"] for n in (1, 3)}
+    assert per[3].graph_layers == 3 and per[1].graph_layers == 1
+    assert per[3].gpu_mode == per[1].gpu_mode == "graph"
+    ratio = per[3].gpu["median_us"] / per[1].gpu["median_us"]
+    assert 0.5 < ratio < 1.5, (ratio, per[3].gpu, per[1].gpu)
 
 
 @pytest.mark.parametrize("how", ["decode", "prepared"])

@@ -69,12 +69,15 @@ def test_host_pages_follow_the_per_request_model(batch, context, p):
 @pytest.mark.parametrize("arm", ["flashinfer", "flashinfer-captured"])
 def test_the_flashinfer_loop_runs_and_verifies_through_the_drop_in(arm, kv_dtype):
     """16-bit and fp8 caches (the new rows quantized by the arm, the run given the
-    layer's scales, the oracle reading the cache's bytes with them)."""
+    layer's scales, the oracle reading the cache's bytes with them). e5m2 with the
+    finite-mask guard off: the drop-in masks with -inf after scaling (the guard's
+    refusal is the next test)."""
     torch = pytest.importorskip("torch")
     import paged_decode.compat.flashinfer as shim
     case = EngineCase(6, context=24, layers=2, steps=4, page_size=4, num_qo_heads=4,
                       num_kv_heads=2, head_dim=64, dtype="float16", kv_dtype=kv_dtype)
-    res = run_loop(shim, torch, torch.device("cpu"), case, arm)
+    res = run_loop(shim, torch, torch.device("cpu"), case, arm,
+                   mask_guard=kv_dtype != "float8_e5m2")
     assert res.ran and len(res.errors) == 6 and res.verified, res
     assert np.isnan(res.gpu_us) and res.step_us > 0
     assert res.kv_dtype == kv_dtype
@@ -83,9 +86,70 @@ def test_the_flashinfer_loop_runs_and_verifies_through_the_drop_in(arm, kv_dtype
     assert (f"{kv_dtype} cache" in res.note) == bool(kv_dtype)
 
 
-def _fp8_case(layers=1):
+def _fp8_case(layers=1, kv_dtype="float8_e4m3fn"):
     return EngineCase(4, context=24, layers=layers, steps=3, page_size=4, num_qo_heads=4,
-                      num_kv_heads=2, head_dim=64, dtype="float16", kv_dtype="float8_e4m3fn")
+                      num_kv_heads=2, head_dim=64, dtype="float16", kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("arm", ["flashinfer", "flashinfer-captured"])
+def test_an_e5m2_cache_flashinfer_s_finite_mask_cannot_mask_is_refused(arm, monkeypatch):
+    """An amax-calibrated e5m2 cache (k_scale about 7e-5 at sm_scale 1/8): FlashInfer
+    0.3.1's tensor-core decode would leave its padded slots unmasked
+    (tests/test_fi_finite_mask.py), so the arm is reported not run with the guard's note
+    (value and fix), the scales it would have used recorded, and nothing is planned or
+    run; the same loop over e4m3 runs (the guard passes its scales)."""
+    torch = pytest.importorskip("torch")
+    import paged_decode.compat.flashinfer as shim
+    from paged_decode.bench.flashinfer_mask import finite_mask_refusal
+    cls = shim.BatchDecodeWithPagedKVCacheWrapper
+
+    def never(self, *args, **kw):
+        raise AssertionError("a refused arm plans or runs nothing")
+
+    with monkeypatch.context() as m:
+        m.setattr(cls, "plan", never)
+        m.setattr(cls, "run", never)
+        res = run_loop(shim, torch, torch.device("cpu"), _fp8_case(2, "float8_e5m2"), arm)
+    assert not res.ran and not res.verified and res.errors == [], res
+    assert res.kv_dtype == "float8_e5m2" and len(res.k_scale) == len(res.v_scale) == 2
+    assert res.note == finite_mask_refusal(64 ** -0.5, min(res.k_scale)), res.note
+    assert "finite -5e4" in res.note and "larger k_scale" in res.note
+    ok = run_loop(shim, torch, torch.device("cpu"), _fp8_case(2), arm)
+    assert ok.ran and ok.verified, ok
+
+
+def test_k_and_v_differ_in_rows_and_scales():
+    """K and V prompt rows are drawn separately, V at V_SIGMA: each layer's V scale is
+    about half its K scale (a K/V swap anywhere moves the output about 2x)."""
+    torch = pytest.importorskip("torch")
+    import paged_decode.compat.flashinfer as shim
+    from paged_decode.bench.engine_case import V_SIGMA
+    res = run_loop(shim, torch, torch.device("cpu"), _fp8_case(3), "flashinfer")
+    ratio = np.array(res.v_scale) / np.array(res.k_scale)
+    assert np.all(np.abs(ratio - V_SIGMA) < 0.2), ratio
+
+
+@pytest.mark.parametrize("swap", ["scales", "caches"])
+def test_a_run_with_k_and_v_swapped_fails_the_flashinfer_loop_s_verification(swap,
+                                                                             monkeypatch):
+    """Negative control: ``run`` given ``k_scale`` and ``v_scale`` swapped, or the V cache
+    as K and K as V, must fail the oracle (the arm writes K and V from their own rows and
+    calibrates each on its own)."""
+    torch = pytest.importorskip("torch")
+    import paged_decode.compat.flashinfer as shim
+    cls = shim.BatchDecodeWithPagedKVCacheWrapper
+    real = cls.run
+
+    def swapped(self, q, cache, *args, **kw):
+        if swap == "scales":
+            kw["k_scale"], kw["v_scale"] = kw["v_scale"], kw["k_scale"]
+        else:
+            cache = (cache[1], cache[0])
+        return real(self, q, cache, *args, **kw)
+
+    monkeypatch.setattr(cls, "run", swapped)
+    res = run_loop(shim, torch, torch.device("cpu"), _fp8_case(), "flashinfer")
+    assert res.ran and not res.verified, res
 
 
 def test_an_fp8_run_given_another_v_scale_fails_the_flashinfer_loop_s_verification(

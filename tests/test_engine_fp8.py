@@ -146,3 +146,82 @@ def test_blocks_too_large_for_the_host_are_one_line_naming_the_suite():
     assert last.startswith("Error: bench --suite engine: the prompts' K and V blocks of "
                            "shape [100000000, 599, 2, 64]"), res.output
     assert "GiB of host memory" in last and "--layers" in last
+
+
+def test_our_pools_k_and_v_differ_in_rows_and_scales():
+    """``_pool``'s K and V come from separate blocks, V at V_SIGMA: each layer's V scale is
+    about half its K scale, so a K/V swap is an error of about 2x (the next test)."""
+    from paged_decode.bench.engine_case import V_SIGMA
+    [(_, got)] = run_engine(get_backend("reference"), [_case("float8_e5m2")], arms=("eager",))
+    ratio = np.array(got["eager"].v_scale) / np.array(got["eager"].k_scale)
+    assert np.all(np.abs(ratio - V_SIGMA) < 0.15), ratio
+    k, v = engine_mod._blocks(_case(), 50, 0)
+    assert not np.array_equal(k, v)
+    assert abs(float(np.std(v.astype(np.float32))) - V_SIGMA) < 0.02
+
+
+def test_a_decode_with_k_and_v_scales_swapped_fails_verification(monkeypatch):
+    """Negative control: a decode reading the pool with its K and V scales swapped must
+    fail the oracle. (Where the appends put their rows is not this check's business: the
+    oracle reads the pool as stored; tests/test_engine_step.py checks the appends.)"""
+    real = PagePool.decode_args
+
+    def swapped(self, layer=None):
+        args = real(self, layer)
+        return {**args, "k_scale": args["v_scale"], "v_scale": args["k_scale"]}
+
+    monkeypatch.setattr(PagePool, "decode_args", swapped)
+    [(_, got)] = run_engine(get_backend("emulated-cuda"), [_case()],
+                            arms=("captured", "eager-tc"))
+    for a in got.values():
+        assert a.ran and not a.verified, a
+
+
+@pytest.mark.parametrize("bad", ["float8_e4m3", "float16", "fp8", None, 8])
+def test_engine_case_refuses_an_unknown_kv_dtype(bad):
+    """A typo would otherwise run 16-bit FlashInfer caches labelled fp8."""
+    from paged_decode.errors import InvalidArgumentError
+    with pytest.raises(InvalidArgumentError) as info:
+        EngineCase(2, kv_dtype=bad)
+    msg = str(info.value)
+    assert "EngineCase.kv_dtype" in msg and repr(bad) in msg, msg
+    assert "float8_e4m3fn" in msg and "float8_e5m2" in msg and "''" in msg, msg
+    for ok in ("", *fp8.FP8_DTYPES):
+        assert EngineCase(2, kv_dtype=ok).kv_dtype == ok
+
+
+def _plot_results():
+    ok = EngineArm("eager", True, "float16", step_us=100.0, errors=[1e-3])
+    bad = EngineArm("flashinfer", True, "float16", step_us=80.0, errors=[0.19],
+                    kv_dtype="float8_e5m2")
+    off = EngineArm("flashinfer-captured", False, "float16", note="refused")
+    return [(EngineCase(b, context=256, kv_dtype="float8_e5m2"),
+             {"eager": ok, "flashinfer": bad, "flashinfer-captured": off}) for b in (8, 4)]
+
+
+def test_the_engine_plot_draws_verified_arms_only_and_names_the_others():
+    """An arm that ran and failed the oracle (the e5m2 FlashInfer arm of S27-R3) is not a
+    line; it is named as left out; an arm that did not run is neither."""
+    lines, left_out = engine_mod.plot_lines(_plot_results())
+    assert lines == {("eager", 256): [(4, 100.0), (8, 100.0)]}
+    assert left_out == ["flashinfer (ctx 256, B 8)", "flashinfer (ctx 256, B 4)"]
+
+
+def test_the_engine_plot_writes_a_png_with_the_left_out_arms_named(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    texts = []
+    real = matplotlib.figure.Figure.text
+
+    def spy(self, x, y, s, *args, **kw):
+        texts.append(s)
+        return real(self, x, y, s, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(matplotlib.figure.Figure, "text", spy)
+        out = engine_mod.plot(_plot_results(), str(tmp_path / "e.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert texts == ["not verified, not plotted: flashinfer (ctx 256, B 8), flashinfer "
+                     "(ctx 256, B 4)"]
+    assert plt.get_fignums() == []

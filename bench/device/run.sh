@@ -111,9 +111,6 @@
 #               L2_BATCHES, L2_TIMEOUT; L2_LAYERS="1 8": each flush once per --graph-layers
 #               count, outputs of N > 1 named l2_FLUSH_LN_*)
 #   fp8-fixed   v2tc at 8 x 8K over e4m3fn under the switches of a call's fixed part
-#   fi-e5m2     FlashInfer over e5m2 caches (run fi first): the decode suite at batch 8 x 256 /
-#               8K beside the engine suite's FlashInfer arms at the same sizes (S27-R3 / R5:
-#               the engine arm 0.17-0.20 off the oracle, the decode arms verified)
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
@@ -945,14 +942,6 @@ step_l2() {
 # #14's farthest cell (8 x 8K, e4m3fn; float16 beside it) under the switches that move a
 # call's fixed part: the fused merge off, the merge as a dependent launch, 5 CTAs per SM,
 # a 3-deep ring (FIXED_TIMEOUT each)
-step_fi_e5m2() {
-  BENCH_TIMEOUT=90 REPS=3 run_bench e5m2_decode --preset targets --context 256 --context 8192 \
-    --batch 8 --kv-dtype float8_e5m2 --arms v2,flashinfer,flashinfer-tc | tail -6
-  timeout 150 paged-decode bench --backend cuda --suite engine --context 8192 --context 256 \
-    --batch 8 --layers 2 --steps 3 --kv-dtype float8_e5m2 --arms eager,flashinfer,flashinfer-captured \
-    --json "$OUT/e5m2_engine.json" > "$OUT/e5m2_engine.txt" 2>&1
-  echo "e5m2 engine rc=$?"; tail -8 "$OUT/e5m2_engine.txt"
-}
 step_fp8_fixed() {
   local c="--preset targets --context 8192 --batch 8 --arms v2tc" t=${FIXED_TIMEOUT:-40}
   BENCH_TIMEOUT=$t run_bench fx_f16 $c | grep B8

@@ -26,13 +26,16 @@ requests 0, the first fork and the last).
 fp8 K/V (``--kv-dtype``, ``EngineCase.kv_dtype``; ``docs/fp8.md``): the pools hold
 ``float8_e4m3fn`` or ``float8_e5m2`` codes with per-layer float32 K and V scales, each the
 amax of the layer's prompt K (or V) block over the format's largest finite value (an amax
-calibration; later rows beyond it saturate). Queries, outputs and appended rows stay
+calibration; later rows beyond it saturate). Every arm draws K and V rows separately, V at
+half K's spread (``V_SIGMA``), so the two scales differ by about 2x and a decode given
+the K and V caches or scales swapped fails the oracle. Queries, outputs and appended rows stay
 ``--dtype``; our appends quantize in the append kernel, FlashInfer's arms quantize each
 layer's new rows with torch ops first (its append copies rows of the cache's dtype). The
 oracle reads the pools as stored, the codes dequantized with the calibrated scales, so the
 bound is the 16-bit one (``engine_case.tolerance``) and a wrong scale fails; the JSON
 records each arm's scales. No arm falls back to 16-bit pools: one whose path refuses fp8
-is reported not run, with the library's reason.
+is reported not run, with the library's reason; FlashInfer's arms are not run over scales
+its finite mask cannot mask at (``flashinfer_mask``: e5m2 calibrated to 57344).
 """
 
 from __future__ import annotations
@@ -50,7 +53,16 @@ from ..errors import UnsupportedProblemError, fail, fmt_shape
 from ..fp8 import amax_scales, is_fp8
 from ..pool import PagePool
 from ..reference import oracle_decode, row_rel_error
-from .engine_case import EngineArm, EngineCase, EventTimer, NoTimer, mean_us, median_us, prompts
+from .engine_case import (
+    V_SIGMA,
+    EngineArm,
+    EngineCase,
+    EventTimer,
+    NoTimer,
+    mean_us,
+    median_us,
+    prompts,
+)
 from .engine_flashinfer import ARMS as FLASHINFER_ARMS
 from .engine_flashinfer import run_flashinfer
 from .memory import release_memory
@@ -103,13 +115,17 @@ def _blocks(case: EngineCase, longest: int, seed: int) -> tuple[np.ndarray, np.n
     ``case.dtype``: one block for the whole batch, generated once in float32; each
     sequence takes its own window of it (starting SHIFT * i tokens in, modulo SPREAD), so
     no two sequences hold the same tokens at the same positions. (float64 normals per
-    sequence took about 1 s a sequence at 32 layers: minutes per arm at batch 128.)"""
+    sequence took about 1 s a sequence at 32 layers: minutes per arm at batch 128.) K and
+    V are drawn separately, V at ``V_SIGMA`` (K at 1): an fp8 pool's V scales are about
+    half its K scales, so a decode given them swapped fails the oracle."""
     rng = np.random.default_rng(seed + 1)
     dt = numpy_dtype(case.dtype)
     shape = (case.layers, longest + _SPREAD, case.num_kv_heads, case.head_dim)
     try:
         k = rng.standard_normal(shape, dtype=np.float32).astype(dt)
-        return k, rng.standard_normal(shape, dtype=np.float32).astype(dt)
+        v = rng.standard_normal(shape, dtype=np.float32)
+        v *= np.float32(V_SIGMA)
+        return k, v.astype(dt)
     except (MemoryError, ValueError) as exc:     # ValueError: a size numpy cannot index
         gib = 2 * float(np.prod(shape, dtype=np.float64)) * 4 / 2 ** 30
         raise fail("bench --suite engine", f"the prompts' K and V blocks of shape "
@@ -149,17 +165,18 @@ def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> Engin
     cap, dt = step.capacity, numpy_dtype(case.dtype)
     rng = np.random.default_rng(seed + 2)
 
-    def fresh(shape: tuple[int, ...]) -> Any:
-        return be.asarray(rng.standard_normal(shape).astype(dt))
+    def fresh(shape: tuple[int, ...], sigma: float = 1.0) -> Any:
+        return be.asarray((rng.standard_normal(shape) * sigma).astype(dt))
 
     qs = [fresh((cap, case.num_qo_heads, case.head_dim)) for _ in range(case.layers)]
     ks = [fresh((cap, case.num_kv_heads, case.head_dim)) for _ in range(case.layers)]
+    vs = [fresh((cap, case.num_kv_heads, case.head_dim), V_SIGMA) for _ in range(case.layers)]
     outs = [be.empty((cap, case.num_qo_heads, case.head_dim), case.dtype)
             for _ in range(case.layers)]
 
     def body(st: DecodeStep) -> None:
         for layer in range(case.layers):
-            st.append(layer, ks[layer], ks[layer])
+            st.append(layer, ks[layer], vs[layer])
             st.decode(layer, qs[layer], out=outs[layer])
 
     graph = None
@@ -254,27 +271,47 @@ def report(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> str:
     return "\n".join(lines)
 
 
+def plot_lines(results: list[tuple[EngineCase, dict[str, EngineArm]]]
+               ) -> tuple[dict[tuple[str, int], list[tuple[int, float]]], list[str]]:
+    """What ``plot`` draws: ``(lines, left_out)``, a line ``(arm, context) -> [(batch,
+    step us)]`` of each arm's verified points only, and ``"arm (ctx C, B B)"`` for every
+    point of an arm that ran but did not verify (a time of wrong answers is no time)."""
+    lines: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    left_out: list[str] = []
+    for case, arms in results:
+        for name, a in arms.items():
+            if a.ran and a.verified:
+                lines.setdefault((name, case.context), []).append((case.batch, a.step_us))
+            elif a.ran:
+                left_out.append(f"{name} (ctx {case.context}, B {case.batch})")
+    for pts in lines.values():
+        pts.sort()
+    return lines, left_out
+
+
 def plot(results: list[tuple[EngineCase, dict[str, EngineArm]]], path: str) -> str:
     """A PNG of step time against batch size, one line per arm and context (needs
-    matplotlib)."""
+    matplotlib); an arm that ran but failed the oracle is not drawn, and is named under
+    the plot as left out."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    lines: dict[tuple[str, int], list[tuple[int, float]]] = {}
-    for case, arms in results:
-        for name, a in arms.items():
-            if a.ran:
-                lines.setdefault((name, case.context), []).append((case.batch, a.step_us))
+    lines, left_out = plot_lines(results)
     for (name, ctx), pts in sorted(lines.items()):
-        pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                 label=f"{name} (ctx {ctx})")
     ax.set_xlabel("batch size")
     ax.set_ylabel("step time (us, median)")
     ax.set_title("engine step: append + decode of every layer")
-    ax.legend()
-    fig.tight_layout()
+    if lines:
+        ax.legend()
+    if left_out:
+        shown = ", ".join(left_out[:6]) + (f" and {len(left_out) - 6} more"
+                                           if len(left_out) > 6 else "")
+        fig.text(0.01, 0.01, f"not verified, not plotted: {shown}", fontsize=7,
+                 color="tab:red", wrap=True)
+    fig.tight_layout(rect=(0, 0.05 if left_out else 0, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -287,5 +324,5 @@ def to_dict(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> list[dict
             for c, arms in results]
 
 
-__all__ = ["ALL_ENGINE_ARMS", "ENGINE_ARMS", "EngineArm", "EngineCase", "plot", "report",
-           "run_engine", "run_ours", "to_dict"]
+__all__ = ["ALL_ENGINE_ARMS", "ENGINE_ARMS", "EngineArm", "EngineCase", "plot", "plot_lines",
+           "report", "run_engine", "run_ours", "to_dict"]

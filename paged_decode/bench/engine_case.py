@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..fp8 import is_fp8
+from ..errors import InvalidArgumentError
+from ..fp8 import FP8_DTYPES, is_fp8
 
 #: max-rel error of an output against the float64 oracle, per dtype (the bench's bound)
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4}
@@ -18,6 +19,10 @@ TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4}
 #: tests/helpers.py ``fp8_out_tol``). The quantization error itself is not in it: a wrong
 #: scale moves the output by its factor and fails.
 FP8_SCALE_ROUNDING = 2 * 2.0 ** -24
+#: the standard deviation of every arm's V rows (prompt and appended; K's is 1): an fp8
+#: pool's V scales are then about half its K scales, so a decode given the K and V caches
+#: or scales swapped is about 2x off and fails the oracle
+V_SIGMA = 0.5
 
 
 def tolerance(dtype: str, kv_dtype: str = "") -> float:
@@ -42,6 +47,13 @@ class EngineCase:
     #: the pools' dtype when it is not ``dtype``: an fp8 K/V cache (``"float8_e4m3fn"``,
     #: ``"float8_e5m2"``; per-layer scales calibrated on the prompt's K/V, ``docs/fp8.md``)
     kv_dtype: str = ""
+
+    def __post_init__(self) -> None:
+        # a typo ("float8_e4m3") would otherwise run 16-bit FlashInfer caches labelled fp8
+        if not (isinstance(self.kv_dtype, str) and self.kv_dtype in ("", *FP8_DTYPES)):
+            raise InvalidArgumentError(
+                f"EngineCase.kv_dtype must be '' (pools of dtype) or one of "
+                f"{', '.join(FP8_DTYPES)}, got {self.kv_dtype!r}")
 
     @property
     def pool_dtype(self) -> str:
@@ -134,5 +146,5 @@ class NoTimer:
         return None
 
 
-__all__ = ["FP8_SCALE_ROUNDING", "TOLERANCE", "EngineArm", "EngineCase", "EventTimer",
-           "NoTimer", "mean_us", "median_us", "prompts", "tolerance"]
+__all__ = ["FP8_SCALE_ROUNDING", "TOLERANCE", "V_SIGMA", "EngineArm", "EngineCase",
+           "EventTimer", "NoTimer", "mean_us", "median_us", "prompts", "tolerance"]

@@ -16,7 +16,12 @@ decode). Two arms:
 
 fp8 caches (``--kv-dtype``): FlashInfer's own fp8 decode (``plan(kv_data_type=)``,
 ``run(k_scale=, v_scale=)``), each layer's new rows quantized by torch ops before its
-append (``run_loop``).
+append (``run_loop``). A cache whose ``k_scale`` is too small for FlashInfer 0.3.1's
+finite mask (``flashinfer_mask``: an amax-calibrated e5m2 cache) is refused, not run.
+
+K and V differ everywhere: their own prompt rows (V at half K's spread, so the two
+scales differ by about 2x) and their own new rows, so a ``run`` given the K and V caches
+or scales swapped fails the oracle.
 
 Timing is ours' (``engine.py``): the CUDA events bracket the host bookkeeping, the copies,
 ``plan`` and the launches (or the replay), as ours bracket ``begin`` and the step. Needs
@@ -38,8 +43,18 @@ from ..backends import Backend
 from ..fp8 import amax_scales, is_fp8, max_finite
 from ..page_table import PageTable
 from ..reference import oracle_decode, row_rel_error
-from .engine_case import EngineArm, EngineCase, EventTimer, NoTimer, mean_us, median_us, prompts
+from .engine_case import (
+    V_SIGMA,
+    EngineArm,
+    EngineCase,
+    EventTimer,
+    NoTimer,
+    mean_us,
+    median_us,
+    prompts,
+)
 from .flashinfer_arm import _import_flashinfer, available
+from .flashinfer_mask import finite_mask_refusal
 
 ARMS = ("flashinfer", "flashinfer-captured")
 
@@ -157,17 +172,22 @@ def run_flashinfer(be: Backend, case: EngineCase, arm: str = "flashinfer", *,
 
 
 def run_loop(fi: Any, torch: Any, dev: Any, case: EngineCase, arm: str, *,
-             seed: int = 0) -> EngineArm:
+             seed: int = 0, mask_guard: bool = True) -> EngineArm:
     """The loop of arm ``arm`` with FlashInfer module ``fi`` (FlashInfer's API) on torch
     device ``dev``; on a CPU device the captured arm runs its body eagerly each step and
     no GPU time is reported.
 
     fp8 caches (``case.kv_dtype``; torch ``float8_e4m3fn`` / ``float8_e5m2``): per-layer
-    scales calibrated on the prompt's rows (``amax_scales``; K and V hold the same
-    rows here, so the two are equal), ``plan(kv_data_type=)`` the format, ``run`` the
-    layer's ``k_scale`` / ``v_scale``. FlashInfer 0.3.1's ``append_paged_kv_cache`` copies
-    rows of the cache's dtype (its kernel reads them as that type), so each layer's new
-    rows are quantized first by torch ops (``_quantizer``), inside the timed step."""
+    K and V scales, each calibrated on its own prompt rows (``amax_scales``),
+    ``plan(kv_data_type=)`` the format, ``run`` the layer's ``k_scale`` / ``v_scale``.
+    FlashInfer 0.3.1's ``append_paged_kv_cache`` copies rows of the cache's dtype (its
+    kernel reads them as that type), so each layer's new rows are quantized first by torch
+    ops (``_quantizer``), inside the timed step.
+
+    ``mask_guard``: refuse (not run, with why) scales at which FlashInfer 0.3.1's
+    tensor-core decode would not mask the padded K slots (``flashinfer_mask``); off only
+    for a ``fi`` that masks with -inf after scaling (``paged_decode.compat.flashinfer``,
+    the CPU tests' drop-in)."""
     dt = {"float16": torch.float16, "bfloat16": torch.bfloat16,
           "float32": torch.float32}.get(case.dtype)
     if dt is None or (dev.type == "cuda" and dt == torch.float32):
@@ -192,14 +212,22 @@ def run_loop(fi: Any, torch: Any, dev: Any, case: EngineCase, arm: str, *,
         + np.arange(int(host.length[r])) % p for r in own])).to(dev)
     quant = _quantizer(torch, cdt, case.kv_dtype) if fp8 else None
     scales: list[dict[str, float]] = []      # run's keywords per layer (fp8 only)
-    for k, v in writes:        # every prompt row of a layer, K and V the same rows
-        rows = torch.randn(int(slots.numel()), hkv, d, generator=gen, device=dev, dtype=dt)
-        if quant is not None:
-            s = float(amax_scales([float(rows.abs().max())], case.kv_dtype)[0])
-            scales.append({"k_scale": s, "v_scale": s})
-            rows = quant(rows, s).view(torch.uint8)
-        k.view(-1, hkv, d)[slots] = rows
-        v.view(-1, hkv, d)[slots] = rows
+    for k, v in writes:        # every prompt row of a layer: K's and V's own rows
+        got: dict[str, float] = {}
+        for name, cache, sigma in (("k_scale", k, 1.0), ("v_scale", v, V_SIGMA)):
+            rows = torch.randn(int(slots.numel()), hkv, d, generator=gen, device=dev,
+                               dtype=dt) * sigma
+            if quant is not None:
+                got[name] = float(amax_scales([float(rows.abs().max())], case.kv_dtype)[0])
+                rows = quant(rows, got[name]).view(torch.uint8)
+            cache.view(-1, hkv, d)[slots] = rows
+        if got:
+            scales.append(got)
+    k_scales, v_scales = ([x[n] for x in scales] for n in ("k_scale", "v_scale"))
+    why = finite_mask_refusal(d ** -0.5, min(k_scales, default=1.0))   # plan's sm_scale
+    if mask_guard and why is not None:
+        return EngineArm(arm, False, case.dtype, note=why, kv_dtype=case.kv_dtype,
+                         k_scale=k_scales, v_scale=v_scales)
     workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
     i32 = {"dtype": torch.int32, "device": dev}
     # fixed device buffers: the table (graph mode's plan copies into them; the appends of
@@ -221,15 +249,17 @@ def run_loop(fi: Any, torch: Any, dev: Any, case: EngineCase, arm: str, *,
         pos_host = pos_host.pin_memory()
     qs = [torch.randn(b, hq, d, generator=gen, device=dev, dtype=dt) for _ in range(nl)]
     ks = [torch.randn(b, hkv, d, generator=gen, device=dev, dtype=dt) for _ in range(nl)]
+    vs = [torch.randn(b, hkv, d, generator=gen, device=dev, dtype=dt) * V_SIGMA
+          for _ in range(nl)]
     outs = [torch.empty(b, hq, d, device=dev, dtype=dt) for _ in range(nl)]
 
     def layers() -> None:
         for layer in range(nl):
             kv = caches[layer]
-            kn = vn = ks[layer]
+            kn, vn = ks[layer], vs[layer]
             if quant is not None:      # the new rows in the cache's format
-                kn = quant(ks[layer], scales[layer]["k_scale"])
-                vn = quant(ks[layer], scales[layer]["v_scale"])
+                kn = quant(kn, scales[layer]["k_scale"])
+                vn = quant(vn, scales[layer]["v_scale"])
             fi.append_paged_kv_cache(kn, vn, batch_idx, positions, kv,
                                      bufs[1], bufs[0], bufs[2], kv_layout="NHD")
             wrapper.run(qs[layer], kv, out=outs[layer], **(scales[layer] if fp8 else {}))
@@ -281,9 +311,7 @@ def run_loop(fi: Any, torch: Any, dev: Any, case: EngineCase, arm: str, *,
     return EngineArm(arm, True, case.dtype, f"flashinfer {version} tensor-core decode, "
                      f"{mode}{kv}", step_us=median_us(walls), mean_us=mean_us(walls),
                      host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
-                     kv_dtype=case.kv_dtype,
-                     k_scale=[x["k_scale"] for x in scales],
-                     v_scale=[x["v_scale"] for x in scales])
+                     kv_dtype=case.kv_dtype, k_scale=k_scales, v_scale=v_scales)
 
 
 def _quantizer(torch: Any, cdt: Any, fmt: str) -> Callable[[Any, float], Any]:

@@ -42,6 +42,9 @@ FlashInfer (``make_flashinfer_decode``)
     - No first-page offset: a request's tokens start at entry 0 of its first page, and
       every request needs at least one page (``1 <= last_page_len <= P``).
     - Element types: float16 / bfloat16 (fp8 K/V too); no float32 kernels.
+    - The tensor-core path masks padded K positions with a finite -5e4 on the raw logit,
+      before the softmax scale (``k_scale`` folded in): at a small ``k_scale`` (e5m2 pools
+      calibrated to 57344) padding is not masked, and we refuse (``flashinfer_mask``).
 
     Every refusal raises (``ValueError`` for geometry FlashInfer cannot express,
     ``RuntimeError`` for a missing install, FlashInfer's own exception otherwise): the
@@ -64,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from ..page_table import PageTable
+from .flashinfer_mask import finite_mask_refusal
 from .sdpa_arm import check_shapes, make_contiguous_sdpa
 
 #: the FlashInfer release ``bench/device/flashinfer_setup.sh`` lays out
@@ -262,7 +266,8 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
     wrapper suffices when ``plan`` runs once). The first kernel build happens here (JIT).
 
     Raises ``ValueError`` for what FlashInfer cannot run (first-page offsets, empty
-    requests, float32, a CUDA-core GQA group outside {1, 2, 3, 4, 8}), ``RuntimeError`` when
+    requests, float32, a CUDA-core GQA group outside {1, 2, 3, 4, 8}, tensor cores at a
+    ``k_scale * sm_scale`` its finite mask does not mask at), ``RuntimeError`` when
     FlashInfer is not importable, and FlashInfer's own errors unchanged.
     ``window_left`` and ``logits_soft_cap`` go to ``plan`` (FlashInfer's decode has both,
     with this package's meaning: the last ``W + 1`` tokens, ``c * tanh(s / c)``); with a
@@ -275,6 +280,11 @@ def make_flashinfer_decode(q: Any, k_pages: Any, v_pages: Any, table: PageTable,
                                     tuple(v_pages.shape), table)
     check_table_for_flashinfer(table)          # before any import: testable without torch
     check_dtypes(q.dtype, k_pages.dtype)
+    if use_tensor_cores:       # the CUDA-core decode masks after scaling (flashinfer_mask)
+        why = finite_mask_refusal(sm_scale, 1.0 if k_scale is None else float(k_scale),
+                                  logits_soft_cap)
+        if why is not None:
+            raise ValueError(why)
     torch, fi, version = torch_and_flashinfer()
     check_group_size(hq, hkv, use_tensor_cores=use_tensor_cores, version=version)
     check_head_dim(d, use_tensor_cores=use_tensor_cores, version=version)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,37 @@ def _value(arm: dict[str, Any], metric: str) -> float | None:
         return float(med) if med else None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"a verified arm has no usable {metric} value ({exc!r})") from exc
+
+
+def _layers_title(results: list[dict[str, Any]], metric: str) -> str:
+    """The title's words on a ``--graph-layers`` run: its GPU times are per call, of N
+    calls per graph replay; N of each plotted arm (its own ``graph_layers``, else the
+    case's), given per arm where arms differ, as does an arm timed by eager events. ""
+    for a run of one call per replay."""
+    per_arm: dict[str, set[str]] = defaultdict(set)
+    layered = False
+    for r in results:
+        case_n = r.get("graph_layers", 1)
+        case_n = case_n if is_int(case_n) and case_n >= 1 else 1
+        for name, arm in r["arms"].items():
+            if _value(arm, metric) is None:
+                continue
+            n = arm.get("graph_layers", case_n)
+            n = n if is_int(n) and n >= 1 else case_n
+            layered |= n > 1 or case_n > 1
+            per_arm[name].add("eager events" if arm.get("gpu_mode") == "events" else str(n))
+    if not layered:
+        return ""
+    kinds = {frozenset(v) for v in per_arm.values()}
+    if len(kinds) == 1 and "eager events" not in (alike := next(iter(kinds))):
+        return f"; GPU times per call, {_listed(alike)} calls per graph replay"
+    return ("; GPU times per call; calls per graph replay by arm: "
+            + ", ".join(f"{a} {_listed(v)}" for a, v in sorted(per_arm.items())))
+
+
+def _listed(ns: Iterable[str]) -> str:
+    """``2/3/eager events``: counts in numeric order, then words."""
+    return "/".join(sorted(ns, key=lambda t: (not t.isdigit(), int(t) if t.isdigit() else 0)))
 
 
 METRICS = ("auto", "gpu", "call", "gbps")
@@ -102,10 +134,7 @@ def plot_results(data: dict[str, Any], out: str | Path, *, metric: str = "auto")
     head = data.get("header", {})
     if not isinstance(head, dict):      # a hand-edited file: the title goes without it
         head = {}
-    # GPU times of a --graph-layers run are per call, of N calls per replay: say N
-    layers = sorted({n for r in results if is_int(n := r.get("graph_layers", 1)) and n > 1})
-    per = (f"; GPU times per call, {'/'.join(map(str, layers))} calls per graph replay"
-           if layers else "")
+    per = _layers_title(results, metric)
     fig.suptitle(f"paged-decode bench: {head.get('device', '?')}, {head.get('date', '')}{per}",
                  fontsize=11)
     fig.tight_layout()

@@ -22,9 +22,32 @@ def _main_arm(arms: list[str]) -> str:
 
 
 def comparable(a: ArmResult, b: ArmResult) -> bool:
-    """Both arms verified, timed and ran what they stand for."""
+    """Both arms verified, timed and ran what they stand for, and timed alike: the same
+    GPU timing mode (a graph replay is not compared with eager events) and the same calls
+    per graph replay (``graph_layers``: a per-call time of N calls in one replay is not
+    compared with one of another N)."""
     return (a.verified and b.verified and not a.fell_back and not b.fell_back
-            and a.median_us == a.median_us and b.median_us == b.median_us)
+            and a.median_us == a.median_us and b.median_us == b.median_us
+            and a.gpu_mode == b.gpu_mode and a.graph_layers == b.graph_layers)
+
+
+def _timed_as(x: ArmResult) -> str:
+    """How an arm's GPU time was taken, for a note: its calls per graph replay, or
+    ``eager events``."""
+    return "eager events" if x.gpu_mode == "events" else f"{x.graph_layers} per replay"
+
+
+def layer_notes(r: BenchResult) -> list[str]:
+    """A layered case's note (``graph_layers`` > 1 for the case or an arm) when its timed
+    arms were not all timed alike: each arm's calls per graph replay, or eager events (an
+    arm whose layers ran out of memory ran fewer; one whose graph could not be captured
+    fell back to one eager call), and that their ratios are withheld."""
+    timed = {a: x for a, x in r.arms.items() if x.verified and x.gpu}
+    if (max([r.graph_layers, *(x.graph_layers for x in r.arms.values())]) <= 1
+            or len({(x.gpu_mode, x.graph_layers) for x in timed.values()}) <= 1):
+        return []
+    return [f"{r.case.label}: arms timed differently (ratios between them withheld): "
+            + ", ".join(f"{a} {_timed_as(x)}" for a, x in timed.items())]
 
 
 def _cell(x: ArmResult, width: int = 19) -> str:
@@ -48,9 +71,11 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
     events because the call could not be captured, ``n/a`` the arm cannot run here), then
     the main arm's (v2) GB/s and fraction of the measured read bandwidth, and each other
     arm's time divided by the main arm's (GPU time; > 1 means v2 is faster). A ratio
-    involving an arm that fell back or failed is withheld (``-``). When a case ran more
-    than one layer per graph replay (``graph_layers``), a ``layers`` column gives each
-    case's N (GPU times are then per call: replay / N) and a capped N is noted."""
+    involving an arm that fell back or failed, or two arms timed differently
+    (``comparable``), is withheld (``-``). When a case ran more than one layer per graph
+    replay (``graph_layers``), a ``layers`` column gives each case's N (GPU times are then
+    per call: replay / N), a capped N is noted, and so are the arms' own N where they
+    differ (``layer_notes``)."""
     if not results:
         return "(no results)"
     arms = list(results[0].arms)
@@ -110,8 +135,10 @@ def table(results: list[BenchResult], *, bandwidth: float | None = None) -> str:
     notes = sorted({f"{a}: {x.note}" for r in results for a, x in r.arms.items() if x.note})
     lines += [f"note: {n}" for n in notes[:10]]
     lines += [f"note: {r.case.label}: {r.layers_note}" for r in results if r.layers_note]
+    lines += [f"note: {n}" for r in results for n in layer_notes(r)]
     if withheld:
-        lines.append(f"comparisons withheld (an arm fell back or failed): {len(withheld)}: "
+        lines.append(f"comparisons withheld (an arm fell back or failed, or the two were "
+                     f"timed differently): {len(withheld)}: "
                      + "; ".join(withheld[:8]) + (" ..." if len(withheld) > 8 else ""))
     return "\n".join(lines)
 

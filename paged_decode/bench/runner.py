@@ -10,12 +10,16 @@ host overhead per call. On the reference backend only host time exists. The plan
 per case and reused, as an engine reuses it across layers and steps.
 
 ``graph_layers`` N > 1 (``layers``; 1, one call per replay, is the default and the
-historical method) times N calls captured in one CUDA graph, each over its own copy of the
-case's K/V pools, as an engine's step runs one call per layer: GPU time per call is the
-replay's time / N, without the launch latency a single-call replay charges every call.
-Every layer's output is checked after a NaN-poisoned replay; a wrong one leaves the arm
-unverified and untimed. N is capped per case by device memory and recorded
-(``BenchResult.graph_layers``, ``ArmResult.graph_layers``).
+historical method) times N calls captured in one CUDA graph, as an engine's step runs one
+call per layer: GPU time per call is the replay's time / N, without the launch latency a
+single-call replay charges every call. Each layer reads its own copy of the case's K/V
+pools, placed at other pages and read through its own table (``layers.layer_pools``), so
+every layer holds the case's tokens and the case's float64 oracle checks each one's output
+after a NaN-poisoned replay, while a layer that reads another layer's pools or table reads
+other tokens and fails; a wrong output, or two layers writing one buffer, leaves the arm
+unverified and untimed. N is capped per case by device memory and halved when the copies,
+or an arm's per-layer buffers, run out of it; the N each case and each arm ran is recorded
+(``BenchResult.graph_layers``, ``ArmResult.graph_layers``) with the reason in a note.
 
 Device memory: pools are generated on the device slab by slab (``fill_slabs``), the
 allocators' cached blocks are handed back before each case (``release_memory``), and a
@@ -49,6 +53,7 @@ from .arms import ALL_ARMS, EXPECTED, Arm, ArmUnavailable, make_arm
 from .cases import BenchCase
 from .layers import (
     LayerOutputError,
+    LayerPools,
     check_graph_layers,
     graph_layer_times,
     layer_pools,
@@ -291,10 +296,11 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
     eager CUDA events are used instead and ``note`` says why.
 
     ``layers`` (2 or more, with ``graph`` and ``check_output``): the arm built once per
-    layer over that layer's pools, layer 0's first (its call is ``call``); the graph holds
-    every layer's call and GPU time is per call (``layers.graph_layer_times``). A layer
-    whose replayed output fails the check leaves the arm unverified and untimed, with the
-    layer in ``note``; a failed capture falls back to one eager call between events.
+    layer over that layer's pools and table, layer 0's first (its call is ``call``); the
+    graph holds every layer's call and GPU time is per call
+    (``layers.graph_layer_times``). A layer whose replayed output fails the check, or two
+    layers sharing an output buffer, leave the arm unverified and untimed, with the layers
+    in ``note``; a failed capture falls back to one eager call between events.
     ``call``, ``host`` and ``api_call`` stay layer 0's, one call each."""
     call()
     if ran is None:
@@ -315,6 +321,9 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
                 res.verified, res.max_rel_error, res.note = False, exc.error, str(exc)
                 return res
             except timing.GraphCaptureError as exc:
+                cause = exc.__cause__
+                if cause is not None and out_of_memory(cause):   # the N layers' graph:
+                    raise cause from None                         # fewer may fit (time_arms)
                 res.note = (f"graph timing of {len(layers)} layers unusable "
                             f"({str(exc)[:160]}); one eager call between events")
         elif graph:
@@ -361,8 +370,9 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather
     """Verify, then time, every arm of one case on ``be``. An arm that cannot run here
     (``ArmUnavailable``, or out of device memory) is reported as unverified with the
     reason in ``note``; so is every arm of a case whose pools do not fit the device.
-    ``graph_layers`` > 1 (cuda, ``graph``): N calls per replay over N layers' pools (the
-    module docstring), N capped by device memory (``layers.layer_pools``); the copies are
+    ``graph_layers`` > 1 (cuda, ``graph``): N calls per replay over N layers' pools and
+    tables (the module docstring), N capped by device memory and halved while the copies
+    run out of it (``layers.layer_pools``, noted in ``layers_note``); the copies are
     released after the case."""
     check_graph_layers("bench_case", graph_layers, be.name, graph)
     release_memory(be)      # the previous case's pools and the arms' cached blocks
@@ -378,16 +388,18 @@ def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather
             arm, "unavailable", float("nan"), False, expected=EXPECTED.get(arm, ()),
             note=note) for arm in arms})
     vk = _variants(be, case, seed, q)
-    # v2's plan; the v2tc arm plans for its own CTAs (make_arm)
+    # v2's plan; the v2tc arm plans for its own CTAs (make_arm). It serves every layer's
+    # table too: the same requests and lengths at other pages (``DecodePlan.mismatch``)
     plan = plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
                        device=be.device_info(), window_left=case.window_left,
                        kv_dtype=case.kv_dtype or None, path="v2")
     scale = 1.0 / float(np.sqrt(case.head_dim))
-    more, note = layer_pools(be, k, v, graph_layers) if graph_layers > 1 else ([], "")
+    more, note = (layer_pools(be, k, v, table, graph_layers) if graph_layers > 1
+                  else ([], ""))
     n_layers = 1 + len(more)
     results = time_arms(be, arms, q, k, v, table, plan, scale, case.io_bytes(),
                         TOLERANCE[case.dtype], vk, warmup=warmup, reps=reps,
-                        cold_l2=cold_l2, graph=graph, layer_pools=more)
+                        cold_l2=cold_l2, graph=graph, more_layers=more)
     if more:
         del more            # the copies go now, not at the next case's release
         release_memory(be)
@@ -399,38 +411,74 @@ def time_arms(be: Backend, arms: tuple[str, ...], q: Any, k: Any, v: Any, table:
               plan: DecodePlan, sm_scale: float, nbytes: int, tolerance: float,
               variants: dict[str, Any] | None = None, *, warmup: int, reps: int,
               cold_l2: bool | str, graph: bool = True,
-              layer_pools: Sequence[tuple[Any, Any]] = ()) -> dict[str, ArmResult]:
+              more_layers: Sequence[LayerPools] = ()) -> dict[str, ArmResult]:
     """Build (``make_arm``), verify and time each of ``arms`` on one problem; an arm that
-    cannot run here (``ArmUnavailable``) is reported unverified with the reason in
-    ``note``. ``layer_pools``: the ``(k, v)`` of layers 1 .. N-1 (copies of ``k`` / ``v``,
-    ``layers.layer_pools``): each arm is also built over each of them (the same ``q``,
-    table, plan and variants; its own output) and the N calls timed in one graph
-    (``time_arm``'s ``layers``)."""
+    cannot run here (``ArmUnavailable``, or out of device memory) is reported unverified
+    with the reason in ``note``. ``more_layers``: the pools and tables of layers 1 .. N-1
+    (``layers.layer_pools``): each arm is also built over each of them (the same ``q``,
+    plan and variants; its own output) and the N calls timed in one graph (``time_arm``'s
+    ``layers``), every layer's output checked against the oracle of ``k`` / ``v`` /
+    ``table`` (each layer holds those tokens, at other pages). An arm whose N layers run
+    out of device memory (its per-layer buffers: outputs, FlashInfer's workspaces, SDPA's
+    contiguous K/V) is built and timed again over the first N // 2 layers, down to 1, and
+    its ``graph_layers`` and ``note`` say so."""
     results = {}
     for arm in arms:
-        a: Arm | None = None
-        layers: list[Arm] = []
-        try:
-            a = make_arm(arm, be, q, k, v, table, plan, sm_scale, variants)
-            if layer_pools:
-                layers = [a, *(make_arm(arm, be, q, lk, lv, table, plan, sm_scale, variants)
-                               for lk, lv in layer_pools)]
-            results[arm] = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table, variants),
-                                    nbytes, tolerance, a.expected, warmup=warmup, reps=reps,
-                                    cold_l2=cold_l2, ran=a.ran, api_call=a.api_call,
-                                    graph=graph, check_output=lambda o: _verify(
-                                        be, o, q, k, v, table, variants), layers=layers)
-            results[arm].plan = a.plan
-        except Exception as exc:
-            if not isinstance(exc, ArmUnavailable) and not out_of_memory(exc):
-                raise
-            a, layers = None, []    # their buffers and graphs go before the next arm's
-            release_memory(be)
-            note = str(exc) if isinstance(exc, ArmUnavailable) else f"out of device memory: {exc}"
-            results[arm] = ArmResult(arm, "unavailable", float("nan"), False,
-                                     expected=EXPECTED.get(arm, ()), note=note)
-        del a, layers
+        n = 1 + len(more_layers)
+        notes: list[str] = []
+        while True:
+            res, why = _time_layers(be, arm, q, k, v, table, plan, sm_scale, nbytes, tolerance,
+                                    variants, warmup=warmup, reps=reps, cold_l2=cold_l2,
+                                    graph=graph, more_layers=more_layers[:n - 1])
+            # _time_layers has returned: a failed arm's buffers and graphs are unreferenced,
+            # and go before the next attempt or arm
+            if res is None or res.ran == "unavailable":
+                release_memory(be)
+            if res is not None:
+                break
+            notes.append(f"graph layers {n} ran out of device memory building or timing "
+                         f"this arm's layers ({why}); retried with {n // 2}")
+            n //= 2
+        res.note = "; ".join([*notes, *([res.note] if res.note else [])])
+        results[arm] = res
     return results
+
+
+def _time_layers(be: Backend, arm: str, q: Any, k: Any, v: Any, table: PageTable,
+                 plan: DecodePlan, sm_scale: float, nbytes: int, tolerance: float,
+                 variants: dict[str, Any] | None, *, warmup: int, reps: int,
+                 cold_l2: bool | str, graph: bool,
+                 more_layers: Sequence[LayerPools]) -> tuple[ArmResult | None, str]:
+    """``time_arms``'s one attempt at ``arm`` over layer 0 and ``more_layers``:
+    ``(result, why)``; ``why`` is the out-of-memory error ("" without one), and ``result``
+    is None when it came with more than one layer (``time_arms`` then tries fewer), an
+    unavailable arm's result with one layer."""
+    why = ""
+    try:
+        a = make_arm(arm, be, q, k, v, table, plan, sm_scale, variants)
+        layers = [a, *(make_arm(arm, be, q, m.k, m.v, m.table, plan, sm_scale, variants)
+                       for m in more_layers)] if more_layers else []
+        # every layer is checked against the case's pools and table: the tokens each
+        # layer's own table reads from its own pools (``layers.shifted_table``)
+        res = time_arm(be, arm, a.call, verifier(be, a, q, k, v, table, variants),
+                       nbytes, tolerance, a.expected, warmup=warmup, reps=reps,
+                       cold_l2=cold_l2, ran=a.ran, api_call=a.api_call, graph=graph,
+                       check_output=lambda o: _verify(be, o, q, k, v, table, variants),
+                       layers=layers)
+        res.plan = a.plan
+        return res, ""
+    except Exception as exc:
+        if not isinstance(exc, ArmUnavailable) and not out_of_memory(exc):
+            raise
+        if isinstance(exc, ArmUnavailable):
+            note = str(exc)
+        else:
+            why = f"{type(exc).__name__}: {str(exc)[:160]}"
+            if more_layers:
+                return None, why
+            note = f"out of device memory: {exc}"
+    return ArmResult(arm, "unavailable", float("nan"), False, expected=EXPECTED.get(arm, ()),
+                     note=note), why
 
 
 def run_bench(cases: list[BenchCase], *, backend: str | Backend | None = None,
