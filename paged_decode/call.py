@@ -45,7 +45,7 @@ from .errors import (
     check_writable,
     fail,
 )
-from .fp8 import is_fp8
+from .fp8 import caller_dtype, is_fp8
 from .multitoken import QueryTokens, check_query_tokens_arg, query_tokens
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable
@@ -269,7 +269,7 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     for name, arr in (("q", qa), ("k_pages", ka), ("v_pages", va)):
         if not c_contiguous(arr):
             raise fail(fn, f"{name} must be C-contiguous (row-major)")
-    q_dt = check_dtype(fn, "q", be.dtype_of(qa))
+    q_dt = check_dtype(fn, "q", caller_dtype(q, be.dtype_of(qa)))
     kv_dt, kv = check_pools_kv(fn, be, (k_pages, v_pages), (ka, va), ("k_pages", "v_pages"),
                                kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     o_dt = check_dtype(fn, "out_dtype", q_dt if out_dtype is None else out_dtype)

@@ -241,7 +241,16 @@ def raw_dtype_name(x: Any) -> str:
     return name
 
 
-__all__ = ["FORMATS", "FP8_DTYPES", "KVQuant", "ROW_DTYPES", "amax_scales", "check_kv_quant",
+def caller_dtype(given: Any, converted: str) -> str:
+    """The dtype to name in an error about a caller's array ``given``: its own fp8 dtype
+    (``raw_dtype_name``) when it has one, else ``converted``, the backend array's (CuPy and
+    MLX hold a caller's fp8 array as its ``uint8`` bytes, which the caller never wrote)."""
+    raw = raw_dtype_name(given)
+    return raw if is_fp8(raw) else converted
+
+
+__all__ = ["FORMATS", "FP8_DTYPES", "KVQuant", "ROW_DTYPES", "amax_scales", "caller_dtype",
+           "check_kv_quant",
            "check_layer_scales", "check_scale", "codes", "decode_table", "dequantize",
            "is_fp8", "max_finite", "numpy_fp8", "pool_dtype", "quantize", "quantize_rows",
            "raw_dtype_name"]

@@ -51,7 +51,7 @@ from .errors import (
     check_number,
     check_shape,
 )
-from .fp8 import KVQuant, decode_table
+from .fp8 import KVQuant, caller_dtype, decode_table
 from .outcome import DecodeOutcome, record
 from .page_table import MAX_ENTRIES, PageTable, frozen_int32
 from .softmax import RowSoftmax
@@ -314,7 +314,7 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
         if not c_contiguous(arr):
             raise InvalidArgumentError(f"{fn}: {name} must be C-contiguous (the pool view "
                                        "and the head fold are reshapes, never copies)")
-    q_dt = check_dtype(fn, "q", be.dtype_of(qa))
+    q_dt = check_dtype(fn, "q", caller_dtype(q, be.dtype_of(qa)))
     kv_dt, kv = check_pools_kv(fn, be, (k_cache, v_cache), (ka, va), ("k_cache", "v_cache"),
                                kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
     o_dt = check_dtype(fn, "out_dtype", q_dt if out_dtype is None else out_dtype)

@@ -578,6 +578,18 @@ def test_mlx_backend_takes_host_fp8_arrays():
     np.testing.assert_array_equal(np.array(got), np.array(as_bytes))
 
 
+def test_an_fp8_q_is_refused_by_its_own_dtype_on_byte_backends():
+    """The MLX backend holds a host fp8 array as its bytes; a q of an fp8 dtype is refused
+    naming that dtype, not the uint8 the caller never wrote."""
+    from helpers import require_mlx
+    require_mlx()
+    q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn")
+    q8 = fp8.quantize(q.astype(np.float32), "float8_e5m2", 1.0)
+    with pytest.raises(pd.InvalidDtypeError, match=r"decode: q must have dtype in .*"
+                                                   r"got float8_e5m2$"):
+        pd.decode(q8, k, v, table, k_scale=ks, v_scale=vs, backend="mlx")
+
+
 # ---------------------------------------------------------------------------- bad arguments
 def _small():
     q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn", lengths=(20,), fpo=(0,))

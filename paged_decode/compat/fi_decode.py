@@ -30,7 +30,7 @@ from ..errors import (
     check_writable,
     fmt_shape,
 )
-from ..fp8 import is_fp8, pool_dtype, raw_dtype_name
+from ..fp8 import caller_dtype, is_fp8, pool_dtype, raw_dtype_name
 from ..page_table import PageTable
 from ..plan import DecodePlan, check_geometry
 from .fi_arrays import (
@@ -309,7 +309,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         qa = as_backend(fn, "q", be, q)
         b = st["table"].batch_size
         check_shape(fn, "q", qa.shape, (b, hq, d), "[B, Hq, D]")
-        q_got = check_dtype(fn, "q", be.dtype_of(qa))
+        q_got = check_dtype(fn, "q", caller_dtype(q, be.dtype_of(qa)))
         if q_got != q_dt:
             raise InvalidArgumentError(f"{fn}: q has dtype {q_got}, but plan's q_data_type is "
                                        f"{q_dt}")
