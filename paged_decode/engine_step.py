@@ -279,7 +279,7 @@ class DecodeStep:
         pool = self.pool
         kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
         pool._check_rows(fn, kb, vb, (self.capacity, pool.num_kv_heads, pool.head_dim),
-                         "[capacity, Hkv, D]")
+                         "[capacity, Hkv, D]", (k, v))
         target = layer if pool.num_layers else 0
 
         def run() -> None:

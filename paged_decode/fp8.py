@@ -213,8 +213,8 @@ def pool_dtype(fn: str, raw_dtype: str, arr_dtype: str, kv_dtype: Any, arg: str)
     name (before any backend conversion), ``arr_dtype`` the backend array's. A ``uint8``
     array is fp8 only with ``kv_dtype`` naming the format (CuPy and MLX have no fp8
     dtype); an array of an fp8 dtype must agree with ``kv_dtype`` when it is given."""
-    if kv_dtype is None:
-        return raw_dtype if is_fp8(raw_dtype) else arr_dtype
+    if kv_dtype is None:      # the caller's dtype (a float64 pool MLX took as float32 too)
+        return raw_dtype or arr_dtype
     if kv_dtype not in FORMATS:
         raise InvalidArgumentError(f"{fn}: kv_dtype must be None or one of "
                                    f"{', '.join(FP8_DTYPES)}, got {kv_dtype!r}")
@@ -242,11 +242,12 @@ def raw_dtype_name(x: Any) -> str:
 
 
 def caller_dtype(given: Any, converted: str) -> str:
-    """The dtype to name in an error about a caller's array ``given``: its own fp8 dtype
-    (``raw_dtype_name``) when it has one, else ``converted``, the backend array's (CuPy and
-    MLX hold a caller's fp8 array as its ``uint8`` bytes, which the caller never wrote)."""
-    raw = raw_dtype_name(given)
-    return raw if is_fp8(raw) else converted
+    """The dtype a check of the caller's array ``given`` judges and names: its own
+    (``raw_dtype_name``) when it has one, else ``converted``, the backend array's. A backend
+    may hold an array in another dtype than the caller's: CuPy and MLX hold an fp8 array as
+    its ``uint8`` bytes, MLX a float64 one as float32; neither is what the caller wrote,
+    and a float64 argument must be refused as on every other backend."""
+    return raw_dtype_name(given) or converted
 
 
 __all__ = ["FORMATS", "FP8_DTYPES", "KVQuant", "ROW_DTYPES", "amax_scales", "caller_dtype",

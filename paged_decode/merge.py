@@ -24,6 +24,7 @@ from .errors import (
     check_ndim,
     check_shape,
 )
+from .fp8 import caller_dtype
 from .variants import check_variant
 
 
@@ -37,8 +38,8 @@ def _check_state(fn: str, be: Backend, names: tuple[str, str], v: Any, lse: Any,
     shape = tuple(int(x) for x in va.shape) if shape is None else shape
     check_shape(fn, names[0], va.shape, shape, dims)
     check_shape(fn, names[1], la.shape, shape[:2], dims.rsplit(",", 1)[0] + "]")
-    for name, arr in zip(names, (va, la)):
-        expect_dtype(fn, name, be.dtype_of(arr), "float32")
+    for name, arr, given in zip(names, (va, la), (v, lse)):
+        expect_dtype(fn, name, caller_dtype(given, be.dtype_of(arr)), "float32")
     return va, la, shape
 
 

@@ -37,7 +37,7 @@ from .errors import (
     fmt_shape,
     is_int,
 )
-from .fp8 import check_kv_quant, check_layer_scales, is_fp8
+from .fp8 import caller_dtype, check_kv_quant, check_layer_scales, is_fp8
 from .kernels.append import AppendWrite
 from .page_table import MAX_ENTRIES, PageTable
 from .step_table import StepTable
@@ -334,7 +334,8 @@ class PagePool:
         if len(kshape) != len(lead) + 3:
             raise InvalidArgumentError(f"{fn}: k must be {dims}, got shape {fmt_shape(kshape)}")
         t = int(kshape[len(lead)])
-        self._check_rows(fn, kb, vb, (*lead, t, self.num_kv_heads, self.head_dim), dims)
+        self._check_rows(fn, kb, vb, (*lead, t, self.num_kv_heads, self.head_dim), dims,
+                         (k, v))
         self._append(fn, np.array([seq], np.int64), np.array([row], np.int64),
                      np.array([t], np.int64), kb, vb, 0, self.num_layers or 1)
 
@@ -385,7 +386,8 @@ class PagePool:
             raise InvalidArgumentError(f"{fn}: k must be {dims}, got shape {fmt_shape(kshape)}"
                                        + self._layer_hint(lead, layer))
         n = b if counts is None else int(kshape[len(lead)])
-        self._check_rows(fn, kb, vb, (*lead, n, self.num_kv_heads, self.head_dim), dims)
+        self._check_rows(fn, kb, vb, (*lead, n, self.num_kv_heads, self.head_dim), dims,
+                         (k, v))
         if ahead is not None:
             return self._append_ahead(ahead, kb, vb, layer0, row_layers)
         t = None if counts is None else self._counts(fn, counts, b, n)
@@ -504,7 +506,7 @@ class PagePool:
         layer0, _, _ = self._layer_arg(fn, layer)
         kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
         self._check_rows(fn, kb, vb, (batch.num_rows, self.num_kv_heads, self.head_dim),
-                         "[N, Hkv, D]")
+                         "[N, Hkv, D]", (k, v))
         w = batch.write
         if w.num_touched:
             self.k, self.v = self.backend.append_rows(
@@ -704,7 +706,9 @@ class PagePool:
         return {} if self._fp8 is None else {"fp8": self._fp8}
 
     # ------------------------------------------------------------------ argument checks
-    def _check_rows(self, fn: str, kb: Any, vb: Any, want: tuple[int, ...], dims: str) -> None:
+    def _check_rows(self, fn: str, kb: Any, vb: Any, want: tuple[int, ...], dims: str,
+                    given: tuple[Any, Any]) -> None:
+        """``kb`` / ``vb``: the backend's arrays of the caller's rows ``given`` (k, v)."""
         check_same_device(fn, self.backend, (("the pool", self.k), ("k", kb), ("v", vb)))
         if tuple(kb.shape) != want or tuple(vb.shape) != want:
             check_shape(fn, "k", tuple(kb.shape), want, dims)
@@ -712,8 +716,8 @@ class PagePool:
         native = self.k.dtype                   # rows in the pool's dtype need no lookup
         if kb.dtype != native or vb.dtype != native or self._fp8 is not None:
             # fp8 pools quantize float rows (stored bytes are not taken as rows)
-            check_dtype(fn, "k", self.backend.dtype_of(kb), SUPPORTED)
-            check_dtype(fn, "v", self.backend.dtype_of(vb), SUPPORTED)
+            check_dtype(fn, "k", caller_dtype(given[0], self.backend.dtype_of(kb)), SUPPORTED)
+            check_dtype(fn, "v", caller_dtype(given[1], self.backend.dtype_of(vb)), SUPPORTED)
 
     def _layer_arg(self, fn: str, layer: Any) -> tuple[int, int, tuple[int, ...]]:
         """(first layer written, layers written, the rows' leading shape) for ``layer``."""

@@ -43,7 +43,7 @@ import numpy as np
 
 from .dtypes import KV_DTYPES, check_dtype
 from .errors import InvalidArgumentError, UnsupportedProblemError, check_int
-from .fp8 import KVQuant, check_kv_quant, pool_dtype, raw_dtype_name
+from .fp8 import KVQuant, caller_dtype, check_kv_quant, pool_dtype, raw_dtype_name
 from .page_table import MAX_ENTRIES, PageTable
 
 LOG2E = 1.4426950408889634
@@ -172,9 +172,8 @@ def check_variant(fn: str, be: Any, num_qo_heads: int, *, window_left: Any = -1,
         if tuple(int(x) for x in arr.shape) != (num_qo_heads,):
             raise InvalidArgumentError(f"{fn}: sinks must have shape [Hq] = [{num_qo_heads}], "
                                        f"got {list(arr.shape)}")
-        if be.dtype_of(arr) != "float32":
-            raise InvalidArgumentError(f"{fn}: sinks must be float32, got "
-                                       f"{be.dtype_of(arr)}")
+        if (got := caller_dtype(sinks, be.dtype_of(arr))) != "float32":
+            raise InvalidArgumentError(f"{fn}: sinks must be float32, got {got}")
         flags = getattr(arr, "flags", None)
         if flags is not None and not (flags["C_CONTIGUOUS"] if not hasattr(flags, "c_contiguous")
                                       else flags.c_contiguous):

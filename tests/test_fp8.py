@@ -590,6 +590,46 @@ def test_an_fp8_q_is_refused_by_its_own_dtype_on_byte_backends():
         pd.decode(q8, k, v, table, k_scale=ks, v_scale=vs, backend="mlx")
 
 
+def test_byte_backends_judge_and_name_the_caller_s_dtype():
+    """Arguments the MLX backend holds in another dtype than the caller's (fp8 as uint8
+    bytes, float64 as float32) are judged and named by the caller's dtype, as on the
+    reference backend; a 0-d fp8 array keeps its shape through the upload; a
+    negative-stride host array is taken like any other view (found by a fuzz of this
+    session's fp8 upload)."""
+    from helpers import require_mlx
+    require_mlx()
+    q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn")
+    e4 = fp8.numpy_fp8("float8_e4m3fn")
+    sinks = np.zeros(q.shape[1], np.float32)
+    for be in ("mlx", "reference"):
+        kw = {"k_scale": ks, "v_scale": vs, "backend": be}
+        with pytest.raises(pd.InvalidArgumentError, match=r"sinks must be float32, got "
+                                                          r"float8_e4m3fn$"):
+            pd.decode(q, k, v, table, sinks=sinks.astype(e4), **kw)
+        with pytest.raises(pd.InvalidDtypeError, match=r"got float64$"):
+            pd.decode(q, k.astype(np.float64), v.astype(np.float64), table, backend=be)
+        with pytest.raises(pd.InvalidArgumentError, match=r"got shape \[\]"):
+            pd.decode(np.array(1.5, e4), k, v, table, **kw)
+        va = np.zeros((2, 4, 8), np.float32)
+        la = np.zeros((2, 4), np.float32)
+        with pytest.raises(pd.InvalidDtypeError, match=r"merge_state: v_a must have dtype "
+                                                       r"float32, got float8_e4m3fn"):
+            pd.merge_state(va.astype(e4), la, va, la, backend=be)
+        pool = pd.PagePool(8, P, HKV, D, dtype="float8_e4m3fn", k_scale=ks, v_scale=vs,
+                           backend=be)
+        rows = np.ones((3, HKV, D), np.float32).astype(e4)
+        with pytest.raises(pd.InvalidDtypeError, match=r"PagePool.append: k must have dtype "
+                                                       r"in .*got float8_e4m3fn$"):
+            pool.append(pool.new_sequence(), rows, rows)
+    flipped = np.ascontiguousarray(q[::-1])[::-1]          # q's values, negative strides
+    assert flipped.strides[0] < 0
+    got = pd.decode(flipped, k, v, table, k_scale=ks, v_scale=vs, out_dtype="float32",
+                    backend="mlx")
+    want = pd.decode(q, k, v, table, k_scale=ks, v_scale=vs, out_dtype="float32",
+                     backend="mlx")
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
 # ---------------------------------------------------------------------------- bad arguments
 def _small():
     q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn", lengths=(20,), fpo=(0,))

@@ -50,7 +50,7 @@ def as_cupy(x: Any) -> Any:
         return cp.from_dlpack(x)
     a = np.asarray(x)
     if a.dtype.name in FP8_DTYPES:   # ml_dtypes fp8: uploaded as its bytes, as from_torch
-        a = np.ascontiguousarray(a).view(np.uint8)
+        a = np.require(a, requirements="C").view(np.uint8)   # (0-d stays 0-d)
     return cp.asarray(a)
 
 

@@ -86,11 +86,14 @@ class MlxNumpy:
 
 
 def _to_mx(a: np.ndarray) -> Any:
+    # a C-ordered copy where needed (mx.array takes no negative strides); np.require keeps
+    # a 0-d array 0-d (np.ascontiguousarray would make it [1])
+    c = np.require(a, requirements="C")
     if a.dtype == numpy_dtype("bfloat16"):
-        return mx.array(np.ascontiguousarray(a).view(np.uint16)).view(mx.bfloat16)
+        return mx.array(c.view(np.uint16)).view(mx.bfloat16)
     if a.dtype.name in FP8_DTYPES:   # MLX has no fp8 dtype: the bytes; the call reads the
-        return mx.array(np.ascontiguousarray(a).view(np.uint8))   # format off the caller's
-    return mx.array(a)
+        return mx.array(c.view(np.uint8))    # format off the caller's array
+    return mx.array(c)
 
 
 class MlxBackend(Backend):
