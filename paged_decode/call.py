@@ -33,7 +33,7 @@ from .cascade import TC_LEVEL0, V2_LEVEL0, tc_level0_applies
 from .cascade_policy import resolve_cascade
 from .crossover import measured_elsewhere, table_for
 from .device import DeviceInfo
-from .dtypes import check_dtype, expect_dtype
+from .dtypes import caller_dtype, check_dtype, expect_dtype
 from .errors import (
     UnsupportedProblemError,
     check_bool,
@@ -45,7 +45,7 @@ from .errors import (
     check_writable,
     fail,
 )
-from .fp8 import caller_dtype, is_fp8
+from .fp8 import is_fp8
 from .multitoken import QueryTokens, check_query_tokens_arg, query_tokens
 from .outcome import DecodeOutcome, record
 from .page_table import PageTable

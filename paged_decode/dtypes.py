@@ -65,6 +65,34 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+_CALLER_CACHE: dict[Any, str | None] = {}
+
+
+def caller_dtype(given: Any, converted: str) -> str:
+    """The dtype a check of the caller's array ``given`` judges and names: the canonical
+    name of its own dtype when the package knows it (``dtype_name``: the supported dtypes,
+    the fp8 formats, float64), else ``converted``, the backend array's. A backend may hold
+    an array in another dtype than the caller's: CuPy and MLX hold an fp8 array as its
+    ``uint8`` bytes, MLX a float64 one as float32; neither is what the caller wrote, and a
+    float64 argument must be refused as on every other backend. Cached per dtype object
+    (checks of the engine step's appends run every layer)."""
+    dt = getattr(given, "dtype", None)
+    if dt is None:
+        return converted
+    try:
+        name = _CALLER_CACHE[dt]
+    except (KeyError, TypeError):
+        try:
+            name = dtype_name(dt)
+        except Exception:     # a spelling the package does not know (another library's)
+            name = None
+        try:
+            _CALLER_CACHE[dt] = name
+        except TypeError:     # an unhashable dtype-like: fine, just not cached
+            pass
+    return name or converted
+
+
 def _canonical(dtype: Any) -> str:
     """Canonical name of ``dtype``, or its own spelling when the package does not know it."""
     try:

@@ -208,13 +208,18 @@ def check_kv_quant(fn: str, kv_dt: str, k_scale: Any, v_scale: Any) -> KVQuant |
                    check_scale(fn, "v_scale", v_scale))
 
 
+#: the caller dtypes ``pool_dtype`` judges a pool by (others, spelled as some other library
+#: spells them, fall back to the backend array's)
+_CALLER_NAMES = frozenset({"float16", "bfloat16", "float32", "float64", *FORMATS})
+
+
 def pool_dtype(fn: str, raw_dtype: str, arr_dtype: str, kv_dtype: Any, arg: str) -> str:
     """The element format of a pool argument: ``raw_dtype`` is the caller's array's dtype
     name (before any backend conversion), ``arr_dtype`` the backend array's. A ``uint8``
     array is fp8 only with ``kv_dtype`` naming the format (CuPy and MLX have no fp8
     dtype); an array of an fp8 dtype must agree with ``kv_dtype`` when it is given."""
     if kv_dtype is None:      # the caller's dtype (a float64 pool MLX took as float32 too)
-        return raw_dtype or arr_dtype
+        return raw_dtype if raw_dtype in _CALLER_NAMES else arr_dtype
     if kv_dtype not in FORMATS:
         raise InvalidArgumentError(f"{fn}: kv_dtype must be None or one of "
                                    f"{', '.join(FP8_DTYPES)}, got {kv_dtype!r}")
@@ -241,17 +246,7 @@ def raw_dtype_name(x: Any) -> str:
     return name
 
 
-def caller_dtype(given: Any, converted: str) -> str:
-    """The dtype a check of the caller's array ``given`` judges and names: its own
-    (``raw_dtype_name``) when it has one, else ``converted``, the backend array's. A backend
-    may hold an array in another dtype than the caller's: CuPy and MLX hold an fp8 array as
-    its ``uint8`` bytes, MLX a float64 one as float32; neither is what the caller wrote,
-    and a float64 argument must be refused as on every other backend."""
-    return raw_dtype_name(given) or converted
-
-
-__all__ = ["FORMATS", "FP8_DTYPES", "KVQuant", "ROW_DTYPES", "amax_scales", "caller_dtype",
-           "check_kv_quant",
+__all__ = ["FORMATS", "FP8_DTYPES", "KVQuant", "ROW_DTYPES", "amax_scales", "check_kv_quant",
            "check_layer_scales", "check_scale", "codes", "decode_table", "dequantize",
            "is_fp8", "max_finite", "numpy_fp8", "pool_dtype", "quantize", "quantize_rows",
            "raw_dtype_name"]

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .backends import Backend, Problem, backend_for, c_contiguous
-from .dtypes import check_dtype, expect_dtype
+from .dtypes import caller_dtype, check_dtype, expect_dtype
 from .errors import (
     InvalidArgumentError,
     UnsupportedProblemError,
@@ -24,7 +24,6 @@ from .errors import (
     check_ndim,
     check_shape,
 )
-from .fp8 import caller_dtype
 from .variants import check_variant
 
 

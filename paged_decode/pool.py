@@ -26,7 +26,7 @@ import numpy as np
 from .append_lookahead import AppendLookahead
 from .appended_batch import AppendedBatch, frozen
 from .backends import Backend, check_same_device, get_backend
-from .dtypes import KV_DTYPES, SUPPORTED, check_dtype, itemsize
+from .dtypes import KV_DTYPES, SUPPORTED, caller_dtype, check_dtype, itemsize
 from .errors import (
     InvalidArgumentError,
     PoolExhaustedError,
@@ -37,7 +37,7 @@ from .errors import (
     fmt_shape,
     is_int,
 )
-from .fp8 import caller_dtype, check_kv_quant, check_layer_scales, is_fp8
+from .fp8 import check_kv_quant, check_layer_scales, is_fp8
 from .kernels.append import AppendWrite
 from .page_table import MAX_ENTRIES, PageTable
 from .step_table import StepTable
@@ -713,11 +713,14 @@ class PagePool:
         if tuple(kb.shape) != want or tuple(vb.shape) != want:
             check_shape(fn, "k", tuple(kb.shape), want, dims)
             check_shape(fn, "v", tuple(vb.shape), want, dims)
-        native = self.k.dtype                   # rows in the pool's dtype need no lookup
-        if kb.dtype != native or vb.dtype != native or self._fp8 is not None:
+        # judged by the caller's dtypes (a backend may hold them in another: MLX takes
+        # float64 as float32, fp8 as uint8); rows in the pool's own dtype pass as they are
+        kd = caller_dtype(given[0], self.backend.dtype_of(kb))
+        vd = caller_dtype(given[1], self.backend.dtype_of(vb))
+        if kd != self.dtype or vd != self.dtype or self._fp8 is not None:
             # fp8 pools quantize float rows (stored bytes are not taken as rows)
-            check_dtype(fn, "k", caller_dtype(given[0], self.backend.dtype_of(kb)), SUPPORTED)
-            check_dtype(fn, "v", caller_dtype(given[1], self.backend.dtype_of(vb)), SUPPORTED)
+            check_dtype(fn, "k", kd, SUPPORTED)
+            check_dtype(fn, "v", vd, SUPPORTED)
 
     def _layer_arg(self, fn: str, layer: Any) -> tuple[int, int, tuple[int, ...]]:
         """(first layer written, layers written, the rows' leading shape) for ``layer``."""

@@ -40,7 +40,7 @@ import numpy as np
 
 from .backends import Backend, Problem, backend_for, c_contiguous
 from .call import plan_decode
-from .dtypes import check_dtype
+from .dtypes import caller_dtype, check_dtype
 from .errors import (
     InvalidArgumentError,
     UnsupportedProblemError,
@@ -51,7 +51,7 @@ from .errors import (
     check_number,
     check_shape,
 )
-from .fp8 import KVQuant, caller_dtype, decode_table
+from .fp8 import KVQuant, decode_table
 from .outcome import DecodeOutcome, record
 from .page_table import MAX_ENTRIES, PageTable, frozen_int32
 from .softmax import RowSoftmax

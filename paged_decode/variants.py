@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import KV_DTYPES, check_dtype
+from .dtypes import KV_DTYPES, caller_dtype, check_dtype
 from .errors import InvalidArgumentError, UnsupportedProblemError, check_int
-from .fp8 import KVQuant, caller_dtype, check_kv_quant, pool_dtype, raw_dtype_name
+from .fp8 import KVQuant, check_kv_quant, pool_dtype
 from .page_table import MAX_ENTRIES, PageTable
 
 LOG2E = 1.4426950408889634
@@ -191,9 +191,11 @@ def check_pools_kv(fn: str, be: Any, given: tuple[Any, Any], arrays: tuple[Any, 
     backend's (``uint8`` for fp8 where the library has no fp8 dtype: ``kv_dtype`` then
     names the format), ``names`` the arguments' names. Both must have one dtype; scales
     are required with fp8 and refused without (``fp8.check_kv_quant``)."""
-    dts = [check_dtype(fn, n, pool_dtype(fn, raw_dtype_name(g), be.dtype_of(a), kv_dtype, n),
-                       KV_DTYPES)
-           for g, a, n in zip(given, arrays, names)]
+    dts = []
+    for g, a, n in zip(given, arrays, names):
+        held = be.dtype_of(a)
+        dts.append(check_dtype(fn, n, pool_dtype(fn, caller_dtype(g, held), held, kv_dtype, n),
+                               KV_DTYPES))
     if dts[0] != dts[1]:
         raise InvalidArgumentError(f"{fn}: {names[1]} must have {names[0]}' dtype {dts[0]}, "
                                    f"got {dts[1]}")

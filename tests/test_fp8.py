@@ -630,6 +630,47 @@ def test_byte_backends_judge_and_name_the_caller_s_dtype():
     np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
+class _ForeignDtype:
+    """A dtype object spelled as another library spells it (TensorFlow: ``<dtype:
+    'float16'>``), which the package does not parse."""
+
+    def __str__(self) -> str:
+        return "<dtype: 'float16'>"
+
+
+class _ForeignArray:
+    """An array-like of another library: numpy converts it, its ``dtype`` is foreign."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self._a, self.dtype, self.shape = a, _ForeignDtype(), a.shape
+
+    def __array__(self, dtype=None, copy=None):
+        return self._a
+
+
+def test_a_dtype_spelled_by_another_library_falls_back_to_the_backend_s():
+    """caller_dtype judges the caller's own dtype only where the package knows its
+    spelling; another library's spelling falls back to the converted array's, as before
+    session 27's change (which refused such arrays); float64 rows are refused on MLX's
+    float32 pools too (MLX held them as float32, skipping the check)."""
+    from paged_decode.dtypes import caller_dtype
+    q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn")
+    assert caller_dtype(_ForeignArray(q), "float16") == "float16"
+    assert caller_dtype(k, "uint8") == "float8_e4m3fn"
+    assert caller_dtype([1.0], "float32") == "float32"
+    want = pd.decode(q, k, v, table, k_scale=ks, v_scale=vs, out_dtype="float32")
+    got = pd.decode(_ForeignArray(q), k, v, table, k_scale=ks, v_scale=vs, out_dtype="float32")
+    np.testing.assert_array_equal(got, want)
+    from helpers import require_mlx
+    require_mlx()
+    for be in ("mlx", "reference"):
+        pool = pd.PagePool(8, P, HKV, D, dtype="float32", backend=be)
+        rows = np.ones((3, HKV, D), np.float64)
+        with pytest.raises(pd.InvalidDtypeError, match=r"PagePool.append: k must have dtype "
+                                                       r"in .*got float64$"):
+            pool.append(pool.new_sequence(), rows, rows)
+
+
 # ---------------------------------------------------------------------------- bad arguments
 def _small():
     q, k, v, table, ks, vs = _fp8_problem("float8_e4m3fn", lengths=(20,), fpo=(0,))

@@ -19,7 +19,7 @@ import numpy as np
 from ..backends import Backend, Problem, backend_for, c_contiguous
 from ..call import plan_decode
 from ..decode import decode
-from ..dtypes import KV_DTYPES, check_dtype
+from ..dtypes import KV_DTYPES, caller_dtype, check_dtype
 from ..errors import (
     InvalidArgumentError,
     UnsupportedProblemError,
@@ -30,7 +30,7 @@ from ..errors import (
     check_writable,
     fmt_shape,
 )
-from ..fp8 import caller_dtype, is_fp8, pool_dtype, raw_dtype_name
+from ..fp8 import is_fp8, pool_dtype, raw_dtype_name
 from ..page_table import PageTable
 from ..plan import DecodePlan, check_geometry
 from .fi_arrays import (
