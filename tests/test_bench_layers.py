@@ -422,9 +422,13 @@ def test_an_arm_whose_layers_run_out_of_memory_runs_fewer(fake_gpu, monkeypatch,
            f"differently): 1: {CASE.label}: v2 vs v1" in text
 
 
-def test_a_layer_graph_whose_capture_runs_out_of_memory_is_retried(fake_gpu, monkeypatch):
+@pytest.mark.parametrize("link", ["cause", "context"])
+def test_a_layer_graph_whose_capture_runs_out_of_memory_is_retried(fake_gpu, monkeypatch,
+                                                                   link):
     """The capture of 4 layers runs out of memory (``GraphCaptureError`` from an
-    out-of-memory error): the arm is retried with 2 layers, not timed by eager events."""
+    out-of-memory error, as its cause or, when the capture's cleanup raised after the
+    failed allocation, in its context): the arm is retried with 2 layers, not timed by
+    eager events."""
     real = timing.capture
 
     def capture(fn, *, warmup=2):
@@ -433,7 +437,13 @@ def test_a_layer_graph_whose_capture_runs_out_of_memory_is_retried(fake_gpu, mon
             try:
                 raise OutOfMemoryError("out of memory in the graph's pool")
             except OutOfMemoryError as exc:
-                raise timing.GraphCaptureError(f"OutOfMemoryError: {exc}") from exc
+                if link == "cause":
+                    raise timing.GraphCaptureError(f"OutOfMemoryError: {exc}") from exc
+                try:                # the capture's end fails too, while handling it
+                    raise RuntimeError("operation failed due to a previous error during "
+                                       "capture")
+                except RuntimeError as end:
+                    raise timing.GraphCaptureError(f"RuntimeError: {end}") from end
         return real(fn, warmup=warmup)
     monkeypatch.setattr(timing, "capture", capture)
     r = runner.bench_case(FakeCuda(), CASE, arms=("v2",), warmup=0, reps=4, graph_layers=4)

@@ -321,9 +321,9 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
                 res.verified, res.max_rel_error, res.note = False, exc.error, str(exc)
                 return res
             except timing.GraphCaptureError as exc:
-                cause = exc.__cause__
-                if cause is not None and out_of_memory(cause):   # the N layers' graph:
-                    raise cause from None                         # fewer may fit (time_arms)
+                cause = _out_of_memory_behind(exc)  # the N layers' graph: fewer may fit
+                if cause is not None:               # (time_arms retries)
+                    raise cause from None
                 res.note = (f"graph timing of {len(layers)} layers unusable "
                             f"({str(exc)[:160]}); one eager call between events")
         elif graph:
@@ -362,6 +362,22 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
                                                   reps=max(3, reps // 6)))
     res.gbps = nbytes / (res.median_us * 1e-6) / 1e9
     return res
+
+
+def _out_of_memory_behind(exc: BaseException) -> BaseException | None:
+    """The device out-of-memory error behind ``exc``, if any: its causes and the errors
+    it was raised while handling (a capture's own cleanup can raise after the allocation
+    failed inside it, so the failure sits in ``__context__``, not ``__cause__``)."""
+    todo, seen = [exc.__cause__, exc.__context__], {id(exc)}
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        if out_of_memory(e):
+            return e
+        seen.add(id(e))
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def bench_case(be: Backend, case: BenchCase, *, arms: tuple[str, ...] = ("gather", "v1", "v2"),
