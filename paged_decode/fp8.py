@@ -208,18 +208,15 @@ def check_kv_quant(fn: str, kv_dt: str, k_scale: Any, v_scale: Any) -> KVQuant |
                    check_scale(fn, "v_scale", v_scale))
 
 
-#: the caller dtypes ``pool_dtype`` judges a pool by (others, spelled as some other library
-#: spells them, fall back to the backend array's)
-_CALLER_NAMES = frozenset({"float16", "bfloat16", "float32", "float64", *FORMATS})
-
-
 def pool_dtype(fn: str, raw_dtype: str, arr_dtype: str, kv_dtype: Any, arg: str) -> str:
     """The element format of a pool argument: ``raw_dtype`` is the caller's array's dtype
-    name (before any backend conversion), ``arr_dtype`` the backend array's. A ``uint8``
+    name (before any backend conversion: ``dtypes.caller_dtype``, which gives the backend
+    array's where the caller's is not one the package knows), ``arr_dtype`` the backend
+    array's. A ``uint8``
     array is fp8 only with ``kv_dtype`` naming the format (CuPy and MLX have no fp8
     dtype); an array of an fp8 dtype must agree with ``kv_dtype`` when it is given."""
     if kv_dtype is None:      # the caller's dtype (a float64 pool MLX took as float32 too)
-        return raw_dtype if raw_dtype in _CALLER_NAMES else arr_dtype
+        return raw_dtype or arr_dtype
     if kv_dtype not in FORMATS:
         raise InvalidArgumentError(f"{fn}: kv_dtype must be None or one of "
                                    f"{', '.join(FP8_DTYPES)}, got {kv_dtype!r}")

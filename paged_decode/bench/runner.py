@@ -329,7 +329,7 @@ def time_arm(be: Backend, arm: str, call: Callable[[], Any], verify: Callable[[]
         elif graph:
             try:
                 replay, result = timing.capture(call)
-                target = result[0] if isinstance(result, tuple) else result
+                target = output_of(result, None)
                 if check_output is not None and target is not None:
                     be.asarray(target).fill(float("nan"))
                     replay()

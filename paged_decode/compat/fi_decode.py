@@ -30,7 +30,7 @@ from ..errors import (
     check_writable,
     fmt_shape,
 )
-from ..fp8 import is_fp8, pool_dtype, raw_dtype_name
+from ..fp8 import is_fp8, pool_dtype
 from ..page_table import PageTable
 from ..plan import DecodePlan, check_geometry
 from .fi_arrays import (
@@ -292,10 +292,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         pools = decode_pools(fn, be, paged_kv_cache)
         # the dtype first: a byte cache under a 16-bit plan would read as a shape mismatch.
         # (The caller's dtype name: a torch fp8 tensor is a uint8 CuPy view on `cuda`.)
-        raw = raw_dtype_name(first_array(paged_kv_cache))
+        held = be.dtype_of(pools.k)
         kv_got = check_dtype(fn, "paged_kv_cache", pool_dtype(
-            fn, raw, be.dtype_of(pools.k), kv_dt if fp8 else None, "paged_kv_cache"),
-            KV_DTYPES)
+            fn, caller_dtype(first_array(paged_kv_cache), held), held,
+            kv_dt if fp8 else None, "paged_kv_cache"), KV_DTYPES)
         if kv_got != kv_dt:
             raise InvalidArgumentError(f"{fn}: paged_kv_cache has dtype {kv_got}, but plan's "
                                        f"kv_data_type is {kv_dt}")
