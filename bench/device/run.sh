@@ -111,6 +111,8 @@
 #               L2_BATCHES, L2_TIMEOUT; L2_LAYERS="1 8": each flush once per --graph-layers
 #               count, outputs of N > 1 named l2_FLUSH_LN_*)
 #   fp8-fixed   v2tc at 8 x 8K over e4m3fn under the switches of a call's fixed part
+#   floor       bench/device/floor.py: the timer's floor and the best float16 / fp8 ratio of
+#               plain reads at FLOOR_CELLS (default 8x8192 32x8192), v2tc beside them
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
@@ -939,6 +941,13 @@ step_l2() {
   return 0
 }
 
+# what the bench's timer charges beyond a call's bytes: empty graphs, plain reads of the
+# cells' float16 and fp8 K/V byte counts (the ceiling of any float16 / fp8 ratio), v2tc
+step_floor() {
+  timeout ${FLOOR_TIMEOUT:-150} python3 bench/device/floor.py "$OUT/floor.json" \
+    ${FLOOR_CELLS:-8x8192 32x8192} 2>&1 | tee "$L/floor.txt" | grep -v "^ "
+  echo "floor rc=${PIPESTATUS[0]}"
+}
 # #14's farthest cell (8 x 8K, e4m3fn; float16 beside it) under the switches that move a
 # call's fixed part: the fused merge off, the merge as a dependent launch, 5 CTAs per SM,
 # a 3-deep ring (FIXED_TIMEOUT each)
