@@ -39,8 +39,6 @@ VARIABLES: dict[str, str] = {
                                 "where it pays (GQA 1-4, head_dim <= 128), 1 always, 0 never",
     "PAGED_DECODE_MERGE_SPLIT": "CUDA merge warps per (row, head): unset, the rule "
                                 "(launches.merge_split); 1, 2, 4, 8 or 16 forces it",
-    "PAGED_DECODE_STEAL": "CUDA fused-merge v2tc: a request's CTAs share its stages, 0 / 1 "
-                          "(experiments, off unless 1)",
     "PAGED_DECODE_PDL": "CUDA merge launched as the partial's programmatic dependent "
                         "(sm_90+; experiments, off unless 1)",
     "PAGED_DECODE_ASSERT_NO_COMPILE": "any kernel compile raises (benchmarks)",

@@ -69,7 +69,6 @@ class KernelSpec:
     soft_cap: bool = False       # v2, v1, v2tc: logits soft cap (paged_decode/variants.py)
     sink: bool = False           # v2, v1, v2tc (final store), merge: attention sinks
     merged_dtype: str = ""       # v2tc (CUDA): the fused merge's output dtype ("": none)
-    steal: bool = False          # v2tc (CUDA, fused merge): a request's CTAs share its stages
 
     # the kernels' template parameters are read off these fields by name in
     # ``kernels/<name>.py`` (``KernelDef.arguments``)
@@ -106,8 +105,6 @@ class KernelSpec:
             parts.append("sink")
         if self.merged_dtype:
             parts.append(f"merge-{SHORT[self.merged_dtype]}")
-        if self.steal:
-            parts.append("steal")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -369,28 +366,13 @@ def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int, *,
     unless ``q_dtype`` says otherwise (fp8 pools: q float16 or bfloat16). ``soft_cap`` /
     ``sink`` specialize it as they do the v2 partial (``v2_spec``). ``merged_dtype``: the
     fused merge's output dtype (CUDA; ``out_dtype`` is then float32, and ``sink`` is the
-    merge's sink, not the partial's); a fused merge shares each request's stages among its
-    CTAs when ``PAGED_DECODE_STEAL`` is ``1`` (``steal_stages``)."""
+    merge's sink, not the partial's)."""
     if merged_dtype and out_dtype != "float32":
         raise ValueError(f"v2tc_spec: a fused merge reads float32 partials, not {out_dtype}")
     warps = v2tc_warps(head_dim, kv_dtype)
     return KernelSpec("v2tc", out_dtype, head_dim, _v2tc_q_dtype(kv_dtype, q_dtype), kv_dtype,
                       page_size, 0, warps, v2tc_stages(head_dim, warps, kv_dtype),
-                      soft_cap=soft_cap, sink=sink, merged_dtype=merged_dtype,
-                      steal=bool(merged_dtype) and steal_stages())
-
-
-STEAL_ENV = "PAGED_DECODE_STEAL"
-
-
-def steal_stages() -> bool:
-    """``PAGED_DECODE_STEAL``: ``1`` lets the fused-merge tensor-core partial's CTAs of a
-    request share its stages (``kernels/decode_v2_tc.py``, STEAL); unset or ``0``: each
-    CTA streams its own chunk. Anything else is an ``InvalidArgumentError`` naming it."""
-    val = (settings.get(STEAL_ENV) or "").strip()
-    if val not in ("", "0", "1"):
-        raise InvalidArgumentError(f"{STEAL_ENV} must be 0 or 1, got {val!r}")
-    return val == "1"
+                      soft_cap=soft_cap, sink=sink, merged_dtype=merged_dtype)
 
 
 def v2tc_metal_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,

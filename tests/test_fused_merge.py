@@ -19,19 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import (
-    assert_matches_oracle,
-    needs_backend,
-    sinks_for,
-    tc_fp8_out_tol,
-    tc_out_tol,
-)
+from helpers import assert_matches_oracle, needs_backend, sinks_for, tc_out_tol
 
 import paged_decode as pd
 from paged_decode.backends import launches
 from paged_decode.backends.emulated import EmulatedCudaBackend
 from paged_decode.backends.launching import FUSED_MERGE_ENV
-from paged_decode.emulator.launch import DEFAULT_SCHEDULES
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
 from paged_decode.specs import v2tc_ctas_per_chunk
@@ -232,7 +225,7 @@ def test_counters_are_left_zero_for_the_next_call(monkeypatch):
     pr = make_problem(ProblemSpec(3, 90, 32, 1, 64, 16, seed=15))   # two row tiles
     plan = _plan(be, pr, 1)
     counters = _kept_counters(monkeypatch, be, plan)
-    assert counters.size == 3 * 1 * 2 * 2          # (request, row tile) x (count, next stage)
+    assert counters.size == 3 * 1 * 2
     monkeypatch.setenv(FUSED_MERGE_ENV, "1")
     first = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc", backend=be,
                       out_dtype="float32", return_lse=True)
@@ -259,134 +252,3 @@ def test_negative_control_counters_not_zero_give_wrong_results(monkeypatch):
     pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc", backend=be, out=out,
               out_dtype="float32")
     assert not np.array_equal(out, want, equal_nan=True)
-
-
-# ------------------------------------------------- shared stages (PAGED_DECODE_STEAL=1)
-# With STEAL a request's CTAs take its 64-token stages from a counter (after a static
-# first STAGES each), so a CTA's partial covers whatever stages it took: the fused result
-# matches the two-launch path within rounding, not bit for bit, and the oracle as closely.
-# Which CTA takes which stage depends on how the CTAs run (the emulator runs them on
-# several OS threads), so the partials differ between fiber schedules by design: each
-# schedule runs on its own (no comparison between them) and is held to the oracle; a
-# race inside a CTA (the published stage read early or late) gives a wrong stage there.
-
-
-@pytest.fixture(params=DEFAULT_SCHEDULES)
-def steal_emu(request):
-    return EmulatedCudaBackend(check_races=False, schedules=(request.param,))
-
-
-def _tol(kv_dtype, out_dtype):
-    return (tc_fp8_out_tol("float16", out_dtype) if kv_dtype.startswith("float8")
-            else tc_out_tol(kv_dtype, out_dtype))
-
-
-def _stolen(monkeypatch, be, pr, plan, q=None, **kw):
-    """The fused decode with shared stages, into NaN-poisoned outputs: (out, lse)."""
-    from paged_decode.specs import STEAL_ENV
-    monkeypatch.setenv(FUSED_MERGE_ENV, "1")
-    monkeypatch.setenv(STEAL_ENV, "1")
-    q = pr.q if q is None else q
-    out = np.full(q.shape, np.nan, kw.get("out_dtype", q.dtype))
-    lse = np.full(q.shape[:-1], np.nan, np.float32)
-    res = pd.decode(q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc", backend=be,
-                    out=out, lse=lse, return_lse=True, **kw)
-    assert pd.last_outcome().path == "v2tc+merge"
-    monkeypatch.delenv(STEAL_ENV)
-    return tuple(be.to_numpy(x) for x in res)
-
-
-def _two_launches(monkeypatch, be, pr, plan, q=None, **kw):
-    monkeypatch.setenv(FUSED_MERGE_ENV, "0")
-    q = pr.q if q is None else q
-    res = pd.decode(q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc", backend=be,
-                    return_lse=True, **kw)
-    return tuple(be.to_numpy(x) for x in res)
-
-
-def _close(got, want, kv_dtype, out_dtype, what):
-    """Shared stages against the two-launch path: each is within the tensor-core bound
-    of the exact answer, so within twice that of each other."""
-    assert not np.isnan(got[1]).any(), f"{what}: lse left NaN"
-    assert_matches_oracle(*got, *want, out_dtype, what, tol=2 * _tol(kv_dtype, out_dtype))
-
-
-# a request of 1500 tokens in chunks of 256 (4 stages each, 2 static per CTA): 24 stages,
-# 12 of them taken from the counter (the v2tc-steal-* mutants must fail on it)
-LONG = ("long-shared", ProblemSpec(2, 1500, 8, 2, 64, 16, seed=20, jitter=False), 16)
-
-
-@pytest.mark.parametrize("spec,ppc", [g[1:] for g in GEOMETRIES + [LONG]],
-                         ids=[g[0] for g in GEOMETRIES + [LONG]])
-def test_shared_stages_match_the_oracle(steal_emu, monkeypatch, spec, ppc):
-    emu = steal_emu
-    pr = make_problem(spec)
-    plan = _plan(emu, pr, ppc)
-    assert plan.needs_merge
-    got = _stolen(monkeypatch, emu, pr, plan, out_dtype="float32")
-    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
-    assert_matches_oracle(*got, ref, ref_lse, "float32", spec.label,
-                          tol=tc_out_tol(spec.kv_dtype, "float32"))
-    _close(got, _two_launches(monkeypatch, emu, pr, plan, out_dtype="float32"),
-           spec.kv_dtype, "float32", spec.label)
-
-
-@pytest.mark.parametrize("case", ["offsets-empty", "sinks", "cap", "window", "all", "fp8",
-                                  "bf16-out", "multi-token"])
-def test_shared_stages_with_offsets_variants_fp8_and_multi_token(steal_emu, monkeypatch, case):
-    emu = steal_emu
-    spec = ProblemSpec(3, 700, 16, 2, 64, 16, seed=21, jitter=False)
-    kw, win, q, lengths, offsets = {}, {}, None, None, None
-    if case == "offsets-empty":
-        lengths, offsets = [0, 611, 1, 0, 470], [0, 5, 15, 3, 9]
-        spec = ProblemSpec(5, 600, 8, 2, 64, 16, seed=22)
-    if case in ("sinks", "all"):
-        kw["sinks"] = sinks_for(16)
-    if case in ("cap", "all"):
-        kw["logits_soft_cap"] = 3.0
-    if case in ("window", "all"):
-        kw["window_left"] = win["window_left"] = 300
-    if case == "fp8":
-        spec = ProblemSpec(3, 700, 8, 2, 64, 16, kv_dtype="float8_e4m3fn", seed=23,
-                           jitter=False)
-        kw.update(k_scale=0.5, v_scale=0.25)
-    pr = make_problem(spec, lengths=lengths, offsets=offsets) if lengths else make_problem(spec)
-    if case == "multi-token":
-        q = np.random.default_rng(1).standard_normal((3, 3, 16, 64)).astype(np.float16)
-        win["query_tokens"] = 3
-    out_dtype = "bfloat16" if case == "bf16-out" else "float32"
-    plan = _plan(emu, pr, 4, **win)
-    assert plan.needs_merge
-    got = _stolen(monkeypatch, emu, pr, plan, q, out_dtype=out_dtype, **kw)
-    want = _two_launches(monkeypatch, emu, pr, plan, q, out_dtype=out_dtype, **kw)
-    if case == "offsets-empty":
-        assert np.isneginf(got[1][[0, 3]]).all() and (got[0][[0, 3]] == 0).all()
-    _close(got, want, spec.kv_dtype, out_dtype, case)
-    if case not in ("fp8", "multi-token"):      # those two: the two-launch path's tests
-        ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table, **kw)
-        assert_matches_oracle(*got, ref, ref_lse, out_dtype, case,
-                              tol=_tol(spec.kv_dtype, out_dtype))
-
-
-def test_shared_stages_leave_both_counters_zero(monkeypatch):
-    be = EmulatedCudaBackend(check_races=False)
-    spec, ppc = LONG[1:]
-    pr = make_problem(spec)
-    plan = _plan(be, pr, ppc)
-    counters = _kept_counters(monkeypatch, be, plan)
-    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
-    for call in ("first", "second"):          # a counter left non-zero loses stages
-        got = _stolen(monkeypatch, be, pr, plan, out_dtype="float32")
-        assert (counters == 0).all(), call
-        assert_matches_oracle(*got, ref, ref_lse, "float32", call,
-                              tol=tc_out_tol(spec.kv_dtype, "float32"))
-
-
-def test_shared_stages_need_the_fused_merge(monkeypatch):
-    from paged_decode.specs import STEAL_ENV, v2tc_spec
-    monkeypatch.setenv(STEAL_ENV, "1")
-    assert v2tc_spec("float16", "float32", 128, 16, merged_dtype="float16").steal
-    assert not v2tc_spec("float16", "float32", 128, 16).steal     # partials a merge reads
-    monkeypatch.setenv(STEAL_ENV, "yes")
-    with pytest.raises(pd.InvalidArgumentError, match="PAGED_DECODE_STEAL must be 0 or 1"):
-        v2tc_spec("float16", "float32", 128, 16, merged_dtype="float16")

@@ -342,19 +342,19 @@ def test_engine_step_runs_v2tc_with_cap_and_sinks(backend_name, monkeypatch):
 # ---------------------------------------------------------------------------- specializations
 def test_variants_are_template_specializations_after_stages():
     """SOFT_CAP and SINK follow STAGES in the CUDA template, before the fused merge's
-    MERGE, TF and STEAL (and NUM_WARPS in Metal's, before its ROWS and KV_FP8); the URI names
+    MERGE and TF (and NUM_WARPS in Metal's, before its ROWS and KV_FP8); the URI names
     them, and a plain call compiles the plain kernel."""
     kd = decode_v2_tc.KERNEL
-    assert kd.template[-6:] == ("STAGES", "SOFT_CAP", "SINK", "MERGE", "TF", "STEAL")
+    assert kd.template[-5:] == ("STAGES", "SOFT_CAP", "SINK", "MERGE", "TF")
     plain = v2tc_spec("float16", "float32", 128, 16)
     both = v2tc_spec("float16", "float32", 128, 16, soft_cap=True, sink=True)
     assert not plain.soft_cap and not plain.sink
     assert both.uri == plain.uri + "_softcap_sink"
-    assert kd.cuda_name_expression(plain).endswith(", false, false, false, float, false>")
-    assert kd.cuda_name_expression(both).endswith(", true, true, false, float, false>")
+    assert kd.cuda_name_expression(plain).endswith(", false, false, false, float>")
+    assert kd.cuda_name_expression(both).endswith(", true, true, false, float>")
     fused = v2tc_spec("float16", "float32", 128, 16, sink=True, merged_dtype="bfloat16")
     assert fused.uri == plain.uri + "_sink_merge-bf16"
-    assert kd.cuda_name_expression(fused).endswith(", false, true, true, __nv_bfloat16, false>")
+    assert kd.cuda_name_expression(fused).endswith(", false, true, true, __nv_bfloat16>")
     m = v2tc_metal_spec("bfloat16", "float32", 64, 16, 7, soft_cap=True)
     assert [n for n, _ in kd.metal_template(m)][-4:] == ["SOFT_CAP", "SINK", "ROWS", "KV_FP8"]
     assert m.uri.endswith("_softcap")

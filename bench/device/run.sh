@@ -111,8 +111,6 @@
 #               L2_BATCHES, L2_TIMEOUT; L2_LAYERS="1 8": each flush once per --graph-layers
 #               count, outputs of N > 1 named l2_FLUSH_LN_*)
 #   fp8-fixed   v2tc at 8 x 8K over e4m3fn under the switches of a call's fixed part
-#   steal       PAGED_DECODE_STEAL=1 (shared stages): GPU tests, A/B of v2tc at split cells,
-#               the 8 x 8K timeline with it
 #   floor       bench/device/floor.py: the timer's floor and the best float16 / fp8 ratio of
 #               plain reads at FLOOR_CELLS (default 8x8192 32x8192), v2tc beside them
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
@@ -943,27 +941,6 @@ step_l2() {
   return 0
 }
 
-# shared stages (PAGED_DECODE_STEAL=1) on the fused-merge tensor-core partial: its GPU tests,
-# then v2tc with and without at split cells (STEAL_ARGS), float16 and e4m3fn pools,
-# alternated STEAL_ROUNDS times, and the per-CTA timeline of 8 x 8K with it
-step_steal() {
-  timeout ${STEAL_TEST_TIMEOUT:-240} python3 -m pytest -q tests/test_fused_merge_gpu.py \
-    -k shared > "$L/steal_tests.log" 2>&1
-  echo "steal tests rc=$?"; grep -E "FAILED|passed|failed" "$L/steal_tests.log" | tail -8
-  local r s kv c="${STEAL_ARGS:---preset targets --context 8192 --context 16384 --batch 1 --batch 8 --batch 32}"
-  for r in $(seq ${STEAL_ROUNDS:-2}); do
-    for s in 0 1; do
-      for kv in 16bit float8_e4m3fn; do
-        PAGED_DECODE_STEAL=$s BENCH_TIMEOUT=${STEAL_BENCH_TIMEOUT:-90} run_bench \
-          "steal${s}_${kv}_r$r" $c --arms v2tc $([ $kv = 16bit ] || echo "--kv-dtype $kv") \
-          | grep -E "^(llama|[a-z0-9-]+ B)" | sed "s/^/steal=$s r$r /"
-      done
-    done
-  done
-  PAGED_DECODE_STEAL=1 timeout 90 python3 bench/device/timeline.py "$OUT/timeline_steal.json" \
-    8x8192 8x8192:float8_e4m3fn 2>&1 | tee "$L/timeline_steal.txt" | tail -4
-  return 0
-}
 # what the bench's timer charges beyond a call's bytes: empty graphs, plain reads of the
 # cells' float16 and fp8 K/V byte counts (the ceiling of any float16 / fp8 ratio), v2tc
 step_floor() {

@@ -247,7 +247,7 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
 @dataclass(frozen=True, eq=False)
 class FusedMerge:
     """The fused merge of a tensor-core partial launch (``v2tc_launch``): ``o_indptr
-    [B+1]`` int32 (the plan's), ``counters [B * Hkv * row_tiles * 2]`` int32, zero before the
+    [B+1]`` int32 (the plan's), ``counters [B * Hkv * row_tiles]`` int32, zero before the
     launch (the kernel leaves them zero; ``fused_merge_slots``), ``out [B, Hq, D]`` of
     ``out_dtype`` and ``lse [B, Hq]`` float32 (base 2): the merged results."""
 
@@ -276,10 +276,9 @@ def fused_merge_pays(plan: DecodePlan, kv_dtype: str, merge_split: int = 1) -> b
 
 
 def fused_merge_slots(plan: DecodePlan) -> int:
-    """Counters of a fused merge over ``plan``: two per (request, KV head, row tile), the
-    count of its CTAs done and the next stage of a shared range (``PAGED_DECODE_STEAL``)."""
-    return 2 * plan.batch_size * plan.num_kv_heads * v2tc_row_tiles(plan.num_qo_heads,
-                                                                     plan.num_kv_heads)
+    """Counters of a fused merge over ``plan``: one per (request, KV head, row tile)."""
+    return plan.batch_size * plan.num_kv_heads * v2tc_row_tiles(plan.num_qo_heads,
+                                                                 plan.num_kv_heads)
 
 
 #: the split merge's bounds (``merge_split``): its warps stay within this many per SM, so

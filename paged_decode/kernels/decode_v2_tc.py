@@ -214,18 +214,9 @@ __device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[
 // one whose count completes o_indptr[r + 1] - o_indptr[r]) merges the request's partials
 // of its heads into merged_out / merged_lse (TF: the output dtype) as the merge kernel
 // would (pd::merge_group, the same code), and sets the counter back to 0 for the next
-// launch, so the counters stay zero between launches (graph replays included). Slot
-// (request, blockIdx.y) owns merge_counters[2 * slot] (the count) and [2 * slot + 1]
-// (STEAL's next stage).
-// STEAL (with MERGE): the request's CTAs share its stages instead of each streaming its own
-// chunk. Stage u of the request holds tokens [u * KT, u * KT + KT); CTA `tile` of the
-// request's `parts` takes stages tile + s * parts for its first STAGES stages s (no wait
-// in the prologue), then the next untaken one, counted in merge_counters[2 * slot + 1],
-// a round before its page ids are loaded. A CTA on an SM that streams faster takes more
-// stages, so the request's CTAs end together. The partial rows are then states over
-// whatever stages each CTA took: only the fused merge reads them.
+// launch, so the counters stay zero between launches (graph replays included).
 template <typename T, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS,
-          int STAGES, bool SOFT_CAP, bool SINK, bool MERGE, typename TF, bool STEAL>
+          int STAGES, bool SOFT_CAP, bool SINK, bool MERGE, typename TF>
 __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const T* __restrict__ q,                     // [B, Hq, D]
     const TKV* __restrict__ k_pages,             // [num_pages, P, Hkv, D]
@@ -242,7 +233,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     int num_qo_heads, int num_kv_heads, int row_tiles, int pages_per_chunk, float scale_log2,
     float soft_cap_log2, float v_scale,
     const int* __restrict__ o_indptr,            // [B + 1] with MERGE (else unread)
-    int* __restrict__ merge_counters,            // [B, gridDim.y, 2] with MERGE, zero between launches
+    int* __restrict__ merge_counters,            // [B, gridDim.y] with MERGE, zero between launches
     TF* __restrict__ merged_out,                 // [B, Hq, D] with MERGE (else unwritten)
     float* __restrict__ merged_lse) {            // [B, Hq], log2, with MERGE
   using namespace pd;
@@ -262,7 +253,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   static_assert((KT * PIECES) % THREADS == 0, "a K/V stage must split evenly over the threads");
   static_assert(STAGES >= 2, "the pipeline needs at least two stages");
   static_assert(!MERGE || sizeof(TO) == 4, "a fused merge reads float32 partials");
-  static_assert(!STEAL || MERGE, "shared stages leave partials only the fused merge reads");
 
   unsigned char* smem = pd_tc_smem;
   T* qs = reinterpret_cast<T*>(smem);            // [16][LD]
@@ -283,29 +273,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   const long long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];
   const long long pb = indptr[r], npages = indptr[r + 1] - pb;
   const long long fpo = first_page_offset[r];
-  // STEAL: the whole request is the range, shared by its `parts` CTAs (the plan's chunks)
-  const int parts = STEAL ? max(1, o_indptr[r + 1] - o_indptr[r]) : 1;
-  const TokenRange range = chunk_tokens<PAGE_SIZE>(npages, last_page_len[r], fpo,
-                                                   STEAL ? 0 : tile,
-                                                   STEAL ? (int)npages : pages_per_chunk);
+  const TokenRange range = chunk_tokens<PAGE_SIZE>(npages, last_page_len[r], fpo, tile,
+                                                   pages_per_chunk);
   // Token positions relative to the request's first page fit in 32 bits; only the pool
   // offset needs 64.
   const int a_begin = (int)(fpo + range.t_begin), n_tok = (int)(range.t_end - range.t_begin);
-  const int n_stages = (n_tok + KT - 1) / KT;    // of the range (STEAL: of the request)
+  const int n_stages = (n_tok + KT - 1) / KT;
   const int* __restrict__ page_ids = indices + pb;
-  // The range's stage that this CTA's s-th stage holds: s itself, or with STEAL a static
-  // first STAGES, then those taken from the slot's counter, kept in sm_unit (published by
-  // thread 0 before the barrier of round s - STAGES, read until round s ends: a slot is
-  // rewritten two rounds later). Each CTA's sequence rises, so its loop ends at the first
-  // stage past the range and no stage is taken twice or lost.
-  constexpr int URING = STAGES + 2;
-  __shared__ int sm_unit[STEAL ? URING : 1];
-  int* const steal_next = STEAL ? merge_counters + 2 * ((long long)r * gridDim.y + blockIdx.y) + 1
-                                : nullptr;
-  auto unit_of = [&](int s) -> int {
-    if constexpr (STEAL) return s < STAGES ? (int)tile + s * parts : sm_unit[s % URING];
-    else return s;
-  };
 
   // Token rows: thread tid < KT looks up token tid of a stage (its pool row, page *
   // PAGE_SIZE + entry, 0 past the range) one stage before that stage's copies are issued:
@@ -317,12 +291,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   // more).
   __shared__ unsigned sm_rows[STAGES][KT];
   auto page_of = [&](int stage) -> int {
-    const int i = unit_of(stage) * KT + tid;                            // token in the range
+    const int i = stage * KT + tid;                                     // token in the range
     const unsigned a = (unsigned)(a_begin + i);                         // entry in the pages
     return tid < KT && i < n_tok ? page_ids[a / PAGE_SIZE] : 0;
   };
   auto row_of = [&](int stage, int page) -> unsigned {
-    const int i = unit_of(stage) * KT + tid;
+    const int i = stage * KT + tid;
     const unsigned a = (unsigned)(a_begin + i);
     return tid < KT && i < n_tok ? (unsigned)page * PAGE_SIZE + a % PAGE_SIZE : 0u;
   };
@@ -388,9 +362,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   // zero-filled; nothing past the last stage) and commit one group: one group per call
   // keeps the wait counts of the loop exact.
   auto issue = [&](int stage) {
-    const int slot = stage % STAGES, unit = unit_of(stage);
-    if (unit < n_stages) {
-      const int live = n_tok - unit * KT;                              // tokens of the stage in range
+    const int slot = stage % STAGES;
+    if (stage < n_stages) {
+      const int live = n_tok - stage * KT;                             // tokens of the stage in range
       // the rows of up to 8 copies are loaded before those copies: ptxas keeps a shared
       // load behind the copies ahead of it (they write shared memory), so a load between
       // copies would wait its whole latency (8 at most: head_dim 256 makes 16 copies)
@@ -431,10 +405,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue(s);
   int next_page = first_page[STAGES - 1];
-  int taken = 0;                                 // STEAL, thread 0: the counter's last answer
-  if constexpr (STEAL) if (tid == 0) taken = atomicAdd(steal_next, 1);    // stage STAGES's
-  for (int stage = 0; unit_of(stage) < n_stages; ++stage) {
-    if constexpr (STEAL) if (tid == 0) sm_unit[(stage + STAGES) % URING] = STAGES * parts + taken;
+  for (int stage = 0; stage < n_stages; ++stage) {
     // the rows of stage + STAGES - 1; their slot's last reader, that stage's issue a round
     // or more ago, is behind a barrier
     if (tid < KT) sm_rows[(stage + STAGES - 1) % STAGES][tid] = row_of(stage + STAGES - 1, next_page);
@@ -442,13 +413,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     // every thread's copies of `stage` (and the rows above) landed, and every warp is done
     // with stage - 1, whose slot the issue below refills
     __syncthreads();
-    // the stage after next's: a round of this stage's work hides the atomic's round trip
-    if constexpr (STEAL) if (tid == 0) taken = atomicAdd(steal_next, 1);
     issue(stage + STAGES - 1);
     if (stage == 0) pd_stamp(1);                 // timeline: the first stage has landed
     next_page = page_of(stage + STAGES);         // its row is made at the next round
     const int slot = stage % STAGES;
-    const int tok0 = unit_of(stage) * KT + warp * 16;   // this warp's first token in the range
+    const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
     if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out
       const TKV* kt = ks + (slot * KT + warp * 16) * RLD;
       const TKV* vt = vs + (slot * KT + warp * 16) * RLD;
@@ -525,13 +494,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     __syncthreads();
     if (tid == 0) {
       const long long slot = (long long)r * gridDim.y + blockIdx.y;
-      const int all = o_indptr[r + 1] - o_indptr[r];
-      const int done = atomicAdd(merge_counters + 2 * slot, 1) + 1;
-      sm_last = done == all;
-      if (done == all) {             // all of the slot counted, every stage taken (STEAL)
-        merge_counters[2 * slot] = 0;
-        merge_counters[2 * slot + 1] = 0;
-      }
+      const int parts = o_indptr[r + 1] - o_indptr[r];
+      const int done = atomicAdd(merge_counters + slot, 1) + 1;
+      sm_last = done == parts;
+      if (done == parts) merge_counters[slot] = 0;   // all of the slot counted
     }
     __syncthreads();
     if (!sm_last) return;
@@ -859,13 +825,13 @@ def _arguments(spec: KernelSpec) -> dict[str, TemplateValue]:
             "NUM_WARPS": spec.num_warps, "STAGES": spec.stages, "SOFT_CAP": spec.soft_cap,
             "SINK": spec.sink, "ROWS": spec.heads_per_cta, "KV_FP8": metal_fp8(spec.kv_dtype),
             "MERGE": bool(spec.merged_dtype),
-            "TF": Dtype(spec.merged_dtype or spec.out_dtype), "STEAL": spec.steal}
+            "TF": Dtype(spec.merged_dtype or spec.out_dtype)}
 
 
 KERNEL = KernelDef(
     kernel="v2tc", cuda_name="pd_decode_v2_tc", cuda_source=CUDA_SOURCE,
     template=("T", "TKV", "TO", "HEAD_DIM", "PAGE_SIZE", "NUM_WARPS", "STAGES", "SOFT_CAP",
-              "SINK", "MERGE", "TF", "STEAL"),
+              "SINK", "MERGE", "TF"),
     arguments=_arguments, threads=lambda spec: spec.num_warps * 32,
     dynamic_smem=lambda spec: dynamic_smem_bytes(spec.head_dim, spec.num_warps, spec.stages,
                                                  kv_bytes(spec.kv_dtype)),
@@ -873,4 +839,4 @@ KERNEL = KernelDef(
     # Metal has a fixed double buffer, and its row count per threadgroup (8 or 16: CUDA's
     # mma tile is always 16) is a template argument; its pools' element is the array's own
     # (uint8_t for fp8), the format a number
-    cuda_only=("TKV", "STAGES", "MERGE", "TF", "STEAL"), metal_only=("ROWS", "KV_FP8"))
+    cuda_only=("TKV", "STAGES", "MERGE", "TF"), metal_only=("ROWS", "KV_FP8"))
