@@ -114,20 +114,6 @@ def test_v2tc_ragged_batch_with_empty_requests(name):
 
 
 @needs_emulator
-@pytest.mark.parametrize("batch", [127, 128, 129, 150])
-def test_v2tc_reads_the_table_ahead_up_to_its_threads(emu, batch):
-    # up to 128 requests (the CTA's threads) each CTA loads every request's table entries
-    # beside its plan entry and takes its own from shared memory; past that, its own after
-    # the plan entry: both sides of the bound, ragged, empty requests, first page offsets
-    rng = np.random.default_rng(batch)
-    lengths = rng.integers(1, 40, batch)
-    lengths[[0, batch // 2]] = 0                 # the last request (past the bound at 129) not
-    offsets = np.where(lengths > 0, rng.integers(0, 16, batch), 0)
-    run_v2tc(emu, ProblemSpec(batch, 40, 8, 2, 64, 16, seed=batch), [1, SINGLE],
-             lengths=lengths.tolist(), offsets=offsets.tolist())
-
-
-@needs_emulator
 @pytest.mark.parametrize("spec", [ProblemSpec(2, 40, 8, 2, 64, 16, seed=58),
                                   ProblemSpec(2, 40, 8, 2, 128, 16, "bfloat16",
                                               "float8_e4m3fn", seed=59)],

@@ -235,8 +235,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const int* __restrict__ o_indptr,            // [B + 1] with MERGE (else unread)
     int* __restrict__ merge_counters,            // [B, gridDim.y] with MERGE, zero between launches
     TF* __restrict__ merged_out,                 // [B, Hq, D] with MERGE (else unwritten)
-    float* __restrict__ merged_lse,              // [B, Hq], log2, with MERGE
-    int num_requests) {                          // B
+    float* __restrict__ merged_lse) {            // [B, Hq], log2, with MERGE
   using namespace pd;
   constexpr int D = HEAD_DIM;
   constexpr int LD = D + 8;                      // padded 16-bit smem row, in elements
@@ -272,24 +271,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   const int h0 = kvh * group + g0;               // query head of row 0
   const int r = request_indices[c];
   const long long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];
-  // The request's table entries. Read after r, they would be one more dependent round
-  // trip of the prologue; with B <= THREADS thread t loads request t's beside the plan's
-  // load instead, and the CTA takes its request's from shared memory.
-  __shared__ int sm_table[4][THREADS];           // indptr[t], indptr[t + 1], fpo, last length
-  const bool table_ahead = num_requests <= THREADS;
-  if (table_ahead) {
-    if (tid < num_requests) {
-      const int b = indptr[tid], e = indptr[tid + 1], f = first_page_offset[tid];
-      const int l = last_page_len[tid];
-      sm_table[0][tid] = b; sm_table[1][tid] = e; sm_table[2][tid] = f; sm_table[3][tid] = l;
-    }
-    __syncthreads();
-  }
-  const long long pb = table_ahead ? sm_table[0][r] : indptr[r];
-  const long long npages = (table_ahead ? sm_table[1][r] : indptr[r + 1]) - pb;
-  const long long fpo = table_ahead ? sm_table[2][r] : first_page_offset[r];
-  const TokenRange range = chunk_tokens<PAGE_SIZE>(
-      npages, table_ahead ? sm_table[3][r] : last_page_len[r], fpo, tile, pages_per_chunk);
+  const long long pb = indptr[r], npages = indptr[r + 1] - pb;
+  const long long fpo = first_page_offset[r];
+  const TokenRange range = chunk_tokens<PAGE_SIZE>(npages, last_page_len[r], fpo, tile,
+                                                   pages_per_chunk);
   // Token positions relative to the request's first page fit in 32 bits; only the pool
   // offset needs 64.
   const int a_begin = (int)(fpo + range.t_begin), n_tok = (int)(range.t_end - range.t_begin);
