@@ -494,7 +494,7 @@ def output_buffer(fn: str, be: Backend, name: str, given: Any, shape: tuple[int,
     if dims is None:
         dims = "[B, Hq, D]" if len(shape) == 3 else "[B, Hq]"
     check_shape(fn, name, arr.shape, shape, dims)
-    expect_dtype(fn, name, be.dtype_of(arr), dtype)
+    expect_dtype(fn, name, caller_dtype(given, be.dtype_of(arr)), dtype)   # the caller's name
     if not c_contiguous(arr):
         raise fail(fn, f"{name} must be C-contiguous")
     check_writable(fn, name, arr)

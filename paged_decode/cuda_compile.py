@@ -75,15 +75,24 @@ def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None,
     by_kernel: dict[str, list[KernelSpec]] = {}
     for s in specs:
         by_kernel.setdefault(s.kernel, []).append(s)
+    for kernel, group in by_kernel.items():
+        compile_source(cuda_source(kernel), sorted({s.cuda_name_expression() for s in group}),
+                       compiler, defines)
+
+
+def compile_source(src: str, exprs: Iterable[str] = (), compiler: str | None = None,
+                   defines: tuple[str, ...] = ()) -> None:
+    """Compile one CUDA source for ``ARCH`` with NVRTC or nvcc (``compiler``, else what is
+    ``available``), instantiating the template name expressions ``exprs``: a kernel string
+    of this package or of a device script (``bench/device/floor.py``); ``RuntimeError``
+    with the compiler's log on failure."""
     how = compiler or available()
     if how is None:
         raise RuntimeError("neither NVRTC nor nvcc is available")
-    for kernel, group in by_kernel.items():
-        exprs = sorted({s.cuda_name_expression() for s in group})
-        if how == "nvrtc":
-            _nvrtc(cuda_source(kernel), exprs, defines)
-        else:
-            _nvcc(cuda_source(kernel), exprs, defines)
+    if how == "nvrtc":
+        _nvrtc(src, list(exprs), defines)
+    else:
+        _nvcc(src, list(exprs), defines)
 
 
 def _load_nvrtc() -> ctypes.CDLL:

@@ -145,6 +145,20 @@ def test_every_copying_kernel_compiles_with_an_l2_prefetch_hint(prefetch):
     }, l2_prefetch=prefetch)
 
 
+def test_the_floor_script_s_kernels_compile():
+    """bench/device/floor.py's own kernels (an empty launch, the plain reads): a source
+    error there would surface only on the GPU machine, after a start."""
+    import ast
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "device" / "floor.py"
+    tree = ast.parse(path.read_text())
+    src = next(n.value.value for n in tree.body if isinstance(n, ast.Assign)
+               and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SOURCE"])
+    cuda_compile.compile_source(src)
+    with pytest.raises(RuntimeError, match="failed"):      # the check can fail
+        cuda_compile.compile_source(src.replace("uint4 v[U];", "uint4 v[U]"))
+
+
 def test_the_tensor_core_partial_compiles_with_timeline_stamps():
     """``PD_TIMELINE`` (``PAGED_DECODE_TIMELINE=1``, bench/device/timeline.py): v2tc over
     16-bit and fp8 pools, with the fused merge, and a kernel that does not stamp (the

@@ -12,8 +12,9 @@ from fi_cases import fi_arrays
 from helpers import LSE_ATOL, assert_import_adds_none_of, assert_matches_oracle
 
 import paged_decode.compat.flashinfer as fi
-from paged_decode import PageTable
-from paged_decode.errors import InvalidArgumentError, UnsupportedProblemError
+from paged_decode import PageTable, get_backend
+from paged_decode.backends import availability
+from paged_decode.errors import InvalidArgumentError, InvalidDtypeError, UnsupportedProblemError
 from paged_decode.reference import attention_f64, lse_error, max_rel_error
 
 
@@ -290,6 +291,22 @@ def test_append_refuses_bad_input():
     with pytest.raises(UnsupportedProblemError, match="kv_layout='HND'"):
         fi.append_paged_kv_cache(key, value, batch, pos, cache, indices, indptr, lpl, "HND")
     np.testing.assert_array_equal(cache, before)     # nothing written by a refused call
+
+
+@pytest.mark.parametrize("backend", ["reference", "mlx"])
+def test_append_refuses_float64_rows_on_every_backend(backend):
+    # MLX holds a float64 array as float32: the check judges the caller's dtype, so MLX
+    # refuses float64 rows as the reference backend does instead of writing them rounded
+    if not availability(backend).ok:
+        pytest.skip(f"{backend} unavailable: {availability(backend).reason}")
+    cache, key, value, aip, lens, indptr, indices, lpl = append_problem(31, dtype=np.float32)
+    batch, pos = (np.asarray(x) for x in fi.get_batch_indices_positions(aip, lens,
+                                                                        int(aip[-1])))
+    be = get_backend(backend)
+    with pytest.raises(InvalidDtypeError, match=r"^append_paged_kv_cache: append_key must "
+                                                r"have dtype in .*, got float64"):
+        fi.append_paged_kv_cache(key.astype(np.float64), value, batch, pos,
+                                 be.asarray(cache), indices, indptr, lpl, backend=backend)
 
 
 def test_import_pulls_in_neither_torch_nor_flashinfer():

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..backends import backend_for
-from ..dtypes import KV_DTYPES, check_dtype
+from ..dtypes import KV_DTYPES, caller_dtype, check_dtype
 from ..errors import InvalidArgumentError, check_int, check_ndim, check_shape, check_writable
 from ..fp8 import is_fp8, raw_dtype_name
 from .fi_arrays import as_backend, checked_table, host_ints, ints_like, shape_of
@@ -142,7 +142,8 @@ def _element(fn: str, name: str, be: Any, arr: Any, given: Any) -> str:
     raw = raw_dtype_name(given)
     if is_fp8(raw):
         return raw
-    got = be.dtype_of(arr)
+    # the caller's own dtype where the package knows it: MLX holds float64 rows as float32
+    got = caller_dtype(given, be.dtype_of(arr))
     return "uint8" if got == "uint8" else check_dtype(fn, name, got, KV_DTYPES)
 
 
