@@ -230,20 +230,6 @@ def pool_dtype(fn: str, raw_dtype: str, arr_dtype: str, kv_dtype: Any, arg: str)
     return str(kv_dtype)
 
 
-def raw_dtype_name(x: Any) -> str:
-    """The dtype name of a caller's array as its own library spells it, without the
-    library prefix (``torch.float8_e4m3fn`` -> ``float8_e4m3fn``); ``""`` without one."""
-    dt = getattr(x, "dtype", None)
-    if dt is None:
-        return ""
-    name = str(dt)
-    for prefix in ("torch.", "mlx.core."):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    return name
-
-
 __all__ = ["FORMATS", "FP8_DTYPES", "KVQuant", "ROW_DTYPES", "amax_scales", "check_kv_quant",
            "check_layer_scales", "check_scale", "codes", "decode_table", "dequantize",
-           "is_fp8", "max_finite", "numpy_fp8", "pool_dtype", "quantize", "quantize_rows",
-           "raw_dtype_name"]
+           "is_fp8", "max_finite", "numpy_fp8", "pool_dtype", "quantize", "quantize_rows"]

@@ -97,7 +97,7 @@ def external_stream(ptr: int, dev: int) -> Any:
 def from_torch(t: Any) -> Any:
     """Zero-copy CuPy view of a CUDA torch tensor (bfloat16 through an int16 view if needed;
     an fp8 tensor as its bytes, ``uint8``: CuPy has no fp8 dtype, and the call reads the
-    format off the torch tensor before this view, ``fp8.raw_dtype_name``)."""
+    format off the torch tensor before this view, ``dtypes.caller_dtype``)."""
     torch = torch_module()
     if str(t.dtype).replace("torch.", "") in FP8_DTYPES:
         return cp.from_dlpack(t.view(torch.uint8))

@@ -25,7 +25,7 @@ import numpy as np
 from ..backends import backend_for
 from ..dtypes import KV_DTYPES, caller_dtype, check_dtype
 from ..errors import InvalidArgumentError, check_int, check_ndim, check_shape, check_writable
-from ..fp8 import is_fp8, raw_dtype_name
+from ..fp8 import is_fp8
 from .fi_arrays import as_backend, checked_table, host_ints, ints_like, shape_of
 from .fi_cache import first_array, write_views
 from .fi_unsupported import check_layout
@@ -139,12 +139,10 @@ def _element(fn: str, name: str, be: Any, arr: Any, given: Any) -> str:
     decode dtype, an fp8 format (a torch fp8 tensor is a ``uint8`` view on ``cuda``), or
     ``uint8``, the bytes of an fp8 cache in an array kind without fp8 (CuPy): the append
     copies elements, so the rows need only the cache's element type."""
-    raw = raw_dtype_name(given)
-    if is_fp8(raw):
-        return raw
-    # the caller's own dtype where the package knows it: MLX holds float64 rows as float32
+    # the caller's own dtype where the package knows it (a torch fp8 tensor's format; MLX
+    # holds float64 rows as float32), else the backend array's
     got = caller_dtype(given, be.dtype_of(arr))
-    return "uint8" if got == "uint8" else check_dtype(fn, name, got, KV_DTYPES)
+    return got if is_fp8(got) or got == "uint8" else check_dtype(fn, name, got, KV_DTYPES)
 
 
 def _append(fn: str, be: Any, append_key: Any, append_value: Any, batch_indices: Any,
