@@ -105,7 +105,8 @@ def _load_nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(path)
 
 
-def _nvrtc(src: str, exprs: list[str], extra: tuple[str, ...] = ()) -> None:
+def _nvrtc(src: str, exprs: list[str], extra: tuple[str, ...] = ()) -> str:
+    """Compile with NVRTC for ``ARCH``; returns its log (``extra`` options added)."""
     lib = _load_nvrtc()
     prog = ctypes.c_void_p()
     check = _checker(lib)
@@ -117,12 +118,14 @@ def _nvrtc(src: str, exprs: list[str], extra: tuple[str, ...] = ()) -> None:
         opts = [f"--gpu-architecture={ARCH}", "-std=c++17", f"-I{cuda_include_dir()}", *extra]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace")
         if rc != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC failed for {exprs}:\n{log.value.decode(errors='replace')}")
+            raise RuntimeError(f"NVRTC failed for {exprs}:\n{text}")
+        return text
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -150,14 +153,19 @@ def _nvcc(src: str, exprs: list[str], extra: tuple[str, ...] = ()) -> str:
         return r.stderr
 
 
-def register_usage(spec: KernelSpec) -> tuple[int, int]:
+def register_usage(spec: KernelSpec, compiler: str | None = None) -> tuple[int, int]:
     """(registers per thread, spill-store bytes) ptxas reports for ``spec`` on ``ARCH``
-    (nvcc ``-Xptxas -v``; a compile fact of this machine's toolkit, not a GPU
-    measurement). Raises ``RuntimeError`` without nvcc or when it fails."""
+    (``-v`` through NVRTC or nvcc, ``compiler`` else what is ``available``, with the
+    backend's defines; a compile fact of this machine's toolkit, not a GPU measurement).
+    Raises ``RuntimeError`` without a compiler or when it fails."""
     import re
-    if not shutil.which("nvcc"):
-        raise RuntimeError("register_usage needs nvcc")
-    log = _nvcc(cuda_source(spec.kernel), [spec.cuda_name_expression()], ("-Xptxas", "-v"))
+    how = compiler or available()
+    if how is None:
+        raise RuntimeError("register_usage needs NVRTC or nvcc")
+    src, exprs = cuda_source(spec.kernel), [spec.cuda_name_expression()]
+    defines = cuda_defines(None, None)
+    log = (_nvrtc(src, exprs, ("--ptxas-options=-v", *defines)) if how == "nvrtc"
+           else _nvcc(src, exprs, ("-Xptxas", "-v", *defines)))
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
     if regs is None or spill is None:

@@ -237,9 +237,11 @@ WAVE_PLAN_ENV = "PAGED_DECODE_WAVE_PLAN"
 def v2tc_slots_per_unit(head_dim: int, kv_dtype: str, device: DeviceInfo) -> int:
     """CTAs of the tensor-core v2 partial one SM of ``device`` holds at once, by shared
     memory (its ring and Q tile plus the driver's reserve per block); 0 where the device
-    does not say how much an SM has. Shared memory is what binds on sm_90: the compiled
-    kernels' registers (94 / 125 / 125 / 233 per thread at head_dim 64 / 96 / 128 / 256,
-    S10-R2) allow 5 / 4 / 4 / 2 CTAs of 128 threads, the ring 5 / 4 / 3 / 1."""
+    does not say how much an SM has. Shared memory is what binds on sm_90 over 16-bit
+    pools: the compiled kernels' registers (94 / 125 / 125 / 233 per thread at head_dim
+    64 / 96 / 128 / 256, S10-R2) allow 5 / 4 / 4 / 2 CTAs of 128 threads, the ring 5 / 4
+    / 3 / 1 (``tests/test_cuda_compile.py`` checks ptxas's counts against the ring's, with
+    the fused merge too)."""
     if device.shared_mem_per_unit <= 0:
         return 0
     warps = v2tc_warps(head_dim, kv_dtype)

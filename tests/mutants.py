@@ -111,9 +111,14 @@ def control(dialect: str, kernels: Sequence[str] | None = None) -> Mutation:
 
 def mutate_cuda(mutations: Sequence[Mutation], spec: KernelSpec, src: str) -> str:
     """``src`` (the CUDA source of ``spec``) with every cuda mutation naming its kernel."""
+    return mutate_cuda_kernel(mutations, spec.kernel, src)
+
+
+def mutate_cuda_kernel(mutations: Sequence[Mutation], kernel: str, src: str) -> str:
+    """``src`` (the CUDA source of ``kernel``) with every cuda mutation naming it."""
     for m in mutations:
-        if m.dialect == "cuda" and spec.kernel in m.kernels:
-            src = m.apply(src, f"cuda {spec.kernel}")
+        if m.dialect == "cuda" and kernel in m.kernels:
+            src = m.apply(src, f"cuda {kernel}")
     return src
 
 
@@ -207,6 +212,11 @@ def install(mutations: Sequence[Mutation]) -> None:
     muts = tuple(mutations)
     EmulatedCudaBackend.kernel_source = (  # type: ignore[method-assign]
         lambda self, spec: mutate_cuda(muts, spec, cuda_src(self, spec)))
+    # the compile-level tests (tests/test_cuda_compile.py: NVRTC or nvcc, ptxas's registers)
+    from paged_decode import cuda_compile
+    compile_src = cuda_compile.cuda_source
+    cuda_compile.cuda_source = (  # type: ignore[assignment]
+        lambda kernel: mutate_cuda_kernel(muts, kernel, compile_src(kernel)))
     EmulatedMetalBackend.metal_kernel = (  # type: ignore[method-assign]
         lambda self, spec: mutate_metal(muts, spec, metal_mk(self, spec)))
 
@@ -669,6 +679,12 @@ MUTANTS: tuple[Mutant, ...] = (
        "merge_group<TF, D, false, SINK, true>", "merge_group<TF, D, false, false, true>",
        [FUSED + "test_fused_with_variants[sinks]"],
        "the fused merge leaves the sinks out, as the partial does for merged partials"),
+    _m("v2tc-fused-merge-8-rows-at-once", "cuda", ("v2tc",),
+       "merge_group<TF, D, false, SINK, true>(", "merge_group<TF, D, false, SINK, true, 1, 8>(",
+       ["tests/test_cuda_compile.py::test_v2tc_registers_allow_what_the_ring_allows"
+        "[64-float16]"],
+       "the fused merge loads 8 partial rows at once: 128 registers at head_dim 64 (NVRTC "
+       "13.0), 4 CTAs per SM where the ring and the wave rule take 5 (session 29)"),
     # ------------------------------------------------------------ variants on v2tc (#14)
     _m("v2tc-soft-cap-dropped", "cuda", ("v2tc",),
        "softmax_tile<NT, DT, SOFT_CAP>(", "softmax_tile<NT, DT, false>(",

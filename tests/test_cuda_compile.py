@@ -222,3 +222,35 @@ def test_the_split_merge_the_rule_picks_compiles_at_wide_heads():
         cuda_compile.compile_specs({merge_spec("float32", d, split=split)})
     with pytest.raises(RuntimeError, match=r"too much shared data"):
         cuda_compile.compile_specs({merge_spec("float32", 768, split=16)})
+
+
+#: an sm_90 SM (H100, H200): shared memory and 32-bit registers
+SM90_SHARED_MEM = 233472
+SM90_REGISTERS = 65536
+
+
+@pytest.mark.parametrize("kv", ["float16", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_v2tc_registers_allow_what_the_ring_allows(kv, head_dim):
+    """Over 16-bit pools the wave rule plans the tensor-core partial for as many CTAs
+    per SM as its ring leaves room for (``specs.v2tc_slots_per_unit``), assuming its
+    registers allow at least that many: ptxas's count for each specialization (plain and
+    with the fused merge) must, and no specialization may spill (over fp8 pools the
+    registers bind first: 4 CTAs at head_dim 128 where the ring holds 5; the wave rule
+    is not used there). A compile fact of this machine's compiler (the device's may
+    differ), checked here so that a kernel edit that costs registers shows before a GPU
+    run times it."""
+    from paged_decode.device import DeviceInfo
+    from paged_decode.specs import v2tc_slots_per_unit, v2tc_spec, v2tc_warps
+    q = "bfloat16" if kv == "bfloat16" else "float16"
+    dev = DeviceInfo("cuda", "sm_90", 132, 2, shared_mem_per_unit=SM90_SHARED_MEM)
+    slots, warps = v2tc_slots_per_unit(head_dim, kv, dev), v2tc_warps(head_dim, kv)
+    for merged in ("", q):
+        spec = v2tc_spec(kv, "float32" if merged else q, head_dim, 16, q_dtype=q,
+                         merged_dtype=merged)
+        regs, spill = cuda_compile.register_usage(spec)
+        per_warp = -(-regs // 8) * 8 * 32                 # allocated in units of 256
+        ctas = SM90_REGISTERS // per_warp // warps
+        assert spill == 0, f"{spec.uri}: {spill} bytes of spill stores ({regs} registers)"
+        assert kv.startswith("float8") or ctas >= slots, (
+            f"{spec.uri}: {regs} registers allow {ctas} CTAs per SM, the ring {slots}")
