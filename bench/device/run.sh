@@ -118,7 +118,8 @@
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
 #               run: float16 / e4m3fn at 8/32/128 x 8K/32K (FP8_AB_STAGES), the targets preset
 #   ab          this tree against a carried paged_decode (AB_BASE, default .carry/base) on
-#               the same cells, alternated AB_ROUNDS times (AB_ARGS, AB_KV, AB_ARMS)
+#               the same cells, alternated AB_ROUNDS times (AB_ARGS, AB_KV, AB_ARMS; AB_MODELS
+#               adds models-preset layouts at AB_MODEL_ARGS)
 #   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
 #   fp8-residency  the fp8 v2tc path at plan CTA targets 264-1056 x ring depths 2 / 3
 #               (FRES_TARGETS, FRES_STAGES, FRES_WARPS (4): other lists)
@@ -1000,21 +1001,32 @@ step_fp8_ab() {
 # .carry/base`) in one run: each of AB_ROUNDS rounds (2) times the base, then this tree,
 # on AB_ARGS (bench arguments; default batch 1 / 8 x 1K / 8K of the targets preset) over
 # each pool dtype of AB_KV ("f16 float8_e4m3fn"), arms AB_ARMS (v2tc), AB_TIMEOUT (60 s) a
-# bench; alternating shows the drift between rounds beside the difference
+# bench; then the same rounds for each models-preset layout of AB_MODELS (none; e.g.
+# "gqa16 llama3-70b-tp8") at AB_MODEL_ARGS (batch 8 / 32 x 2K / 8K; AB_ARGS=- runs only
+# those); alternating shows the drift between rounds beside the difference
 step_ab() {
-  local base; base=$(carried_base "${AB_BASE:-.carry/base}") || return 1; local i kv
+  local base; base=$(carried_base "${AB_BASE:-.carry/base}") || return 1; local m
   python3 -P -c "import paged_decode; print(\"new:\", paged_decode.__file__)" 2>&1 | sed "s/^/  /"
-  local c=${AB_ARGS:-"--preset targets --context 1024 --context 8192 --batch 1 --batch 8"}
+  [ "${AB_ARGS:-}" = - ] ||      # "-": the AB_MODELS rounds only
+    ab_rounds "$base" "" "${AB_ARGS:-"--preset targets --context 1024 --context 8192 --batch 1 --batch 8"}"
+  # AB_MODELS: the same rounds over models-preset layouts (AB_MODEL_ARGS: their cells)
+  for m in ${AB_MODELS:-}; do
+    ab_rounds "$base" "${m}_" "--preset models --model $m ${AB_MODEL_ARGS:-"--context 2048 --context 8192 --batch 8 --batch 32"}"
+  done
+  return 0
+}
+# AB_ROUNDS rounds of (base, new) over AB_KV pools: ab_rounds BASE_DIR NAME_PREFIX "ARGS"
+ab_rounds() {
+  local base=$1 p=$2 c=$3 i kv
   for i in $(seq ${AB_ROUNDS:-2}); do
     for kv in ${AB_KV:-f16 float8_e4m3fn}; do
       local k=""; [ "$kv" = f16 ] || k="--kv-dtype $kv"
-      PYTHONPATH=$base BENCH_TIMEOUT=${AB_TIMEOUT:-60} run_bench "ab_base_${kv}_$i" $c $k \
+      PYTHONPATH=$base BENCH_TIMEOUT=${AB_TIMEOUT:-60} run_bench "ab_base_${p}${kv}_$i" $c $k \
         --arms ${AB_ARMS:-v2tc} | grep -E " B[0-9]+ |rc="
-      BENCH_TIMEOUT=${AB_TIMEOUT:-60} run_bench "ab_new_${kv}_$i" $c $k \
+      BENCH_TIMEOUT=${AB_TIMEOUT:-60} run_bench "ab_new_${p}${kv}_$i" $c $k \
         --arms ${AB_ARMS:-v2tc} | grep -E " B[0-9]+ |rc="
     done
   done
-  return 0
 }
 # v2tc over fp8 pools at ring depths 2/3/4 (4 warps) and 2/3 (8 warps), float16 v2tc
 # beside them, 8/32/128 x 8K/32K at Llama-3-8B heads: the fp8 stage holds half float16's
