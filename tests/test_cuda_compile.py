@@ -146,15 +146,14 @@ def test_every_copying_kernel_compiles_with_an_l2_prefetch_hint(prefetch):
 
 
 def test_the_floor_script_s_kernels_compile():
-    """bench/device/floor.py's own kernels (an empty launch, the plain reads): a source
+    """bench/device/floor.py's own kernels (an empty launch, the plain reads, the paged
+    read after the package's common source), as the script builds its module: a source
     error there would surface only on the GPU machine, after a start."""
-    import ast
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "device" / "floor.py"
-    tree = ast.parse(path.read_text())
-    src = next(n.value.value for n in tree.body if isinstance(n, ast.Assign)
-               and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SOURCE"])
-    cuda_compile.compile_source(src)
+    from test_floor_script import floor_source
+
+    from paged_decode.kernels.common import CUDA_COMMON
+    src = floor_source("SOURCE")
+    cuda_compile.compile_source(src + CUDA_COMMON + floor_source("PAGED_SOURCE"))
     with pytest.raises(RuntimeError, match="failed"):      # the check can fail
         cuda_compile.compile_source(src.replace("uint4 v[U];", "uint4 v[U]"))
 

@@ -112,7 +112,8 @@
 #               count, outputs of N > 1 named l2_FLUSH_LN_*)
 #   fp8-fixed   v2tc at 8 x 8K over e4m3fn under the switches of a call's fixed part
 #   floor       bench/device/floor.py: the timer's floor and the best float16 / fp8 ratio of
-#               plain reads at FLOOR_CELLS (default 8x8192 32x8192), v2tc beside them
+#               plain reads at FLOOR_CELLS (default 8x8192 32x8192), v2tc beside them and a
+#               paged read of v2tc's chunks (its pools and plan, no math, no merge)
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
