@@ -81,18 +81,19 @@ def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None,
 
 
 def compile_source(src: str, exprs: Iterable[str] = (), compiler: str | None = None,
-                   defines: tuple[str, ...] = ()) -> None:
+                   defines: tuple[str, ...] = (), ptxas_report: bool = False) -> str:
     """Compile one CUDA source for ``ARCH`` with NVRTC or nvcc (``compiler``, else what is
     ``available``), instantiating the template name expressions ``exprs``: a kernel string
-    of this package or of a device script (``bench/device/floor.py``); ``RuntimeError``
-    with the compiler's log on failure."""
+    of this package or of a device script (``bench/device/floor.py``); returns the
+    compiler's log (with ``ptxas_report``, ptxas's ``-v`` report in it); ``RuntimeError``
+    with the log on failure."""
     how = compiler or available()
     if how is None:
         raise RuntimeError("neither NVRTC nor nvcc is available")
     if how == "nvrtc":
-        _nvrtc(src, list(exprs), defines)
-    else:
-        _nvcc(src, list(exprs), defines)
+        return _nvrtc(src, list(exprs), (*defines, *(("--ptxas-options=-v",) if ptxas_report
+                                                      else ())))
+    return _nvcc(src, list(exprs), (*defines, *(("-Xptxas", "-v") if ptxas_report else ())))
 
 
 def _load_nvrtc() -> ctypes.CDLL:
@@ -159,13 +160,8 @@ def register_usage(spec: KernelSpec, compiler: str | None = None) -> tuple[int, 
     backend's defines; a compile fact of this machine's toolkit, not a GPU measurement).
     Raises ``RuntimeError`` without a compiler or when it fails."""
     import re
-    how = compiler or available()
-    if how is None:
-        raise RuntimeError("register_usage needs NVRTC or nvcc")
-    src, exprs = cuda_source(spec.kernel), [spec.cuda_name_expression()]
-    defines = cuda_defines(None, None)
-    log = (_nvrtc(src, exprs, ("--ptxas-options=-v", *defines)) if how == "nvrtc"
-           else _nvcc(src, exprs, ("-Xptxas", "-v", *defines)))
+    log = compile_source(cuda_source(spec.kernel), [spec.cuda_name_expression()], compiler,
+                         cuda_defines(None, None), ptxas_report=True)
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
     if regs is None or spill is None:
