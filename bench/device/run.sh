@@ -945,6 +945,7 @@ step_l2() {
 
 # what the bench's timer charges beyond a call's bytes: empty graphs, plain reads of the
 # cells' float16 and fp8 K/V byte counts (the ceiling of any float16 / fp8 ratio), v2tc
+# and a paged read of its chunks
 step_floor() {
   timeout ${FLOOR_TIMEOUT:-150} python3 bench/device/floor.py "$OUT/floor.json" \
     ${FLOOR_CELLS:-8x8192 32x8192} 2>&1 | tee "$L/floor.txt" | grep -v "^ "
