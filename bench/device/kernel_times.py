@@ -6,7 +6,9 @@ FlashInfer's), and what the graph replay adds on top is the launch gaps.
 Usage: python3 bench/device/kernel_times.py ARM BATCH CONTEXT HQ HKV [HEAD_DIM]
 (ARM: v2, v2tc, flashinfer, flashinfer-tc, or flashinfer-xqa after ``run.sh fi06``; float16
 queries, page 16, the bench's plan and arms; ``KT_KV_DTYPE`` an fp8 pool dtype, planned
-for it as ``decode`` plans)
+for it as ``decode`` plans; ``KT_SHARED=N``: the forks suite's pages instead, the first N
+tokens of every request one prefix of pages all share and CONTEXT - N private, as
+``bench --suite forks`` lays them out, so ncu sees how an arm reads shared pages)
 """
 
 import os
@@ -28,7 +30,15 @@ from paged_decode.bench.runner import _problem, _variants  # noqa: E402
 be = get_backend("cuda")
 kv_dtype = os.environ.get("KT_KV_DTYPE", "")
 case = BenchCase(b, ctx, 16, hq, hkv, d, kv_dtype=kv_dtype)
-q, k, v, table = _problem(be, case, 0)
+shared = int(os.environ.get("KT_SHARED", "0"))
+if shared:
+    from paged_decode.bench.suites import CascadeCase, cascade_problem
+    if kv_dtype or not 0 < shared < ctx or shared % 16:
+        sys.exit(f"kernel_times.py: KT_SHARED={shared} needs 16-bit pools and whole pages "
+                 f"below CONTEXT={ctx}")
+    q, k, v, table = cascade_problem(be, CascadeCase(b, shared, ctx - shared, 16, hq, hkv, d))
+else:
+    q, k, v, table = _problem(be, case, 0)
 plan = plan_decode(table, hq, hkv, d, device=be.device_info(), path="v2",
                    kv_dtype=kv_dtype or None)
 arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(d), _variants(be, case, 0, q))

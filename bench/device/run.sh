@@ -86,7 +86,9 @@
 #               occupancy limits, stalls), then v2tc 3 stages and a 528-CTA target
 #   v2-target   v2 over the targets preset at plan CTA targets 264 / 528 (V2_TARGETS)
 #   ncu-mem     ncu memory tables (requests, sectors, hit rates per operation) of v2tc and
-#               FlashInfer's tensor-core kernel (MEM_ARMS, MEM_CELL)
+#               FlashInfer's tensor-core kernel (MEM_ARMS, MEM_CELL; KT_SHARED=N: the cell's
+#               first N tokens one prefix all requests share, as the forks suite's, here
+#               and in ncu-source)
 #   ncu-fp8     ncu of v2tc over e4m3fn and float16 pools at 8 x 8K (FP8_NCU_DTYPES,
 #               FP8_NCU_CELL): pipe utilization, warp states, memory, per-instruction samples
 #   timeline    bench/device/timeline.py: per-CTA stamps of one v2tc launch per cell
