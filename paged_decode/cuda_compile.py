@@ -81,19 +81,22 @@ def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None,
 
 
 def compile_source(src: str, exprs: Iterable[str] = (), compiler: str | None = None,
-                   defines: tuple[str, ...] = (), ptxas_report: bool = False) -> str:
+                   defines: tuple[str, ...] = (), ptxas_report: bool = False,
+                   cubin_path: str | None = None) -> str:
     """Compile one CUDA source for ``ARCH`` with NVRTC or nvcc (``compiler``, else what is
     ``available``), instantiating the template name expressions ``exprs``: a kernel string
     of this package or of a device script (``bench/device/floor.py``); returns the
-    compiler's log (with ``ptxas_report``, ptxas's ``-v`` report in it); ``RuntimeError``
-    with the log on failure."""
+    compiler's log (with ``ptxas_report``, ptxas's ``-v`` report in it) and writes the
+    cubin to ``cubin_path`` when given (``bench/sass_loops.py`` disassembles it);
+    ``RuntimeError`` with the log on failure."""
     how = compiler or available()
     if how is None:
         raise RuntimeError("neither NVRTC nor nvcc is available")
     if how == "nvrtc":
         return _nvrtc(src, list(exprs), (*defines, *(("--ptxas-options=-v",) if ptxas_report
-                                                      else ())))
-    return _nvcc(src, list(exprs), (*defines, *(("-Xptxas", "-v") if ptxas_report else ())))
+                                                      else ())), cubin_path)
+    return _nvcc(src, list(exprs), (*defines, *(("-Xptxas", "-v") if ptxas_report else ())),
+                 cubin_path)
 
 
 def _load_nvrtc() -> ctypes.CDLL:
@@ -106,8 +109,10 @@ def _load_nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(path)
 
 
-def _nvrtc(src: str, exprs: list[str], extra: tuple[str, ...] = ()) -> str:
-    """Compile with NVRTC for ``ARCH``; returns its log (``extra`` options added)."""
+def _nvrtc(src: str, exprs: list[str], extra: tuple[str, ...] = (),
+           cubin_path: str | None = None) -> str:
+    """Compile with NVRTC for ``ARCH``; returns its log (``extra`` options added; the cubin
+    written to ``cubin_path`` when given)."""
     lib = _load_nvrtc()
     prog = ctypes.c_void_p()
     check = _checker(lib)
@@ -126,6 +131,12 @@ def _nvrtc(src: str, exprs: list[str], extra: tuple[str, ...] = ()) -> str:
         text = log.value.decode(errors="replace")
         if rc != 0:
             raise RuntimeError(f"NVRTC failed for {exprs}:\n{text}")
+        if cubin_path is not None:
+            check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "getCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            check(lib.nvrtcGetCUBIN(prog, cubin), "getCUBIN")
+            with open(cubin_path, "wb") as f:
+                f.write(cubin.raw)
         return text
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
@@ -140,15 +151,18 @@ def _checker(lib: ctypes.CDLL):  # type: ignore[no-untyped-def]
     return check
 
 
-def _nvcc(src: str, exprs: list[str], extra: tuple[str, ...] = ()) -> str:
-    """Compile with nvcc for ``ARCH``; returns its diagnostics (``extra`` flags added)."""
+def _nvcc(src: str, exprs: list[str], extra: tuple[str, ...] = (),
+          cubin_path: str | None = None) -> str:
+    """Compile with nvcc for ``ARCH``; returns its diagnostics (``extra`` flags added; the
+    cubin kept at ``cubin_path`` when given)."""
     body = src + "\nvoid* pd_instances[] = {" + ", ".join(f"(void*)&{e}" for e in exprs) + "};\n"
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cu")
         with open(path, "w") as f:
             f.write(body)
         r = subprocess.run(["nvcc", f"-arch={ARCH}", "-std=c++17", "-cubin", *extra, "-o",
-                            os.path.join(d, "k.cubin"), path], capture_output=True, text=True)
+                            cubin_path or os.path.join(d, "k.cubin"), path],
+                           capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"nvcc failed for {exprs}:\n{r.stderr}")
         return r.stderr
