@@ -114,25 +114,6 @@ def test_v2tc_ragged_batch_with_empty_requests(name):
 
 
 @needs_emulator
-@pytest.mark.parametrize("batch", [31, 32, 127, 128, 129])
-def test_v2tc_request_entries_at_every_batch_size(emu, batch):
-    run_request_entries(emu, batch)
-
-
-def run_request_entries(be, batch: int) -> None:
-    """Below 128 requests the CUDA partial loads every request's table entries spread over
-    the lanes and shuffles its own out (lane r % 32 of register r // 32): requests past
-    lane 31 and the entry indptr[r + 1] of the last request come from the last registers;
-    from 128 requests on it loads its own. Lengths and first page offsets differ request
-    by request, so an entry taken from a neighbour shows."""
-    rng = np.random.default_rng(batch)
-    lengths = rng.integers(1, 40, batch).tolist()
-    offsets = [int(rng.integers(0, 16)) for _ in range(batch)]
-    spec = ProblemSpec(batch, 0, 1, 1, 64, 16, seed=batch)
-    run_v2tc(be, spec, [1, SINGLE], lengths=lengths, offsets=offsets)
-
-
-@needs_emulator
 @pytest.mark.parametrize("spec", [ProblemSpec(2, 40, 8, 2, 64, 16, seed=58),
                                   ProblemSpec(2, 40, 8, 2, 128, 16, "bfloat16",
                                               "float8_e4m3fn", seed=59)],
@@ -156,19 +137,6 @@ def test_v2tc_long_chunk_every_schedule(emu, head_dim):
     # wait; the running max moves between stages, so a missed rescale shows
     spec = ProblemSpec(1, 330, 4, 1, head_dim, 8, seed=50 + head_dim, jitter=False)
     run_v2tc(emu, spec, [SINGLE])
-
-
-@needs_emulator
-def test_v2tc_rotated_stage_order(emu):
-    # the CUDA partial takes a chunk's stages starting at stage r % n_stages (wrapping), so
-    # request r > 0 of one chunk over several stages reads them out of order: here the
-    # partial stage comes second (r 1: 200 tokens, 4 stages, from stage 1), first (r 2: 129
-    # tokens, stage 2 holds one token), mid-way (r 3: 330 tokens from stage 3 of 6, pages
-    # of 8 shuffled), with first page offsets; under every schedule, copies in flight until
-    # their wait. A stage order that masks, copies or counts tokens by the trip instead of
-    # the stage, or skips one on the wrap, shows against the oracle.
-    spec = ProblemSpec(5, 0, 4, 1, 64, 8, seed=58, jitter=False)
-    run_v2tc(emu, spec, [SINGLE], lengths=[70, 200, 129, 330, 65], offsets=[0, 5, 7, 3, 1])
 
 
 @needs_emulator
