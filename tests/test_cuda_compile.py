@@ -51,6 +51,15 @@ def test_compiler_is_found():
     assert cuda_compile.available() in ("nvrtc", "nvcc")
 
 
+def test_compile_source_keeps_the_cubin(tmp_path):
+    # bench/sass_loops.py disassembles what compile_source writes: an ELF holding the kernel
+    src = 'extern "C" __global__ void pd_probe(float* x) { x[threadIdx.x] *= 2.f; }\n'
+    path = tmp_path / "probe.cubin"
+    cuda_compile.compile_source(src, cubin_path=str(path))
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF" and b"pd_probe" in data
+
+
 def test_check_matrix_specializations_compile():
     cuda_compile.compile_specs(check_matrix_specs())
 
