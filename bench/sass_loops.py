@@ -141,14 +141,13 @@ def v2tc_listing(kv: str, head_dim: int, merged: str) -> str:
     """nvdisasm's listing of the tensor-core partial for one pool dtype and head_dim,
     compiled as the backend compiles it (page size 16, float16 queries)."""
     from paged_decode import cuda_compile
-    from paged_decode.specs import cuda_defines, cuda_source, v2tc_spec
+    from paged_decode.specs import v2tc_spec
     q = "bfloat16" if kv == "bfloat16" else "float16"
     spec = v2tc_spec(kv, "float32" if merged else q, head_dim, 16, q_dtype=q,
                      merged_dtype=merged)
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "k.cubin")
-        cuda_compile.compile_source(cuda_source(spec.kernel), [spec.cuda_name_expression()],
-                                    defines=cuda_defines(None, None), cubin_path=cubin)
+        cuda_compile.compile_spec(spec, cubin_path=cubin)
         return subprocess.run([tool("nvdisasm"), "-c", cubin], capture_output=True, text=True,
                               check=True).stdout
 

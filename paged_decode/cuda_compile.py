@@ -168,14 +168,22 @@ def _nvcc(src: str, exprs: list[str], extra: tuple[str, ...] = (),
         return r.stderr
 
 
+def compile_spec(spec: KernelSpec, compiler: str | None = None, *, ptxas_report: bool = False,
+                 cubin_path: str | None = None) -> str:
+    """Compile the one specialization ``spec`` as the ``cuda`` backend does (its kernel's
+    source, the default defines) with ``compile_source``; returns the compiler's log."""
+    return compile_source(cuda_source(spec.kernel), [spec.cuda_name_expression()], compiler,
+                          cuda_defines(None, None), ptxas_report=ptxas_report,
+                          cubin_path=cubin_path)
+
+
 def register_usage(spec: KernelSpec, compiler: str | None = None) -> tuple[int, int]:
     """(registers per thread, spill-store bytes) ptxas reports for ``spec`` on ``ARCH``
     (``-v`` through NVRTC or nvcc, ``compiler`` else what is ``available``, with the
     backend's defines; a compile fact of this machine's toolkit, not a GPU measurement).
     Raises ``RuntimeError`` without a compiler or when it fails."""
     import re
-    log = compile_source(cuda_source(spec.kernel), [spec.cuda_name_expression()], compiler,
-                         cuda_defines(None, None), ptxas_report=True)
+    log = compile_spec(spec, compiler, ptxas_report=True)
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
     if regs is None or spill is None:
