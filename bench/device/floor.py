@@ -190,16 +190,17 @@ def reads(module, nbytes: int, sms: int, sink) -> list[dict]:
 
 def paged_read(module, k, v, table, plan, sink) -> float:
     """Median us of the paged read (``PAGED_SOURCE``) of ``plan``'s chunks over the pools
-    ``k`` / ``v`` ([pages, 16, 8, 128], 2- or 1-byte elements) on v2tc's grid (C, Hkv)."""
+    ``k`` / ``v`` ([pages, 16, Hkv, 128], 2- or 1-byte elements) on v2tc's grid (C, Hkv)."""
     name = "pd_floor_paged_8bit" if k.dtype.itemsize == 1 else "pd_floor_paged_16bit"
     kern = module.get_function(name)
+    hkv = k.shape[2]
     dev = [cp.asarray(np.ascontiguousarray(a, np.int32)) for a in (
         table.indices, table.indptr, table.last_page_len, table.first_page_offset,
         plan.request_indices, plan.kv_tile_indices)]
 
     def launch():
-        kern((plan.num_chunks, 8), (128,), (k, v, *dev, np.int32(plan.pages_per_chunk),
-                                            np.int32(8), np.int32(0), sink))
+        kern((plan.num_chunks, hkv), (128,), (k, v, *dev, np.int32(plan.pages_per_chunk),
+                                              np.int32(hkv), np.int32(0), sink))
     return timed(launch)
 
 
