@@ -266,6 +266,7 @@ PREFIX_LONG = PREFIX + "test_prefix_kernel_long_chunk_every_schedule"
 APPEND = "tests/test_append_batch.py::"
 V2TC = "tests/test_v2tc.py::"
 V2TC_CASE = V2TC + "test_v2tc_matches_oracle"
+V2TC_BATCHES = V2TC + "test_v2tc_request_entries_at_every_batch_size"
 V2TC_LONG = V2TC + "test_v2tc_long_chunk_every_schedule[64]"
 V2TC_SKEWED_Q = V2TC + "test_v2tc_reads_a_q_off_16_byte_alignment[f16]"
 V2TC_METAL = V2TC + "test_v2tc_metal_matches_oracle"
@@ -676,15 +677,16 @@ MUTANTS: tuple[Mutant, ...] = (
        "", [FUSED + "test_counters_are_left_zero_for_the_next_call"],
        "the counters keep their count, so the next launch (a graph replay) merges early"),
     _m("v2tc-fused-merge-drops-sinks", "cuda", ("v2tc",),
-       "merge_group<TF, D, false, SINK, true>", "merge_group<TF, D, false, false, true>",
+       "merge_group<TF, D, false, SINK, true, 1, MERGE_ROWS>(",
+       "merge_group<TF, D, false, false, true, 1, MERGE_ROWS>(",
        [FUSED + "test_fused_with_variants[sinks]"],
        "the fused merge leaves the sinks out, as the partial does for merged partials"),
     _m("v2tc-fused-merge-8-rows-at-once", "cuda", ("v2tc",),
-       "merge_group<TF, D, false, SINK, true>(", "merge_group<TF, D, false, SINK, true, 1, 8>(",
+       "constexpr int MERGE_ROWS = D >= 128 ? 8 : 4;", "constexpr int MERGE_ROWS = 8;",
        ["tests/test_cuda_compile.py::test_v2tc_registers_allow_what_the_ring_allows"
         "[64-float16]"],
-       "the fused merge loads 8 partial rows at once: 128 registers at head_dim 64 (NVRTC "
-       "13.0), 4 CTAs per SM where the ring and the wave rule take 5 (session 29)"),
+       "the fused merge loads 8 partial rows at once at head_dim 64 too: 128 registers "
+       "(NVRTC 13.0), 4 CTAs per SM where the ring and the wave rule take 5 (session 29)"),
     # ------------------------------------------------------------ variants on v2tc (#14)
     _m("v2tc-soft-cap-dropped", "cuda", ("v2tc",),
        "softmax_tile<NT, DT, SOFT_CAP>(", "softmax_tile<NT, DT, false>(",
@@ -701,8 +703,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [TCVAR_ONE + "[emulated-cuda-cap-one]"],
        "the cap applied to the raw q.k, before sm_scale * log2(e)"),
     _m("v2tc-sink-left-out-of-store", "cuda", ("v2tc",),
-       "float num = 0.f, den = SINK && !MERGE ? exp2f(sk - ref) : 0.f;",
-       "float num = 0.f, den = 0.f;",
+       "den = SINK && !MERGE ? exp2f(sk - ref) : 0.f;",
+       "den = 0.f;",
        [TCVAR_ONE + "[emulated-cuda-sinks-one]"],
        "the sink raises the max but never joins the denominator of a one-chunk request"),
     _m("v2tc-sink-per-warp", "cuda", ("v2tc",),
@@ -989,6 +991,34 @@ MUTANTS: tuple[Mutant, ...] = (
        "const float wt = exp2f(sm_m[w][i] - ref);", "const float wt = expf(sm_m[w][i] - ref);",
        [V2TC_CASE + "[d64-g1-ps16-f16]"],
        "the warps' states weighted by exp of base-2 maxima"),
+    _m("v2tc-request-entries-from-the-next-lane", "cuda", ("v2tc",),
+       "p_begin = __shfl_sync(0xffffffffu, b, r & 31);",
+       "p_begin = __shfl_sync(0xffffffffu, b, (r + 1) & 31);",
+       [V2TC_BATCHES + "[31]"], "each request starts at its neighbour's indptr entry"),
+    _m("v2tc-request-entries-first-register-only", "cuda", ("v2tc",),
+       "if (j == r / 32) { b = ip; l = lp; f = fo; }", "if (j == 0) { b = ip; l = lp; f = fo; }",
+       [V2TC_BATCHES + "[127]"], "requests past lane 31 read the entries of request r % 32"),
+    _m("v2tc-request-entries-end-from-the-start-register", "cuda", ("v2tc",),
+       "if (j == (r + 1) / 32) e = ip;", "if (j == r / 32) e = ip;",
+       [V2TC_BATCHES + "[127]"],
+       "indptr[r + 1] of requests 31, 63, 95 taken from the register of indptr[r]"),
+    _m("v2tc-request-entries-last-indptr-missing", "cuda", ("v2tc",),
+       "const int ip = t <= batch_size ? indptr[t] : 0;",
+       "const int ip = t < batch_size ? indptr[t] : 0;",
+       [V2TC_BATCHES + "[31]"], "indptr[B], the last request's end, left at 0"),
+    _m("v2tc-request-entries-spread-at-128", "cuda", ("v2tc",),
+       "if (batch_size < 32 * SPEC) {", "if (batch_size <= 32 * SPEC) {",
+       [V2TC_BATCHES + "[128]"],
+       "128 requests spread over 4 registers of 32 lanes: indptr[128] is in none of them"),
+    _m("v2tc-combine-row-stride", "cuda", ("v2tc",),
+       "comb + (w * 16 + i) * CLD + d", "comb + (w * 16 + i) * D + d",
+       [V2TC_CASE + "[d64-g7-ps64-f16]"],
+       "the combine reads the warps' rows at the unpadded stride they are no longer stored at"),
+    _m("v2tc-combine-column-group", "cuda", ("v2tc",),
+       "const int i = e / Q4, d = e % Q4 * 4;", "const int i = e / Q4, d = e % Q4;",
+       [V2TC_CASE + "[d64-g1-ps16-f16]"],
+       "a thread's 4 columns taken at 1-column steps: overlapping groups, the row's tail "
+       "unwritten"),
     # ------------------------------------------------------------ v2tc over fp8 pools
     _m("v2tc-fp8-q-columns-in-order", "cuda", ("v2tc",),
        "w[k] = qw[j][FP8 ? q_column(2 * k) / 2 : k];", "w[k] = qw[j][k];",
@@ -1024,13 +1054,14 @@ MUTANTS: tuple[Mutant, ...] = (
        "ldsm_x4<false>(kr, kt + ((lm & 1) * 8 + lrow) * RLD + (2 * cc + (lm >> 1)) * 16);",
        [V2TC_FP8_E4], "K's ldmatrix matrices in V's order: tokens and chunks swapped"),
     _m("v2tc-fp8-o-columns-in-order", "cuda", ("v2tc",),
-       "            make_float4(o[2 * c16][2 * h], o[2 * c16 + 1][2 * h], o[2 * c16][2 * h + 1],\n"
-       "                        o[2 * c16 + 1][2 * h + 1]);",
-       "            make_float4(o[2 * c16][2 * h], o[2 * c16][2 * h + 1], o[2 * c16 + 1][2 * h],\n"
-       "                        o[2 * c16 + 1][2 * h + 1]);",
+       "              make_float4(o[2 * c16][2 * h], o[2 * c16 + 1][2 * h], "
+       "o[2 * c16][2 * h + 1],\n                          o[2 * c16 + 1][2 * h + 1]);",
+       "              make_float4(o[2 * c16][2 * h], o[2 * c16][2 * h + 1], "
+       "o[2 * c16 + 1][2 * h],\n                          o[2 * c16 + 1][2 * h + 1]);",
        [V2TC_FP8_E4], "the even / odd output tiles combined as if in column order"),
     _m("v2tc-fp8-v-scale-dropped", "cuda", ("v2tc",),
-       "from_float<TO>(live ? num / den * v_scale : 0.f)", "from_float<TO>(live ? num / den : 0.f)",
+       "from_float<TO>(live ? num[u] / den * v_scale : 0.f)",
+       "from_float<TO>(live ? num[u] / den : 0.f)",
        [V2TC_FP8_E4, V2TC_FP8 + "test_v2tc_fp8_scales_are_applied[emulated-cuda]"],
        "the V scale left out of v2tc's store: outputs in stored units"),
     _m("v2tc-fp8-byte-piece-offset", "cuda", ("v2tc",),

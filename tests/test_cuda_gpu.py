@@ -171,6 +171,12 @@ def test_v2tc_on_cuda_ragged_with_empty_requests(cuda):
              lengths=[4000, 0, 1, 777, 0, 8191, 64], offsets=[3, 0, 0, 15, 0, 9, 0])
 
 
+@pytest.mark.parametrize("batch", [31, 127, 128, 129])
+def test_v2tc_on_cuda_request_entries_at_every_batch_size(cuda, batch):
+    from test_v2tc import run_request_entries
+    run_request_entries(cuda, batch)
+
+
 def test_v2tc_on_cuda_reads_a_q_off_16_byte_alignment(cuda):
     # a contiguous q one element past a 16-byte boundary (a view into a larger buffer;
     # the host passes it as is): the kernel's 16-bit Q loads, float16 and fp8 pools

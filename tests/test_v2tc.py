@@ -114,6 +114,25 @@ def test_v2tc_ragged_batch_with_empty_requests(name):
 
 
 @needs_emulator
+@pytest.mark.parametrize("batch", [31, 32, 127, 128, 129])
+def test_v2tc_request_entries_at_every_batch_size(emu, batch):
+    run_request_entries(emu, batch)
+
+
+def run_request_entries(be, batch: int) -> None:
+    """Below 128 requests the CUDA partial loads every request's table entries spread over
+    the lanes and shuffles its own out (lane r % 32 of register r // 32): requests past
+    lane 31 and the entry indptr[r + 1] of the last request come from the last registers;
+    from 128 requests on it loads its own. Lengths and first page offsets differ request
+    by request, so an entry taken from a neighbour shows."""
+    rng = np.random.default_rng(batch)
+    lengths = rng.integers(1, 40, batch).tolist()
+    offsets = [int(rng.integers(0, 16)) for _ in range(batch)]
+    spec = ProblemSpec(batch, 0, 1, 1, 64, 16, seed=batch)
+    run_v2tc(be, spec, [1, SINGLE], lengths=lengths, offsets=offsets)
+
+
+@needs_emulator
 @pytest.mark.parametrize("spec", [ProblemSpec(2, 40, 8, 2, 64, 16, seed=58),
                                   ProblemSpec(2, 40, 8, 2, 128, 16, "bfloat16",
                                               "float8_e4m3fn", seed=59)],

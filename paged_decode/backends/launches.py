@@ -214,7 +214,7 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
     float32 workspace): the request's last CTA merges its partials into ``fused.out`` /
     ``fused.lse``, with ``sinks`` as the merge's (``FusedMerge``); the arguments end with
     ``o_indptr``, ``merge_counters``, ``merged_out`` and ``merged_lse`` (stand-ins
-    without)."""
+    without), then (CUDA) ``batch_size``."""
     if fused is not None and metal:
         raise ValueError("v2tc_launch: the Metal dialect has no fused merge")
     flags = {"soft_cap": soft_cap is not None, "sink": sinks is not None}
@@ -241,6 +241,8 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
     elif not metal:     # unread and unwritten: an input stands in for each
         args += [Arg(n, request_indices, "in")
                  for n in ("o_indptr", "merge_counters", "merged_out", "merged_lse")]
+    if not metal:
+        args.append(Arg("batch_size", np.int32(plan.batch_size), "scalar"))
     return _launch(spec, (plan.num_chunks, plan.num_kv_heads * tiles), args)
 
 

@@ -235,7 +235,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const int* __restrict__ o_indptr,            // [B + 1] with MERGE (else unread)
     int* __restrict__ merge_counters,            // [B, gridDim.y] with MERGE, zero between launches
     TF* __restrict__ merged_out,                 // [B, Hq, D] with MERGE (else unwritten)
-    float* __restrict__ merged_lse) {            // [B, Hq], log2, with MERGE
+    float* __restrict__ merged_lse,              // [B, Hq], log2, with MERGE
+    int batch_size) {                            // B
   using namespace pd;
   constexpr int D = HEAD_DIM;
   constexpr int LD = D + 8;                      // padded 16-bit smem row, in elements
@@ -271,10 +272,37 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   const int h0 = kvh * group + g0;               // query head of row 0
   const int r = request_indices[c];
   const long long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];
-  const long long pb = indptr[r], npages = indptr[r + 1] - pb;
-  const long long fpo = first_page_offset[r];
-  const TokenRange range = chunk_tokens<PAGE_SIZE>(npages, last_page_len[r], fpo, tile,
-                                                   pages_per_chunk);
+  // The request's table entries. Below 32 * SPEC requests every lane loads those of
+  // requests lane, lane + 32, ... beside request_indices[c] and r's are shuffled out once
+  // r lands, so the plan's round trip and the table's overlap instead of adding up in the
+  // prologue's chain; larger batches load r's after r.
+  constexpr int SPEC = 4;
+  // indptr[r], indptr[r + 1], last_page_len[r], first_page_offset[r]
+  int p_begin, p_end, last_len, first_off;
+  if (batch_size < 32 * SPEC) {
+    // lane r % 32 keeps request r's entries from its load r / 32 (and lane (r + 1) % 32
+    // indptr[r + 1]); the loads do not wait for r, only the selects do
+    int b = 0, e = 0, l = 0, f = 0;
+#pragma unroll
+    for (int j = 0; j < SPEC; ++j) {
+      const int t = lane + 32 * j;
+      const int ip = t <= batch_size ? indptr[t] : 0;
+      const int lp = t < batch_size ? last_page_len[t] : 0;
+      const int fo = t < batch_size ? first_page_offset[t] : 0;
+      if (j == r / 32) { b = ip; l = lp; f = fo; }
+      if (j == (r + 1) / 32) e = ip;
+    }
+    p_begin = __shfl_sync(0xffffffffu, b, r & 31);
+    p_end = __shfl_sync(0xffffffffu, e, (r + 1) & 31);
+    last_len = __shfl_sync(0xffffffffu, l, r & 31);
+    first_off = __shfl_sync(0xffffffffu, f, r & 31);
+  } else {
+    p_begin = indptr[r]; p_end = indptr[r + 1];
+    last_len = last_page_len[r]; first_off = first_page_offset[r];
+  }
+  const long long pb = p_begin, npages = (long long)p_end - p_begin;
+  const long long fpo = first_off;
+  const TokenRange range = chunk_tokens<PAGE_SIZE>(npages, last_len, fpo, tile, pages_per_chunk);
   // Token positions relative to the request's first page fit in 32 bits; only the pool
   // offset needs 64.
   const int a_begin = (int)(fpo + range.t_begin), n_tok = (int)(range.t_end - range.t_begin);
@@ -434,9 +462,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   pd_stamp(2);                                   // timeline: the loop ended
   row_sums(l_run);
 
-  // Combine the warps' states through shared memory: the float32 accumulators of warp w,
-  // row i at comb[(w * 16 + i) * D], over the ring (every warp is past its last read once
-  // the barrier below releases); the states in sm_m / sm_l.
+  // Combine the warps' states through shared memory: warp w's float32 accumulator row i
+  // at comb[(w * 16 + i) * CLD], live rows only (the padding rows past `rows` are never
+  // read), over the ring (every warp is past its last read once the barrier below
+  // releases); the states in sm_m / sm_l. CLD = D + 8 floats puts the 8 rows of a fragment
+  // store in distinct banks (at a stride of D they all fall in the same 8 banks).
+  constexpr int CLD = D + 8;
+  static_assert(NUM_WARPS * 16 * CLD * 4 <= 2 * STAGES * KT * RLD * (int)sizeof(TKV),
+                "the warps' accumulators fit in the ring");
   __shared__ float sm_m[NUM_WARPS][16];
   __shared__ float sm_l[NUM_WARPS][16];
   float* comb = reinterpret_cast<float*>(ks);
@@ -444,23 +477,33 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = grp + 8 * h;
-    if (tig == 0) { sm_m[warp][i] = m_run[h]; sm_l[warp][i] = l_run[h]; }
-    float* row = comb + (warp * 16 + i) * D;
-    if constexpr (FP8) {             // o[2c] / o[2c + 1]: chunk c's even / odd columns
+    if (i < rows) {
+      if (tig == 0) { sm_m[warp][i] = m_run[h]; sm_l[warp][i] = l_run[h]; }
+      float* row = comb + (warp * 16 + i) * CLD;
+      if constexpr (FP8) {           // o[2c] / o[2c + 1]: chunk c's even / odd columns
 #pragma unroll
-      for (int c16 = 0; c16 < DT / 2; ++c16)
-        *reinterpret_cast<float4*>(row + c16 * 16 + 4 * tig) =
-            make_float4(o[2 * c16][2 * h], o[2 * c16 + 1][2 * h], o[2 * c16][2 * h + 1],
-                        o[2 * c16 + 1][2 * h + 1]);
-    } else {
+        for (int c16 = 0; c16 < DT / 2; ++c16)
+          *reinterpret_cast<float4*>(row + c16 * 16 + 4 * tig) =
+              make_float4(o[2 * c16][2 * h], o[2 * c16 + 1][2 * h], o[2 * c16][2 * h + 1],
+                          o[2 * c16 + 1][2 * h + 1]);
+      } else {
 #pragma unroll
-      for (int j = 0; j < DT; ++j)
-        *reinterpret_cast<float2*>(row + j * 8 + 2 * tig) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+        for (int j = 0; j < DT; ++j)
+          *reinterpret_cast<float2*>(row + j * 8 + 2 * tig) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+      }
     }
   }
   __syncthreads();
-  for (int e = tid; e < rows * D; e += THREADS) {
-    const int i = e / D, d = e % D;
+  // A thread combines 4 adjacent columns of a row per step, the steps unrolled so that
+  // their shared loads and exp2s overlap (one element per step, in a rolled loop, left
+  // each step's chain of latencies exposed: 16 steps at GQA 16).
+  constexpr int Q4 = D / 4;                      // 4-column groups per row
+  constexpr int STEPS = (16 * Q4 + THREADS - 1) / THREADS;
+#pragma unroll
+  for (int k = 0; k < STEPS; ++k) {
+    const int e = tid + k * THREADS;
+    if (e >= rows * Q4) break;
+    const int i = e / Q4, d = e % Q4 * 4;
     float mx = -PD_INF;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) mx = fmaxf(mx, sm_m[w][i]);
@@ -471,11 +514,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
       mx = fmaxf(mx, sk);                        // a NaN sink is skipped here, poisons den
     }
     const float ref = mx == -PD_INF ? 0.f : mx;  // avoids (-inf) - (-inf)
-    float num = 0.f, den = SINK && !MERGE ? exp2f(sk - ref) : 0.f;
+    float num[4] = {0.f, 0.f, 0.f, 0.f}, den = SINK && !MERGE ? exp2f(sk - ref) : 0.f;
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
       const float wt = exp2f(sm_m[w][i] - ref);
-      num = fmaf(wt, comb[(w * 16 + i) * D + d], num);
+      const float4 x = *reinterpret_cast<const float4*>(comb + (w * 16 + i) * CLD + d);
+      num[0] = fmaf(wt, x.x, num[0]); num[1] = fmaf(wt, x.y, num[1]);
+      num[2] = fmaf(wt, x.z, num[2]); num[3] = fmaf(wt, x.w, num[3]);
       den = fmaf(wt, sm_l[w][i], den);
     }
     // den is 0 for an empty range and NaN when a score was not finite (a warp's NaN sum
@@ -483,7 +528,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const bool live = !(den <= 0.f);
     const long long out_row = (long long)c * num_qo_heads + h0 + i;
     // v_scale: an fp8 pool's V scale (1 for 16-bit pools; the K scale is in scale_log2)
-    v_out[out_row * D + d] = from_float<TO>(live ? num / den * v_scale : 0.f);
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      v_out[out_row * D + d + u] = from_float<TO>(live ? num[u] / den * v_scale : 0.f);
     if (d == 0) lse_out[out_row] = live ? mx + log2f(den) : -PD_INF;
   }
   pd_stamp(3);                                   // timeline: this CTA's rows are written
@@ -502,10 +549,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     __syncthreads();
     if (!sm_last) return;
     __threadfence();                 // then read the other CTAs' rows, through L2
+    // partial rows each warp loads at once: 8 makes 5-8 partials (8 x 8K over e4m3fn has
+    // 8) one round trip instead of two; below head_dim 128 it costs registers (80 -> 128
+    // at 64, NVRTC 13.0: 4 CTAs per SM where the ring holds 5), at 128 and up it does not
+    // cost a CTA
+    constexpr int MERGE_ROWS = D >= 128 ? 8 : 4;
     for (int i = warp; i < rows; i += NUM_WARPS)
-      merge_group<TF, D, false, SINK, true>(reinterpret_cast<const float*>(v_out), lse_out,
-                                            o_indptr, nullptr, sinks, merged_out, merged_lse,
-                                            num_qo_heads, r, h0 + i, lane);
+      merge_group<TF, D, false, SINK, true, 1, MERGE_ROWS>(
+          reinterpret_cast<const float*>(v_out), lse_out, o_indptr, nullptr, sinks, merged_out,
+          merged_lse, num_qo_heads, r, h0 + i, lane);
   }
 }
 """
