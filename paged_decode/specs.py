@@ -235,20 +235,21 @@ WAVE_PLAN_ENV = "PAGED_DECODE_WAVE_PLAN"
 
 
 def v2tc_slots_per_unit(head_dim: int, kv_dtype: str, device: DeviceInfo) -> int:
-    """CTAs of the tensor-core v2 partial one SM of ``device`` holds at once, by shared
-    memory (its ring and Q tile plus the driver's reserve per block); 0 where the device
-    does not say how much an SM has. Shared memory is what binds on sm_90 over 16-bit
-    pools: the compiled kernels' registers (94 / 125 / 125 / 233 per thread at head_dim
-    64 / 96 / 128 / 256, S10-R2) allow 5 / 4 / 4 / 2 CTAs of 128 threads, the ring 5 / 4
-    / 3 / 1 (``tests/test_cuda_compile.py`` checks ptxas's counts against the ring's, with
-    the fused merge too)."""
+    """CTAs of the tensor-core v2 partial one SM of ``device`` holds at once: what shared
+    memory allows (its ring and Q tile plus the driver's reserve per block), at most what
+    the kernel's registers allow (``decode_v2_tc.register_ctas``); 0 where the device does
+    not say how much an SM has. Over 16-bit pools on sm_90 the ring allows 6 / 4 / 3 / 1
+    CTAs of 128 threads at head_dim 64 / 96 / 128 / 256 and the registers 5 / 4 / 4 / 2
+    (``tests/test_cuda_compile.py`` checks ptxas's counts against the result, with the
+    fused merge too)."""
     if device.shared_mem_per_unit <= 0:
         return 0
     warps = v2tc_warps(head_dim, kv_dtype)
     elem = decode_v2_tc.kv_bytes(kv_dtype)
     smem = decode_v2_tc.dynamic_smem_bytes(head_dim, warps,
                                            v2tc_stages(head_dim, warps, kv_dtype), elem)
-    return max(1, device.shared_mem_per_unit // (smem + BLOCK_RESERVED_SMEM))
+    by_smem = device.shared_mem_per_unit // (smem + BLOCK_RESERVED_SMEM)
+    return max(1, min(by_smem, decode_v2_tc.register_ctas(head_dim, warps)))
 
 
 class PlanGeometry(TypedDict):

@@ -159,7 +159,7 @@ def test_barrier_and_wait_mutants_need_the_new_schedules(name):
     ("ldsm_x4<false>(a, qw + (lrow + 8 * lhi) * LD + kk * 16 + 8 * lq);",
      "ldsm_x4<false>(a, qw + (lrow + 8 * lq) * LD + kk * 16 + 8 * lhi);"),
     # V fragments without the transpose
-    ("ldsm_x4<true>(b, vt", "ldsm_x4<false>(b, vt"),
+    ("ldsm_x4_at<true>(b, chunk_addr", "ldsm_x4_at<false>(b, chunk_addr"),
     # natural-log LSE
     ("m_run[h] + log2f(l_run[h])", "(m_run[h] + log2f(l_run[h])) * 0.6931472f"),
 ])

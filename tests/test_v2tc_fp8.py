@@ -335,8 +335,15 @@ def test_v2tc_fp8_specializations():
         "pd_decode_v2_tc<__nv_bfloat16, pd::fp8_e4m3, float, 128, 16, 4, ")
     assert v2tc_spec(F16, F16, 64, 16).cuda_name_expression().startswith(
         "pd_decode_v2_tc<__half, __half, __half, 64, 16, 4, ")
-    # Q tile + STAGES x (64 tokens x 144 bytes (128 codes, 16 of padding) of K and of V)
-    assert s.dynamic_smem_bytes == 16 * 136 * 2 + s.stages * 2 * 64 * 144
+    # Q tile + 128 bytes to align the ring in + the larger of STAGES x (64 tokens x 128
+    # codes (a swizzled row, no padding) of K and of V) and the 4 warps' combine rows
+    # (16 x 136 floats each)
+    assert s.dynamic_smem_bytes == (16 * 136 * 2 + 128
+                                    + max(s.stages * 2 * 64 * 128, 4 * 16 * 136 * 4))
+    # head_dim 64: 64-byte rows are padded by 16 instead
+    s64 = v2tc_spec(E4, "float32", 64, 16, q_dtype=BF16)
+    assert s64.dynamic_smem_bytes == (16 * 72 * 2 + 128
+                                      + max(s64.stages * 2 * 64 * 80, 4 * 16 * 72 * 4))
     assert tc.max_stages(128, 4, 1) > tc.max_stages(128, 4, 2)
     m = v2tc_metal_spec(E5, "float32", 64, 16, 8, q_dtype=F16)
     assert [v for n, v in tc.KERNEL.metal_template(m) if n in ("T", "KV_FP8")] == [

@@ -19,6 +19,10 @@ RUNTIME_HEADER = r"""
 namespace pd_emu {
 
 constexpr std::size_t STACK_SIZE = 64 * 1024;        // per fiber, aligned to its size
+// Dynamic shared memory starts 16 bytes past a 128-byte boundary: CUDA promises 16 bytes
+// only (on an H100 the dynamic base was off 128 bytes), so a kernel that assumes more
+// fails here too.
+constexpr std::size_t DYN_SMEM_OFFSET = 16;
 constexpr std::size_t STACK_HEADER = 64;             // Fiber* at the top of each stack
 constexpr std::size_t STATIC_SMEM_CAP = 48 * 1024;   // CUDA's static __shared__ limit
 constexpr int WARP = 32;
@@ -388,7 +392,7 @@ void setup_worker(Worker* w, const LaunchDesc* d) {
   w->stacks = (unsigned char*)(((std::uintptr_t)w->stacks_map + STACK_SIZE - 1)
                                & ~(std::uintptr_t)(STACK_SIZE - 1));
   for (int i = 0; i < n; ++i) mprotect(w->stacks + (std::size_t)i * STACK_SIZE, pg, PROT_NONE);
-  w->dyn_aligned = (d->dyn_smem + 127) / 128 * 128;
+  w->dyn_aligned = (DYN_SMEM_OFFSET + d->dyn_smem + 127) / 128 * 128;
   w->arena_len = w->dyn_aligned + STATIC_SMEM_CAP;
   w->arena = (unsigned char*)mmap(nullptr, w->arena_len, PROT_READ | PROT_WRITE,
                                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -773,7 +777,7 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
     w.block.static_used = static_used;
     setup_worker(&w, d);
     w.block.fibers = w.fibers.data();
-    w.block.dyn_smem = w.arena;
+    w.block.dyn_smem = w.arena ? w.arena + DYN_SMEM_OFFSET : nullptr;
     w.block.static_smem = w.arena ? w.arena + w.dyn_aligned : nullptr;
   }
   if (nw == 1) {

@@ -28,8 +28,12 @@ stage may come from different pages (any page size 1-256, a first page offset): 
 token's page is looked up on its own (one thread per token of a stage, a stage ahead of the
 copies that use it, through shared memory).
 
+Ring rows: where a row of K or V (head_dim times the element size) is a multiple of 128
+bytes the ring is unpadded and each row's 16-byte pieces are swizzled (``tile_at`` in
+``mma.py``, which says why); other rows are padded by 16 bytes.
+
 fp8 pools (``docs/tensor-core-decode.md``, "fp8 pools"): the ring holds the codes (16
-per 16-byte piece, byte rows padded by 16), and the fp8 tile phases (``qk_tile_fp8``,
+per 16-byte piece), and the fp8 tile phases (``qk_tile_fp8``,
 ``pv_tile_fp8``) read them with the same ``ldmatrix`` as 16-bit rows, widening each
 register's four codes exactly (``fp8x4_to_pairs``) into the mma's operand pairs: K's
 columns come in a permuted order that the Q tile is stored in too (``q_column``), V's as
@@ -64,6 +68,20 @@ DEFAULT_STAGES = 2   # fastest or within 0.5% in every cell: results/h200/2026-1
 MAX_DYNAMIC_SMEM = 227 * 1024  # the sm_90 opt-in limit per block
 
 
+#: CTAs of 4 warps per SM that the 16-bit kernels' registers allow on sm_90, by head_dim
+#: (ptxas: 94 / 125 / 125 / 233 registers a thread at 64 / 96 / 128 / 256, S10-R2;
+#: ``tests/test_cuda_compile.py`` checks them against this machine's compiler)
+_REGISTER_CTAS_4_WARPS = {64: 5, 96: 4, 128: 4, 256: 2}
+
+
+def register_ctas(head_dim: int, num_warps: int = NUM_WARPS) -> int:
+    """CTAs of ``num_warps`` warps per SM the 16-bit kernel's registers allow on sm_90
+    (the count for 4 warps scaled by 4 / ``num_warps``); 32, the hardware's limit, for a
+    head_dim with no count."""
+    per4 = _REGISTER_CTAS_4_WARPS.get(head_dim)
+    return 32 if per4 is None else max(1, per4 * NUM_WARPS // num_warps)
+
+
 def row_tiles(group: int) -> int:
     """CTAs per (chunk, KV head): 16-row tiles of the GQA group (1 or 2)."""
     return -(-group // ROWS)
@@ -83,34 +101,40 @@ def _row_bytes(head_dim: int) -> int:
     return (head_dim + SMEM_PAD) * 2
 
 
-def _ring_row_bytes(head_dim: int, elem: int) -> int:
-    # padded by 16 bytes (ldmatrix reads both kinds: its 8 rows in distinct banks)
-    return _row_bytes(head_dim) if elem == 2 else head_dim + 16
+def ring_row_bytes(head_dim: int, elem: int) -> int:
+    """Bytes of one ring row (``ROWB`` in the kernel): ``head_dim * elem`` where that is a
+    multiple of 128 (the swizzled layout of ``tile_at``), else padded by 16 bytes."""
+    dense = head_dim * elem
+    return dense if dense % 128 == 0 else dense + 16
 
 
 def stage_bytes(head_dim: int, num_warps: int = NUM_WARPS, elem: int = 2) -> int:
-    """Shared memory of one ring stage: KT tokens of K and of V, padded 16-bit rows
-    (``elem`` 2) or padded fp8 byte rows (``elem`` 1)."""
-    return 2 * tile_tokens(num_warps) * _ring_row_bytes(head_dim, elem)
+    """Shared memory of one ring stage: KT tokens of K and of V, rows of
+    ``ring_row_bytes`` (``elem`` 2: 16-bit pools, 1: fp8 codes)."""
+    return 2 * tile_tokens(num_warps) * ring_row_bytes(head_dim, elem)
 
 
-def _fixed_bytes(head_dim: int, num_warps: int, elem: int) -> int:
-    # the Q tile (the ring holds the combine's float32 rows after the loop: 16 per warp,
-    # which two stages of either element size cover)
-    assert 2 * stage_bytes(head_dim, num_warps, elem) >= num_warps * ROWS * head_dim * 4
-    return ROWS * _row_bytes(head_dim)
+def _fixed_bytes(head_dim: int) -> int:
+    # the Q tile, and the slack the kernel aligns the ring up to 128 bytes in
+    return ROWS * _row_bytes(head_dim) + 128
+
+
+def _combine_bytes(head_dim: int, num_warps: int) -> int:
+    # the warps' float32 accumulators (16 rows of head_dim + 8 each), over the ring after
+    # the loop
+    return num_warps * ROWS * (head_dim + 8) * 4
 
 
 def dynamic_smem_bytes(head_dim: int, num_warps: int, stages: int, elem: int = 2) -> int:
-    """The Q tile and the K/V ring (``elem``: bytes per pool element; the warps' combine
-    reuses the ring after the loop)."""
-    return (_fixed_bytes(head_dim, num_warps, elem)
-            + stages * stage_bytes(head_dim, num_warps, elem))
+    """The Q tile and the K/V ring (``elem``: bytes per pool element), the ring's space at
+    least the warps' combine, which reuses it after the loop."""
+    return _fixed_bytes(head_dim) + max(stages * stage_bytes(head_dim, num_warps, elem),
+                                        _combine_bytes(head_dim, num_warps))
 
 
 def max_stages(head_dim: int, num_warps: int = NUM_WARPS, elem: int = 2) -> int:
     """The deepest ring one block's dynamic shared memory holds."""
-    return ((MAX_DYNAMIC_SMEM - _fixed_bytes(head_dim, num_warps, elem))
+    return ((MAX_DYNAMIC_SMEM - _fixed_bytes(head_dim))
             // stage_bytes(head_dim, num_warps, elem))
 
 
@@ -137,18 +161,19 @@ __device__ __forceinline__ int q_column(int k) {
 }
 
 // s = Q K^T (16 rows x 16 tokens, NT = 2 tiles of 8) for one warp over fp8 K rows `kt`
-// (RLD bytes apart, 16-byte aligned); `qw`: the Q tile in q_column order.
-template <typename TKV, typename T, int D, int RLD, int LD>
+// (laid out by tile_at<ROWB, SWZ>); `qw`: the Q tile in q_column order.
+template <typename TKV, typename T, int D, int ROWB, bool SWZ, int LD>
 __device__ __forceinline__ void qk_tile_fp8(float (&s)[2][4], const T* qw, const unsigned char* kt) {
   static_assert(D % 32 == 0, "fp8 K is read 32 columns (two chunks) at a time");
   const int lane = threadIdx.x & 31;
   const int lrow = lane & 7, lm = lane >> 3, lhi = lm & 1, lq = lane >> 4;
 #pragma unroll
   for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+  const smem_addr_t k_lane = smem_addr(kt) + tile_at<ROWB, SWZ>((lm >> 1) * 8 + lrow, lm & 1);
 #pragma unroll
   for (int cc = 0; cc < D / 32; ++cc) {
     unsigned kr[4];                  // matrix m: tokens 8 (m >> 1) + 0-7, chunk 2 cc + (m & 1)
-    ldsm_x4<false>(kr, kt + ((lm >> 1) * 8 + lrow) * RLD + (2 * cc + (lm & 1)) * 16);
+    ldsm_x4_at<false>(kr, chunk_addr<SWZ>(k_lane, 2 * cc));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       unsigned a[4];
@@ -171,9 +196,9 @@ __device__ __forceinline__ unsigned codes_by_column(unsigned w) {
   return __byte_perm(w, 0u, 0x3120u);
 }
 
-// o += P V for one warp over fp8 V rows `vt` (16 tokens, RLD bytes apart): P is
-// softmax_tile's s as in pv_tile; o in the even / odd tile order above.
-template <typename TKV, typename T, int D, int RLD, int DT>
+// o += P V for one warp over fp8 V rows `vt` (16 tokens, laid out by tile_at<ROWB, SWZ>):
+// P is softmax_tile's s as in pv_tile; o in the even / odd tile order above.
+template <typename TKV, typename T, int D, int ROWB, bool SWZ, int DT>
 __device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[2][4],
                                             const unsigned char* vt) {
   static_assert(DT == D / 8 && D % 32 == 0, "fp8 V is read 32 columns (two chunks) at a time");
@@ -184,10 +209,11 @@ __device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[
   a[1] = Pair<T>::pack(s[0][2], s[0][3]);
   a[2] = Pair<T>::pack(s[1][0], s[1][1]);
   a[3] = Pair<T>::pack(s[1][2], s[1][3]);
+  const smem_addr_t v_lane = smem_addr(vt) + tile_at<ROWB, SWZ>((lm & 1) * 8 + lrow, lm >> 1);
 #pragma unroll
   for (int cc = 0; cc < D / 32; ++cc) {
     unsigned vr[4];                  // matrix m: tokens 8 (m & 1) + 0-7, chunk 2 cc + (m >> 1)
-    ldsm_x4<true>(vr, vt + ((lm & 1) * 8 + lrow) * RLD + (2 * cc + (lm >> 1)) * 16);
+    ldsm_x4_at<true>(vr, chunk_addr<SWZ>(v_lane, 2 * cc));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // tokens 0-7 (lo) and 8-15 (hi) of the k step; [0]: the even column, [1]: the odd
@@ -241,9 +267,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   constexpr int D = HEAD_DIM;
   constexpr int LD = D + 8;                      // padded 16-bit smem row, in elements
   constexpr bool FP8 = sizeof(TKV) == 1;         // a byte ring, widened in registers
-  // ring row, in TKV elements, padded by 16 bytes so that the 8 rows of an ldmatrix
-  // matrix fall in distinct banks (16-bit rows: D + 8 elements; byte rows: D + 16 codes)
-  constexpr int RLD = FP8 ? D + 16 : LD;
+  // ring rows (tile_at): swizzled where a row is a multiple of 128 bytes, else padded by
+  // 16 bytes so that the 8 rows of an ldmatrix matrix still fall in distinct banks
+  constexpr int DENSE_ROWB = D * (int)sizeof(TKV);
+  constexpr bool SWZ = DENSE_ROWB % 128 == 0;
+  constexpr int ROWB = SWZ ? DENSE_ROWB : DENSE_ROWB + 16;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int PIECES = D * (int)sizeof(TKV) / 16;   // 16-byte pieces per ring row
   constexpr int KT = 16 * NUM_WARPS;             // tokens per stage, 16 per warp
@@ -257,8 +285,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
 
   unsigned char* smem = pd_tc_smem;
   T* qs = reinterpret_cast<T*>(smem);            // [16][LD]
-  TKV* ks = reinterpret_cast<TKV*>(qs + 16 * LD);   // [STAGES][KT][RLD]
-  TKV* vs = ks + STAGES * KT * RLD;              // [STAGES][KT][RLD]
+  // [STAGES][KT] rows of ROWB, 128-byte aligned for the swizzle (the host adds the slack)
+  unsigned char* ks = align_smem(reinterpret_cast<unsigned char*>(qs + 16 * LD));
+  unsigned char* vs = ks + STAGES * KT * ROWB;   // [STAGES][KT] rows of ROWB
 
   allow_dependents();                 // the merge may be scheduled now; it waits for this grid
   pd_stamp(0);                        // timeline (PD_TIMELINE only): the CTA started
@@ -412,7 +441,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
         for (int j = 0; j < RB; ++j) {
           const int tok = tok_of(j0 + j), piece = piece_of(j0 + j);
           const unsigned long long off = (unsigned long long)row[j] * row_bytes + piece * 16;
-          const int at = (slot * KT + tok) * RLD + piece * (16 / (int)sizeof(TKV));
+          // with whole rows at a token step of a multiple of 8 every copy of a thread
+          // has the same row % 8: its swizzled piece is one value, not one per copy
+          const int at = WHOLE_ROWS && TOK_STEP % 8 == 0
+                             ? (slot * KT + tok) * ROWB + ((SWZ ? piece ^ (tok_first & 7) : piece) << 4)
+                             : tile_at<ROWB, SWZ>(slot * KT + tok, piece);
           cp_async16(ks + at, k_head + off, tok < live);
           cp_async16(vs + at, v_head + off, tok < live);
         }
@@ -447,15 +480,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     const int slot = stage % STAGES;
     const int tok0 = stage * KT + warp * 16;     // this warp's first token in the range
     if (tok0 < n_tok) {                          // warp-uniform: a tail warp may sit out
-      const TKV* kt = ks + (slot * KT + warp * 16) * RLD;
-      const TKV* vt = vs + (slot * KT + warp * 16) * RLD;
+      const unsigned char* kt = ks + (slot * KT + warp * 16) * ROWB;
+      const unsigned char* vt = vs + (slot * KT + warp * 16) * ROWB;
       float s[NT][4];
-      if constexpr (FP8) qk_tile_fp8<TKV, T, D, RLD, LD>(s, qs, reinterpret_cast<const unsigned char*>(kt));
-      else qk_tile<T, D, LD, NT>(s, qs, reinterpret_cast<const T*>(kt));
+      if constexpr (FP8) qk_tile_fp8<TKV, T, D, ROWB, SWZ, LD>(s, qs, kt);
+      else qk_tile<T, D, LD, NT, ROWB, SWZ>(s, qs, kt);
       softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
                                      soft_cap_log2);
-      if constexpr (FP8) pv_tile_fp8<TKV, T, D, RLD, DT>(o, s, reinterpret_cast<const unsigned char*>(vt));
-      else pv_tile<T, LD, NT, DT>(o, s, reinterpret_cast<const T*>(vt));
+      if constexpr (FP8) pv_tile_fp8<TKV, T, D, ROWB, SWZ, DT>(o, s, vt);
+      else pv_tile<T, LD, NT, DT, ROWB, SWZ>(o, s, vt);
     }
   }
   cp_async_wait<0>();                            // no copy may outlive the loop
@@ -465,11 +498,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   // Combine the warps' states through shared memory: warp w's float32 accumulator row i
   // at comb[(w * 16 + i) * CLD], live rows only (the padding rows past `rows` are never
   // read), over the ring (every warp is past its last read once the barrier below
-  // releases); the states in sm_m / sm_l. CLD = D + 8 floats puts the 8 rows of a fragment
-  // store in distinct banks (at a stride of D they all fall in the same 8 banks).
+  // releases; the host sizes the ring's space to hold them, ``dynamic_smem_bytes``); the
+  // states in sm_m / sm_l. CLD = D + 8 floats puts the 8 rows of a fragment store in
+  // distinct banks (at a stride of D they all fall in the same 8 banks).
   constexpr int CLD = D + 8;
-  static_assert(NUM_WARPS * 16 * CLD * 4 <= 2 * STAGES * KT * RLD * (int)sizeof(TKV),
-                "the warps' accumulators fit in the ring");
   __shared__ float sm_m[NUM_WARPS][16];
   __shared__ float sm_l[NUM_WARPS][16];
   float* comb = reinterpret_cast<float*>(ks);

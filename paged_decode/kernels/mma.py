@@ -13,9 +13,12 @@ Q and K fragments come from shared memory through ``ldmatrix``, V fragments thro
 fragments and row addresses with warp shuffles.
 
 A warp's tile phases (``qk_tile``, ``softmax_tile``, ``pv_tile``, ``row_sums``) work on
-16 query rows held in shared memory against ``8 * NT`` K/V token rows in shared memory
-(rows of ``LD`` 16-bit elements, ``LD`` = head_dim + 8: padded so that the eight row
-addresses of one ``ldmatrix`` fall in different banks). Each lane keeps the online-softmax
+16 query rows held in shared memory (rows of ``LD`` 16-bit elements, ``LD`` = head_dim +
+8: padded so that the eight row addresses of one ``ldmatrix`` fall in different banks)
+against ``8 * NT`` K/V token rows in shared memory laid out by ``tile_at``: unpadded rows
+whose 16-byte pieces are XOR-swizzled by row where a row is a multiple of 128 bytes, which
+also keeps each 32-byte global sector that ``cp.async`` copies in one aligned span (the
+tile then starts 128-byte aligned, ``align_smem``), padded rows otherwise. Each lane keeps the online-softmax
 state of rows ``grp`` and ``grp + 8`` (``m_run``, ``l_run`` in base 2; ``l_run`` is this
 lane's share of the row sum until ``row_sums``) and the accumulators ``o[DT][4]`` of those
 rows (C layout, ``DT = D / 8`` column tiles).
@@ -91,10 +94,30 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 // the address of row l % 8 of matrix l / 8 (16-byte aligned); register i receives matrix
 // i's elements (row l / 4, columns 2 (l % 4) and +1), or with TRANS (rows 2 (l % 4) and +1,
 // column l / 4), the lower index in the lower half.
-template <bool TRANS>
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
+// A shared-memory address as the matrix loads take it: the 32-bit shared-window address
+// on the GPU, the pointer itself where the loads are emulated. The swizzled tiles below
+// XOR its low bits, which is why a tile starts 128-byte aligned (``align_smem``).
 #if defined(__CUDA_ARCH__) && !defined(PD_EMULATE_MMA)
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+typedef unsigned smem_addr_t;
+__device__ __forceinline__ smem_addr_t smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+#else
+typedef unsigned long long smem_addr_t;
+__device__ __forceinline__ smem_addr_t smem_addr(const void* p) {
+  return (unsigned long long)p;
+}
+#endif
+
+// `p` rounded up to the next multiple of 128 in the shared window (the caller keeps 127
+// bytes of slack after it).
+__device__ __forceinline__ unsigned char* align_smem(unsigned char* p) {
+  return p + ((128u - (unsigned)(smem_addr(p) & 127u)) & 127u);
+}
+
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4_at(unsigned (&r)[4], smem_addr_t a) {
+#if defined(__CUDA_ARCH__) && !defined(PD_EMULATE_MMA)
   if constexpr (TRANS) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
@@ -104,7 +127,7 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
   }
 #else
   const int lane = threadIdx.x & 31;
-  const unsigned long long mine = (unsigned long long)row;
+  const unsigned long long mine = a;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if (TRANS) {
@@ -119,14 +142,46 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
 #endif
 }
 
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
+  ldsm_x4_at<TRANS>(r, smem_addr(row));
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a shared-memory tile of ROWB-byte
+// rows. SWZ (ROWB a multiple of 128, no padding): the chunk's low three bits are XORed
+// with the row's, so the 8 rows of one chunk that an ldmatrix matrix reads fall in
+// distinct banks, and a 32-byte global sector copied by two 16-byte cp.async pieces lands
+// in one aligned 32-byte span (a row padded by 16 bytes splits every other row's sectors,
+// and the copy then moves each of them twice from L2: 24 sectors per warp copy for 16).
+// Without SWZ the caller pads ROWB instead. Tiles start at a row that is a multiple of 8.
+template <int ROWB, bool SWZ>
+__device__ __forceinline__ int tile_at(int row, int chunk) {
+  static_assert(!SWZ || ROWB % 128 == 0, "a swizzled row holds whole groups of 8 chunks");
+  return row * ROWB + ((SWZ ? chunk ^ (row & 7) : chunk) << 4);
+}
+
+// The address of chunk `even` + `bit` of a tile row, from `lane` = the address of its
+// chunk `bit` (tile_at(row, bit), `bit` 0 or 1, the tile 128-byte aligned with SWZ); `even`
+// an even chunk that unrolling makes a constant. Swizzled, chunk c of the row is at
+// (row's start + ((bit ^ row % 8) << 4)) ^ ((even % 8) << 4) plus 128 per 8 chunks: one
+// XOR with a constant per matrix load in the token loop (tile_at's own form costs three).
+template <bool SWZ>
+__device__ __forceinline__ smem_addr_t chunk_addr(smem_addr_t lane, int even) {
+  if constexpr (SWZ) return (lane ^ (smem_addr_t)((even & 7) << 4)) + ((even >> 3) << 7);
+  else return lane + (even << 4);
+}
+
 // Phase: s = Q K^T (16 rows x 8 NT tokens) for one warp: `qw` points at the warp's 16
-// query rows, `kt` at its first K token row, both in shared memory (rows of LD elements).
-template <typename T, int D, int LD, int NT>
-__device__ __forceinline__ void qk_tile(float (&s)[NT][4], const T* qw, const T* kt) {
+// query rows (rows of LD elements), `kt` at its first K token row (rows of KROWB bytes,
+// laid out by tile_at<KROWB, KSWZ>), both in shared memory.
+template <typename T, int D, int LD, int NT, int KROWB = 2 * LD, bool KSWZ = false>
+__device__ __forceinline__ void qk_tile(float (&s)[NT][4], const T* qw, const void* kt) {
   static_assert(D % 16 == 0 && NT % 2 == 0, "ldmatrix takes 16-token, 16-column blocks");
   const int lane = threadIdx.x & 31;
   // ldmatrix row addresses: lane l points at row l % 8 of matrix l / 8
   const int lrow = lane & 7, lhi = (lane >> 3) & 1, lq = lane >> 4;
+  // this lane's K row of tile pair 0 (token lrow + 8 lq), at its chunk lhi
+  const smem_addr_t k_lane = smem_addr(kt) + tile_at<KROWB, KSWZ>(lrow + 8 * lq, lhi);
 #pragma unroll
   for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
@@ -136,7 +191,7 @@ __device__ __forceinline__ void qk_tile(float (&s)[NT][4], const T* qw, const T*
 #pragma unroll
     for (int n = 0; n < NT; n += 2) {
       unsigned b[4];                            // tokens of tiles n / n+1 x columns +0 / +8
-      ldsm_x4<false>(b, kt + (n * 8 + lrow + 8 * lq) * LD + kk * 16 + 8 * lhi);
+      ldsm_x4_at<false>(b, chunk_addr<KSWZ>(k_lane + n * 8 * KROWB, 2 * kk));
       const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
       mma_16816<T>(s[n], a, b0);
       mma_16816<T>(s[n + 1], a, b1);
@@ -200,12 +255,15 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], float (&m_run)[2
 }
 
 // Phase: o += P V for one warp: the p of column tiles 2kk, 2kk+1 (softmax_tile's s) are
-// the A operand of 16 tokens; `vt` points at the warp's first V token row (shared memory).
-template <typename T, int LD, int NT, int DT>
-__device__ __forceinline__ void pv_tile(float (&o)[DT][4], const float (&s)[NT][4], const T* vt) {
+// the A operand of 16 tokens; `vt` points at the warp's first V token row (shared memory,
+// rows of VROWB bytes laid out by tile_at<VROWB, VSWZ>).
+template <typename T, int LD, int NT, int DT, int VROWB = 2 * LD, bool VSWZ = false>
+__device__ __forceinline__ void pv_tile(float (&o)[DT][4], const float (&s)[NT][4], const void* vt) {
   static_assert(NT % 2 == 0 && DT % 2 == 0, "ldmatrix takes 16-token, 16-column blocks");
   const int lane = threadIdx.x & 31;
   const int lrow = lane & 7, lhi = (lane >> 3) & 1, lq = lane >> 4;
+  // this lane's V row of token block 0 (token lrow + 8 lhi), at its chunk lq
+  const smem_addr_t v_lane = smem_addr(vt) + tile_at<VROWB, VSWZ>(lrow + 8 * lhi, lq);
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
     unsigned a[4];
@@ -216,7 +274,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[DT][4], const float (&s)[NT][
 #pragma unroll
     for (int j = 0; j < DT; j += 2) {
       unsigned b[4];                            // tokens +0 / +8 x columns of tiles j / j+1
-      ldsm_x4<true>(b, vt + (kk * 16 + lrow + 8 * lhi) * LD + j * 8 + 8 * lq);
+      ldsm_x4_at<true>(b, chunk_addr<VSWZ>(v_lane + kk * 16 * VROWB, j));
       const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
       mma_16816<T>(o[j], a, b0);
       mma_16816<T>(o[j + 1], a, b1);

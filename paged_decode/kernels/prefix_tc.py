@@ -52,10 +52,13 @@ def tokens_per_tile(head_dim: int) -> int:
 
 def dynamic_smem_bytes(head_dim: int, num_warps: int = NUM_WARPS,
                        tile: int | None = None) -> int:
-    """The Q tile plus a double-buffered K and V tile, 16-bit elements, padded rows."""
-    row = (head_dim + SMEM_PAD) * 2
+    """The Q tile (padded 16-bit rows) plus a double-buffered K and V tile (16-bit rows,
+    swizzled where a row is a multiple of 128 bytes, else padded: ``tile_at``) that the
+    kernel aligns to 128 bytes in 128 bytes of slack."""
+    q_row = (head_dim + SMEM_PAD) * 2
+    kv_row = head_dim * 2 if head_dim * 2 % 128 == 0 else q_row
     kt = tokens_per_tile(head_dim) if tile is None else tile
-    return (ROWS_PER_WARP * num_warps + 2 * 2 * kt) * row
+    return ROWS_PER_WARP * num_warps * q_row + 128 + 2 * 2 * kt * kv_row   # 128: alignment slack
 
 
 CTAS_ENV = "PAGED_DECODE_PREFIX_CTAS_PER_SM"
@@ -79,11 +82,12 @@ namespace pd {
 extern __shared__ __align__(16) unsigned char pd_prefix_smem[];
 
 // Staging: piece `piece` (16 bytes: 8 16-bit elements) of the K and V
-// rows of one token (entry `entry` of pool page `page`, KV head `kvh`) into its
-// shared-memory rows `ks` / `vs` with cp.async; `ok` false zero-fills both without
-// reading global memory.
-template <typename T, int D>
-__device__ __forceinline__ void stage_kv_piece(T* ks, T* vs, const T* k_pages, const T* v_pages,
+// rows of one token (entry `entry` of pool page `page`, KV head `kvh`) into row `tok` of
+// the shared-memory tiles `ks` / `vs` (laid out by tile_at<ROWB, SWZ>) with cp.async;
+// `ok` false zero-fills both without reading global memory.
+template <typename T, int D, int ROWB, bool SWZ>
+__device__ __forceinline__ void stage_kv_piece(unsigned char* ks, unsigned char* vs,
+                                               const T* k_pages, const T* v_pages, int tok,
                                                int page, int entry, int kvh, int piece, bool ok,
                                                long long page_stride, long long row_stride) {
   constexpr int PER = 16 / (int)sizeof(T);       // elements per piece
@@ -95,8 +99,8 @@ __device__ __forceinline__ void stage_kv_piece(T* ks, T* vs, const T* k_pages, c
     kp += off;
     vp += off;
   }
-  cp_async16(ks + piece * PER, kp, ok);
-  cp_async16(vs + piece * PER, vp, ok);
+  cp_async16(ks + tile_at<ROWB, SWZ>(tok, piece), kp, ok);
+  cp_async16(vs + tile_at<ROWB, SWZ>(tok, piece), vp, ok);
 }
 
 }  // namespace pd
@@ -117,7 +121,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
   using namespace pd;
   constexpr int D = HEAD_DIM;
   constexpr int ROWS = 16 * NUM_WARPS;           // query rows per CTA
-  constexpr int LD = D + 8;                      // padded smem row, in elements
+  constexpr int LD = D + 8;                      // padded Q row, in elements
+  // K/V rows (tile_at): swizzled where a row is a multiple of 128 bytes, else padded
+  constexpr bool SWZ = D * 2 % 128 == 0;
+  constexpr int ROWB = SWZ ? D * 2 : LD * 2;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int PIECES = D / 8;                  // 16-byte pieces per row
   constexpr int NT = KT / 8;                     // 8-token column tiles of S
@@ -128,8 +135,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
 
   unsigned char* smem = pd_prefix_smem;
   T* qs = reinterpret_cast<T*>(smem);                // [ROWS][LD]
-  T* ks = qs + ROWS * LD;                                      // [2][KT][LD]
-  T* vs = ks + 2 * KT * LD;                                    // [2][KT][LD]
+  // [2][KT] rows of ROWB, 128-byte aligned for the swizzle (the host adds the slack)
+  unsigned char* ks = align_smem(reinterpret_cast<unsigned char*>(qs + ROWS * LD));
+  unsigned char* vs = ks + 2 * KT * ROWB;                                  // [2][KT] rows of ROWB
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
@@ -173,9 +181,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
     for (int j = 0; j < PER_THREAD; ++j) {
       const int e = tid + j * THREADS, tok = e / PIECES, piece = e % PIECES;
       const int i = tile * KT + tok;                                   // token in the chunk
-      stage_kv_piece<T, D>(ks + (buf * KT + tok) * LD, vs + (buf * KT + tok) * LD, k_pages, v_pages,
-                           ids[j], (t_begin + i) % PAGE_SIZE, kvh, piece, i < n_tok, page_stride,
-                           row_stride);
+      stage_kv_piece<T, D, ROWB, SWZ>(ks + buf * KT * ROWB, vs + buf * KT * ROWB, k_pages,
+                                      v_pages, tok, ids[j], (t_begin + i) % PAGE_SIZE, kvh,
+                                      piece, i < n_tok, page_stride, row_stride);
     }
     cp_async_commit();
   };
@@ -201,13 +209,13 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
       cp_async_wait<0>();
     }
     __syncthreads();                              // this tile (and the Q tile) landed
-    const T* kt = ks + buf * KT * LD;
+    const unsigned char* kt = ks + buf * KT * ROWB;
 
     // S = Q K^T for this warp's 16 rows and KT tokens, the online softmax, O += P V
     float s[NT][4];
-    qk_tile<T, D, LD, NT>(s, qw, kt);
+    qk_tile<T, D, LD, NT, ROWB, SWZ>(s, qw, kt);
     softmax_tile<NT, DT>(s, m_run, l_run, o, tile * KT + 2 * tig, n_tok, scale_log2);
-    pv_tile<T, LD, NT, DT>(o, s, vs + buf * KT * LD);
+    pv_tile<T, LD, NT, DT, ROWB, SWZ>(o, s, vs + buf * KT * ROWB);
     __syncthreads();                              // buffer `buf` is refilled next round
   }
 
