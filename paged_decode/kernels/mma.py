@@ -18,10 +18,10 @@ A warp's tile phases (``qk_tile``, ``softmax_tile``, ``pv_tile``, ``row_sums``) 
 against ``8 * NT`` K/V token rows in shared memory laid out by ``tile_at``: unpadded rows
 whose 16-byte pieces are XOR-swizzled by row where a row is a multiple of 128 bytes, which
 also keeps each 32-byte global sector that ``cp.async`` copies in one aligned span (the
-tile then starts 128-byte aligned, ``align_smem``), padded rows otherwise. Each lane keeps the online-softmax
-state of rows ``grp`` and ``grp + 8`` (``m_run``, ``l_run`` in base 2; ``l_run`` is this
-lane's share of the row sum until ``row_sums``) and the accumulators ``o[DT][4]`` of those
-rows (C layout, ``DT = D / 8`` column tiles).
+tile then starts 128-byte aligned, ``align_smem``), padded rows otherwise. Each lane
+keeps the online-softmax state of rows ``grp`` and ``grp + 8`` (``m_run``, ``l_run`` in
+base 2; ``l_run`` is this lane's share of the row sum until ``row_sums``) and the
+accumulators ``o[DT][4]`` of those rows (C layout, ``DT = D / 8`` column tiles).
 """
 
 CUDA_MMA = r"""
