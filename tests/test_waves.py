@@ -116,6 +116,12 @@ def test_head_dim_256_plans_for_one_resident_cta():
 
 def test_slots_follow_the_rings_shared_memory():
     assert [v2tc_slots_per_unit(d, "float16", H200) for d in (64, 96, 128, 256)] == [5, 4, 3, 1]
+    # at head_dim 64 the unpadded ring leaves room for 6, the registers for 5
+    from paged_decode.kernels import decode_v2_tc
+    from paged_decode.specs import BLOCK_RESERVED_SMEM
+    smem = decode_v2_tc.dynamic_smem_bytes(64, 4, 2) + BLOCK_RESERVED_SMEM
+    assert H200.shared_mem_per_unit // smem == 6 and decode_v2_tc.register_ctas(64) == 5
+    assert decode_v2_tc.register_ctas(64, 8) == 2 and decode_v2_tc.register_ctas(80) == 32
     assert v2tc_slots_per_unit(128, "bfloat16", H200) == 3
     bare = DeviceInfo("cuda", "unknown", 132, 2)       # no shared memory figure: no rule
     assert v2tc_slots_per_unit(128, "float16", bare) == 0
