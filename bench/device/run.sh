@@ -116,6 +116,8 @@
 #   floor       bench/device/floor.py: the timer's floor and the best float16 / fp8 ratio of
 #               plain reads at FLOOR_CELLS (default 8x8192 32x8192), v2tc beside them and a
 #               paged read of v2tc's chunks (its pools and plan, no math, no merge)
+#   smem-base   bench/device/smem_base.py: the dynamic shared-memory base modulo 128 bytes at a
+#               few static sizes
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
@@ -952,6 +954,12 @@ step_floor() {
   timeout ${FLOOR_TIMEOUT:-150} python3 bench/device/floor.py "$OUT/floor.json" \
     ${FLOOR_CELLS:-8x8192 32x8192} 2>&1 | tee "$L/floor.txt" | grep -v "^ "
   echo "floor rc=${PIPESTATUS[0]}"
+}
+# where dynamic shared memory starts modulo 128 bytes for a few static sizes (whether the
+# v2 partial's uint4 ring can split 32-byte sectors across two shared spans)
+step_smem_base() {
+  timeout 60 python3 bench/device/smem_base.py "$OUT/smem_base.json" 2>&1 | tee "$L/smem_base.txt"
+  echo "smem-base rc=${PIPESTATUS[0]}"
 }
 # #14's farthest cell (8 x 8K, e4m3fn; float16 beside it) under the switches that move a
 # call's fixed part: the fused merge off, the merge as a dependent launch, 5 CTAs per SM,
