@@ -90,10 +90,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 #endif
 }
 
-// Four 8x8 matrices of 16-bit elements from shared memory (ldmatrix .x4): lane l passes
-// the address of row l % 8 of matrix l / 8 (16-byte aligned); register i receives matrix
-// i's elements (row l / 4, columns 2 (l % 4) and +1), or with TRANS (rows 2 (l % 4) and +1,
-// column l / 4), the lower index in the lower half.
 // A shared-memory address as the matrix loads take it: the 32-bit shared-window address
 // on the GPU, the pointer itself where the loads are emulated. The swizzled tiles below
 // XOR its low bits, which is why a tile starts 128-byte aligned (``align_smem``).
@@ -115,6 +111,10 @@ __device__ __forceinline__ unsigned char* align_smem(unsigned char* p) {
   return p + ((128u - (unsigned)(smem_addr(p) & 127u)) & 127u);
 }
 
+// Four 8x8 matrices of 16-bit elements from shared memory (ldmatrix .x4): lane l passes
+// the address of row l % 8 of matrix l / 8 (16-byte aligned); register i receives matrix
+// i's elements (row l / 4, columns 2 (l % 4) and +1), or with TRANS (rows 2 (l % 4) and +1,
+// column l / 4), the lower index in the lower half.
 template <bool TRANS>
 __device__ __forceinline__ void ldsm_x4_at(unsigned (&r)[4], smem_addr_t a) {
 #if defined(__CUDA_ARCH__) && !defined(PD_EMULATE_MMA)
@@ -142,6 +142,7 @@ __device__ __forceinline__ void ldsm_x4_at(unsigned (&r)[4], smem_addr_t a) {
 #endif
 }
 
+// The same from a generic pointer to the row.
 template <bool TRANS>
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
   ldsm_x4_at<TRANS>(r, smem_addr(row));
