@@ -441,11 +441,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
         for (int j = 0; j < RB; ++j) {
           const int tok = tok_of(j0 + j), piece = piece_of(j0 + j);
           const unsigned long long off = (unsigned long long)row[j] * row_bytes + piece * 16;
-          // with whole rows at a token step of a multiple of 8 every copy of a thread
-          // has the same row % 8: its swizzled piece is one value, not one per copy
-          const int at = WHOLE_ROWS && TOK_STEP % 8 == 0
-                             ? (slot * KT + tok) * ROWB + ((SWZ ? piece ^ (tok_first & 7) : piece) << 4)
-                             : tile_at<ROWB, SWZ>(slot * KT + tok, piece);
+          const int at = tile_at<ROWB, SWZ>(slot * KT + tok, piece);
           cp_async16(ks + at, k_head + off, tok < live);
           cp_async16(vs + at, v_head + off, tok < live);
         }
