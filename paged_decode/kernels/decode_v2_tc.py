@@ -57,7 +57,7 @@ from __future__ import annotations
 from .common import CUDA_COMMON, METAL_COMMON
 from .kernel_def import Dtype, KernelDef, KernelSpec, MetalKernel, TemplateValue, metal_fp8
 from .merge import CUDA_MERGE_GROUP
-from .mma import CUDA_MMA
+from .mma import ALIGN_SLACK, CUDA_MMA, tile_row_bytes
 
 NUM_WARPS = 4
 ROWS = 16                     # query rows per CTA: one mma M tile
@@ -101,22 +101,15 @@ def _row_bytes(head_dim: int) -> int:
     return (head_dim + SMEM_PAD) * 2
 
 
-def ring_row_bytes(head_dim: int, elem: int) -> int:
-    """Bytes of one ring row (``ROWB`` in the kernel): ``head_dim * elem`` where that is a
-    multiple of 128 (the swizzled layout of ``tile_at``), else padded by 16 bytes."""
-    dense = head_dim * elem
-    return dense if dense % 128 == 0 else dense + 16
-
-
 def stage_bytes(head_dim: int, num_warps: int = NUM_WARPS, elem: int = 2) -> int:
     """Shared memory of one ring stage: KT tokens of K and of V, rows of
-    ``ring_row_bytes`` (``elem`` 2: 16-bit pools, 1: fp8 codes)."""
-    return 2 * tile_tokens(num_warps) * ring_row_bytes(head_dim, elem)
+    ``mma.tile_row_bytes`` (``elem`` 2: 16-bit pools, 1: fp8 codes)."""
+    return 2 * tile_tokens(num_warps) * tile_row_bytes(head_dim * elem)
 
 
 def _fixed_bytes(head_dim: int) -> int:
     # the Q tile, and the slack the kernel aligns the ring up to 128 bytes in
-    return ROWS * _row_bytes(head_dim) + 128
+    return ROWS * _row_bytes(head_dim) + ALIGN_SLACK
 
 
 def _combine_bytes(head_dim: int, num_warps: int) -> int:
@@ -267,11 +260,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   constexpr int D = HEAD_DIM;
   constexpr int LD = D + 8;                      // padded 16-bit smem row, in elements
   constexpr bool FP8 = sizeof(TKV) == 1;         // a byte ring, widened in registers
-  // ring rows (tile_at): swizzled where a row is a multiple of 128 bytes, else padded by
-  // 16 bytes so that the 8 rows of an ldmatrix matrix still fall in distinct banks
-  constexpr int DENSE_ROWB = D * (int)sizeof(TKV);
-  constexpr bool SWZ = DENSE_ROWB % 128 == 0;
-  constexpr int ROWB = SWZ ? DENSE_ROWB : DENSE_ROWB + 16;
+  using Row = TileRow<D * (int)sizeof(TKV)>;     // ring rows: swizzled or padded
+  constexpr bool SWZ = Row::SWZ;
+  constexpr int ROWB = Row::BYTES;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int PIECES = D * (int)sizeof(TKV) / 16;   // 16-byte pieces per ring row
   constexpr int KT = 16 * NUM_WARPS;             // tokens per stage, 16 per warp

@@ -24,6 +24,18 @@ base 2; ``l_run`` is this lane's share of the row sum until ``row_sums``) and th
 accumulators ``o[DT][4]`` of those rows (C layout, ``DT = D / 8`` column tiles).
 """
 
+#: bytes of slack a kernel keeps so that ``align_smem`` can round its swizzled tiles'
+#: start up to 128 bytes
+ALIGN_SLACK = 128
+
+
+def tile_row_bytes(dense: int) -> int:
+    """Bytes of one K/V tile row of ``dense`` bytes of data (head_dim x element size),
+    ``TileRow<dense>::BYTES`` in the kernels: unpadded where a multiple of 128 (swizzled,
+    ``tile_at``), else padded by 16 bytes."""
+    return dense if dense % 128 == 0 else dense + 16
+
+
 CUDA_MMA = r"""
 namespace pd {
 
@@ -147,6 +159,15 @@ template <bool TRANS>
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
   ldsm_x4_at<TRANS>(r, smem_addr(row));
 }
+
+// The row of a K/V tile holding DENSE bytes (head_dim x element size; tile_row_bytes on
+// the host): swizzled (tile_at) where DENSE is a multiple of 128, else padded by 16 bytes
+// so that the 8 rows of an ldmatrix matrix still fall in distinct banks.
+template <int DENSE>
+struct TileRow {
+  static constexpr bool SWZ = DENSE % 128 == 0;
+  static constexpr int BYTES = SWZ ? DENSE : DENSE + 16;
+};
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a shared-memory tile of ROWB-byte
 // rows. SWZ (ROWB a multiple of 128, no padding): the chunk's low three bits are XORed

@@ -29,7 +29,7 @@ from .. import settings
 from ..errors import InvalidArgumentError, env_positive_int
 from .common import CUDA_COMMON
 from .kernel_def import Dtype, KernelDef, KernelSpec, TemplateValue
-from .mma import CUDA_MMA
+from .mma import ALIGN_SLACK, CUDA_MMA, tile_row_bytes
 
 NUM_WARPS = 4
 ROWS_PER_WARP = 16
@@ -56,9 +56,9 @@ def dynamic_smem_bytes(head_dim: int, num_warps: int = NUM_WARPS,
     swizzled where a row is a multiple of 128 bytes, else padded: ``tile_at``) that the
     kernel aligns to 128 bytes in 128 bytes of slack."""
     q_row = (head_dim + SMEM_PAD) * 2
-    kv_row = head_dim * 2 if head_dim * 2 % 128 == 0 else q_row
     kt = tokens_per_tile(head_dim) if tile is None else tile
-    return ROWS_PER_WARP * num_warps * q_row + 128 + 2 * 2 * kt * kv_row   # 128: alignment slack
+    return (ROWS_PER_WARP * num_warps * q_row + ALIGN_SLACK
+            + 2 * 2 * kt * tile_row_bytes(head_dim * 2))
 
 
 CTAS_ENV = "PAGED_DECODE_PREFIX_CTAS_PER_SM"
@@ -122,9 +122,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
   constexpr int D = HEAD_DIM;
   constexpr int ROWS = 16 * NUM_WARPS;           // query rows per CTA
   constexpr int LD = D + 8;                      // padded Q row, in elements
-  // K/V rows (tile_at): swizzled where a row is a multiple of 128 bytes, else padded
-  constexpr bool SWZ = D * 2 % 128 == 0;
-  constexpr int ROWB = SWZ ? D * 2 : LD * 2;
+  using Row = TileRow<D * 2>;                    // K/V rows: swizzled or padded
+  constexpr bool SWZ = Row::SWZ;
+  constexpr int ROWB = Row::BYTES;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int PIECES = D / 8;                  // 16-byte pieces per row
   constexpr int NT = KT / 8;                     // 8-token column tiles of S
