@@ -72,13 +72,18 @@ def test_cuda_core_group_sizes_refused(group):
     fa.check_group_size(4 * group, 4, use_tensor_cores=False, version="0.4.0")
 
 
-def test_tensor_core_arm_is_not_run_at_head_dim_96_on_0_3():
+def test_neither_arm_is_run_at_head_dim_96_on_0_3():
     # S10-R4: an illegal address at 32/32 x 96 ends the bench process's CUDA context
     with pytest.raises(ValueError, match="illegal memory access at head_dim 96"):
         fa.check_head_dim(96, use_tensor_cores=True, version="0.3.1")
-    fa.check_head_dim(96, use_tensor_cores=False, version="0.3.1")
-    fa.check_head_dim(128, use_tensor_cores=True, version="0.3.1")
+    # S22-R4 / S32-R4: the CUDA-core decode failed the oracle where its merge let it run
+    with pytest.raises(ValueError, match="CUDA-core decode fails the oracle at head_dim 96"):
+        fa.check_head_dim(96, use_tensor_cores=False, version="0.3.1")
+    for d in (64, 128, 256):
+        fa.check_head_dim(d, use_tensor_cores=True, version="0.3.1")
+        fa.check_head_dim(d, use_tensor_cores=False, version="0.3.1")
     fa.check_head_dim(96, use_tensor_cores=True, version="0.4.0")
+    fa.check_head_dim(96, use_tensor_cores=False, version="0.4.0")
 
 
 def test_dtypes():

@@ -133,13 +133,21 @@ def check_group_size(num_qo_heads: int, num_kv_heads: int, *, use_tensor_cores: 
 
 def check_head_dim(head_dim: int, *, use_tensor_cores: bool,
                    version: str = FLASHINFER_VERSION) -> None:
-    """``ValueError`` for head_dim 96 on FlashInfer 0.3.x's tensor-core decode: on the H200
-    it made an illegal memory access at Phi-3-mini's heads (32/32 x 96, batch 8 and 32 x
-    2K / 8K, run S10-R4 of 2026-12-02), which ends the process's CUDA context, so the
-    arm is not run there. Later versions decide themselves."""
-    if use_tensor_cores and head_dim == 96 and _version_tuple(version) < (0, 4):
+    """``ValueError`` for head_dim 96 on FlashInfer 0.3.x's decode, either arm. Its
+    tensor-core decode made an illegal memory access at Phi-3-mini's heads (32/32 x 96,
+    batch 8 and 32 x 2K / 8K, run S10-R4 of 2026-12-02), which ends the process's CUDA
+    context. Its CUDA-core decode raised "Unsupported head_dim: 96" from its merge
+    wherever it split the KV (batch 1 and 8), and where it did not split, it failed the
+    bench's float64 oracle (batch 32, S22-R4 on the H200; batch 64, S32-R4 on an H100).
+    So neither arm runs there. Later versions decide themselves."""
+    if head_dim != 96 or _version_tuple(version) >= (0, 4):
+        return
+    if use_tensor_cores:
         raise ValueError(f"FlashInfer {version} tensor-core decode made an illegal memory "
                          f"access at head_dim 96 on the H200 (S10-R4); not run")
+    raise ValueError(f"FlashInfer {version} CUDA-core decode fails the oracle at head_dim 96 "
+                     f"where it does not split the KV and its merge refuses head_dim 96 "
+                     f"where it does (S22-R4, S32-R4); not run")
 
 
 #: element types FlashInfer 0.3.1's JIT can generate kernels for (``jit/utils.dtype_map``)
