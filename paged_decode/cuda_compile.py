@@ -68,14 +68,13 @@ def available() -> str | None:
 
 def compile_specs(specs: Iterable[KernelSpec], compiler: str | None = None,
                   l2_prefetch: int | None = None, timeline: bool | None = None) -> None:
-    """Compile every spec (grouped by kernel source) as the ``cuda`` backend does, with
-    the defines ``specs.cuda_defines(l2_prefetch, timeline)``; raise ``RuntimeError``
-    with the compiler's log on the first failure."""
-    defines = cuda_defines(l2_prefetch, timeline)
-    by_kernel: dict[str, list[KernelSpec]] = {}
+    """Compile every spec (grouped by kernel source and defines) as the ``cuda`` backend
+    does, each with the defines ``specs.cuda_defines(l2_prefetch, timeline, spec)``; raise
+    ``RuntimeError`` with the compiler's log on the first failure."""
+    by_module: dict[tuple[str, tuple[str, ...]], list[KernelSpec]] = {}
     for s in specs:
-        by_kernel.setdefault(s.kernel, []).append(s)
-    for kernel, group in by_kernel.items():
+        by_module.setdefault((s.kernel, cuda_defines(l2_prefetch, timeline, s)), []).append(s)
+    for (kernel, defines), group in by_module.items():
         compile_source(cuda_source(kernel), sorted({s.cuda_name_expression() for s in group}),
                        compiler, defines)
 
@@ -173,7 +172,7 @@ def compile_spec(spec: KernelSpec, compiler: str | None = None, *, ptxas_report:
     """Compile the one specialization ``spec`` as the ``cuda`` backend does (its kernel's
     source, the default defines) with ``compile_source``; returns the compiler's log."""
     return compile_source(cuda_source(spec.kernel), [spec.cuda_name_expression()], compiler,
-                          cuda_defines(None, None), ptxas_report=ptxas_report,
+                          cuda_defines(spec=spec), ptxas_report=ptxas_report,
                           cubin_path=cubin_path)
 
 

@@ -29,7 +29,8 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_STAGES": "CUDA v2/v1/v2tc pipeline depth (experiments)",
     "PAGED_DECODE_V2_ROW_LOADS": "CUDA v2 loads per lane per row (experiments)",
     "PAGED_DECODE_TC_WARPS": "CUDA v2tc warps per CTA, 2 / 4 / 8 (experiments)",
-    "PAGED_DECODE_L2_PREFETCH": "CUDA cp.async L2 prefetch hint, 0 / 128 / 256 bytes "
+    "PAGED_DECODE_L2_PREFETCH": "CUDA cp.async L2 prefetch hint, 0 / 64 / 128 / 256 bytes, "
+                                "or rows: the most that divides each kernel's K/V row "
                                 "(experiments)",
     "PAGED_DECODE_TIMELINE": "CUDA kernels compiled with per-CTA timeline stamps, 0 / 1 "
                              "(diagnostics: bench/device/timeline.py)",

@@ -13,6 +13,7 @@ from typing import TypedDict
 
 from . import settings
 from .device import DeviceInfo
+from .dtypes import itemsize
 from .errors import InvalidArgumentError, PagedDecodeError, env_positive_int
 from .fp8 import FORMATS
 from .kernels import decode_v2_tc, prefix_tc
@@ -142,6 +143,11 @@ L2_PREFETCH_ENV = "PAGED_DECODE_L2_PREFETCH"
 #: is 1-3% faster on v2tc's bandwidth-bound cells and level on v2 and cascade, 256 slower
 #: (H200, ``docs/benchmarks/h200-2026-12-04-s18.md``)
 L2_PREFETCH = 128
+#: the hint sizes PTX has for ``cp.async`` (0: no hint)
+L2_PREFETCH_SIZES = (0, 64, 128, 256)
+#: ``PAGED_DECODE_L2_PREFETCH=rows``: each kernel hints the largest of 128 and 64 bytes
+#: that divides its K/V row (``row_l2_prefetch``), none where neither does
+L2_PREFETCH_ROWS = "rows"
 ROW_LOADS_ENV = "PAGED_DECODE_V2_ROW_LOADS"
 V2_ROW_LOADS = 1
 V2_STAGES = 2
@@ -330,26 +336,45 @@ def timeline_enabled() -> bool:
     return True
 
 
-def cuda_defines(l2_prefetch: int | None = None, timeline: bool | None = None
-                 ) -> tuple[str, ...]:
-    """The ``-D`` options every CUDA kernel compiles with: ``PD_L2_PREFETCH`` (default
-    ``l2_prefetch_bytes()``) and, when ``timeline`` (default ``timeline_enabled()``),
+def cuda_defines(l2_prefetch: int | None = None, timeline: bool | None = None,
+                 spec: KernelSpec | None = None) -> tuple[str, ...]:
+    """The ``-D`` options a CUDA kernel compiles with: ``PD_L2_PREFETCH`` (default
+    ``l2_prefetch_bytes(spec)``) and, when ``timeline`` (default ``timeline_enabled()``),
     ``PD_TIMELINE``. One compiled module per distinct tuple."""
-    prefetch = l2_prefetch_bytes() if l2_prefetch is None else l2_prefetch
+    prefetch = l2_prefetch_bytes(spec) if l2_prefetch is None else l2_prefetch
     stamps = timeline_enabled() if timeline is None else timeline
     return (f"-DPD_L2_PREFETCH={prefetch}",) + (("-DPD_TIMELINE=1",) if stamps else ())
 
 
-def l2_prefetch_bytes() -> int:
-    """The L2 prefetch size (bytes) the CUDA kernels' ``cp.async`` copies hint:
-    ``L2_PREFETCH``, or ``PAGED_DECODE_L2_PREFETCH`` (0, 128 or 256) for experiments.
-    Compiled in as ``PD_L2_PREFETCH``, so a kernel is compiled once per value."""
+def l2_prefetch_bytes(spec: KernelSpec | None = None) -> int:
+    """The L2 prefetch size (bytes) the ``cp.async`` copies of ``spec``'s kernel hint:
+    ``L2_PREFETCH``, or ``PAGED_DECODE_L2_PREFETCH`` for experiments: 0, 64, 128 or 256
+    for every kernel, or ``rows`` for ``row_l2_prefetch(spec)`` (``L2_PREFETCH`` where
+    ``spec`` is ``None``). Compiled in as ``PD_L2_PREFETCH``, so a kernel is compiled once
+    per value."""
     env = settings.get(L2_PREFETCH_ENV)
     if env is None:
         return L2_PREFETCH
-    if env not in ("0", "128", "256"):
-        raise InvalidArgumentError(f"{L2_PREFETCH_ENV} must be 0, 128 or 256, got {env!r}")
+    if env == L2_PREFETCH_ROWS:
+        return L2_PREFETCH if spec is None else row_l2_prefetch(spec)
+    sizes = tuple(str(b) for b in L2_PREFETCH_SIZES)
+    if env not in sizes:
+        raise InvalidArgumentError(f"{L2_PREFETCH_ENV} must be {', '.join(sizes)} or "
+                                   f"{L2_PREFETCH_ROWS}, got {env!r}")
     return int(env)
+
+
+def row_l2_prefetch(spec: KernelSpec) -> int:
+    """The L2 prefetch hint that fetches no bytes of a neighbouring head's K/V row: a
+    row of the ``[num_pages, P, Hkv, D]`` pools is ``head_dim`` elements of ``kv_dtype``
+    and starts at a multiple of its own size, so a hint of 128 bytes over a 192-byte row
+    (head_dim 96, 16-bit) asks DRAM for 256, a third of it another head's, which is read
+    again unless that head's CTA finds it in L2 in time. 128 where it divides the row,
+    else 64, else 0; ``L2_PREFETCH`` for kernels without K/V rows (``kv_dtype`` empty)."""
+    if not spec.kv_dtype or not spec.head_dim:
+        return L2_PREFETCH
+    row = spec.head_dim * itemsize(spec.kv_dtype)
+    return next((b for b in (128, 64) if b <= L2_PREFETCH and row % b == 0), 0)
 
 
 def _v2tc_q_dtype(kv_dtype: str, q_dtype: str | None) -> str:

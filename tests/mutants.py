@@ -547,6 +547,12 @@ MUTANTS: tuple[Mutant, ...] = (
        "    return max(1, by_smem)",
        ["tests/test_waves.py::test_slots_follow_the_rings_shared_memory"],
        "the wave rule counts 6 CTAs per SM at head_dim 64, where the registers allow 5"),
+    _m("py-row-prefetch-ignores-the-row", "python", ("paged_decode.specs",),
+       "    return next((b for b in (128, 64) if b <= L2_PREFETCH and row % b == 0), 0)",
+       "    return L2_PREFETCH",
+       ["tests/test_cuda_compile.py::test_the_row_rule_hints_no_neighbouring_heads_bytes"],
+       "PAGED_DECODE_L2_PREFETCH=rows hints 128 bytes over 192-byte rows (head_dim 96), "
+       "fetching a third of a neighbouring head's row"),
     _m("py-waves-override-a-ragged-split", "python", ("paged_decode.plan",),
        "        by_waves = by_waves and ppc == searched",
        "        by_waves = by_waves",

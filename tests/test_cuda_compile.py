@@ -139,18 +139,20 @@ def test_v2tc_variant_specializations_compile():
                                       ("bfloat16", "bfloat16", 256, True, True)]})
 
 
-@pytest.mark.parametrize("prefetch", [128, 256])
-def test_every_copying_kernel_compiles_with_an_l2_prefetch_hint(prefetch):
+@pytest.mark.parametrize("prefetch,head_dim", [(128, 128), (256, 128), (64, 96), (0, 96)])
+def test_every_copying_kernel_compiles_with_an_l2_prefetch_hint(prefetch, head_dim):
     """The ``cp.async`` kernels (v1, v2, v2tc 16-bit and fp8, the cascade prefix kernel)
-    with ``PD_L2_PREFETCH`` = 128 / 256 (``PAGED_DECODE_L2_PREFETCH``): the hinted copy's
-    PTX meets ptxas."""
+    with ``PD_L2_PREFETCH`` = 128 / 256 (``PAGED_DECODE_L2_PREFETCH``), and at head_dim 96
+    with the hints the row rule picks there (64 bytes over 16-bit rows, none over fp8):
+    the hinted copy's PTX meets ptxas."""
     from paged_decode.specs import prefix_spec, v1_spec, v2_spec, v2tc_spec
+    d = head_dim
     cuda_compile.compile_specs({
-        v1_spec("float16", "float16", "float32", 128, 16),
-        v2_spec("float16", "float16", "float32", 128, 16, 4),
-        v2tc_spec("float16", "float32", 128, 16),
-        v2tc_spec("float8_e4m3fn", "float32", 128, 16, q_dtype="float16"),
-        prefix_spec("float16", 128, 16),
+        v1_spec("float16", "float16", "float32", d, 16),
+        v2_spec("float16", "float16", "float32", d, 16, 4),
+        v2tc_spec("float16", "float32", d, 16),
+        v2tc_spec("float8_e4m3fn", "float32", d, 16, q_dtype="float16"),
+        prefix_spec("float16", d, 16),
     }, l2_prefetch=prefetch)
 
 
@@ -195,14 +197,64 @@ def test_the_timeline_setting_is_checked(monkeypatch):
 
 def test_the_l2_prefetch_setting_is_checked(monkeypatch):
     from paged_decode.errors import InvalidArgumentError
-    from paged_decode.specs import L2_PREFETCH, L2_PREFETCH_ENV, l2_prefetch_bytes
-    assert l2_prefetch_bytes() == L2_PREFETCH
-    monkeypatch.setenv(L2_PREFETCH_ENV, "256")
-    assert l2_prefetch_bytes() == 256
-    monkeypatch.setenv(L2_PREFETCH_ENV, "64")
+    from paged_decode.specs import (
+        L2_PREFETCH,
+        L2_PREFETCH_ENV,
+        cuda_defines,
+        l2_prefetch_bytes,
+        v2_spec,
+    )
+    odd = v2_spec("float16", "float16", "float32", 96, 16, 1)     # 192-byte rows
+    assert l2_prefetch_bytes() == L2_PREFETCH == l2_prefetch_bytes(odd)
+    for size in ("0", "64", "256"):
+        monkeypatch.setenv(L2_PREFETCH_ENV, size)
+        assert l2_prefetch_bytes() == l2_prefetch_bytes(odd) == int(size)
+        assert cuda_defines(spec=odd) == (f"-DPD_L2_PREFETCH={size}",)
+    monkeypatch.setenv(L2_PREFETCH_ENV, "rows")
+    assert l2_prefetch_bytes() == L2_PREFETCH          # no spec: the default
+    assert cuda_defines(spec=odd) == ("-DPD_L2_PREFETCH=64",)
+    monkeypatch.setenv(L2_PREFETCH_ENV, "96")
     with pytest.raises(InvalidArgumentError,
-                       match="PAGED_DECODE_L2_PREFETCH must be 0, 128 or 256"):
+                       match="PAGED_DECODE_L2_PREFETCH must be 0, 64, 128, 256 or rows, got '96'"):
         l2_prefetch_bytes()
+
+
+def test_the_row_rule_hints_no_neighbouring_heads_bytes():
+    """``PAGED_DECODE_L2_PREFETCH=rows``: a K/V row of ``head_dim`` elements starts at a
+    multiple of its own size in the pools, so the hint is the largest of 128 and 64 that
+    divides it; kernels without K/V rows keep the default."""
+    from paged_decode.specs import (
+        L2_PREFETCH,
+        merge_spec,
+        prefix_spec,
+        row_l2_prefetch,
+        v1_spec,
+        v2_spec,
+        v2tc_spec,
+    )
+    rows = {   # (head_dim, kv dtype) -> row bytes -> hint
+        (64, "float16"): 128, (96, "float16"): 64, (128, "bfloat16"): 128,
+        (256, "float16"): 128, (64, "float8_e4m3fn"): 64, (96, "float8_e5m2"): 0,
+        (128, "float8_e4m3fn"): 128, (96, "float32"): 128, (32, "float16"): 64,
+        (48, "float16"): 0,
+    }
+    for (d, kv), want in rows.items():
+        q = "float16" if kv.startswith("float8") or kv == "float32" else kv
+        assert row_l2_prefetch(v2_spec(q, kv, "float32", d, 16, 1)) == want, (d, kv)
+        assert row_l2_prefetch(v1_spec(q, kv, "float32", d, 16)) == want, (d, kv)
+    for d, kv, want in [(96, "float16", 64), (128, "float8_e4m3fn", 128),
+                        (64, "float8_e4m3fn", 64), (256, "bfloat16", 128)]:
+        q = None if kv == "bfloat16" or kv == "float16" else "float16"
+        assert row_l2_prefetch(v2tc_spec(kv, "float32", d, 16, q_dtype=q)) == want
+    assert row_l2_prefetch(prefix_spec("float16", 96, 16)) == 64
+    assert row_l2_prefetch(merge_spec("float16", 96)) == L2_PREFETCH
+
+
+def test_an_unknown_hint_size_does_not_compile():
+    from paged_decode.kernels.common import CUDA_COMMON
+    cuda_compile.compile_source(CUDA_COMMON, defines=("-DPD_L2_PREFETCH=64",))
+    with pytest.raises(RuntimeError, match="PD_L2_PREFETCH must be 0, 64, 128 or 256"):
+        cuda_compile.compile_source(CUDA_COMMON, defines=("-DPD_L2_PREFETCH=96",))
 
 
 def test_the_sources_default_l2_prefetch_is_the_hosts():

@@ -80,6 +80,8 @@
 #   tc-batch1   v2tc at batch 1 with 3 ring stages and with 3 CTAs per SM, beside the default
 #   prefetch    the L2 prefetch hint of the cp.async copies at 0 / 128 / 256 bytes: GPU tests,
 #               v2 / v2tc over large-batch targets cells, GQA 7 / 8 and the forks suite
+#   row-prefetch  the L2 prefetch hint's row rule (PAGED_DECODE_L2_PREFETCH=rows) against 128
+#               bytes: head_dim 96 (Phi-3-mini) beside SDPA, and fp8 over the variants preset
 #   unsplit-merge  v2 / v2tc at Llama-3-70B TP8 batch 1 x 8K / 32K, the merge split by its
 #               rule and forced unsplit
 #   ncu-bw      ncu of v2 / v2tc / FlashInfer tc at bandwidth-bound cells (DRAM bytes,
@@ -677,6 +679,29 @@ step_prefetch() {
     done
     [ "${PREFETCH_FORKS:-1}" = 1 ] && PAGED_DECODE_L2_PREFETCH=$p BENCH_TIMEOUT=60 \
       run_bench "pf${i}_${p}_forks" --suite forks | tail -8
+  done
+  return 0
+}
+# the row rule of the L2 prefetch hint (PAGED_DECODE_L2_PREFETCH=rows: 64 bytes over head_dim
+# 96's 192-byte rows, 64 over fp8 head_dim 64, none over fp8 head_dim 96) against the 128
+# bytes every kernel hints now, alternated ROWPF_ROUNDS (2) times in one run: the GPU tests
+# of the head_dim-96 and fp8 kernels under the rule, then Phi-3-mini's heads (32/32 x 96)
+# at batch 8 / 64 x 1K / 8K beside SDPA, and the variants preset (8 x 8K, head_dim 64 among
+# its cells) over e4m3fn pools
+step_row_prefetch() {
+  PAGED_DECODE_L2_PREFETCH=rows timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs \
+    tests/test_cuda_gpu.py tests/test_fp8_gpu.py -k "96 or 64 or fp8 or e4m3 or e5m2" \
+    > "$L/row_prefetch_tests.log" 2>&1
+  echo "row-prefetch tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/row_prefetch_tests.log" | tail -6
+  local p r
+  for r in $(seq ${ROWPF_ROUNDS:-2}); do
+    for p in 128 rows; do
+      PAGED_DECODE_L2_PREFETCH=$p BENCH_TIMEOUT=${ROWPF_TIMEOUT:-90} run_bench "rp${r}_${p}_phi3" \
+        --preset models --model phi3-mini --context 1024 --context 8192 --batch 8 --batch 64 \
+        --arms v2,v2tc,sdpa | tail -6
+      PAGED_DECODE_L2_PREFETCH=$p BENCH_TIMEOUT=${ROWPF_TIMEOUT:-90} run_bench "rp${r}_${p}_fp8" \
+        --preset variants --kv-dtype float8_e4m3fn --arms v2,v2tc | tail -12
+    done
   done
   return 0
 }

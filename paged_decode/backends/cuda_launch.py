@@ -38,7 +38,7 @@ def _module(kernel: str, name_expressions: tuple[str, ...], defines: tuple[str, 
 def compiled(spec: KernelSpec) -> Any:
     """The compiled kernel of ``spec`` (one module per specialization and set of
     ``specs.cuda_defines``, cached)."""
-    return _compiled(spec, cuda_defines())
+    return _compiled(spec, cuda_defines(spec=spec))
 
 
 @functools.cache

@@ -147,9 +147,9 @@ __device__ __forceinline__ void pd_stamp(int i) {
 // until the wait that lands its group, its destination poisoned meanwhile, so reading a
 // slot too early or refilling one another thread still reads shows up; any other host
 // compiler copies synchronously (a copy that landed at once).
-// PD_L2_PREFETCH (0, 128 or 256; the host passes ``specs.l2_prefetch_bytes()``, and this
-// default matches ``specs.L2_PREFETCH``): the L2 prefetch size each copy hints, so that L2
-// asks DRAM for whole lines at once.
+// PD_L2_PREFETCH (0, 64, 128 or 256; the host passes ``specs.l2_prefetch_bytes(spec)``, and
+// this default matches ``specs.L2_PREFETCH``): the L2 prefetch size each copy hints, so that
+// L2 asks DRAM for whole lines at once.
 #ifndef PD_L2_PREFETCH
 #define PD_L2_PREFETCH 128
 #endif
@@ -157,8 +157,12 @@ __device__ __forceinline__ void pd_stamp(int i) {
 #define PD_L2_HINT ".L2::256B"
 #elif PD_L2_PREFETCH == 128
 #define PD_L2_HINT ".L2::128B"
-#else
+#elif PD_L2_PREFETCH == 64
+#define PD_L2_HINT ".L2::64B"
+#elif PD_L2_PREFETCH == 0
 #define PD_L2_HINT ""
+#else
+#error "PD_L2_PREFETCH must be 0, 64, 128 or 256"
 #endif
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
 #if defined(__CUDA_ARCH__)
