@@ -73,6 +73,18 @@ def make_table(lengths: list[int], page_size: int, *, offsets: list[int] | None 
     return table, num_pages
 
 
+def in_order(table: PageTable) -> PageTable:
+    """``table`` with its pages renumbered in list order: request r's j-th page becomes
+    page ``indptr[r] + j``, so each request's K/V is one contiguous run at the start of
+    the same pool (``num_pages`` kept), in place of ``make_table``'s shuffled ids. Lengths
+    and offsets are unchanged; for measuring what scattered pages cost
+    (``bench/device/floor.py``)."""
+    return PageTable.build(np.arange(table.total_pages), table.indptr, table.last_page_len,
+                           page_size=table.page_size,
+                           first_page_offset=table.first_page_offset,
+                           num_pages=table.num_pages)
+
+
 def visible_mask(table: PageTable) -> np.ndarray:
     """``bool [total_pages, P]``: which entries of each listed page are visible."""
     p = table.page_size

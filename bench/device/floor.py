@@ -18,7 +18,10 @@ before every replay, median of REPS replays. Measured, in one process:
   finds its rows (plan, table entries, page ids, rows: ``PAGED_SOURCE``, checked on the
   CPU by tests/test_floor_script.py) with no math and no merge, on v2tc's grid: what
   paging costs beside the plain read, and what v2tc's compute, combine and merge cost
-  beside it.
+  beside it;
+- ``in_order``: v2tc and the paged read again with the same requests' pages renumbered in
+  list order (``problems.in_order``: each request one contiguous run of the pool, where
+  the bench's pages are shuffled): how much of paging's cost is the scattered page ids.
 
 The ratio of the best reads' times is the ceiling of any decode's float16 / fp8 ratio at
 that cell under this timer; the v2tc rows say how far the kernel's fixed part keeps it
@@ -41,6 +44,7 @@ from paged_decode.bench.cases import BenchCase
 from paged_decode.bench.runner import TOLERANCE, _problem, _variants, _verify
 from paged_decode.bench.timing import capture, measure_read_bandwidth, replay_times
 from paged_decode.kernels.common import CUDA_COMMON
+from paged_decode.problems import in_order
 
 REPS = int(os.environ.get("FLOOR_REPS", "60"))
 
@@ -213,20 +217,30 @@ def v2tc(be, module, sink, batch: int, ctx: int, kv_dtype: str) -> dict:
     out = cp.full(q.shape, cp.nan, q.dtype)
     scale = 1 / np.sqrt(128)
 
-    def call():
-        return decode(q, k, v, table, plan, path="v2tc", out=out, backend=be,
+    def call(t):
+        return decode(q, k, v, t, plan, path="v2tc", out=out, backend=be,
                       sm_scale=scale, **vk)
-    call()
-    cp.cuda.Device().synchronize()
-    err = _verify(be, out, q, k, v, table, vk)     # requests 0 and B-1 against float64
-    if not err <= TOLERANCE["float16"]:          # the bench's bound for float16 queries
-        sys.exit(f"v2tc over {kv_dtype or 'float16'} failed its check: {err}")
-    out.fill(cp.nan)
-    us = timed(call)
-    if not bool(cp.isfinite(out).all()):
-        sys.exit("a timed replay left NaN in the output")
+    def checked_time(t) -> tuple[float, float]:
+        call(t)
+        cp.cuda.Device().synchronize()
+        err = _verify(be, out, q, k, v, t, vk)     # requests 0 and B-1 against float64
+        if not err <= TOLERANCE["float16"]:        # the bench's bound for float16 queries
+            sys.exit(f"v2tc over {kv_dtype or 'float16'} failed its check: {err}")
+        out.fill(cp.nan)
+        us = timed(lambda: call(t))
+        if not bool(cp.isfinite(out).all()):
+            sys.exit("a timed replay left NaN in the output")
+        return us, err
+
+    us, err = checked_time(table)
+    # the same requests over pages in list order (each request one run of the pool; the
+    # pools' contents are random either way): what the shuffled page ids cost
+    ordered = in_order(table)
+    us_ordered, err_ordered = checked_time(ordered)
     return {"kv_dtype": kv_dtype or "float16", "us": us, "ctas": plan.num_ctas,
-            "max_rel_err": err, "paged_read_us": paged_read(module, k, v, table, plan, sink)}
+            "max_rel_err": err, "paged_read_us": paged_read(module, k, v, table, plan, sink),
+            "in_order": {"us": us_ordered, "max_rel_err": err_ordered,
+                         "paged_read_us": paged_read(module, k, v, ordered, plan, sink)}}
 
 
 def main() -> None:
@@ -260,9 +274,11 @@ def main() -> None:
         for kv in ("", "float8_e4m3fn"):
             r = v2tc(be, module, sink, b, ctx, kv)
             row[f"v2tc_{r['kv_dtype']}"] = r
+            o = r["in_order"]
             print(f"{cell} v2tc {r['kv_dtype']:14s} {r['us']:6.1f} us ({r['ctas']} CTAs, "
                   f"max rel err {r['max_rel_err']:.2e}); the paged read of its chunks "
-                  f"{r['paged_read_us']:6.1f} us", flush=True)
+                  f"{r['paged_read_us']:6.1f} us; pages in list order: v2tc {o['us']:6.1f} "
+                  f"us, paged read {o['paged_read_us']:6.1f} us", flush=True)
         row["v2tc_ratio"] = row["v2tc_float16"]["us"] / row["v2tc_float8_e4m3fn"]["us"]
         print(f"{cell} float16 / fp8: best plain reads {row['read_ratio']:.3f}, v2tc "
               f"{row['v2tc_ratio']:.3f}", flush=True)
