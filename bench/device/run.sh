@@ -80,6 +80,8 @@
 #   tc-batch1   v2tc at batch 1 with 3 ring stages and with 3 CTAs per SM, beside the default
 #   prefetch    the L2 prefetch hint of the cp.async copies at 0 / 128 / 256 bytes: GPU tests,
 #               v2 / v2tc over large-batch targets cells, GQA 7 / 8 and the forks suite
+#   small-cells  v2tc at batch 1 / 8 x 1K / 8K, GQA 7 / 8 / 16, as shipped, with its merge
+#               fused, and with the merge as a dependent launch (PDL); FlashInfer beside
 #   row-prefetch  the L2 prefetch hint's row rule (PAGED_DECODE_L2_PREFETCH=rows) against 128
 #               bytes: head_dim 96 (Phi-3-mini) beside SDPA, and fp8 over the variants preset
 #   unsplit-merge  v2 / v2tc at Llama-3-70B TP8 batch 1 x 8K / 32K, the merge split by its
@@ -569,6 +571,26 @@ step_pdl() {
       --context 1024 --context 4096 --context 16384 --context 32768 --batch 1 --batch 4 \
       --batch 8 --arms ${PDL_ARMS:-v2,v2tc} | tail -14
   done
+}
+# the small cells where FlashInfer still leads (#17; S32-R4, H100: GQA 16 at 1 x 1K 1.112x,
+# Llama-3-70B TP8 at 1 x 1K 1.020x), whose merge is a second launch (GQA > 4): v2tc as
+# shipped, with its merge fused (PAGED_DECODE_FUSED_MERGE=1: session 29's fused merge has
+# not been timed at these groups), and with the merge as a programmatic dependent launch
+# (PAGED_DECODE_PDL=1; in a captured graph its host cost is paid once), FlashInfer's
+# tensor cores beside them (run fi first); SC_MODELS, batch 1 / 8 x 1K / 8K
+step_small_cells() {
+  local m c="--context 1024 --context 8192 --batch 1 --batch 8"
+  for m in ${SC_MODELS:-gqa16 llama3-70b-tp8 qwen2-7b}; do
+    BENCH_TIMEOUT=60 run_bench "sc_${m}_fi" --preset models --model $m $c \
+      --arms flashinfer-tc | tail -6
+    BENCH_TIMEOUT=60 run_bench "sc_${m}_default" --preset models --model $m $c \
+      --arms v2tc | tail -6
+    PAGED_DECODE_FUSED_MERGE=1 BENCH_TIMEOUT=60 run_bench "sc_${m}_fused" --preset models \
+      --model $m $c --arms v2tc | tail -6
+    PAGED_DECODE_PDL=1 BENCH_TIMEOUT=60 run_bench "sc_${m}_pdl" --preset models --model $m \
+      $c --arms v2tc | tail -6
+  done
+  return 0
 }
 # the tensor-core partial's fused merge (#17): its GPU tests (and the graph and v2tc oracle
 # tests, which run it), memcheck and racecheck over its module, then v2 and v2tc at batch
