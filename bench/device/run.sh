@@ -725,6 +725,15 @@ step_row_prefetch() {
         --preset variants --kv-dtype float8_e4m3fn --arms v2,v2tc | tail -12
     done
   done
+  # the DRAM bytes behind it: v2 alone at Phi-3-mini's 64 x 8K under ncu (6.4 GB of K/V
+  # to read), at each hint
+  command -v ncu >/dev/null || return 0
+  for p in 128 rows; do
+    PAGED_DECODE_L2_PREFETCH=$p timeout 120 ncu --profile-from-start off \
+      --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,gpu__time_duration.sum \
+      python3 bench/device/kernel_times.py v2 64 8192 32 32 96 > "$L/rp_ncu_$p.log" 2>&1
+    echo "rp ncu $p rc=$?"; grep -E "dram__bytes|lts__t_sectors|gpu__time|pd_" "$L/rp_ncu_$p.log" | head -8
+  done
   return 0
 }
 # the unsplit merge of long groups (forced with PAGED_DECODE_MERGE_SPLIT=1) beside the
