@@ -96,6 +96,12 @@ def flag(name: str, default: bool = False) -> bool:
     return default if val in (None, "") else val != "0"
 
 
+def active() -> dict[str, str]:
+    """The variables of ``VARIABLES`` set now (name -> value), for a run's record: a bench
+    report says which experiment switches its times were taken under."""
+    return {n: v for n, v in zip(_NAMES, snapshot().values) if v is not None}
+
+
 @contextlib.contextmanager
 def bound(s: Settings) -> Iterator[Settings]:
     """Run the body under ``s`` (nested calls keep the outer snapshot)."""
@@ -109,4 +115,4 @@ def bound(s: Settings) -> Iterator[Settings]:
         _bound.reset(token)
 
 
-__all__ = ["VARIABLES", "Settings", "bound", "flag", "get", "snapshot"]
+__all__ = ["VARIABLES", "Settings", "active", "bound", "flag", "get", "snapshot"]

@@ -120,6 +120,22 @@ def test_the_report_header_names_the_flush_when_given():
     assert "l2" not in header(be, bandwidth=None)
 
 
+def test_the_report_header_records_the_experiment_switches_set(monkeypatch):
+    """A run under ``PAGED_DECODE_*`` switches (an A/B of ``PAGED_DECODE_L2_PREFETCH``)
+    says so in its header; a run under none has no such field."""
+    from paged_decode.backends import get_backend
+    from paged_decode.bench.runner import header
+    from paged_decode.settings import VARIABLES
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    be = get_backend("reference")
+    assert "settings" not in header(be, bandwidth=None)
+    monkeypatch.setenv("PAGED_DECODE_L2_PREFETCH", "rows")
+    monkeypatch.setenv("PAGED_DECODE_PDL", "1")
+    assert header(be, bandwidth=None)["settings"] == {"PAGED_DECODE_L2_PREFETCH": "rows",
+                                                      "PAGED_DECODE_PDL": "1"}
+
+
 def test_bench_refuses_a_flush_with_a_warm_l2():
     res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--warm-l2",
                                     "--l2-flush", "dirty"])

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__, fp8
+from .. import __version__, fp8, settings
 from ..backends import Backend, get_backend
 from ..call import plan_decode
 from ..dtypes import numpy_dtype
@@ -137,13 +137,16 @@ class BenchResult:
 def header(be: Backend, *, bandwidth: float | None, l2: str | None = None) -> dict[str, Any]:
     """The run's facts for a report: date, versions, host, the backend's device and the
     measured read bandwidth; ``l2``: how L2 was left before each timed iteration (warm,
-    clean, dirty; ``timing``), when the run times GPU work."""
+    clean, dirty; ``timing``), when the run times GPU work; ``settings``: the
+    ``PAGED_DECODE_*`` variables set for the run (``settings.active``), where any are."""
     info = be.describe()
+    switches = settings.active()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "paged_decode": __version__, "python": sys.version.split()[0],
             "numpy": np.__version__, "host": platform.node(), **info,
             "read_bandwidth_GBps": None if bandwidth is None else bandwidth / 1e9,
-            **({} if l2 is None else {"l2": l2})}
+            **({} if l2 is None else {"l2": l2}),
+            **({"settings": switches} if switches else {})}
 
 
 def _problem(be: Backend, case: BenchCase, seed: int) -> tuple[Any, Any, Any, PageTable]:
