@@ -32,6 +32,9 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_L2_PREFETCH": "CUDA cp.async L2 prefetch hint, 0 / 64 / 128 / 256 bytes, "
                                 "or rows: the most that divides each kernel's K/V row "
                                 "(experiments)",
+    "PAGED_DECODE_GRID_ORDER": "CUDA flat decode CTAs numbered heads / chunks first; unset: "
+                               "heads first where the L2 prefetch runs past a K/V row "
+                               "(experiments)",
     "PAGED_DECODE_TIMELINE": "CUDA kernels compiled with per-CTA timeline stamps, 0 / 1 "
                              "(diagnostics: bench/device/timeline.py)",
     "PAGED_DECODE_PREFIX_TILE": "cascade prefix-kernel tile (experiments)",

@@ -8,6 +8,7 @@ returned garbage). It names the compiled object, keys the in-process cache and i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -148,6 +149,12 @@ L2_PREFETCH_SIZES = (0, 64, 128, 256)
 #: ``PAGED_DECODE_L2_PREFETCH=rows``: each kernel hints the largest of 128 and 64 bytes
 #: that divides its K/V row (``row_l2_prefetch``), none where neither does
 L2_PREFETCH_ROWS = "rows"
+GRID_ORDER_ENV = "PAGED_DECODE_GRID_ORDER"
+#: ``PAGED_DECODE_GRID_ORDER`` values (experiments): every flat decode kernel numbers its
+#: CTAs head slots first / chunks first; unset, ``heads_first(spec)`` decides
+GRID_ORDERS = ("heads", "chunks")
+#: the kernels whose CTAs ``pd::grid_cell`` numbers (``PD_HEADS_FIRST``)
+GRID_ORDER_KERNELS = ("v2", "v2tc")
 ROW_LOADS_ENV = "PAGED_DECODE_V2_ROW_LOADS"
 V2_ROW_LOADS = 1
 V2_STAGES = 2
@@ -339,11 +346,49 @@ def timeline_enabled() -> bool:
 def cuda_defines(l2_prefetch: int | None = None, timeline: bool | None = None,
                  spec: KernelSpec | None = None) -> tuple[str, ...]:
     """The ``-D`` options a CUDA kernel compiles with: ``PD_L2_PREFETCH`` (default
-    ``l2_prefetch_bytes(spec)``) and, when ``timeline`` (default ``timeline_enabled()``),
-    ``PD_TIMELINE``. One compiled module per distinct tuple."""
+    ``l2_prefetch_bytes(spec)``), ``PD_HEADS_FIRST`` where ``heads_first(spec, prefetch)``
+    and, when ``timeline`` (default ``timeline_enabled()``), ``PD_TIMELINE``. One compiled
+    module per distinct tuple."""
     prefetch = l2_prefetch_bytes(spec) if l2_prefetch is None else l2_prefetch
     stamps = timeline_enabled() if timeline is None else timeline
-    return (f"-DPD_L2_PREFETCH={prefetch}",) + (("-DPD_TIMELINE=1",) if stamps else ())
+    order = ("-DPD_HEADS_FIRST=1",) if spec is not None and heads_first(spec, prefetch) else ()
+    return (f"-DPD_L2_PREFETCH={prefetch}",) + order + (("-DPD_TIMELINE=1",) if stamps else ())
+
+
+def cuda_define_text(spec: KernelSpec) -> str:
+    """``cuda_defines(spec=spec)`` as ``#define`` lines, for compilers that take source
+    only (the emulator), so that they build what NVRTC builds for ``spec``."""
+    lines = []
+    for d in cuda_defines(spec=spec):
+        name, _, value = d.removeprefix("-D").partition("=")
+        lines.append(f"#define {name} {value or 1}\n")
+    return "".join(lines)
+
+
+def heads_first(spec: KernelSpec, prefetch: int | None = None) -> bool:
+    """Whether ``spec``'s flat decode kernel (v2, v2tc; never others) numbers its CTAs
+    head slots first (``pd::grid_cell``): where the L2 prefetch hint of ``prefetch`` bytes
+    (default ``l2_prefetch_bytes(spec)``) is not a divisor of the K/V row, so it fetches
+    part of the next head's row, which that head's CTA then reads from L2 because it runs
+    alongside (head_dim 96 at 16 bits: 192-byte rows under 128 bytes). Elsewhere chunks
+    first, which has requests that share pages read them at about the same time (the forks
+    cells). ``PAGED_DECODE_GRID_ORDER`` = heads / chunks overrides it for experiments."""
+    if spec.kernel not in GRID_ORDER_KERNELS:
+        return False
+    env = settings.get(GRID_ORDER_ENV)
+    if env is not None:
+        if env not in GRID_ORDERS:
+            raise InvalidArgumentError(f"{GRID_ORDER_ENV} must be {' or '.join(GRID_ORDERS)}, "
+                                       f"got {env!r}")
+        return env == "heads"
+    hint = l2_prefetch_bytes(spec) if prefetch is None else prefetch
+    return hint > 0 and _row_bytes(spec.head_dim, spec.kv_dtype) % hint != 0
+
+
+@functools.cache
+def _row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one K/V row (cached: ``heads_first`` runs on every eager launch)."""
+    return head_dim * itemsize(kv_dtype)
 
 
 def l2_prefetch_bytes(spec: KernelSpec | None = None) -> int:

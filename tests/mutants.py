@@ -678,6 +678,28 @@ MUTANTS: tuple[Mutant, ...] = (
        "        if (false) {",
        [SPLIT_MERGE + "[4-128-True-False]", MERGE],
        "pass 2 weighs every run of a warp by the LSEs pass 1 kept for its first run"),
+    # ------------------------------------------------------------ grid order (v2, v2tc)
+    _m("cuda-heads-first-numbers-by-chunks", "cuda", ("v2", "v2tc"),
+       "  return {(int)(l / gridDim.y), (int)(l % gridDim.y)};",
+       "  return {(int)(l / gridDim.x), (int)(l % gridDim.x)};",
+       [V2TC + "test_v2tc_matches_oracle[d96-g4-ps16-f16]",
+        LANES + "[emulated-cuda-float16-d96-qh1]"],
+       "heads-first numbering divides by the chunk count instead of the head slots' "
+       "(each CTA gets another's chunk and head, some past the grid)"),
+    _m("py-heads-first-never", "python", ("paged_decode.specs",),
+       "    return hint > 0 and _row_bytes(spec.head_dim, spec.kv_dtype) % hint != 0",
+       "    return False",
+       ["tests/test_cuda_compile.py::test_heads_first_where_the_prefetch_runs_past_a_row"],
+       "head_dim 96 numbers its CTAs chunks first, so the 128-byte prefetch's bytes past a "
+       "row are evicted before the neighbouring head's CTA runs (Phi-3-mini 64 x 8K: v2tc "
+       "2553 against 2188 us, S33-R4)"),
+    _m("py-heads-first-not-compiled-in", "python", ("paged_decode.specs",),
+       "    order = (\"-DPD_HEADS_FIRST=1\",) if spec is not None and heads_first(spec, prefetch) "
+       "else ()",
+       "    order = ()",
+       ["tests/test_cuda_compile.py::test_heads_first_where_the_prefetch_runs_past_a_row",
+        "tests/test_emulated_kernels.py::test_source_is_the_cuda_backends"],
+       "the rule is computed but the kernels compile without PD_HEADS_FIRST"),
     # ------------------------------------------------------------ v2tc's fused merge (#17)
     _m("v2tc-fused-merge-one-cta-early", "cuda", ("v2tc",),
        "      sm_last = done == parts;", "      sm_last = done == parts - 1;",

@@ -209,7 +209,8 @@ def test_the_l2_prefetch_setting_is_checked(monkeypatch):
     for size in ("0", "64", "256"):
         monkeypatch.setenv(L2_PREFETCH_ENV, size)
         assert l2_prefetch_bytes() == l2_prefetch_bytes(odd) == int(size)
-        assert cuda_defines(spec=odd) == (f"-DPD_L2_PREFETCH={size}",)
+        past_a_row = ("-DPD_HEADS_FIRST=1",) if size == "256" else ()   # 256 > 192
+        assert cuda_defines(spec=odd) == (f"-DPD_L2_PREFETCH={size}",) + past_a_row
     monkeypatch.setenv(L2_PREFETCH_ENV, "rows")
     assert l2_prefetch_bytes() == L2_PREFETCH          # no spec: the default
     assert cuda_defines(spec=odd) == ("-DPD_L2_PREFETCH=64",)
@@ -248,6 +249,58 @@ def test_the_row_rule_hints_no_neighbouring_heads_bytes():
         assert row_l2_prefetch(v2tc_spec(kv, "float32", d, 16, q_dtype=q)) == want
     assert row_l2_prefetch(prefix_spec("float16", 96, 16)) == 64
     assert row_l2_prefetch(merge_spec("float16", 96)) == L2_PREFETCH
+
+
+def test_heads_first_where_the_prefetch_runs_past_a_row(monkeypatch):
+    """The flat decode kernels number their CTAs head slots first exactly where the L2
+    prefetch hint does not divide the K/V row (it fetches part of the next head's row),
+    compiled in as ``PD_HEADS_FIRST``; other kernels never; the setting overrides it and
+    is checked."""
+    from paged_decode.errors import InvalidArgumentError
+    from paged_decode.specs import (
+        GRID_ORDER_ENV,
+        L2_PREFETCH_ENV,
+        cuda_defines,
+        heads_first,
+        merge_spec,
+        prefix_spec,
+        v1_spec,
+        v2_spec,
+        v2tc_spec,
+    )
+    rows = {   # (head_dim, kv dtype) -> heads first under the 128-byte default
+        (64, "float16"): False, (96, "float16"): True, (128, "bfloat16"): False,
+        (256, "float16"): False, (64, "float8_e4m3fn"): True, (96, "float8_e5m2"): True,
+        (128, "float8_e4m3fn"): False, (96, "float32"): False, (32, "float16"): True,
+    }
+    for (d, kv), want in rows.items():
+        q = "float16" if kv.startswith("float8") or kv == "float32" else kv
+        spec = v2_spec(q, kv, "float32", d, 16, 1)
+        assert heads_first(spec) == want, (d, kv)
+        assert ("-DPD_HEADS_FIRST=1" in cuda_defines(spec=spec)) == want, (d, kv)
+        assert not heads_first(v1_spec(q, kv, "float32", d, 16)), (d, kv)
+        if kv != "float32" and d >= 64:
+            tc = v2tc_spec(kv, "float32", d, 16, q_dtype=q)
+            assert heads_first(tc) == want, (d, kv)
+    f16_96 = v2_spec("float16", "float16", "float32", 96, 16, 1)
+    assert not heads_first(prefix_spec("float16", 96, 16))
+    assert not heads_first(merge_spec("float16", 96))
+    # the hint decides: 64 bytes divide 192, none fetches nothing past a row, 256 does
+    assert not heads_first(f16_96, 64) and not heads_first(f16_96, 0)
+    assert heads_first(v2_spec("float16", "float16", "float32", 64, 16, 1), 256)
+    monkeypatch.setenv(L2_PREFETCH_ENV, "rows")
+    assert not heads_first(f16_96)
+    monkeypatch.delenv(L2_PREFETCH_ENV)
+    monkeypatch.setenv(GRID_ORDER_ENV, "chunks")
+    assert not heads_first(f16_96)
+    assert "-DPD_HEADS_FIRST=1" not in cuda_defines(spec=f16_96)
+    monkeypatch.setenv(GRID_ORDER_ENV, "heads")
+    assert heads_first(v2_spec("float16", "float16", "float32", 128, 16, 1))
+    assert not heads_first(merge_spec("float16", 96))
+    monkeypatch.setenv(GRID_ORDER_ENV, "rows")
+    with pytest.raises(InvalidArgumentError, match=f"{GRID_ORDER_ENV} must be heads or "
+                                                   "chunks, got 'rows'"):
+        heads_first(f16_96)
 
 
 def test_an_unknown_hint_size_does_not_compile():

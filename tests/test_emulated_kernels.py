@@ -125,9 +125,15 @@ def test_launch_packing_matches_cuda_backend(monkeypatch):
 
 
 def test_source_is_the_cuda_backends(emu):
-    from paged_decode.specs import v2_spec
-    assert emu.kernel_source(v2_spec("float16", "float16", "float32", 64, 16, 4)) == \
-        cuda_source("v2")
+    """The emulator compiles the CUDA backend's source with NVRTC's ``-D`` options for
+    the spec as ``#define`` lines, so it runs the grid order the GPU runs."""
+    from paged_decode.specs import cuda_define_text, v2_spec, v2tc_spec
+    spec = v2_spec("float16", "float16", "float32", 64, 16, 4)
+    assert emu.kernel_source(spec) == cuda_define_text(spec) + cuda_source("v2")
+    assert cuda_define_text(spec) == "#define PD_L2_PREFETCH 128\n"
+    wide = v2tc_spec("float16", "float32", 96, 16)      # 192-byte rows: heads first
+    assert emu.kernel_source(wide).startswith(
+        "#define PD_L2_PREFETCH 128\n#define PD_HEADS_FIRST 1\n")
 
 
 ROW_LOAD_CASES = [

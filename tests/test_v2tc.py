@@ -104,6 +104,30 @@ def test_v2tc_matches_oracle(emu, spec, ppcs):
 
 
 @needs_emulator
+@pytest.mark.parametrize("order", ["heads", "chunks"])
+def test_both_flat_partials_match_the_oracle_in_either_grid_order(emu, order, monkeypatch):
+    """``PAGED_DECODE_GRID_ORDER`` numbers the CTAs of v2 and v2tc head slots first or
+    chunks first (``pd::grid_cell``); the rule picks heads first only where the L2 prefetch
+    runs past a K/V row, so each order is forced here over head_dim 128 and 96, split and
+    ragged (three requests, 3-7 chunks each, against 2-8 head slots), to run both on each."""
+    from paged_decode.specs import GRID_ORDER_ENV
+    monkeypatch.setenv(GRID_ORDER_ENV, order)
+    for spec in (ProblemSpec(3, 0, 8, 2, 128, 16, seed=61),
+                 ProblemSpec(3, 0, 8, 4, 96, 16, seed=62)):
+        lengths = [100, 45, 70]
+        run_v2tc(emu, spec, [1], lengths=lengths)
+        pr = make_problem(spec, lengths=lengths)
+        ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+        plan = pd.plan_decode(pr.table, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                              device=emu.device_info(), pages_per_chunk=1)
+        out, lse = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2",
+                             return_lse=True, out_dtype="float32", backend=emu)
+        assert pd.last_outcome().path == "v2+merge"
+        assert_matches_oracle(emu.to_numpy(out), emu.to_numpy(lse), ref, ref_lse, "float32",
+                              f"v2 {spec.label} {order}")
+
+
+@needs_emulator
 @pytest.mark.parametrize("name", ["emulated-cuda", "emulated-metal"])
 def test_v2tc_ragged_batch_with_empty_requests(name):
     # empty requests in the middle and at the end of the batch, first page offsets up to

@@ -82,6 +82,8 @@
 #               v2 / v2tc over large-batch targets cells, GQA 7 / 8 and the forks suite
 #   small-cells  v2tc at batch 1 / 8 x 1K / 8K, GQA 7 / 8 / 16, as shipped, with its merge
 #               fused, and with the merge as a dependent launch (PDL); FlashInfer beside
+#   setting-ab  one PAGED_DECODE_* setting's values alternated in one run (SETTING,
+#               SETTING_VALUES, SETTING_BENCHES, SETTING_ROUNDS, SETTING_ENGINE)
 #   row-prefetch  the L2 prefetch hint's row rule (PAGED_DECODE_L2_PREFETCH=rows) against 128
 #               bytes: head_dim 96 (Phi-3-mini) beside SDPA, and fp8 over the variants preset
 #   unsplit-merge  v2 / v2tc at Llama-3-70B TP8 batch 1 x 8K / 32K, the merge split by its
@@ -701,6 +703,36 @@ step_prefetch() {
     done
     [ "${PREFETCH_FORKS:-1}" = 1 ] && PAGED_DECODE_L2_PREFETCH=$p BENCH_TIMEOUT=60 \
       run_bench "pf${i}_${p}_forks" --suite forks | tail -8
+  done
+  return 0
+}
+# one PAGED_DECODE_* setting's values alternated in one run: SETTING (its name), SETTING_VALUES
+# (e.g. "chunks heads"; "-" leaves it unset), SETTING_ROUNDS (2) rounds; each value runs every
+# bench of SETTING_BENCHES (";" between bench argument lists; default: the forks suite, the
+# targets preset at batch 32 / 128 x 8K / 32K, the same over e4m3fn) with SETTING_ARMS
+# (v2,v2tc) and, with SETTING_ENGINE=1, the engine step (ENGINE_ARMS, ENGINE_ARGS)
+step_setting_ab() {
+  [ -n "${SETTING:-}" ] || { echo "setting-ab: SETTING is not set"; return 1; }
+  local benches=${SETTING_BENCHES:-"--suite forks;--preset targets --context 8192 --context 32768 --batch 32 --batch 128;--preset targets --context 8192 --context 32768 --batch 32 --batch 128 --kv-dtype float8_e4m3fn"}
+  local r v k b n
+  for r in $(seq ${SETTING_ROUNDS:-2}); do
+    for v in ${SETTING_VALUES:?setting-ab: SETTING_VALUES is not set}; do
+      k=0
+      while IFS= read -r b; do
+        [ -n "$b" ] || continue
+        k=$((k + 1)); n="sab${r}_${v/#-/unset}_$k"
+        ( if [ "$v" = - ]; then unset "$SETTING"; else export "$SETTING=$v"; fi
+          BENCH_TIMEOUT=${SETTING_TIMEOUT:-120} run_bench "$n" $b --arms ${SETTING_ARMS:-v2,v2tc} ) \
+          | grep -E " B[0-9]+ |rc="
+      done <<< "$(tr ';' '\n' <<< "$benches")"
+      [ "${SETTING_ENGINE:-0}" = 1 ] || continue
+      n="sab${r}_${v/#-/unset}_engine"
+      ( if [ "$v" = - ]; then unset "$SETTING"; else export "$SETTING=$v"; fi
+        timeout ${ENGINE_TIMEOUT:-300} paged-decode bench --backend cuda --suite engine \
+          ${ENGINE_ARGS:-} --arms ${ENGINE_ARMS:-captured-tc} --json "$OUT/$n.json" \
+          > "$OUT/$n.txt" 2>&1 )
+      echo "$n rc=$?"; grep -E "^B[0-9]+ " "$OUT/$n.txt"
+    done
   done
   return 0
 }

@@ -28,7 +28,7 @@ from ..device import DeviceInfo
 from ..kernels import append as append_kernel
 from ..kernels.append import AppendWrite
 from ..kernels.kernel_def import MetalKernel
-from ..specs import PREFIX_TILE_ROWS, KernelSpec, cuda_source
+from ..specs import PREFIX_TILE_ROWS, KernelSpec, cuda_define_text, cuda_source
 from . import launches
 from .base import Support
 from .launching import LaunchingBackend
@@ -81,8 +81,9 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
 
     # ----------------------------------------------------------- kernels
     def kernel_source(self, spec: KernelSpec) -> str:
-        """The CUDA source compiled for ``spec`` (a hook tests override with mutants)."""
-        return cuda_source(spec.kernel)
+        """The CUDA source compiled for ``spec``: NVRTC's ``-D`` options for it as
+        ``#define`` lines, then the kernel's source (a hook tests override with mutants)."""
+        return cuda_define_text(spec) + cuda_source(spec.kernel)
 
     # ----------------------------------------------------------- graphs
     @property

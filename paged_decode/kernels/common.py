@@ -226,6 +226,27 @@ __device__ __forceinline__ TokenRange chunk_tokens(long long npages, long long l
   return {t_begin, t_end};
 }
 
+// The (chunk, head slot) of a CTA of a (chunks, head slots) grid. CTAs are handed out in
+// linear order (x fastest), so chunks first (the grid's own order) runs one head's chunks
+// of many requests side by side, and requests that share pages read them at about the
+// same time. PD_HEADS_FIRST numbers the head slots of a chunk first instead: their K/V
+// rows of one page row are adjacent in the [num_pages, P, Hkv, D] pools, so an L2
+// prefetch that runs past one head's row (head_dim 96: a 192-byte row under a 128-byte
+// hint) fetches what the next head's CTA, running alongside, reads next, not bytes
+// evicted before that CTA starts. The host sets it per kernel (specs.heads_first).
+#ifndef PD_HEADS_FIRST
+#define PD_HEADS_FIRST 0
+#endif
+struct GridCell { int chunk, slot; };
+__device__ __forceinline__ GridCell grid_cell() {
+#if PD_HEADS_FIRST
+  const unsigned long long l = (unsigned long long)blockIdx.y * gridDim.x + blockIdx.x;
+  return {(int)(l / gridDim.y), (int)(l % gridDim.y)};
+#else
+  return {(int)blockIdx.x, (int)blockIdx.y};
+#endif
+}
+
 __host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
 
 }  // namespace pd

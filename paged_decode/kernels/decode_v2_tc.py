@@ -229,7 +229,7 @@ __device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[
 // sinks join the final combine (only where the kernel writes the output: merged partials
 // never hold a sink, the merge adds it once; with MERGE the fused merge is that merge).
 // MERGE: the fused merge. Each CTA counts itself done in merge_counters[(request,
-// blockIdx.y)] after its partial rows are written and fenced; the request's last CTA (the
+// head slot)] after its partial rows are written and fenced; the request's last CTA (the
 // one whose count completes o_indptr[r + 1] - o_indptr[r]) merges the request's partials
 // of its heads into merged_out / merged_lse (TF: the output dtype) as the merge kernel
 // would (pd::merge_group, the same code), and sets the counter back to 0 for the next
@@ -284,8 +284,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   pd_stamp(0);                        // timeline (PD_TIMELINE only): the CTA started
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
-  const int c = blockIdx.x;
-  const int kvh = blockIdx.y / row_tiles, rt = blockIdx.y % row_tiles;
+  const GridCell cell = grid_cell();
+  const int c = cell.chunk;
+  const int kvh = cell.slot / row_tiles, rt = cell.slot % row_tiles;
   const int group = num_qo_heads / num_kv_heads;
   const int g0 = rt * 16;                        // first GQA row of this CTA
   const int rows = min(16, group - g0);          // live rows; the rest are zero padding
@@ -559,7 +560,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     __threadfence();
     __syncthreads();
     if (tid == 0) {
-      const long long slot = (long long)r * gridDim.y + blockIdx.y;
+      const long long slot = (long long)r * gridDim.y + cell.slot;
       const int parts = o_indptr[r + 1] - o_indptr[r];
       const int done = atomicAdd(merge_counters + slot, 1) + 1;
       sm_last = done == parts;
