@@ -698,7 +698,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "else ()",
        "    order = ()",
        ["tests/test_cuda_compile.py::test_heads_first_where_the_prefetch_runs_past_a_row",
-        "tests/test_emulated_kernels.py::test_source_is_the_cuda_backends"],
+        "tests/test_emulated_kernels.py::test_the_emulator_compiles_the_gpus_defines"],
        "the rule is computed but the kernels compile without PD_HEADS_FIRST"),
     # ------------------------------------------------------------ v2tc's fused merge (#17)
     _m("v2tc-fused-merge-one-cta-early", "cuda", ("v2tc",),

@@ -125,15 +125,23 @@ def test_launch_packing_matches_cuda_backend(monkeypatch):
 
 
 def test_source_is_the_cuda_backends(emu):
-    """The emulator compiles the CUDA backend's source with NVRTC's ``-D`` options for
-    the spec as ``#define`` lines, so it runs the grid order the GPU runs."""
-    from paged_decode.specs import cuda_define_text, v2_spec, v2tc_spec
+    """The emulator compiles the CUDA backend's source, after NVRTC's ``-D`` options for
+    the spec as ``#define`` lines."""
+    from paged_decode.specs import cuda_define_text, v2_spec
     spec = v2_spec("float16", "float16", "float32", 64, 16, 4)
     assert emu.kernel_source(spec) == cuda_define_text(spec) + cuda_source("v2")
-    assert cuda_define_text(spec) == "#define PD_L2_PREFETCH 128\n"
-    wide = v2tc_spec("float16", "float32", 96, 16)      # 192-byte rows: heads first
-    assert emu.kernel_source(wide).startswith(
-        "#define PD_L2_PREFETCH 128\n#define PD_HEADS_FIRST 1\n")
+
+
+def test_the_emulator_compiles_the_gpus_defines(emu):
+    """So it runs the CTA order the GPU runs: chunks first over 128-byte rows, head slots
+    first over 192-byte ones (``specs.heads_first``)."""
+    from paged_decode.specs import v2_spec, v2tc_spec
+    def defines(spec):   # the lines before the source's first #include
+        return emu.kernel_source(spec).split("#include")[0].split()
+    narrow = v2_spec("float16", "float16", "float32", 64, 16, 4)
+    assert defines(narrow) == ["#define", "PD_L2_PREFETCH", "128"]
+    wide = v2tc_spec("float16", "float32", 96, 16)
+    assert defines(wide) == ["#define", "PD_L2_PREFETCH", "128", "#define", "PD_HEADS_FIRST", "1"]
 
 
 ROW_LOAD_CASES = [
