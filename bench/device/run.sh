@@ -740,7 +740,7 @@ step_setting_ab() {
 # 96's 192-byte rows, 64 over fp8 head_dim 64, none over fp8 head_dim 96) against the 128
 # bytes every kernel hints now, alternated ROWPF_ROUNDS (2) times in one run: the GPU tests
 # of the head_dim-96 and fp8 kernels under the rule, then Phi-3-mini's heads (32/32 x 96)
-# at batch 8 / 64 x 1K / 8K beside SDPA, and the variants preset (8 x 8K, head_dim 64 among
+# at batch 8 / 64 x 1K / 8K (ROWPF_ARGS: other cells) beside SDPA, and the variants preset (8 x 8K, head_dim 64 among
 # its cells) over e4m3fn pools
 step_row_prefetch() {
   PAGED_DECODE_L2_PREFETCH=rows timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs \
@@ -751,7 +751,7 @@ step_row_prefetch() {
   for r in $(seq ${ROWPF_ROUNDS:-2}); do
     for p in 128 rows; do
       PAGED_DECODE_L2_PREFETCH=$p BENCH_TIMEOUT=${ROWPF_TIMEOUT:-90} run_bench "rp${r}_${p}_phi3" \
-        --preset models --model phi3-mini --context 1024 --context 8192 --batch 8 --batch 64 \
+        --preset models --model phi3-mini ${ROWPF_ARGS:-"--context 1024 --context 8192 --batch 8 --batch 64"} \
         --arms v2,v2tc,sdpa | tail -6
       PAGED_DECODE_L2_PREFETCH=$p BENCH_TIMEOUT=${ROWPF_TIMEOUT:-90} run_bench "rp${r}_${p}_fp8" \
         --preset variants --kv-dtype float8_e4m3fn --arms v2,v2tc | tail -12
