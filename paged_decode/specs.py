@@ -387,7 +387,8 @@ def heads_first(spec: KernelSpec, prefetch: int | None = None) -> bool:
 
 @functools.cache
 def _row_bytes(head_dim: int, kv_dtype: str) -> int:
-    """Bytes of one K/V row (cached: ``heads_first`` runs on every eager launch)."""
+    """Bytes of one K/V row of the pools (cached: ``heads_first`` runs on every eager
+    launch)."""
     return head_dim * itemsize(kv_dtype)
 
 
@@ -418,7 +419,7 @@ def row_l2_prefetch(spec: KernelSpec) -> int:
     else 64, else 0; ``L2_PREFETCH`` for kernels without K/V rows (``kv_dtype`` empty)."""
     if not spec.kv_dtype or not spec.head_dim:
         return L2_PREFETCH
-    row = spec.head_dim * itemsize(spec.kv_dtype)
+    row = _row_bytes(spec.head_dim, spec.kv_dtype)
     return next((b for b in (128, 64) if b <= L2_PREFETCH and row % b == 0), 0)
 
 

@@ -717,21 +717,21 @@ step_setting_ab() {
   local r v k b n
   for r in $(seq ${SETTING_ROUNDS:-2}); do
     for v in ${SETTING_VALUES:?setting-ab: SETTING_VALUES is not set}; do
-      k=0
-      while IFS= read -r b; do
-        [ -n "$b" ] || continue
-        k=$((k + 1)); n="sab${r}_${v/#-/unset}_$k"
-        ( if [ "$v" = - ]; then unset "$SETTING"; else export "$SETTING=$v"; fi
-          BENCH_TIMEOUT=${SETTING_TIMEOUT:-120} run_bench "$n" $b --arms ${SETTING_ARMS:-v2,v2tc} ) \
-          | grep -E " B[0-9]+ |rc="
-      done <<< "$(tr ';' '\n' <<< "$benches")"
-      [ "${SETTING_ENGINE:-0}" = 1 ] || continue
-      n="sab${r}_${v/#-/unset}_engine"
+      # one subshell per value: every bench and the engine step below run under it
       ( if [ "$v" = - ]; then unset "$SETTING"; else export "$SETTING=$v"; fi
+        k=0
+        while IFS= read -r b; do
+          [ -n "$b" ] || continue
+          k=$((k + 1)); n="sab${r}_${v/#-/unset}_$k"
+          BENCH_TIMEOUT=${SETTING_TIMEOUT:-120} run_bench "$n" $b --arms ${SETTING_ARMS:-v2,v2tc} \
+            | grep -E " B[0-9]+ |rc="
+        done <<< "$(tr ';' '\n' <<< "$benches")"
+        [ "${SETTING_ENGINE:-0}" = 1 ] || exit 0
+        n="sab${r}_${v/#-/unset}_engine"
         timeout ${ENGINE_TIMEOUT:-300} paged-decode bench --backend cuda --suite engine \
           ${ENGINE_ARGS:-} --arms ${ENGINE_ARMS:-captured-tc} --json "$OUT/$n.json" \
-          > "$OUT/$n.txt" 2>&1 )
-      echo "$n rc=$?"; grep -E "^B[0-9]+ " "$OUT/$n.txt"
+          > "$OUT/$n.txt" 2>&1
+        echo "$n rc=$?"; grep -E "^B[0-9]+ " "$OUT/$n.txt" )
     done
   done
   return 0
