@@ -284,8 +284,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "FlashInfer's decode wrapper and sdpa report unavailable).")
 @click.option("--kv-dtype", "kv_dtype", default=None,
               type=click.Choice(["float8_e4m3fn", "float8_e5m2"]),
-              help="decode and engine suites: fp8 K/V pools (queries and outputs keep "
-                   "--dtype; our arms and FlashInfer's fp8 decode; the engine suite "
+              help="decode, forks and engine suites: fp8 K/V pools (queries and outputs "
+                   "keep --dtype; our arms and FlashInfer's fp8 decode; the engine suite "
                    "calibrates per-layer scales on its prompts; docs/fp8.md).")
 @click.option("--json", "json_path", type=OutPath(), default=None)
 @click.option("--csv", "csv_path", type=OutPath(), default=None)
@@ -368,9 +368,10 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
         cases = [dataclasses.replace(c, window_left=window_left, soft_cap=soft_cap,
                                      sinks=sinks) for c in cases]
     if kv_dtype:
-        if suite != "decode":
-            raise click.ClickException(f"bench: --kv-dtype applies to the decode suite, not "
-                                       f"--suite {suite}")
+        from .bench.suites import FP8_SUITES
+        if suite not in ("decode", *FP8_SUITES):
+            raise click.ClickException(f"bench: --kv-dtype applies to the decode and "
+                                       f"{', '.join(FP8_SUITES)} suites, not --suite {suite}")
         cases = [dataclasses.replace(c, kv_dtype=kv_dtype) for c in cases]
     arm_list = tuple(dict.fromkeys(a.strip() for a in arms.split(",") if a.strip()))
     bad = [a for a in arm_list if a not in ARMS]
@@ -393,7 +394,8 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
         n = len(SUITES[suite]())
         with click.progressbar(length=n, label=f"{n} cases", file=sys.stderr) as bar:
             results = run_suite(suite, be, warmup=warmup, reps=reps, cold_l2=cold_l2,
-                                graph=not no_graph, progress=lambda r: bar.update(1))
+                                graph=not no_graph, progress=lambda r: bar.update(1),
+                                kv_dtype=kv_dtype or "")
     else:
         with click.progressbar(length=len(cases), label=f"{len(cases)} cases",
                                file=sys.stderr) as bar:

@@ -44,7 +44,8 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_MERGE_SPLIT": "CUDA merge warps per (row, head): unset, the rule "
                                 "(launches.merge_split); 1, 2, 4, 8 or 16 forces it",
     "PAGED_DECODE_PDL": "CUDA merge launched as the partial's programmatic dependent "
-                        "(sm_90+; experiments, off unless 1)",
+                        "(sm_90+): unset, for packed launches only (prepared calls, "
+                        "engine step, graphs); 1 eager calls too; 0 never",
     "PAGED_DECODE_ASSERT_NO_COMPILE": "any kernel compile raises (benchmarks)",
     "PAGED_DECODE_POISON": "NaN-fill fresh outputs and workspaces (tests)",
     "PAGED_DECODE_REFERENCE_ANY_GEOMETRY": "reference backend runs any geometry (oracle use)",

@@ -71,6 +71,7 @@ class KernelSpec:
     soft_cap: bool = False       # v2, v1, v2tc: logits soft cap (paged_decode/variants.py)
     sink: bool = False           # v2, v1, v2tc (final store), merge: attention sinks
     merged_dtype: str = ""       # v2tc (CUDA): the fused merge's output dtype ("": none)
+    row_hint: bool = False       # v2, v2tc (CUDA): L2 prefetch hint within the K/V row
 
     # the kernels' template parameters are read off these fields by name in
     # ``kernels/<name>.py`` (``KernelDef.arguments``)
@@ -107,6 +108,8 @@ class KernelSpec:
             parts.append("sink")
         if self.merged_dtype:
             parts.append(f"merge-{SHORT[self.merged_dtype]}")
+        if self.row_hint:
+            parts.append("l2row")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -162,14 +165,16 @@ V1_STAGES = 2
 
 
 def v2_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,
-            heads_per_cta: int, *, soft_cap: bool = False, sink: bool = False) -> KernelSpec:
+            heads_per_cta: int, *, soft_cap: bool = False, sink: bool = False,
+            row_hint: bool = False) -> KernelSpec:
     """The v2 partial; ``soft_cap`` / ``sink`` specialize it for those variants (``sink``
-    only where it writes the output: merged partials never hold a sink)."""
+    only where it writes the output: merged partials never hold a sink); ``row_hint``:
+    its L2 prefetch hint stays within a K/V row (``row_hint_pays``)."""
     loads = v2_row_loads(kv_dtype, head_dim, heads_per_cta)
     return KernelSpec("v2", out_dtype, head_dim, q_dtype, kv_dtype, page_size, heads_per_cta,
                       V2_NUM_WARPS,
                       pipeline_stages(kv_dtype, head_dim, V2_NUM_WARPS, V2_STAGES, loads),
-                      loads, soft_cap=soft_cap, sink=sink)
+                      loads, soft_cap=soft_cap, sink=sink, row_hint=row_hint)
 
 
 def v1_spec(q_dtype: str, kv_dtype: str, out_dtype: str, head_dim: int,
@@ -367,12 +372,21 @@ def cuda_define_text(spec: KernelSpec) -> str:
 
 def heads_first(spec: KernelSpec, prefetch: int | None = None) -> bool:
     """Whether ``spec``'s flat decode kernel (v2, v2tc; never others) numbers its CTAs
-    head slots first (``pd::grid_cell``): where the L2 prefetch hint of ``prefetch`` bytes
-    (default ``l2_prefetch_bytes(spec)``) is not a divisor of the K/V row, so it fetches
-    part of the next head's row, which that head's CTA then reads from L2 because it runs
-    alongside (head_dim 96 at 16 bits: 192-byte rows under 128 bytes). Elsewhere chunks
-    first, which has requests that share pages read them at about the same time (the forks
-    cells). ``PAGED_DECODE_GRID_ORDER`` = heads / chunks overrides it for experiments."""
+    head slots first (``pd::grid_cell``):
+
+    - where the L2 prefetch hint of ``prefetch`` bytes (default ``l2_prefetch_bytes(spec)``)
+      is not a divisor of the K/V row, so it fetches part of the next head's row, which
+      that head's CTA then reads from L2 because it runs alongside (head_dim 96 at 16
+      bits: 192-byte rows under 128 bytes);
+    - over fp8 pools whose rows are no longer than the hint (head_dim <= 128): the heads'
+      rows of a token lie side by side, and reading them together was 1-5% faster at
+      batch 8-128 x 8K / 32K, level over the forks suite's shared pages (S34-R1 / R6 /
+      R8, H100; 0.3 us slower at 8 x 1K).
+
+    Elsewhere chunks first, which has requests that share pages read them at about the
+    same time (over 16-bit pools at head_dim 128, heads first was level to 7% slower in
+    the forks cells, S34-R1). ``PAGED_DECODE_GRID_ORDER`` = heads / chunks overrides it for
+    experiments."""
     if spec.kernel not in GRID_ORDER_KERNELS:
         return False
     env = settings.get(GRID_ORDER_ENV)
@@ -382,7 +396,8 @@ def heads_first(spec: KernelSpec, prefetch: int | None = None) -> bool:
                                        f"got {env!r}")
         return env == "heads"
     hint = l2_prefetch_bytes(spec) if prefetch is None else prefetch
-    return hint > 0 and _row_bytes(spec.head_dim, spec.kv_dtype) % hint != 0
+    row = _row_bytes(spec.head_dim, spec.kv_dtype)
+    return hint > 0 and (row % hint != 0 or (spec.kv_dtype in FORMATS and row <= hint))
 
 
 @functools.cache
@@ -394,13 +409,14 @@ def _row_bytes(head_dim: int, kv_dtype: str) -> int:
 
 def l2_prefetch_bytes(spec: KernelSpec | None = None) -> int:
     """The L2 prefetch size (bytes) the ``cp.async`` copies of ``spec``'s kernel hint:
-    ``L2_PREFETCH``, or ``PAGED_DECODE_L2_PREFETCH`` for experiments: 0, 64, 128 or 256
-    for every kernel, or ``rows`` for ``row_l2_prefetch(spec)`` (``L2_PREFETCH`` where
-    ``spec`` is ``None``). Compiled in as ``PD_L2_PREFETCH``, so a kernel is compiled once
-    per value."""
+    ``L2_PREFETCH``, or ``row_l2_prefetch(spec)`` for a spec made with ``row_hint``
+    (``row_hint_pays``); ``PAGED_DECODE_L2_PREFETCH`` overrides both for experiments: 0,
+    64, 128 or 256 for every kernel, or ``rows`` for ``row_l2_prefetch(spec)``
+    (``L2_PREFETCH`` where ``spec`` is ``None``). Compiled in as ``PD_L2_PREFETCH``, so a
+    kernel is compiled once per value."""
     env = settings.get(L2_PREFETCH_ENV)
     if env is None:
-        return L2_PREFETCH
+        return row_l2_prefetch(spec) if spec is not None and spec.row_hint else L2_PREFETCH
     if env == L2_PREFETCH_ROWS:
         return L2_PREFETCH if spec is None else row_l2_prefetch(spec)
     sizes = tuple(str(b) for b in L2_PREFETCH_SIZES)
@@ -423,6 +439,36 @@ def row_l2_prefetch(spec: KernelSpec) -> int:
     return next((b for b in (128, 64) if b <= L2_PREFETCH and row % b == 0), 0)
 
 
+#: the plans under which the row hint beats 128 bytes over 16-bit head_dim 96 rows
+#: (Phi-3-mini's heads on an H100, S34-R3 / R4 / R5 / R8, one round each): the v2 partial
+#: from ``ROW_HINT_V2_CTAS`` CTAs (batch 32+ at 32 heads: 2-17% faster), or from half as
+#: many with chunks of ``ROW_HINT_TOKENS`` tokens (16 x 16K / 32K: 9-14% faster; at 16 x 4K
+#: it was 1-2% slower, at 8 x 8K / 32K level to 7% slower); the tensor-core partial from
+#: chunks of ``ROW_HINT_TC_TOKENS`` tokens (32K: 2-10% faster at batch 16-64; 16K chunks
+#: were 3% faster in one run and 2% slower in another, 4K-8K level to 6% slower)
+ROW_HINT_V2_CTAS = 1024
+ROW_HINT_TOKENS = 16384
+ROW_HINT_TC_TOKENS = 32768
+
+
+def row_hint_pays(kernel: str, kv_dtype: str, head_dim: int, *, ctas: int,
+                  chunk_tokens: int) -> bool:
+    """Whether a CUDA launch of ``kernel`` (``v2`` or ``v2tc``) of ``ctas`` CTAs, each
+    streaming at most ``chunk_tokens`` tokens, compiles with ``row_hint``: where the
+    128-byte hint overruns a 16-bit K/V row (head_dim 96), once the launch streams long
+    enough that a neighbouring head's CTA no longer finds the over-fetched bytes in L2
+    (``ROW_HINT_V2_CTAS``, ``ROW_HINT_TOKENS``, ``ROW_HINT_TC_TOKENS``). fp8 rows keep the
+    128-byte hint, which was faster at every measured Phi-3-mini cell (S34-R4)."""
+    if kernel not in GRID_ORDER_KERNELS or itemsize(kv_dtype) != 2:
+        return False
+    if _row_bytes(head_dim, kv_dtype) % L2_PREFETCH == 0:
+        return False
+    if kernel == "v2tc":
+        return chunk_tokens >= ROW_HINT_TC_TOKENS
+    return ctas >= ROW_HINT_V2_CTAS or (2 * ctas >= ROW_HINT_V2_CTAS
+                                        and chunk_tokens >= ROW_HINT_TOKENS)
+
+
 def _v2tc_q_dtype(kv_dtype: str, q_dtype: str | None) -> str:
     """q's dtype of a v2tc specialization: ``q_dtype``, or the pools' own for 16-bit pools
     (fp8 pools must name it)."""
@@ -435,18 +481,19 @@ def _v2tc_q_dtype(kv_dtype: str, q_dtype: str | None) -> str:
 
 def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int, *,
               q_dtype: str | None = None, soft_cap: bool = False,
-              sink: bool = False, merged_dtype: str = "") -> KernelSpec:
+              sink: bool = False, merged_dtype: str = "", row_hint: bool = False) -> KernelSpec:
     """The tensor-core v2 partial (``kernels/decode_v2_tc.py``); q has the pools' dtype
     unless ``q_dtype`` says otherwise (fp8 pools: q float16 or bfloat16). ``soft_cap`` /
-    ``sink`` specialize it as they do the v2 partial (``v2_spec``). ``merged_dtype``: the
-    fused merge's output dtype (CUDA; ``out_dtype`` is then float32, and ``sink`` is the
-    merge's sink, not the partial's)."""
+    ``sink`` / ``row_hint`` specialize it as they do the v2 partial (``v2_spec``).
+    ``merged_dtype``: the fused merge's output dtype (CUDA; ``out_dtype`` is then float32,
+    and ``sink`` is the merge's sink, not the partial's)."""
     if merged_dtype and out_dtype != "float32":
         raise ValueError(f"v2tc_spec: a fused merge reads float32 partials, not {out_dtype}")
     warps = v2tc_warps(head_dim, kv_dtype)
     return KernelSpec("v2tc", out_dtype, head_dim, _v2tc_q_dtype(kv_dtype, q_dtype), kv_dtype,
                       page_size, 0, warps, v2tc_stages(head_dim, warps, kv_dtype),
-                      soft_cap=soft_cap, sink=sink, merged_dtype=merged_dtype)
+                      soft_cap=soft_cap, sink=sink, merged_dtype=merged_dtype,
+                      row_hint=row_hint)
 
 
 def v2tc_metal_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,
@@ -468,16 +515,20 @@ def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int) -> list[KernelSpec]:
     """Every specialization a decode of this problem can compile, over all paths: the v2
     partial writing float32 partials or the output directly, the merge, v1, and the
-    tensor-core v2 partial (both outputs) where its dtypes and GQA group fit."""
+    tensor-core v2 partial (both outputs) where its dtypes and GQA group fit; both
+    partials with and without ``row_hint`` where ``row_hint_pays`` can choose it."""
     qh = heads_per_cta(num_qo_heads, num_kv_heads)
     outs = sorted({"float32", out_dtype})
     tc = (v2tc_fits(q_dtype, kv_dtype)
           and num_qo_heads // num_kv_heads <= V2TC_MAX_GROUP)
-    return ([v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh) for o in outs]
+    hints = (False, True) if row_hint_pays("v2", kv_dtype, head_dim, ctas=ROW_HINT_V2_CTAS,
+                                            chunk_tokens=0) else (False,)
+    return ([v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh, row_hint=h)
+             for o in outs for h in hints]
             + [merge_spec(out_dtype, head_dim),
                v1_spec(q_dtype, kv_dtype, out_dtype, head_dim, page_size)]
-            + ([v2tc_spec(kv_dtype, o, head_dim, page_size, q_dtype=q_dtype) for o in outs]
-               if tc else []))
+            + ([v2tc_spec(kv_dtype, o, head_dim, page_size, q_dtype=q_dtype, row_hint=h)
+                for o in outs for h in hints] if tc else []))
 
 
 def append_spec(dtype: str, vector_bytes: int) -> KernelSpec:

@@ -687,12 +687,18 @@ MUTANTS: tuple[Mutant, ...] = (
        "heads-first numbering divides by the chunk count instead of the head slots' "
        "(each CTA gets another's chunk and head, some past the grid)"),
     _m("py-heads-first-never", "python", ("paged_decode.specs",),
-       "    return hint > 0 and _row_bytes(spec.head_dim, spec.kv_dtype) % hint != 0",
+       "    return hint > 0 and (row % hint != 0 or (spec.kv_dtype in FORMATS and row <= hint))",
        "    return False",
        ["tests/test_cuda_compile.py::test_heads_first_where_the_prefetch_runs_past_a_row"],
        "head_dim 96 numbers its CTAs chunks first, so the 128-byte prefetch's bytes past a "
        "row are evicted before the neighbouring head's CTA runs (Phi-3-mini 64 x 8K: v2tc "
        "2553 against 2188 us, S33-R4)"),
+    _m("py-heads-first-not-for-fp8-rows", "python", ("paged_decode.specs",),
+       "    return hint > 0 and (row % hint != 0 or (spec.kv_dtype in FORMATS and row <= hint))",
+       "    return hint > 0 and row % hint != 0",
+       ["tests/test_cuda_compile.py::test_heads_first_where_the_prefetch_runs_past_a_row"],
+       "fp8 head_dim 128 numbers its CTAs chunks first again (Llama-3-8B 32 x 32K over "
+       "e4m3fn: v2tc 747 against 713 us, S34-R1)"),
     _m("py-heads-first-not-compiled-in", "python", ("paged_decode.specs",),
        "    order = (\"-DPD_HEADS_FIRST=1\",) if spec is not None and heads_first(spec, prefetch) "
        "else ()",
@@ -700,6 +706,36 @@ MUTANTS: tuple[Mutant, ...] = (
        ["tests/test_cuda_compile.py::test_heads_first_where_the_prefetch_runs_past_a_row",
         "tests/test_emulated_kernels.py::test_the_emulator_compiles_the_gpus_defines"],
        "the rule is computed but the kernels compile without PD_HEADS_FIRST"),
+    _m("py-row-hint-v2-short-chunks", "python", ("paged_decode.specs",),
+       "                                        and chunk_tokens >= ROW_HINT_TOKENS)",
+       "                                        )",
+       ["tests/test_cuda_compile.py::test_the_row_hint_where_a_plan_streams_long_past_a_16_"
+        "bit_row"],
+       "the v2 partial hints 64 bytes from 512 CTAs of any length: Phi-3-mini 16 x 4K's v2 "
+       "takes 286.6 against 281.3 us (S34-R5)"),
+    _m("py-row-hint-v2tc-at-16k", "python", ("paged_decode.specs",),
+       "        return chunk_tokens >= ROW_HINT_TC_TOKENS",
+       "        return chunk_tokens >= ROW_HINT_TOKENS",
+       ["tests/test_cuda_compile.py::test_the_row_hint_where_a_plan_streams_long_past_a_16_"
+        "bit_row"],
+       "the tensor-core partial hints 64 bytes from 16K-token chunks: Phi-3-mini 16 x 16K's "
+       "v2tc takes 1366.8 against 1339.6 us (S34-R8)"),
+    _m("py-row-hint-not-compiled-in", "python", ("paged_decode.specs",),
+       "        return row_l2_prefetch(spec) if spec is not None and spec.row_hint else "
+       "L2_PREFETCH",
+       "        return L2_PREFETCH",
+       ["tests/test_cuda_compile.py::test_the_row_hint_where_a_plan_streams_long_past_a_16_"
+        "bit_row",
+        "tests/test_v2tc.py::test_both_flat_partials_match_the_oracle_under_the_row_hint[v2]"],
+       "the launches pick the row-hint specialization, but it compiles with 128 bytes and "
+       "head slots first (Phi-3-mini 64 x 32K: v2 11297 against 9340 us, S34-R3)"),
+    _m("py-pdl-packed-default-off", "python", ("paged_decode.backends.cuda_pdl",),
+       "    return settings.flag(PDL_ENV, default=packed)",
+       "    return settings.flag(PDL_ENV, default=False)",
+       ["tests/test_pdl.py::test_enabled_by_default_for_packed_launches_only_on_sm90_with_"
+        "the_driver_entry"],
+       "prepared calls and the engine step launch the merge plainly again (Qwen2-7B's captured "
+       "step at 8 x 1K: 538 against 500 us, S34-R2)"),
     # ------------------------------------------------------------ v2tc's fused merge (#17)
     _m("v2tc-fused-merge-one-cta-early", "cuda", ("v2tc",),
        "      sm_last = done == parts;", "      sm_last = done == parts - 1;",

@@ -181,6 +181,33 @@ def test_forks_suite_runs_every_flat_arm_it_can_and_says_why_not_the_others():
         assert f.arms[fi].ran == "unavailable" and "cuda backend" in f.arms[fi].note
 
 
+def test_forks_suite_over_fp8_pools_verifies_every_arm_against_the_dequantized_oracle():
+    from paged_decode import get_backend
+    be = get_backend("emulated-cuda")
+    case = CascadeCase(3, 32, 16, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                       kv_dtype="float8_e4m3fn")
+    assert case.label.endswith(" kv float8_e4m3fn")
+    assert case.row_bytes() == 2 * 2 * 64                    # one byte per element
+    f = bench_forks(be, case, warmup=1, reps=3, cold_l2=False)
+    assert f.arms["v2"].ran in ("v2", "v2+merge") and f.arms["v2tc"].ran in ("v2tc",
+                                                                                "v2tc+merge")
+    assert f.arms["cascade"].ran == "cascade"
+    assert all(f.arms[a].verified for a in ("v2", "v2tc", "cascade"))
+    # negative control: the check reads the codes through the scales, so an output made
+    # with another K scale fails it
+    from paged_decode import decode
+    from paged_decode.bench import suites
+    from paged_decode.bench.runner import TOLERANCE, _verify
+    q, k, v, table = suites.cascade_problem(be, case)
+    vk = suites.fp8_variants(case.kv_dtype)
+    good = decode(q, k, v, table, backend=be, **vk)
+    assert _verify(be, good, q, k, v, table, vk) < TOLERANCE["float16"]
+    off = decode(q, k, v, table, backend=be, **{**vk, "k_scale": 2 * vk["k_scale"]})
+    assert _verify(be, off, q, k, v, table, vk) > TOLERANCE["float16"]
+    with pytest.raises(ValueError, match="kv_dtype applies to the forks suite, not 'cascade'"):
+        suites.run_suite("cascade", be, kv_dtype="float8_e4m3fn")
+
+
 def test_a_fallen_back_arm_withholds_the_comparison():
     ok = ArmResult("v1", "v1", 0.0, True, call={"median_us": 10.0}, expected=("v1",))
     fell = ArmResult("v2", "gather", 0.0, True, call={"median_us": 5.0},
@@ -286,6 +313,10 @@ def test_bench_model_selects_one_layout_of_a_decode_preset(run, tmp_path):
     bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "forks",
                                     "--model", "qwen2-7b"])
     assert bad.exit_code != 0 and "not --suite forks" in bad.output
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "cascade",
+                                    "--kv-dtype", "float8_e4m3fn"])
+    assert bad.exit_code != 0
+    assert "--kv-dtype applies to the decode and forks suites, not --suite cascade" in bad.output
 
 
 def test_bench_engine_suite_model_heads_and_tensor_core_arms(run, tmp_path):

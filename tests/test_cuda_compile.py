@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 from paged_decode import cuda_compile
@@ -271,7 +272,8 @@ def test_heads_first_where_the_prefetch_runs_past_a_row(monkeypatch):
     rows = {   # (head_dim, kv dtype) -> heads first under the 128-byte default
         (64, "float16"): False, (96, "float16"): True, (128, "bfloat16"): False,
         (256, "float16"): False, (64, "float8_e4m3fn"): True, (96, "float8_e5m2"): True,
-        (128, "float8_e4m3fn"): False, (96, "float32"): False, (32, "float16"): True,
+        (128, "float8_e4m3fn"): True, (128, "float8_e5m2"): True,
+        (256, "float8_e4m3fn"): False, (96, "float32"): False, (32, "float16"): True,
     }
     for (d, kv), want in rows.items():
         q = "float16" if kv.startswith("float8") or kv == "float32" else kv
@@ -301,6 +303,95 @@ def test_heads_first_where_the_prefetch_runs_past_a_row(monkeypatch):
     with pytest.raises(InvalidArgumentError, match=f"{GRID_ORDER_ENV} must be heads or "
                                                    "chunks, got 'rows'"):
         heads_first(f16_96)
+
+
+def test_the_row_hint_where_a_plan_streams_long_past_a_16_bit_row(monkeypatch):
+    """``row_hint_pays``: only the flat partials over 16-bit rows the 128-byte hint
+    overruns (head_dim 96): the v2 partial from ``ROW_HINT_V2_CTAS`` CTAs, or from half
+    as many with chunks of ``ROW_HINT_TOKENS`` tokens, the tensor-core one from chunks of
+    ``ROW_HINT_TC_TOKENS`` tokens; a spec made with it
+    hints ``row_l2_prefetch`` bytes (64 over 192-byte rows), numbers chunks first, has
+    its own name, and the setting still overrides it."""
+    from paged_decode.specs import (
+        L2_PREFETCH,
+        L2_PREFETCH_ENV,
+        ROW_HINT_TC_TOKENS,
+        ROW_HINT_TOKENS,
+        ROW_HINT_V2_CTAS,
+        cuda_defines,
+        heads_first,
+        l2_prefetch_bytes,
+        row_hint_pays,
+        v2_spec,
+        v2tc_spec,
+    )
+    big, long = ROW_HINT_V2_CTAS, ROW_HINT_TOKENS
+    for kv in ("float16", "bfloat16"):
+        assert row_hint_pays("v2", kv, 96, ctas=big, chunk_tokens=0)
+        assert not row_hint_pays("v2", kv, 96, ctas=big - 1, chunk_tokens=long - 1)
+        assert row_hint_pays("v2", kv, 96, ctas=big // 2, chunk_tokens=long)
+        assert not row_hint_pays("v2", kv, 96, ctas=big // 2 - 1, chunk_tokens=1 << 20)
+        assert row_hint_pays("v2tc", kv, 96, ctas=1, chunk_tokens=ROW_HINT_TC_TOKENS)
+        assert not row_hint_pays("v2tc", kv, 96, ctas=1 << 20,
+                                 chunk_tokens=ROW_HINT_TC_TOKENS - 1)
+        for d in (64, 128, 256):        # rows the hint divides
+            assert not row_hint_pays("v2", kv, d, ctas=1 << 20, chunk_tokens=1 << 20)
+            assert not row_hint_pays("v2tc", kv, d, ctas=1 << 20, chunk_tokens=1 << 20)
+    for kv in ("float8_e4m3fn", "float8_e5m2", "float32"):
+        for d in (64, 96, 128):
+            assert not row_hint_pays("v2", kv, d, ctas=1 << 20, chunk_tokens=1 << 20)
+    for kernel in ("v1", "merge", "prefix"):
+        assert not row_hint_pays(kernel, "float16", 96, ctas=1 << 20, chunk_tokens=1 << 20)
+    plain = v2_spec("float16", "float16", "float32", 96, 16, 1)
+    hinted = v2_spec("float16", "float16", "float32", 96, 16, 1, row_hint=True)
+    tc = v2tc_spec("bfloat16", "float32", 96, 16, row_hint=True)
+    assert l2_prefetch_bytes(plain) == L2_PREFETCH == 128 and heads_first(plain)
+    for spec in (hinted, tc):
+        assert l2_prefetch_bytes(spec) == 64 and not heads_first(spec)
+        assert spec.uri.endswith("_l2row")
+        assert "-DPD_L2_PREFETCH=64" in cuda_defines(spec=spec)
+        assert "-DPD_HEADS_FIRST=1" not in cuda_defines(spec=spec)
+    assert hinted.uri != plain.uri
+    monkeypatch.setenv(L2_PREFETCH_ENV, "128")
+    assert l2_prefetch_bytes(hinted) == 128 and heads_first(hinted)
+    # every specialization a decode can compile is listed, hinted ones included
+    specs_96 = decode_specs("float16", "float16", "float16", 32, 32, 96, 16)
+    assert {s.kernel for s in specs_96 if s.row_hint} == {"v2", "v2tc"}
+    assert not any(s.row_hint for s in decode_specs("float16", "float16", "float16", 32, 8,
+                                                     128, 16))
+
+
+@pytest.mark.parametrize("metal", [False, True])
+def test_the_launches_take_the_row_hint_from_their_plan(metal):
+    """The v2 / v2tc launches ask ``row_hint_pays`` with the plan's CTAs and chunk tokens
+    (Phi-3-mini's heads, 32 / 32 x 96); the Metal dialect never (no L2 hint there)."""
+    import paged_decode as pd
+    from paged_decode.backends.launches import partial_launch, v2tc_launch
+    from paged_decode.device import DeviceInfo
+    from paged_decode.page_table import PageTable
+
+    def launches(batch: int, tokens: int, ppc: int):
+        pages = tokens // 16
+        table = PageTable.build(np.arange(batch * pages), np.arange(batch + 1) * pages,
+                                [16] * batch, page_size=16, num_pages=batch * pages)
+        plan = pd.plan_decode(table, 32, 32, 96, device=DeviceInfo("cuda", "sm_90", 132, 2),
+                              pages_per_chunk=ppc)
+        a = np.zeros(1, np.float32)
+        common = dict(plan=plan, sm_scale=0.1, q=a, k_pages=np.zeros((batch * pages, 1)),
+                      v_pages=a, table=(a,) * 4, request_indices=a, kv_tile_indices=a,
+                      v_out=a, lse_out=a, metal=metal)
+        return (partial_launch(dtypes=("float16",) * 3, **common).spec,
+                v2tc_launch(kv_dtype="float16", out_dtype="float32", **common).spec)
+
+    on = not metal
+    for batch, tokens, ppc, want_v2, want_tc in (
+            (16, 4096, 256, False, False),      # 512 CTAs of 4K tokens
+            (32, 4096, 256, on, False),         # 1024 CTAs of 4K tokens
+            (16, 16384, 1024, on, False),       # 512 CTAs of 16K tokens
+            (8, 32768, 2048, False, on),        # 256 CTAs of 32K tokens
+            (8, 32768, 1024, on, False)):       # 512 CTAs of 16K tokens
+        v2, tc = launches(batch, tokens, ppc)
+        assert (v2.row_hint, tc.row_hint) == (want_v2, want_tc), (batch, tokens, ppc)
 
 
 def test_an_unknown_hint_size_does_not_compile():

@@ -171,6 +171,12 @@ def test_v2tc_on_cuda_ragged_with_empty_requests(cuda):
              lengths=[4000, 0, 1, 777, 0, 8191, 64], offsets=[3, 0, 0, 15, 0, 9, 0])
 
 
+@pytest.mark.parametrize("path", ["v2", "v2tc"])
+def test_flat_partials_on_cuda_under_the_row_hint(cuda, path, monkeypatch):
+    from test_v2tc import run_row_hint
+    run_row_hint(cuda, path, monkeypatch)
+
+
 @pytest.mark.parametrize("batch", [31, 127, 128, 129])
 def test_v2tc_on_cuda_request_entries_at_every_batch_size(cuda, batch):
     from test_v2tc import run_request_entries

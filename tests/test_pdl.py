@@ -94,17 +94,25 @@ def test_a_driver_error_is_raised_with_its_code():
         ex(0)
 
 
-def test_enabled_only_when_asked_on_sm90_with_the_driver_entry(monkeypatch):
+def test_enabled_by_default_for_packed_launches_only_on_sm90_with_the_driver_entry(
+        monkeypatch):
     drv = FakeDriver()
     monkeypatch.delenv(cuda_pdl.PDL_ENV, raising=False)
-    assert not cuda_pdl.enabled(9, entry=drv)            # off by default (an experiment)
+    # unset: packed launches (prepared calls, the engine step, graphs) yes, eager no
+    assert cuda_pdl.enabled(9, entry=drv, packed=True)
+    assert not cuda_pdl.enabled(9, entry=drv) and not cuda_pdl.enabled(9, entry=drv,
+                                                                        packed=False)
+    assert not cuda_pdl.enabled(8, entry=drv, packed=True)   # griddepcontrol is sm_90+
     monkeypatch.setenv(cuda_pdl.PDL_ENV, "1")
-    assert cuda_pdl.enabled(9, entry=drv) and cuda_pdl.enabled(10, entry=drv)
-    assert not cuda_pdl.enabled(8, entry=drv)            # griddepcontrol is sm_90+
+    for packed in (False, True):
+        assert cuda_pdl.enabled(9, entry=drv, packed=packed)
+        assert cuda_pdl.enabled(10, entry=drv, packed=packed)
+        assert not cuda_pdl.enabled(8, entry=drv, packed=packed)
     monkeypatch.setattr(cuda_pdl, "driver_entry", lambda: None)
-    assert not cuda_pdl.enabled(9)                       # no cuLaunchKernelEx
+    assert not cuda_pdl.enabled(9, packed=True)          # no cuLaunchKernelEx
     monkeypatch.setenv(cuda_pdl.PDL_ENV, "0")
-    assert not cuda_pdl.enabled(9, entry=drv)
+    for packed in (False, True):
+        assert not cuda_pdl.enabled(9, entry=drv, packed=packed)
 
 
 def test_a_launch_holds_the_owner_of_its_argument_array():

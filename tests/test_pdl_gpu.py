@@ -150,3 +150,33 @@ def test_a_fused_merge_leaves_nothing_to_launch_dependently(monkeypatch, counted
         got = result()
     assert counted == []                                  # one launch, no merge grid
     np.testing.assert_allclose(got[0], want[0], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("path", ["v2", "v2tc"])
+def test_by_default_packed_merges_are_dependent_launches_and_eager_ones_are_not(
+        monkeypatch, counted, path):
+    # PAGED_DECODE_PDL unset: decode's first call runs eagerly (a plain merge launch); it
+    # then caches the call as packed launches, whose replays launch the merge dependently
+    import cupy as cp
+    call, result, want = _plain(monkeypatch, path)
+    monkeypatch.delenv(cuda_pdl.PDL_ENV)
+    call2, result2, _ = _case(path)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        for _ in range(3):
+            call2()
+            _same(result2(), want)
+    assert counted == [s.ptr] * 2
+
+
+@pytest.mark.parametrize("path", ["v2", "v2tc"])
+def test_pdl_0_launches_every_merge_plainly(monkeypatch, counted, path):
+    import cupy as cp
+    call, result, want = _plain(monkeypatch, path)
+    monkeypatch.setenv(cuda_pdl.PDL_ENV, "0")
+    call2, result2, _ = _case(path)
+    with cp.cuda.Stream(non_blocking=True):
+        for _ in range(3):
+            call2()
+            _same(result2(), want)
+    assert counted == []

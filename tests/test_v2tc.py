@@ -128,6 +128,45 @@ def test_both_flat_partials_match_the_oracle_in_either_grid_order(emu, order, mo
 
 
 @needs_emulator
+@pytest.mark.parametrize("path", ["v2", "v2tc"])
+def test_both_flat_partials_match_the_oracle_under_the_row_hint(emu, path, monkeypatch):
+    run_row_hint(emu, path, monkeypatch)
+
+
+def run_row_hint(be, path: str, monkeypatch) -> None:
+    """Where ``row_hint_pays`` fires (its thresholds lowered so that a small head_dim-96
+    plan reaches them) the partials compile with ``row_hint`` (the emulator with the GPU's
+    defines: a 64-byte hint, chunks first), and the results stay right."""
+    from paged_decode import specs
+    monkeypatch.setattr(specs, "ROW_HINT_V2_CTAS", 1)
+    monkeypatch.setattr(specs, "ROW_HINT_TOKENS", 16)
+    monkeypatch.setattr(specs, "ROW_HINT_TC_TOKENS", 16)
+    seen = []
+    real = type(be)._run
+
+    def spy(self, launch):
+        seen.append(launch.spec)
+        return real(self, launch)
+
+    monkeypatch.setattr(type(be), "_run", spy)
+    spec = ProblemSpec(3, 0, 8, 4, 96, 16, seed=63)
+    lengths = [100, 45, 70]
+    pr = make_problem(spec, lengths=lengths)
+    ref, ref_lse = oracle_decode(pr.q, pr.k_pages, pr.v_pages, pr.table)
+    plan = pd.plan_decode(pr.table, 8, 4, 96, device=be.device_info(), pages_per_chunk=2)
+    q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    out, lse = pd.decode(q, k, v, pr.table, plan, path=path, return_lse=True,
+                         out_dtype="float32", backend=be)
+    partials = [s for s in seen if s.kernel == path]
+    assert partials and all(s.row_hint for s in partials)
+    assert "#define PD_L2_PREFETCH 64" in specs.cuda_define_text(partials[0])
+    assert "PD_HEADS_FIRST" not in specs.cuda_define_text(partials[0])
+    assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), ref, ref_lse, "float32",
+                          f"{path} {spec.label} row hint",
+                          tol=tc_out_tol("float16", "float32") if path == "v2tc" else None)
+
+
+@needs_emulator
 @pytest.mark.parametrize("name", ["emulated-cuda", "emulated-metal"])
 def test_v2tc_ragged_batch_with_empty_requests(name):
     # empty requests in the middle and at the end of the batch, first page offsets up to

@@ -33,7 +33,7 @@
 #   cascade     bench --suite cascade
 #   cascade-rule  bench --suite cascade-rule (short prefixes: where cascade starts to pay)
 #   forks       bench --suite forks: flat decode over pages every request shares, v2 /
-#               v2tc / FlashInfer beside cascade (run fi first)
+#               v2tc / FlashInfer beside cascade (run fi first; FORKS_KV: fp8 pools)
 #   forks-stages  the forks suite at the CUDA kernels' ring depths FORKS_STAGES (2 3; run fi
 #               first)
 #   tune-forks  bench/device/tune_forks.py: v2 and v2tc over shared and private pages at plan
@@ -302,7 +302,15 @@ step_decode_variants() {
 step_models() { run_bench models --preset models --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc}; }
 step_cascade() { run_bench cascade --suite cascade; }
 step_cascade_rule() { run_bench cascade-rule --suite cascade-rule; }
-step_forks() { run_bench forks --suite forks; }
+# the forks suite over FORKS_KV's pools (unset: float16; an fp8 format: its pools, and
+# FlashInfer's fp8 decode after fi)
+step_forks() {
+  if [ -n "${FORKS_KV:-}" ]; then
+    BENCH_TIMEOUT=${FORKS_TIMEOUT:-150} run_bench "forks_$FORKS_KV" --suite forks --kv-dtype "$FORKS_KV"
+  else
+    run_bench forks --suite forks
+  fi
+}
 # the forks suite (flat decode over pages every request shares: their K/V come from L2,
 # every flat arm and cascade, FlashInfer's too after fi) at the CUDA kernels' ring depths
 # FORKS_STAGES (2 3): whether a deeper ring streams L2-resident pages faster

@@ -300,11 +300,13 @@ class CudaBackend(LaunchingBackend):
         kernel((int(gx), int(gy), 1), (int(launch.block), 1, 1), launch.values(),
                shared_mem=int(launch.smem))
 
-    def _pdl(self) -> bool:
-        """Whether dependent launches (the merge) use programmatic dependent launch on
-        the current device (``cuda_pdl.enabled``). Every eager merge asks, so the
-        setting is read before the device is queried."""
-        return cuda_pdl.requested() and cuda_pdl.enabled(_major(int(cp.cuda.runtime.getDevice())))
+    def _pdl(self, packed: bool = False) -> bool:
+        """Whether dependent launches (the merge), ``packed`` by ``compile_launches`` or
+        eager, use programmatic dependent launch on the current device
+        (``cuda_pdl.enabled``). Every eager merge asks, so the setting is read before the
+        device is queried."""
+        return (cuda_pdl.requested(packed)
+                and cuda_pdl.enabled(_major(int(cp.cuda.runtime.getDevice())), packed=packed))
 
     def _kernel_for(self, launch: launches.Launch) -> Any:
         return with_smem(self.kernel(launch.spec), launch.smem)
@@ -320,7 +322,7 @@ class CudaBackend(LaunchingBackend):
             with self.launch_context(like):
                 run()
                 recorded = self._recording.launches
-                pdl = self._pdl()
+                pdl = self._pdl(packed=True)
                 packed = [PackedLaunch(self._kernel_for(lc), lc, pdl) for lc in recorded]
                 dev = cp.cuda.Device().id
         finally:

@@ -18,7 +18,16 @@ through ctypes, with the kernel's packed arguments (``cuda_launch.PackedLaunch``
 struct layouts below are CUDA 12 / 13's ``cuda.h``; ``tests/test_pdl.py`` checks them
 against the C header where one is installed.
 
-Status: an experiment, off unless ``PAGED_DECODE_PDL=1``. Every PDL launch of the H200
+Default (``PAGED_DECODE_PDL`` unset): on for launches packed once and replayed
+(``compile_launches``: prepared calls, ``decode``'s cached fast path, the engine step and
+the graphs captured from them), off for the uncached eager call, whose launch would pack
+its arguments on every call (about 1.5 us of host time, S16-R2). ``1`` turns it on for
+both, ``0`` off for both. On an H100 (S34-R2, 2026-12-06, one round) the packed merge as a
+dependent launch took 0.1-1.4 us less GPU time in 26 of the 27 cells of GQA 16 / 8 / 7 at
+batch 1-64 x 1K-32K (the 27th, Qwen2-7B 64 x 32K, 0.4 us more of 1410), and Qwen2-7B's
+captured engine step at batch 8 x 1K went from 538 to 500 us (level at batch 64 / 128).
+A packed replay costs about 0.5 us more host time (``cuLaunchKernelEx`` through ctypes).
+Earlier, every PDL launch of the H200
 runs S11-R6 and S15-R1 (2026-12-02/03) failed with ``CUDA_ERROR_INVALID_VALUE``: the eager
 merge took its ``DependentLaunch`` from a temporary ``PackedLaunch`` that was freed, with
 the argument array the launch points at, before the call (the launch now holds its
@@ -78,16 +87,18 @@ def driver_entry() -> Any:
     return fn
 
 
-def requested() -> bool:
-    """``PAGED_DECODE_PDL=1`` (off by default until a GPU run has verified the path)."""
-    return settings.flag(PDL_ENV, default=False)
+def requested(packed: bool = False) -> bool:
+    """Whether ``PAGED_DECODE_PDL`` asks for dependent launches of launches that are
+    ``packed`` (argument arrays packed once, replayed: ``compile_launches``) or eager:
+    unset, exactly the packed ones; ``1`` all; ``0`` none."""
+    return settings.flag(PDL_ENV, default=packed)
 
 
-def enabled(major: int, entry: Any = None) -> bool:
-    """Whether dependent launches go through PDL on a device of compute capability
-    ``major``: ``requested()``, sm_90+, and a driver with ``cuLaunchKernelEx``
-    (``entry``: that function; default the driver's)."""
-    if not requested() or major < MIN_MAJOR:
+def enabled(major: int, entry: Any = None, packed: bool = False) -> bool:
+    """Whether dependent launches (``packed`` or eager, as for ``requested``) go through
+    PDL on a device of compute capability ``major``: ``requested(packed)``, sm_90+, and a
+    driver with ``cuLaunchKernelEx`` (``entry``: that function; default the driver's)."""
+    if not requested(packed) or major < MIN_MAJOR:
         return False
     return (driver_entry() if entry is None else entry) is not None
 

@@ -41,6 +41,7 @@ from ..specs import (  # noqa: F401 - PREFIX_TILE_ROWS, prefix_*: re-exported fo
     prefix_fits,
     prefix_kernel_runs,
     prefix_spec,
+    row_hint_pays,
     table_update_spec,
     v1_spec,
     v2_spec,
@@ -142,15 +143,20 @@ def partial_launch(*, dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: 
                    q: Any, k_pages: Any, v_pages: Any, table: tuple[Any, ...],
                    request_indices: Any, kv_tile_indices: Any, v_out: Any,
                    lse_out: Any, soft_cap: float | None = None, sinks: Any = None,
-                   v_scale: float = 1.0) -> Launch:
+                   v_scale: float = 1.0, metal: bool = False) -> Launch:
     """The v2 partial: grid (C chunks, Hkv * q_groups). ``dtypes`` = (q, kv, out);
     ``table`` = the four CSR arrays in ``TABLE_FIELDS`` order. ``soft_cap`` (natural
     units) and ``sinks`` (``[Hq]`` float32, joined at the store: only for a partial that
     writes the output) pick the specialization; without sinks ``q`` stands in for the
     unread pointer. ``v_scale``: an fp8 pool's V scale, multiplying every row (1 for
-    other pools; an fp8 pool's K scale is already in ``sm_scale``)."""
+    other pools; an fp8 pool's K scale is already in ``sm_scale``). ``metal``: for the
+    Metal dialect (no L2 hint to choose: ``row_hint_pays`` is CUDA's)."""
+    ctas = plan.num_chunks * plan.num_kv_heads * plan.q_groups
     spec = v2_spec(*dtypes, plan.head_dim, plan.page_size, plan.heads_per_cta,
-                   soft_cap=soft_cap is not None, sink=sinks is not None)
+                   soft_cap=soft_cap is not None, sink=sinks is not None,
+                   row_hint=not metal and row_hint_pays(
+                       "v2", dtypes[1], plan.head_dim, ctas=ctas,
+                       chunk_tokens=plan.pages_per_chunk * plan.page_size))
     args = _chunk_args(plan, sm_scale, ("q_groups", plan.q_groups), q, k_pages, v_pages,
                        table, request_indices, kv_tile_indices, v_out, lse_out,
                        sinks=q if sinks is None else sinks)
@@ -221,14 +227,18 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
     refusal = v2tc_rows_refusal(int(k_pages.shape[0]), plan.page_size, metal)
     if refusal:         # supports() refuses it first; a launch built directly lands here
         raise UnsupportedProblemError(f"decode: {refusal}")
+    tiles = v2tc_row_tiles(plan.num_qo_heads, plan.num_kv_heads)
     if metal:
         spec = v2tc_metal_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size,
                                plan.num_qo_heads // plan.num_kv_heads, q_dtype=q_dtype,
                                **flags)
     else:
+        hint = row_hint_pays("v2tc", kv_dtype, plan.head_dim,
+                             ctas=plan.num_chunks * plan.num_kv_heads * tiles,
+                             chunk_tokens=plan.pages_per_chunk * plan.page_size)
         spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size, q_dtype=q_dtype,
-                         merged_dtype=fused.out_dtype if fused is not None else "", **flags)
-    tiles = v2tc_row_tiles(plan.num_qo_heads, plan.num_kv_heads)
+                         merged_dtype=fused.out_dtype if fused is not None else "",
+                         row_hint=hint, **flags)
     args = _chunk_args(plan, sm_scale, ("row_tiles", tiles), q, k_pages, v_pages, table,
                        request_indices, kv_tile_indices, v_out, lse_out,
                        sinks=q if sinks is None else sinks)

@@ -109,7 +109,7 @@ class LaunchingBackend(Backend):
             plan=plan, sm_scale=sm_scale, q=q, k_pages=k_pages, v_pages=v_pages,
             table=self.table_arrays(table), request_indices=request_indices,
             kv_tile_indices=kv_tile_indices, v_out=v_out, lse_out=lse_out, soft_cap=soft_cap,
-            sinks=sinks, v_scale=v_scale))
+            sinks=sinks, v_scale=v_scale, metal=self.metal_dialect))
 
     def partial_tc(self, q: Any, k_pages: Any, v_pages: Any, table: PageTable | StepTable,
                    plan: DecodePlan, sm_scale: float, v_out: Any, lse_out: Any, *,

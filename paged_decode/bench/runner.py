@@ -204,15 +204,22 @@ def fp8_scales(fmt: str) -> tuple[float, float]:
 
 def _fp8_problem(be: Backend, case: BenchCase, seed: int, table: PageTable,
                  shape: tuple[int, ...], qshape: tuple[int, ...]) -> tuple[Any, ...]:
-    """fp8 pools whose codes are drawn from a host sample of quantized normals (1M codes,
-    ``fp8.quantize`` with ``fp8_scales``): the distribution of a calibrated cache, made on
-    the device by indexing the sample (pools of many GB), bytes on CuPy."""
-    fmt = case.pool_dtype
+    """``case``'s problem over fp8 pools (``fp8_pools``) and float queries of its dtype."""
+    h = np.random.default_rng(seed)
+    q = h.standard_normal(qshape, dtype=np.float32).astype(numpy_dtype(case.dtype))
+    k, v = fp8_pools(be, shape, case.pool_dtype, seed)
+    return be.asarray(q), k, v, table
+
+
+def fp8_pools(be: Backend, shape: tuple[int, ...], fmt: str, seed: int) -> tuple[Any, Any]:
+    """K and V pools of ``shape`` in fp8 format ``fmt`` whose codes are drawn from a host
+    sample of quantized normals (1M codes, ``fp8.quantize`` with ``fp8_scales``): the
+    distribution of a calibrated cache, made on the device by indexing the sample (pools
+    of many GB), bytes (``uint8``) on CuPy, ``ml_dtypes`` fp8 arrays elsewhere."""
     h = np.random.default_rng(seed)
     ks, vs = fp8_scales(fmt)
     sample = [fp8.codes(fp8.quantize(h.standard_normal(1 << 20) * FP8_SIGMA[n], fmt, s))
               for n, s in (("k", ks), ("v", vs))]
-    q = h.standard_normal(qshape, dtype=np.float32).astype(numpy_dtype(case.dtype))
     if be.name == "cuda":
         import cupy as cp
         g = cp.random.default_rng(seed)
@@ -221,10 +228,15 @@ def _fp8_problem(be: Backend, case: BenchCase, seed: int, table: PageTable,
             codes = cp.asarray(smp)
             return fill_slabs(cp, shape, cp.uint8, lambda n: codes[
                 g.integers(0, codes.size, (n, *shape[1:]), dtype=cp.int32)])
-        k, v = pool(sample[0]), pool(sample[1])
-        return cp.asarray(q), k, v, table
+        return pool(sample[0]), pool(sample[1])
     k, v = (smp[h.integers(0, smp.size, shape)].view(fp8.numpy_fp8(fmt)) for smp in sample)
-    return be.asarray(q), be.asarray(k), be.asarray(v), table
+    return be.asarray(k), be.asarray(v)
+
+
+def fp8_variants(fmt: str) -> dict[str, Any]:
+    """``decode``'s fp8 arguments of pools made by ``fp8_pools`` in format ``fmt``."""
+    ks, vs = fp8_scales(fmt)
+    return {"kv_dtype": fmt, "k_scale": ks, "v_scale": vs}
 
 
 def _variants(be: Backend, case: BenchCase, seed: int, like: Any) -> dict[str, Any]:
@@ -238,8 +250,7 @@ def _variants(be: Backend, case: BenchCase, seed: int, like: Any) -> dict[str, A
     vk = {"window_left": case.window_left,
           "logits_soft_cap": case.soft_cap if case.soft_cap else None, "sinks": sinks}
     if is_fp8(case.pool_dtype):
-        ks, vs = fp8_scales(case.pool_dtype)
-        vk.update(kv_dtype=case.pool_dtype, k_scale=ks, v_scale=vs)
+        vk.update(fp8_variants(case.pool_dtype))
     return vk
 
 

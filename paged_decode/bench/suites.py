@@ -10,6 +10,7 @@ arm that falls back is marked and its comparisons are withheld).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +22,11 @@ from ..backends import Backend
 from ..call import plan_decode
 from ..cascade import plan_cascade
 from ..decode import decode
-from ..dtypes import numpy_dtype
+from ..dtypes import itemsize, numpy_dtype
 from ..page_table import PageTable
 from ..reference import attention_f64, row_rel_error
 from ..sparse import make_selection, sparse_decode
-from .runner import TOLERANCE, BenchResult, _verify, time_arm, time_arms
+from .runner import TOLERANCE, BenchResult, _verify, fp8_pools, fp8_variants, time_arm, time_arms
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,16 @@ class CascadeCase:
     num_kv_heads: int = 8
     head_dim: int = 128
     dtype: str = "float16"
+    kv_dtype: str = ""     # the pools' dtype when not ``dtype`` (fp8 formats; forks only)
 
     @property
     def label(self) -> str:
-        return f"cascade B{self.batch} shared{self.shared} suffix{self.suffix} ps{self.page_size}"
+        return (f"cascade B{self.batch} shared{self.shared} suffix{self.suffix} "
+                f"ps{self.page_size}" + (f" kv {self.kv_dtype}" if self.kv_dtype else ""))
 
     def row_bytes(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * (4 if self.dtype == "float32" else 2)
+        """K and V bytes of one token over all KV heads."""
+        return 2 * self.num_kv_heads * self.head_dim * itemsize(self.kv_dtype or self.dtype)
 
     def io_bytes(self) -> int:
         """What flat decode must read: every request's whole context."""
@@ -108,7 +112,9 @@ def _random(be: Backend, shape: tuple[int, ...], dtype: str, seed: int) -> Any:
 
 def cascade_problem(be: Backend, case: CascadeCase) -> tuple[Any, Any, Any, PageTable]:
     """``(q, k_pages, v_pages, table)`` of a case on ``be``: every request shares the
-    ``case.shared`` prefix pages and owns ``case.suffix`` private tokens."""
+    ``case.shared`` prefix pages and owns ``case.suffix`` private tokens; pools
+    ``[num_pages, page_size, Hkv, D]`` of ``case.dtype``, or fp8 (``case.kv_dtype``,
+    ``runner.fp8_pools``, scales ``runner.fp8_variants``)."""
     p = case.page_size
     n_shared, n_priv = case.shared // p, -(-case.suffix // p)
     num_pages = n_shared + case.batch * n_priv
@@ -118,7 +124,10 @@ def cascade_problem(be: Backend, case: CascadeCase) -> tuple[Any, Any, Any, Page
     table = PageTable.build(np.concatenate(rows), np.arange(case.batch + 1) * (n_shared + n_priv),
                             [lpl] * case.batch, page_size=p, num_pages=num_pages)
     shape = (num_pages, p, case.num_kv_heads, case.head_dim)
-    k, v = _random(be, shape, case.dtype, 1), _random(be, shape, case.dtype, 2)
+    if case.kv_dtype:
+        k, v = fp8_pools(be, shape, case.kv_dtype, 1)
+    else:
+        k, v = _random(be, shape, case.dtype, 1), _random(be, shape, case.dtype, 2)
     q = _random(be, (case.batch, case.num_qo_heads, case.head_dim), case.dtype, 3)
     return q, k, v, table
 
@@ -134,18 +143,22 @@ def bench_forks(be: Backend, case: CascadeCase, *, warmup: int, reps: int,
     run here is reported unverified with the reason."""
     q, k, v, table = cascade_problem(be, case)
     geo = (case.num_qo_heads, case.num_kv_heads, case.head_dim)
+    vk = fp8_variants(case.kv_dtype) if case.kv_dtype else {}
     with be.launch_context(q):
-        plan = plan_decode(table, *geo, device=be.device_info(), path="v2")
+        plan = plan_decode(table, *geo, device=be.device_info(), path="v2",
+                           kv_dtype=case.kv_dtype or None)
         cplan = plan_cascade(table, *geo, device=be.device_info(), min_shared_pages=1)
     arms = time_arms(be, FORK_ARMS, q, k, v, table, plan, 1.0 / float(np.sqrt(case.head_dim)),
-                     case.io_bytes(), TOLERANCE[case.dtype], warmup=warmup, reps=reps,
-                     cold_l2=cold_l2, graph=graph)
+                     case.io_bytes(), TOLERANCE[case.dtype], vk or None, warmup=warmup,
+                     reps=reps, cold_l2=cold_l2, graph=graph)
     with be.launch_context(q):
         out = be.empty(tuple(q.shape), case.dtype)
     arms["cascade"] = time_arm(
-        be, "cascade", lambda: decode(q, k, v, table, out=out, cascade=cplan, backend=be),
-        lambda: _verify(be, out, q, k, v, table), case.cascade_bytes(), TOLERANCE[case.dtype],
-        ("cascade",), warmup=warmup, reps=reps, cold_l2=cold_l2, graph=graph)
+        be, "cascade",
+        lambda: decode(q, k, v, table, out=out, cascade=cplan, backend=be, **vk),
+        lambda: _verify(be, out, q, k, v, table, vk or None), case.cascade_bytes(),
+        TOLERANCE[case.dtype], ("cascade",), warmup=warmup, reps=reps, cold_l2=cold_l2,
+        graph=graph)
     return BenchResult(case, plan.num_chunks, plan.pages_per_chunk, arms)
 
 
@@ -215,20 +228,29 @@ def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
     return BenchResult(case, 0, 1, arms)
 
 
+#: the suites whose cases take fp8 pools (``run_suite``'s ``kv_dtype``)
+FP8_SUITES = ("forks",)
+
+
 def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30,
               cold_l2: bool | str = True, graph: bool = True,
-              progress: Any = None) -> list[BenchResult]:
+              progress: Any = None, kv_dtype: str = "") -> list[BenchResult]:
     """All cases of suite ``name`` (``"cascade"``, ``"cascade-rule"``, ``"forks"`` or
-    ``"sparse"``) on
-    ``be``."""
+    ``"sparse"``) on ``be``; ``kv_dtype`` (an fp8 format, suites of ``FP8_SUITES``): the
+    cases' pools in it."""
     if name not in SUITES:
         raise ValueError(f"bench: suite must be one of decode, {', '.join(SUITES)}, "
                          f"got {name!r}")
+    if kv_dtype and name not in FP8_SUITES:
+        raise ValueError(f"bench: kv_dtype applies to the {', '.join(FP8_SUITES)} suite, "
+                         f"not {name!r}")
     by_suite: dict[str, Callable[..., BenchResult]] = {"sparse": bench_sparse,
                                                         "forks": bench_forks}
     fn = by_suite.get(name, bench_cascade)
     results = []
     for case in SUITES[name]():
+        if kv_dtype:
+            case = dataclasses.replace(case, kv_dtype=kv_dtype)
         r = fn(be, case, warmup=warmup, reps=reps, cold_l2=cold_l2, graph=graph)
         results.append(r)
         if progress:

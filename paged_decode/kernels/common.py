@@ -233,7 +233,8 @@ __device__ __forceinline__ TokenRange chunk_tokens(long long npages, long long l
 // rows of one page row are adjacent in the [num_pages, P, Hkv, D] pools, so an L2
 // prefetch that runs past one head's row (head_dim 96: a 192-byte row under a 128-byte
 // hint) fetches what the next head's CTA, running alongside, reads next, not bytes
-// evicted before that CTA starts. The host sets it per kernel (specs.heads_first).
+// evicted before that CTA starts; over fp8 rows (128 bytes at head_dim 128) the heads'
+// rows are read together. The host sets it per kernel (specs.heads_first).
 #ifndef PD_HEADS_FIRST
 #define PD_HEADS_FIRST 0
 #endif
