@@ -440,12 +440,13 @@ def row_l2_prefetch(spec: KernelSpec) -> int:
 
 
 #: the plans under which the row hint beats 128 bytes over 16-bit head_dim 96 rows
-#: (Phi-3-mini's heads on an H100, S34-R3 / R4 / R5 / R8, one round each): the v2 partial
+#: (Phi-3-mini's heads on an H100, S34-R3 / R4 / R5 / R8 / R10, one round each): the v2 partial
 #: from ``ROW_HINT_V2_CTAS`` CTAs (batch 32+ at 32 heads: 2-17% faster), or from half as
 #: many with chunks of ``ROW_HINT_TOKENS`` tokens (16 x 16K / 32K: 9-14% faster; at 16 x 4K
 #: it was 1-2% slower, at 8 x 8K / 32K level to 7% slower); the tensor-core partial from
-#: chunks of ``ROW_HINT_TC_TOKENS`` tokens (32K: 2-10% faster at batch 16-64; 16K chunks
-#: were 3% faster in one run and 2% slower in another, 4K-8K level to 6% slower)
+#: chunks of ``ROW_HINT_TC_TOKENS`` tokens (32K: 3-9% faster at batch 8-64 as a rule,
+#: S34-R10; 16K chunks were 3% faster in one run and 2% slower in another, 4K-8K level
+#: to 6% slower)
 ROW_HINT_V2_CTAS = 1024
 ROW_HINT_TOKENS = 16384
 ROW_HINT_TC_TOKENS = 32768
