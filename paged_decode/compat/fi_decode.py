@@ -247,7 +247,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             out: optional ``[B, Hq, D]`` output in ``q``'s dtype (written in place).
             lse: optional ``[B, Hq]`` float32 buffer for the base-2 LSE.
             return_lse: also return the LSE.
-            enable_pdl: accepted (no programmatic dependent launch here; same result).
+            enable_pdl: accepted, not acted on (paged-decode's own rule decides:
+                ``PAGED_DECODE_PDL``, ``backends/cuda_pdl.py``; same result).
             window_left: may repeat the plan's, not change it.
             q_scale, k_scale, v_scale, sinks, q_len_per_req (other than 1), *args: refused
             by name.
