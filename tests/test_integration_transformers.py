@@ -28,11 +28,19 @@ MODELS = ("llama", "qwen2", "gemma")
 BIG = "llama3-8b-16l"             # the H200 run's 16-layer model of Llama-3-8B's heads
 
 
+#: (model seed, prompt seed) of each geometry's reference. Llama's was (0, 1), whose
+#: smallest top-2 gap over the 32 steps is 0.0098; twice (S33, S34) CI saw transformers'
+#: own run land up to 5e-3 from its usual logits (above half that gap), so llama takes a
+#: pair with a gap of 0.022 (the largest of 16 pairs tried)
+SEEDS = {"llama": (1, 8), "qwen2": (0, 1), "gemma": (0, 1)}
+
+
 @functools.cache
 def reference(name: str):
-    """(model, prompts, transformers' dynamic-cache run) of geometry ``name``, seed 0."""
-    model = transformers_model(name, seed=0)
-    prompts = ragged_prompts(model.config.vocab_size, seed=1)
+    """(model, prompts, transformers' dynamic-cache run) of geometry ``name`` (``SEEDS``)."""
+    model_seed, prompt_seed = SEEDS[name]
+    model = transformers_model(name, seed=model_seed)
+    prompts = ragged_prompts(model.config.vocab_size, seed=prompt_seed)
     return model, prompts, pt.framework_generate(model, prompts, NEW)
 
 
@@ -43,11 +51,29 @@ def _calls(model):
     return n
 
 
+def assert_same_as_reference(name: str, got) -> None:
+    """``assert_same_greedy`` against ``reference(name)``. On a failure it runs the
+    framework again in this process and says how far that run lands from the cached
+    reference: twice (S33, S34) CI saw the llama reference's last steps differ from its
+    usual values by up to 5e-3 (smallest gap 0.0062 against the usual 0.0098) while
+    paged-decode's logits matched the usual reference, and neither case reproduced in a
+    process of its own (``SEEDS``)."""
+    model, prompts, ref = reference(name)
+    try:
+        assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
+    except AssertionError as exc:
+        again = pt.framework_generate(model, prompts, len(ref.tokens[0]))
+        drift = float((again.logits - ref.logits).abs().max())
+        raise AssertionError(f"{exc}; the framework run again in this process lands "
+                             f"{drift:.3g} from the cached reference (torch threads "
+                             f"{torch.get_num_threads()})") from exc
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_tokens_equal_the_dynamic_cache(name):
-    model, prompts, ref = reference(name)
+    model, prompts, _ = reference(name)
     got = pt.generate(model, prompts, NEW, cascade=True, return_logits=True)
-    assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
+    assert_same_as_reference(name, got)
     assert pd.last_outcome().path == "cascade"     # the two shared pages read once a step
 
 
@@ -71,9 +97,9 @@ def test_16_bit_models_on_the_cpu_equal_the_dynamic_cache(dtype):
 
 def test_the_automatic_rule_decodes_flat_and_equal():
     """cascade=None: a flat decode over the batch's device-resident step table."""
-    model, prompts, ref = reference("llama")
+    model, prompts, _ = reference("llama")
     got = pt.generate(model, prompts, NEW, return_logits=True)
-    assert_same_greedy(ref.tokens, ref.logits, got.tokens, got.logits)
+    assert_same_as_reference("llama", got)
     assert pd.last_outcome().path != "cascade"
 
 
