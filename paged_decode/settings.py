@@ -34,7 +34,7 @@ VARIABLES: dict[str, str] = {
                                 "(experiments)",
     "PAGED_DECODE_GRID_ORDER": "CUDA flat decode CTAs numbered heads / chunks first; unset: "
                                "heads first where the L2 prefetch runs past a K/V row "
-                               "(experiments)",
+                               "and over fp8 rows up to it (experiments)",
     "PAGED_DECODE_TIMELINE": "CUDA kernels compiled with per-CTA timeline stamps, 0 / 1 "
                              "(diagnostics: bench/device/timeline.py)",
     "PAGED_DECODE_PREFIX_TILE": "cascade prefix-kernel tile (experiments)",

@@ -460,14 +460,20 @@ def row_hint_pays(kernel: str, kv_dtype: str, head_dim: int, *, ctas: int,
     enough that a neighbouring head's CTA no longer finds the over-fetched bytes in L2
     (``ROW_HINT_V2_CTAS``, ``ROW_HINT_TOKENS``, ``ROW_HINT_TC_TOKENS``). fp8 rows keep the
     128-byte hint, which was faster at every measured Phi-3-mini cell (S34-R4)."""
-    if kernel not in GRID_ORDER_KERNELS or itemsize(kv_dtype) != 2:
-        return False
-    if _row_bytes(head_dim, kv_dtype) % L2_PREFETCH == 0:
+    if kernel not in GRID_ORDER_KERNELS or not _hint_overruns_16_bit_row(kv_dtype, head_dim):
         return False
     if kernel == "v2tc":
         return chunk_tokens >= ROW_HINT_TC_TOKENS
     return ctas >= ROW_HINT_V2_CTAS or (2 * ctas >= ROW_HINT_V2_CTAS
                                         and chunk_tokens >= ROW_HINT_TOKENS)
+
+
+def _hint_overruns_16_bit_row(kv_dtype: str, head_dim: int) -> bool:
+    """Whether ``L2_PREFETCH`` overruns a 16-bit K/V row (head_dim 96): where
+    ``row_hint_pays`` can choose the row hint (the row's bytes first: they are cached, and
+    most rows are divided)."""
+    return (_row_bytes(head_dim, kv_dtype) % L2_PREFETCH != 0
+            and itemsize(kv_dtype) == 2)
 
 
 def _v2tc_q_dtype(kv_dtype: str, q_dtype: str | None) -> str:
@@ -522,8 +528,7 @@ def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
     outs = sorted({"float32", out_dtype})
     tc = (v2tc_fits(q_dtype, kv_dtype)
           and num_qo_heads // num_kv_heads <= V2TC_MAX_GROUP)
-    hints = (False, True) if row_hint_pays("v2", kv_dtype, head_dim, ctas=ROW_HINT_V2_CTAS,
-                                            chunk_tokens=0) else (False,)
+    hints = (False, True) if _hint_overruns_16_bit_row(kv_dtype, head_dim) else (False,)
     return ([v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh, row_hint=h)
              for o in outs for h in hints]
             + [merge_spec(out_dtype, head_dim),

@@ -91,6 +91,13 @@ def _same(got, want):
     np.testing.assert_array_equal(got[1], want[1])
 
 
+def _each_call_same(call, result, want, times):
+    """``times`` times: ``call()``, then its ``result()`` equals ``want`` bit for bit."""
+    for _ in range(times):
+        call()
+        _same(result(), want)
+
+
 @pytest.mark.parametrize("blocking", [False, True], ids=["non-blocking", "blocking"])
 @pytest.mark.parametrize("path", ["v2", "v2tc"])
 def test_an_eager_merge_on_a_created_stream_is_a_dependent_launch(monkeypatch, counted,
@@ -100,9 +107,7 @@ def test_an_eager_merge_on_a_created_stream_is_a_dependent_launch(monkeypatch, c
     assert counted == []
     s = cp.cuda.Stream(non_blocking=not blocking)
     with s:
-        for _ in range(3):
-            call()
-            _same(result(), want)
+        _each_call_same(call, result, want, 3)
     assert counted == [s.ptr] * 3
 
 
@@ -123,9 +128,7 @@ def test_a_merge_captured_in_a_graph_is_a_dependent_launch_and_replays_right(
         assert len(counted) == 2
         got = result()
         assert np.isnan(got[0]).all()            # the capture ran nothing
-        for _ in range(3):
-            g.launch(s)
-            _same(result(), want)
+        _each_call_same(lambda: g.launch(s), result, want, 3)
 
 
 @pytest.mark.parametrize("stream", ["null", "per-thread"])
@@ -135,9 +138,7 @@ def test_the_default_streams_take_a_dependent_launch_too(monkeypatch, counted, p
     call, result, want = _plain(monkeypatch, path)
     s = cp.cuda.Stream.null if stream == "null" else cp.cuda.Stream.ptds
     with s:
-        for _ in range(2):
-            call()
-            _same(result(), want)
+        _each_call_same(call, result, want, 2)
     assert counted == [s.ptr] * 2
 
 
@@ -163,9 +164,7 @@ def test_by_default_packed_merges_are_dependent_launches_and_eager_ones_are_not(
     call2, result2, _ = _case(path)
     s = cp.cuda.Stream(non_blocking=True)
     with s:
-        for _ in range(3):
-            call2()
-            _same(result2(), want)
+        _each_call_same(call2, result2, want, 3)
     assert counted == [s.ptr] * 2
 
 
@@ -176,7 +175,5 @@ def test_pdl_0_launches_every_merge_plainly(monkeypatch, counted, path):
     monkeypatch.setenv(cuda_pdl.PDL_ENV, "0")
     call2, result2, _ = _case(path)
     with cp.cuda.Stream(non_blocking=True):
-        for _ in range(3):
-            call2()
-            _same(result2(), want)
+        _each_call_same(call2, result2, want, 3)
     assert counted == []

@@ -748,8 +748,8 @@ step_setting_ab() {
 # 96's 192-byte rows, 64 over fp8 head_dim 64, none over fp8 head_dim 96) against the 128
 # bytes every kernel hints now, alternated ROWPF_ROUNDS (2) times in one run: the GPU tests
 # of the head_dim-96 and fp8 kernels under the rule, then Phi-3-mini's heads (32/32 x 96)
-# at batch 8 / 64 x 1K / 8K (ROWPF_ARGS: other cells) beside SDPA, and the variants preset (8 x 8K, head_dim 64 among
-# its cells) over e4m3fn pools
+# at batch 8 / 64 x 1K / 8K (ROWPF_ARGS: other cells) beside SDPA, and the variants preset
+# (8 x 8K, head_dim 64 among its cells) over e4m3fn pools
 step_row_prefetch() {
   PAGED_DECODE_L2_PREFETCH=rows timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -rs \
     tests/test_cuda_gpu.py tests/test_fp8_gpu.py -k "96 or 64 or fp8 or e4m3 or e5m2" \
