@@ -445,11 +445,14 @@ def row_l2_prefetch(spec: KernelSpec) -> int:
 #: many with chunks of ``ROW_HINT_TOKENS`` tokens (16 x 16K / 32K: 9-14% faster; at 16 x 4K
 #: it was 1-2% slower, at 8 x 8K / 32K level to 7% slower); the tensor-core partial from
 #: chunks of ``ROW_HINT_TC_TOKENS`` tokens (32K: 3-9% faster at batch 8-64 as a rule,
-#: S34-R10; 16K chunks were 3% faster in one run and 2% slower in another, 4K-8K level
-#: to 6% slower)
+#: S34-R10), and since its ring rows stopped splitting sectors (session 35) also where
+#: v2's rule holds with chunks of at least ``ROW_HINT_TC_MIN_TOKENS`` (S35-R8, one round:
+#: 7-10% faster at batch 16-64 x 16K, 2-3% at 32 / 64 x 8K; 1-5% slower at 16 x 8K and
+#: batch 16-64 x 4K)
 ROW_HINT_V2_CTAS = 1024
 ROW_HINT_TOKENS = 16384
 ROW_HINT_TC_TOKENS = 32768
+ROW_HINT_TC_MIN_TOKENS = 8192
 
 
 def row_hint_pays(kernel: str, kv_dtype: str, head_dim: int, *, ctas: int,
@@ -458,14 +461,17 @@ def row_hint_pays(kernel: str, kv_dtype: str, head_dim: int, *, ctas: int,
     streaming at most ``chunk_tokens`` tokens, compiles with ``row_hint``: where the
     128-byte hint overruns a 16-bit K/V row (head_dim 96), once the launch streams long
     enough that a neighbouring head's CTA no longer finds the over-fetched bytes in L2
-    (``ROW_HINT_V2_CTAS``, ``ROW_HINT_TOKENS``, ``ROW_HINT_TC_TOKENS``). fp8 rows keep the
-    128-byte hint, which was faster at every measured Phi-3-mini cell (S34-R4)."""
+    (``ROW_HINT_V2_CTAS``, ``ROW_HINT_TOKENS``, ``ROW_HINT_TC_TOKENS``,
+    ``ROW_HINT_TC_MIN_TOKENS``). fp8 rows keep the 128-byte hint, which was faster at
+    every measured Phi-3-mini cell (S34-R4)."""
     if kernel not in GRID_ORDER_KERNELS or not _hint_overruns_16_bit_row(kv_dtype, head_dim):
         return False
-    if kernel == "v2tc":
-        return chunk_tokens >= ROW_HINT_TC_TOKENS
-    return ctas >= ROW_HINT_V2_CTAS or (2 * ctas >= ROW_HINT_V2_CTAS
+    many = ctas >= ROW_HINT_V2_CTAS or (2 * ctas >= ROW_HINT_V2_CTAS
                                         and chunk_tokens >= ROW_HINT_TOKENS)
+    if kernel == "v2tc":
+        return chunk_tokens >= ROW_HINT_TC_TOKENS or (
+            many and chunk_tokens >= ROW_HINT_TC_MIN_TOKENS)
+    return many
 
 
 def _hint_overruns_16_bit_row(kv_dtype: str, head_dim: int) -> bool:

@@ -309,12 +309,14 @@ def test_the_row_hint_where_a_plan_streams_long_past_a_16_bit_row(monkeypatch):
     """``row_hint_pays``: only the flat partials over 16-bit rows the 128-byte hint
     overruns (head_dim 96): the v2 partial from ``ROW_HINT_V2_CTAS`` CTAs, or from half
     as many with chunks of ``ROW_HINT_TOKENS`` tokens, the tensor-core one from chunks of
-    ``ROW_HINT_TC_TOKENS`` tokens; a spec made with it
+    ``ROW_HINT_TC_TOKENS`` tokens or where v2's holds with chunks of
+    ``ROW_HINT_TC_MIN_TOKENS``; a spec made with it
     hints ``row_l2_prefetch`` bytes (64 over 192-byte rows), numbers chunks first, has
     its own name, and the setting still overrides it."""
     from paged_decode.specs import (
         L2_PREFETCH,
         L2_PREFETCH_ENV,
+        ROW_HINT_TC_MIN_TOKENS,
         ROW_HINT_TC_TOKENS,
         ROW_HINT_TOKENS,
         ROW_HINT_V2_CTAS,
@@ -332,7 +334,12 @@ def test_the_row_hint_where_a_plan_streams_long_past_a_16_bit_row(monkeypatch):
         assert row_hint_pays("v2", kv, 96, ctas=big // 2, chunk_tokens=long)
         assert not row_hint_pays("v2", kv, 96, ctas=big // 2 - 1, chunk_tokens=1 << 20)
         assert row_hint_pays("v2tc", kv, 96, ctas=1, chunk_tokens=ROW_HINT_TC_TOKENS)
-        assert not row_hint_pays("v2tc", kv, 96, ctas=1 << 20,
+        short = ROW_HINT_TC_MIN_TOKENS
+        assert row_hint_pays("v2tc", kv, 96, ctas=big, chunk_tokens=short)
+        assert not row_hint_pays("v2tc", kv, 96, ctas=1 << 20, chunk_tokens=short - 1)
+        assert not row_hint_pays("v2tc", kv, 96, ctas=big - 1, chunk_tokens=long - 1)
+        assert row_hint_pays("v2tc", kv, 96, ctas=big // 2, chunk_tokens=long)
+        assert not row_hint_pays("v2tc", kv, 96, ctas=big // 2 - 1,
                                  chunk_tokens=ROW_HINT_TC_TOKENS - 1)
         for d in (64, 128, 256):        # rows the hint divides
             assert not row_hint_pays("v2", kv, d, ctas=1 << 20, chunk_tokens=1 << 20)
@@ -387,9 +394,12 @@ def test_the_launches_take_the_row_hint_from_their_plan(metal):
     for batch, tokens, ppc, want_v2, want_tc in (
             (16, 4096, 256, False, False),      # 512 CTAs of 4K tokens
             (32, 4096, 256, on, False),         # 1024 CTAs of 4K tokens
-            (16, 16384, 1024, on, False),       # 512 CTAs of 16K tokens
+            (16, 8192, 512, False, False),      # 512 CTAs of 8K tokens
+            (32, 8192, 512, on, on),            # 1024 CTAs of 8K tokens
+            (16, 16384, 1024, on, on),          # 512 CTAs of 16K tokens
             (8, 32768, 2048, False, on),        # 256 CTAs of 32K tokens
-            (8, 32768, 1024, on, False)):       # 512 CTAs of 16K tokens
+            (8, 32768, 1024, on, on),           # 512 CTAs of 16K tokens
+            (8, 16384, 1024, False, False)):    # 256 CTAs of 16K tokens
         v2, tc = launches(batch, tokens, ppc)
         assert (v2.row_hint, tc.row_hint) == (want_v2, want_tc), (batch, tokens, ppc)
 

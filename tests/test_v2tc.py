@@ -141,6 +141,7 @@ def run_row_hint(be, path: str, monkeypatch) -> None:
     monkeypatch.setattr(specs, "ROW_HINT_V2_CTAS", 1)
     monkeypatch.setattr(specs, "ROW_HINT_TOKENS", 16)
     monkeypatch.setattr(specs, "ROW_HINT_TC_TOKENS", 16)
+    monkeypatch.setattr(specs, "ROW_HINT_TC_MIN_TOKENS", 16)
     seen = []
     real = type(be)._run
 

@@ -340,10 +340,12 @@ def test_v2tc_fp8_specializations():
     # (16 x 136 floats each)
     assert s.dynamic_smem_bytes == (16 * 136 * 2 + 128
                                     + max(s.stages * 2 * 64 * 128, 4 * 16 * 136 * 4))
-    # head_dim 64: 64-byte rows are padded by 16 instead
-    s64 = v2tc_spec(E4, "float32", 64, 16, q_dtype=BF16)
-    assert s64.dynamic_smem_bytes == (16 * 72 * 2 + 128
-                                      + max(s64.stages * 2 * 64 * 80, 4 * 16 * 72 * 4))
+    # head_dim 64: 64-byte rows, unpadded (swizzled in groups of 4 chunks); head_dim 96:
+    # 96-byte rows take 128 bytes of the ring
+    for d, row in ((64, 64), (96, 128)):
+        sd = v2tc_spec(E4, "float32", d, 16, q_dtype=BF16)
+        assert sd.dynamic_smem_bytes == (16 * (d + 8) * 2 + 128
+                                         + max(sd.stages * 2 * 64 * row, 4 * 16 * (d + 8) * 4))
     assert tc.max_stages(128, 4, 1) > tc.max_stages(128, 4, 2)
     m = v2tc_metal_spec(E5, "float32", 64, 16, 8, q_dtype=F16)
     assert [v for n, v in tc.KERNEL.metal_template(m) if n in ("T", "KV_FP8")] == [

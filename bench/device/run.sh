@@ -29,7 +29,8 @@
 #               batch 1/8/32/128, page 16, Llama-3-8B heads, float16; v2 and v2tc (the
 #               tensor-core partial) each with every variant beside its plain time; fits
 #               one 600 s command with fi (the five runs' limits add up to 400 s)
-#   models      bench --preset models with v2, sdpa, flashinfer, flashinfer-tc (run fi first)
+#   models      bench --preset models with v2, sdpa, flashinfer, flashinfer-tc (run fi first;
+#               MODELS_LIST "phi3-mini gqa16": those layouts only, one bench each)
 #   cascade     bench --suite cascade
 #   cascade-rule  bench --suite cascade-rule (short prefixes: where cascade starts to pay)
 #   forks       bench --suite forks: flat decode over pages every request shares, v2 /
@@ -88,8 +89,9 @@
 #               bytes: head_dim 96 (Phi-3-mini) beside SDPA, and fp8 over the variants preset
 #   unsplit-merge  v2 / v2tc at Llama-3-70B TP8 batch 1 x 8K / 32K, the merge split by its
 #               rule and forced unsplit
-#   ncu-bw      ncu of v2 / v2tc / FlashInfer tc at bandwidth-bound cells (DRAM bytes,
-#               occupancy limits, stalls), then v2tc 3 stages and a 528-CTA target
+#   ncu-bw      ncu of v2 / v2tc / FlashInfer tc (BW_ARMS; sdpa too) at bandwidth-bound cells
+#               (BW_CELLS "B CTX HQ HKV [D];..."; DRAM bytes, occupancy limits, stalls), then
+#               v2tc 3 stages and a 528-CTA target (BW_BENCH=0: not)
 #   v2-target   v2 over the targets preset at plan CTA targets 264 / 528 (V2_TARGETS)
 #   ncu-mem     ncu memory tables (requests, sectors, hit rates per operation) of v2tc and
 #               FlashInfer's tensor-core kernel (MEM_ARMS, MEM_CELL; KT_SHARED=N: the cell's
@@ -134,7 +136,8 @@
 #   fp8-stages  v2tc over fp8 pools at ring depths 2/3/4 and 4 or 8 warps, float16 beside
 #   fp8-residency  the fp8 v2tc path at plan CTA targets 264-1056 x ring depths 2 / 3
 #               (FRES_TARGETS, FRES_STAGES, FRES_WARPS (4): other lists)
-#   v2tc-race   racecheck (synccheck too with V2TC_SYNC=1) over a v2tc subset (RACE_TIMEOUT)
+#   v2tc-race   racecheck (synccheck too with V2TC_SYNC=1) over a v2tc subset (RACE_TIMEOUT;
+#               V2TC_RACE_K: its -k)
 #   decode-graph-debug  bench/device/debug_decode_graph.py: a CUDA-graph decode step against
 #               the eager one (per-step logits, positions, layer-0 K rows, launch streams)
 #   generate-profile  bench/device/profile_generate.py: prefill / decode-step split, cProfile
@@ -145,6 +148,8 @@
 #   v2tc-targets / v2tc-models  the two halves of v2tc (v2tc-targets: the ragged preset too)
 #   tune-tc     bench/device/tune_tc.py: v2tc CTA target x ring depth on GQA 4/7/8/16 cells,
 #               and the plan's ragged_split on ragged batches (v2, v2tc); TUNE_TC_PARTS
+#   tune-cells  bench/device/tune_cells.py: v2tc / v2 chunkings x ring depths on named models
+#               cells (TUNE_CELLS "gqa16:8x8192 ..."), SDPA beside; TUNE_STAGES / SPLITS / ARMS
 #   engine-profile  bench/device/profile_engine.py: host parts of begin / replay (the one
 #               upload per begin, the table update inside the graph: device calls counted
 #               per begin / replay), a cProfile of the captured loop and each call's GPU
@@ -299,7 +304,15 @@ step_decode_variants() {
     --preset targets --context 32768 $b --window-left 4095 --soft-cap 30 --sinks --arms v2,v2tc
   return 0
 }
-step_models() { run_bench models --preset models --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc}; }
+step_models() {   # MODELS_LIST "phi3-mini gqa16": one bench per layout (--model takes one)
+  local m
+  [ -n "${MODELS_LIST:-}" ] || { run_bench models --preset models \
+    --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc}; return; }
+  for m in $MODELS_LIST; do
+    run_bench "models_$m" --preset models --model $m \
+      --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc} | grep -E " B[0-9]+ |rc="
+  done
+}
 step_cascade() { run_bench cascade --suite cascade; }
 step_cascade_rule() { run_bench cascade-rule --suite cascade-rule; }
 # the forks suite over FORKS_KV's pools (unset: float16; an fp8 format: its pools, and
@@ -472,6 +485,13 @@ step_tune_tc() {
   timeout 420 python3 bench/device/tune_tc.py "$OUT/tune_tc.json" ${TUNE_TC_PARTS:-} \
     > "$OUT/tune_tc.txt" 2>&1
   echo "tune-tc rc=$?"; cut -c1-150 "$OUT/tune_tc.txt" | tail -120
+}
+# both partials' chunkings x ring depths on named models cells beside SDPA
+# (bench/device/tune_cells.py; TUNE_CELLS "model:BxCTX ...", TUNE_STAGES, TUNE_SPLITS, TUNE_ARMS)
+step_tune_cells() {
+  timeout ${TUNE_TIMEOUT:-480} python3 bench/device/tune_cells.py "$OUT/tune_cells.json" \
+    ${TUNE_CELLS:-gqa16:64x1024 gqa16:8x8192} > "$OUT/tune_cells.txt" 2>&1
+  echo "tune-cells rc=$?"; grep -A40 "^summary" "$OUT/tune_cells.txt" | cut -c1-170
 }
 step_engine_profile() {
   timeout 300 python3 bench/device/profile_engine.py "$OUT/engine_profile.json" \
@@ -803,8 +823,10 @@ ${st}_long_scoreboard_per_issue_active.ratio,${st}_barrier_per_issue_active.rati
 ${st}_wait_per_issue_active.ratio,${st}_short_scoreboard_per_issue_active.ratio,\
 ${st}_lg_throttle_per_issue_active.ratio,${st}_math_pipe_throttle_per_issue_active.ratio,\
 ${st}_mio_throttle_per_issue_active.ratio,${st}_not_selected_per_issue_active.ratio,\
-smsp__inst_executed.sum \
-    "${BW_CELLS:-32 16384 32 8;8 32768 32 8}" "v2 v2tc flashinfer-tc" || return 1
+smsp__inst_executed.sum,lts__t_sectors_srcunit_tex_op_read.sum,dram__sectors_read.sum,\
+sm__cycles_active.avg,gpc__cycles_elapsed.max \
+    "${BW_CELLS:-32 16384 32 8;8 32768 32 8}" "${BW_ARMS:-v2 v2tc flashinfer-tc}" || return 1
+  [ "${BW_BENCH:-1}" = 1 ] || return 0
   local c="--preset targets --context 16384 --context 32768 --batch 4 --batch 8 --batch 32"
   PAGED_DECODE_STAGES=3 BENCH_TIMEOUT=60 run_bench bw_tc_s3 $c --arms v2tc | tail -8
   PAGED_DECODE_TARGET_CTAS=528 BENCH_TIMEOUT=60 run_bench bw_t528 $c --arms v2,v2tc | tail -8
@@ -1173,7 +1195,7 @@ step_v2tc_race() {
   for tool in racecheck ${V2TC_SYNC:+synccheck}; do
     PAGED_DECODE_PLAIN_MALLOC=1 timeout ${RACE_TIMEOUT:-170} compute-sanitizer --tool $tool \
       --error-exitcode 3 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_cuda_gpu.py \
-      tests/test_fp8_gpu.py tests/test_variants_gpu.py -k "v2tc and (oracle or empty or fp8 or all)" \
+      tests/test_fp8_gpu.py tests/test_variants_gpu.py -k "${V2TC_RACE_K:-v2tc and (oracle or empty or fp8 or all)}" \
       > "$L/v2tc_$tool.log" 2>&1
     echo "v2tc $tool rc=$?"
     grep -cE "PASSED" "$L/v2tc_$tool.log"

@@ -28,9 +28,11 @@ stage may come from different pages (any page size 1-256, a first page offset): 
 token's page is looked up on its own (one thread per token of a stage, a stage ahead of the
 copies that use it, through shared memory).
 
-Ring rows: where a row of K or V (head_dim times the element size) is a multiple of 128
-bytes the ring is unpadded and each row's 16-byte pieces are swizzled (``tile_at`` in
-``mma.py``, which says why); other rows are padded by 16 bytes.
+Ring rows: a row of K or V (head_dim times the element size) is unpadded where it is a
+multiple of 64 bytes (96-byte fp8 rows take 128) and its 16-byte pieces are swizzled
+(``tile_at`` in ``mma.py``, which says why). Rows padded by 16 bytes, as head_dim 96 and
+fp8 head_dim 64 / 96 had until session 35, made cp.async move every other row's sectors
+twice from L2 (``TileRow``).
 
 fp8 pools (``docs/tensor-core-decode.md``, "fp8 pools"): the ring holds the codes (16
 per 16-byte piece), and the fp8 tile phases (``qk_tile_fp8``,
@@ -154,19 +156,19 @@ __device__ __forceinline__ int q_column(int k) {
 }
 
 // s = Q K^T (16 rows x 16 tokens, NT = 2 tiles of 8) for one warp over fp8 K rows `kt`
-// (laid out by tile_at<ROWB, SWZ>); `qw`: the Q tile in q_column order.
-template <typename TKV, typename T, int D, int ROWB, bool SWZ, int LD>
+// (laid out by tile_at<ROWB, GRP>); `qw`: the Q tile in q_column order.
+template <typename TKV, typename T, int D, int ROWB, int GRP, int LD>
 __device__ __forceinline__ void qk_tile_fp8(float (&s)[2][4], const T* qw, const unsigned char* kt) {
   static_assert(D % 32 == 0, "fp8 K is read 32 columns (two chunks) at a time");
   const int lane = threadIdx.x & 31;
   const int lrow = lane & 7, lm = lane >> 3, lhi = lm & 1, lq = lane >> 4;
 #pragma unroll
   for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-  const smem_addr_t k_lane = smem_addr(kt) + tile_at<ROWB, SWZ>((lm >> 1) * 8 + lrow, lm & 1);
+  const smem_addr_t k_lane = smem_addr(kt) + tile_at<ROWB, GRP>((lm >> 1) * 8 + lrow, lm & 1);
 #pragma unroll
   for (int cc = 0; cc < D / 32; ++cc) {
     unsigned kr[4];                  // matrix m: tokens 8 (m >> 1) + 0-7, chunk 2 cc + (m & 1)
-    ldsm_x4_at<false>(kr, chunk_addr<SWZ>(k_lane, 2 * cc));
+    ldsm_x4_at<false>(kr, chunk_addr<GRP>(k_lane, 2 * cc));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       unsigned a[4];
@@ -189,9 +191,9 @@ __device__ __forceinline__ unsigned codes_by_column(unsigned w) {
   return __byte_perm(w, 0u, 0x3120u);
 }
 
-// o += P V for one warp over fp8 V rows `vt` (16 tokens, laid out by tile_at<ROWB, SWZ>):
+// o += P V for one warp over fp8 V rows `vt` (16 tokens, laid out by tile_at<ROWB, GRP>):
 // P is softmax_tile's s as in pv_tile; o in the even / odd tile order above.
-template <typename TKV, typename T, int D, int ROWB, bool SWZ, int DT>
+template <typename TKV, typename T, int D, int ROWB, int GRP, int DT>
 __device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[2][4],
                                             const unsigned char* vt) {
   static_assert(DT == D / 8 && D % 32 == 0, "fp8 V is read 32 columns (two chunks) at a time");
@@ -202,11 +204,11 @@ __device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[
   a[1] = Pair<T>::pack(s[0][2], s[0][3]);
   a[2] = Pair<T>::pack(s[1][0], s[1][1]);
   a[3] = Pair<T>::pack(s[1][2], s[1][3]);
-  const smem_addr_t v_lane = smem_addr(vt) + tile_at<ROWB, SWZ>((lm & 1) * 8 + lrow, lm >> 1);
+  const smem_addr_t v_lane = smem_addr(vt) + tile_at<ROWB, GRP>((lm & 1) * 8 + lrow, lm >> 1);
 #pragma unroll
   for (int cc = 0; cc < D / 32; ++cc) {
     unsigned vr[4];                  // matrix m: tokens 8 (m & 1) + 0-7, chunk 2 cc + (m >> 1)
-    ldsm_x4_at<true>(vr, chunk_addr<SWZ>(v_lane, 2 * cc));
+    ldsm_x4_at<true>(vr, chunk_addr<GRP>(v_lane, 2 * cc));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // tokens 0-7 (lo) and 8-15 (hi) of the k step; [0]: the even column, [1]: the odd
@@ -260,8 +262,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   constexpr int D = HEAD_DIM;
   constexpr int LD = D + 8;                      // padded 16-bit smem row, in elements
   constexpr bool FP8 = sizeof(TKV) == 1;         // a byte ring, widened in registers
-  using Row = TileRow<D * (int)sizeof(TKV)>;     // ring rows: swizzled or padded
-  constexpr bool SWZ = Row::SWZ;
+  using Row = TileRow<D * (int)sizeof(TKV)>;     // ring rows, swizzled
+  constexpr int GRP = Row::GROUP;
   constexpr int ROWB = Row::BYTES;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int PIECES = D * (int)sizeof(TKV) / 16;   // 16-byte pieces per ring row
@@ -433,7 +435,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
         for (int j = 0; j < RB; ++j) {
           const int tok = tok_of(j0 + j), piece = piece_of(j0 + j);
           const unsigned long long off = (unsigned long long)row[j] * row_bytes + piece * 16;
-          const int at = tile_at<ROWB, SWZ>(slot * KT + tok, piece);
+          const int at = tile_at<ROWB, GRP>(slot * KT + tok, piece);
           cp_async16(ks + at, k_head + off, tok < live);
           cp_async16(vs + at, v_head + off, tok < live);
         }
@@ -471,12 +473,12 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
       const unsigned char* kt = ks + (slot * KT + warp * 16) * ROWB;
       const unsigned char* vt = vs + (slot * KT + warp * 16) * ROWB;
       float s[NT][4];
-      if constexpr (FP8) qk_tile_fp8<TKV, T, D, ROWB, SWZ, LD>(s, qs, kt);
-      else qk_tile<T, D, LD, NT, ROWB, SWZ>(s, qs, kt);
+      if constexpr (FP8) qk_tile_fp8<TKV, T, D, ROWB, GRP, LD>(s, qs, kt);
+      else qk_tile<T, D, LD, NT, ROWB, GRP>(s, qs, kt);
       softmax_tile<NT, DT, SOFT_CAP>(s, m_run, l_run, o, tok0 + 2 * tig, n_tok, scale_log2,
                                      soft_cap_log2);
-      if constexpr (FP8) pv_tile_fp8<TKV, T, D, ROWB, SWZ, DT>(o, s, vt);
-      else pv_tile<T, LD, NT, DT, ROWB, SWZ>(o, s, vt);
+      if constexpr (FP8) pv_tile_fp8<TKV, T, D, ROWB, GRP, DT>(o, s, vt);
+      else pv_tile<T, LD, NT, DT, ROWB, GRP>(o, s, vt);
     }
   }
   cp_async_wait<0>();                            // no copy may outlive the loop

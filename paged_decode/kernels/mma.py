@@ -15,10 +15,10 @@ fragments and row addresses with warp shuffles.
 A warp's tile phases (``qk_tile``, ``softmax_tile``, ``pv_tile``, ``row_sums``) work on
 16 query rows held in shared memory (rows of ``LD`` 16-bit elements, ``LD`` = head_dim +
 8: padded so that the eight row addresses of one ``ldmatrix`` fall in different banks)
-against ``8 * NT`` K/V token rows in shared memory laid out by ``tile_at``: unpadded rows
-whose 16-byte pieces are XOR-swizzled by row where a row is a multiple of 128 bytes, which
-also keeps each 32-byte global sector that ``cp.async`` copies in one aligned span (the
-tile then starts 128-byte aligned, ``align_smem``), padded rows otherwise. Each lane
+against ``8 * NT`` K/V token rows in shared memory laid out by ``tile_at``: rows whose
+16-byte pieces are XOR-swizzled by row in groups of 8 or 4 (``TileRow``), which also keeps
+each 32-byte global sector that ``cp.async`` copies in one aligned span (the tile starts
+128-byte aligned, ``align_smem``). Each lane
 keeps the online-softmax state of rows ``grp`` and ``grp + 8`` (``m_run``, ``l_run`` in
 base 2; ``l_run`` is this lane's share of the row sum until ``row_sums``) and the
 accumulators ``o[DT][4]`` of those rows (C layout, ``DT = D / 8`` column tiles).
@@ -31,9 +31,9 @@ ALIGN_SLACK = 128
 
 def tile_row_bytes(dense: int) -> int:
     """Bytes of one K/V tile row of ``dense`` bytes of data (head_dim x element size),
-    ``TileRow<dense>::BYTES`` in the kernels: unpadded where a multiple of 128 (swizzled,
-    ``tile_at``), else padded by 16 bytes."""
-    return dense if dense % 128 == 0 else dense + 16
+    ``TileRow<dense>::BYTES`` in the kernels (swizzled, ``tile_at``): ``dense`` where it is
+    a multiple of 64, else rounded up to a multiple of 128."""
+    return dense if dense % 64 == 0 else -(-dense // 128) * 128
 
 
 CUDA_MMA = r"""
@@ -161,49 +161,58 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
 }
 
 // The row of a K/V tile holding DENSE bytes (head_dim x element size; tile_row_bytes on
-// the host): swizzled (tile_at) where DENSE is a multiple of 128, else padded by 16 bytes
-// so that the 8 rows of an ldmatrix matrix still fall in distinct banks.
+// the host): DENSE itself where it is a multiple of 64 bytes, else DENSE rounded up to a
+// multiple of 128 (96-byte fp8 rows). Every row is swizzled (tile_at) in groups of GROUP
+// 16-byte chunks: 8 (128 bytes) where the rows are whole 128-byte lines, 4 (64 bytes)
+// where they end half way through one (192-byte rows at head_dim 96, 64-byte fp8 rows).
+// Rows padded by 16 bytes instead start every other row off a 32-byte boundary, so
+// cp.async moved those rows' sectors twice from L2: 1.40x the DRAM bytes over L2 at
+// head_dim 96 (S35-R3, ncu); rounding 192 up to 256 ended that but cost a CTA per SM.
 template <int DENSE>
 struct TileRow {
-  static constexpr bool SWZ = DENSE % 128 == 0;
-  static constexpr int BYTES = SWZ ? DENSE : DENSE + 16;
+  static constexpr int BYTES = DENSE % 64 == 0 ? DENSE : (DENSE + 127) / 128 * 128;
+  static constexpr int GROUP = BYTES % 128 == 0 ? 8 : 4;
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a shared-memory tile of ROWB-byte
-// rows. SWZ (ROWB a multiple of 128, no padding): the chunk's low three bits are XORed
-// with the row's, so the 8 rows of one chunk that an ldmatrix matrix reads fall in
-// distinct banks, and a 32-byte global sector copied by two 16-byte cp.async pieces lands
-// in one aligned 32-byte span (a row padded by 16 bytes splits every other row's sectors,
-// and the copy then moves each of them twice from L2: 24 sectors per warp copy for 16).
-// Without SWZ the caller pads ROWB instead. Tiles start at a row that is a multiple of 8.
-template <int ROWB, bool SWZ>
+// rows swizzled in groups of GROUP chunks (TileRow): the chunk's index within its group is
+// XORed with a function of row % 8, so the 8 rows of one chunk that an ldmatrix matrix
+// reads fall in 8 distinct 16-byte bank slots, and a 32-byte global sector copied by two
+// 16-byte cp.async pieces lands in one aligned 32-byte span (its two halves at most
+// swapped). GROUP 8 (ROWB a multiple of 128): XOR row % 8. GROUP 4 (ROWB a multiple of 64,
+// not of 128: a row starts at slot 0 or 4 of the 8 by its parity): XOR (row / 2) % 4, so
+// the 8 rows take parity x XOR value, 8 distinct slots. Tiles start at a row that is a
+// multiple of 8, 128-byte aligned (align_smem).
+template <int ROWB, int GROUP>
 __device__ __forceinline__ int tile_at(int row, int chunk) {
-  static_assert(!SWZ || ROWB % 128 == 0, "a swizzled row holds whole groups of 8 chunks");
-  return row * ROWB + ((SWZ ? chunk ^ (row & 7) : chunk) << 4);
+  static_assert((GROUP == 8 && ROWB % 128 == 0) || (GROUP == 4 && ROWB % 128 == 64),
+                "rows of whole 128-byte lines swizzle in groups of 8 chunks, rows of an "
+                "odd number of 64-byte halves in groups of 4");
+  return row * ROWB + ((chunk ^ (GROUP == 8 ? row & 7 : (row >> 1) & 3)) << 4);
 }
 
 // The address of chunk `even` + `bit` of a tile row, from `lane` = the address of its
-// chunk `bit` (tile_at(row, bit), `bit` 0 or 1, the tile 128-byte aligned with SWZ); `even`
-// an even chunk that unrolling makes a constant. Swizzled, chunk c of the row is at
-// (row's start + ((bit ^ row % 8) << 4)) ^ ((even % 8) << 4) plus 128 per 8 chunks: one
-// XOR with a constant per matrix load in the token loop (tile_at's own form costs three).
-template <bool SWZ>
+// chunk `bit` (tile_at(row, bit), `bit` 0 or 1); `even` an even chunk that unrolling makes
+// a constant. Chunk c of the row is at (row's start + ((bit ^ x) << 4)) ^ ((even % GROUP)
+// << 4) plus 16 GROUP bytes per group (x the row's swizzle; a row starts GROUP x 16-byte
+// aligned): one XOR with a constant per matrix load in the token loop (tile_at's own form
+// costs three). Adding 8 rows to `lane` keeps it valid: the swizzle repeats every 8 rows.
+template <int GROUP>
 __device__ __forceinline__ smem_addr_t chunk_addr(smem_addr_t lane, int even) {
-  if constexpr (SWZ) return (lane ^ (smem_addr_t)((even & 7) << 4)) + ((even >> 3) << 7);
-  else return lane + (even << 4);
+  return (lane ^ (smem_addr_t)((even & (GROUP - 1)) << 4)) + ((even / GROUP) * 16 * GROUP);
 }
 
 // Phase: s = Q K^T (16 rows x 8 NT tokens) for one warp: `qw` points at the warp's 16
 // query rows (rows of LD elements), `kt` at its first K token row (rows of KROWB bytes,
-// laid out by tile_at<KROWB, KSWZ>), both in shared memory.
-template <typename T, int D, int LD, int NT, int KROWB = 2 * LD, bool KSWZ = false>
+// laid out by tile_at<KROWB, KGRP>), both in shared memory.
+template <typename T, int D, int LD, int NT, int KROWB, int KGRP>
 __device__ __forceinline__ void qk_tile(float (&s)[NT][4], const T* qw, const void* kt) {
   static_assert(D % 16 == 0 && NT % 2 == 0, "ldmatrix takes 16-token, 16-column blocks");
   const int lane = threadIdx.x & 31;
   // ldmatrix row addresses: lane l points at row l % 8 of matrix l / 8
   const int lrow = lane & 7, lhi = (lane >> 3) & 1, lq = lane >> 4;
   // this lane's K row of tile pair 0 (token lrow + 8 lq), at its chunk lhi
-  const smem_addr_t k_lane = smem_addr(kt) + tile_at<KROWB, KSWZ>(lrow + 8 * lq, lhi);
+  const smem_addr_t k_lane = smem_addr(kt) + tile_at<KROWB, KGRP>(lrow + 8 * lq, lhi);
 #pragma unroll
   for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
@@ -213,7 +222,7 @@ __device__ __forceinline__ void qk_tile(float (&s)[NT][4], const T* qw, const vo
 #pragma unroll
     for (int n = 0; n < NT; n += 2) {
       unsigned b[4];                            // tokens of tiles n / n+1 x columns +0 / +8
-      ldsm_x4_at<false>(b, chunk_addr<KSWZ>(k_lane + n * 8 * KROWB, 2 * kk));
+      ldsm_x4_at<false>(b, chunk_addr<KGRP>(k_lane + n * 8 * KROWB, 2 * kk));
       const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
       mma_16816<T>(s[n], a, b0);
       mma_16816<T>(s[n + 1], a, b1);
@@ -278,14 +287,14 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NT][4], float (&m_run)[2
 
 // Phase: o += P V for one warp: the p of column tiles 2kk, 2kk+1 (softmax_tile's s) are
 // the A operand of 16 tokens; `vt` points at the warp's first V token row (shared memory,
-// rows of VROWB bytes laid out by tile_at<VROWB, VSWZ>).
-template <typename T, int LD, int NT, int DT, int VROWB = 2 * LD, bool VSWZ = false>
+// rows of VROWB bytes laid out by tile_at<VROWB, VGRP>).
+template <typename T, int LD, int NT, int DT, int VROWB, int VGRP>
 __device__ __forceinline__ void pv_tile(float (&o)[DT][4], const float (&s)[NT][4], const void* vt) {
   static_assert(NT % 2 == 0 && DT % 2 == 0, "ldmatrix takes 16-token, 16-column blocks");
   const int lane = threadIdx.x & 31;
   const int lrow = lane & 7, lhi = (lane >> 3) & 1, lq = lane >> 4;
   // this lane's V row of token block 0 (token lrow + 8 lhi), at its chunk lq
-  const smem_addr_t v_lane = smem_addr(vt) + tile_at<VROWB, VSWZ>(lrow + 8 * lhi, lq);
+  const smem_addr_t v_lane = smem_addr(vt) + tile_at<VROWB, VGRP>(lrow + 8 * lhi, lq);
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
     unsigned a[4];
@@ -296,7 +305,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[DT][4], const float (&s)[NT][
 #pragma unroll
     for (int j = 0; j < DT; j += 2) {
       unsigned b[4];                            // tokens +0 / +8 x columns of tiles j / j+1
-      ldsm_x4_at<true>(b, chunk_addr<VSWZ>(v_lane + kk * 16 * VROWB, j));
+      ldsm_x4_at<true>(b, chunk_addr<VGRP>(v_lane + kk * 16 * VROWB, j));
       const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
       mma_16816<T>(o[j], a, b0);
       mma_16816<T>(o[j + 1], a, b1);

@@ -53,8 +53,8 @@ def tokens_per_tile(head_dim: int) -> int:
 def dynamic_smem_bytes(head_dim: int, num_warps: int = NUM_WARPS,
                        tile: int | None = None) -> int:
     """The Q tile (padded 16-bit rows) plus a double-buffered K and V tile (16-bit rows,
-    swizzled where a row is a multiple of 128 bytes, else padded: ``tile_at``) that the
-    kernel aligns to 128 bytes in 128 bytes of slack."""
+    unpadded and swizzled: ``tile_at``) that the kernel aligns to 128 bytes in 128 bytes
+    of slack."""
     q_row = (head_dim + SMEM_PAD) * 2
     kt = tokens_per_tile(head_dim) if tile is None else tile
     return (ROWS_PER_WARP * num_warps * q_row + ALIGN_SLACK
@@ -83,9 +83,9 @@ extern __shared__ __align__(16) unsigned char pd_prefix_smem[];
 
 // Staging: piece `piece` (16 bytes: 8 16-bit elements) of the K and V
 // rows of one token (entry `entry` of pool page `page`, KV head `kvh`) into row `tok` of
-// the shared-memory tiles `ks` / `vs` (laid out by tile_at<ROWB, SWZ>) with cp.async;
+// the shared-memory tiles `ks` / `vs` (laid out by tile_at<ROWB, GRP>) with cp.async;
 // `ok` false zero-fills both without reading global memory.
-template <typename T, int D, int ROWB, bool SWZ>
+template <typename T, int D, int ROWB, int GRP>
 __device__ __forceinline__ void stage_kv_piece(unsigned char* ks, unsigned char* vs,
                                                const T* k_pages, const T* v_pages, int tok,
                                                int page, int entry, int kvh, int piece, bool ok,
@@ -99,8 +99,8 @@ __device__ __forceinline__ void stage_kv_piece(unsigned char* ks, unsigned char*
     kp += off;
     vp += off;
   }
-  cp_async16(ks + tile_at<ROWB, SWZ>(tok, piece), kp, ok);
-  cp_async16(vs + tile_at<ROWB, SWZ>(tok, piece), vp, ok);
+  cp_async16(ks + tile_at<ROWB, GRP>(tok, piece), kp, ok);
+  cp_async16(vs + tile_at<ROWB, GRP>(tok, piece), vp, ok);
 }
 
 }  // namespace pd
@@ -122,8 +122,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
   constexpr int D = HEAD_DIM;
   constexpr int ROWS = 16 * NUM_WARPS;           // query rows per CTA
   constexpr int LD = D + 8;                      // padded Q row, in elements
-  using Row = TileRow<D * 2>;                    // K/V rows: swizzled or padded
-  constexpr bool SWZ = Row::SWZ;
+  using Row = TileRow<D * 2>;                    // K/V rows, swizzled
+  constexpr int GRP = Row::GROUP;
   constexpr int ROWB = Row::BYTES;
   constexpr int THREADS = NUM_WARPS * 32;
   constexpr int PIECES = D / 8;                  // 16-byte pieces per row
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
     for (int j = 0; j < PER_THREAD; ++j) {
       const int e = tid + j * THREADS, tok = e / PIECES, piece = e % PIECES;
       const int i = tile * KT + tok;                                   // token in the chunk
-      stage_kv_piece<T, D, ROWB, SWZ>(ks + buf * KT * ROWB, vs + buf * KT * ROWB, k_pages,
+      stage_kv_piece<T, D, ROWB, GRP>(ks + buf * KT * ROWB, vs + buf * KT * ROWB, k_pages,
                                       v_pages, tok, ids[j], (t_begin + i) % PAGE_SIZE, kvh,
                                       piece, i < n_tok, page_stride, row_stride);
     }
@@ -213,9 +213,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_prefix_tc(
 
     // S = Q K^T for this warp's 16 rows and KT tokens, the online softmax, O += P V
     float s[NT][4];
-    qk_tile<T, D, LD, NT, ROWB, SWZ>(s, qw, kt);
+    qk_tile<T, D, LD, NT, ROWB, GRP>(s, qw, kt);
     softmax_tile<NT, DT>(s, m_run, l_run, o, tile * KT + 2 * tig, n_tok, scale_log2);
-    pv_tile<T, LD, NT, DT, ROWB, SWZ>(o, s, vs + buf * KT * ROWB);
+    pv_tile<T, LD, NT, DT, ROWB, GRP>(o, s, vs + buf * KT * ROWB);
     __syncthreads();                              // buffer `buf` is refilled next round
   }
 
