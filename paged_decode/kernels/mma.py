@@ -181,8 +181,8 @@ struct TileRow {
 // 16-byte cp.async pieces lands in one aligned 32-byte span (its two halves at most
 // swapped). GROUP 8 (ROWB a multiple of 128): XOR row % 8. GROUP 4 (ROWB a multiple of 64,
 // not of 128: a row starts at slot 0 or 4 of the 8 by its parity): XOR (row / 2) % 4, so
-// the 8 rows take parity x XOR value, 8 distinct slots. Tiles start at a row that is a
-// multiple of 8, 128-byte aligned (align_smem).
+// the 8 rows take 4 x parity + (chunk % 4 XOR (row / 2) % 4), 8 distinct slots. Tiles start
+// at a row that is a multiple of 8, 128-byte aligned (align_smem).
 template <int ROWB, int GROUP>
 __device__ __forceinline__ int tile_at(int row, int chunk) {
   static_assert((GROUP == 8 && ROWB % 128 == 0) || (GROUP == 4 && ROWB % 128 == 64),
