@@ -299,7 +299,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "qwen2-7b, llama3-70b-tp8; default llama3-8b on a GPU). Arms eager-tc "
                    "and captured-tc (the tensor-core partial) are named with --arms. "
                    "decode suite: only the preset's cases of that layout (models, "
-                   "crossover).")
+                   "crossover). cascade, cascade-rule and forks suites: their cases with "
+                   "that layout's heads.")
 @_package_errors
 def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[int, ...],
           batches: tuple[int, ...], pages: tuple[int, ...], dtype: str | None, arms: str,
@@ -351,10 +352,17 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                              pages=list(pages), dtype=dtype)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
-    if model is not None:
-        if suite != "decode":
-            raise click.ClickException(f"bench: --model selects the engine suite's heads or "
-                                       f"the decode suite's cases, not --suite {suite}")
+    if model is not None and suite != "decode":
+        from .bench.cases import MODELS
+        from .bench.suites import MODEL_SUITES
+        if suite not in MODEL_SUITES:
+            raise click.ClickException(f"bench: --model selects the engine suite's heads, "
+                                       f"the decode suite's cases or the heads of the "
+                                       f"{', '.join(MODEL_SUITES)} suites, not --suite {suite}")
+        if model not in MODELS:
+            raise click.ClickException(f"bench: --model must name a models-preset layout "
+                                       f"({', '.join(MODELS)}), got {model!r}")
+    elif model is not None:
         kept = [c for c in cases if c.model == model]
         if not kept:
             have = ", ".join(dict.fromkeys(c.model for c in cases))
@@ -395,7 +403,7 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
         with click.progressbar(length=n, label=f"{n} cases", file=sys.stderr) as bar:
             results = run_suite(suite, be, warmup=warmup, reps=reps, cold_l2=cold_l2,
                                 graph=not no_graph, progress=lambda r: bar.update(1),
-                                kv_dtype=kv_dtype or "")
+                                kv_dtype=kv_dtype or "", model=model or "")
     else:
         with click.progressbar(length=len(cases), label=f"{len(cases)} cases",
                                file=sys.stderr) as bar:

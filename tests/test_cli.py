@@ -181,6 +181,39 @@ def test_forks_suite_runs_every_flat_arm_it_can_and_says_why_not_the_others():
         assert f.arms[fi].ran == "unavailable" and "cuda backend" in f.arms[fi].note
 
 
+def test_the_cascade_and_forks_suites_take_a_models_layouts_heads(monkeypatch):
+    """``run_suite(model=...)`` (``bench --suite forks --model phi3-mini``): every case gets
+    the layout's heads and says so in its label, and every arm, cascade's head_dim-96
+    prefix kernel included, still matches the oracle; other suites and unknown layouts
+    are refused by name."""
+    from paged_decode import get_backend
+    from paged_decode.bench import suites
+    for name in suites.MODEL_SUITES:
+        plain, phi = suites.suite_cases(name), suites.suite_cases(name, model="phi3-mini")
+        assert [(c.batch, c.shared, c.suffix) for c in phi] == [
+            (c.batch, c.shared, c.suffix) for c in plain]
+        assert {(c.num_qo_heads, c.num_kv_heads, c.head_dim, c.model) for c in phi} == {
+            (32, 32, 96, "phi3-mini")}
+    (fp8,) = {c.kv_dtype for c in suites.suite_cases("forks", "float8_e4m3fn", "gqa16")}
+    assert fp8 == "float8_e4m3fn"
+    with pytest.raises(ValueError, match="model applies to the cascade, cascade-rule, "
+                                         "forks suites, not 'sparse'"):
+        suites.suite_cases("sparse", model="phi3-mini")
+    with pytest.raises(ValueError, match="model must be one of .*phi3-mini.*got 'llama9'"):
+        suites.suite_cases("forks", model="llama9")
+    # one small case run through the suite's bench under the emulator
+    be = get_backend("emulated-cuda")
+    monkeypatch.setitem(suites.SUITES, "forks", lambda: [CascadeCase(2, 32, 16)])
+    (r,) = suites.run_suite("forks", be, warmup=1, reps=2, cold_l2=False, graph=False,
+                            model="phi3-mini")
+    assert (r.case.num_qo_heads, r.case.num_kv_heads, r.case.head_dim) == (32, 32, 96)
+    assert r.case.label == "cascade B2 shared32 suffix16 ps16 phi3-mini 32/32x96"
+    assert r.case.row_bytes() == 2 * 32 * 96 * 2
+    assert all(r.arms[a].verified for a in ("v2", "v2tc", "cascade"))
+    assert r.arms["cascade"].ran == "cascade" and r.arms["v2tc"].ran.startswith("v2tc")
+    assert CascadeCase(2, 32).label == "cascade B2 shared32 suffix256 ps16"
+
+
 def test_forks_suite_over_fp8_pools_verifies_every_arm_against_the_dequantized_oracle():
     from paged_decode import get_backend
     be = get_backend("emulated-cuda")
@@ -310,9 +343,13 @@ def test_bench_model_selects_one_layout_of_a_decode_preset(run, tmp_path):
                                     "--model", "llama9", "--context", "48", "--batch", "2"])
     assert bad.exit_code != 0 and "--model must name a layout of preset models" in bad.output
     assert "qwen2-7b" in bad.output and "got 'llama9'" in bad.output
-    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "forks",
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "sparse",
                                     "--model", "qwen2-7b"])
-    assert bad.exit_code != 0 and "not --suite forks" in bad.output
+    assert bad.exit_code != 0 and "not --suite sparse" in bad.output
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "forks",
+                                    "--model", "llama9"])
+    assert bad.exit_code != 0 and "--model must name a models-preset layout" in bad.output
+    assert "phi3-mini" in bad.output and "got 'llama9'" in bad.output
     bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "cascade",
                                     "--kv-dtype", "float8_e4m3fn"])
     assert bad.exit_code != 0

@@ -31,10 +31,11 @@
 #               one 600 s command with fi (the five runs' limits add up to 400 s)
 #   models      bench --preset models with v2, sdpa, flashinfer, flashinfer-tc (run fi first;
 #               MODELS_LIST "phi3-mini gqa16": those layouts only, one bench each)
-#   cascade     bench --suite cascade
+#   cascade     bench --suite cascade (CASCADE_MODEL: a models-preset layout's heads)
 #   cascade-rule  bench --suite cascade-rule (short prefixes: where cascade starts to pay)
 #   forks       bench --suite forks: flat decode over pages every request shares, v2 /
-#               v2tc / FlashInfer beside cascade (run fi first; FORKS_KV: fp8 pools)
+#               v2tc / FlashInfer beside cascade (run fi first; FORKS_KV: fp8 pools;
+#               FORKS_MODEL: a models-preset layout's heads)
 #   forks-stages  the forks suite at the CUDA kernels' ring depths FORKS_STAGES (2 3; run fi
 #               first)
 #   tune-forks  bench/device/tune_forks.py: v2 and v2tc over shared and private pages at plan
@@ -313,15 +314,16 @@ step_models() {   # MODELS_LIST "phi3-mini gqa16": one bench per layout (--model
       --arms ${BENCH_ARMS:-v2,sdpa,flashinfer,flashinfer-tc} | grep -E " B[0-9]+ |rc="
   done
 }
-step_cascade() { run_bench cascade --suite cascade; }
+step_cascade() { run_bench cascade${CASCADE_MODEL:+_$CASCADE_MODEL} --suite cascade ${CASCADE_MODEL:+--model $CASCADE_MODEL}; }
 step_cascade_rule() { run_bench cascade-rule --suite cascade-rule; }
 # the forks suite over FORKS_KV's pools (unset: float16; an fp8 format: its pools, and
 # FlashInfer's fp8 decode after fi)
-step_forks() {
+step_forks() {   # FORKS_KV: fp8 pools; FORKS_MODEL: a models-preset layout's heads
+  local m=${FORKS_MODEL:+--model $FORKS_MODEL} n=forks${FORKS_MODEL:+_$FORKS_MODEL}
   if [ -n "${FORKS_KV:-}" ]; then
-    BENCH_TIMEOUT=${FORKS_TIMEOUT:-150} run_bench "forks_$FORKS_KV" --suite forks --kv-dtype "$FORKS_KV"
+    BENCH_TIMEOUT=${FORKS_TIMEOUT:-150} run_bench "${n}_$FORKS_KV" --suite forks --kv-dtype "$FORKS_KV" $m
   else
-    run_bench forks --suite forks
+    run_bench "$n" --suite forks $m
   fi
 }
 # the forks suite (flat decode over pages every request shares: their K/V come from L2,

@@ -40,11 +40,15 @@ class CascadeCase:
     head_dim: int = 128
     dtype: str = "float16"
     kv_dtype: str = ""     # the pools' dtype when not ``dtype`` (fp8 formats; forks only)
+    model: str = ""        # the models-preset layout of the heads ("": Llama-3-8B's)
 
     @property
     def label(self) -> str:
+        heads = (f" {self.model} {self.num_qo_heads}/{self.num_kv_heads}x{self.head_dim}"
+                 if self.model else "")
         return (f"cascade B{self.batch} shared{self.shared} suffix{self.suffix} "
-                f"ps{self.page_size}" + (f" kv {self.kv_dtype}" if self.kv_dtype else ""))
+                f"ps{self.page_size}{heads}"
+                + (f" kv {self.kv_dtype}" if self.kv_dtype else ""))
 
     def row_bytes(self) -> int:
         """K and V bytes of one token over all KV heads."""
@@ -230,27 +234,52 @@ def bench_sparse(be: Backend, case: SparseCase, *, warmup: int, reps: int,
 
 #: the suites whose cases take fp8 pools (``run_suite``'s ``kv_dtype``)
 FP8_SUITES = ("forks",)
+#: the suites whose cases take another layout's heads (``run_suite``'s ``model``)
+MODEL_SUITES = ("cascade", "cascade-rule", "forks")
 
 
-def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30,
-              cold_l2: bool | str = True, graph: bool = True,
-              progress: Any = None, kv_dtype: str = "") -> list[BenchResult]:
-    """All cases of suite ``name`` (``"cascade"``, ``"cascade-rule"``, ``"forks"`` or
-    ``"sparse"``) on ``be``; ``kv_dtype`` (an fp8 format, suites of ``FP8_SUITES``): the
-    cases' pools in it."""
+def with_model(case: CascadeCase, model: str) -> CascadeCase:
+    """``case`` with the heads of models-preset layout ``model`` (``cases.MODELS``)."""
+    from .cases import MODELS
+    if model not in MODELS:
+        raise ValueError(f"bench: model must be one of {', '.join(MODELS)}, got {model!r}")
+    hq, hkv, d = MODELS[model]
+    return dataclasses.replace(case, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               model=model)
+
+
+def suite_cases(name: str, kv_dtype: str = "", model: str = "") -> list[Any]:
+    """The cases of suite ``name`` (``"cascade"``, ``"cascade-rule"``, ``"forks"`` or
+    ``"sparse"``); ``kv_dtype`` (an fp8 format, suites of ``FP8_SUITES``): their pools in
+    it; ``model`` (a ``cases.MODELS`` layout, suites of ``MODEL_SUITES``): their heads that
+    layout's."""
     if name not in SUITES:
         raise ValueError(f"bench: suite must be one of decode, {', '.join(SUITES)}, "
                          f"got {name!r}")
     if kv_dtype and name not in FP8_SUITES:
         raise ValueError(f"bench: kv_dtype applies to the {', '.join(FP8_SUITES)} suite, "
                          f"not {name!r}")
+    if model and name not in MODEL_SUITES:
+        raise ValueError(f"bench: model applies to the {', '.join(MODEL_SUITES)} suites, "
+                         f"not {name!r}")
+    cases = SUITES[name]()
+    if kv_dtype:
+        cases = [dataclasses.replace(c, kv_dtype=kv_dtype) for c in cases]
+    if model:
+        cases = [with_model(c, model) for c in cases]
+    return cases
+
+
+def run_suite(name: str, be: Backend, *, warmup: int = 5, reps: int = 30,
+              cold_l2: bool | str = True, graph: bool = True,
+              progress: Any = None, kv_dtype: str = "", model: str = "") -> list[BenchResult]:
+    """All cases of suite ``name`` on ``be`` (``suite_cases``: ``kv_dtype``, ``model``)."""
+    cases = suite_cases(name, kv_dtype, model)
     by_suite: dict[str, Callable[..., BenchResult]] = {"sparse": bench_sparse,
                                                         "forks": bench_forks}
     fn = by_suite.get(name, bench_cascade)
     results = []
-    for case in SUITES[name]():
-        if kv_dtype:
-            case = dataclasses.replace(case, kv_dtype=kv_dtype)
+    for case in cases:
         r = fn(be, case, warmup=warmup, reps=reps, cold_l2=cold_l2, graph=graph)
         results.append(r)
         if progress:
