@@ -445,7 +445,7 @@ def row_l2_prefetch(spec: KernelSpec) -> int:
 #: many with chunks of ``ROW_HINT_TOKENS`` tokens (16 x 16K / 32K: 9-14% faster; at 16 x 4K
 #: it was 1-2% slower, at 8 x 8K / 32K level to 7% slower); the tensor-core partial from
 #: chunks of ``ROW_HINT_TC_TOKENS`` tokens (32K: 3-9% faster at batch 8-64 as a rule,
-#: S34-R10), and since its ring rows stopped splitting sectors (session 35) also where
+#: S34-R10), and, its ring rows keeping sectors whole (``mma.TileRow``), also where
 #: v2's rule holds with chunks of at least ``ROW_HINT_TC_MIN_TOKENS`` (S35-R8, one round:
 #: 7-10% faster at batch 16-64 x 16K, 2-3% at 32 / 64 x 8K; 1-5% slower at 16 x 8K and
 #: batch 16-64 x 4K)

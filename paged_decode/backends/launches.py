@@ -151,18 +151,23 @@ def partial_launch(*, dtypes: tuple[str, str, str], plan: DecodePlan, sm_scale: 
     unread pointer. ``v_scale``: an fp8 pool's V scale, multiplying every row (1 for
     other pools; an fp8 pool's K scale is already in ``sm_scale``). ``metal``: for the
     Metal dialect (no L2 hint to choose: ``row_hint_pays`` is CUDA's)."""
-    ctas = plan.num_chunks * plan.num_kv_heads * plan.q_groups
     spec = v2_spec(*dtypes, plan.head_dim, plan.page_size, plan.heads_per_cta,
                    soft_cap=soft_cap is not None, sink=sinks is not None,
-                   row_hint=not metal and row_hint_pays(
-                       "v2", dtypes[1], plan.head_dim, ctas=ctas,
-                       chunk_tokens=plan.pages_per_chunk * plan.page_size))
+                   row_hint=not metal and _row_hint("v2", dtypes[1], plan, plan.q_groups))
     args = _chunk_args(plan, sm_scale, ("q_groups", plan.q_groups), q, k_pages, v_pages,
                        table, request_indices, kv_tile_indices, v_out, lse_out,
                        sinks=q if sinks is None else sinks)
     args += [Arg("soft_cap_log2", _cap_log2(soft_cap), "scalar"),
              Arg("v_scale", np.float32(v_scale), "scalar")]
     return _launch(spec, (plan.num_chunks, plan.num_kv_heads * plan.q_groups), args)
+
+
+def _row_hint(kernel: str, kv_dtype: str, plan: DecodePlan, per_head: int) -> bool:
+    """``row_hint_pays`` for a flat partial's launch over ``plan``: its grid of chunks x
+    Hkv x ``per_head`` CTAs (q groups or row tiles), each streaming one chunk."""
+    return row_hint_pays(kernel, kv_dtype, plan.head_dim,
+                         ctas=plan.num_chunks * plan.num_kv_heads * per_head,
+                         chunk_tokens=plan.pages_per_chunk * plan.page_size)
 
 
 def _chunk_args(plan: DecodePlan, sm_scale: float, ctas_per_head: tuple[str, int], q: Any,
@@ -233,12 +238,9 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
                                plan.num_qo_heads // plan.num_kv_heads, q_dtype=q_dtype,
                                **flags)
     else:
-        hint = row_hint_pays("v2tc", kv_dtype, plan.head_dim,
-                             ctas=plan.num_chunks * plan.num_kv_heads * tiles,
-                             chunk_tokens=plan.pages_per_chunk * plan.page_size)
         spec = v2tc_spec(kv_dtype, out_dtype, plan.head_dim, plan.page_size, q_dtype=q_dtype,
                          merged_dtype=fused.out_dtype if fused is not None else "",
-                         row_hint=hint, **flags)
+                         row_hint=_row_hint("v2tc", kv_dtype, plan, tiles), **flags)
     args = _chunk_args(plan, sm_scale, ("row_tiles", tiles), q, k_pages, v_pages, table,
                        request_indices, kv_tile_indices, v_out, lse_out,
                        sinks=q if sinks is None else sinks)

@@ -30,9 +30,8 @@ copies that use it, through shared memory).
 
 Ring rows: a row of K or V (head_dim times the element size) is unpadded where it is a
 multiple of 64 bytes (96-byte fp8 rows take 128) and its 16-byte pieces are swizzled
-(``tile_at`` in ``mma.py``, which says why). Rows padded by 16 bytes, as head_dim 96 and
-fp8 head_dim 64 / 96 had until session 35, made cp.async move every other row's sectors
-twice from L2 (``TileRow``).
+(``tile_at`` and ``TileRow`` in ``mma.py`` say why: conflict-free ``ldmatrix`` and whole
+32-byte sectors for ``cp.async``).
 
 fp8 pools (``docs/tensor-core-decode.md``, "fp8 pools"): the ring holds the codes (16
 per 16-byte piece), and the fp8 tile phases (``qk_tile_fp8``,

@@ -165,9 +165,8 @@ __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
 // multiple of 128 (96-byte fp8 rows). Every row is swizzled (tile_at) in groups of GROUP
 // 16-byte chunks: 8 (128 bytes) where the rows are whole 128-byte lines, 4 (64 bytes)
 // where they end half way through one (192-byte rows at head_dim 96, 64-byte fp8 rows).
-// Rows padded by 16 bytes instead start every other row off a 32-byte boundary, so
-// cp.async moved those rows' sectors twice from L2: 1.40x the DRAM bytes over L2 at
-// head_dim 96 (S35-R3, ncu); rounding 192 up to 256 ended that but cost a CTA per SM.
+// Not padding: a row padded by 16 bytes starts every other row off a 32-byte boundary,
+// and cp.async then moves those rows' sectors twice from L2.
 template <int DENSE>
 struct TileRow {
   static constexpr int BYTES = DENSE % 64 == 0 ? DENSE : (DENSE + 127) / 128 * 128;
