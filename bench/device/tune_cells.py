@@ -7,7 +7,9 @@ Usage on the GPU machine:
     python3 bench/device/tune_cells.py OUT.json MODEL:BATCHxCONTEXT [...]
 Environment: TUNE_STAGES (ring depths, default "2,3"), TUNE_SPLITS (chunks per request,
 default "1,2,3,4,6,8,12,16,24,32"), TUNE_ARMS (default "v2tc,v2"), TUNE_MAX_CTAS
-(largest grid swept, default 2112).
+(largest grid swept, default 2112), TUNE_BACKEND (default cuda; emulated-cuda for a CPU
+smoke run), TUNE_KV (K/V dtypes, default "-": the queries' float16; "-,float8_e4m3fn"
+times each cell over both, SDPA beside the 16-bit pools only).
 
 Each cell prints SDPA, each arm at its own plan (``default``), then every chunking; the
 summary gives each arm's best setting against its default and SDPA.
@@ -24,34 +26,36 @@ from paged_decode import plan_decode
 from paged_decode.backends import get_backend
 from paged_decode.bench.arms import make_arm
 from paged_decode.bench.cases import MODELS, BenchCase
-from paged_decode.bench.runner import TOLERANCE, _problem, time_arm, verifier
+from paged_decode.bench.runner import TOLERANCE, _problem, _variants, time_arm, verifier
 from paged_decode.specs import v2tc_ctas_per_chunk
 
 STAGES = [int(x) for x in os.environ.get("TUNE_STAGES", "2,3").split(",")]
 SPLITS = [int(x) for x in os.environ.get("TUNE_SPLITS", "1,2,3,4,6,8,12,16,24,32").split(",")]
 ARMS = os.environ.get("TUNE_ARMS", "v2tc,v2").split(",")
 MAX_CTAS = int(os.environ.get("TUNE_MAX_CTAS", "2112"))
+KVS = ["" if x == "-" else x for x in os.environ.get("TUNE_KV", "-").split(",")]
 
-be = get_backend("cuda")
+be = get_backend(os.environ.get("TUNE_BACKEND", "cuda"))   # "emulated-cuda": a CPU smoke run
 t0 = time.time()
 rows: list[dict] = []
 
 
-def cell(text: str) -> BenchCase:
+def cell(text: str, kv: str) -> BenchCase:
     model, shape = text.split(":")
     b, ctx = (int(x) for x in shape.lower().split("x"))
     hq, hkv, d = MODELS[model]
-    return BenchCase(b, ctx, 16, hq, hkv, d, "float16", model)
+    return BenchCase(b, ctx, 16, hq, hkv, d, "float16", model, kv_dtype=kv)
 
 
-def measure(case, q, k, v, table, arm_name, setting, plan=None):
-    """Time one arm on ``plan`` (None: the arm's own plan) and record it."""
+def measure(case, q, k, v, table, vk, arm_name, setting, plan=None):
+    """Time one arm on ``plan`` (None: the arm's own plan) with ``decode``'s variant
+    arguments ``vk`` (an fp8 pool's format and scales) and record it."""
     if plan is None:
         plan = plan_decode(table, case.num_qo_heads, case.num_kv_heads, case.head_dim,
-                           device=be.device_info())
-    arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(case.head_dim),
+                           device=be.device_info(), kv_dtype=case.kv_dtype or None)
+    arm = make_arm(arm_name, be, q, k, v, table, plan, 1 / np.sqrt(case.head_dim), vk,
                    keep_plan=setting != "default")
-    r = time_arm(be, arm_name, arm.call, verifier(be, arm, q, k, v, table), case.io_bytes(),
+    r = time_arm(be, arm_name, arm.call, verifier(be, arm, q, k, v, table, vk), case.io_bytes(),
                  TOLERANCE["float16"], arm.expected, warmup=3, reps=15, cold_l2=True,
                  ran=arm.ran)
     us = r.gpu.get("median_us") or float("nan")
@@ -65,12 +69,14 @@ def measure(case, q, k, v, table, arm_name, setting, plan=None):
           f"{'ok' if r.verified else 'FAIL'} t={time.time() - t0:.0f}s", flush=True)
 
 
-for text in sys.argv[2:]:
-    case = cell(text)
+for text, kv in ((t, kv) for t in sys.argv[2:] for kv in KVS):
+    case = cell(text, kv)
     q, k, v, table = _problem(be, case, 0)
-    measure(case, q, k, v, table, "sdpa", "default")
+    vk = _variants(be, case, 0, q)
+    if not kv and be.name == "cuda":       # SDPA: torch on the GPU, over 16-bit pools
+        measure(case, q, k, v, table, vk, "sdpa", "default")
     for arm_name in ARMS:
-        measure(case, q, k, v, table, arm_name, "default")
+        measure(case, q, k, v, table, vk, arm_name, "default")
     pages = int(table.pages_per_request.max())
     for arm_name in ARMS:
         per_chunk = (v2tc_ctas_per_chunk(case.num_qo_heads, case.num_kv_heads)
@@ -85,10 +91,11 @@ for text in sys.argv[2:]:
                 seen.add(ppc)
                 plan = plan_decode(table, case.num_qo_heads, case.num_kv_heads,
                                    case.head_dim, device=be.device_info(),
-                                   ctas_per_chunk=per_chunk, pages_per_chunk=ppc, path="v2")
+                                   kv_dtype=kv or None, ctas_per_chunk=per_chunk,
+                                   pages_per_chunk=ppc, path="v2")
                 if plan.num_ctas > MAX_CTAS:
                     continue
-                measure(case, q, k, v, table, arm_name,
+                measure(case, q, k, v, table, vk, arm_name,
                         f"st{st} split{-(-pages // ppc)} ctas{plan.num_ctas}", plan)
             os.environ.pop("PAGED_DECODE_STAGES")
     del q, k, v
