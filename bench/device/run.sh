@@ -19,9 +19,9 @@
 #   regs        registers / local memory of the prefix, merge and v2tc kernels (at PREFIX_TILE)
 #   targets     bench --preset targets with v1, v2, sdpa, flashinfer, flashinfer-tc
 #   adr         bench --preset adr with gather, v1, v2 (+ csv, and the crossover table
-#               path='auto' reads, written to $OUT/nvidia-h200.json)
+#               path='auto' reads, written to $OUT/<device slug>.json)
 #   crossover   bench --preset crossover with v1, v2, v2tc: the table path='auto' reads, written
-#               to $OUT/nvidia-h200.json (ship it as paged_decode/data/crossover/nvidia-h200.json)
+#               to $OUT/<device slug>.json (ship it as paged_decode/data/crossover/ of that name)
 #   variants    bench --preset variants with v2 and sdpa (bf16, head_dim, GQA, page size)
 #   decode-variants  issue #14 items 2-3, side by side with FlashInfer (run fi first):
 #               plain 32K, W=4095 over 32K and plain 4K (target: window within 1.1x of 4K);
@@ -277,14 +277,21 @@ run_bench() {
 }
 step_info() { paged-decode info > "$OUT/info.txt" 2>&1; echo "info rc=$?"; }
 step_targets() { run_bench targets --preset targets --arms ${BENCH_ARMS:-v1,v2,sdpa,flashinfer,flashinfer-tc}; }
+# the crossover table's file: $OUT/<the device's slug>.json, the name path='auto' looks
+# up (paged_decode/crossover.py: device_slug), e.g. nvidia-h200.json
+crossover_file() {
+  echo "$OUT/$(python3 -c 'import cupy as cp; from paged_decode.crossover import device_slug
+n = cp.cuda.runtime.getDeviceProperties(0)["name"]
+print(device_slug(n.decode() if isinstance(n, bytes) else str(n)))').json"
+}
 step_adr() {
   run_bench adr --preset adr --arms ${BENCH_ARMS:-gather,v1,v2} --csv "$OUT/bench_adr.csv" \
-    --write-crossover "$OUT/nvidia-h200.json"
+    --write-crossover "$(crossover_file)"
 }
 step_crossover() {   # 69 cells (117 ran over 260 s in run N4): give it a command of its own
   BENCH_TIMEOUT=${BENCH_TIMEOUT:-570} REPS=${BENCH_REPS:-10} run_bench crossover \
     --preset crossover --arms ${BENCH_ARMS:-v1,v2,v2tc} \
-    --write-crossover "$OUT/nvidia-h200.json" | tail -12
+    --write-crossover "$(crossover_file)" | tail -12
 }
 step_variants() { run_bench variants --preset variants --arms ${BENCH_ARMS:-v2,sdpa}; }
 step_decode_variants() {
