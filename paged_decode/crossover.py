@@ -12,10 +12,11 @@ fp8 call reads the cells measured on 16-bit pools).
 
 Lookup order for a device: ``PAGED_DECODE_CROSSOVER`` (a JSON file), then
 ``~/.cache/paged-decode/crossover/<device>.json`` (re-measured on this machine), then the
-table shipped in ``paged_decode/data/crossover/<device>.json``, then a shipped table
-measured on another device of the same architecture (``SHIPPED_ARCH``: the H200's for any
-compute capability 9.0 GPU, an H100 included). ``<device>`` is the device name in lower
-case with non-alphanumerics as ``-`` (e.g. ``nvidia-h200``). With no table, auto runs v2.
+table shipped in ``paged_decode/data/crossover/<device>.json`` (the H200's and the H100
+80GB HBM3's), then a shipped table measured on another device of the same architecture
+(``SHIPPED_ARCH``: the H200's for any other compute capability 9.0 GPU). ``<device>`` is
+the device name in lower case with non-alphanumerics as ``-`` (e.g. ``nvidia-h200``).
+With no table, auto runs v2.
 The architecture decides most of a cell's choice (at GQA 7-16 the CUDA-core partial runs
 out of issue slots and registers, at GQA 1-2 the tensor-core one pads most of its tile),
 the memory system the rest, so a borrowed table is a better guess than v2 everywhere but

@@ -572,8 +572,14 @@ MUTANTS: tuple[Mutant, ...] = (
        "              + _candidates_by_arch(arch, str(SHIPPED))):",
        "              + ()):",
        ["tests/test_crossover.py::test_a_device_without_a_table_borrows_its_architectures"],
-       "an H100 with no table of its own runs v2 at GQA 7-16, where v2tc took 0.31-0.63x "
+       "an H800 with no table of its own runs v2 at GQA 7-16, where v2tc took 0.31-0.63x "
        "of v2's time in the H200's cells"),
+    _m("py-crossover-no-shipped-device-table", "python", ("paged_decode.crossover",),
+       '                                       os.path.join(shipped, f"{slug}.json"))',
+       "                                       )",
+       ["tests/test_crossover.py::test_the_h100_reads_its_own_shipped_table"],
+       "a device's own shipped table is skipped: the H100 borrows the H200's, which sends "
+       "GQA 16 1 x 1K to v2 (1.30x v2tc's time there, S36-R4)"),
     _m("py-crossover-borrowed-table-unflagged", "python", ("paged_decode.crossover",),
        "    return device_slug(table.device) != device_slug(device_name)",
        "    return False",
