@@ -176,6 +176,32 @@ def compile_spec(spec: KernelSpec, compiler: str | None = None, *, ptxas_report:
                           cubin_path=cubin_path)
 
 
+def text_bytes(cubin: bytes, function: str) -> int:
+    """Bytes of machine code of ``function`` (its mangled name) in ``cubin`` (an ELF64
+    cubin as ``compile_source`` writes it): the size of its ``.text.<function>`` section,
+    16 bytes per SASS instruction on sm_70 and later. A compile fact like
+    ``register_usage``: two sources' sizes say whether ptxas emitted the same amount of
+    code, without a disassembler. ``ValueError`` when the cubin has no such section."""
+    import struct
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("text_bytes: not an ELF64 cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def header(i: int) -> tuple[int, int, int]:
+        name, = struct.unpack_from("<I", cubin, shoff + i * shentsize)
+        offset, size = struct.unpack_from("<QQ", cubin, shoff + i * shentsize + 0x18)
+        return name, offset, size
+    strtab = header(shstrndx)[1]
+    want = b".text." + function.encode()
+    for i in range(shnum):
+        name, _, size = header(i)
+        end = cubin.index(b"\0", strtab + name)
+        if cubin[strtab + name:end] == want:
+            return size
+    raise ValueError(f"text_bytes: no .text section for {function!r}")
+
+
 def register_usage(spec: KernelSpec, compiler: str | None = None) -> tuple[int, int]:
     """(registers per thread, spill-store bytes) ptxas reports for ``spec`` on ``ARCH``
     (``-v`` through NVRTC or nvcc, ``compiler`` else what is ``available``, with the

@@ -8,6 +8,7 @@ source that nvcc accepts but NVRTC (what CuPy uses) rejects.
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -512,3 +513,52 @@ def test_a_spill_counts_as_a_trade_only_at_an_occupancy_step():
     assert not spill_is_an_occupancy_trade(128, 20, 4)       # too much to call a trade
     assert ctas_by_registers(96, 4) == 5 and ctas_by_registers(97, 4) == 4
     assert ctas_by_registers(128, 4) == 4 and ctas_by_registers(233, 4) == 2
+
+
+# ------------------------------------------- grid_cell costs no code (chunks first)
+_CELL_BLOCK = re.compile(r"const (?:pd::)?GridCell cell = (?:pd::)?grid_cell\(\);\n"
+                         r"\s*const int c = [^\n]*;\n\s*const int kvh = [^\n]*;\n")
+
+
+def _blockidx_source(src: str, per_head: str, second: str) -> str:
+    """``src`` with the partial's ``pd::grid_cell`` lines (however they divide the slot)
+    replaced by blockIdx read directly, as the kernels did before the CTA order became a
+    define (c385e9d): the reference code. ``per_head``: the kernel's slots per KV head
+    (``row_tiles``, ``q_groups``); ``second``: its name for the slot's remainder."""
+    out, n = _CELL_BLOCK.subn(
+        f"const int c = blockIdx.x;\n  const int kvh = blockIdx.y / {per_head}, "
+        f"{second} = blockIdx.y % {per_head};\n", src)
+    assert n == 1, "the kernel's grid_cell lines changed: update _CELL_BLOCK"
+    return out.replace("cell.slot", "blockIdx.y")
+
+
+def _text_size(tmp_path, src: str, spec) -> int:
+    from paged_decode.specs import cuda_defines
+    path = tmp_path / "k.cubin"
+    cuda_compile.compile_source(src, [spec.cuda_name_expression()], None,
+                                cuda_defines(spec=spec), cubin_path=str(path))
+    data = path.read_bytes()
+    names = set(re.findall(rb"\.text\.(_Z\w+)", data))
+    assert len(names) == 1, names
+    return cuda_compile.text_bytes(data, names.pop().decode())
+
+
+@pytest.mark.parametrize("which", ["v2tc-fused-merge", "v2tc", "v2-gqa8"])
+def test_grid_cell_compiles_to_the_code_blockidx_did(tmp_path, which):
+    """Chunks first, a CTA's (chunk, slot) is blockIdx, and ptxas must emit the same amount
+    of code as for blockIdx read directly. With GridCell's fields signed (int) the kernels
+    divided the slot signed, and ptxas emitted 296 more SASS instructions for the
+    tensor-core partial with its fused merge (3872 against 3576 under NVRTC 13.0: index
+    arithmetic in its prologue, copies and merge), 3 more in its token loop at head_dim 64;
+    the partial took up to 4.7% longer at batch 64 / 128 in S36-R3 than in S32-R1, not
+    bisected (docs/benchmarks/gpu-2026-12-06-s36.md)."""
+    from paged_decode.specs import heads_per_cta, v2_spec, v2tc_spec
+    spec = {"v2tc-fused-merge": v2tc_spec("float16", "float32", 128, 16,
+                                          merged_dtype="float16"),
+            "v2tc": v2tc_spec("float16", "float16", 64, 16),
+            "v2-gqa8": v2_spec("float16", "float16", "float32", 128, 16,
+                               heads_per_cta(64, 8))}[which]
+    src = cuda_compile.cuda_source(spec.kernel)    # the mutants' hook (tests/mutants.py)
+    names = ("row_tiles", "rt") if spec.kernel == "v2tc" else ("q_groups", "qg")
+    assert _text_size(tmp_path, src, spec) == _text_size(
+        tmp_path, _blockidx_source(src, *names), spec)

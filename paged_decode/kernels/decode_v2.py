@@ -455,8 +455,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
     float soft_cap_log2, float v_scale) {
   pd::allow_dependents();             // the merge may be scheduled now; it waits for this grid
   const pd::GridCell cell = pd::grid_cell();
-  const int c = cell.chunk;
-  const int kvh = cell.slot / q_groups, qg = cell.slot % q_groups;
+  const int c = (int)cell.chunk;
+  const int kvh = (int)(cell.slot / (unsigned)q_groups), qg = (int)(cell.slot % (unsigned)q_groups);
   const int h0 = kvh * (num_qo_heads / num_kv_heads) + qg * QH;
   const int r = request_indices[c];
   const long long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];

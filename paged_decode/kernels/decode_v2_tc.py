@@ -286,8 +286,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   const GridCell cell = grid_cell();
-  const int c = cell.chunk;
-  const int kvh = cell.slot / row_tiles, rt = cell.slot % row_tiles;
+  const int c = (int)cell.chunk;
+  const int kvh = (int)(cell.slot / (unsigned)row_tiles), rt = (int)(cell.slot % (unsigned)row_tiles);
   const int group = num_qo_heads / num_kv_heads;
   const int g0 = rt * 16;                        // first GQA row of this CTA
   const int rows = min(16, group - g0);          // live rows; the rest are zero padding
