@@ -686,8 +686,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "pass 2 weighs every run of a warp by the LSEs pass 1 kept for its first run"),
     # ------------------------------------------------------------ grid order (v2, v2tc)
     _m("cuda-heads-first-numbers-by-chunks", "cuda", ("v2", "v2tc"),
-       "  return {(int)(l / gridDim.y), (int)(l % gridDim.y)};",
-       "  return {(int)(l / gridDim.x), (int)(l % gridDim.x)};",
+       "  return {(unsigned)(l / gridDim.y), (unsigned)(l % gridDim.y)};",
+       "  return {(unsigned)(l / gridDim.x), (unsigned)(l % gridDim.x)};",
        [V2TC + "test_v2tc_matches_oracle[d96-g4-ps16-f16]",
         LANES + "[emulated-cuda-float16-d96-qh1]"],
        "heads-first numbering divides by the chunk count instead of the head slots' "
