@@ -686,8 +686,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "pass 2 weighs every run of a warp by the LSEs pass 1 kept for its first run"),
     # ------------------------------------------------------------ grid order (v2, v2tc)
     _m("cuda-heads-first-numbers-by-chunks", "cuda", ("v2", "v2tc"),
-       "  return {(unsigned)(l / gridDim.y), (unsigned)(l % gridDim.y)};",
-       "  return {(unsigned)(l / gridDim.x), (unsigned)(l % gridDim.x)};",
+       "const unsigned chunk = (unsigned)(l / gridDim.y), slot = (unsigned)(l % gridDim.y);",
+       "const unsigned chunk = (unsigned)(l / gridDim.x), slot = (unsigned)(l % gridDim.x);",
        [V2TC + "test_v2tc_matches_oracle[d96-g4-ps16-f16]",
         LANES + "[emulated-cuda-float16-d96-qh1]"],
        "heads-first numbering divides by the chunk count instead of the head slots' "
@@ -1168,20 +1168,14 @@ MUTANTS: tuple[Mutant, ...] = (
        "((even / GROUP) * 16 * GROUP)", "((even / 8) * 128)",
        [V2TC_CASE + "[d96-g4-ps16-f16]"],
        "chunk_addr steps 128 bytes per swizzle group on 192-byte rows, whose groups are 64"),
-    _m("tc-grid-cell-signed-division", "cuda", ("v2tc",),
-       "const int kvh = (int)(cell.slot / (unsigned)row_tiles), "
-       "rt = (int)(cell.slot % (unsigned)row_tiles);",
-       "const int kvh = (int)cell.slot / row_tiles, rt = (int)cell.slot % row_tiles;",
+    _m("cuda-grid-cell-signed-division", "cuda", ("v2", "v2tc"),
+       "  return {chunk, slot, slot / per_head, slot % per_head};",
+       "  return {chunk, slot, (unsigned)((int)slot / (int)per_head),\n"
+       "          (unsigned)((int)slot % (int)per_head)};",
        ["tests/test_cuda_compile.py::test_grid_cell_compiles_to_the_code_blockidx_did"],
        "the CTA's slot divided signed: right results, 296 more SASS instructions for the "
-       "tensor-core partial with its fused merge (its index arithmetic), which only a "
-       "compile-size check sees"),
-    _m("v2-grid-cell-signed-division", "cuda", ("v2",),
-       "const int kvh = (int)(cell.slot / (unsigned)q_groups), "
-       "qg = (int)(cell.slot % (unsigned)q_groups);",
-       "const int kvh = (int)cell.slot / q_groups, qg = (int)cell.slot % q_groups;",
-       ["tests/test_cuda_compile.py::test_grid_cell_compiles_to_the_code_blockidx_did"],
-       "the v2 partial's slot divided signed: right results, more code than blockIdx gave"),
+       "tensor-core partial with its fused merge (its index arithmetic) and more for v2, "
+       "which only a compile-size check sees"),
     _m("v2tc-ring-not-aligned", "cuda", ("v2tc",),
        "unsigned char* ks = align_smem(reinterpret_cast<unsigned char*>(qs + 16 * LD));",
        "unsigned char* ks = reinterpret_cast<unsigned char*>(qs + 16 * LD);",

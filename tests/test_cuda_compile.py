@@ -516,15 +516,15 @@ def test_a_spill_counts_as_a_trade_only_at_an_occupancy_step():
 
 
 # ------------------------------------------- grid_cell costs no code (chunks first)
-_CELL_BLOCK = re.compile(r"const (?:pd::)?GridCell cell = (?:pd::)?grid_cell\(\);\n"
-                         r"\s*const int c = [^\n]*;\n\s*const int kvh = [^\n]*;\n")
+_CELL_BLOCK = re.compile(r"const (?:pd::)?GridCell cell = (?:pd::)?grid_cell\([^\n]*\);\n"
+                         r"\s*const int c = [^\n]*;\n")
 
 
 def _blockidx_source(src: str, per_head: str, second: str) -> str:
-    """``src`` with the partial's ``pd::grid_cell`` lines (however they divide the slot)
-    replaced by blockIdx read directly, as the kernels did before the CTA order became a
-    define (c385e9d): the reference code. ``per_head``: the kernel's slots per KV head
-    (``row_tiles``, ``q_groups``); ``second``: its name for the slot's remainder."""
+    """``src`` with the partial's ``pd::grid_cell`` lines (however the cell divides the
+    slot) replaced by blockIdx read directly, as the kernels did before the CTA order
+    became a define (c385e9d): the reference code. ``per_head``: the kernel's slots per
+    KV head (``row_tiles``, ``q_groups``); ``second``: its name for the slot's remainder."""
     out, n = _CELL_BLOCK.subn(
         f"const int c = blockIdx.x;\n  const int kvh = blockIdx.y / {per_head}, "
         f"{second} = blockIdx.y % {per_head};\n", src)

@@ -226,29 +226,30 @@ __device__ __forceinline__ TokenRange chunk_tokens(long long npages, long long l
   return {t_begin, t_end};
 }
 
-// The (chunk, head slot) of a CTA of a (chunks, head slots) grid. CTAs are handed out in
-// linear order (x fastest), so chunks first (the grid's own order) runs one head's chunks
-// of many requests side by side, and requests that share pages read them at about the
-// same time. PD_HEADS_FIRST numbers the head slots of a chunk first instead: their K/V
-// rows of one page row are adjacent in the [num_pages, P, Hkv, D] pools, so an L2
-// prefetch that runs past one head's row (head_dim 96: a 192-byte row under a 128-byte
-// hint) fetches what the next head's CTA, running alongside, reads next, not bytes
-// evicted before that CTA starts; over fp8 rows (128 bytes at head_dim 128) the heads'
-// rows are read together. The host sets it per kernel (specs.heads_first).
+// The place of a CTA in a (chunks, head slots) grid of `per_head` slots per KV head: its
+// chunk, slot, KV head (slot / per_head) and slot within that head (slot % per_head).
+// CTAs are handed out in linear order (x fastest), so chunks first (the grid's own order)
+// runs one head's chunks of many requests side by side, and requests that share pages
+// read them at about the same time. PD_HEADS_FIRST numbers the head slots of a chunk
+// first instead: their K/V rows of one page row are adjacent in the [num_pages, P, Hkv,
+// D] pools, so an L2 prefetch that runs past one head's row (head_dim 96: a 192-byte row
+// under a 128-byte hint) fetches what the next head's CTA, running alongside, reads next,
+// not bytes evicted before that CTA starts; over fp8 rows (128 bytes at head_dim 128) the
+// heads' rows are read together. The host sets it per kernel (specs.heads_first).
+// Unsigned, as blockIdx is: a signed division of the slot cost v2tc 296 SASS
+// instructions at head_dim 128 under NVRTC 13.0 (index arithmetic downstream of it).
 #ifndef PD_HEADS_FIRST
 #define PD_HEADS_FIRST 0
 #endif
-// Unsigned, as blockIdx is: a kernel's divisions of the slot by its head slots per KV
-// head stay unsigned, and ptxas keeps the index arithmetic it emitted for blockIdx (a
-// signed division cost v2tc 296 SASS instructions at head_dim 128 under NVRTC 13.0).
-struct GridCell { unsigned chunk, slot; };
-__device__ __forceinline__ GridCell grid_cell() {
+struct GridCell { unsigned chunk, slot, kv_head, sub; };
+__device__ __forceinline__ GridCell grid_cell(unsigned per_head) {
 #if PD_HEADS_FIRST
   const unsigned long long l = (unsigned long long)blockIdx.y * gridDim.x + blockIdx.x;
-  return {(unsigned)(l / gridDim.y), (unsigned)(l % gridDim.y)};
+  const unsigned chunk = (unsigned)(l / gridDim.y), slot = (unsigned)(l % gridDim.y);
 #else
-  return {blockIdx.x, blockIdx.y};
+  const unsigned chunk = blockIdx.x, slot = blockIdx.y;
 #endif
+  return {chunk, slot, slot / per_head, slot % per_head};
 }
 
 __host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }

@@ -454,9 +454,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_partial(
     int num_qo_heads, int num_kv_heads, int q_groups, int pages_per_chunk, float scale_log2,
     float soft_cap_log2, float v_scale) {
   pd::allow_dependents();             // the merge may be scheduled now; it waits for this grid
-  const pd::GridCell cell = pd::grid_cell();
-  const int c = (int)cell.chunk;
-  const int kvh = (int)(cell.slot / (unsigned)q_groups), qg = (int)(cell.slot % (unsigned)q_groups);
+  const pd::GridCell cell = pd::grid_cell((unsigned)q_groups);
+  const int c = (int)cell.chunk, kvh = (int)cell.kv_head, qg = (int)cell.sub;
   const int h0 = kvh * (num_qo_heads / num_kv_heads) + qg * QH;
   const int r = request_indices[c];
   const long long tile = kv_tile_indices[c] < 0 ? 0 : kv_tile_indices[c];

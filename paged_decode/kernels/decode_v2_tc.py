@@ -285,9 +285,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   pd_stamp(0);                        // timeline (PD_TIMELINE only): the CTA started
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
-  const GridCell cell = grid_cell();
-  const int c = (int)cell.chunk;
-  const int kvh = (int)(cell.slot / (unsigned)row_tiles), rt = (int)(cell.slot % (unsigned)row_tiles);
+  const GridCell cell = grid_cell((unsigned)row_tiles);
+  const int c = (int)cell.chunk, kvh = (int)cell.kv_head, rt = (int)cell.sub;
   const int group = num_qo_heads / num_kv_heads;
   const int g0 = rt * 16;                        // first GQA row of this CTA
   const int rows = min(16, group - g0);          // live rows; the rest are zero padding
