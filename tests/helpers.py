@@ -72,6 +72,13 @@ def tc_out_tol(kv_dtype: str, out_dtype: str) -> float:
     return max(PREFIX_RTOL[kv_dtype], OUT_RTOL[out_dtype])
 
 
+def path_out_tol(path: str, kv_dtype: str, out_dtype: str) -> float:
+    """Output max-rel tolerance of a call that ran ``path`` (``last_outcome().path``, e.g.
+    ``"v2tc+merge"``): ``tc_out_tol`` for the tensor-core partial, ``out_tol`` otherwise.
+    For ``path="auto"`` calls, whose partial the device's crossover table picks."""
+    return tc_out_tol(kv_dtype, out_dtype) if path.startswith("v2tc") else out_tol(out_dtype)
+
+
 #: unit roundoff (half an ulp at 1) of each float type
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 
