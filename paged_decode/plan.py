@@ -404,7 +404,8 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
         slots_per_unit: CTAs of the partial the plan is for that one SM holds at once
             (``specs.plan_geometry``; 0: unknown). When positive, the chunk size is the
             one ``waves.wave_chunk_size`` models fastest for how those CTAs fill the SMs;
-            the target rule's size stays where the model ties it, and so does a ragged
+            the target rule's size stays where the model ties it (else the tie's most
+            CTAs within the target in one wave, ``waves.pick_tied``), and so does a ragged
             split; ``target_ctas``, ``pages_per_chunk`` or ``PAGED_DECODE_TARGET_CTAS``
             turn the rule off. The plan records it (``DecodePlan.slots_per_unit``; 0 when
             the target rule made it).
@@ -511,7 +512,7 @@ def make_plan(table: PageTable | StepTable, num_qo_heads: int, num_kv_heads: int
         ppc = balanced_chunk_size(nz, wave_chunk_size(
             nz, table.page_size, ctas_per_chunk, num_kv_heads, token_bytes,
             device.compute_units, slots_per_unit, min_ppc, max_ppc, max_chunks - empty,
-            prefer=ppc), min_ppc)
+            prefer=ppc, target=target), min_ppc)
     else:
         slots_per_unit = 0      # the plan says which rule made it
     counts = chunk_counts(pages, ppc)

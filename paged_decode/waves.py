@@ -18,8 +18,9 @@ requests x 16K at Llama-3-8B heads took 207 us at 384 CTAs, 219-221 at the rule'
 ``grid_cost`` turns that into a time (in bytes one SM streams at its saturated rate) of a
 plan's chunks: the mean chunk for the waves, the longest chunk as a floor.
 ``wave_chunk_size`` picks the chunk size whose cost is least; among sizes within ``TIE``
-of the best it keeps the CTA-target rule's size, else takes the fewest CTAs (fewer
-chunks, less merge work).
+of the best (``pick_tied``) it keeps the CTA-target rule's size, else takes the most CTAs
+that one wave holds within the CTA target (shorter chunks, each CTA's serial latency),
+else the fewest CTAs (fewer chunks, less merge work).
 The constants were fitted to the 18 cells of S22-R1 and S21-R3 (batch 5-128, 4K-16K,
 GQA 4-16, head_dim 128 and 256): the model's pick is on average 0.6% and at most 4%
 slower than the fastest measured chunking there, where the CTA-target rule's was 7%
@@ -82,20 +83,40 @@ def _sm_rate(ctas: np.ndarray) -> np.ndarray:
     return np.where(ctas >= 2, 1.0, ONE_CTA)
 
 
+def pick_tied(sizes: np.ndarray, ctas: np.ndarray, tied: np.ndarray, fill: int,
+              prefer: int | None = None) -> int:
+    """The chunk size a tie of the wave model takes: ``prefer`` (the CTA-target rule's
+    size) when tied; else the smallest tied size whose grid has at most ``fill`` CTAs
+    (the CTA target, or one wave if fewer: every such grid is one wave, so the most CTAs
+    give the shortest chunks); else the largest tied size (the fewest CTAs).
+
+    ``sizes``, ``ctas``, ``tied``: each candidate's pages per chunk, CTA count and whether
+    it ties the least cost, ``[K]`` (int64, int64, bool; at least one tied).
+
+    Why: where the model sees only the DRAM floor, every one-wave size ties, but a
+    chunk's time is its serial latency. One more 64-token stage per chunk (144 tokens
+    against 128) took up to 10% longer on the H200 (S22-R4, Llama-3-70B TP8 8 x 2K), and
+    224 CTAs (the fewest tied) against 256 took 1.7-4.9% longer on the H100 at GQA 16 8 x
+    8K / 8 x 32K and Llama-3-8B 1 x 16K (S36-R1, S37-R6). Past one wave the fewest CTAs
+    stay: 640 CTAs at Llama-3-8B 20 x 16K (two waves) took 10.7% longer than 320 on the
+    H200 (S22-R1)."""
+    if prefer is not None and bool(tied[sizes == prefer].any()):
+        return prefer
+    within = tied & (ctas <= fill)
+    if within.any():
+        return int(sizes[within].min())
+    return int(sizes[tied].max())
+
+
 def wave_chunk_size(pages: np.ndarray, page_size: int, ctas_per_chunk: int, num_kv_heads: int,
                     token_bytes: int, units: int, slots: int, lower: int, upper: int,
-                    max_chunks: int, prefer: int | None = None) -> int:
+                    max_chunks: int, prefer: int | None = None, target: int = 0) -> int:
     """The ``pages_per_chunk`` in ``[lower, upper]`` whose ``grid_cost`` is least, over the
     sizes that cut the longest request into 1, 2, ... even chunks, up to ``MAX_WAVES``
-    waves of CTAs. Sizes within ``TIE`` of the least are ties: ``prefer`` (the CTA-target
-    rule's size) when it is one of them, else the largest (the fewest CTAs). Chunks are
-    costed as ``plan.balanced_chunk_size`` makes them: each request's pages in
+    waves of CTAs. Sizes within ``TIE`` of the least are ties, broken by ``pick_tied``
+    (``prefer``: the CTA-target rule's size; ``target``: its CTA count, 0 for none).
+    Chunks are costed as ``plan.balanced_chunk_size`` makes them: each request's pages in
     ``ceil(pages / size)`` even chunks.
-
-    Keeping ``prefer`` in a tie matters for small batches: there the model sees only the
-    DRAM floor and the wave cost, so every size of one wave ties, but a chunk's time is
-    its serial latency, which one more 64-token stage per chunk (144 tokens against 128)
-    raised by up to 10% on the H200 (S22-R4, Llama-3-70B TP8 8 x 2K).
 
     ``pages``: the non-empty requests' page counts, ``int64 [B']`` (at least one);
     ``token_bytes``: bytes a CTA streams per token; ``max_chunks``: the grid bound on the
@@ -118,6 +139,4 @@ def wave_chunk_size(pages: np.ndarray, page_size: int, ctas_per_chunk: int, num_
     cost = grid_cost(chunks, tokens / chunks, longest_tokens, ctas_per_chunk,
                      tokens * token_bytes * num_kv_heads, token_bytes, units, slots)
     tied = cost <= cost.min() * (1 + TIE)
-    if prefer is not None and bool(tied[sizes == prefer].any()):
-        return prefer
-    return int(sizes[tied].max())
+    return pick_tied(sizes, chunks * ctas_per_chunk, tied, min(target, units * slots), prefer)

@@ -16,7 +16,7 @@ from paged_decode.page_table import PageTable
 from paged_decode.plan import DecodePlan, make_plan
 from paged_decode.reference import oracle_decode
 from paged_decode.specs import plan_geometry, v2tc_slots_per_unit
-from paged_decode.waves import TIE, grid_cost, wave_chunk_size
+from paged_decode.waves import TIE, grid_cost, pick_tied, wave_chunk_size
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "h200"
 SWEEPS = (RESULTS / "2026-12-05-s22" / "r1" / "out" / "tune_chunks.json",   # S22-R1
@@ -69,7 +69,8 @@ def test_the_model_picks_near_the_fastest_measured_chunking():
         cost = grid_cost(chunks, b * ctx / chunks, (pages[None, :] * 16 / counts).max(axis=1),
                          geo["ctas_per_chunk"], b * ctx * 4 * d * hkv, 4 * d, 132,
                          geo["slots_per_unit"])
-        pick = int(ppcs[cost <= cost.min() * (1 + TIE)].max())
+        pick = pick_tied(ppcs, chunks * geo["ctas_per_chunk"], cost <= cost.min() * (1 + TIE),
+                         min(H200.target_ctas(None), 132 * geo["slots_per_unit"]))
         us = {r["pages_per_chunk"]: r["gpu_us"] for r in rows}
         regrets.append(us[pick] / min(us.values()) - 1)
     assert max(regrets) < 0.05, regrets
@@ -93,17 +94,58 @@ def test_plan_decode_for_v2tc_fills_the_waves(batch, context, want_ctas):
     assert v2.slots_per_unit == 0
 
 
-@pytest.mark.parametrize("hq,hkv,batch,context", [
-    (32, 8, 1, 4096), (32, 8, 4, 1024), (8, 1, 8, 2048), (32, 2, 8, 2048)])
-def test_ties_keep_the_target_rules_plan(hq, hkv, batch, context):
+@pytest.mark.parametrize("hq,hkv,batch,context,page", [
+    (32, 8, 1, 4096, 16), (32, 8, 4, 1024, 16), (8, 1, 8, 2048, 16), (32, 2, 8, 2048, 16),
+    (32, 2, 6, 3000, 64)])
+def test_ties_keep_the_target_rules_plan(hq, hkv, batch, context, page):
     """Small batches: every one-wave size costs the same in the model, and the target
-    rule's 128-token chunks (two 64-token stages) beat 144 (three) on the H200 (S22-R4)."""
-    table = uniform(batch, context)
+    rule's 128-token chunks (two 64-token stages) beat 144 (three) on the H200 (S22-R4).
+    At 6 x 3000 in 64-token pages the target rule's 288 CTAs exceed the target (264): the
+    most CTAs within it (192) would be 192-token chunks, so its size stays there too."""
+    table = uniform(batch, context, page)
     geo = plan_geometry("v2tc", hq, hkv, 128, None, H200)
     waves = make_plan(table, hq, hkv, 128, device=H200, **geo)
     target = make_plan(table, hq, hkv, 128, device=H200, ctas_per_chunk=geo["ctas_per_chunk"])
     assert waves.slots_per_unit == 3 and target.slots_per_unit == 0
     assert waves.pages_per_chunk == target.pages_per_chunk
+
+
+#: the H100 as the CUDA backend describes it (132 SMs, as the H200)
+H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", 132, 2, min_chunk_tokens=128,
+                  ragged_split=0.5, shared_mem_per_unit=233472)
+
+
+@pytest.mark.parametrize("model,batch,context,old,want", [
+    # S37-R6 (H100) v2tc: 35.2 us at the old 224 CTAs, 33.5 at 256; S36-R1 34.1 at 256
+    ("32/2", 8, 8192, 224, 256),
+    ("32/2", 8, 32768, 224, 256),       # S37-R6: 99.2 at 224, 97.5 at 256
+    ("32/8", 1, 16384, 224, 256),       # S37-R6: 32.9 at 224, 31.3 at 256
+    ("32/8", 20, 16384, 320, 320),      # ties past one wave keep the fewest CTAs (S22-R1)
+    ("32/8", 12, 16384, 384, 384),      # no tie: the least cost
+], ids=["gqa16-8x8K", "gqa16-8x32K", "llama-1x16K", "llama-20x16K", "llama-12x16K"])
+def test_one_wave_ties_take_the_most_ctas_within_the_target(model, batch, context, old, want):
+    """Where the model ties sizes of one wave short of the CTA target, the plan takes the
+    most CTAs up to the target (shorter chunks), not the fewest; ties that need more than
+    one wave keep the fewest CTAs."""
+    hq, hkv = map(int, model.split("/"))
+    table = uniform(batch, context)
+    plan = plan_decode(table, hq, hkv, 128, device=H100, path="v2tc")
+    assert plan.slots_per_unit == 3 and plan.num_ctas == want
+    geo = plan_geometry("v2tc", hq, hkv, 128, None, H100)
+    pages = table.pages_per_request.astype(np.int64)
+    fewest = wave_chunk_size(pages, 16, geo["ctas_per_chunk"], hkv, 4 * 128, 132, 3, 8,
+                             int(pages.max()), 1 << 20, target=0)
+    assert int((-(-pages // fewest)).sum()) * geo["ctas_per_chunk"] == old
+
+
+def test_pick_tied_order():
+    sizes = np.array([4, 8, 16, 32])
+    ctas = np.array([512, 256, 128, 64])
+    tied = np.array([True, True, True, False])
+    assert pick_tied(sizes, ctas, tied, 264, prefer=16) == 16      # the target rule's size
+    assert pick_tied(sizes, ctas, tied, 264, prefer=32) == 8       # not tied: most within
+    assert pick_tied(sizes, ctas, tied, 100) == 16                 # none within: fewest
+    assert pick_tied(sizes, ctas, np.array([True, False, False, False]), 264) == 4
 
 
 def test_head_dim_256_plans_for_one_resident_cta():
