@@ -129,6 +129,9 @@
 #               few static sizes
 #   fp8-quick   v2tc over float16 and e4m3fn pools at 8/32/128 x 8K/32K (FP8_QUICK_ARMS;
 #               FP8_QUICK_E5M2=1: e5m2 pools too)
+#   verdict     #17's and #14's targets judged from every bench JSON the earlier steps of
+#               this run wrote (bench/issue_targets.py), into $OUT/verdict.md; name it last,
+#               and not after an A/B step (its base package's tables would join)
 #   fp8-ab      this tree's v2tc against a carried earlier paged_decode (FP8_AB_BASE) in one
 #               run: float16 / e4m3fn at 8/32/128 x 8K/32K (FP8_AB_STAGES), the targets preset
 #   ab          this tree against a carried paged_decode (AB_BASE, default .carry/base) on
@@ -1106,6 +1109,12 @@ step_fp8_fixed() {
 # v2tc over float16 and float8_e4m3fn pools (float16 queries) at 8/32/128 x 8K/32K,
 # Llama-3-8B heads, side by side (FP8_QUICK_ARMS: add flashinfer-tc after fi;
 # FP8_QUICK_F16=0 skips the float16 pools)
+step_verdict() {
+  local f; f=$(ls "$L"/out/bench_*.json 2>/dev/null)
+  [ -n "$f" ] || { echo "verdict: no bench JSON in this run"; return 0; }
+  python3 bench/issue_targets.py $f --markdown "$OUT/verdict.md" > "$L/verdict.txt" 2>&1
+  echo "verdict rc=$?"; head -${VERDICT_LINES:-12} "$L/verdict.txt"
+}
 step_fp8_quick() {
   local c="--preset targets --context 8192 --context 32768 --batch 8 --batch 32 --batch 128"
   local arms=${FP8_QUICK_ARMS:-v2tc}
