@@ -22,6 +22,7 @@
 #               path='auto' reads, written to $OUT/<device slug>.json)
 #   crossover   bench --preset crossover with v1, v2, v2tc: the table path='auto' reads, written
 #               to $OUT/<device slug>.json (ship it as paged_decode/data/crossover/ of that name)
+#   ragged      bench --preset ragged (#17's 16 x 1K-8K and 128 x 512-4K) with BENCH_ARMS
 #   variants    bench --preset variants with v2 and sdpa (bf16, head_dim, GQA, page size)
 #   decode-variants  issue #14 items 2-3, side by side with FlashInfer (run fi first):
 #               plain 32K, W=4095 over 32K and plain 4K (target: window within 1.1x of 4K);
@@ -296,6 +297,8 @@ step_crossover() {   # 69 cells (117 ran over 260 s in run N4): give it a comman
     --preset crossover --arms ${BENCH_ARMS:-v1,v2,v2tc} \
     --write-crossover "$(crossover_file)" | tail -12
 }
+step_ragged() { BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} run_bench ragged --preset ragged \
+  --arms ${BENCH_ARMS:-v2,v2tc,flashinfer,flashinfer-tc}; }
 step_variants() { run_bench variants --preset variants --arms ${BENCH_ARMS:-v2,sdpa}; }
 step_decode_variants() {
   # limits by arm-cells (about 1 s each at 15 reps, the crossover sweep's rate): 32, 16, 32,
