@@ -278,7 +278,7 @@ def check_call(fn: str, be: Backend, q: Any, k_pages: Any, v_pages: Any, table: 
     check_bool(fn, "return_lse", return_lse)
     variant = check_variant(fn, be, hq, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sinks=sinks, kv=kv)
-    scale = variant.score_scale(scale)
+    scale = variant.checked_score_scale(fn, scale)
     if step and variant.window_left >= 0:   # on every backend alike (some read its host view)
         raise UnsupportedProblemError(f"{fn}: window_left needs a PageTable; a StepTable (a "
                                       "pool's device-resident step table) is not windowed "

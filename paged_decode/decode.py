@@ -73,7 +73,9 @@ def decode(q: Any, k_pages: Any, v_pages: Any, table: Table, plan: DecodePlan | 
             heads per KV head; ``"auto"`` takes it where the device's crossover table has
             it fastest; it runs the window, soft cap and sinks as v2 does), ``"v1"`` or
             ``"gather"``.
-        sm_scale: softmax scale in natural units (default ``1 / sqrt(D)``).
+        sm_scale: softmax scale in natural units (default ``1 / sqrt(D)``); the kernels
+            scale scores by it (times an fp8 pool's ``k_scale``) times log2 e in float32,
+            so its magnitude must stay below about 2.36e38.
         out: optional ``[B, Hq, D]`` output to write (dtype ``out_dtype``). On MLX
             (immutable arrays) ``out`` must be an MLX array; it is rebound to the result
             (``out[...] = result``) rather than written, so it saves no allocation.

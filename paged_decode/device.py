@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import settings
-from .errors import InvalidArgumentError, check_int, check_type, env_positive_int
+from .errors import InvalidArgumentError, check_int, check_type, env_positive_int, finite_float
 from .fp8 import is_fp8
 
 TARGET_ENV = "PAGED_DECODE_TARGET_CTAS"
@@ -112,11 +112,12 @@ class DeviceInfo:
 
 def check_ragged_split(fn: str, value: object) -> float:
     """``value`` as a ragged-split fraction: a finite real number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
-            or value == float("inf"):
+    f = finite_float(value) if isinstance(value, (int, float)) \
+        and not isinstance(value, bool) else None
+    if f is None or not f >= 0:
         raise InvalidArgumentError(f"{fn}: ragged_split must be a finite number >= 0, "
                                    f"got {value!r}")
-    return float(value)
+    return f
 
 
 def _setting(fn: str, name: str, override: int | None, env_name: str, default: int) -> int:

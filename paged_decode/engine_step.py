@@ -54,7 +54,7 @@ from .pool import AppendedBatch, PagePool
 from .prepared import layouts, prepare_call
 from .specs import plan_geometry
 from .steady_step import SteadyBegin
-from .variants import check_soft_cap
+from .variants import PLAIN, check_soft_cap
 
 #: the paths a step takes: "auto" (the crossover table's choice) or a launch path
 STEP_PATHS = ("auto", *LAUNCH_PATHS)
@@ -118,7 +118,7 @@ class DecodeStep:
         self.path_reason = f"path {path!r} asked for"
         # checked here so that a bad value names DecodeStep, not its first decode
         if sm_scale is not None:
-            check_number(fn, "sm_scale", sm_scale)
+            PLAIN.checked_score_scale(fn, check_number(fn, "sm_scale", sm_scale))
         if out_dtype is not None:
             check_dtype(fn, "out_dtype", out_dtype)
         check_soft_cap(fn, logits_soft_cap)

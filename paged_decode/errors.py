@@ -127,18 +127,29 @@ def env_positive_int(env_name: str) -> int | None:
     return n
 
 
+def finite_float(value: Any) -> float | None:
+    """``value`` (a real number) as a finite ``float``, or ``None`` where it has none: NaN,
+    an infinity, or an int too large for a double (``2**1030``)."""
+    try:
+        f = float(value)
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
 def check_number(fn: str, name: str, value: Any, minimum: float | None = None) -> float:
     """``value`` as a finite ``float``: an int or float (numpy's too), not a bool or a
     string (``"0.1"`` is not a scale), and ``>= minimum`` when given."""
     if not (isinstance(value, (int, float, np.integer, np.floating))
-            and not isinstance(value, bool)):
+            and not isinstance(value, (bool, np.bool_))):
         raise InvalidArgumentError(f"{fn}: {name} must be a real number, got "
                                    f"{type(value).__name__} {value!r}")
-    if not math.isfinite(value):
+    f = finite_float(value)
+    if f is None:
         raise InvalidArgumentError(f"{fn}: {name} must be finite, got {value!r}")
-    if minimum is not None and value < minimum:
+    if minimum is not None and f < minimum:
         raise InvalidArgumentError(f"{fn}: {name} must be >= {minimum:g}, got {value!r}")
-    return float(value)
+    return f
 
 
 def check_bool(fn: str, name: str, value: Any) -> bool:
@@ -163,6 +174,22 @@ def check_type(fn: str, name: str, value: Any, cls: type | tuple[type, ...],
         raise InvalidArgumentError(f"{fn}: {name} must be {what}, got {type(value).__name__}")
 
 
+def refuse_listed_bools(fn: str, name: str, x: Any,
+                        error: type[PagedDecodeError] = InvalidArgumentError) -> None:
+    """Raise ``error`` where a (nested) list or tuple of integers holds a bool: numpy makes
+    ``[True, 1]`` int64, so the dtype check that refuses an all-bool list misses it."""
+    if not isinstance(x, (list, tuple)):
+        return
+    stack = [(f"{name}", x)]
+    while stack:
+        where, seq = stack.pop()
+        for i, v in enumerate(seq):
+            if isinstance(v, (bool, np.bool_)):
+                raise error(f"{fn}: {where}[{i}] must be an integer, got {v!r}")
+            if isinstance(v, (list, tuple)):
+                stack.append((f"{where}[{i}]", v))
+
+
 def check_int_array(fn: str, name: str, x: Any, length: int | None = None,
                     minimum: int | None = None, maximum: int | None = None) -> np.ndarray:
     """Host integers ``x`` (a list or numpy array) as int64 ``[length]``, every value in
@@ -177,6 +204,7 @@ def check_int_array(fn: str, name: str, x: Any, length: int | None = None,
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidArgumentError(f"{fn}: {name} must be a 1-D array of integers, got shape "
                                    f"{fmt_shape(arr.shape)} dtype {arr.dtype}")
+    refuse_listed_bools(fn, name, x)
     arr = as_int64(fn, name, arr)
     if length is not None and arr.size != length:
         raise InvalidArgumentError(f"{fn}: {name} must have {length} entries, got {arr.size}")

@@ -30,7 +30,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .errors import InvalidArgumentError, InvalidDtypeError
+from .errors import InvalidArgumentError, InvalidDtypeError, finite_float
 
 #: fp8 format name -> (exponent bits, mantissa bits, largest finite value)
 FORMATS = {"float8_e4m3fn": (4, 3, 448.0), "float8_e5m2": (5, 2, 57344.0)}
@@ -166,7 +166,8 @@ def check_scale(fn: str, arg: str, value: Any) -> float:
     ok = (isinstance(v, (int, float, np.integer, np.floating))
           and not isinstance(v, (bool, np.bool_)))
     with np.errstate(over="ignore"):     # beyond float32: inf, refused below
-        f32 = float(np.float32(v)) if ok and math.isfinite(float(v)) else math.nan
+        f64 = finite_float(v) if ok else None
+        f32 = float(np.float32(f64)) if f64 is not None else math.nan
     if not ok or not math.isfinite(f32) or f32 <= 0:
         raise InvalidArgumentError(f"{fn}: {arg} must be a positive finite float32 number, "
                                    f"got {value!r}")

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PageTableError, check_int
+from .errors import PageTableError, check_int, refuse_listed_bools
 
 #: most entries (first-page offset plus visible tokens) of one request: the CUDA kernels
 #: index a request's entries with 32-bit ints (2^31 tokens, beyond any pool of one GPU
@@ -58,6 +58,7 @@ def frozen_int32(value: Any) -> np.ndarray:
 
 
 def _as_i32(fn: str, name: str, value: Any, ndim: int = 1) -> np.ndarray:
+    refuse_listed_bools(fn, name, value, PageTableError)
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError) as exc:   # ragged nested lists

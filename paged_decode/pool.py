@@ -36,6 +36,7 @@ from .errors import (
     fail,
     fmt_shape,
     is_int,
+    refuse_listed_bools,
 )
 from .fp8 import check_kv_quant, check_layer_scales, is_fp8
 from .kernels.append import AppendWrite
@@ -258,12 +259,15 @@ class PagePool:
         """The keyword arguments a decode of this pool's layer ``layer`` needs for its
         element format: ``{}`` for float pools, else ``kv_dtype``, ``k_scale`` and
         ``v_scale`` (``decode(q, *pool.layer(i), table, **pool.decode_args(i))``)."""
+        i = 0 if layer is None and self.num_layers is None else layer
+        n = self.num_layers or 1
+        if not (is_int(i) and 0 <= int(i) < n):    # type: ignore[arg-type]
+            raise InvalidArgumentError(f"PagePool.decode_args: layer must be in [0, {n})"
+                                       + (" or None (the pool has one layer)"
+                                          if self.num_layers is None else "")
+                                       + f", got {layer!r}")
         if self.k_scale is None or self.v_scale is None:
             return {}
-        i = 0 if layer is None and self.num_layers is None else layer
-        if not (is_int(i) and 0 <= int(i) < self.k_scale.size):    # type: ignore[arg-type]
-            raise InvalidArgumentError(f"PagePool.decode_args: layer must be in [0, "
-                                       f"{self.k_scale.size}), got {layer!r}")
         return {"kv_dtype": self.dtype, "k_scale": float(self.k_scale[int(i)]),  # type: ignore[arg-type]
                 "v_scale": float(self.v_scale[int(i)])}  # type: ignore[arg-type]
 
@@ -746,6 +750,7 @@ class PagePool:
         return (" (every layer: layer=None)" if lead else f" (one layer: layer={layer})")
 
     def _counts(self, fn: str, counts: Any, b: int, n: int | None) -> np.ndarray:
+        refuse_listed_bools(fn, "counts", counts)
         c = _host(fn, "counts", counts)
         if c.ndim != 1 or c.size != b:
             raise InvalidArgumentError(f"{fn}: counts must have shape [B] = [{b}] (one count "

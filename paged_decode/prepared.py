@@ -363,6 +363,9 @@ def layouts(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
         if x is None:
             out.append(None)
             continue
+        if getattr(x, "shape", None) is None or getattr(x, "dtype", None) is None:
+            out.append(type(x))   # not an array: the call's checks name it
+            continue
         strides = getattr(x, "strides", None)
         ptr = None
         if strides is None and callable(getattr(x, "stride", None)):   # torch

@@ -50,6 +50,7 @@ from .errors import (
     check_ndim,
     check_number,
     check_shape,
+    refuse_listed_bools,
 )
 from .fp8 import KVQuant, decode_table
 from .outcome import DecodeOutcome, record
@@ -139,6 +140,7 @@ def _selection_arrays(fn: str, positions: Any, counts: Any) -> tuple[np.ndarray,
 def _ints(fn: str, name: str, value: Any, dims: str) -> np.ndarray:
     """Host integers of shape ``dims`` (rank = its symbol count)."""
     ndim = dims.count(",") + 1
+    refuse_listed_bools(fn, name, value)
     try:
         arr = np.asarray(_host(value))
     except (ValueError, TypeError) as exc:   # ragged nested lists
@@ -273,7 +275,8 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
             array is copied down each call (a synchronization, and an error inside a
             CUDA graph capture), so keep them on the host.
         min_sparsity: the gate ratio (0 disables the gate: always fused).
-        sm_scale: natural-units softmax scale (default ``1 / sqrt(D)``).
+        sm_scale: natural-units softmax scale (default ``1 / sqrt(D)``; below about
+            2.36e38 in magnitude, with ``k_scale`` folded in, as ``decode``'s).
         return_lse: also return the ``[B, Hq]`` float32 base-2 LSE (``-inf`` for an
             empty selection, whose output is zeros).
         out_dtype: output dtype (default: ``q``'s).
@@ -325,7 +328,7 @@ def sparse_decode(q: Any, k_cache: Any, v_cache: Any, selection: Selection | Any
     scale = 1.0 / math.sqrt(d) if sm_scale is None else check_number(fn, "sm_scale", sm_scale)
     variant = check_variant(fn, be, hq, window_left=window_left,
                             logits_soft_cap=logits_soft_cap, sinks=sinks, kv=kv)
-    scale = variant.score_scale(scale)
+    scale = variant.checked_score_scale(fn, scale)
     check_path(fn, be.name, "sparse", variant)
     sel = selection if isinstance(selection, Selection) else \
         _make_selection(fn, selection, None)

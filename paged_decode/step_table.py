@@ -108,16 +108,21 @@ class StepTable:
         self.batches = 0
         #: the layout a graph's table update was recorded for (``record_update``)
         self._recorded: int | None = None
+        def too_big(exc: Exception) -> InvalidArgumentError:
+            return InvalidArgumentError(
+                f"{fn}: a table of {cap} rows and {pcap} pages needs "
+                f"{4 * table_words(cap, pcap) / 2 ** 30:.3g} GiB twice over, which backend "
+                f"{self.backend.name!r} could not allocate ({type(exc).__name__})")
         try:
             self._alloc(cap, pcap)
         except (MemoryError, ValueError) as exc:   # CuPy's OutOfMemoryError is a MemoryError
-            raise InvalidArgumentError(
-                f"{fn}: a table of {cap} rows and {pcap} pages needs "
-                f"{4 * table_words(cap, pcap) / 2 ** 30:.3g} GiB twice over, which backend "
-                f"{self.backend.name!r} could not allocate ({type(exc).__name__})") from exc
-        self._set_rows(np.concatenate([ids, np.full(cap - b, -1, np.int64)]),
-                       np.concatenate([rows, np.full(cap - b, -1, np.int64)]),
-                       np.full(cap, -1, np.int64))
+            raise too_big(exc) from exc
+        try:                                        # the host rows of `cap` sequences
+            self._set_rows(np.concatenate([ids, np.full(cap - b, -1, np.int64)]),
+                           np.concatenate([rows, np.full(cap - b, -1, np.int64)]),
+                           np.full(cap, -1, np.int64))
+        except MemoryError as exc:
+            raise too_big(exc) from exc
         pool._follow(self)
         self.flush()
 
@@ -312,6 +317,13 @@ class StepTable:
         ``upload.desc``) in one copy; the device update is then pending
         (``apply_pending``, or a captured step's ``record_update``). A delta sent before
         and not yet applied is applied first (its staging is about to be overwritten)."""
+        if desc is not None and not (isinstance(desc, np.ndarray) and desc.dtype == np.int32
+                                     and desc.shape == (5, self._cap)
+                                     and desc.flags.c_contiguous):
+            raise InvalidArgumentError(
+                f"StepTable.send: desc must be None or a C-contiguous int32 numpy array of "
+                f"shape [5, {self._cap}], got {getattr(desc, 'dtype', type(desc).__name__)} "
+                f"{list(getattr(desc, 'shape', ()))}")
         if self._device_pending:
             self.apply_pending()
         delta = npages = None

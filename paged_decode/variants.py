@@ -33,7 +33,6 @@ every path shares (the math is in ``docs/variants.md``):
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -42,11 +41,12 @@ from typing import Any
 import numpy as np
 
 from .dtypes import KV_DTYPES, caller_dtype, check_dtype
-from .errors import InvalidArgumentError, UnsupportedProblemError, check_int
+from .errors import InvalidArgumentError, UnsupportedProblemError, check_int, finite_float
 from .fp8 import KVQuant, check_kv_quant, pool_dtype
 from .page_table import MAX_ENTRIES, PageTable
 
 LOG2E = 1.4426950408889634
+F32_MAX = float(np.finfo(np.float32).max)
 
 #: variant -> the decode paths that implement it (window: every path that reads a table)
 PATH_VARIANTS = {
@@ -86,6 +86,18 @@ class Variant:
         """The scale of ``q . k_stored``: ``sm_scale`` times an fp8 pool's K scale
         (``q . (k_scale k) = k_scale (q . k)``), the one place it is folded in."""
         return sm_scale if self.kv is None else sm_scale * self.kv.k_scale
+
+    def checked_score_scale(self, fn: str, sm_scale: float) -> float:
+        """``score_scale(sm_scale)``, refused where the kernels' float32 form of it in log2
+        units (times log2 e) is not finite: every score would be inf or NaN (even q = 0
+        gives 0 * inf)."""
+        scale = self.score_scale(sm_scale)
+        if not abs(scale) * LOG2E <= F32_MAX:
+            what = "sm_scale times k_scale" if self.kv is not None else "sm_scale"
+            raise InvalidArgumentError(
+                f"{fn}: {what} must be at most {F32_MAX / LOG2E:.4g} in magnitude (the "
+                f"kernels scale scores by it times log2 e in float32), got {scale:g}")
+        return scale
 
     @property
     def soft_cap_log2(self) -> float:
@@ -151,10 +163,11 @@ def check_soft_cap(fn: str, logits_soft_cap: Any) -> float | None:
     ok = (isinstance(logits_soft_cap, (int, float, np.integer, np.floating))
           and not isinstance(logits_soft_cap, (bool, np.bool_)))
     lo, hi = SOFT_CAP_RANGE
-    if not ok or not math.isfinite(logits_soft_cap) or not lo <= logits_soft_cap <= hi:
+    cap = finite_float(logits_soft_cap) if ok else None
+    if cap is None or not lo <= cap <= hi:
         raise InvalidArgumentError(f"{fn}: logits_soft_cap must be None or a finite number "
                                    f"in [{lo:g}, {hi:g}], got {logits_soft_cap!r}")
-    return float(logits_soft_cap)
+    return cap
 
 
 def check_variant(fn: str, be: Any, num_qo_heads: int, *, window_left: Any = -1,

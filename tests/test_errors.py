@@ -413,3 +413,139 @@ def test_a_pool_too_large_to_allocate_is_a_clear_error():
                        r"\[2147483647, 16, 8, 128\] \(float16\) need .* GiB, which "
                        r"backend 'reference' could not allocate"):
         pd.PagePool(2**31 - 1, 16, 8, 128)      # the most pages int32 ids can name
+
+
+# ------------------------------------------------- session 38's fuzz pass over the API
+def _q(pool):
+    return np.ones((1, 2 * pool.num_kv_heads, pool.head_dim), np.float32)
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda p, s, t, q: pd.decode(q, p.k, p.v, t, sm_scale=2**1030),
+     r"decode: sm_scale must be finite"),
+    (lambda p, s, t, q: pd.decode(q, p.k, p.v, t, logits_soft_cap=2**1030),
+     r"decode: logits_soft_cap must be None or a finite number"),
+    (lambda p, s, t, q: pd.plan_decode(t, 4, 2, 64, ragged_split=2**1030),
+     r"plan_decode: ragged_split must be a finite number >= 0"),
+    (lambda p, s, t, q: pd.DeviceInfo("x", "d", 8, 2, ragged_split=2**1030),
+     r"DeviceInfo: ragged_split must be a finite number >= 0"),
+    (lambda p, s, t, q: pd.PagePool(8, 4, 2, 64, "float8_e4m3fn", k_scale=2**1030, v_scale=1.0),
+     r"PagePool: k_scale must be a positive finite float32 number"),
+    (lambda p, s, t, q: pd.DecodeStep(p, [s], num_qo_heads=4, sm_scale=2**1030),
+     r"DecodeStep: sm_scale must be finite"),
+])
+def test_an_int_beyond_a_double_is_our_error(call, pattern):
+    """float(2**1030) raises OverflowError: every number check turns it into ours."""
+    pool, s = _pool()
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        call(pool, s, pool.page_table([s]), _q(pool))
+
+
+def test_sm_scale_must_stay_a_float32_number_in_log2_units():
+    """The kernels scale scores by sm_scale * log2 e in float32: past float32's range that
+    is inf and every output NaN (even for q = 0), so it is refused, with an fp8 pool's
+    K scale folded in; the largest allowed scale still decodes."""
+    pool, s = _pool()
+    t, q = pool.page_table([s]), np.zeros((1, 4, 64), np.float32)
+    for scale in (1e39, -1e39):
+        with pytest.raises(InvalidArgumentError, match=r"decode: sm_scale must be at most "
+                                                       r"2\.359e\+38 in magnitude"):
+            pd.decode(q, pool.k, pool.v, t, sm_scale=scale)
+        with pytest.raises(InvalidArgumentError, match="DecodeStep: sm_scale must be at most"):
+            pd.DecodeStep(pool, [s], num_qo_heads=4, sm_scale=scale)
+    out = pd.decode(q, pool.k, pool.v, t, sm_scale=2.3e38)
+    assert np.isfinite(out).all()
+    f8 = pd.PagePool(8, 16, 2, 64, "float8_e4m3fn", k_scale=1e10, v_scale=1.0)
+    s8 = f8.new_sequence()
+    f8.append(s8, np.ones((5, 2, 64), np.float32), np.ones((5, 2, 64), np.float32))
+    with pytest.raises(InvalidArgumentError, match="sm_scale times k_scale must be at most"):
+        pd.decode(q, f8.k, f8.v, f8.page_table([s8]), sm_scale=1e30, **f8.decode_args())
+    with pytest.raises(InvalidArgumentError, match="sm_scale must be at most"):
+        cache = np.ones((1, 2, 8, 64), np.float32)         # [B, Hkv, capacity, D]
+        pd.sparse_decode(np.zeros((1, 4, 64), np.float32), cache, cache,
+                         pd.make_selection(np.zeros((1, 2, 1), np.int64)), live_lens=[5],
+                         sm_scale=1e39)
+
+
+def test_decode_step_names_an_output_that_is_not_an_array():
+    pool = pd.PagePool(8, 4, 2, 64, "float32", num_layers=1)
+    a = pool.new_sequence()
+    kv = np.ones((1, 5, 2, 64), np.float32)
+    pool.append(a, kv, kv)
+    st = pd.DecodeStep(pool, [a], num_qo_heads=4)
+    st.begin()
+    st.append(0, kv[0, :1], kv[0, :1])
+    q = np.ones((1, 4, 64), np.float32)
+    with pytest.raises(InvalidArgumentError, match="DecodeStep.decode: out must be an array"):
+        st.decode(0, q, out="o")
+    with pytest.raises(InvalidArgumentError, match="DecodeStep.decode: lse must be an array"):
+        st.decode(0, q, out=np.empty_like(q), lse="l", return_lse=True)
+    with pytest.raises(InvalidDtypeError, match="DecodeStep.decode: q must have dtype"):
+        st.decode(0, q.tolist(), out=np.empty_like(q))
+    out = np.empty_like(q)
+    st.decode(0, q, out=out)                     # the step still works after the refusals
+    assert np.isfinite(out).all()
+
+
+def test_decode_args_checks_the_layer_of_every_pool():
+    one, _ = _pool()
+    assert one.decode_args() == one.decode_args(0) == {}
+    for bad in ("nonsense", 1, -5, True, 1.0):
+        with pytest.raises(InvalidArgumentError, match=r"PagePool.decode_args: layer must be "
+                                                       r"in \[0, 1\) or None"):
+            one.decode_args(bad)
+    two = pd.PagePool(8, 4, 2, 64, "float32", num_layers=2)
+    assert two.decode_args(1) == {}
+    for bad in (None, 2, 2**63):
+        with pytest.raises(InvalidArgumentError, match=r"layer must be in \[0, 2\), got"):
+            two.decode_args(bad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_step_table_send_checks_the_descriptor(backend):
+    pool = pd.PagePool(8, 4, 2, 64, "float32", backend=backend)
+    s = pool.new_sequence()
+    pool.append(s, np.ones((5, 2, 64), np.float32), np.ones((5, 2, 64), np.float32))
+    st = pool.step_table([s], capacity=3)
+    for bad in ("x", np.zeros((2, 2), np.float32), np.zeros((5, 3), np.float32),
+                np.zeros((5, 4), np.int32), np.zeros((3, 5), np.int32).T):
+        with pytest.raises(InvalidArgumentError, match=r"StepTable.send: desc must be None or "
+                                                       r"a C-contiguous int32 numpy array of "
+                                                       r"shape \[5, 3\]"):
+            st.send(bad)
+    st.send(np.zeros((5, 3), np.int32))
+    st.send()
+
+
+def test_a_table_whose_host_rows_do_not_fit_is_our_error(monkeypatch):
+    """A MemoryError filling the host rows (past the device allocation) is reported as the
+    allocation's is: the sizes asked for, not numpy's _ArrayMemoryError."""
+    from paged_decode.step_table import StepTable
+    pool, s = _pool()
+
+    def boom(*args, **kwargs):
+        raise MemoryError("host rows")
+    monkeypatch.setattr(StepTable, "_set_rows", boom)
+    with pytest.raises(InvalidArgumentError, match=r"PagePool.step_table: a table of 4 rows "
+                                                   r"and 64 pages needs .* could not allocate "
+                                                   r"\(MemoryError\)"):
+        pool.step_table([s], capacity=4)
+
+
+def test_a_bool_among_listed_integers_is_refused():
+    """numpy makes [True, 1] an int64 array; such lists are refused like all-bool ones."""
+    pool = pd.PagePool(8, 4, 2, 64, "float32")
+    a, b = pool.new_sequence(), pool.new_sequence()
+    with pytest.raises(InvalidArgumentError, match=r"reserve_batch: counts\[0\] must be an "
+                                                   r"integer, got True"):
+        pool.reserve_batch([a, b], counts=[True, 1])
+    with pytest.raises(InvalidArgumentError, match=r"make_selection: counts\[1\]\[0\] must be "
+                                                   r"an integer, got True"):
+        pd.make_selection([[[0, 1]], [[0, 1]]], counts=[[1], [True]])
+    with pytest.raises(InvalidArgumentError, match=r"positions\[0\]\[0\]\[1\] must be an "
+                                                   r"integer, got True"):
+        pd.make_selection([[[0, True]], [[0, 1]]])
+    with pytest.raises(PageTableError, match=r"PageTable.build: indptr\[1\] must be an "
+                                             r"integer, got True"):
+        pd.PageTable.build([0, 1], [0, True, 2], [3, 3], page_size=4)
+    assert pool.reserve_batch([a, b], counts=[1, 1]) is not None
