@@ -27,8 +27,8 @@ import numpy as np
 from ..dtypes import dtype_name
 from ..errors import UnsupportedProblemError
 from ..fp8 import is_fp8
+from ..metal_signature import Dtype, InputDesc, parameters
 from .metal_launches import MetalCall
-from .metal_signature import Dtype, InputDesc, parameters
 
 #: Metal math mode: "safe" keeps IEEE specials, so exp2(-inf) == 0 (masked logits) and
 #: comparisons with -INFINITY hold; MLX 0.32 defaults to it, we pass it explicitly

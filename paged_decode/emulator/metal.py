@@ -1,6 +1,6 @@
 """The Metal dialect: MLX ``metal_kernel`` bodies, wrapped and run on the CPU emulator.
 
-MLX's signature rules (``backends/metal_signature.py``) say what ``metal_kernel``
+MLX's signature rules (``metal_signature.py``) say what ``metal_kernel``
 generates around a body. ``wrap_metal`` is the translation unit the emulator
 compiles: the same parameters without the Metal attributes, address-space qualifiers
 removed where they qualify a declaration, ``threadgroup`` arrays turned into arena
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-# the signature rules live with the backend; re-exported here for the emulator's callers
-from ..backends.metal_signature import (  # noqa: F401
+# the signature rules (shared with the metal backend); re-exported for the emulator's callers
+from ..metal_signature import (  # noqa: F401
     ATTRIBUTES,
     TYPE_NAMES,
     Dtype,

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.kernel_def import Dtype, TemplateValue
+from .kernels.kernel_def import Dtype, TemplateValue
 
 #: the thread attributes MLX declares when the body mentions them, and their types
 ATTRIBUTES = {
