@@ -103,6 +103,13 @@ class StepTable:
         if pcap < need:
             raise InvalidArgumentError(f"{fn}: page_capacity must hold the batch's {need} "
                                        f"pages, got {pcap}")
+        # a row never holds a page twice: more ids than rows x pool pages is never used
+        most = max(64, 2 * need, cap * int(pool.num_pages))
+        if pcap > most:
+            raise InvalidArgumentError(
+                f"{fn}: page_capacity must be at most {most} (the largest of 64, twice the "
+                f"batch's {need} pages and {cap} rows x {pool.num_pages} pool pages: a row "
+                f"never holds a page twice), got {pcap}")
         self.version = 0
         self.layout = 0
         self.batches = 0

@@ -288,6 +288,9 @@ def test_size_arguments_have_upper_bounds():
          r"^PagePool\.step_table: capacity must be an integer in \[1, 2147483647\]"),
         (lambda: pool.step_table([s], page_capacity=2**70),
          r"^PagePool\.step_table: page_capacity must be an integer in \[1, 2147483647\]"),
+        # past what the rows can ever hold: refused before a multi-GB allocation
+        (lambda: pool.step_table([s], page_capacity=2**31 - 1),
+         r"^PagePool\.step_table: page_capacity must be at most \d+ \(the largest of 64"),
         (lambda: pd.DecodeStep(pool, [s], num_qo_heads=8, capacity=2**40),
          r"^DecodeStep: capacity must be"),
         (lambda: pd.PagePool(2**31 + 8, 1, 1, 1, "float16"),
