@@ -73,6 +73,9 @@ def _write(what: str, path: str, text: str) -> None:
 
 
 POSITIVE = click.IntRange(min=1)
+#: bench --batch's most: a million requests (past it the cases' own host lists run out of
+#: memory before any pool is sized)
+MAX_BATCH = 2**20
 #: bench --graph-layers' most (``paged_decode.bench.layers.MAX_GRAPH_LAYERS``, not
 #: imported here: the bench modules load only when a bench runs; a test checks they agree)
 MAX_GRAPH_LAYERS = 256
@@ -168,7 +171,7 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
     """Correctness matrix against the float64 oracle; exits non-zero on any failure."""
     from .check import TC_PATHS, default_paths, format_result, run_check
     part = None
-    if shard:
+    if shard is not None:
         try:
             k, n = (int(x) for x in shard.split("/"))
         except ValueError as exc:
@@ -232,7 +235,8 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
                    "suites. Default: adr on a GPU backend, cpu on the others.")
 @click.option("--context", "contexts", multiple=True,
               type=click.IntRange(min=1, max=MAX_ENTRIES), help="Override contexts.")
-@click.option("--batch", "batches", multiple=True, type=POSITIVE, help="Override batch sizes.")
+@click.option("--batch", "batches", multiple=True, type=click.IntRange(min=1, max=MAX_BATCH),
+              help="Override batch sizes.")
 @click.option("--page", "pages", multiple=True, type=POSITIVE, help="Override page sizes.")
 @click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]))
 @click.option("--arms", default="gather,v1,v2", show_default=True,
@@ -346,7 +350,7 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
             raise click.ClickException(f"bench: --preset {preset} runs the {preset} suite; "
                                        f"it cannot be combined with --suite {suite}")
         suite, preset = preset, None
-    name = preset or ("adr" if be.name in ("cuda", "metal") else "cpu")
+    name = preset if preset is not None else ("adr" if be.name in ("cuda", "metal") else "cpu")
     try:
         cases = preset_cases(name, contexts=list(contexts), batches=list(batches),
                              pages=list(pages), dtype=dtype)

@@ -105,7 +105,7 @@ def check_dtype(fn: str, arg: str, dtype: Any, allowed: tuple[str, ...] = SUPPOR
     """Canonical name of ``dtype``; raise naming ``fn`` and ``arg`` unless it is allowed."""
     name = _canonical(dtype)
     if name not in allowed:
-        shown = repr(dtype) if dtype == "" else dtype   # an empty name must show
+        shown = repr(dtype) if isinstance(dtype, str) and dtype == "" else dtype   # shows ""
         raise InvalidDtypeError(
             f"{fn}: {arg} must have dtype in ({', '.join(allowed)}), got {shown}"
         )

@@ -30,6 +30,7 @@ is zeros). ``set_sequences`` changes the batch between steps.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -377,6 +378,14 @@ class DecodeStep:
         backend (``body`` runs once eagerly first, to compile and allocate, then under
         capture); elsewhere replays run ``body`` again."""
         self._current("DecodeStep.capture")
+        try:
+            inspect.signature(body).bind(self)     # a callable of one positional argument
+        except TypeError as exc:                   # not callable, or another signature
+            raise InvalidArgumentError(
+                f"DecodeStep.capture: body must be a callable taking the step as its one "
+                f"argument, got {type(body).__name__} {body!r}") from exc
+        except ValueError:                         # no signature to read (some builtins):
+            pass                                   # the eager run will tell
         return CapturedStep(self, body)
 
     # ------------------------------------------------------------ the caller's own graph

@@ -61,9 +61,22 @@ def test_small_check_passes_and_writes_json(run, tmp_path):
     assert data["passed"] and len(data["results"]) == 10      # 2 configs x 5 paths
 
 
-def test_check_shard_must_be_well_formed(run):
-    res = CliRunner().invoke(main, ["check", "--backend", "reference", "--shard", "3/2"])
+@pytest.mark.parametrize("shard", ["3/2", ""])
+def test_check_shard_must_be_well_formed(run, shard):
+    """An empty --shard is refused too (it once ran the whole matrix)."""
+    res = CliRunner().invoke(main, ["check", "--backend", "reference", "--shard", shard])
     assert res.exit_code != 0 and "--shard" in res.output
+
+
+def test_bench_refuses_an_empty_preset_and_a_batch_past_its_bound():
+    """--preset "" once ran the cpu preset; --batch 10**11 ran out of host memory building
+    the cases (a MemoryError traceback)."""
+    res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--preset", "",
+                                    "--arms", "v2"])
+    assert res.exit_code != 0 and "preset must be one of" in res.output, res.output
+    res = CliRunner().invoke(main, ["bench", "--backend", "reference", "--preset", "cpu",
+                                    "--batch", str(10**11), "--arms", "v2"])
+    assert res.exit_code == 2 and "1<=x<=1048576" in res.output, res.output
 
 
 @pytest.mark.parametrize("args, msg", [

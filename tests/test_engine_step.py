@@ -799,3 +799,4 @@ def test_a_full_pool_is_reported_by_the_call_the_caller_made():
     with pytest.raises(pd.PoolExhaustedError, match=r"^DecodeStep.begin: need 2 free pages"):
         step.begin()
     assert step.unwritten_layers() == [0] and pool._open_step is None   # nothing reserved
+

@@ -467,14 +467,32 @@ def test_sm_scale_must_stay_a_float32_number_in_log2_units():
                          sm_scale=1e39)
 
 
-def test_decode_step_names_an_output_that_is_not_an_array():
+def _begun_step():
+    """A one-layer DecodeStep of one sequence, begun, and one token's K/V [1, 2, 64]."""
     pool = pd.PagePool(8, 4, 2, 64, "float32", num_layers=1)
     a = pool.new_sequence()
     kv = np.ones((1, 5, 2, 64), np.float32)
     pool.append(a, kv, kv)
     st = pd.DecodeStep(pool, [a], num_qo_heads=4)
     st.begin()
-    st.append(0, kv[0, :1], kv[0, :1])
+    return st, kv[0, :1]
+
+
+@pytest.mark.parametrize("body", [None, 5, lambda: 0, lambda st, extra: 0])
+def test_capture_checks_its_body(body):
+    """A body that is not a callable of one argument (the step) is our error before any
+    recording; the step works on after it."""
+    st, kv = _begun_step()
+    with pytest.raises(InvalidArgumentError, match="DecodeStep.capture: body must be a "
+                                                   "callable taking the step"):
+        st.capture(body)
+    st.append(0, kv, kv)
+    assert np.isfinite(st.decode(0, np.ones((1, 4, 64), np.float32))).all()
+
+
+def test_decode_step_names_an_output_that_is_not_an_array():
+    st, kv = _begun_step()
+    st.append(0, kv, kv)
     q = np.ones((1, 4, 64), np.float32)
     with pytest.raises(InvalidArgumentError, match="DecodeStep.decode: out must be an array"):
         st.decode(0, q, out="o")

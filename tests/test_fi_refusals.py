@@ -110,9 +110,11 @@ def test_plan_refuses_what_would_change_the_attention(pr, kw, match):
     ({"indptr": np.zeros(1, np.int32), "last_page_len": np.zeros(0, np.int32)},
      InvalidArgumentError, "the batch is empty"),
     ({"indptr": np.zeros((2, 7), np.int32)}, InvalidArgumentError, "1-D integer array"),
+    # an array as a dtype (numpy's ambiguous truth value once escaped check_dtype)
+    ({"q_data_type": np.array([1, 2])}, InvalidDtypeError, "q_data_type must have dtype"),
 ], ids=["fp8-q", "int8-kv", "head_dim-80", "page-512", "gqa", "nan-scale", "non_blocking",
         "indptr-order", "indptr-size", "lpl-0", "lpl-9", "short-indices", "negative-ids",
-        "empty-batch", "indptr-2d"])
+        "empty-batch", "indptr-2d", "array-dtype"])
 def test_plan_checks_its_arguments(pr, kw, err, match):
     w = fi.BatchDecodeWithPagedKVCacheWrapper(WS, backend="reference")
     with pytest.raises(err, match=match) as e:
@@ -203,6 +205,9 @@ def test_run_checks_its_arrays(w, pr):
         ((pr.q, pr.cache), {"lse": np.zeros((12, 8), np.float16), "return_lse": True},
          "lse must have dtype float32"),
         ((pr.q, pr.cache), {"return_lse": 1}, "return_lse must be a bool"),
+        # an object with a shape but no dtype (it once raised AttributeError)
+        ((pr.q, pr.cache), {"out": type("S", (), {"shape": (12, 8, 128)})()},
+         "out must be an array, got S"),
     ]
     for args, kw, match in cases:
         with pytest.raises(PagedDecodeError, match=match) as e:

@@ -169,6 +169,37 @@ def test_get_batch_indices_positions_checks_nnz_and_lengths():
         fi.get_batch_indices_positions(np.array([0, 4, 10]), np.array([5, 5]), 10)
 
 
+def test_index_helpers_refuse_what_int32_cannot_hold():
+    """FlashInfer's index arrays are int32: past that, the int64 arithmetic wrapped
+    (``get_seq_lens`` gave [1] and [-7]) and the int32 results were truncated (positions
+    -2147483644); bools among listed ints were read as 0 / 1."""
+    with pytest.raises(InvalidArgumentError, match=r"get_seq_lens: page_size must be an "
+                                                   r"integer in \[1, 2147483647\]"):
+        fi.get_seq_lens(np.array([0, 5]), np.array([1]), 2**62)
+    with pytest.raises(InvalidArgumentError, match=r"get_seq_lens: kv_indptr\[1\] = "
+                                                   r"4611686018427387904 is outside int32"):
+        fi.get_seq_lens(np.array([0, 2**62]), np.array([1]), 8)
+    with pytest.raises(InvalidArgumentError, match=r"seq_lens\[0\] = 2147483653 is outside"):
+        fi.get_batch_indices_positions(np.array([0, 1, 2]), np.array([2**31 + 5, 6]), 2)
+    with pytest.raises(InvalidArgumentError, match=r"nnz must be an integer in \[0, "
+                                                   r"2147483647\]"):
+        fi.get_batch_indices_positions(np.array([0, 1]), np.array([5]), 2**62)
+    with pytest.raises(InvalidArgumentError, match=r"get_seq_lens: kv_last_page_len\[0\] "
+                                                   r"must be an integer, got True"):
+        fi.get_seq_lens([0, 1, 2], [True, 1], 4)
+    b, p = fi.get_batch_indices_positions(np.array([0, 1, 2]), np.array([2**31 - 1, 6]), 2)
+    assert p.tolist() == [2**31 - 2, 5]
+
+
+def test_append_names_the_page_id_out_of_range():
+    kc = np.zeros((8, 4, 2, 64), np.float16)
+    ak = np.zeros((2, 2, 64), np.float16)
+    with pytest.raises(InvalidArgumentError, match=r"kv_indices names page -1 for row 1, "
+                                                   r"outside the cache's 8 pages"):
+        fi.append_paged_kv_cache(ak, ak, np.array([0, 1]), np.array([9, 7]), (kc, kc.copy()),
+                                 [0, 1, 2, 3, -1], [0, 3, 5], [2, 4])
+
+
 def test_get_seq_lens_is_flashinfers_rule():
     ip, lpl = np.array([0, 3, 4, 4, 6]), np.array([5, 16, 1, 2])
     got = fi.get_seq_lens(ip, lpl, 16)

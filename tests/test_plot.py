@@ -67,3 +67,23 @@ def test_plot_command(tmp_path):
     bad.write_text("{}")
     res = CliRunner().invoke(main, ["plot", str(bad), str(tmp_path / "o2.png")])
     assert res.exit_code != 0 and "bad.json" in res.output
+
+
+def test_plot_reports_deep_and_huge_json(tmp_path):
+    """A file nested past Python's recursion limit, or holding an integer no double holds,
+    is a one-line error, not a traceback."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000)
+    res = CliRunner().invoke(main, ["plot", str(deep), str(tmp_path / "o.png")])
+    assert res.exit_code != 0 and "nested too deep" in res.output, res.output
+    data = _data()
+    data["results"][0]["case"]["context"] = 2**2000
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps(data))
+    res = CliRunner().invoke(main, ["plot", str(huge), str(tmp_path / "o.png")])
+    assert res.exit_code != 0 and "integers in [1, 2147483647]" in res.output, res.output
+    data = _data()
+    data["results"][0]["arms"]["v2"]["gpu"]["median_us"] = 2**2000
+    huge.write_text(json.dumps(data))
+    res = CliRunner().invoke(main, ["plot", str(huge), str(tmp_path / "o.png")])
+    assert res.exit_code != 0 and "OverflowError" in res.output, res.output

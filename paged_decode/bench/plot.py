@@ -23,7 +23,7 @@ def _value(arm: dict[str, Any], metric: str) -> float | None:
         key = "gpu" if metric == "gpu" else "call"
         med = arm.get(key, {}).get("median_us")
         return float(med) if med else None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise ValueError(f"a verified arm has no usable {metric} value ({exc!r})") from exc
 
 
@@ -59,6 +59,8 @@ def _listed(ns: Iterable[str]) -> str:
 
 
 METRICS = ("auto", "gpu", "call", "gbps")
+#: the largest case field a plot takes (an int32, as the bench's own cases are)
+MAX_FIELD = 2**31 - 1
 CASE_KEYS = ("batch", "context", "page_size", "num_qo_heads", "num_kv_heads", "head_dim",
              "dtype")
 
@@ -72,12 +74,14 @@ def _results(data: Any) -> list[dict[str, Any]]:
     for i, r in enumerate(res):
         case = r.get("case") if isinstance(r, dict) else None
         if not (isinstance(case, dict)
-                and all(is_int(case.get(k)) and case[k] >= 1 for k in CASE_KEYS[:-1])
+                and all(is_int(case.get(k)) and 1 <= case[k] <= MAX_FIELD
+                        for k in CASE_KEYS[:-1])
                 and isinstance(case.get("dtype"), str) and isinstance(case.get("model", ""), str)
                 and isinstance(r.get("arms"), dict)
                 and all(isinstance(a, dict) for a in r["arms"].values())):
             raise ValueError(f"result {i} is not a decode-suite case with arms (needs "
-                             f"case fields {', '.join(CASE_KEYS)})")
+                             f"case fields {', '.join(CASE_KEYS)}; integers in [1, "
+                             f"{MAX_FIELD}])")
     return res
 
 
@@ -148,9 +152,9 @@ def plot_file(json_path: str | Path, out: str | Path, *, metric: str = "auto") -
     """``plot_results`` of a ``bench --json`` file (a ``ValueError`` for anything else)."""
     try:
         data = json.loads(Path(json_path).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not a 'paged-decode bench --json' result (not JSON: {exc})") \
-            from exc
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"not a 'paged-decode bench --json' result (not JSON, or nested "
+                         f"too deep: {exc})") from exc
     return plot_results(data, out, metric=metric)
 
 

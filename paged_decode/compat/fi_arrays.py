@@ -18,7 +18,10 @@ from ..backends import Backend, array_kind
 from ..backends.base import poison_enabled
 from ..backends.reference import torch_cpu_view
 from ..dtypes import numpy_dtype
-from ..errors import InvalidArgumentError, as_int64, check_writable
+from ..errors import InvalidArgumentError, as_int64, check_writable, refuse_listed_bools
+
+#: int32's range: FlashInfer's index arrays hold int32
+I32 = np.iinfo(np.int32)
 
 
 def torch_module() -> Any:
@@ -70,6 +73,7 @@ def host_ints(fn: str, name: str, x: Any) -> np.ndarray:
         x = x.detach().cpu().numpy()
     elif array_kind(x) == "cupy":
         x = x.get()
+    refuse_listed_bools(fn, name, x)
     try:
         arr = np.array(x)
     except (TypeError, ValueError) as exc:
@@ -78,7 +82,13 @@ def host_ints(fn: str, name: str, x: Any) -> np.ndarray:
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise InvalidArgumentError(f"{fn}: {name} must be a 1-D integer array, got shape "
                                    f"{list(arr.shape)} dtype {arr.dtype}")
-    return as_int64(fn, name, arr)
+    arr = as_int64(fn, name, arr)
+    # FlashInfer's index arrays are int32; past that, its arithmetic here would wrap
+    if arr.size and (int(arr.min()) < I32.min or int(arr.max()) > I32.max):
+        i = int(np.argmax((arr < I32.min) | (arr > I32.max)))
+        raise InvalidArgumentError(f"{fn}: {name}[{i}] = {int(arr[i])} is outside int32 "
+                                   "(FlashInfer's index arrays are int32)")
+    return arr
 
 
 def checked_table(fn: str, indptr: np.ndarray, indices: np.ndarray | None,
@@ -167,7 +177,7 @@ def in_kind(be: Backend, x: Any, like: Any) -> Any:
     return be.wrap_result(x, like=like)
 
 
-__all__ = ["as_backend", "checked_table", "copy_into", "empty_like_kind", "host_ints",
+__all__ = ["I32", "as_backend", "checked_table", "copy_into", "empty_like_kind", "host_ints",
            "in_kind", "ints_like", "int32_buffer", "is_cuda_tensor", "is_torch", "shape_of",
            "torch_module"]
 

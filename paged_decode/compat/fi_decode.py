@@ -354,7 +354,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         ``like``'s kind."""
         if given is None:
             return empty_like_kind(self._be, like, shape, dtype)
-        if not hasattr(given, "shape"):
+        if not (hasattr(given, "shape") and hasattr(given, "dtype")):
             raise InvalidArgumentError(f"{fn}: {name} must be an array, got "
                                        f"{type(given).__name__}")
         if shape_of(given) != shape:

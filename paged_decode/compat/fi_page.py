@@ -26,7 +26,7 @@ from ..backends import backend_for
 from ..dtypes import KV_DTYPES, caller_dtype, check_dtype
 from ..errors import InvalidArgumentError, check_int, check_ndim, check_shape, check_writable
 from ..fp8 import is_fp8
-from .fi_arrays import as_backend, checked_table, host_ints, ints_like, shape_of
+from .fi_arrays import I32, as_backend, checked_table, host_ints, ints_like, shape_of
 from .fi_cache import first_array, write_views
 from .fi_unsupported import check_layout
 
@@ -40,7 +40,7 @@ def get_seq_lens(kv_indptr: Any, kv_last_page_len: Any, page_size: int) -> Any:
     """Tokens per request of a page table: ``kv_indptr [B+1]``, ``kv_last_page_len [B]`` ->
     int32 ``[B]``, in ``kv_indptr``'s kind."""
     fn = "get_seq_lens"
-    p = check_int(fn, "page_size", page_size)
+    p = check_int(fn, "page_size", page_size, 1, int(I32.max))
     ip, lpl = host_ints(fn, "kv_indptr", kv_indptr), host_ints(fn, "kv_last_page_len",
                                                                 kv_last_page_len)
     checked_table(fn, ip, None, lpl, p, "kv_")   # (FlashInfer's rule keeps an empty
@@ -59,7 +59,7 @@ def get_batch_indices_positions(append_indptr: Any, seq_lens: Any, nnz: int) -> 
     [nnz])`` in ``append_indptr``'s kind."""
     fn = "get_batch_indices_positions"
     ip, sl = host_ints(fn, "append_indptr", append_indptr), host_ints(fn, "seq_lens", seq_lens)
-    n = check_int(fn, "nnz", nnz, 0)
+    n = check_int(fn, "nnz", nnz, 0, int(I32.max))
     check_shape(fn, "append_indptr", ip.shape, (sl.size + 1,), "[B+1]")
     counts = np.diff(ip)
     if ip[0] != 0 or (counts < 0).any() or ip[-1] != n:
@@ -97,9 +97,11 @@ def append_destinations(fn: str, batch: np.ndarray, pos: np.ndarray, indices: np
             f"outside its {int(lens[batch[i]])} tokens (the page table must already count "
             "the appended rows)")
     page = indices[indptr[batch] + pos // page_size]
-    if page.size and (page.min() < 0 or page.max() >= num_pages):
-        raise InvalidArgumentError(f"{fn}: kv_indices names page {int(page.max())}, outside "
-                                   f"the cache's {num_pages} pages")
+    out = np.flatnonzero((page < 0) | (page >= num_pages))
+    if out.size:
+        i = int(out[0])
+        raise InvalidArgumentError(f"{fn}: kv_indices names page {int(page[i])} for row {i}, "
+                                   f"outside the cache's {num_pages} pages")
     entry = pos % page_size
     slot = page * page_size + entry
     if np.unique(slot).size != slot.size:
