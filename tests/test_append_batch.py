@@ -538,6 +538,8 @@ def _bad_cases(pool, seqs, freed):
         (dict(seqs=seqs, k=one, v=one, counts=[1.0, 1.0]), InvalidArgumentError,
          r"counts must hold integers, got dtype float64"),
         (dict(seqs=seqs, k=one, v=one, counts=[True, True]), InvalidArgumentError,
+         r"counts\[0\] must be an integer, got True"),
+        (dict(seqs=seqs, k=one, v=one, counts=np.array([True, True])), InvalidArgumentError,
          r"counts must hold integers, got dtype bool"),
         (dict(seqs=seqs, k=one, v=one, layer=1), InvalidArgumentError,
          r"PagePool.append_batch: layer must be None or 0 \(the pool has no layer axis\), "
