@@ -127,6 +127,18 @@ def env_positive_int(env_name: str) -> int | None:
     return n
 
 
+def env_flag(env_name: str, default: bool = False) -> bool:
+    """The 0/1 switch in environment variable ``env_name``: unset or empty gives
+    ``default``; anything but ``0`` / ``1`` raises ``InvalidArgumentError`` naming the
+    variable (``false`` or ``no`` must not turn a switch on)."""
+    val = (settings.get(env_name) or "").strip()
+    if not val:
+        return default
+    if val not in ("0", "1"):
+        raise InvalidArgumentError(f"{env_name} must be 0 or 1, got {val!r}")
+    return val == "1"
+
+
 def finite_float(value: Any) -> float | None:
     """``value`` (a real number) as a finite ``float``, or ``None`` where it has none: NaN,
     an infinity, or an int too large for a double (``2**1030``)."""

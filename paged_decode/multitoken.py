@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgumentError, fail
+from .errors import InvalidArgumentError, fail, refuse_listed_bools
 from .page_table import PageTable, frozen_int32
 
 #: most query tokens of one request (speculative verification and MTP heads)
@@ -96,6 +96,7 @@ def query_tokens(fn: str, q_shape: tuple[int, ...], qo_indptr: Any, batch_size: 
 
 def _counts(fn: str, qo_indptr: Any, batch_size: int, rows: int) -> np.ndarray:
     """Per-request counts of a host ``qo_indptr`` (int64 ``[B]``), checked."""
+    refuse_listed_bools(fn, "qo_indptr", qo_indptr)
     try:
         arr = np.asarray(qo_indptr)
     except (TypeError, ValueError) as exc:   # a device array, ragged lists

@@ -94,12 +94,6 @@ def get(name: str, default: str | None = None) -> str | None:
     return default if val is None else val
 
 
-def flag(name: str, default: bool = False) -> bool:
-    """A 0/1 setting: unset or empty gives ``default``; ``"0"`` is off, anything else on."""
-    val = get(name)
-    return default if val in (None, "") else val != "0"
-
-
 def active() -> dict[str, str]:
     """The variables of ``VARIABLES`` set now (name -> value), for a run's record: a bench
     report says which experiment switches its times were taken under."""
@@ -119,4 +113,4 @@ def bound(s: Settings) -> Iterator[Settings]:
         _bound.reset(token)
 
 
-__all__ = ["VARIABLES", "Settings", "active", "bound", "flag", "get", "snapshot"]
+__all__ = ["VARIABLES", "Settings", "active", "bound", "get", "snapshot"]

@@ -15,7 +15,7 @@ from typing import TypedDict
 from . import settings
 from .device import DeviceInfo
 from .dtypes import itemsize
-from .errors import InvalidArgumentError, PagedDecodeError, env_positive_int
+from .errors import InvalidArgumentError, PagedDecodeError, env_flag, env_positive_int
 from .fp8 import FORMATS
 from .kernels import decode_v2_tc, prefix_tc
 from .kernels.decode_v2 import row_loads, stage_bytes_per_thread
@@ -137,7 +137,19 @@ def pipeline_stages(kv_dtype: str, head_dim: int, num_warps: int, preferred: int
 def v2_row_loads(kv_dtype: str, head_dim: int, heads_per_cta: int) -> int:
     """Loads per lane per row of the v2 partial: ``PAGED_DECODE_V2_ROW_LOADS`` when set,
     else ``V2_ROW_LOADS`` (the minimum, 1, unless measured otherwise)."""
-    return row_loads(kv_dtype, head_dim, env_positive_int(ROW_LOADS_ENV) or V2_ROW_LOADS)
+    n = env_positive_int(ROW_LOADS_ENV)
+    loads = row_loads(kv_dtype, head_dim, n or V2_ROW_LOADS)
+
+    def ring(m: int) -> int:       # bytes of the two-stage ring the kernel needs at least
+        return 2 * V2_NUM_WARPS * 32 * stage_bytes_per_thread(kv_dtype, head_dim, m)
+    limit = decode_v2_tc.MAX_DYNAMIC_SMEM           # what a block may have at all
+    if n is not None and ring(loads) > limit:
+        most = max((m for m in range(1, loads) if ring(m) <= limit), default=1)
+        raise InvalidArgumentError(
+            f"{ROW_LOADS_ENV} = {n}: a two-stage ring of {loads} loads per lane per row "
+            f"(head_dim {head_dim}, {kv_dtype}) needs {ring(loads)} bytes of shared memory, "
+            f"above a block's {limit}; at most {most} here")
+    return loads
 
 
 STAGES_ENV = "PAGED_DECODE_STAGES"
@@ -290,8 +302,7 @@ def plan_geometry(path: str, num_qo_heads: int, num_kv_heads: int, head_dim: int
         return {"ctas_per_chunk": None, "slots_per_unit": 0}
     ctas = v2tc_ctas_per_chunk(num_qo_heads * query_tokens, num_kv_heads)
     kv = kv_dtype or "float16"
-    waves = (query_tokens == 1 and kv not in V2TC_FP8
-             and (settings.get(WAVE_PLAN_ENV) or "1").strip() != "0")
+    waves = query_tokens == 1 and kv not in V2TC_FP8 and env_flag(WAVE_PLAN_ENV, True)
     return {"ctas_per_chunk": ctas,
             "slots_per_unit": v2tc_slots_per_unit(head_dim, kv, device) if waves else 0}
 
@@ -566,7 +577,7 @@ def cuda_source(kernel: str) -> str:
 
 
 def assert_compile_allowed(spec: KernelSpec) -> None:
-    if settings.flag(ASSERT_NO_COMPILE_ENV):
+    if env_flag(ASSERT_NO_COMPILE_ENV):
         raise UnexpectedCompileError(
             f"kernel {spec.uri} needs compiling but {ASSERT_NO_COMPILE_ENV} is set "
             "(warm the kernels up before the measured region)")

@@ -755,8 +755,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "the launches pick the row-hint specialization, but it compiles with 128 bytes and "
        "head slots first (Phi-3-mini 64 x 32K: v2 11297 against 9340 us, S34-R3)"),
     _m("py-pdl-packed-default-off", "python", ("paged_decode.backends.cuda_pdl",),
-       "    return settings.flag(PDL_ENV, default=packed)",
-       "    return settings.flag(PDL_ENV, default=False)",
+       "    return env_flag(PDL_ENV, default=packed)",
+       "    return env_flag(PDL_ENV, default=False)",
        ["tests/test_pdl.py::test_enabled_by_default_for_packed_launches_only_on_sm90_with_"
         "the_driver_entry"],
        "prepared calls and the engine step launch the merge plainly again (Qwen2-7B's captured "

@@ -567,3 +567,66 @@ def test_a_bool_among_listed_integers_is_refused():
                                              r"integer, got True"):
         pd.PageTable.build([0, 1], [0, True, 2], [3, 3], page_size=4)
     assert pool.reserve_batch([a, b], counts=[1, 1]) is not None
+
+
+@pytest.mark.parametrize("name, call", [
+    ("PAGED_DECODE_REFERENCE_ANY_GEOMETRY",
+     lambda pr: pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend="reference")),
+    ("PAGED_DECODE_POISON",
+     lambda pr: pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, backend="reference")),
+    ("PAGED_DECODE_EMULATOR_RACES",
+     lambda pr: EmulatedCudaBackend()),
+    ("PAGED_DECODE_WAVE_PLAN",
+     lambda pr: pd.plan_decode(pr.table, 8, 2, 64, path="v2tc")),
+])
+@pytest.mark.parametrize("value", ["false", "no", "yes", "2"])
+def test_a_switch_takes_only_0_or_1(monkeypatch, pr, name, call, value):
+    """A 0/1 switch once read every value but "0" as on ("false" turned it on)."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(InvalidArgumentError, match=f"{name} must be 0 or 1, got '{value}'"):
+        call(pr)
+    for ok in ("0", "1", ""):
+        monkeypatch.setenv(name, ok)
+        call(pr)
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "1e400", "-1", "0"])
+def test_emulator_threads_must_be_a_positive_integer(monkeypatch, value):
+    from paged_decode.emulator.launch import default_threads
+    monkeypatch.setenv("PAGED_DECODE_EMULATOR_THREADS", value)
+    with pytest.raises(InvalidArgumentError, match="PAGED_DECODE_EMULATOR_THREADS must be a "
+                                                   "positive integer"):
+        default_threads()
+    monkeypatch.setenv("PAGED_DECODE_EMULATOR_THREADS", "3")
+    assert default_threads() == 3
+
+
+def test_v2_row_loads_past_a_blocks_shared_memory_names_the_variable(monkeypatch):
+    """64 loads per lane once reached the kernel as a 2 MB ring (a KernelFault naming no
+    setting); the largest that fits still decodes."""
+    pool = pd.PagePool(8, 16, 1, 64, "float16", backend="emulated-cuda")
+    s = pool.new_sequence()
+    pool.append(s, np.ones((40, 1, 64), np.float16), np.ones((40, 1, 64), np.float16))
+    q = np.ones((1, 2, 64), np.float16)
+    monkeypatch.setenv("PAGED_DECODE_V2_ROW_LOADS", "64")
+    with pytest.raises(InvalidArgumentError, match=r"PAGED_DECODE_V2_ROW_LOADS = 64: a "
+                                                   r"two-stage ring .* at most 7 here"):
+        pd.decode(q, pool.k, pool.v, pool.page_table([s]), path="v2", backend="emulated-cuda")
+    monkeypatch.setenv("PAGED_DECODE_V2_ROW_LOADS", "7")
+    out = pd.decode(q, pool.k, pool.v, pool.page_table([s]), path="v2", backend="emulated-cuda")
+    assert np.isfinite(out).all()
+
+
+def test_a_bool_in_qo_indptr_is_refused(pr):
+    q = np.ones((3, 8, 64), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"qo_indptr\[1\] must be an integer, got "
+                                                   r"True"):
+        pd.decode(q, pr.k_pages, pr.v_pages, pr.table, qo_indptr=[0, True, 3])
+
+
+def test_a_run_past_any_pool_names_max_new_tokens():
+    from paged_decode.integrations.prompts import pool_pages, prompt_batch
+    batch = prompt_batch("generate", [[1, 2, 3]], 2**40, vocab_size=64, max_positions=None)
+    with pytest.raises(InvalidArgumentError, match=r"generate: 1 prompts of up to 3 tokens "
+                                                   r"plus max_new_tokens=1099511627776 need "):
+        pool_pages("generate", batch, 16, None)

@@ -115,3 +115,17 @@ def test_a_sliding_window_mask_is_refused():
     cache = pm.PagedLayerCache(batch, 0, {})
     with pytest.raises(UnsupportedProblemError, match=r"a sliding window \(window_size=8\)"):
         cache.make_mask(1, window_size=8)
+
+
+def test_models_whose_args_name_other_fields_and_bad_flags_are_refused():
+    """gpt2's args name n_head, not num_attention_heads (an AttributeError once);
+    return_logits must be a bool ("no" returned logits)."""
+    from mlx_lm.models import gpt2
+    model = gpt2.Model(gpt2.ModelArgs.from_dict(dict(
+        model_type="gpt2", n_ctx=16, n_embd=128, n_head=2, n_layer=1, n_positions=16,
+        layer_norm_epsilon=1e-5, vocab_size=64)))
+    with pytest.raises(UnsupportedProblemError, match="generate: the model's args .* do not "
+                                                      "name num_attention_heads"):
+        pm.generate(model, [[1, 2, 3]], 2, backend="mlx")
+    with pytest.raises(InvalidArgumentError, match="generate: return_logits must be a bool"):
+        pm.generate(_llama(), [[1, 2, 3]], 2, backend="mlx", return_logits="no")

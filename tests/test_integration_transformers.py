@@ -189,6 +189,7 @@ def test_a_prompt_longer_than_the_pool_fails_before_the_model_runs():
     ([[1, 2], [3, 1024]], r"prompts\[1\]\[1\] = 1024 is not a token id of the model "
                           r"\(vocabulary size 1024\)"),
     ([[1.5, 2.0]], r"prompts\[0\] must be a non-empty 1-D sequence of integer"),
+    ([[True, 2, 3]], r"prompts\[0\]\[0\] must be an integer, got True"),   # not token 1
 ])
 def test_bad_prompts_are_named(bad, match):
     model = transformers_model("llama", seed=0)
@@ -206,6 +207,20 @@ def _small(config_cls, **kw):
 def _other(config):
     config.bos_token_id = config.eos_token_id = None
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("build, name", [
+    (lambda: _small(transformers.LlamaConfig).model, "LlamaModel"),      # no logits
+    (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+        hidden_size=128, num_attention_heads=2, num_hidden_layers=1, vocab_size=64,
+        intermediate_size=64)).eval(), "BertForMaskedLM"),
+])
+def test_models_that_cannot_generate_are_refused(build, name):
+    """A base model or a masked LM once failed inside its forward (no .logits; a torch
+    size mismatch): check_model asks can_generate()."""
+    with pytest.raises(InvalidArgumentError, match=f"generate: model must be a transformers "
+                                                   f"causal LM .* got {name}"):
+        pt.generate(build(), [[1, 2, 3]], 2)
 
 
 @pytest.mark.parametrize("build, match", [

@@ -377,3 +377,31 @@ def test_replayed_before_a_decode_step_is_refused():
     with pytest.raises(InvalidArgumentError, match=r"^PagedBatch.replayed: no decode step of "
                                                    r"the engine was begun"):
         batch.replayed()
+
+
+def test_flags_and_the_engine_scale_are_checked():
+    """cascade=1 / "abc" once ran flat silently, step_engine="no" turned the engine on,
+    and the engine path's sm_scale went through float() (None: a TypeError)."""
+    kw = dict(num_layers=1, num_pages=16, page_size=4, num_kv_heads=1, num_qo_heads=2,
+              head_dim=64, dtype="float32", backend="reference")
+    for bad in (1, "abc"):
+        with pytest.raises(InvalidArgumentError, match="PagedBatch: cascade must be a bool"):
+            PagedBatch(**kw, cascade=bad)
+    with pytest.raises(InvalidArgumentError, match="PagedBatch: step_engine must be a bool"):
+        PagedBatch(**kw, step_engine="no")
+    with pytest.raises(InvalidArgumentError, match="step_engine runs flat decodes"):
+        PagedBatch(**kw, step_engine=np.True_, cascade=np.True_)
+    pb = PagedBatch(**kw, step_engine=True)
+    pb.start(2)
+    k = np.ones((3, 1, 64), np.float32)
+    pb.begin(np.array([3, 3]))
+    pb.append(0, np.ones((6, 1, 64), np.float32), np.ones((6, 1, 64), np.float32))
+    pb.gather(0)
+    pb.begin(None)
+    pb.append(0, k[:2], k[:2])
+    q = np.ones((2, 2, 64), np.float32)
+    for bad, match in ((None, "sm_scale must be a real number"),
+                       (1e39, "sm_scale must be at most")):
+        with pytest.raises(InvalidArgumentError, match="PagedBatch.decode: " + match):
+            pb.decode(0, q, bad)
+    assert np.isfinite(np.asarray(pb.decode(0, q, 0.125))).all()

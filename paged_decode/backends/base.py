@@ -27,9 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import settings
 from ..device import DeviceInfo
-from ..errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemError
+from ..errors import InvalidArgumentError, PagedDecodeError, UnsupportedProblemError, env_flag
 from ..kernels.append import AppendWrite
 from ..kernels.table_update import apply_delta
 from ..page_table import PageTable
@@ -74,7 +73,7 @@ def c_contiguous(arr: Any) -> bool:
 
 def poison_enabled() -> bool:
     """``PAGED_DECODE_POISON=1`` fills every fresh output and workspace with NaN."""
-    return settings.flag(POISON_ENV)
+    return env_flag(POISON_ENV)
 
 
 class Backend(ABC):

@@ -44,7 +44,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from .. import settings
+from ..errors import env_flag
 
 PDL_ENV = "PAGED_DECODE_PDL"
 #: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
@@ -91,7 +91,7 @@ def requested(packed: bool = False) -> bool:
     """Whether ``PAGED_DECODE_PDL`` asks for dependent launches of launches that are
     ``packed`` (argument arrays packed once, replayed: ``compile_launches``) or eager:
     unset, exactly the packed ones; ``1`` all; ``0`` none."""
-    return settings.flag(PDL_ENV, default=packed)
+    return env_flag(PDL_ENV, default=packed)
 
 
 def enabled(major: int, entry: Any = None, packed: bool = False) -> bool:

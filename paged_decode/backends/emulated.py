@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import settings
 from ..device import DeviceInfo
+from ..errors import env_flag
 from ..kernels import append as append_kernel
 from ..kernels.append import AppendWrite
 from ..kernels.kernel_def import MetalKernel
@@ -52,7 +52,7 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
     def __init__(self, *, check_races: bool | None = None,
                  schedules: tuple[str, ...] | None = None, cp_async: str | None = None
                  ) -> None:
-        self.check_races = (settings.flag(RACES_ENV, True)
+        self.check_races = (env_flag(RACES_ENV, True)
                             if check_races is None else check_races)
         self.schedules, self.cp_async = schedules, cp_async
         # what this thread records (compile_launches, capture_graph): one backend object

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
-from ..errors import InvalidArgumentError, UnsupportedProblemError
+from ..errors import InvalidArgumentError, UnsupportedProblemError, env_flag
 from ..kernels import merge
 from ..kernels.append import METAL_MIN_ELEMENTS, AppendWrite
 from ..page_table import PageTable
@@ -140,12 +140,11 @@ class LaunchingBackend(Backend):
     def fuses_merge(self, plan: DecodePlan, kv_dtype: str) -> bool:
         if self.metal_dialect or not self.tensor_core_decode:
             return False
-        val = settings.get(FUSED_MERGE_ENV)
-        if val in (None, ""):
-            return launches.fused_merge_pays(
-                plan, kv_dtype, self.merge_split(plan.batch_size, plan.num_qo_heads,
-                                                 plan.num_chunks, plan.head_dim))
-        return val != "0"
+        if (settings.get(FUSED_MERGE_ENV) or "").strip():
+            return env_flag(FUSED_MERGE_ENV)
+        return launches.fused_merge_pays(
+            plan, kv_dtype, self.merge_split(plan.batch_size, plan.num_qo_heads,
+                                             plan.num_chunks, plan.head_dim))
 
     def merge_counters(self, plan: DecodePlan) -> Any:
         """The fused merge's ``int32 [fused_merge_slots(plan)]`` counters, zero (a fresh

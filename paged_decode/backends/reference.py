@@ -13,10 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import settings
 from ..device import DeviceInfo
 from ..dtypes import as_float32, dtype_name, numpy_dtype
-from ..errors import InvalidDtypeError
+from ..errors import InvalidDtypeError, env_flag
 from ..fp8 import dequantize, is_fp8, quantize_rows
 from ..kernels.append import AppendWrite
 from ..page_table import PageTable
@@ -118,7 +117,7 @@ class ReferenceBackend(Backend):
     def supports(self, problem: Problem) -> Support:
         anything = self.any_geometry
         if anything is None:
-            anything = settings.flag(ANY_GEOMETRY_ENV)
+            anything = env_flag(ANY_GEOMETRY_ENV)
         if anything and problem.path != "v2tc":   # no tensor-core arm on any geometry
             return Support(True)
         return launches.support(problem)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
+from ..errors import env_positive_int
 from .compiler import kernel_library, runtime
 from .errors import DivergenceError, EmulatorError, KernelFault, OutOfBoundsError, RaceError
 from .rewrite import wrap_cuda
@@ -85,8 +86,8 @@ _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_ui
 
 
 def default_threads() -> int:
-    env = settings.get(THREADS_ENV)
-    return max(1, int(env)) if env else max(1, min(2, os.cpu_count() or 1))
+    n = env_positive_int(THREADS_ENV)
+    return n if n is not None else max(1, min(2, os.cpu_count() or 1))
 
 
 def parse_schedule(name: str) -> tuple[str, int]:

@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra
     raise ImportError("paged_decode.integrations.mlx_lm needs mlx and mlx-lm: "
                       "pip install 'paged-decode[mlx-lm]'") from exc
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UnsupportedProblemError, check_bool
 from .model_checks import Geometry, check_attention, refuse
 from .paged_batch import PagedBatch
 from .prompts import pool_pages, prompt_batch
@@ -133,7 +133,14 @@ def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:
     for field in ("attn_logit_softcapping", "sliding_window"):
         if getattr(args, field, None) is not None:
             raise refuse(fn, field.replace("_", " "), field, getattr(args, field))
-    heads = args.num_attention_heads
+    heads = getattr(args, "num_attention_heads", None)
+    if not isinstance(heads, int) or (getattr(args, "head_dim", None) is None
+                                      and not isinstance(getattr(args, "hidden_size", None),
+                                                         int)):
+        raise UnsupportedProblemError(
+            f"{fn}: the model's args ({type(args).__module__}.{type(args).__name__}) do not "
+            "name num_attention_heads and head_dim or hidden_size, the fields paged-decode "
+            "reads the attention's geometry from (Llama-style mlx-lm models)")
     kv = getattr(args, "num_key_value_heads", None) or heads
     d = getattr(args, "head_dim", None) or args.hidden_size // heads
     flat: Any = tree_flatten(model.parameters())
@@ -197,6 +204,7 @@ def generate(model: Any, prompts: Sequence[Any], max_new_tokens: int, *,
     ``decode`` (see the module docstring), so it must be ``None``.
     """
     fn = "generate"
+    check_bool(fn, "return_logits", return_logits)
     if cascade is not None:
         raise InvalidArgumentError(f"{fn}: cascade must be None with mlx-lm (its attention "
                                    f"is MLX's SDPA over gathered pages), got {cascade!r}")

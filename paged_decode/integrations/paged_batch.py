@@ -28,11 +28,12 @@ from ..cascade import CascadePlan, detect_shared_prefix
 from ..decode import decode
 from ..dtypes import numpy_dtype
 from ..engine_step import DecodeStep
-from ..errors import InvalidArgumentError, check_int, check_int_array
+from ..errors import InvalidArgumentError, check_bool, check_int, check_int_array, check_number
 from ..page_table import MAX_ENTRIES, PageTable
 from ..plan import DecodePlan
 from ..pool import AppendedBatch, PagePool
 from ..step_table import StepTable
+from ..variants import PLAIN
 
 #: tokens a flat decode's plan is made to grow by (one replan per 64 decode steps at most)
 HEADROOM = 64
@@ -71,11 +72,12 @@ class PagedBatch:
                                        f"multiple of num_kv_heads ({num_kv_heads})")
         self.pool = PagePool(num_pages, page_size, num_kv_heads, head_dim, dtype,
                              num_layers=self.num_layers, backend=backend)
-        self.cascade = cascade
-        if step_engine and cascade is True:
+        # None / bools only: any other value would silently run flat
+        self.cascade = None if cascade is None else check_bool(fn, "cascade", cascade)
+        self.step_engine = check_bool(fn, "step_engine", step_engine)
+        if self.step_engine and self.cascade is True:
             raise InvalidArgumentError(f"{fn}: step_engine runs flat decodes; it cannot be "
                                        "combined with cascade=True")
-        self.step_engine = bool(step_engine)
         #: the decode steps' engine step, made at the first decode step of a batch
         self._engine: DecodeStep | None = None
         #: its fixed buffers: k, v [B, Hkv, D], q [B, Hq, D], one out [B, Hq, D] per layer
@@ -331,7 +333,7 @@ class PagedBatch:
         copied into the step's q buffer -> the layer's own output buffer ``[B, Hq, D]``.
         The first call fixes the step's ``sm_scale`` (its prepared launches hold it)."""
         assert self._engine is not None
-        scale = float(sm_scale)
+        scale = PLAIN.checked_score_scale(fn, check_number(fn, "sm_scale", sm_scale))
         if self._engine.sm_scale is None:
             self._engine.sm_scale = scale
         elif scale != self._engine.sm_scale:

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, check_bool, check_int, fail
+from ..errors import InvalidArgumentError, check_bool, check_int, fail, refuse_listed_bools
+from ..page_table import MAX_ENTRIES
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class PromptBatch:
 
 
 def _token_ids(fn: str, i: int, prompt: Any, vocab_size: int) -> tuple[int, ...]:
+    refuse_listed_bools(fn, f"prompts[{i}]", prompt)      # [True, 2] is not token 1
     try:
         a = np.asarray(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
     except (TypeError, ValueError) as exc:
@@ -106,6 +108,10 @@ def pool_pages(fn: str, batch: PromptBatch, page_size: int, num_pages: int | Non
     ``InvalidArgumentError`` before anything runs, naming the pages needed), or
     ``pages_needed`` (what the run uses, or one more) when ``num_pages`` is ``None``."""
     need = batch.pages_needed(page_size)
+    if need > MAX_ENTRIES:           # past any pool (PagePool's num_pages bound)
+        raise fail(fn, f"{batch.size} prompts of up to {max(map(len, batch.prompts))} tokens "
+                       f"plus max_new_tokens={batch.max_new_tokens} need {need} pages of "
+                       f"{page_size} tokens, more than a pool holds ({MAX_ENTRIES})")
     if num_pages is None:
         return need
     have = check_int(fn, "num_pages", num_pages, note=" or None")

@@ -187,6 +187,12 @@ def check_model(fn: str, model: Any, page_size: int = 16) -> Geometry:
                                    f"{type(model).__name__}")
     if getattr(config, "is_encoder_decoder", False):
         raise refuse(fn, "an encoder-decoder architecture", "is_encoder_decoder", True)
+    can_generate = getattr(model, "can_generate", None)
+    if not (callable(can_generate) and can_generate()):
+        # a base model (no logits) or a masked LM: generate would fail inside its forward
+        raise InvalidArgumentError(f"{fn}: model must be a transformers causal LM (a "
+                                   f"language-modelling head whose can_generate() is True, "
+                                   f"e.g. LlamaForCausalLM), got {type(model).__name__}")
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type",
                                                    None) == "alibi":
         raise refuse(fn, "ALiBi position biases", "alibi", True)
