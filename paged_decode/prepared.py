@@ -363,7 +363,9 @@ def layouts(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
         if x is None:
             out.append(None)
             continue
-        if getattr(x, "shape", None) is None or getattr(x, "dtype", None) is None:
+        try:
+            shape, dtype = tuple(x.shape), x.dtype
+        except (AttributeError, TypeError):
             out.append(type(x))   # not an array: the call's checks name it
             continue
         strides = getattr(x, "strides", None)
@@ -371,7 +373,7 @@ def layouts(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
         if strides is None and callable(getattr(x, "stride", None)):   # torch
             strides, ptr = x.stride(), x.data_ptr()
         writable = getattr(getattr(x, "flags", None), "writeable", None)   # numpy's
-        out.append((tuple(x.shape), x.dtype, strides, ptr, writable))
+        out.append((shape, dtype, strides, ptr, writable))
     return tuple(out)
 
 
