@@ -539,6 +539,11 @@ class DecodeStep:
         if b.version != self.pool._version:
             if self.pool._open_step is self:
                 raise self._stranded(fn)
+            if not b.write.num_touched:
+                # a begin over padding rows only reserved nothing and left the pool open:
+                # no change to it can strand this step's (empty) writes
+                b.version = self.pool._version
+                return b
             raise InvalidArgumentError(
                 f"{fn}: the pool changed since this step's begin() (an append, fork, trim "
                 "or free): call begin() again")

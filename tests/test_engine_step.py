@@ -735,6 +735,39 @@ def test_a_free_outside_the_batch_leaves_the_step_going(backend):
         step.set_sequences([a])
 
 
+@pytest.mark.parametrize("backend", ["reference", "emulated-cuda"])
+def test_a_free_outside_a_begun_batch_of_padding_leaves_the_step_going(backend):
+    """A begin over padding rows only reserves nothing; a free (or any pool change) after
+    it once made the next append say the pool changed since begin() (session 38's
+    stateful fuzz), where a batch with a live row goes on."""
+    pool = pd.PagePool(32, 4, 1, 64, "float32", num_layers=2, backend=backend)
+    a, b = pool.new_sequence(), pool.new_sequence()
+    x = np.ones((2, 3, 1, 64), np.float32)
+    pool.append(a, x, x)
+    pool.append(b, x, x)
+    step = pd.DecodeStep(pool, [a], num_qo_heads=1, capacity=2)
+    pool.free(a)                      # every row of the step is padding now
+    step.begin()
+    k = np.zeros((2, 1, 64), np.float32)
+    step.append(0, k, k)
+    pool.free(b)
+    step.append(1, k, k)
+    step.decode(1, np.ones((2, 1, 64), np.float32))
+    c = pool.new_sequence()           # and the step takes a live batch again
+    pool.append(c, x, x)
+    step.set_sequences([c])
+    step.begin()
+    kv = np.random.default_rng(3).standard_normal((2, 1, 64)).astype(np.float32)
+    step.append(0, kv, kv)
+    step.append(1, kv, kv)
+    q = np.random.default_rng(4).standard_normal((2, 1, 64)).astype(np.float32)
+    got = np.asarray(step.decode(1, q))
+    rows = np.concatenate([x[1, :, 0], kv[:1, 0]])            # c's layer-1 K = V rows
+    s = rows @ q[0, 0] / 8.0
+    w = np.exp(s - s.max())
+    np.testing.assert_allclose(got[0, 0], (w / w.sum()) @ rows, rtol=1e-5, atol=1e-6)
+
+
 def test_an_empty_batch_is_not_captured():
     """A graph recorded while the batch has no live sequence records no append, and every
     replay over a later batch would leave its begin's slots unwritten (stale K/V read:
