@@ -224,8 +224,8 @@ class DecodeStep:
         # device update is pending until the step's first device work (in the graph on
         # replay, else before the first append or decode, or another reader's)
         with self.backend.launch_context(self.pool.k if like is None else like):
-            self.table.send(desc if self._device_desc else None,
-                            (steady[2], steady[3]) if steady is not None else None)
+            self.table._send(desc if self._device_desc else None,
+                             (steady[2], steady[3]) if steady is not None else None)
         # the staging buffer's view (a new one only with a new table buffer); array ops
         # and the Metal dialect read the host descriptor
         self._desc = self.table.upload.desc if self._device_desc else desc

@@ -186,20 +186,25 @@ def check_type(fn: str, name: str, value: Any, cls: type | tuple[type, ...],
         raise InvalidArgumentError(f"{fn}: {name} must be {what}, got {type(value).__name__}")
 
 
+_BOOLS = (bool, np.bool_)
+
+
 def refuse_listed_bools(fn: str, name: str, x: Any,
                         error: type[PagedDecodeError] = InvalidArgumentError) -> None:
     """Raise ``error`` where a (nested) list or tuple of integers holds a bool: numpy makes
     ``[True, 1]`` int64, so the dtype check that refuses an all-bool list misses it."""
     if not isinstance(x, (list, tuple)):
         return
-    stack = [(f"{name}", x)]
+    stack = [(name, x)]
     while stack:
         where, seq = stack.pop()
-        for i, v in enumerate(seq):
-            if isinstance(v, (bool, np.bool_)):
-                raise error(f"{fn}: {where}[{i}] must be an integer, got {v!r}")
-            if isinstance(v, (list, tuple)):
-                stack.append((f"{where}[{i}]", v))
+        kinds = set(map(type, seq))             # one C-level pass over a flat list
+        if any(issubclass(k, _BOOLS) for k in kinds):
+            i = next(i for i, v in enumerate(seq) if isinstance(v, _BOOLS))
+            raise error(f"{fn}: {where}[{i}] must be an integer, got {seq[i]!r}")
+        if any(issubclass(k, (list, tuple)) for k in kinds):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(seq)
+                      if isinstance(v, (list, tuple))]
 
 
 def check_int_array(fn: str, name: str, x: Any, length: int | None = None,

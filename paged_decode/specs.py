@@ -138,12 +138,14 @@ def v2_row_loads(kv_dtype: str, head_dim: int, heads_per_cta: int) -> int:
     """Loads per lane per row of the v2 partial: ``PAGED_DECODE_V2_ROW_LOADS`` when set,
     else ``V2_ROW_LOADS`` (the minimum, 1, unless measured otherwise)."""
     n = env_positive_int(ROW_LOADS_ENV)
-    loads = row_loads(kv_dtype, head_dim, n or V2_ROW_LOADS)
+    if n is None:
+        return row_loads(kv_dtype, head_dim, V2_ROW_LOADS)
+    loads = row_loads(kv_dtype, head_dim, n)
 
     def ring(m: int) -> int:       # bytes of the two-stage ring the kernel needs at least
         return 2 * V2_NUM_WARPS * 32 * stage_bytes_per_thread(kv_dtype, head_dim, m)
     limit = decode_v2_tc.MAX_DYNAMIC_SMEM           # what a block may have at all
-    if n is not None and ring(loads) > limit:
+    if ring(loads) > limit:
         most = max((m for m in range(1, loads) if ring(m) <= limit), default=1)
         raise InvalidArgumentError(
             f"{ROW_LOADS_ENV} = {n}: a two-stage ring of {loads} loads per lane per row "

@@ -313,7 +313,7 @@ class StepTable:
         """``flush`` inside the launch context the caller entered (the stream a decode
         runs on, so the update is ordered before its kernels)."""
         if self._dirty:
-            self.send()
+            self._send()
         return self.apply_pending()
 
     def send(self, desc: np.ndarray | None = None,
@@ -331,6 +331,12 @@ class StepTable:
                 f"StepTable.send: desc must be None or a C-contiguous int32 numpy array of "
                 f"shape [5, {self._cap}], got {getattr(desc, 'dtype', type(desc).__name__)} "
                 f"{list(getattr(desc, 'shape', ()))}")
+        self._send(desc, steady)
+
+    def _send(self, desc: np.ndarray | None = None,
+              steady: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """``send`` without its check of ``desc``, for callers that build it themselves
+        (``update_device``; ``DecodeStep.begin``, once per step)."""
         if self._device_pending:
             self.apply_pending()
         delta = npages = None

@@ -82,9 +82,11 @@ def host_ints(fn: str, name: str, x: Any) -> np.ndarray:
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise InvalidArgumentError(f"{fn}: {name} must be a 1-D integer array, got shape "
                                    f"{list(arr.shape)} dtype {arr.dtype}")
+    # FlashInfer's index arrays are int32; past that, its arithmetic here would wrap (an
+    # array of 32 bits or fewer cannot hold such values: no scan)
+    wide = arr.dtype.itemsize > 4 or arr.dtype == np.uint32
     arr = as_int64(fn, name, arr)
-    # FlashInfer's index arrays are int32; past that, its arithmetic here would wrap
-    if arr.size and (int(arr.min()) < I32.min or int(arr.max()) > I32.max):
+    if wide and arr.size and (int(arr.min()) < I32.min or int(arr.max()) > I32.max):
         i = int(np.argmax((arr < I32.min) | (arr > I32.max)))
         raise InvalidArgumentError(f"{fn}: {name}[{i}] = {int(arr[i])} is outside int32 "
                                    "(FlashInfer's index arrays are int32)")
