@@ -42,6 +42,9 @@ from .variants import check_window, window_table
 from .waves import wave_chunk_size
 
 MAX_CHUNKS = 65535
+#: the most query heads, KV heads or head_dim a plan takes: a CUDA grid dimension's limit
+#: (no kernel here launches more heads), and far past any served model's geometry
+MAX_GEOMETRY = 65535
 #: a batch is ragged when its longest request has this many times the mean's pages
 RAGGED_RATIO = 1.25
 #: set while make_plan constructs its plan (this thread)
@@ -54,7 +57,7 @@ _folded: weakref.WeakKeyDictionary[DecodePlan, DecodePlan] = weakref.WeakKeyDict
 def check_geometry(fn: str, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
     for name, val in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                       ("head_dim", head_dim)):
-        check_int(fn, name, val)
+        check_int(fn, name, val, 1, MAX_GEOMETRY)
     if num_qo_heads % num_kv_heads:
         raise InvalidArgumentError(
             f"{fn}: num_qo_heads must be a multiple of num_kv_heads, got {num_qo_heads} "

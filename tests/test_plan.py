@@ -418,8 +418,11 @@ def test_plan_is_frozen_plain_data():
     (("not a table", 8, 8, 64), {},
      r"plan_decode: table must be a PageTable or StepTable, got str"),
     ((None, 6, 4, 64), {}, r"num_qo_heads must be a multiple of num_kv_heads, got 6 and 4"),
-    ((None, 0, 4, 64), {}, r"num_qo_heads must be a positive integer, got 0"),
-    ((None, 8, 8, -1), {}, r"head_dim must be a positive integer, got -1"),
+    ((None, 0, 4, 64), {}, r"num_qo_heads must be an integer in \[1, 65535\], got 0"),
+    ((None, 8, 8, -1), {}, r"head_dim must be an integer in \[1, 65535\], got -1"),
+    ((None, 2**62, 2**61, 64), {},
+     r"num_qo_heads must be an integer in \[1, 65535\], got 4611686018427387904"),
+    ((None, 8, 8, 2**16), {}, r"head_dim must be an integer in \[1, 65535\], got 65536"),
     ((None, 8, 8, 64), {"pages_per_chunk": 0}, r"pages_per_chunk must be an integer in \[1, "),
 ])
 def test_plan_rejects(args, kwargs, pattern):
