@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import settings
-from .errors import InvalidArgumentError, check_int, check_type, env_positive_int, finite_float
+from .errors import InvalidArgumentError, check_int, check_type, env_positive_int, real_float
 from .fp8 import is_fp8
 
 TARGET_ENV = "PAGED_DECODE_TARGET_CTAS"
@@ -112,8 +112,7 @@ class DeviceInfo:
 
 def check_ragged_split(fn: str, value: object) -> float:
     """``value`` as a ragged-split fraction: a finite real number >= 0."""
-    f = finite_float(value) if isinstance(value, (int, float)) \
-        and not isinstance(value, bool) else None
+    f = real_float(value)
     if f is None or not f >= 0:
         raise InvalidArgumentError(f"{fn}: ragged_split must be a finite number >= 0, "
                                    f"got {value!r}")

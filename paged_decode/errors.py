@@ -149,11 +149,24 @@ def finite_float(value: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+_BOOLS = (bool, np.bool_)
+
+
+def is_real(value: Any) -> bool:
+    """Whether ``value`` may stand for a number argument: an int or float (numpy's too),
+    not a bool, and not a string (``"0.1"`` is not a scale)."""
+    return (isinstance(value, (int, float, np.integer, np.floating))
+            and not isinstance(value, _BOOLS))
+
+
+def real_float(value: Any) -> float | None:
+    """``value`` as a finite ``float`` where ``is_real(value)``, else ``None``."""
+    return finite_float(value) if is_real(value) else None
+
+
 def check_number(fn: str, name: str, value: Any, minimum: float | None = None) -> float:
-    """``value`` as a finite ``float``: an int or float (numpy's too), not a bool or a
-    string (``"0.1"`` is not a scale), and ``>= minimum`` when given."""
-    if not (isinstance(value, (int, float, np.integer, np.floating))
-            and not isinstance(value, (bool, np.bool_))):
+    """``value`` as a finite ``float``: ``is_real``, and ``>= minimum`` when given."""
+    if not is_real(value):
         raise InvalidArgumentError(f"{fn}: {name} must be a real number, got "
                                    f"{type(value).__name__} {value!r}")
     f = finite_float(value)
@@ -166,7 +179,7 @@ def check_number(fn: str, name: str, value: Any, minimum: float | None = None) -
 
 def check_bool(fn: str, name: str, value: Any) -> bool:
     """``value`` unless it is not a bool (``"yes"`` and ``1`` are refused)."""
-    if not isinstance(value, (bool, np.bool_)):
+    if not isinstance(value, _BOOLS):
         raise InvalidArgumentError(f"{fn}: {name} must be a bool, got {value!r}")
     return bool(value)
 
@@ -184,9 +197,6 @@ def check_type(fn: str, name: str, value: Any, cls: type | tuple[type, ...],
     """Raise unless ``value`` is an instance of ``cls`` (``what`` names it in words)."""
     if not isinstance(value, cls):
         raise InvalidArgumentError(f"{fn}: {name} must be {what}, got {type(value).__name__}")
-
-
-_BOOLS = (bool, np.bool_)
 
 
 def refuse_listed_bools(fn: str, name: str, x: Any,

@@ -30,7 +30,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .errors import InvalidArgumentError, InvalidDtypeError, finite_float
+from .errors import InvalidArgumentError, InvalidDtypeError, real_float
 
 #: fp8 format name -> (exponent bits, mantissa bits, largest finite value)
 FORMATS = {"float8_e4m3fn": (4, 3, 448.0), "float8_e5m2": (5, 2, 57344.0)}
@@ -163,12 +163,10 @@ def check_scale(fn: str, arg: str, value: Any) -> float:
                 "a CUDA graph capture that read is not allowed (and a replay would keep "
                 "the captured value): pass the scale as a Python float")
         v = v.item()    # a one-element array or tensor of any kind (a device one is copied)
-    ok = (isinstance(v, (int, float, np.integer, np.floating))
-          and not isinstance(v, (bool, np.bool_)))
+    f64 = real_float(v)
     with np.errstate(over="ignore"):     # beyond float32: inf, refused below
-        f64 = finite_float(v) if ok else None
         f32 = float(np.float32(f64)) if f64 is not None else math.nan
-    if not ok or not math.isfinite(f32) or f32 <= 0:
+    if not math.isfinite(f32) or f32 <= 0:
         raise InvalidArgumentError(f"{fn}: {arg} must be a positive finite float32 number, "
                                    f"got {value!r}")
     return f32

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .dtypes import KV_DTYPES, caller_dtype, check_dtype
-from .errors import InvalidArgumentError, UnsupportedProblemError, check_int, finite_float
+from .errors import InvalidArgumentError, UnsupportedProblemError, check_int, real_float
 from .fp8 import KVQuant, check_kv_quant, pool_dtype
 from .page_table import MAX_ENTRIES, PageTable
 
@@ -160,10 +160,8 @@ def check_soft_cap(fn: str, logits_soft_cap: Any) -> float | None:
     """``logits_soft_cap``: ``None`` or a real number in ``SOFT_CAP_RANGE`` (not a bool)."""
     if logits_soft_cap is None:
         return None
-    ok = (isinstance(logits_soft_cap, (int, float, np.integer, np.floating))
-          and not isinstance(logits_soft_cap, (bool, np.bool_)))
     lo, hi = SOFT_CAP_RANGE
-    cap = finite_float(logits_soft_cap) if ok else None
+    cap = real_float(logits_soft_cap)
     if cap is None or not lo <= cap <= hi:
         raise InvalidArgumentError(f"{fn}: logits_soft_cap must be None or a finite number "
                                    f"in [{lo:g}, {hi:g}], got {logits_soft_cap!r}")

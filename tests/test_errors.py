@@ -630,3 +630,25 @@ def test_a_run_past_any_pool_names_max_new_tokens():
     with pytest.raises(InvalidArgumentError, match=r"generate: 1 prompts of up to 3 tokens "
                                                    r"plus max_new_tokens=1099511627776 need "):
         pool_pages("generate", batch, 16, None)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (1, 1.0), (0.5, 0.5), (np.int16(3), 3.0), (np.float32(0.25), 0.25),
+    (True, None), (np.bool_(False), None), ("0.5", None), (float("nan"), None),
+    (float("inf"), None), (2**1030, None), (None, None), (1 + 0j, None),
+])
+def test_every_number_argument_takes_the_same_reals(value, expected):
+    # one rule (errors.real_float) behind check_number, fp8 scales, the soft cap and the
+    # ragged split: a bool, a string, a complex or a non-finite value is not a number
+    from paged_decode.device import check_ragged_split
+    from paged_decode.errors import check_number, real_float
+    from paged_decode.fp8 import check_scale
+    from paged_decode.variants import check_soft_cap
+    assert real_float(value) == expected
+    for check in (lambda v: check_number("f", "x", v), lambda v: check_scale("f", "x", v),
+                  lambda v: check_soft_cap("f", v), lambda v: check_ragged_split("f", v)):
+        if expected is None and value is not None:
+            with pytest.raises(InvalidArgumentError, match=r"^f: "):
+                check(value)
+        elif expected is not None:
+            assert check(value) == pytest.approx(expected)
