@@ -127,16 +127,23 @@ def env_positive_int(env_name: str) -> int | None:
     return n
 
 
-def env_flag(env_name: str, default: bool = False) -> bool:
-    """The 0/1 switch in environment variable ``env_name``: unset or empty gives
-    ``default``; anything but ``0`` / ``1`` raises ``InvalidArgumentError`` naming the
-    variable (``false`` or ``no`` must not turn a switch on)."""
+def env_switch(env_name: str) -> bool | None:
+    """The 0/1 switch in environment variable ``env_name``, ``None`` when it is unset or
+    empty (a tri-state: unset leaves the choice to a rule); anything but ``0`` / ``1``
+    raises ``InvalidArgumentError`` naming the variable (``false`` or ``no`` must not turn
+    a switch on)."""
     val = (settings.get(env_name) or "").strip()
     if not val:
-        return default
+        return None
     if val not in ("0", "1"):
         raise InvalidArgumentError(f"{env_name} must be 0 or 1, got {val!r}")
     return val == "1"
+
+
+def env_flag(env_name: str, default: bool = False) -> bool:
+    """``env_switch(env_name)``, ``default`` when the variable is unset or empty."""
+    val = env_switch(env_name)
+    return default if val is None else val
 
 
 def finite_float(value: Any) -> float | None:

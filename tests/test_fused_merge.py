@@ -25,6 +25,7 @@ import paged_decode as pd
 from paged_decode.backends import launches
 from paged_decode.backends.emulated import EmulatedCudaBackend
 from paged_decode.backends.launching import FUSED_MERGE_ENV
+from paged_decode.errors import InvalidArgumentError
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
 from paged_decode.specs import v2tc_ctas_per_chunk
@@ -194,6 +195,12 @@ def test_by_default_the_merge_fuses_where_each_warp_merges_one_head(emu, monkeyp
     assert emu.fuses_merge(plan, "float16")
     monkeypatch.setenv(FUSED_MERGE_ENV, "0")
     assert not emu.fuses_merge(plan, "float16")
+    for unset in ("", "  "):                # empty is unset: the rule decides
+        monkeypatch.setenv(FUSED_MERGE_ENV, unset)
+        assert emu.fuses_merge(plan, "float16") is fused
+    monkeypatch.setenv(FUSED_MERGE_ENV, "false")
+    with pytest.raises(InvalidArgumentError, match=f"{FUSED_MERGE_ENV} must be 0 or 1"):
+        emu.fuses_merge(plan, "float16")
 
 
 def test_by_default_the_merge_does_not_fuse_where_the_merge_kernel_splits(emu, monkeypatch):

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
-from ..errors import InvalidArgumentError, UnsupportedProblemError, env_flag
+from ..errors import InvalidArgumentError, UnsupportedProblemError, env_switch
 from ..kernels import merge
 from ..kernels.append import METAL_MIN_ELEMENTS, AppendWrite
 from ..page_table import PageTable
@@ -140,8 +140,9 @@ class LaunchingBackend(Backend):
     def fuses_merge(self, plan: DecodePlan, kv_dtype: str) -> bool:
         if self.metal_dialect or not self.tensor_core_decode:
             return False
-        if (settings.get(FUSED_MERGE_ENV) or "").strip():
-            return env_flag(FUSED_MERGE_ENV)
+        forced = env_switch(FUSED_MERGE_ENV)
+        if forced is not None:
+            return forced
         return launches.fused_merge_pays(
             plan, kv_dtype, self.merge_split(plan.batch_size, plan.num_qo_heads,
                                              plan.num_chunks, plan.head_dim))
