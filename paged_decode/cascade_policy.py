@@ -15,7 +15,7 @@ from . import settings
 from .cascade import CascadeDecodePlan, CascadePlan, detect_with_reason, plan_cascade
 from .device import CHUNK_ENV, RAGGED_ENV, TARGET_ENV
 from .dtypes import itemsize
-from .errors import InvalidArgumentError, PlanMismatchError
+from .errors import InvalidArgumentError, PlanMismatchError, env_switch
 from .kernels import prefix_tc
 from .page_table import PageTable
 from .specs import prefix_kernel_runs
@@ -78,12 +78,7 @@ def cascade_pays(prefix: CascadePlan, token_bytes: int, tensor_cores: bool
 
 def env_cascade(fn: str) -> bool | None:
     """``PAGED_DECODE_CASCADE``: ``"1"`` forces cascade on, ``"0"`` off, unset/empty auto."""
-    val = (settings.get(CASCADE_ENV) or "").strip()
-    if val == "":
-        return None
-    if val not in ("0", "1"):
-        raise InvalidArgumentError(f"{fn}: {CASCADE_ENV} must be 0 or 1, got {val!r}")
-    return val == "1"
+    return env_switch(CASCADE_ENV, fn)
 
 
 def resolve_cascade(fn: str, cascade: Any, path: str, table: PageTable, num_qo_heads: int,

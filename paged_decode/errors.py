@@ -127,16 +127,17 @@ def env_positive_int(env_name: str) -> int | None:
     return n
 
 
-def env_switch(env_name: str) -> bool | None:
+def env_switch(env_name: str, fn: str | None = None) -> bool | None:
     """The 0/1 switch in environment variable ``env_name``, ``None`` when it is unset or
     empty (a tri-state: unset leaves the choice to a rule); anything but ``0`` / ``1``
-    raises ``InvalidArgumentError`` naming the variable (``false`` or ``no`` must not turn
-    a switch on)."""
+    raises ``InvalidArgumentError`` naming the variable, after ``fn`` when given (``false``
+    or ``no`` must not turn a switch on)."""
     val = (settings.get(env_name) or "").strip()
     if not val:
         return None
     if val not in ("0", "1"):
-        raise InvalidArgumentError(f"{env_name} must be 0 or 1, got {val!r}")
+        where = f"{fn}: " if fn else ""
+        raise InvalidArgumentError(f"{where}{env_name} must be 0 or 1, got {val!r}")
     return val == "1"
 
 
