@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidArgumentError, fail, refuse_listed_bools
+from .errors import InvalidArgumentError, fail, is_int, refuse_listed_bools
 from .page_table import PageTable, frozen_int32
 
 #: most query tokens of one request (speculative verification and MTP heads)
@@ -124,9 +124,7 @@ def _counts(fn: str, qo_indptr: Any, batch_size: int, rows: int) -> np.ndarray:
 
 def check_query_tokens_arg(fn: str, query_tokens: Any) -> int:
     """``query_tokens`` of ``plan_decode``: an integer in 1-8."""
-    ok = isinstance(query_tokens, (int, np.integer)) and not isinstance(
-        query_tokens, (bool, np.bool_))
-    if not ok or not 1 <= int(query_tokens) <= MAX_QUERY_TOKENS:
+    if not is_int(query_tokens) or not 1 <= int(query_tokens) <= MAX_QUERY_TOKENS:
         raise InvalidArgumentError(f"{fn}: query_tokens must be an integer in 1 to "
                                    f"{MAX_QUERY_TOKENS}, got {query_tokens!r}")
     return int(query_tokens)

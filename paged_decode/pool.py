@@ -728,8 +728,7 @@ class PagePool:
 
     def _layer_arg(self, fn: str, layer: Any) -> tuple[int, int, tuple[int, ...]]:
         """(first layer written, layers written, the rows' leading shape) for ``layer``."""
-        if layer is not None and (isinstance(layer, (bool, np.bool_))
-                                  or not isinstance(layer, (int, np.integer))):
+        if layer is not None and not is_int(layer):
             raise InvalidArgumentError(f"{fn}: layer must be an integer or None, got "
                                        f"{layer!r}")
         if self.num_layers is None:
