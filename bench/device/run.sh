@@ -160,7 +160,11 @@
 #               per begin / replay), a cProfile of the captured loop and each call's GPU
 #               time (the table update's too) at batch 8/64/128
 #   v2tc-sanitize  compute-sanitizer memcheck, racecheck and synccheck (V2TC_TOOLS) over the
-#               v2tc GPU tests (-k v2tc; the graph-capture tests included)
+#               v2tc GPU tests (-k v2tc over the CUDA and graph-capture modules; each tool
+#               gets V2TC_SAN_TIMEOUT, 300 s). V2TC_SAN_SET=variants takes -k "v2tc or tc"
+#               over TC_VARIANT_FILES instead: 100 tests of the fp8, PDL, variants,
+#               multi-token and engine-step modules (S40-R4 / R5 on an H100: memcheck 69 s,
+#               racecheck about 430 s)
 #   ncu-stalls  warp stall reasons (per issued instruction) of v2tc and v2 at 8 x 8K, 32/2 and 32/8
 #   ncu-v2tc    ncu profiles of the v2tc and v2 partials at 8 x 8K, GQA 4 (32/8) and 16 (32/2)
 #   multitoken  issue #14 item 4: the multi-token GPU tests, then bench/device/multitoken.py:
@@ -203,6 +207,8 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 L=$(mktemp -d)
 GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py"
 # the GPU test files of the decode kernels (tc-speed, tc-models)
+# the GPU modules of v2tc's variants, multi-token calls, PDL merge and engine-step capture
+TC_VARIANT_FILES="tests/test_fp8_gpu.py tests/test_pdl_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py tests/test_engine_step_gpu.py"
 TC_GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_fp8_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py tests/test_nan_semantics.py"
 FI_ENV="FLASHINFER_WORKSPACE_BASE=/tmp/paged-decode-flashinfer/jit FLASHINFER_CUDA_ARCH_LIST=9.0 TORCH_CUDA_ARCH_LIST=9.0"
 export $FI_ENV
@@ -514,13 +520,18 @@ step_engine_profile() {
   echo "engine profile rc=$?"; grep -E '"(begin|replay|_reserve_rows|advance|send|stage_int32|apply_pending|replay_graph|update_table|graph:table_update|_replan_if_needed|update|append|decode|kernel_sum|captured_graph|batch)"' "$OUT/engine_profile.txt" | tr -s ' ' | paste -sd' ' | fold -w 2000
 }
 step_v2tc_sanitize() {
-  local tool
+  local tool log files="tests/test_cuda_gpu.py tests/test_cuda_graphs.py" k=v2tc
+  case ${V2TC_SAN_SET:-} in
+    "") ;;
+    variants) files=$TC_VARIANT_FILES k="v2tc or tc" ;;
+    *) echo "V2TC_SAN_SET: unset or 'variants', got '$V2TC_SAN_SET'"; return 2 ;;
+  esac
   for tool in ${V2TC_TOOLS:-memcheck racecheck synccheck}; do
+    log="$L/v2tc_${V2TC_SAN_SET:+${V2TC_SAN_SET}_}$tool.log"
     PAGED_DECODE_PLAIN_MALLOC=1 timeout ${V2TC_SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 3 \
-      python3 -m pytest -q tests/test_cuda_gpu.py tests/test_cuda_graphs.py -m gpu -k v2tc \
-      > "$L/v2tc_$tool.log" 2>&1
-    echo "v2tc $tool rc=$?"
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$L/v2tc_$tool.log" | tail -3
+      python3 -m pytest -q $files -m gpu -k "$k" > "$log" 2>&1
+    echo "v2tc ${V2TC_SAN_SET:-} $tool rc=$?"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$log" | tail -3
   done
 }
 # ncu over v2tc and v2 (NCU_ARMS) at 8 x 8K, heads 32/8 and 32/2: ncu_cells FILE NCU-ARGS...
