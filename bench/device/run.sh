@@ -162,9 +162,10 @@
 #   v2tc-sanitize  compute-sanitizer memcheck, racecheck and synccheck (V2TC_TOOLS) over the
 #               v2tc GPU tests (-k v2tc over the CUDA and graph-capture modules; each tool
 #               gets V2TC_SAN_TIMEOUT, 300 s). V2TC_SAN_SET=variants takes -k "v2tc or tc"
-#               over TC_VARIANT_FILES instead: 100 tests of the fp8, PDL, variants,
-#               multi-token and engine-step modules (S40-R4 / R5 on an H100: memcheck 69 s,
-#               racecheck about 430 s)
+#               over TC_VARIANT_FILES instead: 100 of the 142 GPU tests of the fp8, PDL,
+#               variants, multi-token and engine-step modules, the 70 whose ids name v2tc and
+#               30 v2 / auto ones whose names hold "tc" ("match") (S40-R4 / R5 on an H100:
+#               memcheck 69 s, racecheck about 430 s)
 #   ncu-stalls  warp stall reasons (per issued instruction) of v2tc and v2 at 8 x 8K, 32/2 and 32/8
 #   ncu-v2tc    ncu profiles of the v2tc and v2 partials at 8 x 8K, GQA 4 (32/8) and 16 (32/2)
 #   multitoken  issue #14 item 4: the multi-token GPU tests, then bench/device/multitoken.py:
