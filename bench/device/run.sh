@@ -208,9 +208,9 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 L=$(mktemp -d)
 GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_nan_semantics.py tests/test_append_gpu.py tests/test_engine_step_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py"
 # the GPU test files of the decode kernels (tc-speed, tc-models)
-# the GPU modules of v2tc's variants, multi-token calls, PDL merge and engine-step capture
-TC_VARIANT_FILES="tests/test_fp8_gpu.py tests/test_pdl_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py tests/test_engine_step_gpu.py"
 TC_GPU_FILES="tests/test_cuda_gpu.py tests/test_cuda_graphs.py tests/test_fp8_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py tests/test_nan_semantics.py"
+# the GPU modules of v2tc's variants, multi-token calls, PDL merge and engine-step capture (v2tc-sanitize's V2TC_SAN_SET=variants)
+TC_VARIANT_FILES="tests/test_fp8_gpu.py tests/test_pdl_gpu.py tests/test_variants_gpu.py tests/test_multitoken_gpu.py tests/test_engine_step_gpu.py"
 FI_ENV="FLASHINFER_WORKSPACE_BASE=/tmp/paged-decode-flashinfer/jit FLASHINFER_CUDA_ARCH_LIST=9.0 TORCH_CUDA_ARCH_LIST=9.0"
 export $FI_ENV
 REPS=${BENCH_REPS:-15}
@@ -531,7 +531,7 @@ step_v2tc_sanitize() {
     log="$L/v2tc_${V2TC_SAN_SET:+${V2TC_SAN_SET}_}$tool.log"
     PAGED_DECODE_PLAIN_MALLOC=1 timeout ${V2TC_SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 3 \
       python3 -m pytest -q $files -m gpu -k "$k" > "$log" 2>&1
-    echo "v2tc ${V2TC_SAN_SET:-} $tool rc=$?"
+    echo "v2tc ${V2TC_SAN_SET:+$V2TC_SAN_SET }$tool rc=$?"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$log" | tail -3
   done
 }
