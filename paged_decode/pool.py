@@ -778,9 +778,7 @@ class PagePool:
                                                   or hasattr(seqs, "__array__")):
             raise fail(fn, f"seqs must be a sequence of sequence ids, got "
                            f"{type(seqs).__name__} {seqs!r}")
-        if isinstance(seqs, (list, tuple)) and {bool, np.bool_} & set(map(type, seqs)):
-            raise InvalidArgumentError(f"{fn}: seqs must hold sequence ids (integers), got "
-                                       f"a bool in {list(seqs)[:16]}")
+        refuse_listed_bools(fn, "seqs", seqs)
         q = _host(fn, "seqs", seqs)
         if q.ndim != 1:
             raise InvalidArgumentError(f"{fn}: seqs must be a 1-D sequence of sequence ids, "

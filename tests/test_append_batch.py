@@ -514,7 +514,7 @@ def _bad_cases(pool, seqs, freed):
         (dict(seqs=[0.0, 1.0], k=one, v=one), InvalidArgumentError,
          r"seqs must hold sequence ids \(integers\), got dtype float64"),
         (dict(seqs=[seqs[0], True], k=one, v=one), InvalidArgumentError,
-         r"seqs must hold sequence ids \(integers\), got a bool"),
+         r"PagePool.append_batch: seqs\[1\] must be an integer, got True"),
         (dict(seqs=seqs, k=one[0], v=one[0]), InvalidArgumentError,
          r"PagePool.append_batch: k must be \[B, Hkv, D\], got shape \[2, 8\]"),
         (dict(seqs=seqs, k=np.zeros((3, 2, 8), np.float32), v=one), InvalidArgumentError,
