@@ -86,10 +86,12 @@ class CascadePlan:
 
     @property
     def num_members(self) -> int:
+        """Requests sharing the prefix (``M``)."""
         return int(self.members.size)
 
     @property
     def shared_tokens(self) -> int:
+        """Tokens of the shared prefix (``shared_pages * page_size``)."""
         return self.shared_pages * self.page_size
 
     def matches(self, table: PageTable) -> bool:
@@ -100,6 +102,8 @@ class CascadePlan:
             a is b or np.array_equal(a, b) for a, b in zip(self._source, src))
 
     def describe(self) -> str:
+        """One line: members, shared pages and tokens, and the page reads saved of
+        the flat decode's."""
         return (f"members {self.members.tolist()[:16]}{'...' if self.num_members > 16 else ''}"
                 f" (M={self.num_members}), shared pages {self.shared_pages} "
                 f"({self.shared_tokens} tokens), saved page reads {self.saved_page_reads} of "
@@ -134,6 +138,7 @@ class CascadeDecodePlan:
 
     @property
     def num_partials(self) -> int:
+        """Partial-state rows the merge reads (``C1 + M * C0``)."""
         return int(self.merge_rows.size)
 
 

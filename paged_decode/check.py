@@ -216,6 +216,8 @@ def format_result(r: CheckResult) -> str:
 
 @dataclass
 class CheckReport:
+    """What ``run_check`` found on one backend: every (configuration, path)
+    ``CheckResult``, the dtypes and paths run, and timings in seconds."""
     backend: str
     device: str
     full: bool
@@ -228,13 +230,17 @@ class CheckReport:
 
     @property
     def failures(self) -> list[CheckResult]:
+        """The results that did not pass."""
         return [r for r in self.results if not r.passed]
 
     @property
     def passed(self) -> bool:
+        """Whether at least one check ran and none failed."""
         return bool(self.results) and not self.failures
 
     def summary(self) -> str:
+        """A text report: per dtype and path the runs, failures, worst errors and
+        seconds, then timings, up to 20 failures and a PASS/FAIL line."""
         n_cfg = len({(r.config.label) for r in self.results})
         lines = [f"paged-decode check on {self.backend} ({self.device}): "
                  f"{'full' if self.full else 'quick'} matrix, {n_cfg} configs x "
@@ -268,6 +274,7 @@ class CheckReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (what ``to_json`` writes), every result included."""
         return {"backend": self.backend, "device": self.device, "full": self.full,
                 "dtypes": list(self.dtypes), "paths": list(self.paths),
                 "unreached_dtypes": list(self.unreached), "output_dtype": "float32",
@@ -276,6 +283,7 @@ class CheckReport:
                 "timings": self.timings, "results": [r.to_dict() for r in self.results]}
 
     def to_json(self, indent: int | None = 2) -> str:
+        """``to_dict`` as strict JSON text (a non-finite error is written ``null``)."""
         return json_text.dumps(self.to_dict(), indent=indent)
 
 

@@ -70,6 +70,8 @@ class DeviceInfo:
 
     @property
     def default_target_ctas(self) -> int:
+        """The device's own CTA target, ``compute_units * ctas_per_unit`` (at least
+        1): ``target_ctas`` with no argument, environment or fp8 override."""
         return max(1, self.compute_units * self.ctas_per_unit)
 
     def target_ctas(self, override: int | None = None, *,

@@ -162,10 +162,13 @@ class DecodeStep:
     # ------------------------------------------------------------------ inspection
     @property
     def capacity(self) -> int:
+        """Rows of the step's table (``StepTable.capacity``), padding rows included."""
         return self.table.capacity
 
     @property
     def sequences(self) -> np.ndarray:
+        """Sequence id of each row, int64 ``[capacity]`` (``-1``: padding); a
+        read-only copy."""
         return self.table.sequences
 
     # ------------------------------------------------------------------ the step

@@ -64,6 +64,7 @@ def counters() -> dict[str, int]:
 
 
 def reset_counters() -> None:
+    """Zero ``counters()`` and forget ``last_outcome()``."""
     with _lock:
         _counts.clear()
         _last.clear()

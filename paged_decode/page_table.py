@@ -156,10 +156,12 @@ class PageTable:
     # ------------------------------------------------------------------ queries
     @property
     def batch_size(self) -> int:
+        """Requests in the batch (``B``)."""
         return int(self.indptr.size - 1)
 
     @property
     def total_pages(self) -> int:
+        """Page-list entries over all requests (``indptr[-1]``, ``len(indices)``)."""
         return int(self.indptr[-1])
 
     @functools.cached_property
@@ -169,6 +171,7 @@ class PageTable:
 
     @functools.cached_property
     def total_visible(self) -> int:
+        """Visible tokens over all requests."""
         return int(self.visible_lens.astype(np.int64).sum())
 
     def request_pages(self, r: int) -> np.ndarray:

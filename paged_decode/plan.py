@@ -209,6 +209,7 @@ class DecodePlan:
 
     @property
     def num_chunks(self) -> int:
+        """Chunks over all requests (``C``)."""
         return int(self.request_indices.size)
 
     @property
@@ -219,10 +220,13 @@ class DecodePlan:
 
     @property
     def num_ctas(self) -> int:
+        """CTAs the plan was searched for: ``num_chunks * ctas_per_chunk``."""
         return self.num_chunks * self.ctas_per_chunk
 
     @property
     def needs_merge(self) -> bool:
+        """Whether some request has more than one chunk (the merge runs, and the
+        workspace is needed)."""
         return self.num_chunks != self.batch_size
 
     @property
@@ -298,6 +302,7 @@ class DecodePlan:
         return hit
 
     def matches(self, table: PageTable | StepTable) -> bool:
+        """Whether this plan can serve ``table`` (``mismatch`` gives no reason)."""
         return self.mismatch(table) is None
 
     def check(self, fn: str, table: PageTable | StepTable, num_qo_heads: int,

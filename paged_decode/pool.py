@@ -237,6 +237,7 @@ class PagePool:
     # ------------------------------------------------------------------ inspection
     @property
     def num_free(self) -> int:
+        """Pages on the free list (refcount 0)."""
         return self._nfree
 
     def refcount(self, page: int) -> int:
@@ -245,9 +246,11 @@ class PagePool:
                                        self.num_pages - 1)])
 
     def sequences(self) -> list[int]:
+        """Ids of the live sequences, ascending."""
         return self._seqs.ids[:self._seqs.n].tolist()  # type: ignore[no-any-return]
 
     def seq_pages(self, seq: int) -> list[int]:
+        """Physical page ids of ``seq``, first to last."""
         return self._seqs.row_pages(self._row("PagePool.seq_pages", seq)).tolist()  # type: ignore[no-any-return]
 
     def seq_len(self, seq: int) -> int:
@@ -284,6 +287,7 @@ class PagePool:
 
     # ------------------------------------------------------------------ lifecycle
     def new_sequence(self) -> int:
+        """A new, empty sequence; returns its id (ids are never reused)."""
         sid = self._next_id
         self._next_id += 1
         self._seqs.add(sid)

@@ -99,11 +99,13 @@ class Selection:
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        """``(B, Hkv, S)``: the shape of ``positions``."""
         b, h, s = self.positions.shape
         return int(b), int(h), int(s)
 
     @property
     def total_selected(self) -> int:
+        """Selected token rows over all ``(b, h)`` rows (the sum of ``counts``)."""
         return int(self.counts.astype(np.int64).sum())
 
 

@@ -51,7 +51,8 @@ class StepTable:
 
     Attributes (host, read-only views, current after ``flush``): ``batch_size`` (=
     ``capacity``), ``page_size``, ``sequences`` (int64 ``[capacity]``, ``-1`` padding),
-    ``pages_per_request`` / ``visible_lens`` (int32 ``[capacity]``), ``total_visible``,
+    ``pages_per_request`` / ``visible_lens`` (int64 ``[capacity]``), ``last_page_len`` /
+    ``first_page_offset`` (int32 ``[capacity]``), ``total_visible``,
     ``version`` (counts flushes that changed the device copy), ``layout`` (counts
     reallocations of the device buffer), ``batches`` (counts ``set_sequences`` calls).
     """
@@ -136,24 +137,30 @@ class StepTable:
     # ------------------------------------------------------------------ inspection
     @property
     def capacity(self) -> int:
+        """Rows of the table, padding rows included."""
         return self._cap
 
     @property
     def batch_size(self) -> int:
+        """Rows of the table (``capacity``): the ``B`` of a decode through it."""
         return self._cap
 
     @property
     def page_capacity(self) -> int:
+        """Page ids the device buffer holds before it grows (``layout`` changes)."""
         return self._pcap
 
     @property
     def sequences(self) -> np.ndarray:
+        """Sequence id of each row, int64 ``[capacity]`` (``-1``: padding); a
+        read-only copy."""
         out = self._ids.copy()
         out.flags.writeable = False
         return out
 
     @property
     def num_live(self) -> int:
+        """Rows holding a sequence (not padding)."""
         return self._n_live
 
     def live_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -163,26 +170,36 @@ class StepTable:
 
     @property
     def pages_per_request(self) -> np.ndarray:
+        """Pages of each row, int64 ``[capacity]`` (read-only;
+        pending changes are flushed first)."""
         return self._mirrors()[0]
 
     @property
     def visible_lens(self) -> np.ndarray:
+        """Visible tokens of each row, int64 ``[capacity]`` (read-only;
+        pending changes are flushed first)."""
         return self._mirrors()[1]
 
     @property
     def last_page_len(self) -> np.ndarray:
+        """Entries used in each row's last page, int32 ``[capacity]`` (0 without
+        pages; read-only; pending changes are flushed first)."""
         return self._mirrors()[2]
 
     @property
     def first_page_offset(self) -> np.ndarray:
+        """Entries of each row's first page retired by front trims, int32
+        ``[capacity]`` (read-only; pending changes are flushed first)."""
         return self._mirrors()[3]
 
     @property
     def total_visible(self) -> int:
+        """Visible tokens over all rows."""
         return int(self.visible_lens.sum(dtype=np.int64))
 
     @property
     def total_pages(self) -> int:
+        """Pages over all rows."""
         return int(self.pages_per_request.sum(dtype=np.int64))
 
     @property
@@ -481,7 +498,7 @@ class StepTable:
             host = self._mirror_src[cap + 1:3 * cap + 1].copy()
             lpl, fpo = host[:cap], host[cap:]
             vis = np.where(npages > 0, (npages - 1) * P + lpl - fpo, 0)
-            for a in (npages, vis, host):
+            for a in (npages, vis, lpl, fpo):   # views of ``host`` keep their own flag
                 a.flags.writeable = False
             self._mirror = (npages, vis, lpl, fpo)
         return self._mirror

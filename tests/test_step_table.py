@@ -279,3 +279,25 @@ def test_a_one_row_table_with_a_tiny_page_capacity(backend):
     for n in (7, 9, 6):
         pool.append(s, rows(rng, n), rows(rng, n))
         assert_matches_pool(st)
+
+
+def test_host_views_are_read_only_and_survive_a_caller_write_attempt():
+    """Every array a step table hands out is read-only: a caller writing into
+    ``last_page_len`` (a view of the mirror) would otherwise change what later reads of
+    the table, and the next delta's header, see."""
+    rng = np.random.default_rng(3)
+    pool = pd.PagePool(8, 16, HKV, D, "float32", backend="reference")
+    s = pool.new_sequence()
+    pool.append(s, rows(rng, 21), rows(rng, 21))
+    st = pool.step_table([s], page_capacity=4)
+    names = ("sequences", "pages_per_request", "visible_lens", "last_page_len",
+             "first_page_offset")
+    before = {n: getattr(st, n).copy() for n in names}
+    for n in names:
+        a = getattr(st, n)
+        assert not a.flags.writeable, n
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] = 1
+    for n in names:
+        np.testing.assert_array_equal(getattr(st, n), before[n])
+    assert before["last_page_len"].tolist() == [5] and before["visible_lens"].tolist() == [21]

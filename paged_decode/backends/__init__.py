@@ -70,6 +70,8 @@ def availability(name: str) -> Support:
 
 
 def available_backends() -> list[str]:
+    """Names of the registered backends that can run here (``availability``),
+    in registry order."""
     return [n for n in REGISTRY if availability(n).ok]
 
 
