@@ -35,7 +35,7 @@ class AppendedBatch:
       copy, made in every layer.
 
     ``PagePool.write_layer`` writes another layer's rows to the same slots; ``write`` is
-    the launch's description (``kernels/append.py``).
+    the launch's description (``kernels/append.py``; its ``desc`` read-only too).
     """
 
     def __init__(self, pool: Any, write: AppendWrite, seqs: np.ndarray,
@@ -43,6 +43,8 @@ class AppendedBatch:
                  filled_after: np.ndarray, start: np.ndarray, cow: np.ndarray,
                  last: np.ndarray, taken: np.ndarray, need: np.ndarray) -> None:
         self.pool, self.write, self.version = pool, write, pool._version
+        # write_layer launches on write.desc again: a caller's edit would write elsewhere
+        frozen(write.desc)
         self.seqs = frozen(seqs)
         self._counts = counts
         self._raw = (pages_before, pages_after, filled_after, start, cow, last, taken, need)

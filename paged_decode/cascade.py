@@ -31,8 +31,9 @@ un-stacking and one row gather).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -40,10 +41,13 @@ from .backends import get_backend
 from .device import DeviceInfo
 from .errors import (
     InvalidArgumentError,
+    PagedDecodeError,
     PlanMismatchError,
     check_choice,
     check_int,
+    check_int_array,
     check_type,
+    fail,
 )
 from .kernels import prefix_tc
 from .page_table import PageTable, frozen_int32
@@ -59,8 +63,32 @@ from .variants import PLAIN, Variant
 DEFAULT_MIN_SHARED_TOKENS = 1024
 
 
+#: set while this module constructs its own plans (this thread): they skip the checks
+_making = threading.local()
+
+
 def _ro(a: Any) -> np.ndarray:
     return frozen_int32(a)
+
+
+_Plan = TypeVar("_Plan")
+
+
+def _made(cls: type[_Plan], *args: Any) -> _Plan:
+    """``cls(*args)`` for a plan this module derived (its arrays frozen already)."""
+    before, _making.active = getattr(_making, "active", False), True
+    try:
+        return cls(*args)
+    finally:
+        _making.active = before
+
+
+_TABLE_FIELDS = ("indices", "indptr", "last_page_len", "first_page_offset", "rope_positions",
+                 "num_pages", "page_size")
+
+
+def _same_table(a: PageTable, b: PageTable) -> bool:
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in _TABLE_FIELDS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,6 +111,56 @@ class CascadePlan:
     level0: PageTable = field(repr=False)
     level1: PageTable = field(repr=False)
     _source: tuple[np.ndarray, ...] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        # A plan built by hand (or by dataclasses.replace) must be the one detection makes
+        # of its source table: matches() compares only the source, and the kernels then
+        # read the level tables' pages and the members' queries. Its arrays become
+        # read-only copies, as made plans' are. detect_shared_prefix's plans skip this.
+        if getattr(_making, "active", False):
+            return
+        fn = "CascadePlan"
+        check_type(fn, "level0", self.level0, PageTable, "a PageTable")
+        check_type(fn, "level1", self.level1, PageTable, "a PageTable")
+        src = self._source
+        if not (isinstance(src, tuple) and len(src) == 4):
+            raise fail(fn, "_source must be the source table's (indices, indptr, "
+                           "last_page_len, first_page_offset)")
+        page_size = check_int(fn, "page_size", self.page_size)
+        span = check_int(fn, "shared_pages", self.shared_pages)
+        try:
+            base = PageTable.build(src[0], src[1], src[2], page_size=page_size,
+                                   first_page_offset=src[3],
+                                   rope_positions=self.level1.rope_positions,
+                                   num_pages=self.level1.num_pages)
+        except PagedDecodeError as exc:
+            raise fail(fn, f"_source is not a valid page table ({exc})") from exc
+        members = check_int_array(fn, "members", self.members, minimum=0,
+                                  maximum=base.batch_size - 1)
+        if members.size < 2 or (np.diff(members) <= 0).any():
+            raise fail(fn, f"members must be >= 2 ascending distinct request indices, got "
+                           f"{members.tolist()[:16]}")
+        ip = base.indptr.astype(np.int64)[members]
+        ok = ((base.pages_per_request[members] > span) & (base.first_page_offset[members] == 0)
+              & (base.visible_lens[members] > 0))
+        if not ok.all():
+            raise fail(fn, f"request {int(members[np.argmin(ok)])} cannot share "
+                           f"{span} pages (a member needs first_page_offset 0 and more "
+                           "than shared_pages pages)")
+        pages = base.indices[ip[:, None] + np.arange(span)[None, :]]
+        if (pages != pages[:1]).any():
+            raise fail(fn, f"the members do not list the same first {span} pages")
+        want = _group_plan(base, members, span)
+        for name in ("batch_size", "flat_pages", "saved_page_reads"):
+            if getattr(self, name) != getattr(want, name):
+                raise fail(fn, f"{name} is {getattr(self, name)!r}, the source table and "
+                               f"members give {getattr(want, name)!r}")
+        for name in ("level0", "level1"):
+            if not _same_table(getattr(self, name), getattr(want, name)):
+                raise fail(fn, f"{name} does not follow from the source table, members and "
+                               "shared_pages (make plans with detect_shared_prefix)")
+        object.__setattr__(self, "members", want.members)
+        object.__setattr__(self, "_source", want._source)
 
     @property
     def num_members(self) -> int:
@@ -135,6 +213,40 @@ class CascadeDecodePlan:
     plan1: DecodePlan = field(repr=False)
     merge_rows: np.ndarray = field(repr=False)
     o_indptr: np.ndarray = field(repr=False)
+
+    def __post_init__(self) -> None:
+        # A plan built by hand must be one plan_cascade could make: the merge gathers
+        # through merge_rows and each level's kernel trusts its plan. Its arrays become
+        # read-only copies. plan_cascade's plans skip this.
+        if getattr(_making, "active", False):
+            return
+        fn = "CascadeDecodePlan"
+        check_type(fn, "prefix", self.prefix, CascadePlan, "a CascadePlan")
+        check_type(fn, "plan0", self.plan0, DecodePlan, "a DecodePlan")
+        check_type(fn, "plan1", self.plan1, DecodePlan, "a DecodePlan")
+        check_geometry(fn, self.num_qo_heads, self.num_kv_heads, self.head_dim)
+        check_int(fn, "prefix_row_tiles", self.prefix_row_tiles, 0)
+        pre = self.prefix
+        for name, plan, table, hq in (("plan0", self.plan0, pre.level0,
+                                       pre.num_members * self.num_qo_heads),
+                                      ("plan1", self.plan1, pre.level1, self.num_qo_heads)):
+            geo = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.query_tokens,
+                   plan.window_left)
+            if geo != (hq, self.num_kv_heads, self.head_dim, 1, -1):
+                raise fail(fn, f"{name} must be planned for (Hq, Hkv, D) = "
+                               f"{(hq, self.num_kv_heads, self.head_dim)}, one query token and "
+                               f"no window, got {geo[:3]}, {geo[3]} token(s), window "
+                               f"{geo[4]}")
+            why = plan.mismatch(table)
+            if why is not None:
+                raise fail(fn, f"{name} does not serve the prefix's level table: {why}")
+        rows, start = _merge_order(pre, self.plan0, self.plan1)
+        for name, want in (("merge_rows", rows), ("o_indptr", start)):
+            got = np.asarray(getattr(self, name))
+            if got.shape != want.shape or not np.array_equal(got, want):
+                raise fail(fn, f"{name} does not follow from the level plans (make plans "
+                               "with plan_cascade)")
+            object.__setattr__(self, name, _ro(want))
 
     @property
     def num_partials(self) -> int:
@@ -268,8 +380,8 @@ def _group_plan(table: PageTable, members: np.ndarray, span: int) -> CascadePlan
                              first_page_offset=table.first_page_offset,
                              rope_positions=table.rope_positions, num_pages=table.num_pages)
     src = (table.indices, table.indptr, table.last_page_len, table.first_page_offset)
-    return CascadePlan(_ro(members), int(span), p, b, table.total_pages,
-                       int(span * (members.size - 1)), level0, level1, src)
+    return _made(CascadePlan, _ro(members), int(span), p, b, table.total_pages,
+                 int(span * (members.size - 1)), level0, level1, src)
 
 
 # ---------------------------------------------------------------------------- planning
@@ -319,7 +431,17 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
         plan0 = make_plan(prefix.level0, m * num_qo_heads, num_kv_heads, head_dim,
                             device=device)
     plan1 = make_plan(prefix.level1, num_qo_heads, num_kv_heads, head_dim, device=device)
-    c0, c1, b = plan0.num_chunks, plan1.num_chunks, prefix.batch_size
+    rows, start = _merge_order(prefix, plan0, plan1)
+    return _made(CascadeDecodePlan, prefix, int(num_qo_heads), int(num_kv_heads),
+                 int(head_dim), row_tiles, plan0, plan1, _ro(rows), _ro(start))
+
+
+def _merge_order(prefix: CascadePlan, plan0: DecodePlan, plan1: DecodePlan
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``(merge_rows, o_indptr)`` of ``CascadeDecodePlan`` (int64): each request's level-1
+    chunks, then a member's level-0 chunks, contiguous."""
+    m, b = prefix.num_members, prefix.batch_size
+    c0, c1 = plan0.num_chunks, plan1.num_chunks
     chunks1 = plan1.chunks_per_request.astype(np.int64)
     slot = np.full(b, -1, np.int64)
     slot[prefix.members] = np.arange(m)
@@ -331,8 +453,7 @@ def plan_cascade(table: PageTable, num_qo_heads: int, num_kv_heads: int, head_di
     mem = prefix.members.astype(np.int64)
     dst = (start[mem] + chunks1[mem])[:, None] + np.arange(c0)[None, :]
     rows[dst.reshape(-1)] = c1 + np.arange(m * c0)
-    return CascadeDecodePlan(prefix, int(num_qo_heads), int(num_kv_heads), int(head_dim),
-                             row_tiles, plan0, plan1, _ro(rows), _ro(start))
+    return rows, start
 
 
 def _prefix_pages_per_chunk(prefix: CascadePlan, device: DeviceInfo, head_dim: int,

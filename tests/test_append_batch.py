@@ -484,6 +484,20 @@ def test_write_layer_refuses_a_stale_or_foreign_batch():
         flat.write_layer(got, one, one, layer=0)
 
 
+def test_a_batch_s_launch_description_is_read_only():
+    # write_layer launches on batch.write.desc again: an edit there would write another
+    # sequence's slots, or out of bounds on a GPU
+    pool, _ = make("reference", 16, layers=2)
+    seqs = [pool.new_sequence() for _ in range(2)]
+    one = np.zeros((2, 2, 8), np.float32)
+    for _ in range(3):                  # the general path, then the worked-out appends
+        got = pool.append_batch(seqs, one, one, layer=0)
+        assert not got.write.desc.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            got.write.desc[0, 1] = got.write.desc[0, 0]
+        pool.write_layer(got, one, one, layer=1)
+
+
 # ---------------------------------------------------------------------------- bad input
 class _DeviceIds:
     """Stands in for a CuPy array: no implicit copy to the host."""

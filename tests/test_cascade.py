@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -244,6 +245,75 @@ def test_merge_order_matches_the_original_example():
     assert cp.prefix.members.tolist() == [0, 2]
     assert cp.merge_rows.tolist() == [0, 3, 1, 2, 4]
     assert cp.o_indptr.tolist() == [0, 2, 3, 5]
+
+
+def test_plans_built_directly_keep_no_caller_array():
+    # the merge gathers through merge_rows and level 0 takes the members' queries every
+    # call: a caller's later write to an array it built a plan from must not reach them
+    q, pool, table = shared_batch(MIXED, dtype="float32", seed=6)
+    cp = plan_cascade(table, 4, 2, 16, prefix=detect_shared_prefix(table, min_shared_pages=2))
+    ref_out, ref_lse = oracle_decode(q, pool.k, pool.v, table)
+    arrays = {"merge_rows": np.array(cp.merge_rows), "o_indptr": np.array(cp.o_indptr)}
+    members = np.array(cp.prefix.members)
+    hand = dataclasses.replace(cp, prefix=dataclasses.replace(cp.prefix, members=members),
+                               **arrays)
+    for given in (members, *arrays.values()):
+        given[...] = 10 ** 6
+    out, lse = cascade_decode(q, pool.k, pool.v, table, return_lse=True, cascade_plan=hand)
+    assert_matches_oracle(out, lse, ref_out, ref_lse, "float32", "cascade, hand-built plan")
+    for got in (hand.prefix.members, hand.merge_rows, hand.o_indptr):
+        assert not got.flags.writeable
+
+
+def test_hand_built_plans_that_do_not_follow_from_their_table_are_refused():
+    """A plan edited by ``dataclasses.replace`` still matches its table (``matches`` looks
+    at the source only), so each field the kernels trust is re-derived: a level table with
+    page ids past the pool, members that share nothing, a permuted merge order, a level
+    plan of another geometry. Each must be refused, naming the class and the field."""
+    q, pool, table = shared_batch(MIXED, dtype="float32", seed=7)
+    pre = detect_shared_prefix(table, min_shared_pages=2)
+    cp = plan_cascade(table, 4, 2, 16, prefix=pre)
+    lv0 = pre.level0
+    far = pd.PageTable.build(np.asarray(lv0.indices) + 10 ** 5, lv0.indptr, lv0.last_page_len,
+                             page_size=lv0.page_size)
+    solo = int(np.setdiff1d(np.arange(table.batch_size), pre.members)[0])
+    bad = {
+        "far level0": (lambda: dataclasses.replace(pre, level0=far),
+                       r"CascadePlan: level0 does not follow from the source table"),
+        "level1 swapped": (lambda: dataclasses.replace(pre, level1=table),
+                           r"CascadePlan: level1 does not follow"),
+        "a non-member": (lambda: dataclasses.replace(
+            pre, members=np.sort(np.r_[pre.members[:2], solo])),
+            r"CascadePlan: (request \d+ cannot share|the members do not list the same)"),
+        "one member": (lambda: dataclasses.replace(pre, members=pre.members[:1]),
+                       r"CascadePlan: members must be >= 2 ascending"),
+        "members past B": (lambda: dataclasses.replace(pre, members=[0, 10 ** 6]),
+                           r"CascadePlan: members\[1\] must be in \[0, 8\], got 1000000"),
+        "longer span": (lambda: dataclasses.replace(pre, shared_pages=pre.shared_pages + 9),
+                        r"CascadePlan: request \d+ cannot share"),
+        "savings": (lambda: dataclasses.replace(pre, saved_page_reads=0),
+                    r"CascadePlan: saved_page_reads is 0"),
+        "merge order": (lambda: dataclasses.replace(cp, merge_rows=cp.merge_rows[::-1]),
+                        r"CascadeDecodePlan: merge_rows does not follow from the level plans"),
+        "o_indptr": (lambda: dataclasses.replace(cp, o_indptr=np.zeros_like(cp.o_indptr)),
+                     r"CascadeDecodePlan: o_indptr does not follow"),
+        "plan1 geometry": (lambda: dataclasses.replace(
+            cp, plan1=pd.plan_decode(pre.level1, 8, 2, 16, backend="reference")),
+            r"CascadeDecodePlan: plan1 must be planned for \(Hq, Hkv, D\) = \(4, 2, 16\)"),
+        "plan0 of level1": (lambda: dataclasses.replace(cp, plan0=pd.plan_decode(
+            pre.level1, 4 * pre.num_members, 2, 16, backend="reference")),
+            r"CascadeDecodePlan: plan0 does not serve the prefix's level table: batch size"),
+        "row tiles": (lambda: dataclasses.replace(cp, prefix_row_tiles=-1),
+                      r"CascadeDecodePlan: prefix_row_tiles must be"),
+    }
+    for name, (make, pattern) in bad.items():
+        with pytest.raises(InvalidArgumentError, match=pattern):
+            make()
+            pytest.fail(f"{name}: accepted")
+    same = dataclasses.replace(cp, prefix=dataclasses.replace(pre))    # a faithful copy
+    ref_out, ref_lse = oracle_decode(q, pool.k, pool.v, table)
+    out, lse = cascade_decode(q, pool.k, pool.v, table, return_lse=True, cascade_plan=same)
+    assert_matches_oracle(out, lse, ref_out, ref_lse, "float32", "cascade, copied plan")
 
 
 def test_rejections():

@@ -163,6 +163,20 @@ __global__ void staged(const float* __restrict__ x, float* __restrict__ y) {
   y[32 + t] = s[1][4 * t + 2];
 }
 
+// A copy or a plain read from ``x + off`` (``off`` in elements, 64-bit): a wild index.
+__global__ void far_copy(const float* __restrict__ x, float* __restrict__ y, long long off) {
+  __shared__ __align__(16) float s[4];
+  if (threadIdx.x == 0) pd::cp_async16(s, x + off, true);
+  pd::cp_async_commit();
+  pd::cp_async_wait<0>();
+  __syncthreads();
+  if (threadIdx.x == 0) y[0] = s[0];
+}
+
+__global__ void far_read(const float* __restrict__ x, float* __restrict__ y, long long off) {
+  if (threadIdx.x == 0) y[0] = x[off];
+}
+
 // The order in which threads pass one point (non-atomic: fibers never interleave).
 __global__ void tickets(int* __restrict__ out) {
   __shared__ int next[1];
@@ -361,6 +375,28 @@ def test_deferred_cp_async_lands_at_the_matching_wait():
     np.testing.assert_array_equal(y[:32], x[1:128:4])
     y, _ = _staged(2, check_races=False)           # in flight: the destination is poison
     assert np.isnan(y[:32]).all() and not np.isnan(y[32:]).any()
+
+
+@pytest.mark.parametrize("off", [16, -4, 1 << 26, -(1 << 26), 1 << 40])
+def test_a_copy_from_outside_every_buffer_faults_however_far(off):
+    """A cp.async source is checked against the buffers' extents, not only by the guard
+    pages: an index past them would read other mapped memory and no fault (a page id of
+    100000 did, in the tensor-core prefix kernel)."""
+    x = np.arange(16, dtype=np.float32)
+    y = np.zeros(1, np.float32)
+    run("far_copy", 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int64(0)])
+    assert y[0] == 0.0
+    with pytest.raises(OutOfBoundsError, match=r"far_copy: block \(0,0,0\) thread \(0,0,0\): "
+                       r"out-of-bounds read.*'x'"):
+        run("far_copy", 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int64(off)])
+
+
+def test_a_plain_read_a_gigabyte_off_faults_and_names_the_buffer():
+    x = np.arange(16, dtype=np.float32)
+    y = np.zeros(1, np.float32)
+    for off, where in ((1 << 28, "element 268435456"), (-(1 << 28), "element -268435456")):
+        with pytest.raises(OutOfBoundsError, match=rf"read of buffer 'x' at {where}"):
+            run("far_read", 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int64(off)])
 
 
 def test_schedule_orders():

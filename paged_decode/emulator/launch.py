@@ -40,7 +40,8 @@ from .rewrite import wrap_cuda
 THREADS_ENV = "PAGED_DECODE_EMULATOR_THREADS"
 SCHEDULES_ENV = "PAGED_DECODE_EMULATOR_SCHEDULES"   # comma-separated schedule names
 CP_ASYNC_ENV = "PAGED_DECODE_EMULATOR_CP_ASYNC"     # "deferred" or "sync"
-GUARD_BYTES = 4 << 20     # per side; PROT_NONE, costs address space only
+GUARD_BYTES = 4 << 30     # per side; PROT_NONE and unreserved: address space only, and
+#                           a wild index lands in it more often than in mapped memory
 #: schedule name -> (runtime enum, buffers end at their upper guard)
 SCHEDULES = {"forward": (0, True), "reverse": (1, False), "random": (2, True),
              "runahead": (3, False)}

@@ -338,9 +338,39 @@ void describe_fault(Worker* w, std::uintptr_t a, bool write) {
                   loc, (std::size_t)STACK_SIZE);
     return;
   }
+  // far past every guard (a wild index): name the buffer it is nearest to, by element
+  const BufferDesc* near = nullptr;
+  unsigned long long dist = ~0ull;
+  for (int i = 0; i < d->nbuffers; ++i) {
+    const BufferDesc& b = d->buffers[i];
+    const unsigned long long m = a < b.data ? b.data - a : a - b.data;
+    if (m < dist) dist = m, near = &b;
+  }
+  if (near) {
+    const long long off = (long long)(a - near->data), isz = (long long)near->itemsize;
+    std::snprintf(w->msg, sizeof w->msg,
+                  "%s: out-of-bounds %s at address %#lx, outside every launch buffer and its "
+                  "guard pages (nearest: buffer '%s', element %lld of %llu)", loc, kind,
+                  (unsigned long)a, near->name, off >= 0 ? off / isz : -((-off + isz - 1) / isz),
+                  (unsigned long long)(near->nbytes / near->itemsize));
+    return;
+  }
   std::snprintf(w->msg, sizeof w->msg,
                 "%s: invalid memory %s at address %#lx (not inside any launch buffer or its "
                 "guard pages)", loc, kind, (unsigned long)a);
+}
+
+// A copy's source must lie inside one launch buffer: an index far past the guard regions
+// would otherwise read whatever memory is mapped there, where a GPU reads out of bounds.
+void check_source(Worker* w, std::uintptr_t a, std::size_t n) {
+  const LaunchDesc* d = w->launch;
+  for (int i = 0; i < d->nbuffers; ++i) {
+    const BufferDesc& b = d->buffers[i];
+    if (a >= b.data && a + n <= b.data + b.nbytes) return;
+  }
+  describe_fault(w, a, false);
+  w->in_block = false;
+  siglongjmp(w->jb, 1);
 }
 
 void on_fault(int sig, siginfo_t* si, void* uctx) {
@@ -713,8 +743,12 @@ void barrier_arrive(Fiber* f) {
 void cp_async16(void* dst, const void* src, bool pred) {
   Worker* w = t_worker;
   Pending p;
-  if (pred) std::memcpy(p.data, src, sizeof p.data);
-  else std::memset(p.data, 0, sizeof p.data);
+  if (pred) {
+    check_source(w, (std::uintptr_t)src, sizeof p.data);
+    std::memcpy(p.data, src, sizeof p.data);
+  } else {
+    std::memset(p.data, 0, sizeof p.data);
+  }
   if (!w->launch->cp_async_deferred) {
     std::memcpy(dst, p.data, sizeof p.data);
     return;
