@@ -283,8 +283,8 @@ def test_a_one_row_table_with_a_tiny_page_capacity(backend):
 
 def test_host_views_are_read_only_and_survive_a_caller_write_attempt():
     """Every array a step table hands out is read-only: a caller writing into
-    ``last_page_len`` (a view of the mirror) would otherwise change what later reads of
-    the table, and the next delta's header, see."""
+    ``last_page_len`` (a view of the host mirror) would otherwise change what every later
+    read of it returns, while the device copy keeps the old values."""
     rng = np.random.default_rng(3)
     pool = pd.PagePool(8, 16, HKV, D, "float32", backend="reference")
     s = pool.new_sequence()
