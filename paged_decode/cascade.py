@@ -141,8 +141,7 @@ class CascadePlan:
             raise fail(fn, f"members must be >= 2 ascending distinct request indices, got "
                            f"{members.tolist()[:16]}")
         ip = base.indptr.astype(np.int64)[members]
-        ok = ((base.pages_per_request[members] > span) & (base.first_page_offset[members] == 0)
-              & (base.visible_lens[members] > 0))
+        ok = _can_share(base)[members] & (base.pages_per_request[members] > span)
         if not ok.all():
             raise fail(fn, f"request {int(members[np.argmin(ok)])} cannot share "
                            f"{span} pages (a member needs first_page_offset 0 and more "
@@ -296,8 +295,7 @@ def detect_with_reason(table: PageTable, *, min_shared_pages: int | None = None,
     min_members = check_int(fn, "min_members", min_members, 2)
     none = "no shared prefix"
     pages = table.pages_per_request.astype(np.int64)
-    eligible = (table.visible_lens > 0) & (table.first_page_offset == 0) & (pages >= 2)
-    cand = np.nonzero(eligible)[0]
+    cand = np.nonzero(_can_share(table))[0]
     if cand.size < min_members:
         return None, none
     first = table.indices[table.indptr[cand]]
@@ -315,6 +313,13 @@ def detect_with_reason(table: PageTable, *, min_shared_pages: int | None = None,
     return None, (f"requests {group.tolist()[:8]}{'...' if group.size > 8 else ''} share "
                   f"{span} full pages ({span * p} tokens; each keeps its last page), below "
                   f"{floor}")
+
+
+def _can_share(table: PageTable) -> np.ndarray:
+    """bool ``[B]``: requests that may join a sharing group (visible tokens,
+    ``first_page_offset == 0``, >= 2 pages so one stays private)."""
+    return ((table.visible_lens > 0) & (table.first_page_offset == 0)
+            & (table.pages_per_request >= 2))
 
 
 def _best_group(table: PageTable, cand: np.ndarray, caps: np.ndarray, min_span: int,
