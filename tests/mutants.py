@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +198,12 @@ def install_python(mutation: Mutation) -> None:
             for k, val in list(vars(other).items()):
                 if id(val) in swaps:
                     setattr(other, k, swaps[id(val)])
+        # functions held by the kernels' definitions (``dynamic_smem=ring_smem_bytes``)
+        from paged_decode.kernels.registry import KERNELS
+        for kdef in KERNELS.values():
+            for f in fields(kdef):
+                if id(getattr(kdef, f.name)) in swaps:
+                    object.__setattr__(kdef, f.name, swaps[id(getattr(kdef, f.name))])
 
 
 def install(mutations: Sequence[Mutation]) -> None:
@@ -766,6 +772,12 @@ MUTANTS: tuple[Mutant, ...] = (
        "      sm_last = done == parts;", "      sm_last = done == parts - 1;",
        [FUSED + "test_fused_equals_two_launches_and_the_oracle[g4-d96-ps16]"],
        "the next-to-last CTA of a request merges, before the last partial is written"),
+    _m("v2tc-fused-merge-no-release-fence", "cuda", ("v2tc",),
+       "    __shared__ int sm_last;\n    __threadfence();\n",
+       "    __shared__ int sm_last;\n",
+       [FUSED + "test_fused_equals_two_launches_and_the_oracle[g4-d96-ps16]"],
+       "the count published before the partial rows are ordered: on a GPU the merging CTA "
+       "can read another's rows stale, rarely (the emulator checks the release instead)"),
     _m("v2tc-fused-counter-not-reset", "cuda", ("v2tc",),
        "      if (done == parts) merge_counters[slot] = 0;   // all of the slot counted\n",
        "", [FUSED + "test_counters_are_left_zero_for_the_next_call"],
@@ -1457,6 +1469,23 @@ MUTANTS: tuple[Mutant, ...] = (
        "    number_scales = True or (isinstance(variants[\"k_scale\"], _NUMBER_SCALE)",
        ["tests/test_input_limits.py::test_a_scale_tensor_changed_in_place_is_read_again"],
        "an fp8 scale given as a tensor and updated in place keeps its first value"),
+    _m("py-v2tc-smem-without-slack", "python", ("paged_decode.kernels.decode_v2_tc",),
+       "    return ROWS * _row_bytes(head_dim) + ALIGN_SLACK",
+       "    return ROWS * _row_bytes(head_dim)",
+       [V2TC_CASE + "[d64-g7-ps64-f16]"],
+       "the tensor-core partial's launch sized without the 128 bytes its ring is aligned up "
+       "in: the ring's end runs past the block's dynamic shared memory"),
+    _m("py-prefix-smem-without-slack", "python", ("paged_decode.kernels.prefix_tc",),
+       "    return (ROWS_PER_WARP * num_warps * q_row + ALIGN_SLACK",
+       "    return (ROWS_PER_WARP * num_warps * q_row",
+       [PREFIX + "test_prefix_kernel_matches_oracle"],
+       "the prefix kernel's launch sized without its tiles' alignment slack"),
+    _m("py-v2-ring-one-stage-short", "python", ("paged_decode.kernels.decode_v2",),
+       "    return spec.num_warps * 32 * spec.stages * stage_bytes_per_thread(",
+       "    return spec.num_warps * 32 * (spec.stages - 1) * stage_bytes_per_thread(",
+       [CASE + "[emulated-cuda-d64-g1-ps16-f16]"],
+       "v2's launch sized one ring stage short: its last stage is written past the block's "
+       "dynamic shared memory"),
     _m("py-merge-split-ignores-shared-memory", "python", ("paged_decode.backends.launches",),
        "                and merge.split_smem_bytes(head_dim, split) <= merge.STATIC_SMEM_LIMIT):",
        "                and True):",

@@ -13,6 +13,8 @@ from paged_decode.emulator import (
     CompileError,
     DivergenceError,
     EmulatorError,
+    KernelFault,
+    MisalignedError,
     OutOfBoundsError,
     RaceError,
     launch,
@@ -20,10 +22,12 @@ from paged_decode.emulator import (
 from paged_decode.emulator.launch import (
     DEFAULT_SCHEDULES,
     LEGACY_SCHEDULES,
+    MISALIGN,
     SCHEDULES,
     default_schedules,
 )
 from paged_decode.kernels.common import CUDA_COMMON
+from paged_decode.kernels.mma import CUDA_MMA
 
 pytestmark = pytest.mark.skipif(not emulator.available()[0],
                                 reason=f"emulator unavailable: {emulator.available()[1]}")
@@ -177,6 +181,31 @@ __global__ void far_read(const float* __restrict__ x, float* __restrict__ y, lon
   if (threadIdx.x == 0) y[0] = x[off];
 }
 
+// One cp.async by thread 0 from x + src_off (floats) into dynamic shared memory at dst_off
+// (floats), or into y itself (to_global); then threads 0-3 copy the four floats to y.
+__global__ void copy_at(const float* __restrict__ x, float* __restrict__ y, long long src_off,
+                        int dst_off, int to_global) {
+  if (threadIdx.x == 0)
+    pd::cp_async16(to_global ? static_cast<void*>(y) : static_cast<void*>(dyn + dst_off),
+                   x + src_off, true);
+  pd::cp_async_commit();
+  pd::cp_async_wait<0>();
+  __syncthreads();
+  if (threadIdx.x < 4) y[threadIdx.x] = dyn[dst_off + threadIdx.x];
+}
+
+// Each thread writes its slot of y and fences (fence_at 1; at 0 it fences before an
+// earlier barrier instead, at -1 never), the block meets, and thread 0 counts the block:
+// the publication the fused merge makes.
+__global__ void publish(float* __restrict__ y, int* __restrict__ count, int fence_at) {
+  if (fence_at == 0) __threadfence();
+  __syncthreads();
+  y[blockIdx.x * blockDim.x + threadIdx.x] = 1.f;
+  if (fence_at == 1) __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(count, 1);
+}
+
 // The order in which threads pass one point (non-atomic: fibers never interleave).
 __global__ void tickets(int* __restrict__ out) {
   __shared__ int next[1];
@@ -279,6 +308,121 @@ def test_dynamic_shared_memory():
     y = np.zeros_like(x)
     run("dynamic", 2, 128, [Buffer("x", x), Buffer("y", y, True), np.int32(128)], smem=512)
     np.testing.assert_array_equal(y, x[::-1])
+
+
+def test_dynamic_shared_memory_overruns_and_underruns_fault():
+    """The forward and random schedules end the dynamic region at a guard (the launch's
+    bytes rounded up to 16), reverse and runahead start it 16 bytes past one. Before, the
+    region sat in front of static shared memory: a kernel whose host sized its ring 112
+    bytes short (the tensor-core partial without its alignment slack) ran clean."""
+    x = np.arange(128, dtype=np.float32)
+    y = np.zeros_like(x)
+    with pytest.raises(OutOfBoundsError, match=r"dynamic: block \(0,0,0\) thread \(0,0,0\): "
+                       r"out-of-bounds write of dynamic shared memory at byte offset 512 "
+                       r"\(the launch gave 512 bytes\) \[forward schedule\]"):
+        run("dynamic", 1, 128, [Buffer("x", x), Buffer("y", y, True), np.int32(129)], smem=512)
+    with pytest.raises(OutOfBoundsError, match=r"thread \(127,0,0\): out-of-bounds write of "
+                       r"dynamic shared memory at byte offset -32 .*\[reverse schedule\]"):
+        run("dynamic", 1, 128, [Buffer("x", x), Buffer("y", y, True), np.int32(120)], smem=512)
+
+
+def copy_at(src_off, dst_off, to_global=0, smem=512, x=None):
+    x = np.arange(64, dtype=np.float32) if x is None else x
+    y = np.zeros(64, np.float32)
+    run("copy_at", 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int64(src_off),
+                           np.int32(dst_off), np.int32(to_global)], smem)
+    return y[:4]
+
+
+def test_cp_async_addresses_are_checked():
+    """A cp.async copy's source and destination must be 16-byte aligned (PTX) and its
+    destination inside the block's shared memory; each bad address fails naming it."""
+    np.testing.assert_array_equal(copy_at(4, 8), [4, 5, 6, 7])
+    with pytest.raises(MisalignedError, match=r"copy_at: block \(0,0,0\) thread \(0,0,0\): "
+                       r"misaligned cp.async source: buffer 'x' byte offset 8 "):
+        copy_at(2, 8)
+    with pytest.raises(MisalignedError, match=r"misaligned cp.async destination: dynamic "
+                       r"shared byte offset 8 is not a multiple of 16"):
+        copy_at(4, 2)
+    with pytest.raises(OutOfBoundsError, match=r"cp.async destination outside shared memory: "
+                       r"dynamic byte offset 512, 16 bytes \(the launch gave 512 bytes"):
+        copy_at(4, 128)
+    with pytest.raises(OutOfBoundsError, match=r"cp.async destination at 0x[0-9a-f]+ is not "
+                       r"in shared memory"):
+        copy_at(4, 0, to_global=1)
+
+
+def test_cp_async_source_alignment_follows_the_buffers_gpu_placement(monkeypatch):
+    """A buffer MISALIGN starts 8 bytes past a 16-byte boundary (a view into a larger
+    allocation) is aligned 8 bytes in, and not at its start."""
+    monkeypatch.setitem(MISALIGN, "x", 8)
+    np.testing.assert_array_equal(copy_at(2, 0), [2, 3, 4, 5])
+    with pytest.raises(MisalignedError, match=r"buffer 'x' byte offset 16 \(the buffer starts "
+                       r"8 bytes past a 16-byte boundary\)"):
+        copy_at(4, 0)
+
+
+_LDSM = CUDA_COMMON + CUDA_MMA + r"""
+extern __shared__ __align__(16) unsigned short tile[];
+// 32 rows of 8 16-bit elements in shared memory (at element row_off), one ldmatrix .x4 of
+// them (or of x itself, from_global): lane l passes row l's address
+__global__ void ld_rows(const unsigned short* __restrict__ x, unsigned* __restrict__ y,
+                        int row_off, int from_global) {
+  const int lane = threadIdx.x & 31;
+  for (int i = lane; i < 256; i += 32) tile[row_off + i] = x[i];
+  __syncthreads();
+  unsigned r[4];
+  const void* row = from_global ? static_cast<const void*>(x + lane * 8)
+                                : static_cast<const void*>(tile + row_off + lane * 8);
+  pd::ldsm_x4<false>(r, row);
+  for (int i = 0; i < 4; ++i) y[lane * 4 + i] = r[i];
+}
+"""
+
+
+def test_ldmatrix_rows_must_be_aligned_shared_addresses():
+    """The emulated ldmatrix checks each lane's row address as the PTX ISA requires: 16-byte
+    aligned, in shared memory."""
+    x = np.arange(256, dtype=np.uint16)
+
+    def ld(row_off, from_global=0):
+        y = np.zeros(128, np.uint32)
+        launch(_LDSM, "ld_rows", 1, 32, [Buffer("x", x), Buffer("y", y, True),
+                                         np.int32(row_off), np.int32(from_global)], 1024)
+        return y.reshape(32, 4)
+
+    got = ld(8)
+    lane = np.arange(32)[:, None]
+    first = (np.arange(4)[None, :] * 8 + lane // 4) * 8 + 2 * (lane % 4)   # matrix i, row l / 4
+    np.testing.assert_array_equal(got, first | (first + 1) << 16)
+    with pytest.raises(MisalignedError, match=r"ld_rows: block \(0,0,0\) thread \(\d+,0,0\): "
+                       r"misaligned ldmatrix row: dynamic shared byte offset \d+ is not a "
+                       r"multiple of 16"):
+        ld(4)
+    with pytest.raises(OutOfBoundsError, match=r"ldmatrix row at 0x[0-9a-f]+ is not in shared "
+                       r"memory"):
+        ld(0, from_global=1)
+
+
+def test_an_atomic_publishing_unfenced_writes_fails():
+    """An atomicAdd is checked as a release of the block's global writes: each thread must
+    fence, then meet the others at a barrier, before it."""
+    def publish(fence_at):
+        y = np.zeros(3 * 64, np.float32)
+        count = np.zeros(1, np.int32)
+        run("publish", 3, 64, [Buffer("y", y, True), Buffer("count", count, True),
+                               np.int32(fence_at)])
+        return y, count
+
+    y, count = publish(1)
+    assert (y == 1).all() and count[0] == 3
+    with pytest.raises(KernelFault, match=r"publish: block \(\d,0,0\) thread \(0,0,0\): "
+                       r"atomicAdd publishes the block's global writes, but thread 0 never "
+                       r"ran __threadfence\(\)"):
+        publish(-1)
+    with pytest.raises(KernelFault, match=r"thread 0 ran its __threadfence\(\) before an "
+                       r"earlier barrier"):
+        publish(0)
 
 
 def test_multi_dimensional_grid_and_block():

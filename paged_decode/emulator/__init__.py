@@ -18,6 +18,7 @@ from .errors import (
     DivergenceError,
     EmulatorError,
     KernelFault,
+    MisalignedError,
     OutOfBoundsError,
     RaceError,
 )
@@ -34,4 +35,5 @@ def available() -> tuple[bool, str]:
 
 
 __all__ = ["Buffer", "CompileError", "DivergenceError", "EmulatorError", "KernelFault",
-           "OutOfBoundsError", "RaceError", "available", "cache_dir", "launch"]
+           "MisalignedError", "OutOfBoundsError", "RaceError", "available", "cache_dir",
+           "launch"]

@@ -132,13 +132,19 @@ inline int __all_sync(unsigned mask, int pred) {
   return pd_emu::collective<float>(mask, pred ? 1.f : 0.f, pd_emu::C_MIN_F32, 0, 32) > 0.f;
 }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-// blocks run on several OS threads at once: a device atomic is a host atomic
-inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { pd_emu::thread_fence(); }
+// blocks run on several OS threads at once: a device atomic is a host atomic. Our kernels
+// use one only to publish a block's global writes (the fused merge's count), so each is
+// checked as such a release: a missing fence is a wrong answer on a GPU only rarely.
+inline int atomicAdd(int* p, int v) {
+  pd_emu::check_release("atomicAdd");
+  return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
 
 // ------------------------------------------------------------------ memory
 // kernels/common.py's cp.async helpers call the runtime's (deferred) copies under this
 #define PD_EMU_CP_ASYNC 1
+#define PD_EMU 1   // pd_emu:: (the runtime's checks) is linked
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
 template <typename T>

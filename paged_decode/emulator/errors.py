@@ -23,6 +23,11 @@ class OutOfBoundsError(KernelFault):
     """A read or write outside a launch buffer (caught by its guard pages)."""
 
 
+class MisalignedError(KernelFault):
+    """A ``cp.async`` copy or an ``ldmatrix`` row whose address is not aligned to its size
+    (16 bytes) where the buffer would sit on a GPU."""
+
+
 class DivergenceError(KernelFault):
     """A barrier or warp collective that not every thread (lane) reaches."""
 

@@ -34,7 +34,14 @@ import numpy as np
 from .. import settings
 from ..errors import env_positive_int
 from .compiler import kernel_library, runtime
-from .errors import DivergenceError, EmulatorError, KernelFault, OutOfBoundsError, RaceError
+from .errors import (
+    DivergenceError,
+    EmulatorError,
+    KernelFault,
+    MisalignedError,
+    OutOfBoundsError,
+    RaceError,
+)
 from .rewrite import wrap_cuda
 
 THREADS_ENV = "PAGED_DECODE_EMULATOR_THREADS"
@@ -70,7 +77,7 @@ class _BufferDesc(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.c_uint64),
                 ("nbytes", ctypes.c_uint64), ("itemsize", ctypes.c_uint64),
                 ("map_base", ctypes.c_uint64), ("map_len", ctypes.c_uint64),
-                ("guard", ctypes.c_uint64)]
+                ("guard", ctypes.c_uint64), ("skew", ctypes.c_uint64)]
 
 
 class _LaunchDesc(ctypes.Structure):
@@ -78,7 +85,8 @@ class _LaunchDesc(ctypes.Structure):
                 ("block", ctypes.c_uint * 3), ("dyn_smem", ctypes.c_uint64),
                 ("schedule", ctypes.c_int), ("cp_async_deferred", ctypes.c_int),
                 ("seed", ctypes.c_uint64), ("threads", ctypes.c_int),
-                ("nbuffers", ctypes.c_int), ("buffers", ctypes.POINTER(_BufferDesc))]
+                ("nbuffers", ctypes.c_int), ("buffers", ctypes.POINTER(_BufferDesc)),
+                ("end_aligned", ctypes.c_int)]
 
 
 _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
@@ -157,6 +165,7 @@ class _Guarded:
                 self.free()
                 raise EmulatorError(f"emulator: cannot map {arr.nbytes} bytes for '{b.name}'")
             d.data += skew
+            d.skew = skew
             d.nbytes = arr.nbytes
             self.count += 1
             d.name = self._names[i]
@@ -178,8 +187,11 @@ class _Guarded:
 
 
 def _classify(msg: str) -> type[KernelFault]:
-    if "out-of-bounds" in msg:
+    if "out-of-bounds" in msg or "outside shared memory" in msg \
+            or "not in shared memory" in msg:
         return OutOfBoundsError
+    if "misaligned" in msg:
+        return MisalignedError
     if "divergent" in msg:
         return DivergenceError
     return KernelFault
@@ -250,7 +262,7 @@ def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
             desc = _LaunchDesc(name_expression.encode(), (ctypes.c_uint * 3)(*g),
                                (ctypes.c_uint * 3)(*bl), int(shared_mem), sched,
                                int(mode == "deferred"), seed, threads or default_threads(),
-                               len(buffers), mem.descs)
+                               len(buffers), mem.descs, int(end_aligned))
             err = ctypes.create_string_buffer(4096)
             rc = fn(ctypes.byref(desc), argv, err, ctypes.c_size_t(len(err)))
             if rc != 0:

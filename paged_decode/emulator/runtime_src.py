@@ -19,10 +19,13 @@ RUNTIME_HEADER = r"""
 namespace pd_emu {
 
 constexpr std::size_t STACK_SIZE = 64 * 1024;        // per fiber, aligned to its size
-// Dynamic shared memory starts 16 bytes past a 128-byte boundary: CUDA promises 16 bytes
-// only (on an H100 the dynamic base was off 128 bytes), so a kernel that assumes more
-// fails here too.
+// Dynamic shared memory starts 16 bytes past a 128-byte boundary where it starts at its
+// lower guard: CUDA promises 16 bytes only (on an H100 the dynamic base was off 128
+// bytes), so a kernel that assumes more fails here too.
 constexpr std::size_t DYN_SMEM_OFFSET = 16;
+// Guard regions around each block's shared memory: past the largest shared window of a
+// CTA (227 KiB), so any index a kernel can form from a shared offset faults.
+constexpr std::size_t SMEM_GUARD = 256 * 1024;
 constexpr std::size_t STACK_HEADER = 64;             // Fiber* at the top of each stack
 constexpr std::size_t STATIC_SMEM_CAP = 48 * 1024;   // CUDA's static __shared__ limit
 constexpr int WARP = 32;
@@ -59,6 +62,7 @@ struct Fiber {
   U3 tid;
   Block* block;
   Warp* warp;
+  int fence_phase;       // the block's barrier phase at this thread's last __threadfence
 };
 
 struct Warp {
@@ -101,6 +105,7 @@ struct BufferDesc {
   std::uintptr_t map_base;   // whole mapping, guards included
   std::uint64_t map_len;
   std::uint64_t guard;       // guard bytes at each end of the mapping
+  std::uint64_t skew;        // bytes past a 16-byte boundary the data starts at on a GPU
 };
 
 struct LaunchDesc {
@@ -114,6 +119,8 @@ struct LaunchDesc {
   int threads;               // OS threads
   int nbuffers;
   const BufferDesc* buffers;
+  int end_aligned;           // dynamic shared memory ends at its upper guard (else starts
+                             // DYN_SMEM_OFFSET past its lower one), like the buffers
 };
 
 // The running fiber, found from the stack pointer (no thread-local storage).
@@ -132,6 +139,15 @@ void barrier_arrive(Fiber* f);
 // group but the newest n has landed). Deferred, a copy reads its source at the issue,
 // its destination holds poison (0xff) until a wait lands it, in issue order.
 void cp_async16(void* dst, const void* src, bool pred);
+// ``n`` bytes at ``p`` inside the running block's shared memory, ``n``-byte aligned, or the
+// launch fails naming ``what`` (a cp.async destination, an ldmatrix row)
+void check_shared(const void* p, std::size_t n, const char* what);
+// __threadfence: the fence itself, and the barrier phase it ran in
+void thread_fence();
+// An atomic that publishes the block's global writes to other blocks (``what``): every
+// live thread of the block must have fenced in the phase before the barrier that
+// precedes it (the caller may fence in its own phase), or the launch fails.
+void check_release(const char* what);
 void cp_async_commit();
 void cp_async_wait(int n);
 [[noreturn]] void fail(const char* fmt, ...);
@@ -289,9 +305,11 @@ struct Worker {
   unsigned char* stacks = nullptr;      // aligned pool
   unsigned char* stacks_map = nullptr;
   std::size_t stacks_map_len = 0;
-  unsigned char* arena = nullptr;
-  std::size_t arena_len = 0;
-  std::size_t dyn_aligned = 0;
+  unsigned char* arena = nullptr;        // guard, dynamic shared memory, guard, static
+  std::size_t arena_len = 0;             // shared memory, guard (one mapping)
+  unsigned char* dyn = nullptr;          // the block's dynamic shared memory
+  std::size_t dyn_len = 0;               // the launch's bytes, rounded up to 16
+  unsigned char* stat = nullptr;         // the block's static shared memory (its cap)
   Fiber* cur = nullptr;
   volatile bool in_block = false;
   const LaunchDesc* launch = nullptr;
@@ -319,6 +337,21 @@ void describe_fault(Worker* w, std::uintptr_t a, bool write) {
   where(w, loc, sizeof loc);
   const char* kind = write ? "write" : "read";
   const LaunchDesc* d = w->launch;
+  const std::uintptr_t arena = (std::uintptr_t)w->arena, stat = (std::uintptr_t)w->stat;
+  if (w->arena && a >= arena && a < stat) {
+    std::snprintf(w->msg, sizeof w->msg,
+                  "%s: out-of-bounds %s of dynamic shared memory at byte offset %lld (the "
+                  "launch gave %llu bytes)", loc, kind, (long long)(a - (std::uintptr_t)w->dyn),
+                  (unsigned long long)d->dyn_smem);
+    return;
+  }
+  if (w->arena && a >= stat && a < arena + w->arena_len) {
+    std::snprintf(w->msg, sizeof w->msg,
+                  "%s: out-of-bounds %s of static shared memory at byte offset %lld (CUDA "
+                  "allows %zu bytes)", loc, kind, (long long)(a - stat),
+                  (std::size_t)STATIC_SMEM_CAP);
+    return;
+  }
   for (int i = 0; i < d->nbuffers; ++i) {
     const BufferDesc& b = d->buffers[i];
     if (a < b.map_base || a >= b.map_base + b.map_len) continue;
@@ -362,11 +395,20 @@ void describe_fault(Worker* w, std::uintptr_t a, bool write) {
 
 // A copy's source must lie inside one launch buffer: an index far past the guard regions
 // would otherwise read whatever memory is mapped there, where a GPU reads out of bounds.
+// It must also be aligned to the copy's size where the buffer sits on a GPU (its start
+// there is 16-byte aligned unless the launch skews it, MISALIGN): PTX requires it.
 void check_source(Worker* w, std::uintptr_t a, std::size_t n) {
   const LaunchDesc* d = w->launch;
   for (int i = 0; i < d->nbuffers; ++i) {
     const BufferDesc& b = d->buffers[i];
-    if (a >= b.data && a + n <= b.data + b.nbytes) return;
+    if (a >= b.data && a + n <= b.data + b.nbytes) {
+      const unsigned long long off = a - b.data;
+      if ((off + b.skew) % n != 0)
+        fail_here("misaligned cp.async source: buffer '%s' byte offset %llu (the buffer "
+                  "starts %llu bytes past a 16-byte boundary); a %zu-byte copy needs a "
+                  "%zu-byte aligned address", b.name, off, (unsigned long long)b.skew, n, n);
+      return;
+    }
   }
   describe_fault(w, a, false);
   w->in_block = false;
@@ -422,18 +464,35 @@ void setup_worker(Worker* w, const LaunchDesc* d) {
   w->stacks = (unsigned char*)(((std::uintptr_t)w->stacks_map + STACK_SIZE - 1)
                                & ~(std::uintptr_t)(STACK_SIZE - 1));
   for (int i = 0; i < n; ++i) mprotect(w->stacks + (std::size_t)i * STACK_SIZE, pg, PROT_NONE);
-  w->dyn_aligned = (DYN_SMEM_OFFSET + d->dyn_smem + 127) / 128 * 128;
-  w->arena_len = w->dyn_aligned + STATIC_SMEM_CAP;
-  w->arena = (unsigned char*)mmap(nullptr, w->arena_len, PROT_READ | PROT_WRITE,
-                                  MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  // [guard][dynamic, whole pages][guard][static cap, whole pages][guard]: an access past
+  // either end of the dynamic region (by the end-aligned schedules' placement, past the
+  // launch's bytes rounded up to 16) or past the static cap faults
+  w->dyn_len = (d->dyn_smem + 15) / 16 * 16;
+  const std::size_t guard = (SMEM_GUARD + pg - 1) / pg * pg;
+  const std::size_t dyn_body = (DYN_SMEM_OFFSET + w->dyn_len + pg - 1) / pg * pg;
+  const std::size_t stat_body = (STATIC_SMEM_CAP + pg - 1) / pg * pg;
+  w->arena_len = 3 * guard + dyn_body + stat_body;
+  w->arena = (unsigned char*)mmap(nullptr, w->arena_len, PROT_NONE,
+                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (w->arena == MAP_FAILED) { w->arena = nullptr; return; }
-  std::memset(w->arena, 0xff, w->arena_len);   // NaN-poisoned, like uninitialized smem
+  unsigned char* dyn_at = w->arena + guard;
+  unsigned char* stat_at = dyn_at + dyn_body + guard;
+  if (mprotect(dyn_at, dyn_body, PROT_READ | PROT_WRITE) != 0 ||
+      mprotect(stat_at, stat_body, PROT_READ | PROT_WRITE) != 0) {
+    munmap(w->arena, w->arena_len);
+    w->arena = nullptr;
+    return;
+  }
+  w->dyn = d->end_aligned ? dyn_at + dyn_body - w->dyn_len : dyn_at + DYN_SMEM_OFFSET;
+  w->stat = stat_at;
+  std::memset(dyn_at, 0xff, dyn_body);   // NaN-poisoned, like uninitialized smem
+  std::memset(stat_at, 0xff, stat_body);
 }
 
 void teardown_worker(Worker* w) {
   if (w->stacks_map) munmap(w->stacks_map, w->stacks_map_len);
   if (w->arena) munmap(w->arena, w->arena_len);
-  w->stacks_map = w->stacks = w->arena = nullptr;
+  w->stacks_map = w->stacks = w->arena = w->dyn = w->stat = nullptr;
 }
 
 // splitmix64: the random schedule's permutations, reproducible per (seed, block)
@@ -478,12 +537,14 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
   b.arrived = 0;
   b.exited = 0;
   b.phase = 0;
-  std::memset(w->arena, 0xff, w->dyn_aligned + b.static_used->load());
+  std::memset(w->dyn, 0xff, w->dyn_len);
+  std::memset(w->stat, 0xff, b.static_used->load());
   const int n = b.nthreads;
   for (int i = 0; i < n; ++i) {
     Fiber& f = w->fibers[i];
     f.state = RUNNABLE;
     f.linear = i;
+    f.fence_phase = -1;
     f.lane = i % WARP;
     f.tid = U3{i % d->block[0], (i / d->block[0]) % d->block[1],
                i / (d->block[0] * d->block[1])};
@@ -740,9 +801,31 @@ void barrier_arrive(Fiber* f) {
   pd_emu_switch(&f->sp, b->sched_sp);
 }
 
+// ``n`` bytes at ``p`` must lie inside the running block's shared memory (its dynamic
+// region or its static variables) and be ``n``-byte aligned: a cp.async destination, an
+// ldmatrix row.
+void check_shared(const void* p, std::size_t n, const char* what) {
+  Worker* w = t_worker;
+  const std::uintptr_t a = (std::uintptr_t)p;
+  const std::uintptr_t dyn = (std::uintptr_t)w->dyn, stat = (std::uintptr_t)w->stat;
+  const bool in_dyn = a >= dyn && a + n <= dyn + w->launch->dyn_smem;
+  const bool in_stat = a >= stat && a + n <= stat + w->block.static_used->load();
+  if (!in_dyn && !in_stat) {
+    if (a >= (std::uintptr_t)w->arena && a < (std::uintptr_t)w->arena + w->arena_len)
+      fail_here("%s outside shared memory: dynamic byte offset %lld, %zu bytes (the launch "
+                "gave %llu bytes of dynamic shared memory)", what, (long long)(a - dyn), n,
+                (unsigned long long)w->launch->dyn_smem);
+    fail_here("%s at %#lx is not in shared memory", what, (unsigned long)a);
+  }
+  if (a % n != 0)
+    fail_here("misaligned %s: %s shared byte offset %lld is not a multiple of %zu", what,
+              in_dyn ? "dynamic" : "static", (long long)(a - (in_dyn ? dyn : stat)), n);
+}
+
 void cp_async16(void* dst, const void* src, bool pred) {
   Worker* w = t_worker;
   Pending p;
+  check_shared(dst, sizeof p.data, "cp.async destination");
   if (pred) {
     check_source(w, (std::uintptr_t)src, sizeof p.data);
     std::memcpy(p.data, src, sizeof p.data);
@@ -758,6 +841,30 @@ void cp_async16(void* dst, const void* src, bool pred) {
   p.group = q.committed;
   std::memset(dst, 0xff, sizeof p.data);   // undefined until it lands: NaN to a reader
   q.items.push_back(p);
+}
+
+void thread_fence() {
+  Fiber* f = t_worker->cur;
+  f->fence_phase = (int)f->block->phase;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+void check_release(const char* what) {
+  Fiber* f = t_worker->cur;
+  const Block* b = f->block;
+  const int phase = (int)b->phase;
+  for (int i = 0; i < b->nthreads; ++i) {
+    const Fiber& u = b->fibers[i];
+    if (u.state == DONE) continue;
+    const bool ok = &u == f ? u.fence_phase >= 0 && u.fence_phase + 1 >= phase
+                            : u.fence_phase >= 0 && u.fence_phase + 1 == phase;
+    if (!ok)
+      fail_here("%s publishes the block's global writes, but thread %d %s: each thread "
+                "must __threadfence() and then meet the others at __syncthreads() before "
+                "the atomic", what, i,
+                u.fence_phase < 0 ? "never ran __threadfence()"
+                                  : "ran its __threadfence() before an earlier barrier");
+  }
 }
 
 void cp_async_commit() {
@@ -811,8 +918,8 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
     w.block.static_used = static_used;
     setup_worker(&w, d);
     w.block.fibers = w.fibers.data();
-    w.block.dyn_smem = w.arena ? w.arena + DYN_SMEM_OFFSET : nullptr;
-    w.block.static_smem = w.arena ? w.arena + w.dyn_aligned : nullptr;
+    w.block.dyn_smem = w.dyn;
+    w.block.static_smem = w.stat;
   }
   if (nw == 1) {
     worker_main(&workers[0], &s);

@@ -138,6 +138,9 @@ __device__ __forceinline__ void ldsm_x4_at(unsigned (&r)[4], smem_addr_t a) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
   }
 #else
+#if defined(PD_EMU)
+  pd_emu::check_shared(reinterpret_cast<const void*>(a), 16, TRANS ? "ldmatrix.trans row" : "ldmatrix row");
+#endif
   const int lane = threadIdx.x & 31;
   const unsigned long long mine = a;
 #pragma unroll
