@@ -206,6 +206,28 @@ __global__ void publish(float* __restrict__ y, int* __restrict__ count, int fenc
   if (threadIdx.x == 0) atomicAdd(count, 1);
 }
 
+// Two static arrays; after a barrier thread 0 writes a[n] (n = 32: one past a's end), then
+// every thread sums a and b; thread 0 reads a[m] into y[0] where m >= 0.
+__global__ void past_static(float* __restrict__ y, int n, int m) {
+  __shared__ float a[32];
+  __shared__ float b[32];
+  a[threadIdx.x] = 1.f;
+  b[threadIdx.x] = 2.f;
+  __syncthreads();
+  if (threadIdx.x == 0 && n >= 0) a[n] = 3.f;
+  __syncthreads();
+  y[threadIdx.x] = a[threadIdx.x] + b[threadIdx.x];
+  if (threadIdx.x == 0 && m >= 0) y[0] = a[m];
+}
+
+// Thread 0 loads four floats at x + off with one 16-byte __ldg.
+__global__ void ldg_at(const float* __restrict__ x, float* __restrict__ y, int off) {
+  if (threadIdx.x == 0) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(x + off));
+    y[0] = v.x; y[1] = v.y; y[2] = v.z; y[3] = v.w;
+  }
+}
+
 // The order in which threads pass one point (non-atomic: fibers never interleave).
 __global__ void tickets(int* __restrict__ out) {
   __shared__ int next[1];
@@ -423,6 +445,45 @@ def test_an_atomic_publishing_unfenced_writes_fails():
     with pytest.raises(KernelFault, match=r"thread 0 ran its __threadfence\(\) before an "
                        r"earlier barrier"):
         publish(0)
+
+
+def test_static_shared_variables_have_red_zones():
+    """Each static __shared__ variable is followed by a poisoned red zone: a write past it
+    fails when the block ends (it landed in padding or the next variable before), a read
+    past it gives NaN."""
+    def past(n, m=-1):
+        y = np.zeros(32, np.float32)
+        run("past_static", 1, 32, [Buffer("y", y, True), np.int32(n), np.int32(m)])
+        return y
+
+    y = past(5)
+    assert y[5] == 5 and (np.delete(y, 5) == 3).all()
+    with pytest.raises(OutOfBoundsError, match=r"past_static: block \(0,0,0\): out-of-bounds "
+                       r"write of static __shared__ 'a' \(128 bytes\) at byte 0 past its end"):
+        past(32)
+    with pytest.raises(OutOfBoundsError, match=r"'a' \(128 bytes\) at byte 8 past its end"):
+        past(34)
+    assert np.isnan(past(-1, m=32)[0])
+
+
+def test_vector_ldg_alignment_follows_the_buffers_gpu_placement(monkeypatch):
+    """A 16-byte __ldg must be 16-byte aligned where the buffer sits on a GPU; g++'s own
+    instruction for it may or may not fault, so the emulator checks."""
+    x = np.arange(16, dtype=np.float32)
+
+    def ldg(off):
+        y = np.zeros(4, np.float32)
+        run("ldg_at", 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int32(off)])
+        return y
+
+    np.testing.assert_array_equal(ldg(4), [4, 5, 6, 7])
+    with pytest.raises(MisalignedError, match=r"ldg_at: block \(0,0,0\) thread \(0,0,0\): "
+                       r"misaligned 16-byte load \(__ldg\) of buffer 'x' at byte offset 8 "):
+        ldg(2)
+    monkeypatch.setitem(MISALIGN, "x", 8)
+    np.testing.assert_array_equal(ldg(2), [2, 3, 4, 5])
+    with pytest.raises(MisalignedError, match=r"byte offset 16 \(the buffer starts 8 bytes"):
+        ldg(4)
 
 
 def test_multi_dimensional_grid_and_block():

@@ -146,7 +146,12 @@ inline int atomicAdd(int* p, int v) {
 #define PD_EMU_CP_ASYNC 1
 #define PD_EMU 1   // pd_emu:: (the runtime's checks) is linked
 template <typename T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+  // a vector load must be aligned to its size where the buffer sits on a GPU; g++'s own
+  // instruction may or may not fault on a misaligned one
+  if (sizeof(T) > 1 && (sizeof(T) & (sizeof(T) - 1)) == 0) pd_emu::check_load(p, sizeof(T));
+  return *p;
+}
 template <typename T>
 inline T __ldcg(const T* p) { return *p; }
 inline std::size_t __cvta_generic_to_shared(const void* p) { return (std::size_t)p; }

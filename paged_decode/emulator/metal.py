@@ -66,7 +66,7 @@ def rewrite_metal(src: str, site_prefix: str = "s") -> str:
         site = f"pd_tg_{site_prefix}{i}"
         out.append(src[last:m.start()])
         out.append(f"struct {site} {{}}; using {site}_t = {t}{dims}; "
-                   f"{site}_t& {name} = pd_metal::tg_var<{site}_t, {site}>();")
+                   f"{site}_t& {name} = pd_metal::tg_var<{site}_t, {site}>(\"{name}\");")
         last = m.end()
     out.append(src[last:])
     text = _QUALIFIER.sub("", "".join(out))

@@ -283,18 +283,12 @@ inline uint attr_thread_execution_width() { return 32u; }
 // reserved once per declaration site and template instantiation (``Site``), like CUDA's
 // ``__shared__``; Metal allows 32 KB of threadgroup memory.
 constexpr std::size_t TG_CAP = 32 * 1024;
-inline std::size_t tg_reserve(std::size_t size, std::size_t align) {
-  std::size_t cur = pd_emu::g_static_smem.load();
-  for (;;) {
-    const std::size_t off = (cur + align - 1) / align * align;
-    if (off + size > TG_CAP)
-      pd_emu::fail("threadgroup memory exceeds Metal's %zu bytes", (std::size_t)TG_CAP);
-    if (pd_emu::g_static_smem.compare_exchange_weak(cur, off + size)) return off;
-  }
-}
 template <typename T, typename Site>
-inline T& tg_var() {
-  static const std::size_t off = tg_reserve(sizeof(T), alignof(T) < 16 ? 16 : alignof(T));
+inline T& tg_var(const char* name) {
+  static const std::size_t off =
+      pd_emu::reserve_static(sizeof(T), alignof(T) < 16 ? 16 : alignof(T), TG_CAP, name);
+  if (off == pd_emu::STATIC_SMEM_OVER)
+    pd_emu::fail("threadgroup memory exceeds Metal's %zu bytes", (std::size_t)TG_CAP);
   return *reinterpret_cast<T*>(me()->block->static_smem + off);
 }
 }  // namespace pd_metal

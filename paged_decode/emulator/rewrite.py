@@ -7,7 +7,7 @@ declaration site and template instantiation (a local ``struct`` tags the site)::
 
     __shared__ float buf[W][D];
  -> struct pd_emu_site_0 {}; using pd_emu_t_0 = float[W][D];
-    pd_emu_t_0& buf = pd_emu::shared_var<pd_emu_t_0, pd_emu_site_0>();
+    pd_emu_t_0& buf = pd_emu::shared_var<pd_emu_t_0, pd_emu_site_0>("buf");
 
 ``extern __shared__ T name[];`` (dynamic shared memory) becomes an object converting to
 ``T*`` (the block's dynamic region). Limits: one declarator per statement; static
@@ -45,7 +45,7 @@ def rewrite_shared(src: str) -> str:
         out.append(src[last:m.start()])
         out.append(f"struct pd_emu_site_{i} {{}}; using pd_emu_t_{i} = {t}{dims}; "
                    f"pd_emu_t_{i}& {name} = pd_emu::shared_var<pd_emu_t_{i}, "
-                   f"pd_emu_site_{i}>();")
+                   f"pd_emu_site_{i}>(\"{name}\");")
         last = m.end()
     out.append(src[last:])
     return "".join(out)

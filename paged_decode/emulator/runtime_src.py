@@ -13,6 +13,7 @@ RUNTIME_HEADER = r"""
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -81,11 +82,26 @@ struct Warp {
   int index;
 };
 
+// A kernel library's static shared memory (see shared_var): its variables, their red
+// zones, and CUDA's count of their bytes (to which its cap applies).
+constexpr std::size_t STATIC_REDZONE = 64;
+constexpr int STATIC_SITES = 256;
+// arena bytes for static variables: the cap, red zones and alignment padding
+constexpr std::size_t STATIC_ARENA = 2 * STATIC_SMEM_CAP + STATIC_SITES * STATIC_REDZONE;
+struct StaticSite { std::size_t off, size; const char* name; };
+struct StaticSmem {
+  std::mutex mu;                        // reservations (first use of a site)
+  std::size_t cuda = 0;                 // the variables' bytes as CUDA counts them
+  std::atomic<std::size_t> end{0};      // arena bytes reserved, red zones included
+  StaticSite sites[STATIC_SITES];
+  std::atomic<int> nsites{0};
+};
+
 struct Block {
   U3 bid, bdim, gdim;
   unsigned char* dyn_smem;
   unsigned char* static_smem;
-  const std::atomic<std::size_t>* static_used;
+  const StaticSmem* statics;
   Fiber* fibers;
   void (*thunk)(void**);
   void** args;
@@ -142,6 +158,10 @@ void cp_async16(void* dst, const void* src, bool pred);
 // ``n`` bytes at ``p`` inside the running block's shared memory, ``n``-byte aligned, or the
 // launch fails naming ``what`` (a cp.async destination, an ldmatrix row)
 void check_shared(const void* p, std::size_t n, const char* what);
+// A load of ``n`` bytes (a power of two) at ``p`` from a launch buffer (``__ldg``) must be
+// aligned to ``n`` where the buffer would sit on a GPU (MISALIGN's skew), or the launch
+// fails; an address outside every buffer is left to the load itself to fault on.
+void check_load(const void* p, std::size_t n);
 // __threadfence: the fence itself, and the barrier phase it ran in
 void thread_fence();
 // An atomic that publishes the block's global writes to other blocks (``what``): every
@@ -158,7 +178,7 @@ const char* collective_name(int op, int param);
 // the same with the call's line where the collective carries one
 void describe_collective(char* out, std::size_t n, int op, int param);
 int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
-               const std::atomic<std::size_t>* static_used, char* err, std::size_t errlen);
+               const StaticSmem* statics, char* err, std::size_t errlen);
 
 template <typename T>
 inline T collective(unsigned mask, T v, int op, int param, int width) {
@@ -182,26 +202,40 @@ inline T collective(unsigned mask, T v, int op, int param, int width) {
 
 // Static shared memory: every declaration site (and every template instantiation of the
 // function holding it: ``Site`` is a local class) reserves an offset once per kernel
-// library; the storage lives in the running block's per-OS-thread arena.
+// library; the storage lives in the running block's per-OS-thread arena. Each variable
+// is followed by a red zone that every block poisons (0xff: a read gives NaN) and checks
+// when it ends: a write past one variable, or before the next, fails the launch.
 namespace {
-std::atomic<std::size_t> g_static_smem{0};
+StaticSmem g_static_smem;
 
-// The offset, or STATIC_SMEM_OVER when the site does not fit: the caller fails after its
-// static initializer has finished (a fail() inside one would leave its guard held, and
-// every other thread reaching the site would wait on it for ever).
+// The offset of a variable of ``size`` bytes, or STATIC_SMEM_OVER when CUDA's count would
+// pass ``cap``: the caller fails after its static initializer has finished (a fail()
+// inside one would leave its guard held, and every other thread reaching the site would
+// wait on it for ever).
 constexpr std::size_t STATIC_SMEM_OVER = ~std::size_t(0);
-inline std::size_t reserve_static(std::size_t size, std::size_t align) {
-  std::size_t cur = g_static_smem.load();
-  for (;;) {
-    const std::size_t off = (cur + align - 1) / align * align;
-    if (off + size > STATIC_SMEM_CAP) return STATIC_SMEM_OVER;
-    if (g_static_smem.compare_exchange_weak(cur, off + size)) return off;
+inline std::size_t reserve_static(std::size_t size, std::size_t align, std::size_t cap,
+                                  const char* name) {
+  StaticSmem& s = g_static_smem;
+  std::lock_guard<std::mutex> g(s.mu);
+  const std::size_t cuda_off = (s.cuda + align - 1) / align * align;
+  if (cuda_off + size > cap) return STATIC_SMEM_OVER;
+  const std::size_t off = (s.end.load() + align - 1) / align * align;
+  const int n = s.nsites.load();
+  const std::size_t zone = n < STATIC_SITES ? STATIC_REDZONE : 0;
+  if (off + size + zone > STATIC_ARENA) return STATIC_SMEM_OVER;
+  s.cuda = cuda_off + size;
+  if (zone) {
+    s.sites[n] = StaticSite{off, size, name};
+    s.nsites.store(n + 1);
   }
+  s.end.store(off + size + zone);
+  return off;
 }
 
 template <typename T, typename Site>
-inline T& shared_var() {
-  static const std::size_t off = reserve_static(sizeof(T), alignof(T) < 16 ? 16 : alignof(T));
+inline T& shared_var(const char* name) {
+  static const std::size_t off =
+      reserve_static(sizeof(T), alignof(T) < 16 ? 16 : alignof(T), STATIC_SMEM_CAP, name);
   if (off == STATIC_SMEM_OVER)
     fail("static __shared__ memory exceeds %zu bytes", (std::size_t)STATIC_SMEM_CAP);
   return *reinterpret_cast<T*>(self()->block->static_smem + off);
@@ -347,9 +381,8 @@ void describe_fault(Worker* w, std::uintptr_t a, bool write) {
   }
   if (w->arena && a >= stat && a < arena + w->arena_len) {
     std::snprintf(w->msg, sizeof w->msg,
-                  "%s: out-of-bounds %s of static shared memory at byte offset %lld (CUDA "
-                  "allows %zu bytes)", loc, kind, (long long)(a - stat),
-                  (std::size_t)STATIC_SMEM_CAP);
+                  "%s: out-of-bounds %s of static shared memory at byte offset %lld (past "
+                  "every variable's storage)", loc, kind, (long long)(a - stat));
     return;
   }
   for (int i = 0; i < d->nbuffers; ++i) {
@@ -470,7 +503,7 @@ void setup_worker(Worker* w, const LaunchDesc* d) {
   w->dyn_len = (d->dyn_smem + 15) / 16 * 16;
   const std::size_t guard = (SMEM_GUARD + pg - 1) / pg * pg;
   const std::size_t dyn_body = (DYN_SMEM_OFFSET + w->dyn_len + pg - 1) / pg * pg;
-  const std::size_t stat_body = (STATIC_SMEM_CAP + pg - 1) / pg * pg;
+  const std::size_t stat_body = (STATIC_ARENA + pg - 1) / pg * pg;
   w->arena_len = 3 * guard + dyn_body + stat_body;
   w->arena = (unsigned char*)mmap(nullptr, w->arena_len, PROT_NONE,
                                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -530,6 +563,25 @@ void diagnose_deadlock(Worker* w) {
        "without reaching it", loc, b.arrived, b.nthreads, b.exited);
 }
 
+// After a block: every static variable's red zone must still hold its poison.
+void check_red_zones(Worker* w) {
+  const StaticSmem* st = w->block.statics;
+  const int nsites = st->nsites.load();
+  for (int i = 0; i < nsites; ++i) {
+    const StaticSite& v = st->sites[i];
+    const unsigned char* z = w->stat + v.off + v.size;
+    for (std::size_t k = 0; k < STATIC_REDZONE; ++k) {
+      if (z[k] == 0xff) continue;
+      char loc[512];
+      w->cur = nullptr;
+      where(w, loc, sizeof loc);
+      fail("%s: out-of-bounds write of static __shared__ '%s' (%zu bytes) at byte %zu past "
+           "its end (a write past it, or before the variable after it)", loc, v.name,
+           v.size, k);
+    }
+  }
+}
+
 void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
   const LaunchDesc* d = w->launch;
   Block& b = w->block;
@@ -538,7 +590,7 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
   b.exited = 0;
   b.phase = 0;
   std::memset(w->dyn, 0xff, w->dyn_len);
-  std::memset(w->stat, 0xff, b.static_used->load());
+  std::memset(w->stat, 0xff, b.statics->end.load());
   const int n = b.nthreads;
   for (int i = 0; i < n; ++i) {
     Fiber& f = w->fibers[i];
@@ -610,7 +662,7 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
         progressed = true;
       }
     }
-    if (b.exited == n) return;
+    if (b.exited == n) { check_red_zones(w); return; }
     if (!progressed) diagnose_deadlock(w);
   }
 }
@@ -809,7 +861,11 @@ void check_shared(const void* p, std::size_t n, const char* what) {
   const std::uintptr_t a = (std::uintptr_t)p;
   const std::uintptr_t dyn = (std::uintptr_t)w->dyn, stat = (std::uintptr_t)w->stat;
   const bool in_dyn = a >= dyn && a + n <= dyn + w->launch->dyn_smem;
-  const bool in_stat = a >= stat && a + n <= stat + w->block.static_used->load();
+  bool in_stat = false;
+  const StaticSmem* st = w->block.statics;
+  const int nsites = st->nsites.load();
+  for (int i = 0; i < nsites && !in_stat; ++i)
+    in_stat = a >= stat + st->sites[i].off && a + n <= stat + st->sites[i].off + st->sites[i].size;
   if (!in_dyn && !in_stat) {
     if (a >= (std::uintptr_t)w->arena && a < (std::uintptr_t)w->arena + w->arena_len)
       fail_here("%s outside shared memory: dynamic byte offset %lld, %zu bytes (the launch "
@@ -841,6 +897,21 @@ void cp_async16(void* dst, const void* src, bool pred) {
   p.group = q.committed;
   std::memset(dst, 0xff, sizeof p.data);   // undefined until it lands: NaN to a reader
   q.items.push_back(p);
+}
+
+void check_load(const void* p, std::size_t n) {
+  const LaunchDesc* d = t_worker->launch;
+  const std::uintptr_t a = (std::uintptr_t)p;
+  for (int i = 0; i < d->nbuffers; ++i) {
+    const BufferDesc& b = d->buffers[i];
+    if (a < b.data || a + n > b.data + b.nbytes) continue;
+    const unsigned long long off = a - b.data;
+    if ((off + b.skew) % n != 0)
+      fail_here("misaligned %zu-byte load (__ldg) of buffer '%s' at byte offset %llu (the "
+                "buffer starts %llu bytes past a 16-byte boundary)", n, b.name, off,
+                (unsigned long long)b.skew);
+    return;
+  }
 }
 
 void thread_fence() {
@@ -881,7 +952,7 @@ void cp_async_wait(int n) {
 }
 
 int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
-               const std::atomic<std::size_t>* static_used, char* err, std::size_t errlen) {
+               const StaticSmem* statics, char* err, std::size_t errlen) {
   std::lock_guard<std::mutex> lock(g_launch_mutex);
   const long long nthreads = (long long)d->block[0] * d->block[1] * d->block[2];
   const long long total = (long long)d->grid[0] * d->grid[1] * d->grid[2];
@@ -915,7 +986,7 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
     w.block.nthreads = (int)nthreads;
     w.block.thunk = thunk;
     w.block.args = args;
-    w.block.static_used = static_used;
+    w.block.statics = statics;
     setup_worker(&w, d);
     w.block.fibers = w.fibers.data();
     w.block.dyn_smem = w.dyn;
