@@ -181,17 +181,20 @@ __global__ void far_read(const float* __restrict__ x, float* __restrict__ y, lon
   if (threadIdx.x == 0) y[0] = x[off];
 }
 
-// One cp.async by thread 0 from x + src_off (floats) into dynamic shared memory at dst_off
-// (floats), or into y itself (to_global); then threads 0-3 copy the four floats to y.
+// One cp.async by thread 0 from x + src_off (floats) to dst_off (floats) into dynamic
+// shared memory (to 0), into y itself (1) or into a static 4-float variable (2); then
+// threads 0-3 copy the four floats to y.
 __global__ void copy_at(const float* __restrict__ x, float* __restrict__ y, long long src_off,
-                        int dst_off, int to_global) {
+                        int dst_off, int to) {
+  __shared__ __align__(16) float st[4];
+  float* const base = to == 2 ? st : dyn;
   if (threadIdx.x == 0)
-    pd::cp_async16(to_global ? static_cast<void*>(y) : static_cast<void*>(dyn + dst_off),
+    pd::cp_async16(to == 1 ? static_cast<void*>(y) : static_cast<void*>(base + dst_off),
                    x + src_off, true);
   pd::cp_async_commit();
   pd::cp_async_wait<0>();
   __syncthreads();
-  if (threadIdx.x < 4) y[threadIdx.x] = dyn[dst_off + threadIdx.x];
+  if (threadIdx.x < 4) y[threadIdx.x] = base[dst_off + threadIdx.x];
 }
 
 // Each thread writes its slot of y and fences (fence_at 1; at 0 it fences before an
@@ -348,11 +351,11 @@ def test_dynamic_shared_memory_overruns_and_underruns_fault():
         run("dynamic", 1, 128, [Buffer("x", x), Buffer("y", y, True), np.int32(120)], smem=512)
 
 
-def copy_at(src_off, dst_off, to_global=0, smem=512, x=None):
-    x = np.arange(64, dtype=np.float32) if x is None else x
+def copy_at(src_off, dst_off, to=0, smem=512):
+    x = np.arange(64, dtype=np.float32)
     y = np.zeros(64, np.float32)
     run("copy_at", 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int64(src_off),
-                           np.int32(dst_off), np.int32(to_global)], smem)
+                           np.int32(dst_off), np.int32(to)], smem)
     return y[:4]
 
 
@@ -371,7 +374,11 @@ def test_cp_async_addresses_are_checked():
         copy_at(4, 128)
     with pytest.raises(OutOfBoundsError, match=r"cp.async destination at 0x[0-9a-f]+ is not "
                        r"in shared memory"):
-        copy_at(4, 0, to_global=1)
+        copy_at(4, 0, to=1)
+    np.testing.assert_array_equal(copy_at(8, 0, to=2), [8, 9, 10, 11])
+    with pytest.raises(OutOfBoundsError, match=r"cp.async destination outside shared memory: "
+                       r"static byte offset \d+, 16 bytes, in no variable"):
+        copy_at(8, 4, to=2)      # the static variable's red zone
 
 
 def test_cp_async_source_alignment_follows_the_buffers_gpu_placement(monkeypatch):

@@ -343,7 +343,10 @@ struct Worker {
   std::size_t arena_len = 0;             // shared memory, guard (one mapping)
   unsigned char* dyn = nullptr;          // the block's dynamic shared memory
   std::size_t dyn_len = 0;               // the launch's bytes, rounded up to 16
-  unsigned char* stat = nullptr;         // the block's static shared memory (its cap)
+  unsigned char* stat = nullptr;         // the block's static variables and red zones
+  unsigned char* smem_split = nullptr;   // the middle of the guard between the two: a
+                                         // fault below is the dynamic region's, above
+                                         // the static one's
   Fiber* cur = nullptr;
   volatile bool in_block = false;
   const LaunchDesc* launch = nullptr;
@@ -372,16 +375,17 @@ void describe_fault(Worker* w, std::uintptr_t a, bool write) {
   const char* kind = write ? "write" : "read";
   const LaunchDesc* d = w->launch;
   const std::uintptr_t arena = (std::uintptr_t)w->arena, stat = (std::uintptr_t)w->stat;
-  if (w->arena && a >= arena && a < stat) {
+  const std::uintptr_t split = (std::uintptr_t)w->smem_split;
+  if (w->arena && a >= arena && a < split) {
     std::snprintf(w->msg, sizeof w->msg,
                   "%s: out-of-bounds %s of dynamic shared memory at byte offset %lld (the "
                   "launch gave %llu bytes)", loc, kind, (long long)(a - (std::uintptr_t)w->dyn),
                   (unsigned long long)d->dyn_smem);
     return;
   }
-  if (w->arena && a >= stat && a < arena + w->arena_len) {
+  if (w->arena && a >= split && a < arena + w->arena_len) {
     std::snprintf(w->msg, sizeof w->msg,
-                  "%s: out-of-bounds %s of static shared memory at byte offset %lld (past "
+                  "%s: out-of-bounds %s of static shared memory at byte offset %lld (outside "
                   "every variable's storage)", loc, kind, (long long)(a - stat));
     return;
   }
@@ -518,6 +522,7 @@ void setup_worker(Worker* w, const LaunchDesc* d) {
   }
   w->dyn = d->end_aligned ? dyn_at + dyn_body - w->dyn_len : dyn_at + DYN_SMEM_OFFSET;
   w->stat = stat_at;
+  w->smem_split = stat_at - guard / 2;
   std::memset(dyn_at, 0xff, dyn_body);   // NaN-poisoned, like uninitialized smem
   std::memset(stat_at, 0xff, stat_body);
 }
@@ -525,7 +530,7 @@ void setup_worker(Worker* w, const LaunchDesc* d) {
 void teardown_worker(Worker* w) {
   if (w->stacks_map) munmap(w->stacks_map, w->stacks_map_len);
   if (w->arena) munmap(w->arena, w->arena_len);
-  w->stacks_map = w->stacks = w->arena = w->dyn = w->stat = nullptr;
+  w->stacks_map = w->stacks = w->arena = w->dyn = w->stat = w->smem_split = nullptr;
 }
 
 // splitmix64: the random schedule's permutations, reproducible per (seed, block)
@@ -867,7 +872,10 @@ void check_shared(const void* p, std::size_t n, const char* what) {
   for (int i = 0; i < nsites && !in_stat; ++i)
     in_stat = a >= stat + st->sites[i].off && a + n <= stat + st->sites[i].off + st->sites[i].size;
   if (!in_dyn && !in_stat) {
-    if (a >= (std::uintptr_t)w->arena && a < (std::uintptr_t)w->arena + w->arena_len)
+    if (a >= stat && a < (std::uintptr_t)w->arena + w->arena_len)
+      fail_here("%s outside shared memory: static byte offset %lld, %zu bytes, in no "
+                "variable", what, (long long)(a - stat), n);
+    if (a >= (std::uintptr_t)w->arena && a < stat)
       fail_here("%s outside shared memory: dynamic byte offset %lld, %zu bytes (the launch "
                 "gave %llu bytes of dynamic shared memory)", what, (long long)(a - dyn), n,
                 (unsigned long long)w->launch->dyn_smem);
