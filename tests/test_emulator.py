@@ -493,6 +493,28 @@ def test_vector_ldg_alignment_follows_the_buffers_gpu_placement(monkeypatch):
         ldg(4)
 
 
+def test_static_variables_past_the_red_zone_table_still_take_copies():
+    """A library's first 256 static sites get red zones; one past them is still shared
+    memory to cp.async (checked against the reserved bytes instead)."""
+    n = 258
+    decls = "".join(f"  __shared__ __align__(16) float v{i}[4];\n  v{i}[threadIdx.x & 3] = 0.f;\n"
+                    for i in range(n))
+    src = CUDA_COMMON + r"""
+__global__ void many_sites(const float* __restrict__ x, float* __restrict__ y) {
+""" + decls + f"""  __syncthreads();
+  if (threadIdx.x == 0) pd::cp_async16(v{n - 1}, x, true);
+  pd::cp_async_commit();
+  pd::cp_async_wait<0>();
+  __syncthreads();
+  if (threadIdx.x < 4) y[threadIdx.x] = v{n - 1}[threadIdx.x] + v0[threadIdx.x];
+}}
+"""
+    x = np.arange(4, dtype=np.float32) + 1
+    y = np.zeros(4, np.float32)
+    launch(src, "many_sites", 1, 32, [Buffer("x", x), Buffer("y", y, True)])
+    np.testing.assert_array_equal(y, x)
+
+
 def test_multi_dimensional_grid_and_block():
     out = np.full(2 * 3 * 2 * 8 * 4, -1, np.int32)
     run("grid_ids", (2, 3, 2), (8, 4), [Buffer("out", out, True)])

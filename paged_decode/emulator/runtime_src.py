@@ -871,6 +871,8 @@ void check_shared(const void* p, std::size_t n, const char* what) {
   const int nsites = st->nsites.load();
   for (int i = 0; i < nsites && !in_stat; ++i)
     in_stat = a >= stat + st->sites[i].off && a + n <= stat + st->sites[i].off + st->sites[i].size;
+  if (!in_stat && nsites >= STATIC_SITES)   // sites past the table: any reserved byte
+    in_stat = a >= stat && a + n <= stat + st->end.load();
   if (!in_dyn && !in_stat) {
     if (a >= stat && a < (std::uintptr_t)w->arena + w->arena_len)
       fail_here("%s outside shared memory: static byte offset %lld, %zu bytes, in no "
