@@ -430,22 +430,33 @@ void describe_fault(Worker* w, std::uintptr_t a, bool write) {
                 "guard pages)", loc, kind, (unsigned long)a);
 }
 
-// A copy's source must lie inside one launch buffer: an index far past the guard regions
-// would otherwise read whatever memory is mapped there, where a GPU reads out of bounds.
-// It must also be aligned to the copy's size where the buffer sits on a GPU (its start
-// there is 16-byte aligned unless the launch skews it, MISALIGN): PTX requires it.
-void check_source(Worker* w, std::uintptr_t a, std::size_t n) {
-  const LaunchDesc* d = w->launch;
+// The launch buffer holding all of [a, a + n), or nullptr.
+const BufferDesc* buffer_holding(const LaunchDesc* d, std::uintptr_t a, std::size_t n) {
   for (int i = 0; i < d->nbuffers; ++i) {
     const BufferDesc& b = d->buffers[i];
-    if (a >= b.data && a + n <= b.data + b.nbytes) {
-      const unsigned long long off = a - b.data;
-      if ((off + b.skew) % n != 0)
-        fail_here("misaligned cp.async source: buffer '%s' byte offset %llu (the buffer "
-                  "starts %llu bytes past a 16-byte boundary); a %zu-byte copy needs a "
-                  "%zu-byte aligned address", b.name, off, (unsigned long long)b.skew, n, n);
-      return;
-    }
+    if (a >= b.data && a + n <= b.data + b.nbytes) return &b;
+  }
+  return nullptr;
+}
+
+// Whether ``a`` inside ``b`` is ``n``-byte aligned where ``b`` would sit on a GPU: its
+// start there is 16-byte aligned unless the launch skews it (MISALIGN).
+bool gpu_aligned(const BufferDesc& b, std::uintptr_t a, std::size_t n) {
+  return (a - b.data + b.skew) % n == 0;
+}
+
+// A copy's source must lie inside one launch buffer: an index far past the guard regions
+// would otherwise read whatever memory is mapped there, where a GPU reads out of bounds.
+// It must also be aligned to the copy's size where the buffer sits on a GPU: PTX
+// requires it.
+void check_source(Worker* w, std::uintptr_t a, std::size_t n) {
+  if (const BufferDesc* b = buffer_holding(w->launch, a, n)) {
+    if (!gpu_aligned(*b, a, n))
+      fail_here("misaligned cp.async source: buffer '%s' byte offset %llu (the buffer "
+                "starts %llu bytes past a 16-byte boundary); a %zu-byte copy needs a "
+                "%zu-byte aligned address", b->name, (unsigned long long)(a - b->data),
+                (unsigned long long)b->skew, n, n);
+    return;
   }
   describe_fault(w, a, false);
   w->in_block = false;
@@ -874,10 +885,12 @@ void check_shared(const void* p, std::size_t n, const char* what) {
   if (!in_stat && nsites >= STATIC_SITES)   // sites past the table: any reserved byte
     in_stat = a >= stat && a + n <= stat + st->end.load();
   if (!in_dyn && !in_stat) {
-    if (a >= stat && a < (std::uintptr_t)w->arena + w->arena_len)
+    // named by the nearer region, as describe_fault names a guard hit
+    const std::uintptr_t split = (std::uintptr_t)w->smem_split;
+    if (a >= split && a < (std::uintptr_t)w->arena + w->arena_len)
       fail_here("%s outside shared memory: static byte offset %lld, %zu bytes, in no "
                 "variable", what, (long long)(a - stat), n);
-    if (a >= (std::uintptr_t)w->arena && a < stat)
+    if (a >= (std::uintptr_t)w->arena && a < split)
       fail_here("%s outside shared memory: dynamic byte offset %lld, %zu bytes (the launch "
                 "gave %llu bytes of dynamic shared memory)", what, (long long)(a - dyn), n,
                 (unsigned long long)w->launch->dyn_smem);
@@ -910,18 +923,12 @@ void cp_async16(void* dst, const void* src, bool pred) {
 }
 
 void check_load(const void* p, std::size_t n) {
-  const LaunchDesc* d = t_worker->launch;
   const std::uintptr_t a = (std::uintptr_t)p;
-  for (int i = 0; i < d->nbuffers; ++i) {
-    const BufferDesc& b = d->buffers[i];
-    if (a < b.data || a + n > b.data + b.nbytes) continue;
-    const unsigned long long off = a - b.data;
-    if ((off + b.skew) % n != 0)
-      fail_here("misaligned %zu-byte load (__ldg) of buffer '%s' at byte offset %llu (the "
-                "buffer starts %llu bytes past a 16-byte boundary)", n, b.name, off,
-                (unsigned long long)b.skew);
-    return;
-  }
+  const BufferDesc* b = buffer_holding(t_worker->launch, a, n);
+  if (b != nullptr && !gpu_aligned(*b, a, n))
+    fail_here("misaligned %zu-byte load (__ldg) of buffer '%s' at byte offset %llu (the "
+              "buffer starts %llu bytes past a 16-byte boundary)", n, b->name,
+              (unsigned long long)(a - b->data), (unsigned long long)b->skew);
 }
 
 void thread_fence() {
