@@ -778,6 +778,12 @@ MUTANTS: tuple[Mutant, ...] = (
        [FUSED + "test_fused_equals_two_launches_and_the_oracle[g4-d96-ps16]"],
        "the count published before the partial rows are ordered: on a GPU the merging CTA "
        "can read another's rows stale, rarely (the emulator checks the release instead)"),
+    _m("v2tc-fused-merge-no-acquire-fence", "cuda", ("v2tc",),
+       "    __threadfence();                 // then read the other CTAs' rows, through L2\n",
+       "", [FUSED + "test_fused_equals_two_launches_and_the_oracle[g4-d96-ps16]"],
+       "the merging CTA reads the others' rows with no fence after the count that told it "
+       "they are published: on a GPU it can read them stale, rarely (the emulator checks "
+       "the acquire at each __ldcg)"),
     _m("v2tc-fused-counter-not-reset", "cuda", ("v2tc",),
        "      if (done == parts) merge_counters[slot] = 0;   // all of the slot counted\n",
        "", [FUSED + "test_counters_are_left_zero_for_the_next_call"],
@@ -1138,7 +1144,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "const bool q_vec = ((unsigned long long)q & 15) == 0;", "const bool q_vec = true;",
        [V2TC_SKEWED_Q],
        "16-byte loads of a q that is not 16-byte aligned (a misaligned-address fault on a GPU; "
-       "the emulator's __ldg checks the alignment)"),
+       "the emulator checks the alignment of the cast that makes their pointer)"),
     _m("v2tc-q-second-piece-dropped", "cuda", ("v2tc",),
        "qw[j][4] = b.x; qw[j][5] = b.y; qw[j][6] = b.z; qw[j][7] = b.w;", "",
        [V2TC_CASE + "[d64-g1-ps16-f16]"],
@@ -1211,6 +1217,12 @@ MUTANTS: tuple[Mutant, ...] = (
        [V2TC_CASE + "[d64-g1-ps16-f16]"],
        "one thread too many stores a row offset: in the last slot it lands past the static "
        "row table (red zone), in the others on the next slot's first entry"),
+    _m("v2tc-combine-rows-not-16-byte-strided", "cuda", ("v2tc",),
+       "constexpr int CLD = D + 8;", "constexpr int CLD = D + 2;",
+       [V2TC_CASE + "[d64-g7-ps64-f16]"],
+       "the combine's rows padded by 2 floats: its float4 reads of odd rows sit 8 bytes off "
+       "16 (a misaligned-address fault on a GPU, right answers on a CPU; the emulator checks "
+       "the alignment of every pointer cast)"),
     _m("tc-k-fragment-unswizzled", "cuda", ("v2tc",),
        "chunk_addr<KGRP>(k_lane + n * 8 * KROWB, 2 * kk)",
        "(k_lane + n * 8 * KROWB + (2 * kk << 4))",

@@ -22,7 +22,13 @@ from paged_decode.backends.metal_launches import (
     mlx_geometry,
 )
 from paged_decode.backends.reference import ReferenceBackend
-from paged_decode.emulator import CompileError, DivergenceError, OutOfBoundsError, RaceError
+from paged_decode.emulator import (
+    CompileError,
+    DivergenceError,
+    MisalignedError,
+    OutOfBoundsError,
+    RaceError,
+)
 from paged_decode.emulator.metal import (
     Dtype,
     InputDesc,
@@ -155,6 +161,28 @@ def test_qualifiers_rewritten_only_in_declarations():
     _run_tiny(src, [np.full(8, 5.0, np.float32)], [out], (1, 1, 1), (1, 1, 1))
     assert out[0] == 13.0
     assert "device" not in rewrite_metal("const device float* a; device half4* b;")
+
+
+def test_vector_casts_must_be_aligned_to_the_vector():
+    """A half4 read through a cast device pointer must be 8-byte aligned (MSL aligns a
+    vector to its size); a threadgroup float4 16-byte aligned. An aligned cast passes."""
+    src = """
+  threadgroup float tg[12];
+  const float4 v = float4(*reinterpret_cast<const device half4*>(IN0 + A));
+  *reinterpret_cast<threadgroup float4*>(tg + B) = v;
+  OUT0[0] = tg[B] + tg[B + 1] + tg[B + 2] + tg[B + 3];
+"""
+    x = np.arange(16, dtype=np.float16)
+    out = np.zeros(1, np.float32)
+    _run_tiny(src, [x], [out], (1, 1, 1), (1, 1, 1), [("A", 4), ("B", 8)])
+    assert out[0] == 4 + 5 + 6 + 7
+    with pytest.raises(MisalignedError, match=r"misaligned 8-byte access through a cast to "
+                       r"const pd_metal::vec<_Float16, 4>\*: buffer 'in0' byte offset 4"):
+        _run_tiny(src, [x], [out], (1, 1, 1), (1, 1, 1), [("A", 2), ("B", 8)])
+    with pytest.raises(MisalignedError, match=r"misaligned 16-byte access through a cast to "
+                       r"pd_metal::vec<float, 4>\*: static shared byte offset \d+ is not a "
+                       r"multiple of 16"):
+        _run_tiny(src, [x], [out], (1, 1, 1), (1, 1, 1), [("A", 4), ("B", 2)])
 
 
 def test_geometry_counts_threads():

@@ -209,6 +209,28 @@ __global__ void publish(float* __restrict__ y, int* __restrict__ count, int fenc
   if (threadIdx.x == 0) atomicAdd(count, 1);
 }
 
+// The same publication (fenced), then the block that counts last reads every block's
+// slots with __ldcg: after each of its threads fences (acquire 1), after thread 0 fences
+// and the block meets (2), after thread 0 alone fences, no barrier following (3), or
+// with no fence at all (0).
+__global__ void publish_read(float* __restrict__ y, int* __restrict__ count,
+                             float* __restrict__ sum, int acquire) {
+  __shared__ int last;
+  y[blockIdx.x * blockDim.x + threadIdx.x] = 1.f + blockIdx.x;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(count, 1) + 1 == (int)gridDim.x;
+    if (acquire == 2) __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  if (acquire == 1 || (acquire == 3 && threadIdx.x == 0)) __threadfence();
+  float s = 0.f;
+  for (unsigned b = 0; b < gridDim.x; ++b) s += __ldcg(y + b * blockDim.x + threadIdx.x);
+  sum[threadIdx.x] = s;
+}
+
 // Two static arrays; after a barrier thread 0 writes a[n] (n = 32: one past a's end), then
 // every thread sums a and b; thread 0 reads a[m] into y[0] where m >= 0.
 __global__ void past_static(float* __restrict__ y, int n, int m) {
@@ -229,6 +251,37 @@ __global__ void ldg_at(const float* __restrict__ x, float* __restrict__ y, int o
     const float4 v = __ldg(reinterpret_cast<const float4*>(x + off));
     y[0] = v.x; y[1] = v.y; y[2] = v.z; y[3] = v.w;
   }
+}
+
+// The same through a float4 parameter (no cast): __ldg's own check.
+__global__ void ldg_vec(const float4* __restrict__ x, float* __restrict__ y, int i) {
+  if (threadIdx.x == 0) {
+    const float4 v = __ldg(x + i);
+    y[0] = v.x; y[1] = v.y; y[2] = v.z; y[3] = v.w;
+  }
+}
+
+// Thread 0 moves four floats from x + off to shared float offset s_off (dynamic, to 0; a
+// static variable, to 1) through float4 pointers made by casts (reinterpret_cast, or
+// static_cast through void* when by_void); threads 0-3 copy them from there to y.
+__global__ void cast_at(const float* __restrict__ x, float* __restrict__ y, int off,
+                        int s_off, int to, int by_void) {
+  __shared__ __align__(16) float st[8];
+  float* const base = to == 1 ? st : dyn;
+  if (threadIdx.x == 0) {
+    const float4* src = by_void ? static_cast<const float4*>(static_cast<const void*>(x + off))
+                                : reinterpret_cast<const float4*>(x + off);
+    *reinterpret_cast<float4*>(base + s_off) = *src;
+  }
+  __syncthreads();
+  if (threadIdx.x < 4) y[threadIdx.x] = base[s_off + threadIdx.x];
+}
+
+// A 4-byte local reinterpreted as two halves: a thread's registers, never checked.
+__global__ void cast_local(float* __restrict__ y) {
+  const unsigned u = 0x3c003c00u;   // (1.0, 1.0) in float16
+  const __half2 h = *reinterpret_cast<const __half2*>(&u);
+  if (threadIdx.x == 0) y[0] = __half2float(h.x) + __half2float(h.y);
 }
 
 // The order in which threads pass one point (non-atomic: fibers never interleave).
@@ -454,6 +507,28 @@ def test_an_atomic_publishing_unfenced_writes_fails():
         publish(0)
 
 
+def test_reading_published_writes_without_an_acquire_fence_fails():
+    """The last block's __ldcg reads of what the others published (after the atomic that
+    told it so) are checked as the acquire: the reading thread fenced after the atomic,
+    or a thread fenced and the block met at a barrier since."""
+    def read(acquire):
+        y = np.zeros(3 * 64, np.float32)
+        count = np.zeros(1, np.int32)
+        total = np.full(64, np.nan, np.float32)
+        run("publish_read", 3, 64, [Buffer("y", y, True), Buffer("count", count, True),
+                                    Buffer("sum", total, True), np.int32(acquire)])
+        return total
+
+    for acquire in (1, 2):
+        np.testing.assert_array_equal(read(acquire), 1 + 2 + 3)
+    for acquire in (0, 3):
+        with pytest.raises(KernelFault, match=r"publish_read: block \(\d,0,0\) thread "
+                           r"\(\d+,0,0\): __ldcg after the block's atomic \(which tells it "
+                           r"other blocks' writes are published\) with no __threadfence\(\) "
+                           r"between"):
+            read(acquire)
+
+
 def test_static_shared_variables_have_red_zones():
     """Each static __shared__ variable is followed by a poisoned red zone: a write past it
     fails when the block ends (it landed in padding or the next variable before), a read
@@ -475,22 +550,66 @@ def test_static_shared_variables_have_red_zones():
 
 def test_vector_ldg_alignment_follows_the_buffers_gpu_placement(monkeypatch):
     """A 16-byte __ldg must be 16-byte aligned where the buffer sits on a GPU; g++'s own
-    instruction for it may or may not fault, so the emulator checks."""
+    instruction for it may or may not fault, so the emulator checks, at the cast that
+    made the pointer and, for a pointer no cast made, in __ldg itself."""
     x = np.arange(16, dtype=np.float32)
 
-    def ldg(off):
+    def ldg(off, kernel="ldg_at"):
         y = np.zeros(4, np.float32)
-        run("ldg_at", 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int32(off)])
+        run(kernel, 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int32(off)])
         return y
 
     np.testing.assert_array_equal(ldg(4), [4, 5, 6, 7])
     with pytest.raises(MisalignedError, match=r"ldg_at: block \(0,0,0\) thread \(0,0,0\): "
-                       r"misaligned 16-byte load \(__ldg\) of buffer 'x' at byte offset 8 "):
+                       r"misaligned 16-byte access through a cast to const float4\*: buffer "
+                       r"'x' byte offset 8 "):
         ldg(2)
+    np.testing.assert_array_equal(ldg(1, "ldg_vec"), [4, 5, 6, 7])
     monkeypatch.setitem(MISALIGN, "x", 8)
     np.testing.assert_array_equal(ldg(2), [2, 3, 4, 5])
     with pytest.raises(MisalignedError, match=r"byte offset 16 \(the buffer starts 8 bytes"):
         ldg(4)
+    with pytest.raises(MisalignedError, match=r"ldg_vec: block \(0,0,0\) thread \(0,0,0\): "
+                       r"misaligned 16-byte load \(__ldg\) of buffer 'x' at byte offset 16 "
+                       r"\(the buffer starts 8 bytes"):
+        ldg(1, "ldg_vec")
+
+
+def cast_at(off, s_off, to=0, by_void=0):
+    x = np.arange(16, dtype=np.float32)
+    y = np.zeros(4, np.float32)
+    run("cast_at", 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int32(off),
+                           np.int32(s_off), np.int32(to), np.int32(by_void)], 64)
+    return y
+
+
+def test_pointer_casts_check_alignment_where_the_bytes_sit_on_a_gpu(monkeypatch):
+    """A float4 access through a cast pointer must be 16-byte aligned in a launch buffer
+    (where it would sit on a GPU) and in shared memory, dynamic or static; a GPU faults
+    on it, g++ may not. A cast of a thread's own local is not checked."""
+    np.testing.assert_array_equal(cast_at(4, 8), [4, 5, 6, 7])
+    np.testing.assert_array_equal(cast_at(8, 4, to=1), [8, 9, 10, 11])
+    np.testing.assert_array_equal(cast_at(4, 8, by_void=1), [4, 5, 6, 7])
+    with pytest.raises(MisalignedError, match=r"cast_at: block \(0,0,0\) thread \(0,0,0\): "
+                       r"misaligned 16-byte access through a cast to const float4\*: buffer "
+                       r"'x' byte offset 24 \(the buffer starts 0 bytes"):
+        cast_at(6, 8)
+    with pytest.raises(MisalignedError, match=r"buffer 'x' byte offset 8 "):
+        cast_at(2, 8, by_void=1)
+    with pytest.raises(MisalignedError, match=r"misaligned 16-byte access through a cast to "
+                       r"float4\*: dynamic shared byte offset 8 is not a multiple of 16"):
+        cast_at(4, 2)
+    with pytest.raises(MisalignedError, match=r"a cast to float4\*: static shared byte offset "
+                       r"\d+ is not a multiple of 16"):
+        cast_at(4, 1, to=1)
+    monkeypatch.setitem(MISALIGN, "x", 8)
+    np.testing.assert_array_equal(cast_at(2, 8), [2, 3, 4, 5])
+    with pytest.raises(MisalignedError, match=r"buffer 'x' byte offset 16 \(the buffer starts "
+                       r"8 bytes past a 16-byte boundary\)"):
+        cast_at(4, 8)
+    y = np.zeros(1, np.float32)
+    run("cast_local", 1, 32, [Buffer("y", y, True)])
+    assert y[0] == 2.0
 
 
 def test_static_variables_past_the_red_zone_table_still_take_copies():

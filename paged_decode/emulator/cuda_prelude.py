@@ -135,7 +135,8 @@ inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_s
 inline void __threadfence() { pd_emu::thread_fence(); }
 // blocks run on several OS threads at once: a device atomic is a host atomic. Our kernels
 // use one only to publish a block's global writes (the fused merge's count), so each is
-// checked as such a release: a missing fence is a wrong answer on a GPU only rarely.
+// checked as such a release (and __ldcg after it as the acquire): a missing fence is a
+// wrong answer on a GPU only rarely.
 inline int atomicAdd(int* p, int v) {
   pd_emu::check_release("atomicAdd");
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
@@ -152,8 +153,13 @@ inline T __ldg(const T* p) {
   if (sizeof(T) > 1 && (sizeof(T) & (sizeof(T) - 1)) == 0) pd_emu::check_load(p, sizeof(T));
   return *p;
 }
+// a load through L2 (our kernels use it only for what other blocks published: the fused
+// merge's partial rows) is checked as the acquire half of the atomic's publication
 template <typename T>
-inline T __ldcg(const T* p) { return *p; }
+inline T __ldcg(const T* p) {
+  pd_emu::check_acquire("__ldcg");
+  return *p;
+}
 inline std::size_t __cvta_generic_to_shared(const void* p) { return (std::size_t)p; }
 
 // ------------------------------------------------------------------ math

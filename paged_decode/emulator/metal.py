@@ -33,6 +33,7 @@ from ..metal_signature import (  # noqa: F401
 )
 from .errors import EmulatorError
 from .launch import Buffer, run_wrapped
+from .rewrite import rewrite_casts
 
 
 def _dtype_name(x: Any) -> str:
@@ -57,8 +58,8 @@ _CONSTANT_VAR = re.compile(
 def rewrite_metal(src: str, site_prefix: str = "s") -> str:
     """``src`` with address-space qualifiers removed where they qualify a pointer or
     reference declaration (a reference to an array, ``thread float (&a)[N]``, too),
-    ``constant`` variables made ``static const`` and each ``threadgroup T name[N]...;``
-    turned into arena storage."""
+    ``constant`` variables made ``static const``, each ``threadgroup T name[N]...;``
+    turned into arena storage and pointer casts checked (``rewrite.rewrite_casts``)."""
     out: list[str] = []
     last = 0
     for i, m in enumerate(_TG_ARRAY.finditer(src)):
@@ -69,7 +70,7 @@ def rewrite_metal(src: str, site_prefix: str = "s") -> str:
                    f"{site}_t& {name} = pd_metal::tg_var<{site}_t, {site}>(\"{name}\");")
         last = m.end()
     out.append(src[last:])
-    text = _QUALIFIER.sub("", "".join(out))
+    text = rewrite_casts(_QUALIFIER.sub("", "".join(out)))
     return _CONSTANT_VAR.sub("static const ", text)
 
 

@@ -1,4 +1,4 @@
-"""Source rewriting for the CUDA dialect: ``__shared__`` storage and the launcher.
+"""Source rewriting: ``__shared__`` storage, checked pointer casts and the launcher.
 
 ``__shared__`` cannot be a macro: a C++ ``static`` is shared by every OS thread and
 block, and ``thread_local`` is slow. Each declaration inside a function body becomes a
@@ -12,6 +12,8 @@ declaration site and template instantiation (a local ``struct`` tags the site)::
 ``extern __shared__ T name[];`` (dynamic shared memory) becomes an object converting to
 ``T*`` (the block's dynamic region). Limits: one declarator per statement; static
 ``__shared__`` at namespace scope is rejected.
+
+Pointer ``reinterpret_cast``s (both dialects) become alignment-checked casts.
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ def rewrite_shared(src: str) -> str:
     return "".join(out)
 
 
+_POINTER_CAST = re.compile(r"(?<![\w:])(?:reinterpret|static)_cast\s*<(?P<type>[^<>;(){}]*\*)\s*>")
+
+
+def rewrite_casts(src: str) -> str:
+    """``src`` with every ``reinterpret_cast`` to a pointer type made a checked one
+    (``pd_emu::vector_cast``): an access through it must be aligned to its type's size
+    where the bytes sit on a GPU. A GPU faults on a misaligned ``float4`` load; g++'s
+    instruction for it may not, so without this the emulator passes such a kernel."""
+    return _POINTER_CAST.sub(lambda m: f"pd_emu::vector_cast<{m['type']}>", src)
+
+
 def _namespace_scope(src: str, pos: int) -> bool:
     """Whether ``pos`` lies outside every function body: every enclosing ``{`` opens a
     namespace (a heuristic good enough for kernel sources)."""
@@ -71,7 +84,7 @@ def _namespace_scope(src: str, pos: int) -> bool:
 def wrap_cuda(source: str, name_expression: str) -> str:
     """The translation unit the emulator compiles: prelude, the kernel source with its
     shared memory rewritten, and an ``extern "C"`` launcher of ``name_expression``."""
-    body = rewrite_shared(source)
+    body = rewrite_casts(rewrite_shared(source))
     return (
         '#include "pd_emu_cuda.h"\n'
         "#line 1 \"kernel.cu\"\n"

@@ -64,6 +64,7 @@ struct Fiber {
   Block* block;
   Warp* warp;
   int fence_phase;       // the block's barrier phase at this thread's last __threadfence
+  unsigned fence_event;  // the block's event count at this thread's last __threadfence
 };
 
 struct Warp {
@@ -110,6 +111,12 @@ struct Block {
   int arrived;           // threads waiting at the block barrier
   int exited;
   unsigned phase;        // block barriers released so far
+  // acquire bookkeeping (check_acquire): fences and atomics counted in the order they
+  // ran, the count at the block's last atomic (0: none yet), and the barrier phase of
+  // the first fence after it (-1: none)
+  unsigned events;
+  unsigned atomic_event;
+  int acquire_phase;
 };
 
 // Launch description, filled by the Python driver (ctypes mirrors these layouts).
@@ -162,12 +169,38 @@ void check_shared(const void* p, std::size_t n, const char* what);
 // aligned to ``n`` where the buffer would sit on a GPU (MISALIGN's skew), or the launch
 // fails; an address outside every buffer is left to the load itself to fault on.
 void check_load(const void* p, std::size_t n);
+// An access of ``n`` bytes at ``p`` through a pointer cast to a type of that size
+// (``what``: the cast's target) must be ``n``-aligned where the bytes sit on a GPU: in a
+// launch buffer (MISALIGN's skew) or the running block's shared memory. Other addresses
+// (a thread's locals, registers on a GPU) and null are not checked.
+void check_cast(const void* p, std::size_t n, const char* what);
+// ``reinterpret_cast<P>(s)`` with check_cast on the result when P points to a type whose
+// size is a power of two from 2 to 16 (a GPU access of it must be aligned to its size):
+// rewrite.py turns the kernels' pointer casts into this, so a vector access the GPU
+// would fault on (a float4 at an 8-byte offset) fails here too; g++'s instruction for it
+// may or may not.
+template <typename P, typename S>
+inline P vector_cast(S s) {
+  P p = reinterpret_cast<P>(s);
+  using E = std::remove_cv_t<std::remove_pointer_t<P>>;
+  if constexpr (std::is_pointer_v<P> && !std::is_void_v<E>) {
+    constexpr std::size_t n = sizeof(E);
+    if constexpr (n >= 2 && n <= 16 && (n & (n - 1)) == 0)
+      if (p != nullptr) check_cast(p, n, __PRETTY_FUNCTION__);
+  }
+  return p;
+}
 // __threadfence: the fence itself, and the barrier phase it ran in
 void thread_fence();
 // An atomic that publishes the block's global writes to other blocks (``what``): every
 // live thread of the block must have fenced in the phase before the barrier that
 // precedes it (the caller may fence in its own phase), or the launch fails.
 void check_release(const char* what);
+// A coherent load (``what``: __ldcg) after the block's atomic reads what other blocks
+// published: the running thread must have fenced after the atomic, or a thread of the
+// block fenced after it and a barrier followed, or the launch fails (the acquire half of
+// the publication check_release checks).
+void check_acquire(const char* what);
 void cp_async_commit();
 void cp_async_wait(int n);
 [[noreturn]] void fail(const char* fmt, ...);
@@ -605,6 +638,9 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
   b.arrived = 0;
   b.exited = 0;
   b.phase = 0;
+  b.events = 0;
+  b.atomic_event = 0;
+  b.acquire_phase = -1;
   std::memset(w->dyn, 0xff, w->dyn_len);
   std::memset(w->stat, 0xff, b.statics->end.load());
   const int n = b.nthreads;
@@ -613,6 +649,7 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
     f.state = RUNNABLE;
     f.linear = i;
     f.fence_phase = -1;
+    f.fence_event = 0;
     f.lane = i % WARP;
     f.tid = U3{i % d->block[0], (i / d->block[0]) % d->block[1],
                i / (d->block[0] * d->block[1])};
@@ -931,10 +968,55 @@ void check_load(const void* p, std::size_t n) {
               (unsigned long long)(a - b->data), (unsigned long long)b->skew);
 }
 
+// The cast's target type out of vector_cast's __PRETTY_FUNCTION__ ("... [with P = T*; ...")
+void cast_target(const char* pretty, char* out, std::size_t n) {
+  const char* s = std::strstr(pretty, "P = ");
+  s = s ? s + 4 : pretty;
+  std::size_t len = std::strcspn(s, ";]");
+  if (len >= n) len = n - 1;
+  std::memcpy(out, s, len);
+  out[len] = 0;
+}
+
+void check_cast(const void* p, std::size_t n, const char* what) {
+  Worker* w = t_worker;
+  const std::uintptr_t a = (std::uintptr_t)p;
+  char target[160];
+  if (const BufferDesc* b = buffer_holding(w->launch, a, 1)) {
+    if (gpu_aligned(*b, a, n)) return;
+    cast_target(what, target, sizeof target);
+    fail_here("misaligned %zu-byte access through a cast to %s: buffer '%s' byte offset "
+              "%llu (the buffer starts %llu bytes past a 16-byte boundary)", n, target,
+              b->name, (unsigned long long)(a - b->data), (unsigned long long)b->skew);
+  }
+  const std::uintptr_t lo = (std::uintptr_t)w->arena, hi = lo + w->arena_len;
+  if (a < lo || a >= hi || a % n == 0) return;
+  const bool in_dyn = a < (std::uintptr_t)w->smem_split;
+  const std::uintptr_t base = (std::uintptr_t)(in_dyn ? w->dyn : w->stat);
+  cast_target(what, target, sizeof target);
+  fail_here("misaligned %zu-byte access through a cast to %s: %s shared byte offset %lld "
+            "is not a multiple of %zu", n, target, in_dyn ? "dynamic" : "static",
+            (long long)(a - base), n);
+}
+
 void thread_fence() {
   Fiber* f = t_worker->cur;
-  f->fence_phase = (int)f->block->phase;
+  Block* b = f->block;
+  f->fence_phase = (int)b->phase;
+  f->fence_event = ++b->events;
+  if (b->atomic_event != 0 && b->acquire_phase < 0) b->acquire_phase = (int)b->phase;
   std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+void check_acquire(const char* what) {
+  Fiber* f = t_worker->cur;
+  const Block* b = f->block;
+  if (b->atomic_event == 0 || f->fence_event > b->atomic_event) return;
+  if (b->acquire_phase >= 0 && (int)b->phase > b->acquire_phase) return;
+  fail_here("%s after the block's atomic (which tells it other blocks' writes are "
+            "published) with no __threadfence() between: this thread must fence after the "
+            "atomic, or one thread fence and the block meet at __syncthreads(), before it "
+            "reads them, or it may read stale data", what);
 }
 
 void check_release(const char* what) {
@@ -953,6 +1035,9 @@ void check_release(const char* what) {
                 u.fence_phase < 0 ? "never ran __threadfence()"
                                   : "ran its __threadfence() before an earlier barrier");
   }
+  Block* bm = f->block;
+  bm->atomic_event = ++bm->events;
+  bm->acquire_phase = -1;
 }
 
 void cp_async_commit() {
