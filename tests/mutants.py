@@ -1153,6 +1153,12 @@ MUTANTS: tuple[Mutant, ...] = (
        "for (int s = 0; s < STAGES; ++s) first_page[s] = page_of(s);",
        "for (int s = 0; s < STAGES; ++s) first_page[s] = page_of(s + 1);", [V2TC_LONG],
        "the page ids loaded ahead of Q taken one stage late"),
+    _m("v2tc-first-pages-one-past", "cuda", ("v2tc",),
+       "for (int s = 0; s < STAGES; ++s) first_page[s] = page_of(s);",
+       "for (int s = 0; s <= STAGES; ++s) first_page[s] = page_of(s);", [V2TC_LONG],
+       "the prologue loads one stage's page ids too many, writing past its local array "
+       "(on a GPU over whatever local memory follows; the emulator compiles with g++'s "
+       "array bounds checks)"),
     _m("v2tc-fp8-v-codes-not-regrouped", "cuda", ("v2tc",),
        "  return __byte_perm(w, 0u, 0x3120u);",
        "  return w;", [V2TC_FP8_E4],

@@ -167,6 +167,22 @@ __global__ void staged(const float* __restrict__ x, float* __restrict__ y) {
   y[32 + t] = s[1][4 * t + 2];
 }
 
+// Thread 0 copies x[0:4] into s[0:4] by cp.async and, before its wait, stores 5 to s[at]
+// (at -1: no store); then the block copies s to y.
+__global__ void store_in_flight(const float* __restrict__ x, float* __restrict__ y, int at) {
+  __shared__ __align__(16) float s[8];
+  s[threadIdx.x & 7] = 0.f;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    pd::cp_async16(s, x, true);
+    pd::cp_async_commit();
+    if (at >= 0) s[at] = 5.f;
+    pd::cp_async_wait<0>();
+  }
+  __syncthreads();
+  if (threadIdx.x < 8) y[threadIdx.x] = s[threadIdx.x];
+}
+
 // A copy or a plain read from ``x + off`` (``off`` in elements, 64-bit): a wild index.
 __global__ void far_copy(const float* __restrict__ x, float* __restrict__ y, long long off) {
   __shared__ __align__(16) float s[4];
@@ -232,17 +248,30 @@ __global__ void publish_read(float* __restrict__ y, int* __restrict__ count,
 }
 
 // Two static arrays; after a barrier thread 0 writes a[n] (n = 32: one past a's end), then
-// every thread sums a and b; thread 0 reads a[m] into y[0] where m >= 0.
+// every thread sums a and b; thread 0 reads a[m] into y[0] where m >= 0. Through a
+// pointer, which the red zones catch (an index of `a` itself traps: past_index).
 __global__ void past_static(float* __restrict__ y, int n, int m) {
   __shared__ float a[32];
   __shared__ float b[32];
+  float* const pa = a;
   a[threadIdx.x] = 1.f;
   b[threadIdx.x] = 2.f;
   __syncthreads();
-  if (threadIdx.x == 0 && n >= 0) a[n] = 3.f;
+  if (threadIdx.x == 0 && n >= 0) pa[n] = 3.f;
   __syncthreads();
   y[threadIdx.x] = a[threadIdx.x] + b[threadIdx.x];
-  if (threadIdx.x == 0 && m >= 0) y[0] = a[m];
+  if (threadIdx.x == 0 && m >= 0) y[0] = pa[m];
+}
+
+// Thread 0 reads element n of a local array (local 1) or of the first row of a static
+// shared 2 x 32 array (local 0): past the row, s[0][32] is s[1][0] in memory.
+__global__ void past_index(float* __restrict__ y, int n, int local) {
+  __shared__ float s[2][32];
+  float r[4] = {1.f + threadIdx.x, 2.f, 3.f, 4.f};
+  s[0][threadIdx.x] = 1.f;
+  s[1][threadIdx.x] = 2.f;
+  __syncthreads();
+  if (threadIdx.x == 0) y[0] = local ? r[n] : s[0][n];
 }
 
 // Thread 0 loads four floats at x + off with one 16-byte __ldg.
@@ -546,6 +575,40 @@ def test_static_shared_variables_have_red_zones():
     with pytest.raises(OutOfBoundsError, match=r"'a' \(128 bytes\) at byte 8 past its end"):
         past(34)
     assert np.isnan(past(-1, m=32)[0])
+
+
+def test_a_store_into_a_copy_in_flight_fails():
+    """A plain store to shared memory a cp.async is still writing races with the copy on
+    a GPU; the deferred copy finds its destination no longer poisoned when it lands."""
+    def store(at):
+        x = np.arange(1, 5, dtype=np.float32)
+        y = np.zeros(8, np.float32)
+        run("store_in_flight", 1, 32, [Buffer("x", x), Buffer("y", y, True), np.int32(at)])
+        return y
+
+    np.testing.assert_array_equal(store(-1), [1, 2, 3, 4, 0, 0, 0, 0])
+    np.testing.assert_array_equal(store(5), [1, 2, 3, 4, 0, 5, 0, 0])
+    for at in (0, 3):
+        with pytest.raises(RaceError, match=r"store_in_flight: block \(0,0,0\) thread "
+                           r"\(0,0,0\): shared memory written while a cp.async into it was "
+                           r"in flight \(static byte offset 0, this thread's copy"):
+            store(at)
+
+
+def test_an_index_past_a_fixed_size_array_fails():
+    """Kernels are compiled with g++'s array bounds checks: an index past a thread's local
+    array, or past one dimension of a static shared array while still inside the whole
+    (s[0][32] is s[1][0]), fails as out of bounds where a GPU would read a neighbour."""
+    def at(n, local):
+        y = np.zeros(1, np.float32)
+        run("past_index", 1, 32, [Buffer("y", y, True), np.int32(n), np.int32(local)])
+        return y[0]
+
+    assert at(3, 1) == 4 and at(31, 0) == 1
+    for n, local in ((4, 1), (-1, 1), (32, 0)):
+        with pytest.raises(OutOfBoundsError, match=r"past_index: block \(0,0,0\) thread "
+                           r"\(0,0,0\): out-of-bounds index of a fixed-size array"):
+            at(n, local)
 
 
 def test_vector_ldg_alignment_follows_the_buffers_gpu_placement(monkeypatch):

@@ -17,6 +17,7 @@ from .errors import (
     CompileError,
     DivergenceError,
     EmulatorError,
+    InFlightWriteError,
     KernelFault,
     MisalignedError,
     OutOfBoundsError,
@@ -34,6 +35,6 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-__all__ = ["Buffer", "CompileError", "DivergenceError", "EmulatorError", "KernelFault",
-           "MisalignedError", "OutOfBoundsError", "RaceError", "available", "cache_dir",
-           "launch"]
+__all__ = ["Buffer", "CompileError", "DivergenceError", "EmulatorError", "InFlightWriteError",
+           "KernelFault", "MisalignedError", "OutOfBoundsError", "RaceError", "available",
+           "cache_dir", "launch"]

@@ -20,12 +20,14 @@ class KernelFault(EmulatorError):
 
 
 class OutOfBoundsError(KernelFault):
-    """A read or write outside a launch buffer (caught by its guard pages)."""
+    """A read or write outside a launch buffer or the block's shared memory (caught by
+    guard pages or red zones), or an index past a fixed-size array's bound (g++'s bounds
+    checks)."""
 
 
 class MisalignedError(KernelFault):
-    """A ``cp.async`` copy or an ``ldmatrix`` row whose address is not aligned to its size
-    (16 bytes) where the buffer would sit on a GPU."""
+    """A ``cp.async`` copy, an ``ldmatrix`` row, an ``__ldg`` or a pointer cast whose
+    address is not aligned to its size where the bytes would sit on a GPU."""
 
 
 class DivergenceError(KernelFault):
@@ -36,3 +38,8 @@ class RaceError(EmulatorError):
     """Two fiber schedules produced different outputs: the kernel communicates through
     shared memory without a barrier in between, or reads a ``cp.async`` destination
     before the wait that lands it."""
+
+
+class InFlightWriteError(KernelFault, RaceError):
+    """Shared memory written while a ``cp.async`` into it was in flight (found when the
+    copy lands): on a GPU the copy and the write race."""

@@ -37,6 +37,7 @@ from .compiler import kernel_library, runtime
 from .errors import (
     DivergenceError,
     EmulatorError,
+    InFlightWriteError,
     KernelFault,
     MisalignedError,
     OutOfBoundsError,
@@ -194,6 +195,8 @@ def _classify(msg: str) -> type[KernelFault]:
         return MisalignedError
     if "divergent" in msg:
         return DivergenceError
+    if "while a cp.async into it was in flight" in msg:
+        return InFlightWriteError
     return KernelFault
 
 

@@ -388,7 +388,7 @@ struct Worker {
 
 thread_local Worker* t_worker = nullptr;
 std::mutex g_launch_mutex;               // one launch at a time per process
-struct sigaction g_old_segv, g_old_bus;
+struct sigaction g_old_segv, g_old_bus, g_old_ill;
 
 std::size_t page_size() { return (std::size_t)sysconf(_SC_PAGESIZE); }
 
@@ -500,8 +500,22 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
   Worker* w = t_worker;
   if (w == nullptr || !w->in_block) {
     // not ours: put the previous handler back and let the access fault again
-    sigaction(sig, sig == SIGSEGV ? &g_old_segv : &g_old_bus, nullptr);
+    sigaction(sig, sig == SIGSEGV ? &g_old_segv : sig == SIGBUS ? &g_old_bus : &g_old_ill,
+              nullptr);
     return;
+  }
+  if (sig == SIGILL) {
+    // kernels are compiled with g++'s array bounds checks, which trap (ud2) on an index
+    // past a fixed-size array's bound: a thread's local array, or one dimension of a
+    // static shared one. A GPU gives such an index as a wrong answer or a fault elsewhere.
+    char loc[512];
+    where(w, loc, sizeof loc);
+    std::snprintf(w->msg, sizeof w->msg,
+                  "%s: out-of-bounds index of a fixed-size array (a thread's local array "
+                  "or a dimension of a static shared one; the bounds check trapped at "
+                  "%#lx)", loc, (unsigned long)si->si_addr);
+    w->in_block = false;
+    siglongjmp(w->jb, 1);
   }
   const ucontext_t* uc = static_cast<const ucontext_t*>(uctx);
   const bool write = (uc->uc_mcontext.gregs[REG_ERR] & 2) != 0;
@@ -510,13 +524,29 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
   siglongjmp(w->jb, 1);
 }
 
-// Land the copies of ``q`` whose group is below ``upto``, in issue order.
+// Land the copies of ``q`` whose group is below ``upto``, in issue order. A destination
+// no longer all poison was written while its copy was in flight (a plain store, or
+// another copy landed there): on a GPU the two race, so the launch fails.
 void land(CpQueue& q, unsigned upto) {
+  static const unsigned char poison[16] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+                                           0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
   std::size_t keep = 0;
   for (std::size_t i = 0; i < q.items.size(); ++i) {
     Pending& p = q.items[i];
-    if (p.group < upto) std::memcpy(p.dst, p.data, sizeof p.data);
-    else q.items[keep++] = p;
+    if (p.group < upto) {
+      if (std::memcmp(p.dst, poison, sizeof poison) != 0) {
+        Worker* w = t_worker;
+        const bool in_dyn = p.dst < w->smem_split;
+        const unsigned char* base = in_dyn ? w->dyn : w->stat;
+        fail_here("shared memory written while a cp.async into it was in flight (%s byte "
+                  "offset %lld, this thread's copy of 16 bytes): on a GPU the copy and the "
+                  "other write race", in_dyn ? "dynamic" : "static",
+                  (long long)(p.dst - base));
+      }
+      std::memcpy(p.dst, p.data, sizeof p.data);
+    } else {
+      q.items[keep++] = p;
+    }
   }
   q.items.resize(keep);
 }
@@ -1075,6 +1105,7 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
   sigemptyset(&sa.sa_mask);
   sigaction(SIGSEGV, &sa, &g_old_segv);
   sigaction(SIGBUS, &sa, &g_old_bus);
+  sigaction(SIGILL, &sa, &g_old_ill);
   Shared s;
   s.d = d;
   s.total = total;
@@ -1104,6 +1135,7 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
   for (Worker& w : workers) teardown_worker(&w);
   sigaction(SIGSEGV, &g_old_segv, nullptr);
   sigaction(SIGBUS, &g_old_bus, nullptr);
+  sigaction(SIGILL, &g_old_ill, nullptr);
   if (!s.error.empty()) {
     std::snprintf(err, errlen, "%s", s.error.c_str());
     return 1;

@@ -139,7 +139,8 @@ __device__ __forceinline__ void ldsm_x4_at(unsigned (&r)[4], smem_addr_t a) {
   }
 #else
 #if defined(PD_EMU)
-  pd_emu::check_shared(reinterpret_cast<const void*>(a), 16, TRANS ? "ldmatrix.trans row" : "ldmatrix row");
+  pd_emu::check_shared(reinterpret_cast<const void*>(a), 16,
+                       TRANS ? "ldmatrix.trans row" : "ldmatrix row");
 #endif
   const int lane = threadIdx.x & 31;
   const unsigned long long mine = a;
