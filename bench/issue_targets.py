@@ -17,7 +17,8 @@ of our two partials for information):
 - #17 `bw`: v2tc >= 90% of the run's measured read bandwidth wherever the cell's K/V is
   >= 256 MB;
 - #17 `sdpa`: v2tc within 5% of contiguous SDPA (<= 1.05x) wherever K/V >= 64 MB;
-- #17 `forks`: flat v2tc over shared pages <= FlashInfer's flat decode (forks suite);
+- #17 `forks`: flat v2tc over shared pages <= the better of FlashInfer's flat decodes
+  (forks suite);
 - #14 `fp8`: v2tc over e4m3fn pools >= 1.8x faster than over float16 pools wherever the
   float16 K/V is >= 256 MB (the same cell in both), and <= 0.95x FlashInfer's
   tensor-core decode over the same fp8 pools.
@@ -122,12 +123,16 @@ def judge(results: list[dict[str, Any]], header: dict[str, Any]) -> list[Row]:
     for r in results:
         case, arms, label = r["case"], r["arms"], r["label"]
         if not _is_decode(case):                       # forks suite
-            ours, fis = _gpu(arms, "v2tc"), [_gpu(arms, a) for a in FI_ARMS[:1]]
-            if ours is not None and fis[0] is not None and ("forks", label) not in seen:
+            # FlashInfer's better flat decode (its tensor-core arm reuses L2 far better
+            # than its CUDA-core one over shared pages)
+            ours = _gpu(arms, "v2tc")
+            fis = {a: x for a in FI_ARMS if (x := _gpu(arms, a)) is not None}
+            if ours is not None and fis and ("forks", label) not in seen:
                 seen.add(("forks", label))
-                rows.append(Row("#17 forks", label, ours / fis[0], "<= 1.00",
-                                ours <= fis[0], f"v2tc {ours:.1f} us, FlashInfer flat "
-                                f"{fis[0]:.1f} us"))
+                arm, best = min(fis.items(), key=lambda kv: kv[1])
+                rows.append(Row("#17 forks", label, ours / best, "<= 1.00", ours <= best,
+                                f"v2tc {ours:.1f} us, FlashInfer's better flat decode "
+                                f"({arm}) {best:.1f} us"))
             continue
         ours = _gpu(arms, "v2tc")
         if ours is None:
