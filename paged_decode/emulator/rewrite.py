@@ -13,7 +13,8 @@ declaration site and template instantiation (a local ``struct`` tags the site)::
 ``T*`` (the block's dynamic region). Limits: one declarator per statement; static
 ``__shared__`` at namespace scope is rejected.
 
-Pointer ``reinterpret_cast``s (both dialects) become alignment-checked casts.
+Pointer ``reinterpret_cast``s and ``static_cast``s (both dialects) become
+alignment-checked casts.
 """
 
 from __future__ import annotations
@@ -53,15 +54,18 @@ def rewrite_shared(src: str) -> str:
     return "".join(out)
 
 
-_POINTER_CAST = re.compile(r"(?<![\w:])(?:reinterpret|static)_cast\s*<(?P<type>[^<>;(){}]*\*)\s*>")
+_POINTER_CAST = re.compile(
+    r"(?<![\w:])(?P<kind>reinterpret|static)_cast\s*<(?P<type>[^<>;(){}]*\*)\s*>")
+_CHECKED = {"reinterpret": "pd_emu::vector_cast", "static": "pd_emu::vector_static_cast"}
 
 
 def rewrite_casts(src: str) -> str:
-    """``src`` with every ``reinterpret_cast`` to a pointer type made a checked one
-    (``pd_emu::vector_cast``): an access through it must be aligned to its type's size
-    where the bytes sit on a GPU. A GPU faults on a misaligned ``float4`` load; g++'s
-    instruction for it may not, so without this the emulator passes such a kernel."""
-    return _POINTER_CAST.sub(lambda m: f"pd_emu::vector_cast<{m['type']}>", src)
+    """``src`` with every ``reinterpret_cast`` and ``static_cast`` to a pointer type made a
+    checked one (``pd_emu::vector_cast`` / ``vector_static_cast``, the same cast and then
+    the check): an access through it must be aligned to its type's size where the bytes
+    sit on a GPU. A GPU faults on a misaligned ``float4`` load; g++'s instruction for it
+    may not, so without this the emulator passes such a kernel."""
+    return _POINTER_CAST.sub(lambda m: f"{_CHECKED[m['kind']]}<{m['type']}>", src)
 
 
 def _namespace_scope(src: str, pos: int) -> bool:

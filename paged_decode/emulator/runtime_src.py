@@ -174,22 +174,25 @@ void check_load(const void* p, std::size_t n);
 // launch buffer (MISALIGN's skew) or the running block's shared memory. Other addresses
 // (a thread's locals, registers on a GPU) and null are not checked.
 void check_cast(const void* p, std::size_t n, const char* what);
-// ``reinterpret_cast<P>(s)`` with check_cast on the result when P points to a type whose
-// size is a power of two from 2 to 16 (a GPU access of it must be aligned to its size):
-// rewrite.py turns the kernels' pointer casts into this, so a vector access the GPU
-// would fault on (a float4 at an 8-byte offset) fails here too; g++'s instruction for it
-// may or may not.
-template <typename P, typename S>
-inline P vector_cast(S s) {
-  P p = reinterpret_cast<P>(s);
+// ``reinterpret_cast<P>(s)`` / ``static_cast<P>(s)`` with check_cast on the result when
+// P points to a type whose size is a power of two from 2 to 16 (a GPU access of it must
+// be aligned to its size): rewrite.py turns the kernels' pointer casts into these, so a
+// vector access the GPU would fault on (a float4 at an 8-byte offset) fails here too;
+// g++'s instruction for it may or may not. ``pretty`` names P in the message.
+template <typename P>
+inline P checked_cast(P p, const char* pretty) {
   using E = std::remove_cv_t<std::remove_pointer_t<P>>;
   if constexpr (std::is_pointer_v<P> && !std::is_void_v<E>) {
     constexpr std::size_t n = sizeof(E);
     if constexpr (n >= 2 && n <= 16 && (n & (n - 1)) == 0)
-      if (p != nullptr) check_cast(p, n, __PRETTY_FUNCTION__);
+      if (p != nullptr) check_cast(p, n, pretty);
   }
   return p;
 }
+template <typename P, typename S>
+inline P vector_cast(S s) { return checked_cast<P>(reinterpret_cast<P>(s), __PRETTY_FUNCTION__); }
+template <typename P, typename S>
+inline P vector_static_cast(S s) { return checked_cast<P>(static_cast<P>(s), __PRETTY_FUNCTION__); }
 // __threadfence: the fence itself, and the barrier phase it ran in
 void thread_fence();
 // An atomic that publishes the block's global writes to other blocks (``what``): every
