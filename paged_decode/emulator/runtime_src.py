@@ -405,24 +405,32 @@ void where(Worker* w, char* out, std::size_t n) {
                   b.bid.z);
 }
 
+// Which region of the block's shared-memory arena (guards included) holds ``a``:
+// "dynamic" below smem_split, "static" from it on, with ``*off`` the byte offset from
+// that region's start; nullptr outside the arena.
+const char* smem_region(const Worker* w, std::uintptr_t a, long long* off) {
+  const std::uintptr_t arena = (std::uintptr_t)w->arena;
+  if (w->arena == nullptr || a < arena || a >= arena + w->arena_len) return nullptr;
+  const bool dyn = a < (std::uintptr_t)w->smem_split;
+  *off = (long long)(a - (std::uintptr_t)(dyn ? w->dyn : w->stat));
+  return dyn ? "dynamic" : "static";
+}
+
 void describe_fault(Worker* w, std::uintptr_t a, bool write) {
   char loc[512];
   where(w, loc, sizeof loc);
   const char* kind = write ? "write" : "read";
   const LaunchDesc* d = w->launch;
-  const std::uintptr_t arena = (std::uintptr_t)w->arena, stat = (std::uintptr_t)w->stat;
-  const std::uintptr_t split = (std::uintptr_t)w->smem_split;
-  if (w->arena && a >= arena && a < split) {
-    std::snprintf(w->msg, sizeof w->msg,
-                  "%s: out-of-bounds %s of dynamic shared memory at byte offset %lld (the "
-                  "launch gave %llu bytes)", loc, kind, (long long)(a - (std::uintptr_t)w->dyn),
-                  (unsigned long long)d->dyn_smem);
-    return;
-  }
-  if (w->arena && a >= split && a < arena + w->arena_len) {
-    std::snprintf(w->msg, sizeof w->msg,
-                  "%s: out-of-bounds %s of static shared memory at byte offset %lld (outside "
-                  "every variable's storage)", loc, kind, (long long)(a - stat));
+  long long off;
+  if (const char* region = smem_region(w, a, &off)) {
+    if (region[0] == 'd')
+      std::snprintf(w->msg, sizeof w->msg,
+                    "%s: out-of-bounds %s of dynamic shared memory at byte offset %lld (the "
+                    "launch gave %llu bytes)", loc, kind, off, (unsigned long long)d->dyn_smem);
+    else
+      std::snprintf(w->msg, sizeof w->msg,
+                    "%s: out-of-bounds %s of static shared memory at byte offset %lld (outside "
+                    "every variable's storage)", loc, kind, off);
     return;
   }
   for (int i = 0; i < d->nbuffers; ++i) {
@@ -507,19 +515,13 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
               nullptr);
     return;
   }
-  if (sig == SIGILL) {
+  if (sig == SIGILL)
     // kernels are compiled with g++'s array bounds checks, which trap (ud2) on an index
     // past a fixed-size array's bound: a thread's local array, or one dimension of a
     // static shared one. A GPU gives such an index as a wrong answer or a fault elsewhere.
-    char loc[512];
-    where(w, loc, sizeof loc);
-    std::snprintf(w->msg, sizeof w->msg,
-                  "%s: out-of-bounds index of a fixed-size array (a thread's local array "
-                  "or a dimension of a static shared one; the bounds check trapped at "
-                  "%#lx)", loc, (unsigned long)si->si_addr);
-    w->in_block = false;
-    siglongjmp(w->jb, 1);
-  }
+    fail_here("out-of-bounds index of a fixed-size array (a thread's local array or a "
+              "dimension of a static shared one; the bounds check trapped at %#lx)",
+              (unsigned long)si->si_addr);
   const ucontext_t* uc = static_cast<const ucontext_t*>(uctx);
   const bool write = (uc->uc_mcontext.gregs[REG_ERR] & 2) != 0;
   describe_fault(w, (std::uintptr_t)si->si_addr, write);
@@ -538,13 +540,11 @@ void land(CpQueue& q, unsigned upto) {
     Pending& p = q.items[i];
     if (p.group < upto) {
       if (std::memcmp(p.dst, poison, sizeof poison) != 0) {
-        Worker* w = t_worker;
-        const bool in_dyn = p.dst < w->smem_split;
-        const unsigned char* base = in_dyn ? w->dyn : w->stat;
+        long long off = 0;
+        const char* region = smem_region(t_worker, (std::uintptr_t)p.dst, &off);
         fail_here("shared memory written while a cp.async into it was in flight (%s byte "
                   "offset %lld, this thread's copy of 16 bytes): on a GPU the copy and the "
-                  "other write race", in_dyn ? "dynamic" : "static",
-                  (long long)(p.dst - base));
+                  "other write race", region, off);
       }
       std::memcpy(p.dst, p.data, sizeof p.data);
     } else {
@@ -954,21 +954,21 @@ void check_shared(const void* p, std::size_t n, const char* what) {
     in_stat = a >= stat + st->sites[i].off && a + n <= stat + st->sites[i].off + st->sites[i].size;
   if (!in_stat && nsites >= STATIC_SITES)   // sites past the table: any reserved byte
     in_stat = a >= stat && a + n <= stat + st->end.load();
+  if ((in_dyn || in_stat) && a % n == 0) return;
+  long long off = 0;
+  const char* region = smem_region(w, a, &off);   // named as describe_fault names a guard hit
   if (!in_dyn && !in_stat) {
-    // named by the nearer region, as describe_fault names a guard hit
-    const std::uintptr_t split = (std::uintptr_t)w->smem_split;
-    if (a >= split && a < (std::uintptr_t)w->arena + w->arena_len)
+    if (region == nullptr)
+      fail_here("%s at %#lx is not in shared memory", what, (unsigned long)a);
+    if (region[0] == 's')
       fail_here("%s outside shared memory: static byte offset %lld, %zu bytes, in no "
-                "variable", what, (long long)(a - stat), n);
-    if (a >= (std::uintptr_t)w->arena && a < split)
-      fail_here("%s outside shared memory: dynamic byte offset %lld, %zu bytes (the launch "
-                "gave %llu bytes of dynamic shared memory)", what, (long long)(a - dyn), n,
-                (unsigned long long)w->launch->dyn_smem);
-    fail_here("%s at %#lx is not in shared memory", what, (unsigned long)a);
+                "variable", what, off, n);
+    fail_here("%s outside shared memory: dynamic byte offset %lld, %zu bytes (the launch "
+              "gave %llu bytes of dynamic shared memory)", what, off, n,
+              (unsigned long long)w->launch->dyn_smem);
   }
-  if (a % n != 0)
-    fail_here("misaligned %s: %s shared byte offset %lld is not a multiple of %zu", what,
-              in_dyn ? "dynamic" : "static", (long long)(a - (in_dyn ? dyn : stat)), n);
+  fail_here("misaligned %s: %s shared byte offset %lld is not a multiple of %zu", what,
+            region, off, n);
 }
 
 void cp_async16(void* dst, const void* src, bool pred) {
@@ -1022,14 +1022,12 @@ void check_cast(const void* p, std::size_t n, const char* what) {
               "%llu (the buffer starts %llu bytes past a 16-byte boundary)", n, target,
               b->name, (unsigned long long)(a - b->data), (unsigned long long)b->skew);
   }
-  const std::uintptr_t lo = (std::uintptr_t)w->arena, hi = lo + w->arena_len;
-  if (a < lo || a >= hi || a % n == 0) return;
-  const bool in_dyn = a < (std::uintptr_t)w->smem_split;
-  const std::uintptr_t base = (std::uintptr_t)(in_dyn ? w->dyn : w->stat);
+  long long off = 0;
+  const char* region = smem_region(w, a, &off);
+  if (region == nullptr || a % n == 0) return;
   cast_target(what, target, sizeof target);
   fail_here("misaligned %zu-byte access through a cast to %s: %s shared byte offset %lld "
-            "is not a multiple of %zu", n, target, in_dyn ? "dynamic" : "static",
-            (long long)(a - base), n);
+            "is not a multiple of %zu", n, target, region, off, n);
 }
 
 void thread_fence() {
@@ -1054,7 +1052,7 @@ void check_acquire(const char* what) {
 
 void check_release(const char* what) {
   Fiber* f = t_worker->cur;
-  const Block* b = f->block;
+  Block* b = f->block;
   const int phase = (int)b->phase;
   for (int i = 0; i < b->nthreads; ++i) {
     const Fiber& u = b->fibers[i];
@@ -1068,9 +1066,8 @@ void check_release(const char* what) {
                 u.fence_phase < 0 ? "never ran __threadfence()"
                                   : "ran its __threadfence() before an earlier barrier");
   }
-  Block* bm = f->block;
-  bm->atomic_event = ++bm->events;
-  bm->acquire_phase = -1;
+  b->atomic_event = ++b->events;
+  b->acquire_phase = -1;
 }
 
 void cp_async_commit() {
