@@ -23,6 +23,7 @@ chunk structure (``matches``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -222,6 +223,16 @@ class DecodePlan:
     def num_ctas(self) -> int:
         """CTAs the plan was searched for: ``num_chunks * ctas_per_chunk``."""
         return self.num_chunks * self.ctas_per_chunk
+
+    @functools.cached_property
+    def uniform_chunks(self) -> int:
+        """``K`` when every request has exactly ``K`` chunks, else 0 (cached: the CUDA
+        backend asks on every fused call, ``launches.cluster_merge_size``)."""
+        counts = self.chunks_per_request
+        if counts.size == 0:
+            return 0
+        k = int(counts[0])
+        return k if bool((counts == k).all()) else 0
 
     @property
     def needs_merge(self) -> bool:

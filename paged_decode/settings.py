@@ -41,6 +41,10 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_PREFIX_CTAS_PER_SM": "cascade prefix-kernel residency (experiments)",
     "PAGED_DECODE_FUSED_MERGE": "the CUDA tensor-core partial's merge fused into it: unset "
                                 "where it pays (GQA 1-4, head_dim <= 128), 1 always, 0 never",
+    "PAGED_DECODE_CLUSTER_MERGE": "the CUDA fused merge within thread-block clusters (sm_90+, "
+                                  "every request in the same 2-8 chunks): unset where it "
+                                  "pays (launches.cluster_merge_pays), 1 wherever the plan "
+                                  "allows it, 0 never",
     "PAGED_DECODE_MERGE_SPLIT": "CUDA merge warps per (row, head): unset, the rule "
                                 "(launches.merge_split); 1, 2, 4, 8 or 16 forces it",
     "PAGED_DECODE_PDL": "CUDA merge launched as the partial's programmatic dependent "

@@ -72,6 +72,7 @@ class KernelSpec:
     sink: bool = False           # v2, v1, v2tc (final store), merge: attention sinks
     merged_dtype: str = ""       # v2tc (CUDA): the fused merge's output dtype ("": none)
     row_hint: bool = False       # v2, v2tc (CUDA): L2 prefetch hint within the K/V row
+    cluster: int = 0             # v2tc (CUDA, fused merge): CTAs per cluster merge (0: none)
 
     # the kernels' template parameters are read off these fields by name in
     # ``kernels/<name>.py`` (``KernelDef.arguments``)
@@ -110,6 +111,8 @@ class KernelSpec:
             parts.append(f"merge-{SHORT[self.merged_dtype]}")
         if self.row_hint:
             parts.append("l2row")
+        if self.cluster:
+            parts.append(f"cl-{self.cluster}")
         return "_".join(parts)
 
     def cuda_name_expression(self) -> str:
@@ -166,6 +169,8 @@ L2_PREFETCH_SIZES = (0, 64, 128, 256)
 #: ``PAGED_DECODE_L2_PREFETCH=rows``: each kernel hints the largest of 128 and 64 bytes
 #: that divides its K/V row (``row_l2_prefetch``), none where neither does
 L2_PREFETCH_ROWS = "rows"
+#: CTAs per cluster a cluster merge may take (``v2tc_spec``): 8 is CUDA's portable limit
+CLUSTER_SIZES = (2, 3, 4, 5, 6, 7, 8)
 GRID_ORDER_ENV = "PAGED_DECODE_GRID_ORDER"
 #: ``PAGED_DECODE_GRID_ORDER`` values (experiments): every flat decode kernel numbers its
 #: CTAs head slots first / chunks first; unset, ``heads_first(spec)`` decides
@@ -365,12 +370,15 @@ def cuda_defines(l2_prefetch: int | None = None, timeline: bool | None = None,
                  spec: KernelSpec | None = None) -> tuple[str, ...]:
     """The ``-D`` options a CUDA kernel compiles with: ``PD_L2_PREFETCH`` (default
     ``l2_prefetch_bytes(spec)``), ``PD_HEADS_FIRST`` where ``heads_first(spec, prefetch)``
-    and, when ``timeline`` (default ``timeline_enabled()``), ``PD_TIMELINE``. One compiled
+    ``PD_CLUSTER`` for a spec with ``cluster`` (the cluster merge's CTAs per cluster) and,
+    when ``timeline`` (default ``timeline_enabled()``), ``PD_TIMELINE``. One compiled
     module per distinct tuple."""
     prefetch = l2_prefetch_bytes(spec) if l2_prefetch is None else l2_prefetch
     stamps = timeline_enabled() if timeline is None else timeline
     order = ("-DPD_HEADS_FIRST=1",) if spec is not None and heads_first(spec, prefetch) else ()
-    return (f"-DPD_L2_PREFETCH={prefetch}",) + order + (("-DPD_TIMELINE=1",) if stamps else ())
+    cluster = (f"-DPD_CLUSTER={spec.cluster}",) if spec is not None and spec.cluster else ()
+    return ((f"-DPD_L2_PREFETCH={prefetch}",) + order + cluster
+            + (("-DPD_TIMELINE=1",) if stamps else ()))
 
 
 def cuda_define_text(spec: KernelSpec) -> str:
@@ -507,19 +515,25 @@ def _v2tc_q_dtype(kv_dtype: str, q_dtype: str | None) -> str:
 
 def v2tc_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int, *,
               q_dtype: str | None = None, soft_cap: bool = False,
-              sink: bool = False, merged_dtype: str = "", row_hint: bool = False) -> KernelSpec:
+              sink: bool = False, merged_dtype: str = "", row_hint: bool = False,
+              cluster: int = 0) -> KernelSpec:
     """The tensor-core v2 partial (``kernels/decode_v2_tc.py``); q has the pools' dtype
     unless ``q_dtype`` says otherwise (fp8 pools: q float16 or bfloat16). ``soft_cap`` /
     ``sink`` / ``row_hint`` specialize it as they do the v2 partial (``v2_spec``).
     ``merged_dtype``: the fused merge's output dtype (CUDA; ``out_dtype`` is then float32,
-    and ``sink`` is the merge's sink, not the partial's)."""
+    and ``sink`` is the merge's sink, not the partial's). ``cluster`` (with
+    ``merged_dtype``): the fused merge runs within thread-block clusters of that many CTAs
+    (``CLUSTER_SIZES``), each one request's chunks (``launches.cluster_merge_size``)."""
     if merged_dtype and out_dtype != "float32":
         raise ValueError(f"v2tc_spec: a fused merge reads float32 partials, not {out_dtype}")
+    if cluster and (not merged_dtype or cluster not in CLUSTER_SIZES):
+        raise ValueError(f"v2tc_spec: cluster must be 0 or, with merged_dtype, one of "
+                         f"{CLUSTER_SIZES}; got {cluster} (merged_dtype {merged_dtype!r})")
     warps = v2tc_warps(head_dim, kv_dtype)
     return KernelSpec("v2tc", out_dtype, head_dim, _v2tc_q_dtype(kv_dtype, q_dtype), kv_dtype,
                       page_size, 0, warps, v2tc_stages(head_dim, warps, kv_dtype),
                       soft_cap=soft_cap, sink=sink, merged_dtype=merged_dtype,
-                      row_hint=row_hint)
+                      row_hint=row_hint, cluster=cluster)
 
 
 def v2tc_metal_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int,

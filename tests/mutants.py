@@ -279,6 +279,7 @@ V2TC_METAL = V2TC + "test_v2tc_metal_matches_oracle"
 V2TC_METAL_LONG = V2TC + "test_v2tc_metal_long_chunk_every_schedule[64]"
 TCVAR = "tests/test_v2tc_variants.py::"
 FUSED = "tests/test_fused_merge.py::"
+CLUSTER = "tests/test_cluster_merge.py::"
 SPLIT_MERGE = "tests/test_merge.py::test_split_merge_kernel_matches_closed_form"
 MERGE_KERNEL_NAN = "tests/test_merge.py::test_merge_kernel_large_groups_nan_rows_and_gather[False]"
 TCVAR_ONE = TCVAR + "test_each_variant_alone_and_combined"
@@ -389,7 +390,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [VAR_ORACLE + "[emulated-cuda-sinks-v2-one]"],
        "the sink raises the max but never joins the denominator of a one-chunk request"),
     _m("cuda-merge-sink-left-out-of-lse", "cuda", ("merge",),
-       "  if (SINK && mx > -PD_INF) den += exp2f(sk - mx);\n", "",
+       "  if (SINK && mx > -PD_INF) den += exp2f(sk - mx);\n  const bool live = den > 0.f;",
+       "  const bool live = den > 0.f;",
        [VAR_ORACLE + "[emulated-cuda-sinks-v2-split]"],
        "the merge of a split request leaves its sink out of the denominator and the LSE"),
     _m("metal-soft-cap-in-natural-units", "metal", ("v2", "v1"),
@@ -788,6 +790,48 @@ MUTANTS: tuple[Mutant, ...] = (
        "      if (done == parts) merge_counters[slot] = 0;   // all of the slot counted\n",
        "", [FUSED + "test_counters_are_left_zero_for_the_next_call"],
        "the counters keep their count, so the next launch (a graph replay) merges early"),
+    _m("v2tc-cluster-merge-no-first-barrier", "cuda", ("v2tc",),
+       "  cluster_sync();                                   // every CTA's rows are in place\n",
+       "", [CLUSTER + "test_cluster_merge_equals_the_other_merges_and_the_oracle[g4-d64-k2]"],
+       "the cluster merge reads its peers' rows before they are written (on a GPU: a race "
+       "its outcome hides most of the time)"),
+    _m("v2tc-cluster-merge-no-last-barrier", "cuda", ("v2tc",),
+       "  cluster_sync();                                   // no CTA leaves while read\n",
+       "", [CLUSTER + "test_cluster_merge_equals_the_other_merges_and_the_oracle[g4-d64-k2]"],
+       "a CTA leaves while a peer still reads its shared memory (undefined on a GPU)"),
+    _m("v2tc-cluster-merge-lse-of-the-next-peer", "cuda", ("v2tc",),
+       "      s[k] = *cluster_map(lse + i, (unsigned)k);",
+       "      s[k] = *cluster_map(lse + i, (unsigned)((k + 1) % K));",
+       [CLUSTER + "test_cluster_merge_equals_the_other_merges_and_the_oracle[g4-d64-k3-offsets]"],
+       "each partial row weighed by the next partial's LSE"),
+    _m("v2tc-cluster-merge-sink-left-out", "cuda", ("v2tc",),
+       "    const float sk = SINK ? sinks[h] * PD_LOG2E : -PD_INF;\n    if (SINK) {\n"
+       "      mx = fmaxf(mx, sk);\n      bad = sk < PD_INF ? bad : 1.f;\n    }\n"
+       "    constexpr int P = next_pow2(K);",
+       "    const float sk = -PD_INF;\n    constexpr int P = next_pow2(K);",
+       [CLUSTER + "test_cluster_merge_equals_the_other_merges_and_the_oracle[g4-sinks-softcap-k4]"],
+       "the cluster merge leaves the sinks out (the partials never hold them)"),
+    _m("v2tc-cluster-heads-first-slot-of-the-cta", "cuda", ("v2tc",),
+       "  const unsigned slot = (unsigned)(cl % gridDim.y);",
+       "  const unsigned slot = (unsigned)(l % gridDim.y);",
+       [CLUSTER + "test_both_grid_orders[heads]"],
+       "heads first numbers CTAs, not clusters, head slots first: a cluster's CTAs are "
+       "different heads' chunks"),
+    _m("py-cluster-merge-takes-uneven-plans", "python", ("paged_decode.plan",),
+       "        return k if bool((counts == k).all()) else 0",
+       "        return k",
+       [CLUSTER + "test_plans_a_cluster_cannot_take"],
+       "a plan whose requests have different chunk counts takes clusters of the first's"),
+    _m("py-cluster-rule-chunk-bound-exclusive", "python", ("paged_decode.backends.launches",),
+       "plan.pages_per_chunk * plan.page_size <= CLUSTER_MERGE_MAX_CHUNK_TOKENS",
+       "plan.pages_per_chunk * plan.page_size < CLUSTER_MERGE_MAX_CHUNK_TOKENS",
+       [CLUSTER + "test_where_clusters_are_the_default"],
+       "chunks of exactly the measured bound lose their clusters"),
+    _m("py-cluster-rule-over-fp8-pools", "python", ("paged_decode.backends.launches",),
+       "    if not k or kv_dtype in V2TC_FP8 or plan.head_dim != 128:",
+       "    if not k or plan.head_dim != 128:",
+       [CLUSTER + "test_where_clusters_are_the_default"],
+       "fp8 pools take clusters by default, where they measured slower"),
     _m("v2tc-fused-merge-drops-sinks", "cuda", ("v2tc",),
        "merge_group<TF, D, false, SINK, true, 1, MERGE_ROWS>(",
        "merge_group<TF, D, false, false, true, 1, MERGE_ROWS>(",
@@ -825,9 +869,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [TCVAR_ONE + "[emulated-cuda-sinks-one]"],
        "the sink joined once per warp state of the combine instead of once per row"),
     _m("v2tc-sink-missing-from-lse", "cuda", ("v2tc",),
-       "if (d == 0) lse_out[out_row] = live ? mx + log2f(den) : -PD_INF;",
-       "if (d == 0) lse_out[out_row] = live ? mx + log2f(den - (SINK ? exp2f(sk - ref) : 0.f))"
-       " : -PD_INF;",
+       "const float lse = live ? mx + log2f(den) : -PD_INF;",
+       "const float lse = live ? mx + log2f(den - (SINK ? exp2f(sk - ref) : 0.f)) : -PD_INF;",
        [TCVAR_ONE + "[emulated-cuda-sinks-one]"],
        "the output's denominator holds the sink, the returned LSE does not"),
     _m("metal-v2tc-soft-cap-dropped", "metal", ("v2tc",),
@@ -1348,7 +1391,9 @@ MUTANTS: tuple[Mutant, ...] = (
        [NAN + "test_non_finite_inputs_poison_their_heads_on_every_path[float16-emulated-cuda]"],
        "a NaN row sum written as the empty answer (zeros, -inf)"),
     _m("cuda-merge-nan-partial-dropped", "cuda", ("merge",),
-       "  if (mx > -PD_INF && bad == 0.f) {", "  bad = 0.f;\n  if (mx > -PD_INF) {",
+       "  float den = 0.f;                                  // this lane's rows' weights\n"
+       "  if (mx > -PD_INF && bad == 0.f) {",
+       "  float den = 0.f;\n  bad = 0.f;\n  if (mx > -PD_INF) {",
        [NAN + "test_merge_poisons_on_nan_and_plus_inf_lse[emulated-cuda]"],
        "a NaN partial LSE given no weight instead of poisoning its group"),
     _m("metal-nonfinite-score-kept", "metal", ("v2", "v1"),

@@ -1,6 +1,7 @@
 """The CPU kernel emulator itself, on tiny CUDA kernels: barrier ordering, shuffle results,
 planted out-of-bounds accesses, a planted missing barrier, divergent barriers and warp
-collectives (reported, not hung), dynamic and templated static shared memory."""
+collectives (reported, not hung), dynamic and templated static shared memory, thread-block
+clusters (a barrier of the cluster, reads of a peer's shared memory)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from paged_decode.emulator import (
     CompileError,
     DivergenceError,
     EmulatorError,
+    ExitedPeerError,
     KernelFault,
     MisalignedError,
     OutOfBoundsError,
@@ -880,3 +882,120 @@ def test_static_shared_memory_over_the_limit_is_reported_not_hung():
                          timeout=300)
     assert "REFUSED" in res.stdout, res.stdout + res.stderr
     assert "static __shared__ memory exceeds 49152 bytes" in res.stdout
+
+
+# Thread-block clusters through kernels/common.py's helpers (compiled in with PD_CLUSTER).
+CLUSTER_SRC = r"""
+// Each CTA fills its slots; after the cluster barrier (skipped when !sync) thread t reads
+// slot t of CTA (rank + 1) % size; a second barrier (skipped when !stay) keeps every CTA
+// until the others have read its memory.
+__global__ void ring(float* __restrict__ y, int size, int sync, int stay) {
+  __shared__ float slot[64];
+  const unsigned me = pd::cluster_rank();
+  slot[threadIdx.x] = 100.f * blockIdx.x + threadIdx.x;
+  if (sync) pd::cluster_sync();
+  const float* peer = pd::cluster_map(slot, (me + 1) % (unsigned)size);
+  y[blockIdx.x * blockDim.x + threadIdx.x] = peer[threadIdx.x];
+  if (stay) pd::cluster_sync();
+}
+
+// CTA 1 of each cluster leaves before the barrier the others wait at.
+__global__ void cluster_leaves(float* __restrict__ y) {
+  if (pd::cluster_rank() == 1) return;
+  pd::cluster_sync();
+  y[blockIdx.x * blockDim.x + threadIdx.x] = 1.f;
+}
+
+// cluster_map of a global address (what == 0) or to a CTA past the cluster (what == 1).
+__global__ void map_bad(float* __restrict__ y, int what) {
+  __shared__ float slot[32];
+  slot[threadIdx.x] = 1.f;
+  pd::cluster_sync();
+  const float* p = what == 0 ? pd::cluster_map(y, 0u) : pd::cluster_map(slot, 9u);
+  y[threadIdx.x] = p[0];
+  pd::cluster_sync();
+}
+
+// Block `bad` writes `past` bytes beyond the end of its dynamic shared memory; the others
+// only meet at the cluster barrier.
+__global__ void cluster_dyn_past(float* __restrict__ y, int bad, int past) {
+  extern __shared__ float dyn[];
+  dyn[threadIdx.x] = 1.f;
+  pd::cluster_sync();
+  if ((int)blockIdx.x == bad && threadIdx.x == 0) dyn[(256 + past) / 4] = 2.f;
+  y[blockIdx.x * blockDim.x + threadIdx.x] = dyn[threadIdx.x];
+  pd::cluster_sync();
+}
+"""
+CLUSTER_SOURCE = "#define PD_CLUSTER 2\n" + CUDA_COMMON + CLUSTER_SRC
+
+
+def _cluster_ring(k, sync=1, stay=1, blocks=8, **kw):
+    y = np.full(blocks * 64, np.nan, np.float32)
+    launch(CLUSTER_SOURCE, "ring", blocks, 64,
+           [Buffer("y", y, True), np.int32(k), np.int32(sync), np.int32(stay)], cluster=k, **kw)
+    return y
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_cluster_ctas_read_each_other_after_the_cluster_barrier(k):
+    b = np.repeat(np.arange(8), 64)
+    want = 100.0 * (b // k * k + (b % k + 1) % k) + np.tile(np.arange(64), 8)
+    np.testing.assert_array_equal(_cluster_ring(k), want.astype(np.float32))
+
+
+def test_a_peer_read_before_the_cluster_barrier_reads_poison():
+    """Without the first barrier rank 0 (swept first) reads rank 1's slots before rank 1
+    wrote them: the poison, NaN (a negative control of the barrier)."""
+    y = _cluster_ring(2, sync=0, schedules=("forward",))
+    assert np.isnan(y.reshape(4, 2, 64)[:, 0]).all()
+
+
+def test_a_read_of_an_exited_peer_fails():
+    """Without the second barrier a CTA leaves while its neighbour still reads it: its
+    shared memory is unmapped when it exits, so the read faults and is named."""
+    with pytest.raises(ExitedPeerError, match=r"ring: block \(\d,0,0\) thread \(\d+,0,0\): read "
+                       r"of the shared memory of CTA \d of its cluster, which has exited"):
+        _cluster_ring(4, stay=0, schedules=("reverse",))
+
+
+def test_a_cta_leaving_before_the_cluster_barrier_is_reported_not_hung():
+    y = np.zeros(4 * 32, np.float32)
+    with pytest.raises(DivergenceError, match=r"cluster_leaves: block \(\d,0,0\): divergent "
+                       r"cluster barrier: 32 of the cluster's 64 threads wait at it, 32 exited"):
+        launch(CLUSTER_SOURCE, "cluster_leaves", 4, 32, [Buffer("y", y, True)], cluster=2)
+
+
+@pytest.mark.parametrize("what,msg", [
+    (0, r"cluster_map of 0x[0-9a-f]+, which is not in this block's shared memory"),
+    (1, r"cluster_map to CTA 9 of a cluster of 2"),
+])
+def test_cluster_map_refuses_what_is_not_a_peer_s_shared_memory(what, msg):
+    y = np.zeros(32, np.float32)
+    with pytest.raises(KernelFault, match=msg):
+        launch(CLUSTER_SOURCE, "map_bad", 2, 32, [Buffer("y", y, True), np.int32(what)],
+               cluster=2)
+
+
+@pytest.mark.parametrize("k,grid", [(3, 8), (16, 16)])
+def test_cluster_sizes_must_divide_the_grid_and_stay_portable(k, grid):
+    y = np.zeros(grid * 64, np.float32)
+    with pytest.raises(KernelFault, match=rf"ring: clusters of {k} CTAs along x over a grid "
+                       rf"of {grid} \(at most 8, dividing the grid's x\)"):
+        launch(CLUSTER_SOURCE, "ring", grid, 64,
+               [Buffer("y", y, True), np.int32(k), np.int32(1), np.int32(1)], cluster=k)
+
+
+def test_shared_memory_guards_hold_for_every_cluster_a_worker_runs():
+    """A CTA's shared memory is unmapped when it exits and mapped again for the worker's
+    next cluster: the guard pages between and around its regions stay guards (the last of
+    one OS thread's four clusters writes 8 KiB past its dynamic memory)."""
+    y = np.zeros(8 * 64, np.float32)
+    launch(CLUSTER_SOURCE, "cluster_dyn_past", 8, 64,
+           [Buffer("y", y, True), np.int32(-1), np.int32(0)], 256, cluster=2, threads=1)
+    assert (y == 1).all()
+    with pytest.raises(OutOfBoundsError, match=r"cluster_dyn_past: block \(6,0,0\) thread "
+                       r"\(0,0,0\): out-of-bounds write of dynamic shared memory"):
+        launch(CLUSTER_SOURCE, "cluster_dyn_past", 8, 64,
+               [Buffer("y", y, True), np.int32(6), np.int32(8192)], 256, cluster=2,
+               threads=1)

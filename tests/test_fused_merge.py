@@ -24,13 +24,20 @@ from helpers import assert_matches_oracle, needs_backend, sinks_for, tc_out_tol
 import paged_decode as pd
 from paged_decode.backends import launches
 from paged_decode.backends.emulated import EmulatedCudaBackend
-from paged_decode.backends.launching import FUSED_MERGE_ENV
+from paged_decode.backends.launching import CLUSTER_MERGE_ENV, FUSED_MERGE_ENV
 from paged_decode.errors import InvalidArgumentError
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
 from paged_decode.specs import v2tc_ctas_per_chunk
 
 pytestmark = needs_backend("emulated-cuda")
+
+
+@pytest.fixture(autouse=True)
+def _counters(monkeypatch):
+    """The counters' fused merge throughout (``tests/test_cluster_merge.py`` holds the
+    cluster merge, which the default rule takes at some of these geometries, to it)."""
+    monkeypatch.setenv(CLUSTER_MERGE_ENV, "0")
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, take_and_repoison, tc_out_tol
+from helpers import assert_matches_oracle, assert_same_bits, take_and_repoison, tc_out_tol
 
 import paged_decode as pd
 from paged_decode.backends import availability
-from paged_decode.backends.launching import FUSED_MERGE_ENV, MERGE_SPLIT_ENV
+from paged_decode.backends.launching import CLUSTER_MERGE_ENV, FUSED_MERGE_ENV, MERGE_SPLIT_ENV
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
 from paged_decode.specs import v2tc_ctas_per_chunk
@@ -33,6 +33,8 @@ def _unsplit_merge(monkeypatch):
     unsplit: the fused merge is its one-warp code (``pd::merge_group`` with SPLIT 1), and a
     split merge adds the same terms in another order (S17-R1: equal to 1 float32 ulp)."""
     monkeypatch.setenv(MERGE_SPLIT_ENV, "1")
+    # the counters' fused merge throughout (the cluster merge: test_cluster_merge_gpu.py)
+    monkeypatch.setenv(CLUSTER_MERGE_ENV, "0")
 
 
 def _setup(spec, ppc, lengths=None):
@@ -62,13 +64,8 @@ def _setup(spec, ppc, lengths=None):
 
 
 def _same(a, b, what):
-    """``a`` equals ``b`` bit for bit; the mismatching (request, head) rows are named."""
-    for x, y, name in ((a[0], b[0], "out"), (a[1], b[1], "lse")):
-        if not np.array_equal(x, y, equal_nan=True):
-            bad = ~((x == y) | (np.isnan(x) & np.isnan(y)))
-            rows = np.argwhere(bad.reshape(*bad.shape[:2], -1).any(axis=-1))
-            np.testing.assert_array_equal(x, y, err_msg=f"{what}: {name} differs at (request, "
-                                                        f"head) {rows[:12].tolist()}")
+    """``a`` equals ``b`` bit for bit; empty requests are zeros and -inf."""
+    assert_same_bits(a, b, what)
     live = np.isfinite(b[1])            # an empty request: lse -inf and zeros, as the merge writes
     assert live.any(), what
     assert np.isfinite(a[0][live]).all() and np.isfinite(a[1][live]).all(), what

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, tc_fp8_out_tol, tc_out_tol
+from helpers import assert_matches_oracle, spy_specs, tc_fp8_out_tol, tc_out_tol
 
 import paged_decode as pd
 from paged_decode import UnsupportedProblemError
@@ -142,17 +142,7 @@ def run_row_hint(be, path: str, monkeypatch) -> None:
     monkeypatch.setattr(specs, "ROW_HINT_TOKENS", 16)
     monkeypatch.setattr(specs, "ROW_HINT_TC_TOKENS", 16)
     monkeypatch.setattr(specs, "ROW_HINT_TC_MIN_TOKENS", 16)
-    seen = []
-    real = be._run
-
-    def spy(launch):
-        seen.append(launch.spec)
-        return real(launch)
-
-    # on the instance, as every other test spies on it: an older pytest's undo of such an
-    # instance patch leaves the original bound method in the instance's __dict__, where it
-    # hides a patch of the class (the GPU machine's full run, S36-R5)
-    monkeypatch.setattr(be, "_run", spy)
+    seen = spy_specs(monkeypatch, be)
     spec = ProblemSpec(3, 0, 8, 4, 96, 16, seed=63)
     lengths = [100, 45, 70]
     pr = make_problem(spec, lengths=lengths)

@@ -165,7 +165,8 @@
 #               over TC_VARIANT_FILES instead: 100 of the 142 GPU tests of the fp8, PDL,
 #               variants, multi-token and engine-step modules, the 70 whose ids name v2tc and
 #               30 v2 / auto ones whose names hold "tc" ("match") (S40-R4 / R5 on an H100:
-#               memcheck 69 s, racecheck about 430 s)
+#               memcheck 69 s, racecheck about 430 s); V2TC_SAN_SET=cluster takes the
+#               cluster merge's module, tests/test_cluster_merge_gpu.py (16 tests)
 #   ncu-stalls  warp stall reasons (per issued instruction) of v2tc and v2 at 8 x 8K, 32/2 and 32/8
 #   ncu-v2tc    ncu profiles of the v2tc and v2 partials at 8 x 8K, GQA 4 (32/8) and 16 (32/2)
 #   multitoken  issue #14 item 4: the multi-token GPU tests, then bench/device/multitoken.py:
@@ -525,7 +526,8 @@ step_v2tc_sanitize() {
   case ${V2TC_SAN_SET:-} in
     "") ;;
     variants) files=$TC_VARIANT_FILES k="v2tc or tc" ;;
-    *) echo "V2TC_SAN_SET: unset or 'variants', got '$V2TC_SAN_SET'"; return 2 ;;
+    cluster) files=tests/test_cluster_merge_gpu.py k="cluster or grid" ;;
+    *) echo "V2TC_SAN_SET: unset, 'variants' or 'cluster', got '$V2TC_SAN_SET'"; return 2 ;;
   esac
   for tool in ${V2TC_TOOLS:-memcheck racecheck synccheck}; do
     log="$L/v2tc_${V2TC_SAN_SET:+${V2TC_SAN_SET}_}$tool.log"

@@ -81,6 +81,10 @@ class CudaBackend(LaunchingBackend):
         i = cp.cuda.Device().id if index is None else index
         return _device_info(i)
 
+    def runs_clusters(self) -> bool:
+        arch = self.device_info().arch           # "major.minor"; clusters need sm_90
+        return bool(arch) and int(arch.split(".")[0]) >= 9
+
     def describe(self) -> dict[str, Any]:
         info = self.device_info()
         return {"backend": self.name, "cupy": cp.__version__, "device": info.name,

@@ -49,6 +49,9 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
     tensor_core_decode = True
     records_graphs = True
 
+    def runs_clusters(self) -> bool:
+        return True       # the emulator interleaves a cluster's CTAs (emulator/runtime_src.py)
+
     def __init__(self, *, check_races: bool | None = None,
                  schedules: tuple[str, ...] | None = None, cp_async: str | None = None
                  ) -> None:
@@ -179,7 +182,7 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
             launch(self.kernel_source(lc.spec), lc.spec.cuda_name_expression(),
                    (lc.grid[0], lc.grid[1], 1), lc.block, args, lc.smem,
                    check_races=self.check_races, schedules=self.schedules,
-                   cp_async=self.cp_async)
+                   cp_async=self.cp_async, cluster=max(1, lc.spec.cluster))
 
     # ----------------------------------------------------------- launching hooks
     def index_array(self, arr: Any) -> Any:

@@ -33,6 +33,10 @@ from .base import Backend, Problem, Support
 #: the tensor-core partial's fused merge (``partial_tc_merged``): unset, where it pays
 #: (``launches.fused_merge_pays``); ``1`` always; ``0`` never (the merge kernel's launch)
 FUSED_MERGE_ENV = "PAGED_DECODE_FUSED_MERGE"
+#: the fused merge within thread-block clusters (``launches.cluster_merge_size``): unset,
+#: where ``launches.cluster_merge_pays``; ``1`` wherever the plan and device allow it;
+#: ``0`` never
+CLUSTER_MERGE_ENV = "PAGED_DECODE_CLUSTER_MERGE"
 #: warps per (row, head) of the CUDA merge: unset, ``launches.merge_split``'s rule; one of
 #: ``launches.MERGE_SPLITS`` forces it (``1``: never split)
 MERGE_SPLIT_ENV = "PAGED_DECODE_MERGE_SPLIT"
@@ -147,6 +151,22 @@ class LaunchingBackend(Backend):
             plan, kv_dtype, self.merge_split(plan.batch_size, plan.num_qo_heads,
                                              plan.num_chunks, plan.head_dim))
 
+    def runs_clusters(self) -> bool:
+        """Whether this backend runs thread-block clusters (CUDA sm_90+); no by default."""
+        return False
+
+    def cluster_merge(self, plan: DecodePlan, kv_dtype: str) -> int:
+        """The CTAs per cluster of a fused merge over ``plan`` (``launches.FusedMerge``),
+        0 for the counters' merge: ``launches.cluster_merge_size(plan)`` where the backend
+        runs clusters and ``PAGED_DECODE_CLUSTER_MERGE`` is ``1``, or is unset and
+        ``launches.cluster_merge_pays``; 0 otherwise."""
+        forced = env_switch(CLUSTER_MERGE_ENV, "decode")
+        if forced is False or not self.runs_clusters():
+            return 0
+        if forced is None and not launches.cluster_merge_pays(plan, kv_dtype):
+            return 0
+        return launches.cluster_merge_size(plan)
+
     def merge_counters(self, plan: DecodePlan) -> Any:
         """The fused merge's ``int32 [fused_merge_slots(plan)]`` counters, zero (a fresh
         array by default; a kept workspace stays zero, as the kernel leaves it)."""
@@ -162,8 +182,9 @@ class LaunchingBackend(Backend):
                                       lse_part, out, lse_out, soft_cap=soft_cap, sinks=sinks,
                                       kv_dtype=kv_dtype, v_scale=v_scale)
             return
-        fused = launches.FusedMerge(self.index_array(plan.o_indptr), self.merge_counters(plan),
-                                    out, lse_out, self.dtype_of(out))
+        fused = launches.FusedMerge(
+            self.index_array(plan.o_indptr), self.merge_counters(plan), out, lse_out,
+            self.dtype_of(out), self.cluster_merge(plan, kv_dtype or self.dtype_of(k_pages)))
         self._v2tc(q, k_pages, v_pages, table, plan, sm_scale, v_part, lse_part,
                    soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, v_scale=v_scale,
                    fused=fused)

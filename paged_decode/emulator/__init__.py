@@ -17,6 +17,7 @@ from .errors import (
     CompileError,
     DivergenceError,
     EmulatorError,
+    ExitedPeerError,
     InFlightWriteError,
     KernelFault,
     MisalignedError,
@@ -35,6 +36,7 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-__all__ = ["Buffer", "CompileError", "DivergenceError", "EmulatorError", "InFlightWriteError",
+__all__ = ["Buffer", "CompileError", "DivergenceError", "EmulatorError", "ExitedPeerError",
+           "InFlightWriteError",
            "KernelFault", "MisalignedError", "OutOfBoundsError", "RaceError", "available",
            "cache_dir", "launch"]

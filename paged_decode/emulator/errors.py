@@ -43,3 +43,9 @@ class RaceError(EmulatorError):
 class InFlightWriteError(KernelFault, RaceError):
     """Shared memory written while a ``cp.async`` into it was in flight (found when the
     copy lands): on a GPU the copy and the write race."""
+
+
+class ExitedPeerError(KernelFault, RaceError):
+    """A CTA of a thread-block cluster read another CTA's shared memory after that CTA had
+    exited: on a GPU its shared memory is gone (a cluster barrier before the exit is
+    missing)."""

@@ -37,6 +37,7 @@ from .compiler import kernel_library, runtime
 from .errors import (
     DivergenceError,
     EmulatorError,
+    ExitedPeerError,
     InFlightWriteError,
     KernelFault,
     MisalignedError,
@@ -87,7 +88,7 @@ class _LaunchDesc(ctypes.Structure):
                 ("schedule", ctypes.c_int), ("cp_async_deferred", ctypes.c_int),
                 ("seed", ctypes.c_uint64), ("threads", ctypes.c_int),
                 ("nbuffers", ctypes.c_int), ("buffers", ctypes.POINTER(_BufferDesc)),
-                ("end_aligned", ctypes.c_int)]
+                ("end_aligned", ctypes.c_int), ("cluster", ctypes.c_uint)]
 
 
 _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
@@ -197,30 +198,36 @@ def _classify(msg: str) -> type[KernelFault]:
         return DivergenceError
     if "while a cp.async into it was in flight" in msg:
         return InFlightWriteError
+    if "of its cluster, which has exited" in msg:
+        return ExitedPeerError
     return KernelFault
 
 
 def launch(source: str, name_expression: str, grid: int | Sequence[int],
            block: int | Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
            check_races: bool = True, threads: int | None = None,
-           schedules: Sequence[str] | None = None, cp_async: str | None = None) -> None:
+           schedules: Sequence[str] | None = None, cp_async: str | None = None,
+           cluster: int = 1) -> None:
     """Run ``name_expression`` (a ``__global__`` template instantiation in the CUDA
     ``source``) over ``grid`` x ``block`` with ``shared_mem`` bytes of dynamic shared
     memory. ``args`` in the kernel's parameter order: ``Buffer`` for pointers, numpy
     scalars (``np.int32``, ``np.float32``, ...) of the parameter's exact type for values.
     ``schedules`` (default ``default_schedules()``) run in order and must agree;
     ``check_races=False`` runs only the first. ``cp_async``: ``"deferred"`` or ``"sync"``
-    (default ``default_cp_async()``). Raises ``KernelFault`` subclasses and
+    (default ``default_cp_async()``). ``cluster``: CTAs per thread-block cluster along x
+    (a divisor of the grid's x, at most 8; 1: none): a cluster's CTAs run interleaved, so
+    ``pd::cluster_sync`` can hold them together. Raises ``KernelFault`` subclasses and
     ``RaceError``; outputs land in their arrays."""
     run_wrapped(wrap_cuda(source, name_expression), name_expression, grid, block, args,
                 shared_mem, check_races=check_races, threads=threads, schedules=schedules,
-                cp_async=cp_async)
+                cp_async=cp_async, cluster=cluster)
 
 
 def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
                 block: int | Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
                 check_races: bool = True, threads: int | None = None,
-                schedules: Sequence[str] | None = None, cp_async: str | None = None) -> None:
+                schedules: Sequence[str] | None = None, cp_async: str | None = None,
+                cluster: int = 1) -> None:
     """Run a wrapped translation unit (one that defines ``pd_emu_launch``) over ``grid``
     blocks of ``block`` threads; ``kernel`` names it in reports. See ``launch``."""
     name_expression = kernel
@@ -265,7 +272,7 @@ def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
             desc = _LaunchDesc(name_expression.encode(), (ctypes.c_uint * 3)(*g),
                                (ctypes.c_uint * 3)(*bl), int(shared_mem), sched,
                                int(mode == "deferred"), seed, threads or default_threads(),
-                               len(buffers), mem.descs, int(end_aligned))
+                               len(buffers), mem.descs, int(end_aligned), int(cluster))
             err = ctypes.create_string_buffer(4096)
             rc = fn(ctypes.byref(desc), argv, err, ctypes.c_size_t(len(err)))
             if rc != 0:

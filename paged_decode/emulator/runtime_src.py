@@ -31,7 +31,10 @@ constexpr std::size_t STACK_HEADER = 64;             // Fiber* at the top of eac
 constexpr std::size_t STATIC_SMEM_CAP = 48 * 1024;   // CUDA's static __shared__ limit
 constexpr int WARP = 32;
 
-enum State : int { RUNNABLE = 0, WAIT_COLLECTIVE = 1, WAIT_BARRIER = 2, DONE = 3 };
+enum State : int { RUNNABLE = 0, WAIT_COLLECTIVE = 1, WAIT_BARRIER = 2, DONE = 3,
+                   WAIT_CLUSTER = 4 };
+// the most CTAs of a thread-block cluster (CUDA's portable limit)
+constexpr int MAX_CLUSTER = 8;
 // Fiber orders between synchronization points (launch.py names them).
 enum Schedule : int { S_FORWARD = 0, S_REVERSE = 1, S_RANDOM = 2, S_RUNAHEAD = 3 };
 enum Collective : int { C_SHFL_XOR = 1, C_SHFL_IDX = 2, C_SHFL_DOWN = 3, C_SHFL_UP = 4,
@@ -54,6 +57,7 @@ struct U3 { unsigned x, y, z; };
 
 struct Block;
 struct Warp;
+struct Cluster;
 
 struct Fiber {
   void* sp;
@@ -117,6 +121,10 @@ struct Block {
   unsigned events;
   unsigned atomic_event;
   int acquire_phase;
+  // thread-block clusters: the block's cluster (nullptr outside a cluster launch) and its
+  // rank there
+  Cluster* cluster;
+  int rank;
 };
 
 // Launch description, filled by the Python driver (ctypes mirrors these layouts).
@@ -144,6 +152,7 @@ struct LaunchDesc {
   const BufferDesc* buffers;
   int end_aligned;           // dynamic shared memory ends at its upper guard (else starts
                              // DYN_SMEM_OFFSET past its lower one), like the buffers
+  unsigned cluster;          // CTAs per thread-block cluster along x (1: no clusters)
 };
 
 // The running fiber, found from the stack pointer (no thread-local storage).
@@ -206,6 +215,13 @@ void check_release(const char* what);
 void check_acquire(const char* what);
 void cp_async_commit();
 void cp_async_wait(int n);
+// Thread-block clusters: the running block's rank in its cluster (0 outside one); a
+// barrier of every thread of the cluster (shared-memory writes before it are visible to
+// the whole cluster after it); the address of the same shared byte in CTA ``rank`` of the
+// cluster (``p`` must lie in the running block's shared memory).
+unsigned cluster_rank();
+void cluster_sync();
+const void* cluster_map(const void* p, unsigned rank);
 [[noreturn]] void fail(const char* fmt, ...);
 // ``fail`` with the running thread's place (kernel, block, thread) in front
 [[noreturn]] void fail_here(const char* fmt, ...);
@@ -368,6 +384,7 @@ struct CpQueue {
 struct Worker {
   sigjmp_buf jb;
   Block block{};
+  std::uint64_t rng = 0;                // the random schedule's state, per (seed, block)
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
   std::vector<CpQueue> cpq;             // per fiber
@@ -383,17 +400,51 @@ struct Worker {
   unsigned char* smem_split = nullptr;   // the middle of the guard between the two: a
                                          // fault below is the dynamic region's, above
                                          // the static one's
+  struct Body { unsigned char* at; std::size_t len; };
+  Body bodies[2] = {};                   // the arena's accessible parts, guards between
   Fiber* cur = nullptr;
   volatile bool in_block = false;
   const LaunchDesc* launch = nullptr;
+  // where a failure lands: this worker, or the first worker of its cluster group (whose
+  // OS thread runs the whole group and holds the jump buffer)
+  Worker* home = this;
   char msg[2048];
 };
+
+}  // namespace
+
+// A thread-block cluster being run: its blocks' workers (one per CTA, all on the home
+// worker's OS thread) and the cluster barrier's count.
+struct Cluster {
+  int size = 1;
+  int nthreads = 0;        // of the whole cluster
+  int arrived = 0;         // threads waiting at the cluster barrier
+  unsigned phase = 0;      // cluster barriers released so far
+  Worker* workers[MAX_CLUSTER] = {};
+  bool gone[MAX_CLUSTER] = {};   // the block has exited (its shared memory is unmapped)
+};
+
+namespace {
 
 thread_local Worker* t_worker = nullptr;
 std::mutex g_launch_mutex;               // one launch at a time per process
 struct sigaction g_old_segv, g_old_bus, g_old_ill;
 
 std::size_t page_size() { return (std::size_t)sysconf(_SC_PAGESIZE); }
+
+// Make the worker's shared memory (both regions, not the guards) accessible or not.
+void protect_smem(Worker* w, int prot) {
+  for (const Worker::Body& b : w->bodies) mprotect(b.at, b.len, prot);
+}
+
+// Leave the block (or cluster) with the message in ``w->msg``: to the jump buffer of the
+// worker whose OS thread runs it.
+[[noreturn]] void bail(Worker* w) {
+  Worker* h = w->home;
+  if (h != w) std::memcpy(h->msg, w->msg, sizeof h->msg);
+  w->in_block = false;
+  siglongjmp(h->jb, 1);
+}
 
 void where(Worker* w, char* out, std::size_t n) {
   const Block& b = w->block;
@@ -432,6 +483,23 @@ void describe_fault(Worker* w, std::uintptr_t a, bool write) {
                     "%s: out-of-bounds %s of static shared memory at byte offset %lld (outside "
                     "every variable's storage)", loc, kind, off);
     return;
+  }
+  if (const Cluster* cl = w->block.cluster) {
+    for (int k = 0; k < cl->size; ++k) {
+      const Worker* m = cl->workers[k];
+      if (m == w || a < (std::uintptr_t)m->arena || a >= (std::uintptr_t)m->arena + m->arena_len)
+        continue;
+      if (cl->gone[k])
+        std::snprintf(w->msg, sizeof w->msg,
+                      "%s: %s of the shared memory of CTA %d of its cluster, which has exited: "
+                      "a CTA must not leave while another reads its shared memory (a cluster "
+                      "barrier before it exits)", loc, kind, k);
+      else
+        std::snprintf(w->msg, sizeof w->msg,
+                      "%s: out-of-bounds %s of the shared memory of CTA %d of its cluster", loc,
+                      kind, k);
+      return;
+    }
   }
   for (int i = 0; i < d->nbuffers; ++i) {
     const BufferDesc& b = d->buffers[i];
@@ -503,8 +571,7 @@ void check_source(Worker* w, std::uintptr_t a, std::size_t n) {
     return;
   }
   describe_fault(w, a, false);
-  w->in_block = false;
-  siglongjmp(w->jb, 1);
+  bail(w);
 }
 
 void on_fault(int sig, siginfo_t* si, void* uctx) {
@@ -525,8 +592,7 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
   const ucontext_t* uc = static_cast<const ucontext_t*>(uctx);
   const bool write = (uc->uc_mcontext.gregs[REG_ERR] & 2) != 0;
   describe_fault(w, (std::uintptr_t)si->si_addr, write);
-  w->in_block = false;
-  siglongjmp(w->jb, 1);
+  bail(w);
 }
 
 // Land the copies of ``q`` whose group is below ``upto``, in issue order. A destination
@@ -599,6 +665,8 @@ void setup_worker(Worker* w, const LaunchDesc* d) {
   }
   w->dyn = d->end_aligned ? dyn_at + dyn_body - w->dyn_len : dyn_at + DYN_SMEM_OFFSET;
   w->stat = stat_at;
+  w->bodies[0] = {dyn_at, dyn_body};
+  w->bodies[1] = {stat_at, stat_body};
   w->smem_split = stat_at - guard / 2;
   std::memset(dyn_at, 0xff, dyn_body);   // NaN-poisoned, like uninitialized smem
   std::memset(stat_at, 0xff, stat_body);
@@ -664,7 +732,9 @@ void check_red_zones(Worker* w) {
   }
 }
 
-void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
+// Make block (bx, by, bz) ready to run on ``w``: its fibers at their entry, its shared
+// memory poisoned, its barrier and acquire bookkeeping reset.
+void init_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
   const LaunchDesc* d = w->launch;
   Block& b = w->block;
   b.bid = U3{bx, by, bz};
@@ -709,18 +779,29 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
     wp.index = (int)k;
     wp.nlanes = n - (int)k * WARP < WARP ? n - (int)k * WARP : WARP;
   }
+  const std::uint64_t blin = bx + (std::uint64_t)d->grid[0] * (by + (std::uint64_t)d->grid[1] * bz);
+  w->rng = d->seed * 0x2545f4914f6cdd1dull + blin;
+  for (int i = 0; i < n; ++i) w->order[i] = d->schedule == S_REVERSE ? n - 1 - i : i;
+}
+
+// One sweep of the block's runnable fibers in the schedule's order, each until it waits
+// or exits; whether any ran.
+bool sweep(Worker* w) {
+  const LaunchDesc* d = w->launch;
+  Block& b = w->block;
+  const int n = b.nthreads;
+  const unsigned bx = b.bid.x, by = b.bid.y, bz = b.bid.z;
   const int sched = d->schedule;
   const std::uint64_t blin = bx + (std::uint64_t)d->grid[0] * (by + (std::uint64_t)d->grid[1] * bz);
-  std::uint64_t rng = d->seed * 0x2545f4914f6cdd1dull + blin;   // per (seed, block)
+  std::uint64_t& rng = w->rng;
   std::vector<int>& order = w->order;
-  for (int i = 0; i < n; ++i) order[i] = sched == S_REVERSE ? n - 1 - i : i;
   const std::uint64_t nw = w->warps.size();
   auto run = [&](Fiber& f) {
     w->cur = &f;
     pd_emu_switch(&b.sched_sp, f.sp);
     w->cur = nullptr;
   };
-  for (;;) {
+  {
     bool progressed = false;
     if (sched == S_RUNAHEAD) {
       // The leader's lanes run until each waits at a block barrier (or exited); only then
@@ -748,8 +829,81 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
         progressed = true;
       }
     }
-    if (b.exited == n) { check_red_zones(w); return; }
+    return progressed;
+  }
+}
+
+void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
+  init_block(w, bx, by, bz);
+  for (;;) {
+    const bool progressed = sweep(w);
+    if (w->block.exited == w->block.nthreads) { check_red_zones(w); return; }
     if (!progressed) diagnose_deadlock(w);
+  }
+}
+
+// Run cluster ``i`` (clusters of d->cluster CTAs along x, in linear order) on the home
+// worker ``h``'s group: its CTAs' fibers interleave, sweep by sweep, block by block (in
+// reverse under the reverse schedule), so a CTA can wait at the cluster barrier for the
+// others. A CTA that has exited has its shared memory unmapped: another CTA's read of it
+// faults, as a read of a departed CTA's memory is undefined on a GPU.
+void run_cluster(Worker* h, long long i) {
+  const LaunchDesc* d = h->launch;
+  Cluster& cl = *h->block.cluster;
+  const int k_n = cl.size;
+  const unsigned gx = d->grid[0] / (unsigned)k_n, gy = d->grid[1];
+  const unsigned qx = (unsigned)(i % gx), by = (unsigned)((i / gx) % gy),
+                 bz = (unsigned)(i / gx / gy);
+  cl.arrived = 0;
+  cl.phase = 0;
+  for (int k = 0; k < k_n; ++k) {
+    Worker* m = cl.workers[k];
+    if (cl.gone[k]) {              // accessible again for this cluster
+      protect_smem(m, PROT_READ | PROT_WRITE);
+      cl.gone[k] = false;
+    }
+    m->in_block = true;
+    init_block(m, qx * (unsigned)k_n + (unsigned)k, by, bz);
+  }
+  const bool reverse = d->schedule == S_REVERSE;
+  for (;;) {
+    bool progressed = false, live = false;
+    for (int j = 0; j < k_n; ++j) {
+      const int k = reverse ? k_n - 1 - j : j;
+      Worker* m = cl.workers[k];
+      if (cl.gone[k]) continue;
+      t_worker = m;
+      progressed |= sweep(m);
+      if (m->block.exited == m->block.nthreads) {
+        check_red_zones(m);
+        protect_smem(m, PROT_NONE);
+        cl.gone[k] = true;
+        m->in_block = false;
+      } else {
+        live = true;
+      }
+    }
+    t_worker = h;
+    if (!live) return;
+    if (!progressed) {
+      int waiting = 0, exited = 0;
+      for (int k = 0; k < k_n; ++k) {
+        const Worker* m = cl.workers[k];
+        for (int t = 0; t < m->block.nthreads; ++t) {
+          waiting += m->fibers[t].state == WAIT_CLUSTER;
+          exited += m->fibers[t].state == DONE;
+        }
+      }
+      if (waiting > 0) {
+        char loc[512];
+        h->cur = nullptr;
+        where(h, loc, sizeof loc);
+        fail("%s: divergent cluster barrier: %d of the cluster's %d threads wait at it, %d "
+             "exited without reaching it", loc, waiting, cl.nthreads, exited);
+      }
+      for (int k = 0; k < k_n; ++k)
+        if (!cl.gone[k]) { t_worker = cl.workers[k]; diagnose_deadlock(cl.workers[k]); }
+    }
   }
 }
 
@@ -771,7 +925,11 @@ void worker_main(Worker* w, Shared* s) {
   alt.ss_size = altmem.size();
   sigaltstack(&alt, &old_alt);
   const LaunchDesc* d = s->d;
-  if (w->stacks == nullptr || w->arena == nullptr) {
+  bool ready = w->stacks != nullptr && w->arena != nullptr;
+  if (const Cluster* cl = w->block.cluster)
+    for (int k = 0; k < cl->size; ++k)
+      ready = ready && cl->workers[k]->stacks != nullptr && cl->workers[k]->arena != nullptr;
+  if (!ready) {
     std::lock_guard<std::mutex> g(g_err_mutex);
     if (s->error.empty()) s->error = std::string(d->kernel) + ": out of memory for fibers";
     s->abort = true;
@@ -780,15 +938,22 @@ void worker_main(Worker* w, Shared* s) {
     const long long i = s->next.fetch_add(1);
     if (i >= s->total) break;
     if (sigsetjmp(w->jb, 1) != 0) {
+      t_worker = w;                // a cluster's failure may come from another CTA's worker
+      if (Cluster* cl = w->block.cluster)
+        for (int k = 0; k < cl->size; ++k) cl->workers[k]->in_block = false;
       w->in_block = false;
       std::lock_guard<std::mutex> g(g_err_mutex);
       if (s->error.empty()) s->error = w->msg;
       s->abort = true;
       break;
     }
-    const unsigned gx = d->grid[0], gy = d->grid[1];
     w->in_block = true;
-    run_block(w, (unsigned)(i % gx), (unsigned)((i / gx) % gy), (unsigned)(i / gx / gy));
+    if (w->block.cluster != nullptr) {
+      run_cluster(w, i);
+    } else {
+      const unsigned gx = d->grid[0], gy = d->grid[1];
+      run_block(w, (unsigned)(i % gx), (unsigned)((i / gx) % gy), (unsigned)(i / gx / gy));
+    }
     w->in_block = false;
   }
   sigaltstack(&old_alt, nullptr);
@@ -803,8 +968,7 @@ void fail(const char* fmt, ...) {
   va_start(ap, fmt);
   std::vsnprintf(w->msg, sizeof w->msg, fmt, ap);
   va_end(ap);
-  w->in_block = false;
-  siglongjmp(w->jb, 1);
+  bail(w);
 }
 
 void fail_here(const char* fmt, ...) {
@@ -816,8 +980,7 @@ void fail_here(const char* fmt, ...) {
   std::vsnprintf(body, sizeof body, fmt, ap);
   va_end(ap);
   std::snprintf(w->msg, sizeof w->msg, "%s: %s", loc, body);
-  w->in_block = false;
-  siglongjmp(w->jb, 1);
+  bail(w);
 }
 
 const char* collective_name(int op, int param) {
@@ -1070,6 +1233,47 @@ void check_release(const char* what) {
   b->acquire_phase = -1;
 }
 
+unsigned cluster_rank() {
+  const Block* b = t_worker->cur->block;
+  return b->cluster != nullptr ? (unsigned)b->rank : 0u;
+}
+
+void cluster_sync() {
+  Fiber* f = t_worker->cur;
+  Block* b = f->block;
+  Cluster* cl = b->cluster;
+  if (cl == nullptr) {            // a cluster of one: the block's barrier
+    barrier_arrive(f);
+    return;
+  }
+  if (++cl->arrived == cl->nthreads) {
+    cl->arrived = 0;
+    cl->phase++;
+    for (int k = 0; k < cl->size; ++k) {
+      Block& o = cl->workers[k]->block;
+      for (int i = 0; i < o.nthreads; ++i) o.fibers[i].state = RUNNABLE;
+    }
+  } else {
+    f->state = WAIT_CLUSTER;
+  }
+  pd_emu_switch(&f->sp, b->sched_sp);
+}
+
+const void* cluster_map(const void* p, unsigned rank) {
+  Worker* w = t_worker;
+  const Cluster* cl = w->block.cluster;
+  const int size = cl != nullptr ? cl->size : 1;
+  if (rank >= (unsigned)size)
+    fail_here("cluster_map to CTA %u of a cluster of %d", rank, size);
+  const std::uintptr_t a = (std::uintptr_t)p, arena = (std::uintptr_t)w->arena;
+  long long off = 0;
+  if (smem_region(w, a, &off) == nullptr)
+    fail_here("cluster_map of %#lx, which is not in this block's shared memory",
+              (unsigned long)a);
+  const Worker* peer = cl != nullptr ? cl->workers[rank] : w;
+  return peer->arena + (a - arena);
+}
+
 void cp_async_commit() {
   Worker* w = t_worker;
   if (w->launch->cp_async_deferred) w->cpq[w->cur->linear].committed++;
@@ -1099,6 +1303,12 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
     return 1;
   }
   if (total == 0) return 0;
+  const int k_n = d->cluster < 1 ? 1 : (int)d->cluster;
+  if (k_n > MAX_CLUSTER || d->grid[0] % (unsigned)k_n != 0) {
+    std::snprintf(err, errlen, "%s: clusters of %d CTAs along x over a grid of %u (at most "
+                  "%d, dividing the grid's x)", d->kernel, k_n, d->grid[0], MAX_CLUSTER);
+    return 1;
+  }
   struct sigaction sa{};
   sa.sa_sigaction = on_fault;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
@@ -1108,10 +1318,12 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
   sigaction(SIGILL, &sa, &g_old_ill);
   Shared s;
   s.d = d;
-  s.total = total;
+  s.total = total / k_n;          // blocks, or clusters of k_n blocks
   int nw = d->threads < 1 ? 1 : d->threads;
-  if (nw > total) nw = (int)total;
-  std::vector<Worker> workers(nw);
+  if (nw > s.total) nw = (int)s.total;
+  // one worker per CTA: a cluster's k_n workers run on their first one's OS thread
+  std::vector<Worker> workers((std::size_t)nw * k_n);
+  std::vector<Cluster> clusters(k_n > 1 ? nw : 0);
   for (Worker& w : workers) {
     w.launch = d;
     w.block.bdim = U3{d->block[0], d->block[1], d->block[2]};
@@ -1125,11 +1337,23 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
     w.block.dyn_smem = w.dyn;
     w.block.static_smem = w.stat;
   }
+  for (int g = 0; g < (int)clusters.size(); ++g) {
+    Cluster& cl = clusters[g];
+    cl.size = k_n;
+    cl.nthreads = k_n * (int)nthreads;
+    for (int k = 0; k < k_n; ++k) {
+      Worker& m = workers[(std::size_t)g * k_n + k];
+      cl.workers[k] = &m;
+      m.home = &workers[(std::size_t)g * k_n];
+      m.block.cluster = &cl;
+      m.block.rank = k;
+    }
+  }
   if (nw == 1) {
     worker_main(&workers[0], &s);
   } else {
     std::vector<std::thread> ts;
-    for (int i = 0; i < nw; ++i) ts.emplace_back(worker_main, &workers[i], &s);
+    for (int i = 0; i < nw; ++i) ts.emplace_back(worker_main, &workers[(std::size_t)i * k_n], &s);
     for (std::thread& t : ts) t.join();
   }
   for (Worker& w : workers) teardown_worker(&w);

@@ -207,6 +207,45 @@ __device__ __forceinline__ void wait_for_prerequisites() {
 #endif
 }
 
+#ifndef PD_CLUSTER
+#define PD_CLUSTER 1
+#endif
+#if PD_CLUSTER > 1
+// Thread-block clusters (sm_90): the CTA's rank in its cluster; a barrier of every thread
+// of the cluster whose arrival releases and whose wait acquires (shared-memory writes
+// before it are visible to every CTA of the cluster after it); the address of the same
+// shared variable in CTA `rank` of the cluster (distributed shared memory, read through
+// a generic pointer).
+#if defined(__CUDA_ARCH__)
+#define PD_CLUSTER_DIMS __cluster_dims__(PD_CLUSTER, 1, 1)
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+template <typename X>
+__device__ __forceinline__ const X* cluster_map(const X* p, unsigned rank) {
+  unsigned long long a;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(a) : "l"(p), "r"(rank));
+  return reinterpret_cast<const X*>(a);
+}
+#else
+#define PD_CLUSTER_DIMS
+__device__ __forceinline__ unsigned cluster_rank() { return pd_emu::cluster_rank(); }
+__device__ __forceinline__ void cluster_sync() { pd_emu::cluster_sync(); }
+template <typename X>
+__device__ __forceinline__ const X* cluster_map(const X* p, unsigned rank) {
+  return static_cast<const X*>(pd_emu::cluster_map(p, rank));
+}
+#endif
+#else
+#define PD_CLUSTER_DIMS
+#endif
+
 // The visible tokens [t_begin, t_end) of chunk `tile` of a request (pages [tile * ppc,
 // (tile + 1) * ppc) of its npages, the first `fpo` entries of its first page retired, its
 // last page holding last_len entries): token t lives at entry fpo + t of the request's
@@ -238,12 +277,20 @@ __device__ __forceinline__ TokenRange chunk_tokens(long long npages, long long l
 // heads' rows are read together. The host sets it per kernel (specs.heads_first).
 // Unsigned, as blockIdx is: a signed division of the slot cost v2tc 296 SASS
 // instructions at head_dim 128 under NVRTC 13.0 (index arithmetic downstream of it).
+// PD_CLUSTER > 1 (the cluster merge, v2tc): clusters of PD_CLUSTER CTAs along x, each one
+// request's PD_CLUSTER chunks (every request has that many) of one head slot; heads first
+// then orders whole clusters, head slots first.
 #ifndef PD_HEADS_FIRST
 #define PD_HEADS_FIRST 0
 #endif
 struct GridCell { unsigned chunk, slot, kv_head, sub; };
 __device__ __forceinline__ GridCell grid_cell(unsigned per_head) {
-#if PD_HEADS_FIRST
+#if PD_HEADS_FIRST && PD_CLUSTER > 1
+  const unsigned long long l = (unsigned long long)blockIdx.y * gridDim.x + blockIdx.x;
+  const unsigned long long cl = l / PD_CLUSTER;          // the cluster's place
+  const unsigned slot = (unsigned)(cl % gridDim.y);
+  const unsigned chunk = (unsigned)(cl / gridDim.y * PD_CLUSTER + l % PD_CLUSTER);
+#elif PD_HEADS_FIRST
   const unsigned long long l = (unsigned long long)blockIdx.y * gridDim.x + blockIdx.x;
   const unsigned chunk = (unsigned)(l / gridDim.y), slot = (unsigned)(l % gridDim.y);
 #else

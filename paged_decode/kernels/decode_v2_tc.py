@@ -237,7 +237,7 @@ __device__ __forceinline__ void pv_tile_fp8(float (&o)[DT][4], const float (&s)[
 // launch, so the counters stay zero between launches (graph replays included).
 template <typename T, typename TKV, typename TO, int HEAD_DIM, int PAGE_SIZE, int NUM_WARPS,
           int STAGES, bool SOFT_CAP, bool SINK, bool MERGE, typename TF>
-__global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
+__global__ void __launch_bounds__(NUM_WARPS * 32) PD_CLUSTER_DIMS pd_decode_v2_tc(
     const T* __restrict__ q,                     // [B, Hq, D]
     const TKV* __restrict__ k_pages,             // [num_pages, P, Hkv, D]
     const TKV* __restrict__ v_pages,             // [num_pages, P, Hkv, D]
@@ -274,6 +274,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   static_assert((KT * PIECES) % THREADS == 0, "a K/V stage must split evenly over the threads");
   static_assert(STAGES >= 2, "the pipeline needs at least two stages");
   static_assert(!MERGE || sizeof(TO) == 4, "a fused merge reads float32 partials");
+  // the cluster merge: a cluster's CTAs are one request's chunks of one head slot, and they
+  // merge their rows through each other's shared memory (no partial rows in global memory)
+  constexpr bool CLUSTER_MERGE = MERGE && PD_CLUSTER > 1;
 
   unsigned char* smem = pd_tc_smem;
   T* qs = reinterpret_cast<T*>(smem);            // [16][LD]
@@ -492,6 +495,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
   constexpr int CLD = D + 8;
   __shared__ float sm_m[NUM_WARPS][16];
   __shared__ float sm_l[NUM_WARPS][16];
+  __shared__ float sm_lse[CLUSTER_MERGE ? 16 : 1];   // the cluster merge's row LSEs
   float* comb = reinterpret_cast<float*>(ks);
   __syncthreads();
 #pragma unroll
@@ -546,15 +550,28 @@ __global__ void __launch_bounds__(NUM_WARPS * 32) pd_decode_v2_tc(
     // den is 0 for an empty range and NaN when a score was not finite (a warp's NaN sum
     // survives its weight of 0): NaN output and LSE, never the empty answer
     const bool live = !(den <= 0.f);
-    const long long out_row = (long long)c * num_qo_heads + h0 + i;
+    const float lse = live ? mx + log2f(den) : -PD_INF;
     // v_scale: an fp8 pool's V scale (1 for 16-bit pools; the K scale is in scale_log2)
+    if constexpr (CLUSTER_MERGE) {
+      // over warp 0's row: only this thread reads or writes these 4 columns of row i
+      *reinterpret_cast<float4*>(comb + i * CLD + d) =
+          live ? make_float4(num[0] / den * v_scale, num[1] / den * v_scale,
+                             num[2] / den * v_scale, num[3] / den * v_scale)
+               : make_float4(0.f, 0.f, 0.f, 0.f);
+      if (d == 0) sm_lse[i] = lse;
+    } else {
+      const long long out_row = (long long)c * num_qo_heads + h0 + i;
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
-      v_out[out_row * D + d + u] = from_float<TO>(live ? num[u] / den * v_scale : 0.f);
-    if (d == 0) lse_out[out_row] = live ? mx + log2f(den) : -PD_INF;
+      for (int u = 0; u < 4; ++u)
+        v_out[out_row * D + d + u] = from_float<TO>(live ? num[u] / den * v_scale : 0.f);
+      if (d == 0) lse_out[out_row] = lse;
+    }
   }
   pd_stamp(3);                                   // timeline: this CTA's rows are written
-  if constexpr (MERGE) {
+  if constexpr (CLUSTER_MERGE) {
+    cluster_merge<TF, D, CLD, PD_CLUSTER, THREADS, SINK>(
+        comb, sm_lse, sinks, merged_out, merged_lse, num_qo_heads, r, h0, rows, tid);
+  } else if constexpr (MERGE) {
     // the fence orders this thread's partial rows before the count that publishes them
     __shared__ int sm_last;
     __threadfence();

@@ -238,6 +238,90 @@ __device__ __forceinline__ void merge_group(
   }
   if (lane == 0) lse_out[o * num_heads + h] = bad != 0.f ? PD_NAN : (live ? mx + log2f(den) : -PD_INF);
 }
+
+// The cluster merge, declared everywhere (a kernel names it in a branch it discards
+// unless PD_CLUSTER > 1) and defined only where clusters are compiled in.
+template <typename TO, int HEAD_DIM, int CLD, int K, int THREADS, bool SINK>
+__device__ void cluster_merge(const float* comb, const float* lse, const float* sinks,
+                              TO* v_out, float* lse_out, int num_heads, int r, int h0,
+                              int rows, int tid);
+#if PD_CLUSTER > 1
+// The cluster merge (v2tc's fused merge within a thread-block cluster): the K CTAs of a
+// cluster are request r's K partials, in order (rank k: partial o_indptr[r] + k), each
+// holding its `rows` rows of heads h0.. in its own shared memory, row i at comb[i * CLD]
+// (float32, HEAD_DIM wide) and its LSE (log2) at lse[i]. Every thread of the cluster calls
+// it; the rows' float4 columns are spread over the cluster's threads, each reading its
+// column of the K partials from the other CTAs' shared memory between two cluster
+// barriers (the second keeps every CTA's shared memory alive until all have read it).
+// The arithmetic is merge_group's (SPLIT 1), in its order: the same max, the same fmaf
+// chain in partial order, the weights summed as its lane butterfly sums them, the sink
+// added once; so the result equals the merge kernel's bit for bit.
+template <typename TO, int HEAD_DIM, int CLD, int K, int THREADS, bool SINK>
+__device__ void cluster_merge(
+    const float* comb, const float* lse, const float* sinks, TO* v_out, float* lse_out,
+    int num_heads, int r, int h0, int rows, int tid) {
+  static_assert(K >= 2 && K <= 32, "a cluster merge merges 2 to 32 partials");
+  constexpr int NV4 = HEAD_DIM / 4;
+  cluster_sync();                                   // every CTA's rows are in place
+  const int me = (int)cluster_rank();
+  for (int e = me * THREADS + tid; e < rows * NV4; e += K * THREADS) {
+    const int i = e / NV4, c4 = e % NV4;
+    float s[K];
+    float4 x[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {                   // every load issued before any use
+      s[k] = *cluster_map(lse + i, (unsigned)k);
+      x[k] = *cluster_map(reinterpret_cast<const float4*>(comb + i * CLD) + c4, (unsigned)k);
+    }
+    float mx = -PD_INF, bad = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      mx = fmaxf(mx, s[k]);                         // fmaxf skips NaN
+      bad = s[k] < PD_INF ? bad : 1.f;
+    }
+    const int h = h0 + i;
+    const float sk = SINK ? sinks[h] * PD_LOG2E : -PD_INF;
+    if (SINK) {
+      mx = fmaxf(mx, sk);
+      bad = sk < PD_INF ? bad : 1.f;
+    }
+    constexpr int P = next_pow2(K);
+    float w[P];
+#pragma unroll
+    for (int k = 0; k < P; ++k) w[k] = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mx > -PD_INF && bad == 0.f) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (s[k] > -PD_INF) w[k] = exp2f(s[k] - mx);
+        if (w[k] > 0.f) {
+          acc.x = fmaf(w[k], x[k].x, acc.x); acc.y = fmaf(w[k], x[k].y, acc.y);
+          acc.z = fmaf(w[k], x[k].z, acc.z); acc.w = fmaf(w[k], x[k].w, acc.w);
+        }
+      }
+    }
+    // the lane butterfly of group_sum<32> with partial k on lane k: lane 0's sum (the
+    // steps past P add zeros, which changes nothing)
+#pragma unroll
+    for (int off = P / 2; off >= 1; off >>= 1)
+#pragma unroll
+      for (int k = 0; k < off; ++k) w[k] += w[k + off];
+    float den = w[0];
+    if (SINK && mx > -PD_INF) den += exp2f(sk - mx);
+    const bool live = den > 0.f;
+    const float inv = bad != 0.f ? PD_NAN : (live ? 1.f / den : 0.f);   // 0 * NaN is NaN
+    TO* dst = v_out + ((long long)r * num_heads + h) * HEAD_DIM + 4 * c4;
+    dst[0] = pd::from_float<TO>(acc.x * inv);
+    dst[1] = pd::from_float<TO>(acc.y * inv);
+    dst[2] = pd::from_float<TO>(acc.z * inv);
+    dst[3] = pd::from_float<TO>(acc.w * inv);
+    if (c4 == 0)
+      lse_out[(long long)r * num_heads + h] =
+          bad != 0.f ? PD_NAN : (live ? mx + log2f(den) : -PD_INF);
+  }
+  cluster_sync();                                   // no CTA leaves while read
+}
+#endif
 }  // namespace pd
 """
 
