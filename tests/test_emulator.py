@@ -951,6 +951,15 @@ def test_a_peer_read_before_the_cluster_barrier_reads_poison():
     assert np.isnan(y.reshape(4, 2, 64)[:, 0]).all()
 
 
+def test_a_missing_cluster_barrier_shows_as_schedules_that_disagree():
+    """Under the four schedules (forward, reverse, a random CTA order every sweep, one
+    warp ahead) the CTAs of a cluster move in different orders, so a peer read without
+    the barrier gives different results: ``RaceError``."""
+    with pytest.raises(RaceError, match=r"ring: buffer 'y' differs between the forward and "
+                       r"the \w+ fiber schedule"):
+        _cluster_ring(4, sync=0)
+
+
 def test_a_read_of_an_exited_peer_fails():
     """Without the second barrier a CTA leaves while its neighbour still reads it: its
     shared memory is unmapped when it exits, so the read faults and is named."""

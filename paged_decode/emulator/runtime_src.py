@@ -844,8 +844,8 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
 
 // Run cluster ``i`` (clusters of d->cluster CTAs along x, in linear order) on the home
 // worker ``h``'s group: its CTAs' fibers interleave, sweep by sweep, block by block (in
-// reverse under the reverse schedule), so a CTA can wait at the cluster barrier for the
-// others. A CTA that has exited has its shared memory unmapped: another CTA's read of it
+// reverse under the reverse schedule, in a fresh order every sweep under the random one),
+// so a CTA can wait at the cluster barrier for the others. A CTA that has exited has its shared memory unmapped: another CTA's read of it
 // faults, as a read of a departed CTA's memory is undefined on a GPU.
 void run_cluster(Worker* h, long long i) {
   const LaunchDesc* d = h->launch;
@@ -865,11 +865,17 @@ void run_cluster(Worker* h, long long i) {
     m->in_block = true;
     init_block(m, qx * (unsigned)k_n + (unsigned)k, by, bz);
   }
-  const bool reverse = d->schedule == S_REVERSE;
+  // the CTAs' order within a sweep: forward, reversed, or (random) a fresh permutation
+  // every sweep, reproducible per (seed, cluster)
+  int ctas[MAX_CLUSTER];
+  for (int j = 0; j < k_n; ++j) ctas[j] = d->schedule == S_REVERSE ? k_n - 1 - j : j;
+  std::uint64_t rng = d->seed * 0x9e3779b97f4a7c15ull + (std::uint64_t)i;
   for (;;) {
     bool progressed = false, live = false;
+    if (d->schedule == S_RANDOM)
+      for (int j = k_n - 1; j > 0; --j) std::swap(ctas[j], ctas[(int)(splitmix(rng) % (j + 1))]);
     for (int j = 0; j < k_n; ++j) {
-      const int k = reverse ? k_n - 1 - j : j;
+      const int k = ctas[j];
       Worker* m = cl.workers[k];
       if (cl.gone[k]) continue;
       t_worker = m;
