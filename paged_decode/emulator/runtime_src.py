@@ -844,9 +844,10 @@ void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
 
 // Run cluster ``i`` (clusters of d->cluster CTAs along x, in linear order) on the home
 // worker ``h``'s group: its CTAs' fibers interleave, sweep by sweep, block by block (in
-// reverse under the reverse schedule, in a fresh order every sweep under the random one),
-// so a CTA can wait at the cluster barrier for the others. A CTA that has exited has its shared memory unmapped: another CTA's read of it
-// faults, as a read of a departed CTA's memory is undefined on a GPU.
+// reverse under the reverse schedule, in a fresh order every sweep under the random
+// one), so a CTA can wait at the cluster barrier for the others. A CTA that has exited
+// has its shared memory unmapped: another CTA's read of it faults, as a read of a
+// departed CTA's memory is undefined on a GPU.
 void run_cluster(Worker* h, long long i) {
   const LaunchDesc* d = h->launch;
   Cluster& cl = *h->block.cluster;
