@@ -82,8 +82,7 @@ class CudaBackend(LaunchingBackend):
         return _device_info(i)
 
     def runs_clusters(self) -> bool:
-        arch = self.device_info().arch           # "major.minor"; clusters need sm_90
-        return bool(arch) and int(arch.split(".")[0]) >= 9
+        return _runs_clusters(cp.cuda.Device().id)
 
     def describe(self) -> dict[str, Any]:
         info = self.device_info()
@@ -348,6 +347,12 @@ class CudaBackend(LaunchingBackend):
 def _major(index: int) -> int:
     """Device ``index``'s compute capability major."""
     return int(cp.cuda.runtime.getDeviceProperties(index)["major"])
+
+
+@functools.cache
+def _runs_clusters(index: int) -> bool:
+    """Whether device ``index`` runs thread-block clusters (sm_90 and later)."""
+    return int(_device_info(index).arch.split(".")[0]) >= 9
 
 
 @functools.cache

@@ -161,11 +161,12 @@ class LaunchingBackend(Backend):
         runs clusters and ``PAGED_DECODE_CLUSTER_MERGE`` is ``1``, or is unset and
         ``launches.cluster_merge_pays``; 0 otherwise."""
         forced = env_switch(CLUSTER_MERGE_ENV, "decode")
-        if forced is False or not self.runs_clusters():
+        k = launches.cluster_merge_size(plan)      # the plan's, cached: cheap first
+        if forced is False or not k:
             return 0
         if forced is None and not launches.cluster_merge_pays(plan, kv_dtype):
             return 0
-        return launches.cluster_merge_size(plan)
+        return k if self.runs_clusters() else 0
 
     def merge_counters(self, plan: DecodePlan) -> Any:
         """The fused merge's ``int32 [fused_merge_slots(plan)]`` counters, zero (a fresh
