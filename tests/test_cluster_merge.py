@@ -226,6 +226,32 @@ def test_both_grid_orders(monkeypatch, order):
 
 
 @needs_backend("emulated-cuda")
+def test_a_multi_token_call(monkeypatch):
+    """Three query tokens per request folded into the GQA group (12 rows per CTA): the
+    cluster merge writes each (request, token, head) row where the counters' merge does."""
+    be = pd.get_backend("emulated-cuda")
+    pr = make_problem(G(3, 0, 8, 2, 64, 16, seed=37), lengths=[64, 60, 52], offsets=[0, 0, 0])
+    t = 3
+    q = np.random.default_rng(2).standard_normal((3, t, 8, 64)).astype(np.float16)
+    plan = pd.plan_decode(pr.table, 8, 2, 64, device=be.device_info(), pages_per_chunk=1,
+                          ctas_per_chunk=v2tc_ctas_per_chunk(8, 2), query_tokens=t)
+    assert launches.cluster_merge_size(plan) == 4
+    got = {}
+    for mode in ("counters", "cluster"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(FUSED_MERGE_ENV, "1")
+            mp.setenv(CLUSTER_MERGE_ENV, "1" if mode == "cluster" else "0")
+            seen = spy_specs(mp, be)
+            out, lse = pd.decode(q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc",
+                                 backend=be, out_dtype="float32", return_lse=True)
+        # the common range's launch in clusters (a call's other launches may not be)
+        assert (4 in {s.cluster for s in seen}) == (mode == "cluster"), [s.uri for s in seen]
+        got[mode] = (be.to_numpy(out).reshape(3, t * 8, 64), be.to_numpy(lse).reshape(3, t * 8))
+    assert np.isfinite(got["cluster"][0]).all()
+    _same(got["cluster"], got["counters"], "multi-token")
+
+
+@needs_backend("emulated-cuda")
 def test_a_backend_without_clusters_keeps_the_counters(monkeypatch):
     """Where the backend runs no clusters (a CUDA device before sm_90) the setting changes
     nothing: the counters' fused merge runs; a bad value is refused everywhere."""
