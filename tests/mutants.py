@@ -804,6 +804,11 @@ MUTANTS: tuple[Mutant, ...] = (
        "      s[k] = *cluster_map(lse + i, (unsigned)((k + 1) % K));",
        [CLUSTER + "test_cluster_merge_equals_the_other_merges_and_the_oracle[g4-d64-k3-offsets]"],
        "each partial row weighed by the next partial's LSE"),
+    _m("v2tc-cluster-merge-nan-partial-unpoisoned", "cuda", ("v2tc",),
+       "      bad = s[k] < PD_INF ? bad : 1.f;\n", "",
+       [CLUSTER + "test_non_finite_and_empty_partials[nan-k]"],
+       "a partial with a NaN LSE weighs nothing instead of poisoning its head (a NaN score "
+       "hidden as a zero output)"),
     _m("v2tc-cluster-merge-sink-left-out", "cuda", ("v2tc",),
        "    const float sk = SINK ? sinks[h] * PD_LOG2E : -PD_INF;\n    if (SINK) {\n"
        "      mx = fmaxf(mx, sk);\n      bad = sk < PD_INF ? bad : 1.f;\n    }\n"
@@ -827,6 +832,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "plan.pages_per_chunk * plan.page_size < CLUSTER_MERGE_MAX_CHUNK_TOKENS",
        [CLUSTER + "test_where_clusters_are_the_default"],
        "chunks of exactly the measured bound lose their clusters"),
+    _m("py-cluster-rule-two-chunks-at-any-batch", "python", ("paged_decode.backends.launches",),
+       "(k == 2 and plan.batch_size >= CLUSTER_MERGE_TWO_CHUNK_BATCH)", "(k == 2)",
+       [CLUSTER + "test_where_clusters_are_the_default"],
+       "two long chunks take clusters at small batches, where they were not measured"),
     _m("py-cluster-rule-over-fp8-pools", "python", ("paged_decode.backends.launches",),
        "    if not k or kv_dtype in V2TC_FP8 or plan.head_dim != 128:",
        "    if not k or plan.head_dim != 128:",

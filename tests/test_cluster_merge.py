@@ -32,9 +32,9 @@ from helpers import (
 import paged_decode as pd
 from paged_decode import cuda_compile
 from paged_decode.backends import launches
-from paged_decode.backends.launching import CLUSTER_MERGE_ENV, FUSED_MERGE_ENV
+from paged_decode.backends.launching import CLUSTER_MERGE_ENV, FUSED_MERGE_ENV, MERGE_SPLIT_ENV
 from paged_decode.errors import InvalidArgumentError
-from paged_decode.problems import ProblemSpec, make_problem
+from paged_decode.problems import ProblemSpec, make_problem, make_table
 from paged_decode.reference import oracle_decode
 from paged_decode.specs import (
     CLUSTER_SIZES,
@@ -76,17 +76,20 @@ def test_plans_a_cluster_cannot_take(lengths, ppc, why):
 
 
 @pytest.mark.parametrize("lengths,ppc,kv,d,want", [
-    ([16384] * 2, 512, "float16", 128, True),          # 2 chunks of 8192 tokens
+    ([16384] * 64, 512, "float16", 128, True),         # 2 chunks of 8192 tokens, batch 64
+    ([16384] * 63, 512, "float16", 128, False),        # the same at batch 63: not measured
     ([2048] * 3, 32, "bfloat16", 128, True),           # 4 chunks of 512
     ([8192] * 2, 128, "float16", 128, True),           # 4 chunks of 2048: the bound
     ([4 * 2064] * 2, 129, "float16", 128, False),      # 4 chunks of 2064
     ([8 * 4096] * 2, 256, "float16", 128, False),      # 8 chunks of 4096
-    ([16384] * 2, 512, "float8_e4m3fn", 128, False),   # fp8 pools
+    ([2048] * 3, 32, "float8_e4m3fn", 128, False),     # fp8 pools (4 chunks of 512)
     ([4096] * 2, 128, "float16", 64, False),           # head_dim 64: not measured
     ([1024] * 2, 64, "float16", 128, False),           # one chunk: no merge
 ])
 def test_where_clusters_are_the_default(lengths, ppc, kv, d, want):
-    _, plan = _plan(lengths, ppc, hq=4, hkv=1, d=d)
+    table, _ = make_table(lengths, 16, offsets=[0] * len(lengths), slack=1.0)
+    plan = pd.plan_decode(table, 4, 1, d, device=pd.get_backend("reference").device_info(),
+                          pages_per_chunk=ppc, ctas_per_chunk=v2tc_ctas_per_chunk(4, 1))
     assert launches.cluster_merge_pays(plan, kv) is want
 
 
@@ -141,6 +144,7 @@ def _run(be, pr, plan, mode, **kw):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FUSED_MERGE_ENV, "0" if mode == "two" else "1")
         mp.setenv(CLUSTER_MERGE_ENV, "1" if mode == "cluster" else "0")
+        mp.setenv(MERGE_SPLIT_ENV, "1")    # the merge kernel as the fused merges run it
         seen = spy_specs(mp, be)
         out = np.full(pr.q.shape, np.nan, np.float32)
         lse = np.full(pr.q.shape[:-1], np.nan, np.float32)
@@ -205,6 +209,46 @@ def test_cluster_merge_equals_the_other_merges_and_the_oracle(spec, lengths, off
     assert_matches_oracle(*clustered, ref, ref_lse, "float32", spec.label,
                           tol=tc_fp8_out_tol(spec.q_dtype, "float32") if fp8
                           else tc_out_tol(spec.kv_dtype, "float32"))
+
+
+@needs_backend("emulated-cuda")
+@pytest.mark.parametrize("case", ["nan-k", "inf-v", "empty-trailing-chunks",
+                                  "empty-requests", "empty-requests-sinks"])
+def test_non_finite_and_empty_partials(case):
+    """A NaN score poisons its head (a NaN LSE in one partial), +inf in V gives a
+    non-finite row, plans made with headroom have empty trailing chunks (LSE -inf, no
+    weight), a request with no tokens merges to zeros and -inf, or to its sink alone:
+    the cluster merge gives what the two launches give, NaN where NaN."""
+    be = pd.get_backend("emulated-cuda")
+    empty = case.startswith("empty-requests")
+    lengths = [0, 0] if empty else [64, 60]
+    pr = make_problem(G(2, 0, 8, 2, 64, 16, seed=38), lengths=lengths, offsets=[0, 0])
+    kw = {"sinks": sinks_for(8)} if case.endswith("sinks") else {}
+    if case in ("nan-k", "inf-v"):
+        page = int(pr.table.indices[1])                  # request 0's second chunk (ppc 1)
+        pool = pr.k_pages if case == "nan-k" else pr.v_pages
+        pool[page, 3, 0, 5] = np.nan if case == "nan-k" else np.inf
+    headroom = 0 if case in ("nan-k", "inf-v") else 48
+    plan = pd.plan_decode(pr.table, 8, 2, 64, device=be.device_info(), pages_per_chunk=1,
+                          ctas_per_chunk=v2tc_ctas_per_chunk(8, 2), headroom=headroom)
+    k = launches.cluster_merge_size(plan)
+    assert k >= 2, plan.chunks_per_request
+    two, _ = _run(be, pr, plan, "two", **kw)
+    clustered, seen = _run(be, pr, plan, "cluster", **kw)
+    assert {(s.kernel, s.cluster) for s in seen} == {("v2tc", k)}
+    _same(clustered, two, case)
+    out, lse = clustered
+    if case == "nan-k":
+        assert np.isnan(out[0, :4]).all() and np.isnan(lse[0, :4]).all()   # KV head 0
+        assert np.isfinite(out[0, 4:]).all() and np.isfinite(out[1]).all()
+    elif case == "inf-v":
+        assert not np.isfinite(out[0, :4]).all() and np.isfinite(out[1]).all()
+    elif case == "empty-requests":
+        assert (out == 0).all() and np.isneginf(lse).all()
+    elif case == "empty-requests-sinks":
+        assert (out == 0).all() and np.isfinite(lse).all()
+    else:
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
 
 
 @needs_backend("emulated-cuda")

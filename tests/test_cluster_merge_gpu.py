@@ -137,7 +137,7 @@ def test_both_grid_orders(monkeypatch, order):
     _, _, two, _ = _run(spec, lengths, 64, "two")
     monkeypatch.setenv(GRID_ORDER_ENV, order)
     _, _, clustered, seen = _run(spec, lengths, 64, "cluster", calls=5)
-    assert all(s.cluster == 4 for s in seen if s.kernel == "v2tc")
+    assert {(s.kernel, s.cluster) for s in seen} == {("v2tc", 4)}, [s.uri for s in seen]
     for i, got in enumerate(clustered):
         _same(got, two[0], f"{order} first, call {i}")
 
@@ -155,6 +155,7 @@ def test_a_captured_cluster_merge_replays_right(monkeypatch):
                           ctas_per_chunk=v2tc_ctas_per_chunk(32, 8))
     monkeypatch.setenv(FUSED_MERGE_ENV, "1")
     monkeypatch.setenv(CLUSTER_MERGE_ENV, "1")
+    seen = spy_specs(monkeypatch, be)
     out = cp.full(q.shape, np.nan, cp.float32)
     lse = cp.full(q.shape[:2], np.nan, cp.float32)
     s = cp.cuda.Stream(non_blocking=True)
@@ -168,6 +169,31 @@ def test_a_captured_cluster_merge_replays_right(monkeypatch):
         finally:
             g = s.end_capture()
         assert np.isnan(take_and_repoison(out, lse)[0]).all()
+        assert {(s.kernel, s.cluster) for s in seen} == {("v2tc", 2)}, [s.uri for s in seen]
         for i in range(10):
             g.launch(s)
             _same(take_and_repoison(out, lse), two[0], f"replay {i}")
+
+
+def test_the_default_takes_clusters_where_the_rule_does(monkeypatch):
+    """Unset, the setting leaves it to ``launches.cluster_merge_pays``: 8 x 1K at Llama-3-8B
+    heads (4 chunks of 256 tokens) merges in clusters, equal to the counters' merge."""
+    spec = G(8, 0, 32, 8, 128, 16, seed=16)
+    lengths = [1024] * 8
+    _, _, counted, _ = _run(spec, lengths, 16, "counters")
+    be = pd.get_backend("cuda")
+    monkeypatch.delenv(CLUSTER_MERGE_ENV, raising=False)
+    monkeypatch.setenv(FUSED_MERGE_ENV, "1")
+    pr = make_problem(spec, lengths=lengths, offsets=[0] * 8)
+    q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
+    import cupy as cp
+    cp.cuda.Device().synchronize()
+    plan = pd.plan_decode(pr.table, 32, 8, 128, device=be.device_info(), pages_per_chunk=16,
+                          ctas_per_chunk=v2tc_ctas_per_chunk(32, 8))
+    assert launches.cluster_merge_pays(plan, "float16")
+    seen = spy_specs(monkeypatch, be)
+    out = cp.full(q.shape, np.nan, cp.float32)
+    lse = cp.full(q.shape[:2], np.nan, cp.float32)
+    pd.decode(q, k, v, pr.table, plan, path="v2tc", out=out, lse=lse, out_dtype="float32")
+    assert {(s.kernel, s.cluster) for s in seen} == {("v2tc", 4)}, [s.uri for s in seen]
+    _same(take_and_repoison(out, lse), counted[0], "the default")

@@ -243,6 +243,9 @@ def v2tc_launch(*, kv_dtype: str, out_dtype: str, plan: DecodePlan, sm_scale: fl
                                **flags)
     else:
         cluster = fused.cluster if fused is not None else 0
+        if cluster and cluster not in CLUSTER_SIZES:
+            raise ValueError(f"v2tc_launch: fused.cluster must be 0 or one of {CLUSTER_SIZES}, "
+                             f"got {cluster}")
         if cluster and cluster_merge_size(plan) != cluster:
             raise ValueError(f"v2tc_launch: a cluster merge of {cluster} CTAs needs every "
                              f"request of the plan in exactly {cluster} chunks "
@@ -310,15 +313,19 @@ def cluster_merge_size(plan: DecodePlan) -> int:
 
 #: the longest chunk (tokens) where ``cluster_merge_pays`` takes clusters of 3-8 CTAs
 CLUSTER_MERGE_MAX_CHUNK_TOKENS = 2048
+#: the smallest batch where ``cluster_merge_pays`` takes two chunks of any length
+CLUSTER_MERGE_TWO_CHUNK_BATCH = 64
 
 
 def cluster_merge_pays(plan: DecodePlan, kv_dtype: str) -> bool:
     """Whether a fused merge over ``plan`` runs in clusters by default (where
-    ``cluster_merge_size(plan)`` allows it): over 16-bit pools at head_dim 128, with two
-    chunks per request or chunks of at most ``CLUSTER_MERGE_MAX_CHUNK_TOKENS`` tokens.
+    ``cluster_merge_size(plan)`` allows it): over 16-bit pools at head_dim 128, with chunks
+    of at most ``CLUSTER_MERGE_MAX_CHUNK_TOKENS`` tokens, or two chunks per request at
+    batch ``CLUSTER_MERGE_TWO_CHUNK_BATCH`` or more (where two chunks were measured; in a
+    grid of one wave, longer chunks measured slower at 4-8 per request).
 
     Measured on H100s (S44-R3 / R4 / R6, Llama-3-8B heads, the same kernel with and
-    without clusters in one run): 0.4-1.9 us faster at batch 1-8 over 1K-8K contexts (4
+    without clusters in one run): 0.4-1.8 us faster at batch 1-8 over 1K-8K contexts (4
     or 8 chunks of 128-2048 tokens), 1.0-4.9 us at batch 64 (2 chunks per request, 1024
     CTAs); 0.8-4.3 us slower with 4-8 chunks of 4096-8192 tokens (8 x 16K / 32K, 4 x
     32K); over fp8 pools 2-44 us slower at 8 chunks (512 CTAs) and, numbered heads first,
@@ -326,7 +333,8 @@ def cluster_merge_pays(plan: DecodePlan, kv_dtype: str) -> bool:
     k = cluster_merge_size(plan)
     if not k or kv_dtype in V2TC_FP8 or plan.head_dim != 128:
         return False
-    return k == 2 or plan.pages_per_chunk * plan.page_size <= CLUSTER_MERGE_MAX_CHUNK_TOKENS
+    return ((k == 2 and plan.batch_size >= CLUSTER_MERGE_TWO_CHUNK_BATCH)
+            or plan.pages_per_chunk * plan.page_size <= CLUSTER_MERGE_MAX_CHUNK_TOKENS)
 
 
 def fused_merge_slots(plan: DecodePlan) -> int:

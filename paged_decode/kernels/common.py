@@ -224,6 +224,7 @@ __device__ __forceinline__ unsigned cluster_rank() {
   return r;
 }
 __device__ __forceinline__ void cluster_sync() {
+  __syncwarp();   // .aligned: the warp's threads must execute the barrier together
   asm volatile("barrier.cluster.arrive.release.aligned;\n"
                "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
@@ -236,7 +237,10 @@ __device__ __forceinline__ const X* cluster_map(const X* p, unsigned rank) {
 #else
 #define PD_CLUSTER_DIMS
 __device__ __forceinline__ unsigned cluster_rank() { return pd_emu::cluster_rank(); }
-__device__ __forceinline__ void cluster_sync() { pd_emu::cluster_sync(); }
+__device__ __forceinline__ void cluster_sync() {
+  __syncwarp();   // as on a GPU: the warp meets first
+  pd_emu::cluster_sync();
+}
 template <typename X>
 __device__ __forceinline__ const X* cluster_map(const X* p, unsigned rank) {
   return static_cast<const X*>(pd_emu::cluster_map(p, rank));
