@@ -121,13 +121,19 @@ def test_the_specialization_and_its_defines():
             v2tc_spec("float16", "float32", 128, 16, merged_dtype="float16", cluster=bad)
 
 
-def test_the_launch_refuses_a_plan_whose_requests_are_not_k_chunks():
-    pr, plan = _plan([4096, 2048, 4096], 64)
+@pytest.mark.parametrize("lengths,cluster,msg", [
+    ([4096, 2048, 4096], 4, "v2tc_launch: a cluster merge of 4 CTAs needs every request of the "
+                            "plan in exactly 4 chunks"),
+    ([9 * 1024] * 3, 9, r"v2tc_launch: fused.cluster must be 0 or one of \(2, 3, 4, 5, 6, 7, "
+                        r"8\), got 9"),
+    ([2 * 1024] * 3, 1, r"v2tc_launch: fused.cluster must be 0 or one of .*, got 1"),
+])
+def test_the_launch_refuses_a_cluster_that_does_not_fit(lengths, cluster, msg):
+    pr, plan = _plan(lengths, 16)
     fused = launches.FusedMerge(plan.o_indptr, np.zeros(24, np.int32),
                                 np.zeros((3, 32, 128), np.float16), np.zeros((3, 32), np.float32),
-                                "float16", cluster=4)
-    with pytest.raises(ValueError, match="v2tc_launch: a cluster merge of 4 CTAs needs every "
-                                         "request of the plan in exactly 4 chunks"):
+                                "float16", cluster=cluster)
+    with pytest.raises(ValueError, match=msg):
         launches.v2tc_launch(kv_dtype="float16", out_dtype="float32", plan=plan, sm_scale=0.1,
                              q=pr.q, k_pages=pr.k_pages, v_pages=pr.v_pages,
                              table=(pr.table.indices, pr.table.indptr, pr.table.last_page_len,
