@@ -103,7 +103,8 @@
 #               FP8_NCU_CELL): pipe utilization, warp states, memory, per-instruction samples
 #   timeline    bench/device/timeline.py: per-CTA stamps of one v2tc launch per cell
 #               (TIMELINE_CELLS, BxCTX[:KV_DTYPE]): prologue, streaming, epilogue, ramp, tail;
-#               TIMELINE_BASE=DIR: the same cells on a carried paged_decode after them
+#               TIMELINE_BASE=DIR: the same cells on a carried paged_decode after them;
+#               TIMELINE_SETTINGS="NAME=VALUE ...": one timeline under each setting instead
 #   ncu-source  per-instruction stall samples of v2tc and FlashInfer's tensor-core kernel
 #               (ncu source counters, the SASS source page as CSV)
 #   tc-target   v2tc at plan CTA targets 396 / 792 beside the default (TC_TARGETS)
@@ -954,6 +955,18 @@ carried_base() {
 }
 step_timeline() {
   local cells=${TIMELINE_CELLS:-8x8192 8x8192:float8_e4m3fn 32x8192 32x8192:float8_e4m3fn 8x32768:float8_e4m3fn 20x16384 12x16384 64x4096}
+  # TIMELINE_SETTINGS: NAME=VALUE settings separated by spaces, one timeline under each
+  # ($OUT/timeline_<k>.json), e.g. the cluster merge on and off
+  if [ -n "${TIMELINE_SETTINGS:-}" ]; then
+    local k=0 setting
+    for setting in $TIMELINE_SETTINGS; do
+      k=$((k + 1))
+      env "$setting" timeout ${TIMELINE_TIMEOUT:-240} python3 bench/device/timeline.py \
+        "$OUT/timeline_$k.json" $cells 2>&1 | tee "$L/timeline_$k.txt" | tail -12
+      echo "timeline $setting rc=$?"
+    done
+    return 0
+  fi
   timeout ${TIMELINE_TIMEOUT:-240} python3 bench/device/timeline.py "$OUT/timeline.json" \
     $cells 2>&1 | tee "$L/timeline.txt" | tail -12
   echo "timeline rc=$?"
