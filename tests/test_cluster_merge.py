@@ -95,16 +95,12 @@ def test_where_clusters_are_the_default(lengths, ppc, kv, d, want):
 
 @needs_backend("emulated-cuda")
 @pytest.mark.parametrize("d,want", [(128, 2), (64, 0)])
-def test_the_default_follows_the_rule(monkeypatch, d, want):
+def test_the_default_follows_the_rule(d, want):
     be = pd.get_backend("emulated-cuda")
-    monkeypatch.delenv(CLUSTER_MERGE_ENV, raising=False)
     pr = make_problem(G(2, 0, 4, 1, d, 16, seed=36), lengths=[100, 96], offsets=[0, 0])
     plan = pd.plan_decode(pr.table, 4, 1, d, device=be.device_info(), pages_per_chunk=4,
                           ctas_per_chunk=v2tc_ctas_per_chunk(4, 1))
-    seen = spy_specs(monkeypatch, be)
-    monkeypatch.setenv(FUSED_MERGE_ENV, "1")
-    pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc", backend=be,
-              out_dtype="float32")
+    _, seen = _run(be, pr, plan, "default")
     assert {(s.kernel, s.cluster) for s in seen} == {("v2tc", want)}, [s.uri for s in seen]
 
 
@@ -146,10 +142,14 @@ def test_the_launch_refuses_a_cluster_that_does_not_fit(lengths, cluster, msg):
 
 def _run(be, pr, plan, mode, **kw):
     """(out, lse) of one v2tc decode into NaN-poisoned outputs with the merge ``mode``:
-    "two" (two launches), "counters" (fused, counters) or "cluster"; and the specs run."""
+    "two" (two launches), "counters" (fused, counters), "cluster" or "default" (fused, the
+    setting unset); and the specs run."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FUSED_MERGE_ENV, "0" if mode == "two" else "1")
-        mp.setenv(CLUSTER_MERGE_ENV, "1" if mode == "cluster" else "0")
+        if mode == "default":
+            mp.delenv(CLUSTER_MERGE_ENV, raising=False)
+        else:
+            mp.setenv(CLUSTER_MERGE_ENV, "1" if mode == "cluster" else "0")
         mp.setenv(MERGE_SPLIT_ENV, "1")    # the merge kernel as the fused merges run it
         seen = spy_specs(mp, be)
         out = np.full(pr.q.shape, np.nan, np.float32)

@@ -49,10 +49,9 @@ def _unsplit_merge(monkeypatch):
     monkeypatch.setenv(MERGE_SPLIT_ENV, "1")
 
 
-def _run(spec, lengths, ppc, mode, calls=1, offsets=None, **kw):
-    """``calls`` results of one v2tc decode, each into NaN-poisoned outputs, with the merge
-    ``mode``: "two" (two launches), "counters" (fused, counters) or "cluster"; and the
-    kernel specs launched."""
+def _setup(spec, lengths, ppc, offsets=None, window_left=-1):
+    """The problem of ``spec`` at ``lengths`` on the GPU: (problem, q, k, v, plan at
+    ``ppc`` pages per chunk, NaN-filled float32 out and lse)."""
     import cupy as cp
     be = pd.get_backend("cuda")
     pr = make_problem(spec, lengths=lengths, offsets=offsets or [0] * len(lengths))
@@ -60,16 +59,29 @@ def _run(spec, lengths, ppc, mode, calls=1, offsets=None, **kw):
     cp.cuda.Device().synchronize()
     hq, hkv, d = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     plan = pd.plan_decode(pr.table, hq, hkv, d, device=be.device_info(), pages_per_chunk=ppc,
-                          ctas_per_chunk=v2tc_ctas_per_chunk(hq, hkv),
-                          window_left=kw.get("window_left", -1))
+                          ctas_per_chunk=v2tc_ctas_per_chunk(hq, hkv), window_left=window_left)
     out = cp.full(q.shape, np.nan, cp.float32)
     lse = cp.full(q.shape[:2], np.nan, cp.float32)
+    return pr, q, k, v, plan, out, lse
+
+
+def _run(spec, lengths, ppc, mode, calls=1, offsets=None, **kw):
+    """``calls`` results of one v2tc decode, each into NaN-poisoned outputs, with the merge
+    ``mode``: "two" (two launches), "counters" (fused, counters), "cluster", or "default"
+    (fused, the setting unset); and the kernel specs launched."""
+    import cupy as cp
+    be = pd.get_backend("cuda")
+    pr, q, k, v, plan, out, lse = _setup(spec, lengths, ppc, offsets,
+                                         kw.get("window_left", -1))
     if "sinks" in kw:
         kw["sinks"] = cp.asarray(kw["sinks"])
     got = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FUSED_MERGE_ENV, "0" if mode == "two" else "1")
-        mp.setenv(CLUSTER_MERGE_ENV, "1" if mode == "cluster" else "0")
+        if mode == "default":
+            mp.delenv(CLUSTER_MERGE_ENV, raising=False)
+        else:
+            mp.setenv(CLUSTER_MERGE_ENV, "1" if mode == "cluster" else "0")
         seen = spy_specs(mp, be)
         for _ in range(calls):
             pd.decode(q, k, v, pr.table, plan, path="v2tc", out=out, lse=lse,
@@ -147,17 +159,10 @@ def test_a_captured_cluster_merge_replays_right(monkeypatch):
     spec = G(8, 0, 32, 8, 128, 16, seed=15)
     lengths = [8192] * 8
     _, _, two, _ = _run(spec, lengths, 128, "two")
-    be = pd.get_backend("cuda")
-    pr = make_problem(spec, lengths=lengths, offsets=[0] * 8)
-    q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
-    cp.cuda.Device().synchronize()
-    plan = pd.plan_decode(pr.table, 32, 8, 128, device=be.device_info(), pages_per_chunk=128,
-                          ctas_per_chunk=v2tc_ctas_per_chunk(32, 8))
+    pr, q, k, v, plan, out, lse = _setup(spec, lengths, 128)
     monkeypatch.setenv(FUSED_MERGE_ENV, "1")
     monkeypatch.setenv(CLUSTER_MERGE_ENV, "1")
-    seen = spy_specs(monkeypatch, be)
-    out = cp.full(q.shape, np.nan, cp.float32)
-    lse = cp.full(q.shape[:2], np.nan, cp.float32)
+    seen = spy_specs(monkeypatch, pd.get_backend("cuda"))
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         pd.decode(q, k, v, pr.table, plan, path="v2tc", out=out, lse=lse, out_dtype="float32")
@@ -169,31 +174,19 @@ def test_a_captured_cluster_merge_replays_right(monkeypatch):
         finally:
             g = s.end_capture()
         assert np.isnan(take_and_repoison(out, lse)[0]).all()
-        assert {(s.kernel, s.cluster) for s in seen} == {("v2tc", 2)}, [s.uri for s in seen]
+        assert {(sp.kernel, sp.cluster) for sp in seen} == {("v2tc", 2)}, [sp.uri for sp in seen]
         for i in range(10):
             g.launch(s)
             _same(take_and_repoison(out, lse), two[0], f"replay {i}")
 
 
-def test_the_default_takes_clusters_where_the_rule_does(monkeypatch):
+def test_the_default_takes_clusters_where_the_rule_does():
     """Unset, the setting leaves it to ``launches.cluster_merge_pays``: 8 x 1K at Llama-3-8B
     heads (4 chunks of 256 tokens) merges in clusters, equal to the counters' merge."""
     spec = G(8, 0, 32, 8, 128, 16, seed=16)
     lengths = [1024] * 8
     _, _, counted, _ = _run(spec, lengths, 16, "counters")
-    be = pd.get_backend("cuda")
-    monkeypatch.delenv(CLUSTER_MERGE_ENV, raising=False)
-    monkeypatch.setenv(FUSED_MERGE_ENV, "1")
-    pr = make_problem(spec, lengths=lengths, offsets=[0] * 8)
-    q, k, v = (be.asarray(x) for x in (pr.q, pr.k_pages, pr.v_pages))
-    import cupy as cp
-    cp.cuda.Device().synchronize()
-    plan = pd.plan_decode(pr.table, 32, 8, 128, device=be.device_info(), pages_per_chunk=16,
-                          ctas_per_chunk=v2tc_ctas_per_chunk(32, 8))
+    _, plan, got, seen = _run(spec, lengths, 16, "default")
     assert launches.cluster_merge_pays(plan, "float16")
-    seen = spy_specs(monkeypatch, be)
-    out = cp.full(q.shape, np.nan, cp.float32)
-    lse = cp.full(q.shape[:2], np.nan, cp.float32)
-    pd.decode(q, k, v, pr.table, plan, path="v2tc", out=out, lse=lse, out_dtype="float32")
     assert {(s.kernel, s.cluster) for s in seen} == {("v2tc", 4)}, [s.uri for s in seen]
-    _same(take_and_repoison(out, lse), counted[0], "the default")
+    _same(got[0], counted[0], "the default")

@@ -419,7 +419,6 @@ struct Cluster {
   int size = 1;
   int nthreads = 0;        // of the whole cluster
   int arrived = 0;         // threads waiting at the cluster barrier
-  unsigned phase = 0;      // cluster barriers released so far
   Worker* workers[MAX_CLUSTER] = {};
   bool gone[MAX_CLUSTER] = {};   // the block has exited (its shared memory is unmapped)
 };
@@ -487,8 +486,7 @@ void describe_fault(Worker* w, std::uintptr_t a, bool write) {
   if (const Cluster* cl = w->block.cluster) {
     for (int k = 0; k < cl->size; ++k) {
       const Worker* m = cl->workers[k];
-      if (m == w || a < (std::uintptr_t)m->arena || a >= (std::uintptr_t)m->arena + m->arena_len)
-        continue;
+      if (m == w || smem_region(m, a, &off) == nullptr) continue;
       if (cl->gone[k])
         std::snprintf(w->msg, sizeof w->msg,
                       "%s: %s of the shared memory of CTA %d of its cluster, which has exited: "
@@ -732,6 +730,11 @@ void check_red_zones(Worker* w) {
   }
 }
 
+// The block's index in the grid's linear order (x fastest).
+std::uint64_t block_linear(const LaunchDesc* d, U3 bid) {
+  return bid.x + (std::uint64_t)d->grid[0] * (bid.y + (std::uint64_t)d->grid[1] * bid.z);
+}
+
 // Make block (bx, by, bz) ready to run on ``w``: its fibers at their entry, its shared
 // memory poisoned, its barrier and acquire bookkeeping reset.
 void init_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
@@ -779,7 +782,7 @@ void init_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
     wp.index = (int)k;
     wp.nlanes = n - (int)k * WARP < WARP ? n - (int)k * WARP : WARP;
   }
-  const std::uint64_t blin = bx + (std::uint64_t)d->grid[0] * (by + (std::uint64_t)d->grid[1] * bz);
+  const std::uint64_t blin = block_linear(d, b.bid);
   w->rng = d->seed * 0x2545f4914f6cdd1dull + blin;
   for (int i = 0; i < n; ++i) w->order[i] = d->schedule == S_REVERSE ? n - 1 - i : i;
 }
@@ -790,9 +793,8 @@ bool sweep(Worker* w) {
   const LaunchDesc* d = w->launch;
   Block& b = w->block;
   const int n = b.nthreads;
-  const unsigned bx = b.bid.x, by = b.bid.y, bz = b.bid.z;
   const int sched = d->schedule;
-  const std::uint64_t blin = bx + (std::uint64_t)d->grid[0] * (by + (std::uint64_t)d->grid[1] * bz);
+  const std::uint64_t blin = block_linear(d, b.bid);
   std::uint64_t& rng = w->rng;
   std::vector<int>& order = w->order;
   const std::uint64_t nw = w->warps.size();
@@ -801,36 +803,34 @@ bool sweep(Worker* w) {
     pd_emu_switch(&b.sched_sp, f.sp);
     w->cur = nullptr;
   };
-  {
-    bool progressed = false;
-    if (sched == S_RUNAHEAD) {
-      // The leader's lanes run until each waits at a block barrier (or exited); only then
-      // do the others move, until the barrier releases and the next warp leads.
-      const int lead = (int)((b.phase + blin + d->seed) % nw);
-      const int hi = std::min(n, (lead + 1) * WARP);
-      for (int i = lead * WARP; i < hi; ++i)
-        if (w->fibers[i].state == RUNNABLE) { run(w->fibers[i]); progressed = true; }
-      if (!progressed) {
-        const unsigned ph = b.phase;
-        for (int i = 0; i < n; ++i) {
-          if (w->fibers[i].state != RUNNABLE) continue;
-          run(w->fibers[i]);
-          progressed = true;
-          if (b.phase != ph) break;          // released: the next leader goes first
-        }
-      }
-    } else {
-      if (sched == S_RANDOM)
-        for (int i = n - 1; i > 0; --i) std::swap(order[i], order[(int)(splitmix(rng) % (i + 1))]);
-      for (int k = 0; k < n; ++k) {
-        Fiber& f = w->fibers[order[k]];
-        if (f.state != RUNNABLE) continue;
-        run(f);
+  bool progressed = false;
+  if (sched == S_RUNAHEAD) {
+    // The leader's lanes run until each waits at a block barrier (or exited); only then
+    // do the others move, until the barrier releases and the next warp leads.
+    const int lead = (int)((b.phase + blin + d->seed) % nw);
+    const int hi = std::min(n, (lead + 1) * WARP);
+    for (int i = lead * WARP; i < hi; ++i)
+      if (w->fibers[i].state == RUNNABLE) { run(w->fibers[i]); progressed = true; }
+    if (!progressed) {
+      const unsigned ph = b.phase;
+      for (int i = 0; i < n; ++i) {
+        if (w->fibers[i].state != RUNNABLE) continue;
+        run(w->fibers[i]);
         progressed = true;
+        if (b.phase != ph) break;          // released: the next leader goes first
       }
     }
-    return progressed;
+  } else {
+    if (sched == S_RANDOM)
+      for (int i = n - 1; i > 0; --i) std::swap(order[i], order[(int)(splitmix(rng) % (i + 1))]);
+    for (int k = 0; k < n; ++k) {
+      Fiber& f = w->fibers[order[k]];
+      if (f.state != RUNNABLE) continue;
+      run(f);
+      progressed = true;
+    }
   }
+  return progressed;
 }
 
 void run_block(Worker* w, unsigned bx, unsigned by, unsigned bz) {
@@ -856,7 +856,6 @@ void run_cluster(Worker* h, long long i) {
   const unsigned qx = (unsigned)(i % gx), by = (unsigned)((i / gx) % gy),
                  bz = (unsigned)(i / gx / gy);
   cl.arrived = 0;
-  cl.phase = 0;
   for (int k = 0; k < k_n; ++k) {
     Worker* m = cl.workers[k];
     if (cl.gone[k]) {              // accessible again for this cluster
@@ -1255,7 +1254,6 @@ void cluster_sync() {
   }
   if (++cl->arrived == cl->nthreads) {
     cl->arrived = 0;
-    cl->phase++;
     for (int k = 0; k < cl->size; ++k) {
       Block& o = cl->workers[k]->block;
       for (int i = 0; i < o.nthreads; ++i) o.fibers[i].state = RUNNABLE;
