@@ -688,6 +688,13 @@ MUTANTS: tuple[Mutant, ...] = (
        [SPLIT_MERGE + "[8-256-True-True]"],
        "every warp of a split merge weighs every run from its first on, counting rows of "
        "other warps again"),
+    _m("cuda-merge-acc-one-past", "cuda", ("merge",),
+       "float4 acc[PER_LANE];\n#pragma unroll\n  for (int j = 0; j < PER_LANE; ++j)",
+       "float4 acc[PER_LANE];\n#pragma unroll\n  for (int j = 0; j <= PER_LANE; ++j)",
+       [SPLIT_MERGE + "[4-128-True-False]"],
+       "the merge zeroes one float4 accumulator past its local array (on a GPU over "
+       "whatever local memory follows; g++'s bounds checks take the store through the "
+       "struct's assignment for an address one past the end, its object-size checks do not)"),
     _m("cuda-merge-uses-unweighted-first-rows", "cuda", ("merge",),
        "          if (wu[u] > 0.f) {                                 // warp-uniform",
        "          {", [MERGE_KERNEL_NAN],

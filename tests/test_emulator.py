@@ -5,6 +5,8 @@ clusters (a barrier of the cluster, reads of a peer's shared memory)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -28,6 +30,7 @@ from paged_decode.emulator.launch import (
     SCHEDULES,
     default_schedules,
 )
+from paged_decode.emulator.rewrite import refuse_c_style_pointer_casts
 from paged_decode.kernels.common import CUDA_COMMON
 from paged_decode.kernels.mma import CUDA_MMA
 
@@ -274,6 +277,19 @@ __global__ void past_index(float* __restrict__ y, int n, int local) {
   s[1][threadIdx.x] = 2.f;
   __syncthreads();
   if (threadIdx.x == 0) y[0] = local ? r[n] : s[0][n];
+}
+
+// Each thread fills its N float4 accumulators, and OVER = 1 one more: an element one past
+// a local array of structs, through the struct's assignment (g++'s bounds checks alone
+// take that for an address one past the end, which C++ allows, and let it through).
+template <int N, int OVER>
+__global__ void struct_past(float* __restrict__ y) {
+  float4 acc[N];
+#pragma unroll
+  for (int j = 0; j < N + OVER; ++j) acc[j] = make_float4(1.f, 2.f, 3.f, (float)j);
+  float s = 0.f;
+  for (int j = 0; j < N; ++j) s += acc[j].x + acc[j].w;
+  y[threadIdx.x] = s;
 }
 
 // Thread 0 loads four floats at x + off with one 16-byte __ldg.
@@ -611,6 +627,46 @@ def test_an_index_past_a_fixed_size_array_fails():
         with pytest.raises(OutOfBoundsError, match=r"past_index: block \(0,0,0\) thread "
                            r"\(0,0,0\): out-of-bounds index of a fixed-size array"):
             at(n, local)
+
+
+def test_an_element_one_past_a_local_struct_array_fails():
+    """Kernels are compiled with g++'s object-size checks as well: a float4 stored one past
+    a thread's local float4[N] through its assignment fails (bounds checks alone pass it),
+    as the merge's accumulator loop one step too far must."""
+    y = np.full(32, np.nan, np.float32)
+    run("struct_past<4, 0>", 1, 32, [Buffer("y", y, True)])
+    np.testing.assert_array_equal(y, np.full(32, 4 * 1.0 + 6.0, np.float32))
+    with pytest.raises(OutOfBoundsError, match=r"struct_past<4, 1>: block \(0,0,0\) thread "
+                       r"\(0,0,0\): out-of-bounds index of a fixed-size array"):
+        run("struct_past<4, 1>", 1, 32, [Buffer("y", y, True)])
+
+
+@pytest.mark.parametrize("cast, shown", [
+    ("*(float4*)x", "float4*"), ("*( const float4 * )(x + 4)", "const float4 *"),
+    ("*(float4* const)x", "float4* const"), ("((float4*)x)[0]", "float4*")])
+def test_a_c_style_pointer_cast_is_refused(cast, shown):
+    """The emulator checks the alignment of every reinterpret_cast / static_cast to a
+    pointer; it cannot see a C-style one, so a kernel source holding one is refused,
+    naming its line, instead of passing a misaligned access a GPU would fault on."""
+    src = ("__global__ void c_cast(const float* __restrict__ x, float* __restrict__ y) {\n"
+           f"  const float4 v = {cast};\n"
+           "  y[threadIdx.x] = v.x;\n}\n")
+    x, y = np.zeros(8, np.float32), np.zeros(32, np.float32)
+    with pytest.raises(CompileError, match=rf"kernel source line 2: C-style cast "
+                       rf"'\({re.escape(shown)}\)'; write reinterpret_cast"):
+        launch(src, "c_cast", 1, 32, [Buffer("x", x), Buffer("y", y, True)])
+    ok = src.replace(cast, "*reinterpret_cast<const float4*>(x)")
+    launch(ok, "c_cast", 1, 32, [Buffer("x", x), Buffer("y", y, True)])
+
+
+@pytest.mark.parametrize("code", [
+    "void f(float*);", "int n = sizeof(float*) * 3;", "// (float4*)p", "/* (float4*)p */",
+    "float a = (b * c) + d;", "thread float (&s)[4]", "float x = (float)y;",
+    "bool z = (float*)0 == p;"])
+def test_what_is_no_c_style_pointer_cast_passes(code):
+    """Declarations, sizeof, comments, products, references to arrays, scalar casts and a
+    null pointer are not C-style pointer casts of an operand."""
+    refuse_c_style_pointer_casts(code)
 
 
 def test_vector_ldg_alignment_follows_the_buffers_gpu_placement(monkeypatch):

@@ -44,7 +44,7 @@
 #   chunks      bench/device/tune_chunks.py: v2 / v2tc on balanced chunks against the
 #               searched size (one full chunk and a sliver) where balancing changed the plan,
 #               and at 1-4 even chunks per request against the default (wave quantization);
-#               TUNE_CHUNKS_PARTS (balance, waves)
+#               TUNE_CHUNKS_PARTS (balance, waves; also sweep, stages, clusters)
 #   batches     bench --preset batches (batch 5-96, 4K / 16K) with v2, v2tc and both
 #               FlashInfer arms (run fi first)
 #   waves-ab    the tensor-core partial's wave rule (paged_decode/waves.py) beside the CTA-target

@@ -19,6 +19,11 @@ Usage on the GPU machine: python3 bench/device/tune_chunks.py OUT.json [balance]
   1-8 even chunks per request, beside FlashInfer's tensor-core decode, where one or two
   CTAs per SM must stream at full rate (batch 20 / 24 x 16K: FlashInfer runs 160 / 192
   CTAs there; S22-R1 timed a lone v2tc CTA per SM at about two thirds of the rate of two).
+- clusters: v2tc at 1-8 even chunks per request with ``PAGED_DECODE_CLUSTER_MERGE`` unset
+  (the rule), ``1`` and ``0``, beside FlashInfer's tensor-core decode, at the `targets`
+  cells #17 misses without needing more than the read bandwidth (``TUNE_CLUSTER_CELLS``,
+  ``BATCHxCONTEXT`` at 32/8 x 128): does a merge with no global round trip make more
+  chunks pay where the wave rule keeps one or two?
 """
 
 import json
@@ -95,6 +100,27 @@ def flashinfer_row(part, case, prob, plan):
     print(f"{case.label:40s} flashinfer-tc {us:9.1f} us {r.verified} {r.note}", flush=True)
 
 
+if "clusters" in parts:
+    cells = os.environ.get("TUNE_CLUSTER_CELLS", "64x1024 8x8192 4x16384 4x32768 8x1024 "
+                           "128x1024 32x1024").split()
+    for case in cases([((32, 8), int(c.split("x")[0]), int(c.split("x")[1])) for c in cells]):
+        prob = _problem(be, case, 0)
+        pages = int(prob[3].pages_per_request.max())
+        flashinfer_row("clusters", case, prob, plan_for(case, prob[3], "v2tc"))
+        for setting in ("rule", "1", "0"):
+            if setting == "rule":
+                os.environ.pop("PAGED_DECODE_CLUSTER_MERGE", None)
+            else:
+                os.environ["PAGED_DECODE_CLUSTER_MERGE"] = setting    # read per call
+            TAG["cluster_merge"] = setting
+            measure("clusters", case, prob, "v2tc", "default", plan_for(case, prob[3], "v2tc"))
+            for n in (1, 2, 3, 4, 6, 8):
+                if n <= pages:
+                    measure("clusters", case, prob, "v2tc", f"{n} chunks",
+                            plan_for(case, prob[3], "v2tc", -(-pages // n)))
+        os.environ.pop("PAGED_DECODE_CLUSTER_MERGE", None)
+        TAG.clear()
+        del prob
 if "stages" in parts:
     for case in cases([((32, 8), 20, 16384), ((32, 8), 24, 16384), ((32, 8), 12, 16384),
                        ((32, 8), 20, 4096), ((32, 8), 96, 4096)]):

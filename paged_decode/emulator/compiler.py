@@ -30,11 +30,13 @@ from .runtime_src import RUNTIME_CPP, RUNTIME_HEADER
 
 CACHE_ENV = "PAGED_DECODE_EMULATOR_CACHE"
 CXX_ENV = "PAGED_DECODE_EMULATOR_CXX"
-#: ``-fsanitize=bounds`` with traps: an index past a fixed-size array's bound (a thread's
-#: local array, a dimension of a static shared one) runs ud2, which the runtime reports
-#: as an out-of-bounds fault; it needs no sanitizer runtime library
+#: ``-fsanitize=bounds,object-size`` with traps: an index past a fixed-size array's bound
+#: (a thread's local array, a dimension of a static shared one) runs ud2, which the runtime
+#: reports as an out-of-bounds fault; object-size adds a store one past a local array of
+#: structs through its assignment, which bounds takes for a legal one-past address. No
+#: sanitizer runtime library is needed
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-g0",
-         "-Wno-unknown-pragmas", "-Wno-attributes", "-fsanitize=bounds",
+         "-Wno-unknown-pragmas", "-Wno-attributes", "-fsanitize=bounds,object-size",
          "-fsanitize-undefined-trap-on-error")
 #: the dialect preludes, by the header name the wrapped source includes
 HEADERS = {"pd_emu_rt.h": RUNTIME_HEADER, "pd_emu_cuda.h": CUDA_PRELUDE,

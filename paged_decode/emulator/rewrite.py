@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import EmulatorError
+from .errors import CompileError, EmulatorError
 
 _TYPE = r"[A-Za-z_][\w:<>, ]*?"
 _EXTERN = re.compile(
@@ -59,12 +59,38 @@ _POINTER_CAST = re.compile(
 _CHECKED = {"reinterpret": "pd_emu::vector_cast", "static": "pd_emu::vector_static_cast"}
 
 
+# a C-style cast to a pointer type, followed by the start of its operand (which tells it
+# from an unnamed parameter such as ``void f(float*);``); ``sizeof(T*)`` is excluded
+_C_POINTER_CAST = re.compile(
+    r"(?<!sizeof)(?<!alignof)(?<!__alignof__)\(\s*(?P<type>(?:(?:const|volatile|device|"
+    r"threadgroup|constant|thread)\s+)*[A-Za-z_][\w:<>, ]*?(?:\s*\*\s*(?:const\s*)?)+)\)"
+    r"\s*(?=[A-Za-z_&(*])")
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
+def refuse_c_style_pointer_casts(src: str) -> None:
+    """Raise ``CompileError`` naming the line of the first C-style cast to a pointer type
+    in ``src`` (comments ignored): the emulator checks the alignment of ``reinterpret_cast``
+    and ``static_cast`` results (``rewrite_casts``) but cannot see a ``(float4*)p``, so a
+    kernel's misaligned vector access through one would pass here and fault on a GPU."""
+    code = _COMMENT.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), src)
+    m = _C_POINTER_CAST.search(code)
+    if m is not None:
+        line = code.count("\n", 0, m.start()) + 1
+        raise CompileError(
+            f"emulator: kernel source line {line}: C-style cast "
+            f"'({m['type'].strip()})'; write reinterpret_cast<{m['type'].strip()}> (or "
+            "static_cast), whose alignment the emulator checks where the bytes sit on a GPU")
+
+
 def rewrite_casts(src: str) -> str:
     """``src`` with every ``reinterpret_cast`` and ``static_cast`` to a pointer type made a
     checked one (``pd_emu::vector_cast`` / ``vector_static_cast``, the same cast and then
     the check): an access through it must be aligned to its type's size where the bytes
     sit on a GPU. A GPU faults on a misaligned ``float4`` load; g++'s instruction for it
-    may not, so without this the emulator passes such a kernel."""
+    may not, so without this the emulator passes such a kernel. A C-style pointer cast,
+    which the check would not see, is refused (``refuse_c_style_pointer_casts``)."""
+    refuse_c_style_pointer_casts(src)
     return _POINTER_CAST.sub(lambda m: f"{_CHECKED[m['kind']]}<{m['type']}>", src)
 
 

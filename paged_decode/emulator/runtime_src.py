@@ -581,9 +581,10 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
     return;
   }
   if (sig == SIGILL)
-    // kernels are compiled with g++'s array bounds checks, which trap (ud2) on an index
-    // past a fixed-size array's bound: a thread's local array, or one dimension of a
-    // static shared one. A GPU gives such an index as a wrong answer or a fault elsewhere.
+    // kernels are compiled with g++'s array bounds and object-size checks, which trap
+    // (ud2) on an index past a fixed-size array's bound: a thread's local array (an
+    // element one past it stored through a struct's assignment too), or one dimension of
+    // a static shared one. A GPU gives such an index as a wrong answer or a fault elsewhere.
     fail_here("out-of-bounds index of a fixed-size array (a thread's local array or a "
               "dimension of a static shared one; the bounds check trapped at %#lx)",
               (unsigned long)si->si_addr);

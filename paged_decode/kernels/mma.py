@@ -147,11 +147,14 @@ __device__ __forceinline__ void ldsm_x4_at(unsigned (&r)[4], smem_addr_t a) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     if (TRANS) {
-      const unsigned short* p0 = (const unsigned short*)__shfl_sync(0xffffffffu, mine, i * 8 + 2 * (lane & 3));
-      const unsigned short* p1 = (const unsigned short*)__shfl_sync(0xffffffffu, mine, i * 8 + 2 * (lane & 3) + 1);
+      const unsigned short* p0 = reinterpret_cast<const unsigned short*>(
+          __shfl_sync(0xffffffffu, mine, i * 8 + 2 * (lane & 3)));
+      const unsigned short* p1 = reinterpret_cast<const unsigned short*>(
+          __shfl_sync(0xffffffffu, mine, i * 8 + 2 * (lane & 3) + 1));
       r[i] = (unsigned)p0[lane >> 2] | ((unsigned)p1[lane >> 2] << 16);
     } else {
-      const unsigned short* p = (const unsigned short*)__shfl_sync(0xffffffffu, mine, i * 8 + (lane >> 2));
+      const unsigned short* p = reinterpret_cast<const unsigned short*>(
+          __shfl_sync(0xffffffffu, mine, i * 8 + (lane >> 2)));
       r[i] = (unsigned)p[2 * (lane & 3)] | ((unsigned)p[2 * (lane & 3) + 1] << 16);
     }
   }
