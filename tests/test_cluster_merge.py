@@ -33,6 +33,7 @@ import paged_decode as pd
 from paged_decode import cuda_compile
 from paged_decode.backends import launches
 from paged_decode.backends.launching import CLUSTER_MERGE_ENV, FUSED_MERGE_ENV, MERGE_SPLIT_ENV
+from paged_decode.device import DeviceInfo
 from paged_decode.errors import InvalidArgumentError
 from paged_decode.problems import ProblemSpec, make_problem, make_table
 from paged_decode.reference import oracle_decode
@@ -91,6 +92,26 @@ def test_where_clusters_are_the_default(lengths, ppc, kv, d, want):
     plan = pd.plan_decode(table, 4, 1, d, device=pd.get_backend("reference").device_info(),
                           pages_per_chunk=ppc, ctas_per_chunk=v2tc_ctas_per_chunk(4, 1))
     assert launches.cluster_merge_pays(plan, kv) is want
+
+
+@pytest.mark.parametrize("batch,k,want", [
+    (2, 8, True),     # 16 CTAs: the target of 8 units x 2
+    (3, 8, False),    # 24 CTAs past it
+    (3, 6, False),
+    (2, 6, True),     # 12 CTAs
+    (5, 4, True),     # 20 CTAs: clusters of 4 or fewer take any grid
+    (9, 3, True),     # 27 CTAs
+])
+def test_wide_clusters_only_within_the_cta_target(batch, k, want):
+    """Clusters of more than ``CLUSTER_MERGE_WIDE_ABOVE`` CTAs only where the grid is within
+    the plan's CTA target: 6 and 8 chunks per request past it measured slower (S45-R2)."""
+    device = DeviceInfo("cuda", "model", 8, 2, arch="9.0")
+    table, _ = make_table([k * 128] * batch, 16, offsets=[0] * batch, slack=1.0)
+    plan = pd.plan_decode(table, 4, 1, 128, device=device, pages_per_chunk=8,
+                          ctas_per_chunk=v2tc_ctas_per_chunk(4, 1))
+    assert (launches.cluster_merge_size(plan), plan.target_ctas) == (k, 16)
+    assert plan.num_ctas == batch * k
+    assert launches.cluster_merge_pays(plan, "float16") is want
 
 
 @needs_backend("emulated-cuda")

@@ -315,6 +315,8 @@ def cluster_merge_size(plan: DecodePlan) -> int:
 CLUSTER_MERGE_MAX_CHUNK_TOKENS = 2048
 #: the smallest batch where ``cluster_merge_pays`` takes two chunks of any length
 CLUSTER_MERGE_TWO_CHUNK_BATCH = 64
+#: the largest cluster ``cluster_merge_pays`` takes on a grid past the plan's CTA target
+CLUSTER_MERGE_WIDE_ABOVE = 4
 
 
 def cluster_merge_pays(plan: DecodePlan, kv_dtype: str) -> bool:
@@ -329,9 +331,15 @@ def cluster_merge_pays(plan: DecodePlan, kv_dtype: str) -> bool:
     or 8 chunks of 128-2048 tokens), 1.0-4.9 us at batch 64 (2 chunks per request, 1024
     CTAs); 0.8-4.3 us slower with 4-8 chunks of 4096-8192 tokens (8 x 16K / 32K, 4 x
     32K); over fp8 pools 2-44 us slower at 8 chunks (512 CTAs) and, numbered heads first,
-    up to 15 us at 2. Other head dims were not measured (docs/tensor-core-decode.md)."""
+    up to 15 us at 2. Clusters of more than ``CLUSTER_MERGE_WIDE_ABOVE`` CTAs only on a
+    grid within the plan's CTA target (one wave; the default plans give 8 chunks only
+    there): past it, 6 and 8 chunks per request measured up to 14.6 us slower in 8 of 10
+    cells (S45-R2, an H100: 8 x 1K / 8K at 384 and 512 CTAs, batch 32-128 x 1K at
+    1536-8192 CTAs). Other head dims were not measured (docs/tensor-core-decode.md)."""
     k = cluster_merge_size(plan)
     if not k or kv_dtype in V2TC_FP8 or plan.head_dim != 128:
+        return False
+    if k > CLUSTER_MERGE_WIDE_ABOVE and plan.num_ctas > plan.target_ctas:
         return False
     return ((k == 2 and plan.batch_size >= CLUSTER_MERGE_TWO_CHUNK_BATCH)
             or plan.pages_per_chunk * plan.page_size <= CLUSTER_MERGE_MAX_CHUNK_TOKENS)
