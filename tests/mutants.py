@@ -848,6 +848,17 @@ MUTANTS: tuple[Mutant, ...] = (
        "    if not k or plan.head_dim != 128:",
        [CLUSTER + "test_where_clusters_are_the_default"],
        "fp8 pools take clusters by default, where they measured slower"),
+    _m("v2tc-cluster-merge-skips-every-other-pass", "cuda", ("v2tc",),
+       "e < rows * NV4; e += K * THREADS) {", "e < rows * NV4; e += 2 * K * THREADS) {",
+       [CLUSTER + "test_cluster_merge_equals_the_other_merges_and_the_oracle"],
+       "where a cluster's threads merge more than one float4 column each (16 rows at head_dim "
+       "128 over 2 CTAs), every other pass is skipped, leaving those columns unwritten"),
+    _m("v2tc-cluster-merge-first-weight-uninitialized", "cuda", ("v2tc",),
+       "    for (int k = 0; k < P; ++k) w[k] = 0.f;",
+       "    for (int k = 1; k < P; ++k) w[k] = 0.f;",
+       [CLUSTER + "test_non_finite_and_empty_partials"],
+       "the first partial's weight is left uninitialized, read where that partial is empty "
+       "(a GPU's leftover register; the emulator's locals start as a non-zero pattern)"),
     _m("py-cluster-rule-wide-past-the-target", "python", ("paged_decode.backends.launches",),
        "k > CLUSTER_MERGE_WIDE_ABOVE and plan.num_ctas > plan.target_ctas",
        "k > CLUSTER_MERGE_WIDE_ABOVE and plan.num_ctas > 2 * plan.target_ctas",

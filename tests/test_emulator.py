@@ -292,6 +292,22 @@ __global__ void struct_past(float* __restrict__ y) {
   y[threadIdx.x] = s;
 }
 
+// Every thread divides 100 by n (a division by zero at n = 0).
+__global__ void divide_by(int* __restrict__ y, int n) { y[threadIdx.x] = 100 / n; }
+
+// Thread t sums w[0..7] where only w[1..7] are zeroed and w[0] is set for n > 0 alone: at
+// n = 0 it reads an uninitialized local, which a GPU leaves holding whatever it held.
+__global__ void uninit_sum(float* __restrict__ y, int n) {
+  float w[8];
+#pragma unroll
+  for (int k = 1; k < 8; ++k) w[k] = 0.f;
+  if (n > 0) w[0] = (float)n;
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) s += w[k];
+  y[threadIdx.x] = s;
+}
+
 // Thread 0 loads four floats at x + off with one 16-byte __ldg.
 __global__ void ldg_at(const float* __restrict__ x, float* __restrict__ y, int off) {
   if (threadIdx.x == 0) {
@@ -667,6 +683,28 @@ def test_what_is_no_c_style_pointer_cast_passes(code):
     """Declarations, sizeof, comments, products, references to arrays, scalar casts and a
     null pointer are not C-style pointer casts of an operand."""
     refuse_c_style_pointer_casts(code)
+
+
+def test_an_integer_division_by_zero_fails_as_a_fault():
+    """x86 traps an integer division by zero, which would kill the process; the emulator
+    reports it as the kernel's fault, naming the thread (a GPU gives an undefined value)."""
+    y = np.zeros(32, np.int32)
+    run("divide_by", 1, 32, [Buffer("y", y, True), np.int32(7)])
+    assert (y == 14).all()
+    with pytest.raises(KernelFault, match=r"divide_by: block \(0,0,0\) thread \(\d+,0,0\): "
+                       r"arithmetic fault: integer division by zero"):
+        run("divide_by", 1, 32, [Buffer("y", y, True), np.int32(0)])
+
+
+def test_an_uninitialized_local_reads_as_a_pattern_not_zero():
+    """Locals start as a fixed non-zero pattern (g++'s -ftrivial-auto-var-init=pattern), so
+    a kernel that reads one before writing it gives a visibly wrong answer, as a GPU's
+    leftover register would, instead of the zero fresh stack memory holds."""
+    y = np.full(32, np.nan, np.float32)
+    run("uninit_sum", 1, 32, [Buffer("y", y, True), np.int32(3)])
+    assert (y == 3).all()
+    run("uninit_sum", 1, 32, [Buffer("y", y, True), np.int32(0)])
+    assert (np.abs(y) > 1e30).all(), y
 
 
 def test_vector_ldg_alignment_follows_the_buffers_gpu_placement(monkeypatch):

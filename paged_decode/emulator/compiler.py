@@ -34,10 +34,11 @@ CXX_ENV = "PAGED_DECODE_EMULATOR_CXX"
 #: (a thread's local array, a dimension of a static shared one) runs ud2, which the runtime
 #: reports as an out-of-bounds fault; object-size adds a store one past a local array of
 #: structs through its assignment, which bounds takes for a legal one-past address. No
-#: sanitizer runtime library is needed
+#: sanitizer runtime library is needed. Locals start as a non-zero pattern, so one read
+#: before it is written gives a wrong answer, as a GPU's leftover register would
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-g0",
          "-Wno-unknown-pragmas", "-Wno-attributes", "-fsanitize=bounds,object-size",
-         "-fsanitize-undefined-trap-on-error")
+         "-fsanitize-undefined-trap-on-error", "-ftrivial-auto-var-init=pattern")
 #: the dialect preludes, by the header name the wrapped source includes
 HEADERS = {"pd_emu_rt.h": RUNTIME_HEADER, "pd_emu_cuda.h": CUDA_PRELUDE,
            "pd_emu_metal.h": METAL_PRELUDE, **STUB_HEADERS, **METAL_STUB_HEADERS}

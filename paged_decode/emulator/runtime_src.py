@@ -427,7 +427,7 @@ namespace {
 
 thread_local Worker* t_worker = nullptr;
 std::mutex g_launch_mutex;               // one launch at a time per process
-struct sigaction g_old_segv, g_old_bus, g_old_ill;
+struct sigaction g_old_segv, g_old_bus, g_old_ill, g_old_fpe;
 
 std::size_t page_size() { return (std::size_t)sysconf(_SC_PAGESIZE); }
 
@@ -576,10 +576,15 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
   Worker* w = t_worker;
   if (w == nullptr || !w->in_block) {
     // not ours: put the previous handler back and let the access fault again
-    sigaction(sig, sig == SIGSEGV ? &g_old_segv : sig == SIGBUS ? &g_old_bus : &g_old_ill,
-              nullptr);
+    sigaction(sig, sig == SIGSEGV ? &g_old_segv : sig == SIGBUS ? &g_old_bus
+                   : sig == SIGFPE ? &g_old_fpe : &g_old_ill, nullptr);
     return;
   }
+  if (sig == SIGFPE)
+    // an integer division by zero (or INT_MIN / -1): a GPU gives an undefined value and
+    // goes on, so the kernel's answer would be wrong there; x86 traps
+    fail_here("arithmetic fault: integer division by zero or overflow at %#lx",
+              (unsigned long)si->si_addr);
   if (sig == SIGILL)
     // kernels are compiled with g++'s array bounds and object-size checks, which trap
     // (ud2) on an index past a fixed-size array's bound: a thread's local array (an
@@ -1322,6 +1327,7 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
   sigaction(SIGSEGV, &sa, &g_old_segv);
   sigaction(SIGBUS, &sa, &g_old_bus);
   sigaction(SIGILL, &sa, &g_old_ill);
+  sigaction(SIGFPE, &sa, &g_old_fpe);
   Shared s;
   s.d = d;
   s.total = total / k_n;          // blocks, or clusters of k_n blocks
@@ -1366,6 +1372,7 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
   sigaction(SIGSEGV, &g_old_segv, nullptr);
   sigaction(SIGBUS, &g_old_bus, nullptr);
   sigaction(SIGILL, &g_old_ill, nullptr);
+  sigaction(SIGFPE, &g_old_fpe, nullptr);
   if (!s.error.empty()) {
     std::snprintf(err, errlen, "%s", s.error.c_str());
     return 1;
