@@ -38,6 +38,7 @@ from plan_balance import unbalanced  # noqa: E402
 
 from paged_decode import plan_decode  # noqa: E402
 from paged_decode.backends import get_backend  # noqa: E402
+from paged_decode.backends.launching import CLUSTER_MERGE_ENV  # noqa: E402
 from paged_decode.bench.cases import BenchCase  # noqa: E402
 from paged_decode.bench.runner import TOLERANCE, _problem, time_arms  # noqa: E402
 
@@ -109,16 +110,16 @@ if "clusters" in parts:
         flashinfer_row("clusters", case, prob, plan_for(case, prob[3], "v2tc"))
         for setting in ("rule", "1", "0"):
             if setting == "rule":
-                os.environ.pop("PAGED_DECODE_CLUSTER_MERGE", None)
+                os.environ.pop(CLUSTER_MERGE_ENV, None)
             else:
-                os.environ["PAGED_DECODE_CLUSTER_MERGE"] = setting    # read per call
+                os.environ[CLUSTER_MERGE_ENV] = setting    # read per call
             TAG["cluster_merge"] = setting
             measure("clusters", case, prob, "v2tc", "default", plan_for(case, prob[3], "v2tc"))
             for n in (1, 2, 3, 4, 6, 8):
                 if n <= pages:
                     measure("clusters", case, prob, "v2tc", f"{n} chunks",
                             plan_for(case, prob[3], "v2tc", -(-pages // n)))
-        os.environ.pop("PAGED_DECODE_CLUSTER_MERGE", None)
+        os.environ.pop(CLUSTER_MERGE_ENV, None)
         TAG.clear()
         del prob
 if "stages" in parts:

@@ -427,7 +427,15 @@ namespace {
 
 thread_local Worker* t_worker = nullptr;
 std::mutex g_launch_mutex;               // one launch at a time per process
-struct sigaction g_old_segv, g_old_bus, g_old_ill, g_old_fpe;
+// the signals a kernel's fault raises, and the actions in place before a launch took them
+constexpr int FAULT_SIGNALS[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE};
+constexpr int NUM_FAULT_SIGNALS = sizeof FAULT_SIGNALS / sizeof FAULT_SIGNALS[0];
+struct sigaction g_old_actions[NUM_FAULT_SIGNALS];
+struct sigaction* old_action(int sig) {
+  for (int i = 0; i < NUM_FAULT_SIGNALS; ++i)
+    if (FAULT_SIGNALS[i] == sig) return &g_old_actions[i];
+  return nullptr;
+}
 
 std::size_t page_size() { return (std::size_t)sysconf(_SC_PAGESIZE); }
 
@@ -576,8 +584,7 @@ void on_fault(int sig, siginfo_t* si, void* uctx) {
   Worker* w = t_worker;
   if (w == nullptr || !w->in_block) {
     // not ours: put the previous handler back and let the access fault again
-    sigaction(sig, sig == SIGSEGV ? &g_old_segv : sig == SIGBUS ? &g_old_bus
-                   : sig == SIGFPE ? &g_old_fpe : &g_old_ill, nullptr);
+    sigaction(sig, old_action(sig), nullptr);
     return;
   }
   if (sig == SIGFPE)
@@ -1324,10 +1331,7 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
   sa.sa_sigaction = on_fault;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
   sigemptyset(&sa.sa_mask);
-  sigaction(SIGSEGV, &sa, &g_old_segv);
-  sigaction(SIGBUS, &sa, &g_old_bus);
-  sigaction(SIGILL, &sa, &g_old_ill);
-  sigaction(SIGFPE, &sa, &g_old_fpe);
+  for (int i = 0; i < NUM_FAULT_SIGNALS; ++i) sigaction(FAULT_SIGNALS[i], &sa, &g_old_actions[i]);
   Shared s;
   s.d = d;
   s.total = total / k_n;          // blocks, or clusters of k_n blocks
@@ -1369,10 +1373,8 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
     for (std::thread& t : ts) t.join();
   }
   for (Worker& w : workers) teardown_worker(&w);
-  sigaction(SIGSEGV, &g_old_segv, nullptr);
-  sigaction(SIGBUS, &g_old_bus, nullptr);
-  sigaction(SIGILL, &g_old_ill, nullptr);
-  sigaction(SIGFPE, &g_old_fpe, nullptr);
+  for (int i = 0; i < NUM_FAULT_SIGNALS; ++i)
+    sigaction(FAULT_SIGNALS[i], &g_old_actions[i], nullptr);
   if (!s.error.empty()) {
     std::snprintf(err, errlen, "%s", s.error.c_str());
     return 1;
