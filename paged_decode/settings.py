@@ -40,7 +40,8 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_PREFIX_TILE": "cascade prefix-kernel tile (experiments)",
     "PAGED_DECODE_PREFIX_CTAS_PER_SM": "cascade prefix-kernel residency (experiments)",
     "PAGED_DECODE_FUSED_MERGE": "the CUDA tensor-core partial's merge fused into it: unset "
-                                "where it pays (GQA 1-4, head_dim <= 128), 1 always, 0 never",
+                                "where it pays (GQA 1-4, head_dim <= 128; any GQA where it "
+                                "runs in clusters), 1 always, 0 never",
     "PAGED_DECODE_CLUSTER_MERGE": "the CUDA fused merge within thread-block clusters (sm_90+, "
                                   "every request in the same 2-8 chunks): unset where it "
                                   "pays (launches.cluster_merge_pays), 1 wherever the plan "
@@ -60,6 +61,7 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_EMULATOR_RACES": "emulator schedule comparison on (1) / off (0)",
     "PAGED_DECODE_EMULATOR_SCHEDULES": "emulator fiber schedules",
     "PAGED_DECODE_EMULATOR_CP_ASYNC": "emulator cp.async model",
+    "PAGED_DECODE_EMULATOR_TIMEOUT": "emulator watchdog: seconds a launch's schedule may run",
 }
 __doc__ = (__doc__ or "") + "\n".join(f"- ``{k}``: {v}" for k, v in VARIABLES.items()) + "\n"
 _NAMES = tuple(VARIABLES)

@@ -6,6 +6,7 @@ clusters (a barrier of the cluster, reads of a peer's shared memory)."""
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from paged_decode.emulator import (
     EmulatorError,
     ExitedPeerError,
     KernelFault,
+    KernelTimeoutError,
     MisalignedError,
     OutOfBoundsError,
     RaceError,
@@ -31,6 +33,7 @@ from paged_decode.emulator.launch import (
     default_schedules,
 )
 from paged_decode.emulator.rewrite import refuse_c_style_pointer_casts
+from paged_decode.errors import InvalidArgumentError
 from paged_decode.kernels.common import CUDA_COMMON
 from paged_decode.kernels.mma import CUDA_MMA
 
@@ -294,6 +297,23 @@ __global__ void struct_past(float* __restrict__ y) {
 
 // Every thread divides 100 by n (a division by zero at n = 0).
 __global__ void divide_by(int* __restrict__ y, int n) { y[threadIdx.x] = 100 / n; }
+
+// Each thread adds 1 to its y element n times, counting by step (0: a loop without end),
+// meeting the block at a barrier in every pass when sync is set.
+__global__ void loop_by(float* __restrict__ y, int n, int step, int sync) {
+  for (int i = 0; i < n; i += step) {
+    y[blockIdx.x * blockDim.x + threadIdx.x] += 1.f;
+    if (sync) __syncthreads();
+  }
+}
+
+// Every thread waits for flag[0] to turn non-zero, which no thread does: a spin-wait.
+__global__ void spin_on(const int* __restrict__ flag, float* __restrict__ y) {
+  const volatile int* f = flag;
+  while (*f == 0) {
+  }
+  y[threadIdx.x] = 1.f;
+}
 
 // Thread t sums w[0..7] where only w[1..7] are zeroed and w[0] is set for n > 0 alone: at
 // n = 0 it reads an uninitialized local, which a GPU leaves holding whatever it held.
@@ -694,6 +714,47 @@ def test_an_integer_division_by_zero_fails_as_a_fault():
     with pytest.raises(KernelFault, match=r"divide_by: block \(0,0,0\) thread \(\d+,0,0\): "
                        r"arithmetic fault: integer division by zero"):
         run("divide_by", 1, 32, [Buffer("y", y, True), np.int32(0)])
+
+
+@pytest.mark.parametrize("sync, threads, cluster", [(0, 1, 1), (1, 2, 1), (1, 1, 2)],
+                         ids=["loop", "loop-with-barrier-two-os-threads", "cluster"])
+def test_a_loop_without_end_is_stopped_by_the_watchdog(sync, threads, cluster):
+    """A loop whose step is zero hangs a GPU; the emulator's watchdog stops the launch
+    after its timeout and names a thread it stopped, whether the loop spends its time in
+    the kernel's own code or (with a barrier in every pass) mostly in the runtime's
+    scheduler, on one OS thread or two, in a cluster or not. The same launch with a
+    step of one runs to its answer."""
+    y = np.zeros(4 * 32, np.float32)
+    kw = {"threads": threads, "cluster": cluster, "timeout": 1}
+    run("loop_by", 4, 32, [Buffer("y", y, True), np.int32(5), np.int32(1), np.int32(sync)],
+        **kw)
+    assert (y == 5).all()
+    t0 = time.monotonic()
+    with pytest.raises(KernelTimeoutError, match=r"loop_by: block \(\d,0,0\) thread "
+                       r"\(\d+,0,0\): did not finish within 1 s \(an endless loop"):
+        run("loop_by", 4, 32, [Buffer("y", y, True), np.int32(5), np.int32(0), np.int32(sync)],
+            **kw)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_spin_wait_nobody_releases_is_stopped_and_the_next_launch_runs(monkeypatch):
+    """A wait on a value no thread writes is stopped too (the timeout from
+    PAGED_DECODE_EMULATOR_TIMEOUT); the launches after it run as before, and a bad value
+    of the setting is refused naming it."""
+    flag, y = np.zeros(1, np.int32), np.zeros(32, np.float32)
+    monkeypatch.setenv("PAGED_DECODE_EMULATOR_TIMEOUT", "1")
+    with pytest.raises(KernelTimeoutError, match=r"spin_on: .* did not finish within 1 s"):
+        run("spin_on", 1, 32, [Buffer("flag", flag), Buffer("y", y, True)])
+    flag[0] = 1
+    run("spin_on", 1, 32, [Buffer("flag", flag), Buffer("y", y, True)])
+    assert (y == 1).all()
+    monkeypatch.setenv("PAGED_DECODE_EMULATOR_TIMEOUT", "0")
+    with pytest.raises(InvalidArgumentError, match="PAGED_DECODE_EMULATOR_TIMEOUT must be "
+                       "a positive integer, got '0'"):
+        run("spin_on", 1, 32, [Buffer("flag", flag), Buffer("y", y, True)])
+    monkeypatch.delenv("PAGED_DECODE_EMULATOR_TIMEOUT")
+    with pytest.raises(EmulatorError, match="timeout must be a positive number of seconds"):
+        run("spin_on", 1, 32, [Buffer("flag", flag), Buffer("y", y, True)], timeout=0)
 
 
 def test_an_uninitialized_local_reads_as_a_pattern_not_zero():

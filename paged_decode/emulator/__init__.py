@@ -20,6 +20,7 @@ from .errors import (
     ExitedPeerError,
     InFlightWriteError,
     KernelFault,
+    KernelTimeoutError,
     MisalignedError,
     OutOfBoundsError,
     RaceError,
@@ -37,6 +38,5 @@ def available() -> tuple[bool, str]:
 
 
 __all__ = ["Buffer", "CompileError", "DivergenceError", "EmulatorError", "ExitedPeerError",
-           "InFlightWriteError",
-           "KernelFault", "MisalignedError", "OutOfBoundsError", "RaceError", "available",
-           "cache_dir", "launch"]
+           "InFlightWriteError", "KernelFault", "KernelTimeoutError", "MisalignedError",
+           "OutOfBoundsError", "RaceError", "available", "cache_dir", "launch"]

@@ -34,6 +34,12 @@ class DivergenceError(KernelFault):
     """A barrier or warp collective that not every thread (lane) reaches."""
 
 
+class KernelTimeoutError(KernelFault):
+    """A schedule's run of the launch took longer than its timeout
+    (``PAGED_DECODE_EMULATOR_TIMEOUT``): the kernel loops without end or waits for a
+    value no thread writes, which hangs a GPU. The watchdog names a thread it stopped."""
+
+
 class RaceError(EmulatorError):
     """Two fiber schedules produced different outputs: the kernel communicates through
     shared memory without a barrier in between, or reads a ``cp.async`` destination

@@ -40,6 +40,7 @@ from .errors import (
     ExitedPeerError,
     InFlightWriteError,
     KernelFault,
+    KernelTimeoutError,
     MisalignedError,
     OutOfBoundsError,
     RaceError,
@@ -49,6 +50,10 @@ from .rewrite import wrap_cuda
 THREADS_ENV = "PAGED_DECODE_EMULATOR_THREADS"
 SCHEDULES_ENV = "PAGED_DECODE_EMULATOR_SCHEDULES"   # comma-separated schedule names
 CP_ASYNC_ENV = "PAGED_DECODE_EMULATOR_CP_ASYNC"     # "deferred" or "sync"
+TIMEOUT_ENV = "PAGED_DECODE_EMULATOR_TIMEOUT"       # seconds per schedule's run
+#: the watchdog's limit on one schedule's run of a launch, in seconds: our largest test
+#: launches take a few seconds, so this fires only for a kernel that never ends
+DEFAULT_TIMEOUT_S = 300
 GUARD_BYTES = 4 << 30     # per side; PROT_NONE and unreserved: address space only, and
 #                           a wild index lands in it more often than in mapped memory
 #: schedule name -> (runtime enum, buffers end at their upper guard)
@@ -88,7 +93,8 @@ class _LaunchDesc(ctypes.Structure):
                 ("schedule", ctypes.c_int), ("cp_async_deferred", ctypes.c_int),
                 ("seed", ctypes.c_uint64), ("threads", ctypes.c_int),
                 ("nbuffers", ctypes.c_int), ("buffers", ctypes.POINTER(_BufferDesc)),
-                ("end_aligned", ctypes.c_int), ("cluster", ctypes.c_uint)]
+                ("end_aligned", ctypes.c_int), ("cluster", ctypes.c_uint),
+                ("timeout_s", ctypes.c_double)]
 
 
 _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_uint32,
@@ -99,6 +105,13 @@ _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.uint32): ctypes.c_ui
 def default_threads() -> int:
     n = env_positive_int(THREADS_ENV)
     return n if n is not None else max(1, min(2, os.cpu_count() or 1))
+
+
+def default_timeout() -> int:
+    """``$PAGED_DECODE_EMULATOR_TIMEOUT`` (positive whole seconds), else
+    ``DEFAULT_TIMEOUT_S``."""
+    n = env_positive_int(TIMEOUT_ENV)
+    return n if n is not None else DEFAULT_TIMEOUT_S
 
 
 def parse_schedule(name: str) -> tuple[str, int]:
@@ -200,6 +213,8 @@ def _classify(msg: str) -> type[KernelFault]:
         return InFlightWriteError
     if "of its cluster, which has exited" in msg:
         return ExitedPeerError
+    if "stopped by the emulator's watchdog" in msg:
+        return KernelTimeoutError
     return KernelFault
 
 
@@ -207,7 +222,7 @@ def launch(source: str, name_expression: str, grid: int | Sequence[int],
            block: int | Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
            check_races: bool = True, threads: int | None = None,
            schedules: Sequence[str] | None = None, cp_async: str | None = None,
-           cluster: int = 1) -> None:
+           cluster: int = 1, timeout: float | None = None) -> None:
     """Run ``name_expression`` (a ``__global__`` template instantiation in the CUDA
     ``source``) over ``grid`` x ``block`` with ``shared_mem`` bytes of dynamic shared
     memory. ``args`` in the kernel's parameter order: ``Buffer`` for pointers, numpy
@@ -216,18 +231,20 @@ def launch(source: str, name_expression: str, grid: int | Sequence[int],
     ``check_races=False`` runs only the first. ``cp_async``: ``"deferred"`` or ``"sync"``
     (default ``default_cp_async()``). ``cluster``: CTAs per thread-block cluster along x
     (a divisor of the grid's x, at most 8; 1: none): a cluster's CTAs run interleaved, so
-    ``pd::cluster_sync`` can hold them together. Raises ``KernelFault`` subclasses and
-    ``RaceError``; outputs land in their arrays."""
+    ``pd::cluster_sync`` can hold them together. ``timeout``: seconds one schedule's run
+    may take before the watchdog stops it with ``KernelTimeoutError`` (default
+    ``default_timeout()``). Raises ``KernelFault`` subclasses and ``RaceError``; outputs
+    land in their arrays."""
     run_wrapped(wrap_cuda(source, name_expression), name_expression, grid, block, args,
                 shared_mem, check_races=check_races, threads=threads, schedules=schedules,
-                cp_async=cp_async, cluster=cluster)
+                cp_async=cp_async, cluster=cluster, timeout=timeout)
 
 
 def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
                 block: int | Sequence[int], args: Sequence[Any], shared_mem: int = 0, *,
                 check_races: bool = True, threads: int | None = None,
                 schedules: Sequence[str] | None = None, cp_async: str | None = None,
-                cluster: int = 1) -> None:
+                cluster: int = 1, timeout: float | None = None) -> None:
     """Run a wrapped translation unit (one that defines ``pd_emu_launch``) over ``grid``
     blocks of ``block`` threads; ``kernel`` names it in reports. See ``launch``."""
     name_expression = kernel
@@ -246,6 +263,10 @@ def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
         raise EmulatorError("emulator: no schedule to run")
     names = names if check_races else names[:1]
     runs = [(n.strip(), *parse_schedule(n)) for n in names]
+    limit = float(timeout) if timeout is not None else float(default_timeout())
+    if not limit > 0:
+        raise EmulatorError(f"emulator: timeout must be a positive number of seconds, got "
+                            f"{timeout!r}")
     mode = cp_async or default_cp_async()
     if mode not in CP_ASYNC_MODES:
         raise EmulatorError(f"emulator: cp_async must be one of {', '.join(CP_ASYNC_MODES)}, "
@@ -272,7 +293,8 @@ def run_wrapped(wrapped: str, kernel: str, grid: int | Sequence[int],
             desc = _LaunchDesc(name_expression.encode(), (ctypes.c_uint * 3)(*g),
                                (ctypes.c_uint * 3)(*bl), int(shared_mem), sched,
                                int(mode == "deferred"), seed, threads or default_threads(),
-                               len(buffers), mem.descs, int(end_aligned), int(cluster))
+                               len(buffers), mem.descs, int(end_aligned), int(cluster),
+                               limit)
             err = ctypes.create_string_buffer(4096)
             rc = fn(ctypes.byref(desc), argv, err, ctypes.c_size_t(len(err)))
             if rc != 0:

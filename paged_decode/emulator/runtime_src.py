@@ -153,6 +153,7 @@ struct LaunchDesc {
   int end_aligned;           // dynamic shared memory ends at its upper guard (else starts
                              // DYN_SMEM_OFFSET past its lower one), like the buffers
   unsigned cluster;          // CTAs per thread-block cluster along x (1: no clusters)
+  double timeout_s;          // the watchdog stops a launch running longer (0: never)
 };
 
 // The running fiber, found from the stack pointer (no thread-local storage).
@@ -317,12 +318,18 @@ RUNTIME_CPP = r"""
 #include "pd_emu_rt.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <csetjmp>
 #include <csignal>
 #include <cstdarg>
 #include <cstdio>
+#include <dlfcn.h>
+#include <link.h>
 #include <mutex>
+#include <pthread.h>
 #include <string>
 #include <sys/mman.h>
 #include <thread>
@@ -408,6 +415,9 @@ struct Worker {
   // where a failure lands: this worker, or the first worker of its cluster group (whose
   // OS thread runs the whole group and holds the jump buffer)
   Worker* home = this;
+  // the OS thread running this worker's blocks, while ``alive`` (the watchdog's lock)
+  pthread_t os_thread{};
+  bool alive = false;
   char msg[2048];
 };
 
@@ -928,16 +938,120 @@ void run_cluster(Worker* h, long long i) {
 
 std::mutex g_err_mutex;
 
+// The watchdog. A kernel that never ends (a loop whose step is zero, a spin on a value no
+// thread writes) hangs a GPU, and would hang the process. Past the launch's timeout the
+// watchdog signals every OS thread still running blocks, each millisecond. A thread the
+// signal finds in the kernel library's own code leaves its block with a report; one it
+// finds in the runtime or the C library (a lock or the heap may be half-updated there)
+// lets it pass and takes the next. The handler stays installed after the launch, as a
+// signal sent just before a thread left may arrive after it; outside a timed-out
+// launch it does nothing.
+int watchdog_signal() { return SIGRTMIN + 3; }
+std::once_flag g_watchdog_installed;
+std::atomic<bool> g_watchdog_expired{false};
+std::uintptr_t g_kernel_lo = 0, g_kernel_hi = 0;   // the running kernel library's code
+double g_timeout_s = 0;
+
+// [*lo, *hi): the executable segment of the loaded object that holds ``fn``.
+void code_range(const void* fn, std::uintptr_t* lo, std::uintptr_t* hi) {
+  struct Query { std::uintptr_t at, lo, hi; } q{(std::uintptr_t)fn, 0, 0};
+  dl_iterate_phdr([](dl_phdr_info* info, std::size_t, void* data) -> int {
+    Query* r = static_cast<Query*>(data);
+    for (int i = 0; i < info->dlpi_phnum; ++i) {
+      const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+      if (ph.p_type != PT_LOAD || !(ph.p_flags & PF_X)) continue;
+      const std::uintptr_t a = info->dlpi_addr + ph.p_vaddr;
+      if (r->at >= a && r->at < a + ph.p_memsz) {
+        r->lo = a;
+        r->hi = a + ph.p_memsz;
+        return 1;
+      }
+    }
+    return 0;
+  }, &q);
+  *lo = q.lo;
+  *hi = q.hi;
+}
+
+void on_watchdog(int, siginfo_t*, void* uctx) {
+  Worker* w = t_worker;
+  if (w == nullptr || !w->in_block || w->cur == nullptr || !g_watchdog_expired.load())
+    return;
+  const ucontext_t* uc = static_cast<const ucontext_t*>(uctx);
+  const std::uintptr_t pc = (std::uintptr_t)uc->uc_mcontext.gregs[REG_RIP];
+  if (pc < g_kernel_lo || pc >= g_kernel_hi) return;
+  fail_here("did not finish within %g s (an endless loop, or a wait for a value no thread "
+            "writes; a GPU would hang here): stopped by the emulator's watchdog "
+            "(PAGED_DECODE_EMULATOR_TIMEOUT)", g_timeout_s);
+}
+
+class Watchdog {
+ public:
+  // ``homes``: the workers whose OS threads run blocks (a cluster's first worker)
+  Watchdog(double seconds, std::vector<Worker*> homes) : homes_(std::move(homes)) {
+    if (!(seconds > 0)) return;
+    std::call_once(g_watchdog_installed, [] {
+      struct sigaction sa{};
+      sa.sa_sigaction = on_watchdog;
+      sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+      sigemptyset(&sa.sa_mask);
+      sigaction(watchdog_signal(), &sa, nullptr);
+    });
+    deadline_ = std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double>(seconds));
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  // the calling OS thread runs ``w``'s blocks from now on / no longer
+  void enter(Worker* w) {
+    std::lock_guard<std::mutex> g(m_);
+    w->os_thread = pthread_self();
+    w->alive = true;
+  }
+  void leave(Worker* w) {
+    std::lock_guard<std::mutex> g(m_);
+    w->alive = false;
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lk(m_);
+    if (cv_.wait_until(lk, deadline_, [this] { return done_; })) return;
+    g_watchdog_expired = true;
+    while (!done_) {
+      for (Worker* w : homes_)
+        if (w->alive) pthread_kill(w->os_thread, watchdog_signal());
+      cv_.wait_for(lk, std::chrono::milliseconds(1), [this] { return done_; });
+    }
+  }
+  std::vector<Worker*> homes_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::chrono::steady_clock::time_point deadline_;
+  std::thread thread_;
+};
+
 struct Shared {
   const LaunchDesc* d;
   std::atomic<long long> next{0};
   std::atomic<bool> abort{false};
   long long total = 0;
   std::string error;
+  Watchdog* watchdog = nullptr;
 };
 
 void worker_main(Worker* w, Shared* s) {
   t_worker = w;
+  s->watchdog->enter(w);
   stack_t alt{}, old_alt{};
   std::vector<unsigned char> altmem(256 * 1024);
   alt.ss_sp = altmem.data();
@@ -975,6 +1089,7 @@ void worker_main(Worker* w, Shared* s) {
     }
     w->in_block = false;
   }
+  s->watchdog->leave(w);
   sigaltstack(&old_alt, nullptr);
   t_worker = nullptr;
 }
@@ -1365,12 +1480,22 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
       m.block.rank = k;
     }
   }
-  if (nw == 1) {
-    worker_main(&workers[0], &s);
-  } else {
-    std::vector<std::thread> ts;
-    for (int i = 0; i < nw; ++i) ts.emplace_back(worker_main, &workers[(std::size_t)i * k_n], &s);
-    for (std::thread& t : ts) t.join();
+  code_range(reinterpret_cast<const void*>(thunk), &g_kernel_lo, &g_kernel_hi);
+  g_timeout_s = d->timeout_s;
+  g_watchdog_expired = false;
+  {
+    std::vector<Worker*> homes;
+    for (int i = 0; i < nw; ++i) homes.push_back(&workers[(std::size_t)i * k_n]);
+    Watchdog watchdog(d->timeout_s, homes);
+    s.watchdog = &watchdog;
+    if (nw == 1) {
+      worker_main(&workers[0], &s);
+    } else {
+      std::vector<std::thread> ts;
+      for (int i = 0; i < nw; ++i)
+        ts.emplace_back(worker_main, &workers[(std::size_t)i * k_n], &s);
+      for (std::thread& t : ts) t.join();
+    }
   }
   for (Worker& w : workers) teardown_worker(&w);
   for (int i = 0; i < NUM_FAULT_SIGNALS; ++i)
