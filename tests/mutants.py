@@ -53,11 +53,13 @@ from paged_decode.emulator.launch import (
     DEFAULT_SCHEDULES,
     LEGACY_SCHEDULES,
     SCHEDULES_ENV,
+    TIMEOUT_ENV,
 )
 from paged_decode.specs import KernelSpec
 
 MUTANT_ENV = "PAGED_DECODE_MUTANT"            # the mutant a test process runs
 REPORT_ENV = "PAGED_DECODE_MUTANT_REPORT"     # where conftest.py writes test outcomes
+MUTANT_TIMEOUT_S = "30"                       # the emulator watchdog's limit per launch
 CONTROL = "control"                           # the unmutated control's name
 KERNELS = ("v2", "v2tc", "v1", "merge", "prefix", "append", "append_fp8", "table_update")
 METAL_KERNELS = ("v2", "v2tc", "v1", "merge", "append", "append_fp8", "table_update")
@@ -853,12 +855,24 @@ MUTANTS: tuple[Mutant, ...] = (
        [CLUSTER + "test_cluster_merge_equals_the_other_merges_and_the_oracle"],
        "where a cluster's threads merge more than one float4 column each (16 rows at head_dim "
        "128 over 2 CTAs), every other pass is skipped, leaving those columns unwritten"),
+    _m("v2tc-cluster-merge-stride-by-rank", "cuda", ("v2tc",),
+       "e < rows * NV4; e += K * THREADS) {", "e < rows * NV4; e += me * THREADS) {",
+       [CLUSTER + "test_cluster_merge_equals_the_other_merges_and_the_oracle"],
+       "the merge loop strides by the CTA's rank instead of the cluster's size: rank 0 "
+       "never leaves it, a hang on a GPU (the emulator's watchdog stops it; the runner "
+       "gives each test process a 30 s limit per launch)"),
     _m("v2tc-cluster-merge-first-weight-uninitialized", "cuda", ("v2tc",),
        "    for (int k = 0; k < P; ++k) w[k] = 0.f;",
        "    for (int k = 1; k < P; ++k) w[k] = 0.f;",
        [CLUSTER + "test_non_finite_and_empty_partials"],
        "the first partial's weight is left uninitialized, read where that partial is empty "
        "(a GPU's leftover register; the emulator's locals start as a non-zero pattern)"),
+    _m("py-fused-merge-ignores-clusters", "python", ("paged_decode.backends.launching",),
+       "        return bool(self.cluster_merge(plan, kv_dtype)) or launches.fused_merge_pays(",
+       "        return launches.fused_merge_pays(",
+       [CLUSTER + "test_by_default_a_cluster_merge_fuses_at_any_gqa[gqa16]"],
+       "the fused-merge default ignores clusters: at GQA 7-16 a plan the cluster merge "
+       "takes runs two launches (0.8-3.0 us slower at GQA 8 / 16, S46-R1)"),
     _m("py-cluster-rule-wide-past-the-target", "python", ("paged_decode.backends.launches",),
        "k > CLUSTER_MERGE_WIDE_ABOVE and plan.num_ctas > plan.target_ctas",
        "k > CLUSTER_MERGE_WIDE_ABOVE and plan.num_ctas > 2 * plan.target_ctas",
@@ -1704,7 +1718,10 @@ def _run(name: str, tests: Sequence[str], env_extra: dict[str, str]) -> Result:
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="pd-mutant-") as tmp:
         report = Path(tmp) / "report.jsonl"
-        env = {**os.environ, MUTANT_ENV: name, REPORT_ENV: str(report), **env_extra}
+        # a mutant that never ends is stopped by the emulator's watchdog: sooner than its
+        # default, as our tests' launches take seconds
+        env = {TIMEOUT_ENV: MUTANT_TIMEOUT_S, **os.environ, MUTANT_ENV: name,
+               REPORT_ENV: str(report), **env_extra}
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                "-x", *tests], cwd=root, env=env, capture_output=True,

@@ -125,6 +125,47 @@ def test_the_default_follows_the_rule(d, want):
     assert {(s.kernel, s.cluster) for s in seen} == {("v2tc", want)}, [s.uri for s in seen]
 
 
+@needs_backend("emulated-cuda")
+@pytest.mark.parametrize("hq,hkv,lengths,clusters,k,want", [
+    (32, 2, [128, 120], True, 4, 4),    # GQA 16, 4 chunks of 32 tokens per request
+    (8, 1, [64, 60], True, 2, 2),       # GQA 8
+    (28, 4, [96, 90], True, 3, 3),      # GQA 7
+    (32, 2, [128, 120], False, 4, 0),   # no clusters on the device
+    (32, 2, [8192, 8000], True, 4, 0),  # 4 chunks of 2064 tokens: no clusters by default
+], ids=["gqa16", "gqa8", "gqa7", "gqa16-no-clusters", "gqa16-long-chunks"])
+def test_by_default_a_cluster_merge_fuses_at_any_gqa(monkeypatch, hq, hkv, lengths, clusters,
+                                                     k, want):
+    """Where the merge runs in clusters (``cluster_merge_pays``) it is fused at any GQA: the
+    request's CTAs share its merge, where the counters' merge would serialize 7-16 heads
+    on the last CTA (S46-R1: 0.8-3.0 us faster at GQA 8 / 16 than two launches). Elsewhere
+    at GQA 7-16 the two launches stay. Either way the result is the two launches' bits."""
+    be = pd.get_backend("emulated-cuda")
+    for env in (FUSED_MERGE_ENV, CLUSTER_MERGE_ENV, MERGE_SPLIT_ENV):
+        monkeypatch.delenv(env, raising=False)
+    if not clusters:
+        monkeypatch.setattr(be, "runs_clusters", lambda: False)
+    n = len(lengths)
+    pr = make_problem(G(n, 0, hq, hkv, 128, 16, seed=38), lengths=lengths, offsets=[0] * n)
+    ppc = 2 if max(lengths) < 1024 else 129
+    plan = pd.plan_decode(pr.table, hq, hkv, 128, device=be.device_info(), pages_per_chunk=ppc,
+                          ctas_per_chunk=v2tc_ctas_per_chunk(hq, hkv))
+    assert launches.cluster_merge_size(plan) == k
+    assert be.fuses_merge(plan, "float16") is (want > 0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(MERGE_SPLIT_ENV, "1")       # the merge kernel as the fused merges run it
+        seen = spy_specs(mp, be)
+        out = np.full(pr.q.shape, np.nan, np.float32)
+        lse = np.full(pr.q.shape[:-1], np.nan, np.float32)
+        got = pd.decode(pr.q, pr.k_pages, pr.v_pages, pr.table, plan, path="v2tc", backend=be,
+                        out=out, lse=lse, return_lse=True, out_dtype="float32")
+    ran = sorted({(s.kernel, s.cluster) for s in seen})
+    assert ran == ([("v2tc", want)] if want else [("merge", 0), ("v2tc", 0)]), ran
+    two, _ = _run(be, pr, plan, "two")
+    _same(tuple(be.to_numpy(x) for x in got), two, f"GQA {hq // hkv} default")
+    monkeypatch.setenv(CLUSTER_MERGE_ENV, "0")      # clusters off: the two launches
+    assert not be.fuses_merge(plan, "float16")
+
+
 def test_the_specialization_and_its_defines():
     spec = v2tc_spec("float16", "float32", 128, 16, merged_dtype="float16", cluster=4)
     assert spec.uri.endswith("_merge-f16_cl-4")

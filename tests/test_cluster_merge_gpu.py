@@ -67,8 +67,9 @@ def _setup(spec, lengths, ppc, offsets=None, window_left=-1):
 
 def _run(spec, lengths, ppc, mode, calls=1, offsets=None, **kw):
     """``calls`` results of one v2tc decode, each into NaN-poisoned outputs, with the merge
-    ``mode``: "two" (two launches), "counters" (fused, counters), "cluster", or "default"
-    (fused, the setting unset); and the kernel specs launched."""
+    ``mode``: "two" (two launches), "counters" (fused, counters), "cluster", "default"
+    (fused, the cluster setting unset) or "rules" (both settings unset); and the kernel
+    specs launched."""
     import cupy as cp
     be = pd.get_backend("cuda")
     pr, q, k, v, plan, out, lse = _setup(spec, lengths, ppc, offsets,
@@ -77,8 +78,11 @@ def _run(spec, lengths, ppc, mode, calls=1, offsets=None, **kw):
         kw["sinks"] = cp.asarray(kw["sinks"])
     got = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FUSED_MERGE_ENV, "0" if mode == "two" else "1")
-        if mode == "default":
+        if mode == "rules":
+            mp.delenv(FUSED_MERGE_ENV, raising=False)
+        else:
+            mp.setenv(FUSED_MERGE_ENV, "0" if mode == "two" else "1")
+        if mode in ("default", "rules"):
             mp.delenv(CLUSTER_MERGE_ENV, raising=False)
         else:
             mp.setenv(CLUSTER_MERGE_ENV, "1" if mode == "cluster" else "0")
@@ -179,6 +183,27 @@ def test_a_captured_cluster_merge_replays_right(monkeypatch):
         for i in range(10):
             g.launch(s)
             _same(take_and_repoison(out, lse), two[0], f"replay {i}")
+
+
+@pytest.mark.parametrize("hq,hkv,lengths,ppc,want", [
+    (32, 2, [1024] * 8, 16, 4),     # GQA 16, 4 chunks of 256 tokens: fused, in clusters
+    (8, 1, [8192] * 4, 128, 4),     # GQA 8, 4 chunks of 2048 tokens
+    (32, 2, [8192], 16, 0),         # GQA 16, 32 chunks: no cluster, the two launches
+], ids=["gqa16-8x1k", "gqa8-4x8k", "gqa16-1x8k"])
+def test_by_default_gqa_8_and_16_fuse_where_clusters_run(monkeypatch, hq, hkv, lengths, ppc,
+                                                          want):
+    """Both settings unset: at GQA 8 / 16 the merge is fused where it runs in clusters
+    (session 46), equal to the counters' fused merge; elsewhere the two launches run.
+    Five calls each into NaN-poisoned outputs."""
+    monkeypatch.delenv(MERGE_SPLIT_ENV, raising=False)
+    spec = G(len(lengths), 0, hq, hkv, 128, 16, seed=17)
+    _, plan, got, seen = _run(spec, lengths, ppc, "rules", calls=5)
+    assert launches.cluster_merge_size(plan) == want
+    ran = sorted({(s.kernel, s.cluster) for s in seen})
+    assert ran == ([("v2tc", want)] if want else [("merge", 0), ("v2tc", 0)]), ran
+    _, _, other, _ = _run(spec, lengths, ppc, "counters" if want else "two")
+    for i, g in enumerate(got):
+        _same(g, other[0], f"call {i}")
 
 
 def test_the_default_takes_clusters_where_the_rule_does():

@@ -42,7 +42,7 @@ for kv in ("float16", "bfloat16", "float8_e4m3fn"):
         kdef = kernel_def(spec.kernel)
         threads, smem = kdef.threads(spec), kdef.dynamic_smem(spec)
         fn = with_smem(compiled(spec), smem)
-        handle = ctypes.c_void_p(fn.ptr)
+        handle = ctypes.c_void_p(fn.kernel.ptr)   # the CUfunction of the RawKernel
         per_sm = ctypes.c_int(0)
         err_b = blocks_fn(ctypes.byref(per_sm), handle, threads, smem)
         n = ctypes.c_int(0)

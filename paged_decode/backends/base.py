@@ -316,7 +316,8 @@ class Backend(ABC):
     def fuses_merge(self, plan: DecodePlan, kv_dtype: str) -> bool:
         """Whether ``partial_tc_merged`` fuses the merge into the partial for ``plan`` over
         pools of ``kv_dtype`` (the CUDA dialect: ``PAGED_DECODE_FUSED_MERGE`` ``1``, or
-        unset where ``launches.fused_merge_pays``); ``False`` by default."""
+        unset where ``launches.fused_merge_pays`` or where the merge runs in clusters,
+        ``cluster_merge``); ``False`` by default."""
         return False
 
     def partial_tc_merged(self, q: Any, k_pages: Any, v_pages: Any,

@@ -297,7 +297,13 @@ def fused_merge_pays(plan: DecodePlan, kv_dtype: str, merge_split: int = 1) -> b
     9-13% slower wherever a call merged (S16-R5; not profiled). GQA 1 at head_dim 96 and
     GQA 4 at 128 were within 0.8 us (S16-R1, R5), and at GQA 4 batch 4-8 the fused call
     is 0.7-2.7 us faster than two launches; at batch 1 over 32-34 chunks per request the
-    split merge's two launches are 2.3-3.8 us faster (S17-R3)."""
+    split merge's two launches are 2.3-3.8 us faster (S17-R3). Where the merge runs in
+    thread-block clusters (``cluster_merge_pays``) it spreads over the request's CTAs
+    instead, and the backend fuses it at any GQA (``LaunchingBackend.fuses_merge``): on
+    an H100 at GQA 8 and 16 that was 0.8-3.0 us faster than two launches in each of the
+    nine cells where clusters applied (1K contexts at batch 1-64, batch 64 at 8K, GQA 16
+    batch 64 at 32K; S46-R1), while the counters' merge forced in the other nine was up
+    to 3.7x slower (batch 1-8 over 8K-32K). GQA 7 was not measured."""
     rows = min(16, plan.num_qo_heads // plan.num_kv_heads)
     return (plan.head_dim <= 128 and rows <= v2tc_warps(plan.head_dim, kv_dtype)
             and merge_split == 1)

@@ -31,7 +31,8 @@ from . import launches
 from .base import Backend, Problem, Support
 
 #: the tensor-core partial's fused merge (``partial_tc_merged``): unset, where it pays
-#: (``launches.fused_merge_pays``); ``1`` always; ``0`` never (the merge kernel's launch)
+#: (``launches.fused_merge_pays``, or wherever it runs in clusters: ``cluster_merge``);
+#: ``1`` always; ``0`` never (the merge kernel's launch)
 FUSED_MERGE_ENV = "PAGED_DECODE_FUSED_MERGE"
 #: the fused merge within thread-block clusters (``launches.cluster_merge_size``): unset,
 #: where ``launches.cluster_merge_pays``; ``1`` wherever the plan and device allow it;
@@ -147,7 +148,9 @@ class LaunchingBackend(Backend):
         forced = env_switch(FUSED_MERGE_ENV)
         if forced is not None:
             return forced
-        return launches.fused_merge_pays(
+        # in clusters a request's merge is spread over its K CTAs, so it pays at any GQA
+        # (S46-R1), where the counters' merge serializes many heads on the last CTA
+        return bool(self.cluster_merge(plan, kv_dtype)) or launches.fused_merge_pays(
             plan, kv_dtype, self.merge_split(plan.batch_size, plan.num_qo_heads,
                                              plan.num_chunks, plan.head_dim))
 
