@@ -59,7 +59,7 @@ from paged_decode.specs import KernelSpec
 
 MUTANT_ENV = "PAGED_DECODE_MUTANT"            # the mutant a test process runs
 REPORT_ENV = "PAGED_DECODE_MUTANT_REPORT"     # where conftest.py writes test outcomes
-MUTANT_TIMEOUT_S = "30"                       # the emulator watchdog's limit per launch
+MUTANT_TIMEOUT_S = "10"                       # the emulator watchdog's limit per launch
 CONTROL = "control"                           # the unmutated control's name
 KERNELS = ("v2", "v2tc", "v1", "merge", "prefix", "append", "append_fp8", "table_update")
 METAL_KERNELS = ("v2", "v2tc", "v1", "merge", "append", "append_fp8", "table_update")
@@ -860,7 +860,7 @@ MUTANTS: tuple[Mutant, ...] = (
        [CLUSTER + "test_cluster_merge_equals_the_other_merges_and_the_oracle"],
        "the merge loop strides by the CTA's rank instead of the cluster's size: rank 0 "
        "never leaves it, a hang on a GPU (the emulator's watchdog stops it; the runner "
-       "gives each test process a 30 s limit per launch)"),
+       "gives each test process a 10 s limit per launch)"),
     _m("v2tc-cluster-merge-first-weight-uninitialized", "cuda", ("v2tc",),
        "    for (int k = 0; k < P; ++k) w[k] = 0.f;",
        "    for (int k = 1; k < P; ++k) w[k] = 0.f;",
