@@ -872,7 +872,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "        return launches.fused_merge_pays(",
        [CLUSTER + "test_by_default_a_cluster_merge_fuses_at_any_gqa[gqa16]"],
        "the fused-merge default ignores clusters: at GQA 7-16 a plan the cluster merge "
-       "takes runs two launches (0.8-3.0 us slower at GQA 8 / 16, S46-R1)"),
+       "takes runs two launches (0.7-2.4 us slower at GQA 8 / 16, S46-R1)"),
     _m("py-cluster-rule-wide-past-the-target", "python", ("paged_decode.backends.launches",),
        "k > CLUSTER_MERGE_WIDE_ABOVE and plan.num_ctas > plan.target_ctas",
        "k > CLUSTER_MERGE_WIDE_ABOVE and plan.num_ctas > 2 * plan.target_ctas",

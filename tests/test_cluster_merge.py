@@ -137,7 +137,7 @@ def test_by_default_a_cluster_merge_fuses_at_any_gqa(monkeypatch, hq, hkv, lengt
                                                      k, want):
     """Where the merge runs in clusters (``cluster_merge_pays``) it is fused at any GQA: the
     request's CTAs share its merge, where the counters' merge would serialize 7-16 heads
-    on the last CTA (S46-R1: 0.8-3.0 us faster at GQA 8 / 16 than two launches). Elsewhere
+    on the last CTA (S46-R1: 0.7-2.4 us faster at GQA 8 / 16 than two launches). Elsewhere
     at GQA 7-16 the two launches stay. Either way the result is the two launches' bits."""
     be = pd.get_backend("emulated-cuda")
     for env in (FUSED_MERGE_ENV, CLUSTER_MERGE_ENV, MERGE_SPLIT_ENV):

@@ -300,7 +300,7 @@ def fused_merge_pays(plan: DecodePlan, kv_dtype: str, merge_split: int = 1) -> b
     split merge's two launches are 2.3-3.8 us faster (S17-R3). Where the merge runs in
     thread-block clusters (``cluster_merge_pays``) it spreads over the request's CTAs
     instead, and the backend fuses it at any GQA (``LaunchingBackend.fuses_merge``): on
-    an H100 at GQA 8 and 16 that was 0.8-3.0 us faster than two launches in each of the
+    an H100 at GQA 8 and 16 that was 0.7-2.4 us faster than two launches in each of the
     nine cells where clusters applied (1K contexts at batch 1-64, batch 64 at 8K, GQA 16
     batch 64 at 32K; S46-R1), while the counters' merge forced in the other nine was up
     to 3.7x slower (batch 1-8 over 8K-32K). GQA 7 was not measured."""
