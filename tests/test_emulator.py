@@ -6,6 +6,7 @@ clusters (a barrier of the cluster, reads of a peer's shared memory)."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 
 import numpy as np
@@ -739,8 +740,9 @@ def test_a_loop_without_end_is_stopped_by_the_watchdog(sync, threads, cluster):
 
 def test_a_spin_wait_nobody_releases_is_stopped_and_the_next_launch_runs(monkeypatch):
     """A wait on a value no thread writes is stopped too (the timeout from
-    PAGED_DECODE_EMULATOR_TIMEOUT); the launches after it run as before, and a bad value
-    of the setting is refused naming it."""
+    PAGED_DECODE_EMULATOR_TIMEOUT); the launches after it run as before, also after
+    something reset the watchdog's signal, and a bad value of the setting is refused
+    naming it."""
     flag, y = np.zeros(1, np.int32), np.zeros(32, np.float32)
     monkeypatch.setenv("PAGED_DECODE_EMULATOR_TIMEOUT", "1")
     with pytest.raises(KernelTimeoutError, match=r"spin_on: .* did not finish within 1 s"):
@@ -748,6 +750,12 @@ def test_a_spin_wait_nobody_releases_is_stopped_and_the_next_launch_runs(monkeyp
     flag[0] = 1
     run("spin_on", 1, 32, [Buffer("flag", flag), Buffer("y", y, True)])
     assert (y == 1).all()
+    # another library resetting the watchdog's signal (whose default action ends the
+    # process): the next timed launch installs its handler again
+    signal.signal(signal.SIGRTMIN + 3, signal.SIG_DFL)
+    flag[0] = 0
+    with pytest.raises(KernelTimeoutError, match=r"spin_on: .* did not finish within 1 s"):
+        run("spin_on", 1, 32, [Buffer("flag", flag), Buffer("y", y, True)])
     monkeypatch.setenv("PAGED_DECODE_EMULATOR_TIMEOUT", "0")
     with pytest.raises(InvalidArgumentError, match="PAGED_DECODE_EMULATOR_TIMEOUT must be "
                        "a positive integer, got '0'"):

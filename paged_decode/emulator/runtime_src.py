@@ -945,9 +945,9 @@ std::mutex g_err_mutex;
 // finds in the runtime or the C library (a lock or the heap may be half-updated there)
 // lets it pass and takes the next. The handler stays installed after the launch, as a
 // signal sent just before a thread left may arrive after it; outside a timed-out
-// launch it does nothing.
+// launch it does nothing. Each timed launch installs it again if something replaced it
+// (the default action of the signal ends the process).
 int watchdog_signal() { return SIGRTMIN + 3; }
-std::once_flag g_watchdog_installed;
 std::atomic<bool> g_watchdog_expired{false};
 std::uintptr_t g_kernel_lo = 0, g_kernel_hi = 0;   // the running kernel library's code
 double g_timeout_s = 0;
@@ -990,13 +990,15 @@ class Watchdog {
   // ``homes``: the workers whose OS threads run blocks (a cluster's first worker)
   Watchdog(double seconds, std::vector<Worker*> homes) : homes_(std::move(homes)) {
     if (!(seconds > 0)) return;
-    std::call_once(g_watchdog_installed, [] {
+    struct sigaction now{};
+    sigaction(watchdog_signal(), nullptr, &now);
+    if (!(now.sa_flags & SA_SIGINFO) || now.sa_sigaction != on_watchdog) {
       struct sigaction sa{};
       sa.sa_sigaction = on_watchdog;
       sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
       sigemptyset(&sa.sa_mask);
       sigaction(watchdog_signal(), &sa, nullptr);
-    });
+    }
     deadline_ = std::chrono::steady_clock::now() +
                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                     std::chrono::duration<double>(seconds));
