@@ -143,16 +143,24 @@ class LaunchingBackend(Backend):
             q_dtype=self.dtype_of(q), v_scale=v_scale, fused=fused))
 
     def fuses_merge(self, plan: DecodePlan, kv_dtype: str) -> bool:
+        return self._fused_merge_cluster(plan, kv_dtype) is not None
+
+    def _fused_merge_cluster(self, plan: DecodePlan, kv_dtype: str) -> int | None:
+        """``None`` where the merge keeps its own launch; else the fused merge's CTAs per
+        cluster (``cluster_merge``; 0: the counters' merge). One call decides both."""
         if self.metal_dialect or not self.tensor_core_decode:
-            return False
+            return None
         forced = env_switch(FUSED_MERGE_ENV)
-        if forced is not None:
-            return forced
+        if forced is False:
+            return None
+        k = self.cluster_merge(plan, kv_dtype)
         # in clusters a request's merge is spread over its K CTAs, so it pays at any GQA
         # (S46-R1), where the counters' merge serializes many heads on the last CTA
-        return bool(self.cluster_merge(plan, kv_dtype)) or launches.fused_merge_pays(
-            plan, kv_dtype, self.merge_split(plan.batch_size, plan.num_qo_heads,
-                                             plan.num_chunks, plan.head_dim))
+        if forced or k or launches.fused_merge_pays(
+                plan, kv_dtype, self.merge_split(plan.batch_size, plan.num_qo_heads,
+                                                 plan.num_chunks, plan.head_dim)):
+            return k
+        return None
 
     def runs_clusters(self) -> bool:
         """Whether this backend runs thread-block clusters (CUDA sm_90+); no by default."""
@@ -181,14 +189,15 @@ class LaunchingBackend(Backend):
                           v_part: Any, lse_part: Any, out: Any, lse_out: Any, *,
                           soft_cap: float | None = None, sinks: Any = None,
                           kv_dtype: str | None = None, v_scale: float = 1.0) -> None:
-        if not self.fuses_merge(plan, kv_dtype or self.dtype_of(k_pages)):
+        cluster = self._fused_merge_cluster(plan, kv_dtype or self.dtype_of(k_pages))
+        if cluster is None:
             super().partial_tc_merged(q, k_pages, v_pages, table, plan, sm_scale, v_part,
                                       lse_part, out, lse_out, soft_cap=soft_cap, sinks=sinks,
                                       kv_dtype=kv_dtype, v_scale=v_scale)
             return
         fused = launches.FusedMerge(
             self.index_array(plan.o_indptr), self.merge_counters(plan), out, lse_out,
-            self.dtype_of(out), self.cluster_merge(plan, kv_dtype or self.dtype_of(k_pages)))
+            self.dtype_of(out), cluster)
         self._v2tc(q, k_pages, v_pages, table, plan, sm_scale, v_part, lse_part,
                    soft_cap=soft_cap, sinks=sinks, kv_dtype=kv_dtype, v_scale=v_scale,
                    fused=fused)

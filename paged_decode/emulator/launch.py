@@ -51,8 +51,8 @@ THREADS_ENV = "PAGED_DECODE_EMULATOR_THREADS"
 SCHEDULES_ENV = "PAGED_DECODE_EMULATOR_SCHEDULES"   # comma-separated schedule names
 CP_ASYNC_ENV = "PAGED_DECODE_EMULATOR_CP_ASYNC"     # "deferred" or "sync"
 TIMEOUT_ENV = "PAGED_DECODE_EMULATOR_TIMEOUT"       # seconds per schedule's run
-#: the watchdog's limit on one schedule's run of a launch, in seconds: our largest test
-#: launches take a few seconds, so this fires only for a kernel that never ends
+#: the watchdog's limit on one schedule's run of a launch, in seconds: the test suite's
+#: longest launch takes under half a second, so this fires only for a kernel that never ends
 DEFAULT_TIMEOUT_S = 300
 GUARD_BYTES = 4 << 30     # per side; PROT_NONE and unreserved: address space only, and
 #                           a wild index lands in it more often than in mapped memory

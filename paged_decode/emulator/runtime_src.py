@@ -950,7 +950,6 @@ std::mutex g_err_mutex;
 int watchdog_signal() { return SIGRTMIN + 3; }
 std::atomic<bool> g_watchdog_expired{false};
 std::uintptr_t g_kernel_lo = 0, g_kernel_hi = 0;   // the running kernel library's code
-double g_timeout_s = 0;
 
 // [*lo, *hi): the executable segment of the loaded object that holds ``fn``.
 void code_range(const void* fn, std::uintptr_t* lo, std::uintptr_t* hi) {
@@ -982,7 +981,7 @@ void on_watchdog(int, siginfo_t*, void* uctx) {
   if (pc < g_kernel_lo || pc >= g_kernel_hi) return;
   fail_here("did not finish within %g s (an endless loop, or a wait for a value no thread "
             "writes; a GPU would hang here): stopped by the emulator's watchdog "
-            "(PAGED_DECODE_EMULATOR_TIMEOUT)", g_timeout_s);
+            "(PAGED_DECODE_EMULATOR_TIMEOUT)", w->launch->timeout_s);
 }
 
 class Watchdog {
@@ -1483,7 +1482,6 @@ int run_launch(const LaunchDesc* d, void (*thunk)(void**), void** args,
     }
   }
   code_range(reinterpret_cast<const void*>(thunk), &g_kernel_lo, &g_kernel_hi);
-  g_timeout_s = d->timeout_s;
   g_watchdog_expired = false;
   {
     std::vector<Worker*> homes;
