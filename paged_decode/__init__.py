@@ -20,6 +20,7 @@ from .cascade import (
     detect_shared_prefix,
     plan_cascade,
 )
+from .compile_ahead import AheadReport, compile_ahead
 from .decode import cascade_decode, decode
 from .device import DeviceInfo
 from .engine_step import CapturedStep, DecodeStep, StaleStepError
@@ -49,6 +50,7 @@ __all__ = [
     "DecodeStep",
     "StaleStepError",
     "StepTable",
+    "AheadReport", "compile_ahead",
     "BackendUnavailableError", "DecodeOutcome", "DecodePlan", "DeviceInfo",
     "InvalidArgumentError", "InvalidDtypeError", "PageTable", "PageTableError", "PagePool",
     "PagedDecodeError", "PlanMismatchError", "PoolExhaustedError", "UnsupportedProblemError",

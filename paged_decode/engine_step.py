@@ -39,6 +39,7 @@ import numpy as np
 
 from .backends import c_contiguous
 from .call import LAUNCH_PATHS, choose_path_at, pool_paths
+from .compile_ahead import AheadReport, compile_specs, kernel_specs
 from .decode import run_decode
 from .dtypes import check_dtype
 from .errors import (
@@ -170,6 +171,27 @@ class DecodeStep:
         """Sequence id of each row, int64 ``[capacity]`` (``-1``: padding); a
         read-only copy."""
         return self.table.sequences
+
+    def compile_ahead(self, q_dtype: str | None = None) -> AheadReport:
+        """Compile every kernel this step can launch at any batch and contexts: its
+        decode on its path (with ``path="auto"``, on each path the backend runs for its
+        pools), every specialization a plan may pick, its appends and table updates
+        (``compile_ahead.kernel_specs``), so that no later step compiles one (nor raises
+        under ``PAGED_DECODE_ASSERT_NO_COMPILE``). ``q_dtype``: the queries' dtype
+        (default the pools' own; fp8 pools need it named). Call it before serving; on a
+        backend that compiles at first use (Metal) it compiles nothing and its report's
+        ``note`` says so."""
+        fn = "DecodeStep.compile_ahead"
+        be, pool = self.backend, self.pool
+        if not be.compiles_ahead:
+            return compile_specs(be, ())
+        paths = None if self.requested_path == "auto" else (self.path,)
+        return compile_specs(be, kernel_specs(
+            be, num_qo_heads=self.num_qo_heads, num_kv_heads=pool.num_kv_heads,
+            head_dim=pool.head_dim, page_size=pool.page_size, kv_dtype=pool.dtype,
+            q_dtype=q_dtype, out_dtype=self.out_dtype, paths=paths,
+            logits_soft_cap=self.variants["logits_soft_cap"] is not None,
+            sinks=self.variants["sinks"] is not None, fn=fn))
 
     # ------------------------------------------------------------------ the step
     def set_sequences(self, seqs: Sequence[int] | np.ndarray) -> None:

@@ -51,7 +51,8 @@ VARIABLES: dict[str, str] = {
     "PAGED_DECODE_PDL": "CUDA merge launched as the partial's programmatic dependent "
                         "(sm_90+): unset, for packed launches only (prepared calls, "
                         "engine step, graphs); 1 eager calls too; 0 never",
-    "PAGED_DECODE_ASSERT_NO_COMPILE": "any kernel compile raises (benchmarks)",
+    "PAGED_DECODE_ASSERT_NO_COMPILE": "any kernel compile raises on cuda and emulated-cuda "
+                                      "(benchmarks, compile_ahead checks)",
     "PAGED_DECODE_POISON": "NaN-fill fresh outputs and workspaces (tests)",
     "PAGED_DECODE_REFERENCE_ANY_GEOMETRY": "reference backend runs any geometry (oracle use)",
     "PAGED_DECODE_GPU_CORES": "Apple GPU core count when the IORegistry is not read",

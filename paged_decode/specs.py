@@ -552,22 +552,49 @@ def v2tc_metal_spec(kv_dtype: str, out_dtype: str, head_dim: int, page_size: int
 
 
 def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
-                 num_kv_heads: int, head_dim: int, page_size: int) -> list[KernelSpec]:
-    """Every specialization a decode of this problem can compile, over all paths: the v2
-    partial writing float32 partials or the output directly, the merge, v1, and the
-    tensor-core v2 partial (both outputs) where its dtypes and GQA group fit; both
-    partials with and without ``row_hint`` where ``row_hint_pays`` can choose it."""
+                 num_kv_heads: int, head_dim: int, page_size: int, *,
+                 paths: tuple[str, ...] = ("v2", "v1", "v2tc"), soft_cap: bool = False,
+                 sinks: bool = False, fused: bool = False, clusters: bool = False,
+                 merge_splits: bool = False) -> list[KernelSpec]:
+    """The CUDA-dialect specializations a one-token decode of this problem can launch on
+    ``paths`` (``"v2"``, ``"v1"``, ``"v2tc"``; v2tc only where its dtypes and GQA group
+    fit), whatever its plan, without duplicates: each split partial writing float32
+    partials (no sink: merged partials never hold one) and writing the output, with and
+    without ``row_hint`` where ``row_hint_pays`` can choose it; the merge; v1.
+    ``soft_cap`` / ``sinks``: the call's variants. What a plan picks beyond that, for a
+    backend that runs it: ``fused``, the tensor-core partial with its merge fused
+    (``merged_dtype``); ``clusters``, that fused partial in clusters of each of
+    ``CLUSTER_SIZES`` CTAs; ``merge_splits``, the merge at each split of
+    ``kernels.merge.SPLITS`` whose shared sums fit. ``compile_ahead.kernel_specs`` says
+    which a backend takes."""
+    from .kernels.merge import SPLITS, STATIC_SMEM_LIMIT, split_smem_bytes
     qh = heads_per_cta(num_qo_heads, num_kv_heads)
-    outs = sorted({"float32", out_dtype})
-    tc = (v2tc_fits(q_dtype, kv_dtype)
+    # (output dtype, sink): the partial of a split plan, then the one writing the output
+    ends = (("float32", False), (out_dtype, sinks))
+    tc = ("v2tc" in paths and v2tc_fits(q_dtype, kv_dtype)
           and num_qo_heads // num_kv_heads <= V2TC_MAX_GROUP)
     hints = (False, True) if _hint_overruns_16_bit_row(kv_dtype, head_dim) else (False,)
-    return ([v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh, row_hint=h)
-             for o in outs for h in hints]
-            + [merge_spec(out_dtype, head_dim),
-               v1_spec(q_dtype, kv_dtype, out_dtype, head_dim, page_size)]
-            + ([v2tc_spec(kv_dtype, o, head_dim, page_size, q_dtype=q_dtype, row_hint=h)
-                for o in outs for h in hints] if tc else []))
+    out: list[KernelSpec] = []
+    if "v2" in paths:
+        out += [v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh, soft_cap=soft_cap,
+                        sink=sk, row_hint=h) for o, sk in ends for h in hints]
+    if "v2" in paths or tc:
+        splits = [s for s in (SPLITS if merge_splits else (1,))
+                  if split_smem_bytes(head_dim, s) <= STATIC_SMEM_LIMIT]
+        out += [merge_spec(out_dtype, head_dim, sink=sinks, split=s) for s in splits]
+    if "v1" in paths:
+        out.append(v1_spec(q_dtype, kv_dtype, out_dtype, head_dim, page_size,
+                           soft_cap=soft_cap, sink=sinks))
+    if tc:
+        out += [v2tc_spec(kv_dtype, o, head_dim, page_size, q_dtype=q_dtype,
+                          soft_cap=soft_cap, sink=sk, row_hint=h)
+                for o, sk in ends for h in hints]
+        if fused:
+            out += [v2tc_spec(kv_dtype, "float32", head_dim, page_size, q_dtype=q_dtype,
+                              soft_cap=soft_cap, sink=sinks, merged_dtype=out_dtype,
+                              row_hint=h, cluster=k)
+                    for h in hints for k in ((0, *CLUSTER_SIZES) if clusters else (0,))]
+    return list(dict.fromkeys(out))
 
 
 def append_spec(dtype: str, vector_bytes: int) -> KernelSpec:

@@ -282,6 +282,7 @@ V2TC_METAL_LONG = V2TC + "test_v2tc_metal_long_chunk_every_schedule[64]"
 TCVAR = "tests/test_v2tc_variants.py::"
 FUSED = "tests/test_fused_merge.py::"
 CLUSTER = "tests/test_cluster_merge.py::"
+AHEAD = "tests/test_compile_ahead.py::"
 SPLIT_MERGE = "tests/test_merge.py::test_split_merge_kernel_matches_closed_form"
 MERGE_KERNEL_NAN = "tests/test_merge.py::test_merge_kernel_large_groups_nan_rows_and_gather[False]"
 TCVAR_ONE = TCVAR + "test_each_variant_alone_and_combined"
@@ -873,6 +874,30 @@ MUTANTS: tuple[Mutant, ...] = (
        [CLUSTER + "test_by_default_a_cluster_merge_fuses_at_any_gqa[gqa16]"],
        "the fused-merge default ignores clusters: at GQA 7-16 a plan the cluster merge "
        "takes runs two launches (0.7-2.4 us slower at GQA 8 / 16, S46-R1)"),
+    _m("py-compile-ahead-no-clusters", "python", ("paged_decode.specs",),
+       "for h in hints for k in ((0, *CLUSTER_SIZES) if clusters else (0,))]",
+       "for h in hints for k in (0,)]",
+       [AHEAD + "test_every_decode_launch_is_listed[32-8x128-p16-float16]"],
+       "compile_ahead leaves out the cluster merge's specializations: a serving loop "
+       "compiles one at the first plan whose requests all have 2-8 chunks"),
+    _m("py-compile-ahead-no-merge-splits", "python", ("paged_decode.specs",),
+       "for s in (SPLITS if merge_splits else (1,))",
+       "for s in (1,)",
+       [AHEAD + "test_every_decode_launch_is_listed[32-8x128-p16-float16]"],
+       "compile_ahead leaves out the split merges, which a batch-1 call over many chunks "
+       "takes"),
+    _m("py-compile-ahead-partials-with-sinks", "python", ("paged_decode.specs",),
+       'ends = (("float32", False), (out_dtype, sinks))',
+       'ends = (("float32", sinks), (out_dtype, sinks))',
+       [AHEAD + "test_every_decode_launch_is_listed[32-2x96-p16-bfloat16]"],
+       "compile_ahead lists the float32 partials with the sink, which they never hold: a "
+       "split call with sinks compiles its partial at first use"),
+    _m("py-emulator-never-asserts-no-compile", "python", ("paged_decode.backends.emulated",),
+       "        assert_compile_allowed(spec)\n        kernel_library(",
+       "        kernel_library(",
+       [AHEAD + "test_compiled_ahead_nothing_compiles_later"],
+       "the emulated backend compiles under PAGED_DECODE_ASSERT_NO_COMPILE without a word, "
+       "so the CPU tests could not see a kernel compile_ahead missed"),
     _m("py-cluster-rule-wide-past-the-target", "python", ("paged_decode.backends.launches",),
        "k > CLUSTER_MERGE_WIDE_ABOVE and plan.num_ctas > plan.target_ctas",
        "k > CLUSTER_MERGE_WIDE_ABOVE and plan.num_ctas > 2 * plan.target_ctas",

@@ -33,6 +33,7 @@ from ..kernels.append import AppendWrite
 from ..kernels.table_update import apply_delta
 from ..page_table import PageTable
 from ..plan import DecodePlan
+from ..specs import KernelSpec
 from ..step_table import StepTable
 
 POISON_ENV = "PAGED_DECODE_POISON"
@@ -94,6 +95,10 @@ class Backend(ABC):
     #: (so host work inside a capture is not repeated); else it runs ``run`` once and
     #: the caller runs it again per replay
     records_graphs: bool = False
+    #: ``precompile`` compiles a kernel specialization before its first launch (the CUDA
+    #: dialect's backends: ``compile_ahead``); the others compile at first use (MLX has no
+    #: compile-only call) or run no kernels of this package
+    compiles_ahead: bool = False
 
     # ----------------------------------------------------------- availability
     @classmethod
@@ -107,6 +112,16 @@ class Backend(ABC):
     def supports(self, problem: Problem) -> Support:
         """Whether this backend runs ``problem``; the reason when it does not."""
         return Support(True)
+
+    def runs_clusters(self) -> bool:
+        """Whether this backend runs thread-block clusters (CUDA sm_90+); no by default."""
+        return False
+
+    def precompile(self, spec: KernelSpec) -> None:
+        """Compile ``spec`` now, so that its first launch compiles nothing (nothing to do
+        when this process has it already); only where ``compiles_ahead``."""
+        raise UnsupportedProblemError(f"backend {self.name!r} compiles its kernels at first "
+                                      "use: there is nothing to compile ahead")
 
     def describe(self) -> dict[str, Any]:
         """Versions and device facts for ``paged-decode info`` and bench headers."""

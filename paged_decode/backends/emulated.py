@@ -28,7 +28,13 @@ from ..errors import env_flag
 from ..kernels import append as append_kernel
 from ..kernels.append import AppendWrite
 from ..kernels.kernel_def import MetalKernel
-from ..specs import PREFIX_TILE_ROWS, KernelSpec, cuda_define_text, cuda_source
+from ..specs import (
+    PREFIX_TILE_ROWS,
+    KernelSpec,
+    assert_compile_allowed,
+    cuda_define_text,
+    cuda_source,
+)
 from . import launches
 from .base import Support
 from .launching import LaunchingBackend
@@ -36,6 +42,9 @@ from .metal_launches import metal_call, metal_kernel
 from .reference import ReferenceBackend
 
 RACES_ENV = "PAGED_DECODE_EMULATOR_RACES"   # "0" runs the first schedule only
+#: (spec URI, hash of its source) of each CUDA-dialect kernel this process has compiled or
+#: loaded (``EmulatedCudaBackend._ready``)
+_LOADED: set[tuple[str, int]] = set()
 
 
 class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
@@ -48,6 +57,7 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
     merge_gathers = True
     tensor_core_decode = True
     records_graphs = True
+    compiles_ahead = True
 
     def runs_clusters(self) -> bool:
         return True       # the emulator interleaves a cluster's CTAs (emulator/runtime_src.py)
@@ -87,6 +97,22 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
         """The CUDA source compiled for ``spec``: NVRTC's ``-D`` options for it as
         ``#define`` lines, then the kernel's source (a hook tests override with mutants)."""
         return cuda_define_text(spec) + cuda_source(spec.kernel)
+
+    def precompile(self, spec: KernelSpec) -> None:
+        self._ready(spec, self.kernel_source(spec))
+
+    def _ready(self, spec: KernelSpec, source: str) -> None:
+        """Compile (or load from the emulator's disk cache) ``spec``'s library once per
+        process and source; as the CUDA backend does, a spec this process has not loaded
+        yet raises under ``PAGED_DECODE_ASSERT_NO_COMPILE``."""
+        key = (spec.uri, hash(source))
+        if key in _LOADED:
+            return
+        from ..emulator.compiler import kernel_library
+        from ..emulator.rewrite import wrap_cuda
+        assert_compile_allowed(spec)
+        kernel_library(wrap_cuda(source, spec.cuda_name_expression()))
+        _LOADED.add(key)
 
     # ----------------------------------------------------------- graphs
     @property
@@ -179,7 +205,9 @@ class EmulatedCudaBackend(LaunchingBackend, ReferenceBackend):
                     Buffer(a.name, next(it) if a.role == "out" else _host(a.value),
                            a.role == "out")
                     for a in lc.args]
-            launch(self.kernel_source(lc.spec), lc.spec.cuda_name_expression(),
+            source = self.kernel_source(lc.spec)
+            self._ready(lc.spec, source)
+            launch(source, lc.spec.cuda_name_expression(),
                    (lc.grid[0], lc.grid[1], 1), lc.block, args, lc.smem,
                    check_races=self.check_races, schedules=self.schedules,
                    cp_async=self.cp_async, cluster=max(1, lc.spec.cluster))

@@ -162,10 +162,6 @@ class LaunchingBackend(Backend):
             return k
         return None
 
-    def runs_clusters(self) -> bool:
-        """Whether this backend runs thread-block clusters (CUDA sm_90+); no by default."""
-        return False
-
     def cluster_merge(self, plan: DecodePlan, kv_dtype: str) -> int:
         """The CTAs per cluster of a fused merge over ``plan`` (``launches.FusedMerge``),
         0 for the counters' merge: ``launches.cluster_merge_size(plan)`` where the backend

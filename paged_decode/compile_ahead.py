@@ -1,0 +1,159 @@
+"""Compiling a decode's kernels before it serves: ``compile_ahead`` and
+``DecodeStep.compile_ahead``.
+
+Some specializations are chosen per plan, at run time: the partials' L2 row hint (by the
+grid), whether the tensor-core partial fuses its merge and in clusters of how many CTAs
+(by the chunks per request), the merge's split (by its size), the append's word width (by
+the arrays' addresses). A serving loop whose batch and contexts move meets new ones as it
+goes, and the first launch of each compiles it inside a decode step (and raises under
+``PAGED_DECODE_ASSERT_NO_COMPILE``). ``kernel_specs`` lists every specialization a
+one-token decode of a geometry, its appends and its step-table updates can launch on a
+backend, whatever the plans and the ``PAGED_DECODE_*`` kernel settings; ``compile_ahead``
+compiles them. The settings that change a specialization's code (``PAGED_DECODE_STAGES``,
+the L2 prefetch settings) must be the serving process's when it runs. Cascade, sparse and
+multi-token decodes are not covered: they compile at first use.
+
+Backends: ``cuda`` (NVRTC through CuPy, which also keeps a disk cache across processes)
+and ``emulated-cuda`` compile ahead (``Backend.compiles_ahead``). MLX has no compile-only
+call, so ``metal`` (and ``emulated-metal``, as it) compiles each kernel at its first call;
+``reference`` and ``mlx`` run no kernels of ours. There ``compile_ahead`` compiles nothing
+and says so in its report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .backends import Backend, get_backend
+from .backends.base import Problem
+from .dtypes import KV_DTYPES, check_dtype, itemsize
+from .errors import InvalidArgumentError, check_bool, check_int
+from .fp8 import is_fp8
+from .kernels.append import WORD_BYTES
+from .plan import check_geometry
+from .specs import (
+    KernelSpec,
+    append_fp8_spec,
+    append_spec,
+    decode_specs,
+    table_update_spec,
+)
+
+#: the paths ``kernel_specs`` lists kernels for (``decode``'s launch paths)
+AHEAD_PATHS = ("v2", "v2tc", "v1")
+#: the float dtypes of rows an fp8 pool's append quantizes (``LaunchingBackend._append_fp8``:
+#: K and V rows of different dtypes both go in float32)
+_ROW_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class AheadReport:
+    """What ``compile_ahead`` did: ``specs``, the URIs of the specializations it made
+    ready (compiled now, or already compiled in this process); ``seconds``, the wall time;
+    ``note``, why nothing was compiled on a backend that compiles at first use ("" where
+    it compiled)."""
+
+    backend: str
+    specs: tuple[str, ...]
+    seconds: float
+    note: str = ""
+
+
+def kernel_specs(backend: str | Backend | None = None, *, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: str,
+                 q_dtype: str | None = None, out_dtype: str | None = None,
+                 paths: Sequence[str] | None = None, logits_soft_cap: bool = False,
+                 sinks: bool = False, appends: bool = True,
+                 fn: str = "kernel_specs") -> list[KernelSpec]:
+    """Every specialization ``backend`` can launch for a one-token decode of this
+    geometry (``Hq / Hkv`` heads of ``head_dim``, pages of ``page_size`` tokens, pools of
+    ``kv_dtype``), whatever the plan: on each of ``paths`` (default: those of
+    ``AHEAD_PATHS`` the backend supports for the problem), with the variants named
+    (``logits_soft_cap``, ``sinks``: whether the calls pass them), and with ``appends``
+    the pool appends (every word width the row allows; an fp8 pool's quantizing append
+    from rows of each float dtype) and the step-table update. ``q_dtype`` defaults to the
+    pools' dtype (fp8 pools: it must be named, float16 or bfloat16); ``out_dtype`` to
+    ``q_dtype``. Only for a backend that ``compiles_ahead`` (CUDA-dialect kernels)."""
+    be = get_backend(backend, fn=fn)
+    if not be.compiles_ahead:
+        raise InvalidArgumentError(f"{fn}: backend {be.name!r} compiles its kernels at first "
+                                   "use (nothing to list ahead); cuda and emulated-cuda do")
+    check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+    check_int(fn, "page_size", page_size)
+    kv = check_dtype(fn, "kv_dtype", kv_dtype, KV_DTYPES)
+    if q_dtype is None:
+        if is_fp8(kv):
+            raise InvalidArgumentError(f"{fn}: q_dtype must be given for {kv} pools "
+                                       "(float16 or bfloat16 queries), got None")
+        q_dtype = kv
+    q = check_dtype(fn, "q_dtype", q_dtype)
+    out = check_dtype(fn, "out_dtype", out_dtype or q)
+    soft_cap = check_bool(fn, "logits_soft_cap", logits_soft_cap)
+    with_sinks = check_bool(fn, "sinks", sinks)
+    check_bool(fn, "appends", appends)
+
+    def runs(path: str) -> bool:
+        return bool(be.supports(Problem(q, kv, num_qo_heads, num_kv_heads, head_dim,
+                                        page_size, path)))
+
+    if paths is None:
+        chosen = tuple(p for p in AHEAD_PATHS if runs(p))
+    else:
+        if isinstance(paths, str) or not all(p in AHEAD_PATHS for p in paths):
+            raise InvalidArgumentError(f"{fn}: paths must be a sequence of "
+                                       f"{', '.join(AHEAD_PATHS)}, got {paths!r}")
+        chosen = tuple(paths)
+        refused = [p for p in chosen if not runs(p)]
+        if refused:
+            raise InvalidArgumentError(f"{fn}: backend {be.name!r} cannot run path "
+                                       f"{refused[0]!r} for {q} queries over {kv} pools at "
+                                       f"{num_qo_heads}/{num_kv_heads} heads x {head_dim}")
+    clusters = be.runs_clusters()
+    specs = decode_specs(q, kv, out, num_qo_heads, num_kv_heads, head_dim, page_size,
+                         paths=chosen, soft_cap=soft_cap, sinks=with_sinks,
+                         fused=be.tensor_core_decode, clusters=clusters, merge_splits=True)
+    if appends:
+        if is_fp8(kv):
+            specs += [append_fp8_spec(kv, r) for r in _ROW_DTYPES]
+        else:
+            row = num_kv_heads * head_dim * itemsize(kv)
+            specs += [append_spec(kv, w) for w in WORD_BYTES if row % w == 0]
+        specs.append(table_update_spec())
+    return specs
+
+
+def compile_specs(backend: Backend, specs: Sequence[KernelSpec]) -> AheadReport:
+    """Compile ``specs`` on ``backend`` (each not already compiled in this process), or,
+    where the backend compiles at first use, nothing (the report's ``note`` says so)."""
+    if not backend.compiles_ahead:
+        why = ("it compiles each kernel at its first launch (MLX has no compile-only call)"
+               if getattr(backend, "metal_dialect", False) else
+               "it runs no kernels of this package")
+        return AheadReport(backend.name, (), 0.0,
+                           f"backend {backend.name!r}: nothing compiled ahead; {why}")
+    t0 = time.perf_counter()
+    for spec in specs:
+        backend.precompile(spec)
+    return AheadReport(backend.name, tuple(s.uri for s in specs), time.perf_counter() - t0)
+
+
+def compile_ahead(backend: str | Backend | None = None, *, num_qo_heads: int,
+                  num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: str,
+                  q_dtype: str | None = None, out_dtype: str | None = None,
+                  paths: Sequence[str] | None = None, logits_soft_cap: bool = False,
+                  sinks: bool = False, appends: bool = True) -> AheadReport:
+    """Compile every kernel ``decode`` (and, with ``appends``, ``PagePool`` appends and
+    ``DecodeStep``'s table updates) can launch for this geometry on ``backend``
+    (``kernel_specs``' arguments), so that no later call compiles one. Returns an
+    ``AheadReport``; on a backend that compiles at first use (metal, emulated-metal,
+    mlx, reference) it compiles nothing and its ``note`` says why."""
+    fn = "compile_ahead"
+    be = get_backend(backend, fn=fn)
+    if not be.compiles_ahead:
+        return compile_specs(be, ())
+    return compile_specs(be, kernel_specs(
+        be, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=page_size, kv_dtype=kv_dtype, q_dtype=q_dtype, out_dtype=out_dtype,
+        paths=paths, logits_soft_cap=logits_soft_cap, sinks=sinks, appends=appends, fn=fn))
