@@ -167,7 +167,8 @@
 #               variants, multi-token and engine-step modules, the 70 whose ids name v2tc and
 #               30 v2 / auto ones whose names hold "tc" ("match") (S40-R4 / R5 on an H100:
 #               memcheck 69 s, racecheck about 430 s); V2TC_SAN_SET=cluster takes the
-#               cluster merge's module, tests/test_cluster_merge_gpu.py (16 tests)
+#               cluster merge's module, tests/test_cluster_merge_gpu.py (20 tests; under
+#               racecheck it needs far more than 560 s: S47-R2 ran 4). V2TC_SAN_K: -k instead
 #   ncu-stalls  warp stall reasons (per issued instruction) of v2tc and v2 at 8 x 8K, 32/2 and 32/8
 #   ncu-v2tc    ncu profiles of the v2tc and v2 partials at 8 x 8K, GQA 4 (32/8) and 16 (32/2)
 #   multitoken  issue #14 item 4: the multi-token GPU tests, then bench/device/multitoken.py:
@@ -530,6 +531,7 @@ step_v2tc_sanitize() {
     cluster) files=tests/test_cluster_merge_gpu.py k="cluster or grid" ;;
     *) echo "V2TC_SAN_SET: unset, 'variants' or 'cluster', got '$V2TC_SAN_SET'"; return 2 ;;
   esac
+  k=${V2TC_SAN_K:-$k}
   for tool in ${V2TC_TOOLS:-memcheck racecheck synccheck}; do
     log="$L/v2tc_${V2TC_SAN_SET:+${V2TC_SAN_SET}_}$tool.log"
     PAGED_DECODE_PLAIN_MALLOC=1 timeout ${V2TC_SAN_TIMEOUT:-300} compute-sanitizer --tool $tool --error-exitcode 3 \
