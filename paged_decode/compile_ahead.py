@@ -61,6 +61,32 @@ class AheadReport:
     note: str = ""
 
 
+def _checked(fn: str, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             kv_dtype: str, q_dtype: str | None, out_dtype: str | None,
+             paths: Sequence[str] | None, logits_soft_cap: bool, sinks: bool,
+             appends: bool) -> tuple[str, str, str, tuple[str, ...] | None, bool, bool]:
+    """The arguments of ``kernel_specs`` / ``compile_ahead`` checked (errors name ``fn``):
+    ``(q, kv, out, paths, soft_cap, sinks)`` with the dtypes' canonical names."""
+    check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
+    check_int(fn, "page_size", page_size)
+    kv = check_dtype(fn, "kv_dtype", kv_dtype, KV_DTYPES)
+    if q_dtype is None:
+        if is_fp8(kv):
+            raise InvalidArgumentError(f"{fn}: q_dtype must be given for {kv} pools "
+                                       "(float16 or bfloat16 queries), got None")
+        q_dtype = kv
+    q = check_dtype(fn, "q_dtype", q_dtype)
+    out = check_dtype(fn, "out_dtype", out_dtype or q)
+    if paths is not None and (isinstance(paths, str)
+                              or not all(p in AHEAD_PATHS for p in paths)):
+        raise InvalidArgumentError(f"{fn}: paths must be a sequence of "
+                                   f"{', '.join(AHEAD_PATHS)}, got {paths!r}")
+    soft_cap = check_bool(fn, "logits_soft_cap", logits_soft_cap)
+    with_sinks = check_bool(fn, "sinks", sinks)
+    check_bool(fn, "appends", appends)
+    return q, kv, out, None if paths is None else tuple(paths), soft_cap, with_sinks
+
+
 def kernel_specs(backend: str | Backend | None = None, *, num_qo_heads: int,
                  num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: str,
                  q_dtype: str | None = None, out_dtype: str | None = None,
@@ -77,43 +103,27 @@ def kernel_specs(backend: str | Backend | None = None, *, num_qo_heads: int,
     pools' dtype (fp8 pools: it must be named, float16 or bfloat16); ``out_dtype`` to
     ``q_dtype``. Only for a backend that ``compiles_ahead`` (CUDA-dialect kernels)."""
     be = get_backend(backend, fn=fn)
+    q, kv, out, asked, soft_cap, with_sinks = _checked(
+        fn, num_qo_heads, num_kv_heads, head_dim, page_size, kv_dtype, q_dtype, out_dtype,
+        paths, logits_soft_cap, sinks, appends)
     if not be.compiles_ahead:
         raise InvalidArgumentError(f"{fn}: backend {be.name!r} compiles its kernels at first "
                                    "use (nothing to list ahead); cuda and emulated-cuda do")
-    check_geometry(fn, num_qo_heads, num_kv_heads, head_dim)
-    check_int(fn, "page_size", page_size)
-    kv = check_dtype(fn, "kv_dtype", kv_dtype, KV_DTYPES)
-    if q_dtype is None:
-        if is_fp8(kv):
-            raise InvalidArgumentError(f"{fn}: q_dtype must be given for {kv} pools "
-                                       "(float16 or bfloat16 queries), got None")
-        q_dtype = kv
-    q = check_dtype(fn, "q_dtype", q_dtype)
-    out = check_dtype(fn, "out_dtype", out_dtype or q)
-    soft_cap = check_bool(fn, "logits_soft_cap", logits_soft_cap)
-    with_sinks = check_bool(fn, "sinks", sinks)
-    check_bool(fn, "appends", appends)
 
     def runs(path: str) -> bool:
         return bool(be.supports(Problem(q, kv, num_qo_heads, num_kv_heads, head_dim,
                                         page_size, path)))
 
-    if paths is None:
-        chosen = tuple(p for p in AHEAD_PATHS if runs(p))
-    else:
-        if isinstance(paths, str) or not all(p in AHEAD_PATHS for p in paths):
-            raise InvalidArgumentError(f"{fn}: paths must be a sequence of "
-                                       f"{', '.join(AHEAD_PATHS)}, got {paths!r}")
-        chosen = tuple(paths)
-        refused = [p for p in chosen if not runs(p)]
-        if refused:
-            raise InvalidArgumentError(f"{fn}: backend {be.name!r} cannot run path "
-                                       f"{refused[0]!r} for {q} queries over {kv} pools at "
-                                       f"{num_qo_heads}/{num_kv_heads} heads x {head_dim}")
-    clusters = be.runs_clusters()
+    chosen = tuple(p for p in AHEAD_PATHS if runs(p)) if asked is None else asked
+    refused = [p for p in chosen if not runs(p)]
+    if refused:
+        raise InvalidArgumentError(f"{fn}: backend {be.name!r} cannot run path "
+                                   f"{refused[0]!r} for {q} queries over {kv} pools at "
+                                   f"{num_qo_heads}/{num_kv_heads} heads x {head_dim}")
     specs = decode_specs(q, kv, out, num_qo_heads, num_kv_heads, head_dim, page_size,
                          paths=chosen, soft_cap=soft_cap, sinks=with_sinks,
-                         fused=be.tensor_core_decode, clusters=clusters, merge_splits=True)
+                         fused=be.tensor_core_decode, clusters=be.runs_clusters(),
+                         merge_splits=True)
     if appends:
         if is_fp8(kv):
             specs += [append_fp8_spec(kv, r) for r in _ROW_DTYPES]
@@ -143,15 +153,18 @@ def compile_ahead(backend: str | Backend | None = None, *, num_qo_heads: int,
                   num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: str,
                   q_dtype: str | None = None, out_dtype: str | None = None,
                   paths: Sequence[str] | None = None, logits_soft_cap: bool = False,
-                  sinks: bool = False, appends: bool = True) -> AheadReport:
+                  sinks: bool = False, appends: bool = True,
+                  fn: str = "compile_ahead") -> AheadReport:
     """Compile every kernel ``decode`` (and, with ``appends``, ``PagePool`` appends and
     ``DecodeStep``'s table updates) can launch for this geometry on ``backend``
     (``kernel_specs``' arguments), so that no later call compiles one. Returns an
-    ``AheadReport``; on a backend that compiles at first use (metal, emulated-metal,
-    mlx, reference) it compiles nothing and its ``note`` says why."""
-    fn = "compile_ahead"
+    ``AheadReport``; on a backend that compiles at first use (metal, emulated-metal) or
+    runs no kernels of ours (mlx, reference) it checks the arguments, compiles nothing
+    and its ``note`` says why."""
     be = get_backend(backend, fn=fn)
     if not be.compiles_ahead:
+        _checked(fn, num_qo_heads, num_kv_heads, head_dim, page_size, kv_dtype, q_dtype,
+                 out_dtype, paths, logits_soft_cap, sinks, appends)
         return compile_specs(be, ())
     return compile_specs(be, kernel_specs(
         be, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

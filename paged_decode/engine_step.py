@@ -39,7 +39,7 @@ import numpy as np
 
 from .backends import c_contiguous
 from .call import LAUNCH_PATHS, choose_path_at, pool_paths
-from .compile_ahead import AheadReport, compile_specs, kernel_specs
+from .compile_ahead import AheadReport, compile_ahead
 from .decode import run_decode
 from .dtypes import check_dtype
 from .errors import (
@@ -181,17 +181,14 @@ class DecodeStep:
         (default the pools' own; fp8 pools need it named). Call it before serving; on a
         backend that compiles at first use (Metal) it compiles nothing and its report's
         ``note`` says so."""
-        fn = "DecodeStep.compile_ahead"
-        be, pool = self.backend, self.pool
-        if not be.compiles_ahead:
-            return compile_specs(be, ())
-        paths = None if self.requested_path == "auto" else (self.path,)
-        return compile_specs(be, kernel_specs(
-            be, num_qo_heads=self.num_qo_heads, num_kv_heads=pool.num_kv_heads,
+        pool = self.pool
+        return compile_ahead(
+            self.backend, num_qo_heads=self.num_qo_heads, num_kv_heads=pool.num_kv_heads,
             head_dim=pool.head_dim, page_size=pool.page_size, kv_dtype=pool.dtype,
-            q_dtype=q_dtype, out_dtype=self.out_dtype, paths=paths,
+            q_dtype=q_dtype, out_dtype=self.out_dtype,
+            paths=None if self.requested_path == "auto" else (self.path,),
             logits_soft_cap=self.variants["logits_soft_cap"] is not None,
-            sinks=self.variants["sinks"] is not None, fn=fn))
+            sinks=self.variants["sinks"] is not None, fn="DecodeStep.compile_ahead")
 
     # ------------------------------------------------------------------ the step
     def set_sequences(self, seqs: Sequence[int] | np.ndarray) -> None:

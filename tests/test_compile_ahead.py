@@ -190,6 +190,15 @@ def test_backends_that_compile_at_first_use_say_so():
     with pytest.raises(InvalidArgumentError, match="kernel_specs: backend 'reference' compiles"):
         kernel_specs("reference", num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                      kv_dtype="float16")
+    # the arguments are checked there too
+    with pytest.raises(InvalidArgumentError, match="compile_ahead: num_qo_heads must be"):
+        pd.compile_ahead("reference", num_qo_heads=7, num_kv_heads=2, head_dim=64,
+                         page_size=16, kv_dtype="float16")
+    pool = pd.PagePool(8, 16, 2, 64, "float16", backend="reference")
+    step = pd.DecodeStep(pool, [pool.new_sequence()], num_qo_heads=8)
+    assert step.compile_ahead().note == report.note
+    with pytest.raises(InvalidDtypeError, match="DecodeStep.compile_ahead: q_dtype must"):
+        step.compile_ahead(q_dtype="int8")
 
 
 @pytest.mark.parametrize("kwargs,match", [
