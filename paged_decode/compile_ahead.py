@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from .backends import Backend, get_backend
 from .backends.base import Problem
 from .dtypes import KV_DTYPES, check_dtype, itemsize
-from .errors import InvalidArgumentError, check_bool, check_int
+from .errors import InvalidArgumentError, UnsupportedProblemError, check_bool, check_int
 from .fp8 import is_fp8
 from .kernels.append import WORD_BYTES
 from .plan import check_geometry
@@ -115,6 +115,12 @@ def kernel_specs(backend: str | Backend | None = None, *, num_qo_heads: int,
                                         page_size, path)))
 
     chosen = tuple(p for p in AHEAD_PATHS if runs(p)) if asked is None else asked
+    if not chosen:
+        why = be.supports(Problem(q, kv, num_qo_heads, num_kv_heads, head_dim, page_size,
+                                  "v2")).reason
+        raise UnsupportedProblemError(
+            f"{fn}: backend {be.name!r} runs no decode path for {q} queries over {kv} pools "
+            f"at {num_qo_heads}/{num_kv_heads} heads x {head_dim}, page size {page_size}: {why}")
     refused = [p for p in chosen if not runs(p)]
     if refused:
         raise InvalidArgumentError(f"{fn}: backend {be.name!r} cannot run path "

@@ -24,7 +24,7 @@ import paged_decode as pd
 from paged_decode.backends import emulated
 from paged_decode.backends.launching import CLUSTER_MERGE_ENV, FUSED_MERGE_ENV, MERGE_SPLIT_ENV
 from paged_decode.compile_ahead import kernel_specs
-from paged_decode.errors import InvalidArgumentError, InvalidDtypeError
+from paged_decode.errors import InvalidArgumentError, InvalidDtypeError, UnsupportedProblemError
 from paged_decode.kernels.merge import SPLITS, STATIC_SMEM_LIMIT, split_smem_bytes
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
@@ -216,6 +216,17 @@ def test_bad_arguments_name_the_function(kwargs, match):
     args = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16) | kwargs
     cls = InvalidDtypeError if kwargs["kv_dtype"] == "int8" else InvalidArgumentError
     with pytest.raises(cls, match=match):
+        pd.compile_ahead("emulated-cuda", **args)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head_dim=80), "head_dim"), (dict(page_size=300), "page"),
+])
+def test_a_geometry_no_path_runs_is_refused(kwargs, match):
+    args = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                kv_dtype="float16") | kwargs
+    want = f"compile_ahead: backend 'emulated-cuda' runs no decode path.*{match}"
+    with pytest.raises(UnsupportedProblemError, match=want):
         pd.compile_ahead("emulated-cuda", **args)
 
 
