@@ -119,6 +119,23 @@ def test_append_specializations_compile():
         DTYPES, WORD_BYTES)})
 
 
+@pytest.mark.parametrize("kw", [
+    dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, kv_dtype="float16",
+         logits_soft_cap=True, sinks=True),
+    dict(num_qo_heads=28, num_kv_heads=4, head_dim=96, kv_dtype="float8_e4m3fn",
+         q_dtype="bfloat16", out_dtype="float32"),
+], ids=["f16-variants", "e4m3-hd96"])
+def test_what_compile_ahead_lists_compiles(kw):
+    """Every specialization ``compile_ahead`` compiles on a GPU that runs clusters (the
+    emulated CUDA backend lists the same: it runs clusters too), with the real toolchain:
+    the fused merge in each cluster size, the split merges, the appends, the table update,
+    with the variants."""
+    from paged_decode.compile_ahead import kernel_specs
+    specs = kernel_specs("emulated-cuda", page_size=16, **kw)
+    assert {s.cluster for s in specs} == {0, 2, 3, 4, 5, 6, 7, 8}
+    cuda_compile.compile_specs(specs)
+
+
 def test_v2tc_specializations_compile():
     """The tensor-core v2 partial for every head_dim and both 16-bit dtypes at page size
     256 (sm_90 with ptxas: the mma.sync operands and the register budget meet the real
