@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 from .backends import Backend, get_backend
 from .backends.base import Problem
-from .dtypes import KV_DTYPES, check_dtype, itemsize
+from .dtypes import KV_DTYPES, SUPPORTED, check_dtype, itemsize
 from .errors import InvalidArgumentError, UnsupportedProblemError, check_bool, check_int
 from .fp8 import is_fp8
-from .kernels.append import WORD_BYTES
+from .kernels.append import word_widths
 from .plan import check_geometry
 from .specs import (
     KernelSpec,
@@ -43,9 +43,6 @@ from .specs import (
 
 #: the paths ``kernel_specs`` lists kernels for (``decode``'s launch paths)
 AHEAD_PATHS = ("v2", "v2tc", "v1")
-#: the float dtypes of rows an fp8 pool's append quantizes (``LaunchingBackend._append_fp8``:
-#: K and V rows of different dtypes both go in float32)
-_ROW_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -110,18 +107,15 @@ def kernel_specs(backend: str | Backend | None = None, *, num_qo_heads: int,
         raise InvalidArgumentError(f"{fn}: backend {be.name!r} compiles its kernels at first "
                                    "use (nothing to list ahead); cuda and emulated-cuda do")
 
-    def runs(path: str) -> bool:
-        return bool(be.supports(Problem(q, kv, num_qo_heads, num_kv_heads, head_dim,
-                                        page_size, path)))
-
-    chosen = tuple(p for p in AHEAD_PATHS if runs(p)) if asked is None else asked
+    support = {p: be.supports(Problem(q, kv, num_qo_heads, num_kv_heads, head_dim, page_size,
+                                       p)) for p in AHEAD_PATHS}
+    chosen = tuple(p for p in AHEAD_PATHS if support[p]) if asked is None else asked
     if not chosen:
-        why = be.supports(Problem(q, kv, num_qo_heads, num_kv_heads, head_dim, page_size,
-                                  "v2")).reason
         raise UnsupportedProblemError(
             f"{fn}: backend {be.name!r} runs no decode path for {q} queries over {kv} pools "
-            f"at {num_qo_heads}/{num_kv_heads} heads x {head_dim}, page size {page_size}: {why}")
-    refused = [p for p in chosen if not runs(p)]
+            f"at {num_qo_heads}/{num_kv_heads} heads x {head_dim}, page size {page_size}: "
+            f"{support['v2'].reason}")
+    refused = [p for p in chosen if not support[p]]
     if refused:
         raise InvalidArgumentError(f"{fn}: backend {be.name!r} cannot run path "
                                    f"{refused[0]!r} for {q} queries over {kv} pools at "
@@ -132,10 +126,11 @@ def kernel_specs(backend: str | Backend | None = None, *, num_qo_heads: int,
                          merge_splits=True)
     if appends:
         if is_fp8(kv):
-            specs += [append_fp8_spec(kv, r) for r in _ROW_DTYPES]
+            # rows of any float dtype (K and V rows of different dtypes go in float32)
+            specs += [append_fp8_spec(kv, r) for r in SUPPORTED]
         else:
-            row = num_kv_heads * head_dim * itemsize(kv)
-            specs += [append_spec(kv, w) for w in WORD_BYTES if row % w == 0]
+            specs += [append_spec(kv, w)
+                      for w in word_widths(num_kv_heads * head_dim * itemsize(kv))]
         specs.append(table_update_spec())
     return specs
 

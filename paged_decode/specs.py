@@ -17,7 +17,7 @@ from .device import DeviceInfo
 from .dtypes import itemsize
 from .errors import InvalidArgumentError, PagedDecodeError, env_flag, env_positive_int
 from .fp8 import FORMATS
-from .kernels import decode_v2_tc, prefix_tc
+from .kernels import decode_v2_tc, merge, prefix_tc
 from .kernels.decode_v2 import row_loads, stage_bytes_per_thread
 from .kernels.registry import kernel_def
 
@@ -567,7 +567,6 @@ def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
     ``CLUSTER_SIZES`` CTAs; ``merge_splits``, the merge at each split of
     ``kernels.merge.SPLITS`` whose shared sums fit. ``compile_ahead.kernel_specs`` says
     which a backend takes."""
-    from .kernels.merge import SPLITS, STATIC_SMEM_LIMIT, split_smem_bytes
     qh = heads_per_cta(num_qo_heads, num_kv_heads)
     # (output dtype, sink): the partial of a split plan, then the one writing the output
     ends = (("float32", False), (out_dtype, sinks))
@@ -579,8 +578,8 @@ def decode_specs(q_dtype: str, kv_dtype: str, out_dtype: str, num_qo_heads: int,
         out += [v2_spec(q_dtype, kv_dtype, o, head_dim, page_size, qh, soft_cap=soft_cap,
                         sink=sk, row_hint=h) for o, sk in ends for h in hints]
     if "v2" in paths or tc:
-        splits = [s for s in (SPLITS if merge_splits else (1,))
-                  if split_smem_bytes(head_dim, s) <= STATIC_SMEM_LIMIT]
+        splits = [s for s in (merge.SPLITS if merge_splits else (1,))
+                  if merge.split_fits(head_dim, s)]
         out += [merge_spec(out_dtype, head_dim, sink=sinks, split=s) for s in splits]
     if "v1" in paths:
         out.append(v1_spec(q_dtype, kv_dtype, out_dtype, head_dim, page_size,

@@ -881,7 +881,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "compile_ahead leaves out the cluster merge's specializations: a serving loop "
        "compiles one at the first plan whose requests all have 2-8 chunks"),
     _m("py-compile-ahead-no-merge-splits", "python", ("paged_decode.specs",),
-       "for s in (SPLITS if merge_splits else (1,))",
+       "for s in (merge.SPLITS if merge_splits else (1,))",
        "for s in (1,)",
        [AHEAD + "test_every_decode_launch_is_listed[32-8x128-p16-float16]"],
        "compile_ahead leaves out the split merges, which a batch-1 call over many chunks "
@@ -1627,7 +1627,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "v2's launch sized one ring stage short: its last stage is written past the block's "
        "dynamic shared memory"),
     _m("py-merge-split-ignores-shared-memory", "python", ("paged_decode.backends.launches",),
-       "                and merge.split_smem_bytes(head_dim, split) <= merge.STATIC_SMEM_LIMIT):",
+       "                and merge.split_fits(head_dim, split)):",
        "                and True):",
        ["tests/test_merge.py::test_merge_at_head_dims_beyond_the_kernels[768]"],
        "a split merge at head_dim 768 takes 16 warps, whose shared sums exceed CUDA's 48 KB "

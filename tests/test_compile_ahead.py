@@ -25,7 +25,7 @@ from paged_decode.backends import emulated
 from paged_decode.backends.launching import CLUSTER_MERGE_ENV, FUSED_MERGE_ENV, MERGE_SPLIT_ENV
 from paged_decode.compile_ahead import kernel_specs
 from paged_decode.errors import InvalidArgumentError, InvalidDtypeError, UnsupportedProblemError
-from paged_decode.kernels.merge import SPLITS, STATIC_SMEM_LIMIT, split_smem_bytes
+from paged_decode.kernels.merge import SPLITS, split_fits
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
 from paged_decode.specs import UnexpectedCompileError, v2tc_ctas_per_chunk
@@ -52,7 +52,7 @@ def _settings(monkeypatch, values):
 
 
 def _splits(head_dim):
-    return [str(s) for s in SPLITS if split_smem_bytes(head_dim, s) <= STATIC_SMEM_LIMIT]
+    return [str(s) for s in SPLITS if split_fits(head_dim, s)]
 
 
 GEOMETRIES = [  # hq, hkv, d, page, q dtype, kv dtype, out dtype, soft cap, sinks

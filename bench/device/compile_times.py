@@ -13,7 +13,7 @@ import sys
 import time
 
 from paged_decode.backends import cuda_launch
-from paged_decode.kernels.merge import SPLITS, STATIC_SMEM_LIMIT, split_smem_bytes
+from paged_decode.kernels.merge import SPLITS, split_fits
 from paged_decode.specs import CLUSTER_SIZES, merge_spec, v2tc_spec
 
 
@@ -22,7 +22,7 @@ def main(path: str) -> None:
     specs += [v2tc_spec("float16", "float32", 128, 16, merged_dtype="float16", cluster=k)
               for k in (0, *CLUSTER_SIZES)]
     specs += [merge_spec("float16", 128, split=s) for s in SPLITS
-              if split_smem_bytes(128, s) <= STATIC_SMEM_LIMIT]
+              if split_fits(128, s)]
     rows = []
     for spec in specs:
         t0 = time.perf_counter()

@@ -385,7 +385,7 @@ def merge_split(outputs: int, heads: int, inputs: int, units: int, head_dim: int
     for split in sorted(MERGE_SPLITS, reverse=True):
         if (split > 1 and outputs * heads * split <= MERGE_SPLIT_WARPS_PER_UNIT * units
                 and mean >= MERGE_SPLIT_MIN_ROWS * split
-                and merge.split_smem_bytes(head_dim, split) <= merge.STATIC_SMEM_LIMIT):
+                and merge.split_fits(head_dim, split)):
             return split
     return 1
 

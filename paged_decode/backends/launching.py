@@ -229,7 +229,7 @@ class LaunchingBackend(Backend):
             raise InvalidArgumentError(
                 f"merge: {MERGE_SPLIT_ENV} must be one of "
                 f"{', '.join(map(str, launches.MERGE_SPLITS))} or unset, got {val!r}")
-        if merge.split_smem_bytes(head_dim, int(val)) > merge.STATIC_SMEM_LIMIT:
+        if not merge.split_fits(head_dim, int(val)):
             raise InvalidArgumentError(
                 f"merge: {MERGE_SPLIT_ENV}={val} at head_dim {head_dim} needs "
                 f"{merge.split_smem_bytes(head_dim, int(val))} bytes of static shared memory, "

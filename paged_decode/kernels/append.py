@@ -55,11 +55,17 @@ WORD_BYTES = (16, 8, 4, 2)         # VEC values the kernels are specialized on
 METAL_MIN_ELEMENTS = 8
 
 
+def word_widths(row_bytes: int) -> list[int]:
+    """The ``WORD_BYTES`` widths that divide ``row_bytes``, widest first: those an append
+    of rows of that size can take (``vector_bytes`` picks among them by the addresses)."""
+    return [w for w in WORD_BYTES if row_bytes % w == 0]
+
+
 def vector_bytes(row_bytes: int, addresses: tuple[int, ...] = ()) -> int:
     """Bytes per access: the widest of 16, 8, 4, 2 that divides ``row_bytes`` and every
     address in ``addresses`` (rows start at multiples of ``row_bytes`` from them)."""
-    for w in WORD_BYTES:
-        if row_bytes % w == 0 and all(a % w == 0 for a in addresses):
+    for w in word_widths(row_bytes):
+        if all(a % w == 0 for a in addresses):
             return w
     raise ValueError(f"append: a K/V row of {row_bytes} bytes is not a whole number of "
                      "2-byte words")

@@ -40,6 +40,12 @@ def split_smem_bytes(head_dim: int, split: int) -> int:
     return 0 if split == 1 else split * (head_dim + 3) * 4
 
 
+def split_fits(head_dim: int, split: int) -> bool:
+    """Whether a merge block at ``split`` warps per (row, head) fits CUDA's static shared
+    memory at ``head_dim`` (``split_smem_bytes``)."""
+    return split_smem_bytes(head_dim, split) <= STATIC_SMEM_LIMIT
+
+
 #: partials each warp of a split merge loads at once: twice the unsplit merge's 4, because
 #: the split merge serves the cells where a few groups over many partials run alone on
 #: the device and only loads in flight hide the latency
