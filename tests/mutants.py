@@ -892,6 +892,24 @@ MUTANTS: tuple[Mutant, ...] = (
        [AHEAD + "test_every_decode_launch_is_listed[32-2x96-p16-bfloat16]"],
        "compile_ahead lists the float32 partials with the sink, which they never hold: a "
        "split call with sinks compiles its partial at first use"),
+    _m("py-compile-ahead-multitoken-one-fold", "python", ("paged_decode.compile_ahead",),
+       "for fold in range(1, query_tokens + 1):",
+       "for fold in (1,):",
+       [AHEAD + "test_multitoken_launches_are_listed[32-8x128-float16]"],
+       "compile_ahead lists a multi-token decode's passes at the model's group only: the "
+       "common pass folds T tokens into the group, a wider CTA that compiles at first use"),
+    _m("py-compile-ahead-cascade-one-width", "python", ("paged_decode.compile_ahead",),
+       "widths = {heads_per_cta(m * g, 1): m for m in range(1, 841)}",
+       "widths = {heads_per_cta(g, 1): 1}",
+       [AHEAD + "test_cascade_launches_are_listed[28-4x64-float8_e4m3fn]"],
+       "compile_ahead lists cascade's level 0 at one member's width: stacked members widen "
+       "the v2 partial's CTA, and the first cascade of 2+ members compiles it"),
+    _m("py-compile-ahead-sparse-sinks-in-out-dtype", "python", ("paged_decode.compile_ahead",),
+       'specs += decode_specs(q, kv, "float32" if with_sinks else out,',
+       "specs += decode_specs(q, kv, out,",
+       [AHEAD + "test_sparse_launches_are_listed[28-4x64-float8_e4m3fn]"],
+       "compile_ahead lists sparse decode's partials in the output dtype where sinks keep "
+       "them in float32 until they join"),
     _m("py-emulator-never-asserts-no-compile", "python", ("paged_decode.backends.emulated",),
        "        assert_compile_allowed(spec)\n        kernel_library(",
        "        kernel_library(",

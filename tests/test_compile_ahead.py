@@ -28,6 +28,7 @@ from paged_decode.errors import InvalidArgumentError, InvalidDtypeError, Unsuppo
 from paged_decode.kernels.merge import SPLITS, split_fits
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
+from paged_decode.sparse import sparse_decode
 from paged_decode.specs import UnexpectedCompileError, v2tc_ctas_per_chunk
 
 pytestmark = needs_backend("emulated-cuda")
@@ -240,3 +241,148 @@ def test_a_step_over_fp8_pools_needs_the_query_dtype():
     listed = kernel_specs(be, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                           kv_dtype="float8_e4m3fn", q_dtype="bfloat16")
     assert {s.kernel for s in listed} >= {"v2tc", "append_fp8", "table_update"}
+
+
+def _fp8_kwargs(kvdt):
+    return {"k_scale": 0.5, "v_scale": 0.25} if kvdt.startswith("float8") else {}
+
+
+def _variant_kwargs(hq, cap, with_sinks):
+    kw = {}
+    if cap:
+        kw["logits_soft_cap"] = 30.0
+    if with_sinks:
+        kw["sinks"] = np.linspace(-1, 1, hq).astype(np.float32)
+    return kw
+
+
+OTHER_CALLS = [  # hq, hkv, d, page, q dtype, kv dtype, out dtype, soft cap, sinks
+    (32, 8, 128, 16, "float16", "float16", None, False, False),
+    (28, 4, 64, 8, "float16", "float8_e4m3fn", None, True, True),
+    (8, 2, 96, 16, "bfloat16", "bfloat16", "float32", False, True),    # row hint both ways
+]
+
+
+def _listed(be, geom, **kw):
+    hq, hkv, d, page, qdt, kvdt, odt, cap, with_sinks = geom
+    return {s.uri for s in kernel_specs(be, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                        page_size=page, kv_dtype=kvdt, q_dtype=qdt,
+                                        out_dtype=odt, logits_soft_cap=cap, sinks=with_sinks,
+                                        appends=False, **kw)}
+
+
+def _check_listed(be, geom, seen, option):
+    """Every launch of ``seen`` is listed with ``option`` (a dict of kernel_specs' extra
+    arguments); without it some are not (the option adds what those calls launch)."""
+    got = {s.uri for s in seen}
+    with_option = _listed(be, geom, **option)
+    assert got <= with_option, sorted(got - with_option)
+    assert got - _listed(be, geom), f"{option}: no launch beyond one-token decodes"
+
+
+@pytest.mark.parametrize("geom", OTHER_CALLS, ids=lambda g: f"{g[0]}-{g[1]}x{g[2]}-{g[5]}")
+def test_multitoken_launches_are_listed(monkeypatch, geom):
+    """Uniform and ragged token counts up to 4 per request, on each path, over plans of
+    1-5 chunks and under the fused / cluster / split settings: listed with
+    ``query_tokens=4``."""
+    hq, hkv, d, page, qdt, kvdt, odt, cap, with_sinks = geom
+    be = pd.get_backend("emulated-cuda")
+    extra = _fp8_kwargs(kvdt) | _variant_kwargs(hq, cap, with_sinks)
+    seen = _recorder(monkeypatch, be)
+    rng = np.random.default_rng(3)
+    calls = 0
+    for chunks, counts in itertools.product((1, 2, 5), ([1, 1], [4, 4], [2, 3, 1], [3, 4])):
+        lengths = [chunks * 2 * page + c for c in counts]
+        pr = make_problem(ProblemSpec(len(counts), 0, hq, hkv, d, page, q_dtype=qdt,
+                                      kv_dtype=kvdt, seed=chunks), lengths=lengths)
+        q = rng.standard_normal((sum(counts), hq, d)).astype(pr.q.dtype)
+        qo = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        for path in ("v2", "v2tc", "v1"):
+            for vals in SETTINGS + [{MERGE_SPLIT_ENV: s} for s in _splits(d)]:
+                _settings(monkeypatch, vals)
+                try:
+                    pd.decode(q, pr.k_pages, pr.v_pages, pr.table, path=path, backend=be,
+                              out_dtype=odt, qo_indptr=qo, **extra)
+                except UnsupportedProblemError:     # v2tc past two tiles of rows
+                    assert path == "v2tc" and max(counts) * hq // hkv > 16
+                    break
+                calls += 1
+    _settings(monkeypatch, {})
+    assert calls > 100
+    _check_listed(be, geom, seen, {"query_tokens": 4})
+    assert {s.kernel for s in seen} >= {"v2", "v1", "merge"}
+    assert any(s.gather for s in seen if s.kernel == "merge")
+
+
+def _forked_batch(be, hkv, d, page, kvdt, members, seed):
+    """A pool whose requests are ``members`` forks of one prompt of 1024 tokens and two
+    pages (cascade's least shared span is 1024) plus a few private tokens each, then a
+    request of its own; returns ``(pool, table)``."""
+    rng = np.random.default_rng(seed)
+    pool = pd.PagePool(512, page, hkv, d, kvdt, backend="reference", **_fp8_kwargs(kvdt))
+
+    def rows(n):
+        return rng.standard_normal((n, hkv, d)).astype(np.float32)
+    base = pool.new_sequence()
+    n = 1024 + 2 * page
+    pool.append(base, rows(n), rows(n))
+    seqs = []
+    for i in range(members):
+        s = pool.fork(base)
+        pool.append(s, rows(3 + i * page), rows(3 + i * page))
+        seqs.append(s)
+    solo = pool.new_sequence()
+    pool.append(solo, rows(5 * page), rows(5 * page))
+    return pool, pool.page_table(seqs + [solo])
+
+
+@pytest.mark.parametrize("geom", OTHER_CALLS, ids=lambda g: f"{g[0]}-{g[1]}x{g[2]}-{g[5]}")
+def test_cascade_launches_are_listed(monkeypatch, geom):
+    """Forced cascade over 2-9 members (every CTA width the stacked level 0 can take),
+    with its level 0 on the prefix kernel or on the v2 partial: listed with
+    ``cascade=True``."""
+    hq, hkv, d, page, qdt, kvdt, odt, cap, with_sinks = geom
+    be = pd.get_backend("emulated-cuda")
+    extra = _variant_kwargs(hq, cap, with_sinks)
+    seen = _recorder(monkeypatch, be)
+    for m in range(2, 10):
+        pool, table = _forked_batch(be, hkv, d, page, kvdt, m, seed=m)
+        q = make_problem(ProblemSpec(m + 1, page, hq, hkv, d, page, q_dtype=qdt,
+                                     kv_dtype=kvdt, seed=m)).q
+        for vals in ({}, {MERGE_SPLIT_ENV: _splits(d)[-1]}):
+            _settings(monkeypatch, vals)
+            pd.decode(q, pool.k, pool.v, table, backend=be, out_dtype=odt, cascade=True,
+                      **extra, **pool.decode_args(0))
+            assert pd.last_outcome().path == "cascade", str(pd.last_outcome())
+    _settings(monkeypatch, {})
+    _check_listed(be, geom, seen, {"cascade": True})
+    tc0 = not cap and kvdt == qdt
+    assert ("prefix" in {s.kernel for s in seen}) == tc0
+    assert any(s.gather for s in seen if s.kernel == "merge")
+
+
+@pytest.mark.parametrize("geom", OTHER_CALLS, ids=lambda g: f"{g[0]}-{g[1]}x{g[2]}-{g[5]}")
+def test_sparse_launches_are_listed(monkeypatch, geom):
+    """Fused sparse decodes with one chunk and with many (a merge), under every merge
+    split: listed with ``sparse=True``."""
+    hq, hkv, d, page, qdt, kvdt, odt, cap, with_sinks = geom
+    be = pd.get_backend("emulated-cuda")
+    extra = _fp8_kwargs(kvdt) | _variant_kwargs(hq, cap, with_sinks)
+    if kvdt.startswith("float8"):
+        extra["kv_dtype"] = kvdt
+    rng = np.random.default_rng(7)
+    b, capacity = 3, 4096
+    pr = make_problem(ProblemSpec(b, page, hq, hkv, d, page, q_dtype=qdt, kv_dtype=kvdt))
+    kc = np.zeros((b, hkv, capacity, d), pr.k_pages.dtype)   # launches are not run
+    seen = _recorder(monkeypatch, be)
+    for s in (8, 1024, 3000):
+        pos = np.stack([np.stack([rng.choice(capacity, s, replace=False) for _ in range(hkv)])
+                        for _ in range(b)]).astype(np.int32)
+        for vals in [{}] + [{MERGE_SPLIT_ENV: v} for v in _splits(d)]:
+            _settings(monkeypatch, vals)
+            sparse_decode(pr.q, kc, kc, pos, live_lens=np.full(b, capacity), min_sparsity=0,
+                          backend=be, out_dtype=odt, **extra)
+            assert pd.last_outcome().path == "sparse", str(pd.last_outcome())
+    _settings(monkeypatch, {})
+    _check_listed(be, geom, seen, {"sparse": True})
+    assert {s.page_size for s in seen if s.kernel == "v2"} == {1}

@@ -21,6 +21,7 @@ from paged_decode.backends import availability
 from paged_decode.backends.launching import CLUSTER_MERGE_ENV, FUSED_MERGE_ENV, MERGE_SPLIT_ENV
 from paged_decode.problems import ProblemSpec, make_problem
 from paged_decode.reference import oracle_decode
+from paged_decode.sparse import make_selection, sparse_decode
 from paged_decode.specs import UnexpectedCompileError, v2tc_ctas_per_chunk
 
 pytestmark = [pytest.mark.gpu,
@@ -109,3 +110,71 @@ def test_a_step_compiled_ahead_compiles_nothing(monkeypatch, fresh_cache):
                                     step.table.page_table())
             assert_matches_oracle(be.to_numpy(outs[layer]).astype(np.float32), None, want,
                                   None, "float16", f"step {i} layer {layer}")
+
+
+def test_other_calls_compiled_ahead_compile_nothing(monkeypatch, fresh_cache):
+    """``query_tokens``, ``cascade`` and ``sparse``: after compile_ahead, multi-token
+    decodes of 1-4 tokens per request on each path, forced cascades of 2-9 forks of one
+    prompt (level 0 on the prefix kernel, and with a soft cap on the v2 partial) and
+    fused sparse decodes compile nothing and match the oracle (sparse: the reference
+    backend's dense masked path)."""
+    be = pd.get_backend("cuda")
+    for cap in (False, True):
+        report = pd.compile_ahead(be, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                                  page_size=P, kv_dtype="float16", logits_soft_cap=cap,
+                                  query_tokens=4, cascade=True, sparse=True)
+        print(f"compile_ahead (soft cap {cap}, multi-token, cascade, sparse): "
+              f"{len(report.specs)} specializations in {report.seconds:.2f} s")
+    monkeypatch.setenv("PAGED_DECODE_ASSERT_NO_COMPILE", "1")
+    rng = np.random.default_rng(9)
+    tol = tc_out_tol("float16", "float16")
+    for counts in ([1, 1, 1], [4, 4, 4], [2, 4, 1], [3, 1, 4]):
+        pr = make_problem(ProblemSpec(3, 0, HQ, HKV, D, P, seed=len(counts)),
+                          lengths=[40 + c for c in counts[:1]] + [3000 + c for c in counts[1:]])
+        q = (rng.standard_normal((sum(counts), HQ, D))).astype(np.float16)
+        qi = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        ref, ref_lse = oracle_decode(q, pr.k_pages, pr.v_pages, pr.table, qo_indptr=qi)
+        for path in ("v2tc", "v2", "v1"):
+            out, lse = pd.decode(be.asarray(q), be.asarray(pr.k_pages), be.asarray(pr.v_pages),
+                                 pr.table, path=path, qo_indptr=qi, return_lse=True,
+                                 backend=be)
+            assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), ref, ref_lse, "float16",
+                                  f"{counts} {path}", tol=tol if path == "v2tc" else None)
+    for m in range(2, 10):
+        pool = pd.PagePool(2048, P, HKV, D, "float16", backend=be)
+        base = pool.new_sequence()
+        x = rng.standard_normal((1024 + 2 * P, HKV, D)).astype(np.float16)
+        pool.append(base, be.asarray(x), be.asarray(x))
+        seqs = [pool.fork(base) for _ in range(m)]
+        for i, s in enumerate(seqs):
+            y = be.asarray(rng.standard_normal((3 + 7 * i, HKV, D)).astype(np.float16))
+            pool.append(s, y, y)
+        table = pool.page_table(seqs)
+        q = rng.standard_normal((m, HQ, D)).astype(np.float16)
+        for cap in (None, 20.0):
+            ref, ref_lse = oracle_decode(q, be.to_numpy(pool.k), be.to_numpy(pool.v), table,
+                                         logits_soft_cap=cap)
+            out, lse = pd.decode(be.asarray(q), pool.k, pool.v, table, cascade=True,
+                                 logits_soft_cap=cap, return_lse=True, backend=be)
+            assert pd.last_outcome().path == "cascade", str(pd.last_outcome())
+            assert_matches_oracle(be.to_numpy(out), be.to_numpy(lse), ref, ref_lse, "float16",
+                                  f"cascade of {m} soft cap {cap}", tol=tol)
+    b, capacity = 3, 4096
+    kc = rng.standard_normal((b, HKV, capacity, D)).astype(np.float16)
+    vc = rng.standard_normal((b, HKV, capacity, D)).astype(np.float16)
+    q = rng.standard_normal((b, HQ, D)).astype(np.float16)
+    live = np.array([4096, 3000, 100])
+    for s in (64, 1000):            # one chunk per row, then a merge
+        counts = np.minimum(s, live).astype(np.int32)[:, None].repeat(HKV, 1)
+        pos = np.zeros((b, HKV, s), np.int32)
+        for r, n in enumerate(live):
+            for h in range(HKV):
+                pos[r, h, :counts[r, h]] = rng.choice(int(n), counts[r, h], replace=False)
+        sel = make_selection(pos, counts)
+        want = sparse_decode(q, kc, vc, sel, live_lens=live, min_sparsity=1e9,
+                             backend="reference", out_dtype="float32")
+        got = sparse_decode(be.asarray(q), be.asarray(kc), be.asarray(vc), sel, live_lens=live,
+                            min_sparsity=0, backend=be)
+        assert pd.last_outcome().path == "sparse", str(pd.last_outcome())
+        np.testing.assert_allclose(be.to_numpy(got).astype(np.float32), want, rtol=4e-3,
+                                   atol=4e-3)

@@ -136,6 +136,21 @@ def test_what_compile_ahead_lists_compiles(kw):
     cuda_compile.compile_specs(specs)
 
 
+def test_what_compile_ahead_adds_for_other_calls_compiles():
+    """What multi-token (8 tokens: a folded group of 32), cascade (the stacked v2 partial
+    at every CTA width, the prefix kernel, the gathering merges) and sparse (page size 1)
+    decodes add to a geometry's list, with the real toolchain."""
+    from paged_decode.compile_ahead import kernel_specs
+    kw = dict(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, kv_dtype="float16",
+              sinks=True)
+    plain = set(kernel_specs("emulated-cuda", **kw))
+    added = set(kernel_specs("emulated-cuda", query_tokens=8, cascade=True, sparse=True,
+                             **kw)) - plain
+    assert {s.kernel for s in added} == {"v2", "v2tc", "v1", "merge", "prefix"}
+    assert {s.heads_per_cta for s in added if s.kernel == "v2"} == set(range(4, 9))
+    cuda_compile.compile_specs(added)
+
+
 def test_v2tc_specializations_compile():
     """The tensor-core v2 partial for every head_dim and both 16-bit dtypes at page size
     256 (sm_90 with ptxas: the mma.sync operands and the register budget meet the real
