@@ -26,6 +26,13 @@ graph starts with it, an eager step runs it before its first append or decode.
 Rows: row ``i`` of ``q``, ``k``, ``v`` and ``out`` is the table's row ``i``
 (``table.sequences[i]``; ``-1``: a padding row, whose rows are ignored and whose output
 is zeros). ``set_sequences`` changes the batch between steps.
+
+Speculative decoding and multi-token heads (``docs/multi-token.md``): ``begin(tokens=T)``
+gives every live sequence ``T`` slots (the token and its drafts), ``append`` takes ``k, v
+[capacity, T, Hkv, D]``, ``decode`` ``q [capacity, T, Hq, D]`` (token ``t`` sees the
+context and the new tokens ``<= t``), and ``trim_back(counts)`` retires the drafts
+verification rejected. Such steps run eagerly (the multi-token call's fold, split and
+merge are host-planned per step), and are not captured.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ from .errors import (
 )
 from .fp8 import is_fp8
 from .kernels.append import AppendWrite, table_row_desc
+from .multitoken import MAX_QUERY_TOKENS
+from .page_table import PageTable
 from .plan import DecodePlan, check_headroom, make_plan
 from .pool import AppendedBatch, PagePool
 from .prepared import layouts, prepare_call
@@ -148,6 +157,13 @@ class DecodeStep:
         self._appended: set[int] = set()
         #: inside CapturedStep's capture on a backend whose graphs repeat device work only
         self._capturing = False
+        #: tokens per sequence of the last begin; for a multi-token one, the live rows'
+        #: host table of this step (made at its first decode) and the multi-token plan
+        #: and path (kept while they serve, as ``plan`` is)
+        self._tokens = 1
+        self._mt_table: PageTable | None = None
+        self._mt_plan: DecodePlan | None = None
+        self._mt_path = ""
         #: the CUDA-dialect append reads its descriptor from the table's staging buffer
         #: (``step_upload.py``: fixed address, which a captured graph keeps; it travels
         #: with the table delta in one copy); the others take the host array per call
@@ -172,15 +188,17 @@ class DecodeStep:
         read-only copy."""
         return self.table.sequences
 
-    def compile_ahead(self, q_dtype: str | None = None) -> AheadReport:
+    def compile_ahead(self, q_dtype: str | None = None,
+                      query_tokens: int = 1) -> AheadReport:
         """Compile every kernel this step can launch at any batch and contexts: its
         decode on its path (with ``path="auto"``, on each path the backend runs for its
         pools), every specialization a plan may pick, its appends and table updates
         (``compile_ahead.kernel_specs``), so that no later step compiles one (nor raises
         under ``PAGED_DECODE_ASSERT_NO_COMPILE``). ``q_dtype``: the queries' dtype
-        (default the pools' own; fp8 pools need it named). Call it before serving; on a
-        backend that compiles at first use (Metal) it compiles nothing and its report's
-        ``note`` says so."""
+        (default the pools' own; fp8 pools need it named). ``query_tokens``: the most
+        tokens per sequence of the step's ``begin(tokens=T)`` calls (1: one-token steps
+        only). Call it before serving; on a backend that compiles at first use (Metal) it
+        compiles nothing and its report's ``note`` says so."""
         pool = self.pool
         return compile_ahead(
             self.backend, num_qo_heads=self.num_qo_heads, num_kv_heads=pool.num_kv_heads,
@@ -188,7 +206,8 @@ class DecodeStep:
             q_dtype=q_dtype, out_dtype=self.out_dtype,
             paths=None if self.requested_path == "auto" else (self.path,),
             logits_soft_cap=self.variants["logits_soft_cap"] is not None,
-            sinks=self.variants["sinks"] is not None, fn="DecodeStep.compile_ahead")
+            sinks=self.variants["sinks"] is not None, query_tokens=query_tokens,
+            fn="DecodeStep.compile_ahead")
 
     # ------------------------------------------------------------------ the step
     def set_sequences(self, seqs: Sequence[int] | np.ndarray) -> None:
@@ -221,15 +240,20 @@ class DecodeStep:
         self._unchecked_begins = 0
         self._steady = None
 
-    def begin(self, like: Any = None) -> AppendedBatch:
+    def begin(self, like: Any = None, *, tokens: int = 1) -> AppendedBatch:
         """Start a step: one new token slot per live sequence (``reserve_batch``), the
         table delta and the append descriptor sent in one copy (the table's device
         update is left pending: a replayed graph starts with it, an eager step's first
         append or decode runs it), a replan if a sequence outgrew the plan. Device work
         runs on the stream of ``like`` (an engine array; default: the pool's ``k``).
-        Returns the reservation."""
+        ``tokens`` (1-8): slots per live sequence; above 1 a multi-token step (the module
+        docstring), whose ``append`` and ``decode`` take ``[capacity, tokens, ...]``
+        rows. Returns the reservation."""
         fn = "DecodeStep.begin"
+        tokens = check_int(fn, "tokens", tokens, 1, MAX_QUERY_TOKENS)
         self._no_open_step(fn)
+        if tokens > 1:
+            return self._begin_tokens(fn, like, tokens)
         if self.table.batches != self._table_batches:   # step.table.set_sequences
             self._follow_batch()
         if self.pool._version != self._pool_version:   # changed outside this step
@@ -257,12 +281,51 @@ class DecodeStep:
             self._unchecked_begins -= 1
         else:
             self._replan_if_needed()
-        self._batch = batch
+        return self._opened(batch, 1)
+
+    def _opened(self, batch: AppendedBatch, tokens: int) -> AppendedBatch:
+        """The step ``batch`` reserved, open until every layer writes its slots."""
+        self._batch, self._tokens, self._mt_table = batch, tokens, None
         self._appended = set()
         if batch.write.num_touched:         # until every layer writes the new slots
             self.pool._open_step = self
         self.steps += 1
         return batch
+
+    def _begin_tokens(self, fn: str, like: Any, tokens: int) -> AppendedBatch:
+        """``begin(tokens=T)``, T > 1: T slots per live sequence (a ragged reservation
+        with its host descriptor, which ``append`` hands to the pool's write) and the
+        table delta; the steady begins rearm at the next one-token begin."""
+        if self.table.batches != self._table_batches:
+            self._follow_batch()
+        _, ids, pool_rows = self.table.live_rows()
+        batch = self.pool._reserve_rows(ids, pool_rows, fn,
+                                        np.full(ids.size, tokens, np.int64))
+        self._pool_version = self.pool._version
+        with self.backend.launch_context(self.pool.k if like is None else like):
+            self.table._send(None, None)
+        self._steady = None
+        self._unchecked_begins = 0          # the next one-token begin checks its plan
+        return self._opened(batch, tokens)
+
+    def trim_back(self, counts: Any) -> None:
+        """Retire the newest ``counts[i]`` tokens of table row ``i``'s sequence (int
+        ``[capacity]``; padding rows 0): the drafts verification rejected, after every
+        layer was appended (``PagePool.trim_back_batch``). The next begin takes the
+        positions back."""
+        fn = "DecodeStep.trim_back"
+        self._no_open_step(fn)
+        if self.table.batches != self._table_batches:
+            self._follow_batch()
+        c = self.pool._counts(fn, counts, self.capacity, None)
+        rows, ids, _ = self.table.live_rows()
+        pad = np.ones(self.capacity, bool)
+        pad[rows] = False
+        if (c[pad] != 0).any():
+            i = int(np.flatnonzero(pad & (c != 0))[0])
+            raise InvalidArgumentError(f"{fn}: counts[{i}] must be 0 (row {i} is a padding "
+                                       f"row), got {int(c[i])}")
+        self.pool.trim_back_batch(ids, c[rows])
 
     def append(self, layer: int, k: Any, v: Any) -> None:
         """Write layer ``layer``'s new rows: ``k, v [capacity, Hkv, D]`` (row ``i`` for
@@ -278,8 +341,51 @@ class DecodeStep:
             raise InvalidArgumentError(f"{fn}: layer {layer} was appended already since "
                                        "begin() (its slot would be written twice): call "
                                        "begin() for the next token")
-        self._append_rows(fn, batch, layer, k, v)
+        if self._tokens > 1:
+            self._append_tokens(fn, batch, layer, k, v)
+        else:
+            self._append_rows(fn, batch, layer, k, v)
         self._wrote((layer,))
+
+    def _eager_only(self, fn: str) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"{fn}: a multi-token step (begin(tokens={self._tokens})) runs eagerly: its "
+            "split and merge are planned on the host each step, which a captured graph "
+            "would not repeat; capture one-token steps only")
+
+    def _refuse_capture(self, fn: str) -> None:
+        if self._capturing or self.backend.capturing():
+            raise self._eager_only(fn)
+
+    def _live_gather(self, x: Any) -> Any:
+        """Rows of ``x`` (leading axis: the table's rows) of the live sequences, in table
+        order: ``x`` itself where every row is live (no copy)."""
+        rows = self.table.live_rows()[0]
+        if rows.size == self.capacity:
+            return x
+        xp = self.backend.array_module()
+        return xp.take(x, self.backend.asarray(rows.astype(np.int32)), axis=0)
+
+    def _append_tokens(self, fn: str, batch: AppendedBatch, layer: int, k: Any,
+                       v: Any) -> None:
+        """``append`` of a multi-token step: ``k, v [capacity, T, Hkv, D]``, the live
+        rows' tokens written in one launch (``PagePool.write_layer``)."""
+        self._refuse_capture(fn)
+        pool, t = self.pool, self._tokens
+        kb, vb = self.backend.array_arg(fn, "k", k), self.backend.array_arg(fn, "v", v)
+        pool._check_rows(fn, kb, vb, (self.capacity, t, pool.num_kv_heads, pool.head_dim),
+                         f"[capacity, T = {t}, Hkv, D]", (k, v))
+        if batch.write.num_touched == 0:
+            return
+        self._apply_pending(k)
+        n = batch.num_rows
+        shape = (n, pool.num_kv_heads, pool.head_dim)
+        with self.backend.launch_context(k):
+            pool.write_layer(batch, self._live_gather(kb).reshape(shape),
+                             self._live_gather(vb).reshape(shape),
+                             layer=layer if pool.num_layers else 0)
+        if self.backend.functional_outputs:      # MLX: the pool arrays were rebound
+            self._layers = [pool.layer(i) for i in range(self.num_layers)]
 
     def _append_rows(self, fn: str, batch: AppendedBatch, layer: int, k: Any, v: Any) -> None:
         """``append``'s write, arguments checked but the rows'."""
@@ -353,11 +459,12 @@ class DecodeStep:
             self.pool._no_open_step(fn)        # another step's slots, not written yet
         if self._batch is not None and self.table.batches != self._table_batches:
             self._current(fn)                  # the table took another batch mid-step
+        if self._tokens > 1:
+            return self._decode_tokens(fn, layer, q, out, lse, return_lse)
         if len(getattr(q, "shape", ())) == 4:
             raise UnsupportedProblemError(
-                f"{fn}: multi-token decode (q [B, T, Hq, D]) is not part of the engine step "
-                "yet (its slots append one token per sequence); call decode with the "
-                "step's page table and qo_indptr (docs/multi-token.md)")
+                f"{fn}: q [B, T, Hq, D] is a multi-token query, and this step's begin() "
+                "gave each sequence one slot: begin(tokens=T) first (docs/multi-token.md)")
         if self.table.changed:     # the pool changed outside begin(): follow it here
             with self.backend.launch_context(q):
                 self.table.update_device()
@@ -394,12 +501,100 @@ class DecodeStep:
             self._keep(key, hit)
         return hit[1]()
 
+    def _decode_tokens(self, fn: str, layer: int, q: Any, out: Any, lse: Any,
+                       return_lse: bool) -> Any:
+        """``decode`` of a multi-token step: ``q [capacity, T, Hq, D]`` -> ``out
+        [capacity, T, Hq, D]`` (``lse [capacity, T, Hq]``; padding rows: zeros and
+        ``-inf``). The live rows run as one multi-token call over their host table, with
+        a plan kept while it serves (replanned like ``plan``, counted in ``replans``)."""
+        self._refuse_capture(fn)
+        be, t, hq = self.backend, self._tokens, self.num_qo_heads
+        pool = self.pool
+        qb = be.array_arg(fn, "q", q)
+        want = (self.capacity, t, hq, pool.head_dim)
+        if tuple(qb.shape) != want:
+            raise InvalidArgumentError(f"{fn}: q must be [capacity, T, Hq, D] = "
+                                       f"{list(want)} (begin(tokens={t})), got "
+                                       f"{list(qb.shape)}")
+        if self.table.changed:
+            with be.launch_context(q):
+                self.table.update_device()
+        else:
+            self._apply_pending(q)
+        table = self._tokens_table()
+        plan, path = self._tokens_plan(table, t)
+        k, v = self._layers[layer]
+        rows = self.table.live_rows()[0]
+        whole = rows.size == self.capacity
+        res = run_decode(fn, qb if whole else self._live_gather(qb), k, v, table, plan,
+                         path=path, sm_scale=self.sm_scale, out=out if whole else None,
+                         lse=lse if whole else None, return_lse=True,
+                         out_dtype=self.out_dtype, backend=be, cascade=None,
+                         **self.variants, **pool.decode_args(layer))
+        o, lo = res
+        if not whole:
+            o, lo = self._scatter_rows(o, out, 0.0), self._scatter_rows(lo, lse, -np.inf)
+        return (o, lo) if return_lse else o
+
+    def _scatter_rows(self, x: Any, dest: Any, fill: float) -> Any:
+        """The live rows' ``x`` ([n, ...]) spread over the table's rows, ``fill`` in
+        padding rows: into ``dest`` when given (not on MLX, whose results rebind)."""
+        be, xp = self.backend, self.backend.array_module()
+        rows = self.table.live_rows()[0]
+        where = np.full(self.capacity, rows.size, np.int32)     # padding: the fill row
+        where[rows] = np.arange(rows.size, dtype=np.int32)
+        pad = xp.full((1, *x.shape[1:]), fill, dtype=x.dtype)
+        full = xp.take(xp.concatenate([x, pad], axis=0), be.asarray(where), axis=0)
+        if dest is None or be.functional_outputs:
+            return full
+        dest[...] = full
+        return dest
+
+    def _tokens_table(self) -> PageTable:
+        """The live rows' host page table of this step (one per begin)."""
+        if self._mt_table is None:
+            self._mt_table = self.pool.page_table(self.table.live_rows()[1])
+        return self._mt_table
+
+    def _tokens_plan(self, table: PageTable, tokens: int) -> tuple[DecodePlan, str]:
+        """The multi-token plan and path for ``table`` (``tokens`` per request): the kept
+        one while it serves, else a new one (its path: the step's, or with
+        ``path="auto"`` decode's rule at the folded group, among the paths that run it)."""
+        p = self._mt_plan
+        if p is not None and p.query_tokens >= tokens and p.batch_size == table.batch_size \
+                and p.mismatch(table) is None:
+            return p, self._mt_path
+        pool, device = self.pool, self.backend.device_info()
+        hq, hkv = self.num_qo_heads, pool.num_kv_heads
+        if self.requested_path == "auto":
+            fold = pool_paths(self.backend, hq * tokens, hkv, pool.head_dim, pool.page_size,
+                              pool.dtype, pool.num_pages)
+            if self._auto_allowed is None:
+                self._auto_path()
+            allowed = tuple(x for x in fold if x in (self._auto_allowed or ())) or ("v2",)
+            path = choose_path_at(self.backend, table, tokens * hq // hkv, allowed,
+                                  pool.dtype)[0]
+        else:
+            path = self.path
+        plan = make_plan(table, hq, hkv, pool.head_dim, device=device,
+                         headroom=self.headroom, query_tokens=tokens,
+                         hint=p.pages_per_chunk if p is not None else None,
+                         kv_dtype=pool.dtype, fn="DecodeStep",
+                         **plan_geometry(path, hq, hkv, pool.head_dim, pool.dtype, device,
+                                         tokens))
+        if p is not None:
+            self.replans += 1
+        self._mt_plan, self._mt_path = plan, path
+        return plan, path
+
     def capture(self, body: Callable[[DecodeStep], Any]) -> CapturedStep:
         """Record ``body(self)`` (``append`` and ``decode`` calls on fixed buffers, after a
         ``begin``) for replay after every later ``begin``: a CUDA graph on the ``cuda``
         backend (``body`` runs once eagerly first, to compile and allocate, then under
         capture); elsewhere replays run ``body`` again."""
         self._current("DecodeStep.capture")
+        if self._tokens > 1:
+            raise self._eager_only("DecodeStep.capture")
         try:
             inspect.signature(body).bind(self)     # a callable of one positional argument
         except TypeError as exc:                   # not callable, or another signature

@@ -473,11 +473,13 @@ class PagePool:
         return live
 
     def _reserve_rows(self, ids: np.ndarray, rows: np.ndarray,
-                      fn: str = "PagePool.reserve_batch") -> AppendedBatch:
+                      fn: str = "PagePool.reserve_batch",
+                      counts: np.ndarray | None = None) -> AppendedBatch:
         """``reserve_batch`` of distinct live sequences ``ids`` in pool rows ``rows``,
         already checked (a step table's own sequences; the table follows every free);
-        ``fn`` names the caller's call in errors (a full pool)."""
-        return self._append(fn, ids, rows, None, None, None, 0, 0)
+        ``counts`` (int64 ``[B]``, checked): tokens each (``None``: one); ``fn`` names
+        the caller's call in errors (a full pool)."""
+        return self._append(fn, ids, rows, counts, None, None, 0, 0)
 
     def step_table(self, seqs: Sequence[int] | np.ndarray, *, capacity: int | None = None,
                    page_capacity: int | None = None,
@@ -546,8 +548,68 @@ class PagePool:
         for table in self._tables():
             table._on_trim(int(seq), gone)
 
+    def trim_back(self, seq: int, n: int) -> None:
+        """Retire the ``n`` newest visible tokens of ``seq`` (speculative tokens that
+        verification rejected): ``trim_back_batch([seq], [n])``."""
+        fn = "PagePool.trim_back"
+        self._index(fn, seq)
+        if not is_int(n):
+            raise fail(fn, f"n must be an integer, got {type(n).__name__} {n!r}")
+        self._trim_back(fn, np.array([seq], np.int64), np.array([n], np.int64))
+
+    def trim_back_batch(self, seqs: Sequence[int] | np.ndarray,
+                        counts: Sequence[int] | np.ndarray) -> None:
+        """Retire the ``counts[i]`` newest visible tokens of each sequence ``seqs[i]``
+        (distinct live ids; ``0 <= counts[i] <=`` its visible length), as speculative
+        decoding drops the draft tokens verification rejected. The positions the next
+        appends take are the retired ones; pages left holding none of a sequence's tokens
+        lose its reference (freed at the last one), and a kept last page shared with a
+        fork is copied on the next append into it, as always. Step tables follow.
+        All-or-nothing: bad input raises before any change."""
+        fn = "PagePool.trim_back_batch"
+        ids, rows = self._batch_rows(fn, seqs)
+        self._trim_back(fn, ids, self._counts(fn, counts, ids.size, None), rows)
+
+    def _trim_back(self, fn: str, ids: np.ndarray, n: np.ndarray,
+                   rows: np.ndarray | None = None) -> None:
+        self._no_open_step(fn)
+        S, p = self._seqs, self.page_size
+        if rows is None:
+            rows = self._lookup(fn, ids)
+        vis = S.filled[rows] - S.start[rows]
+        over = n > vis
+        if over.any() or (n < 0).any():
+            i = int(np.argmax(over | (n < 0)))
+            raise InvalidArgumentError(
+                f"{fn}: the count for sequence {int(ids[i])} must be in [0, {int(vis[i])}] "
+                f"(its visible length), got {int(n[i])}")
+        if not n.any():
+            return
+        filled = S.filled[rows] - n
+        empty = filled == S.start[rows]          # nothing visible left: no page kept
+        keep = np.where(empty, 0, -(-filled // p))
+        npg = S.npages[rows]
+        drop = npg - keep
+        if drop.any():
+            r = np.repeat(rows, drop)
+            within = np.arange(int(drop.sum())) - np.repeat(np.cumsum(drop) - drop, drop)
+            pages = S.pages[r, S.head[r] + keep[np.repeat(np.arange(rows.size), drop)]
+                            + within]
+            np.subtract.at(self._ref, pages, 1)     # forks may drop the same page
+            _, first = np.unique(pages, return_index=True)
+            order = pages[np.sort(first)]
+            gone = order[self._ref[order] == 0]
+            self._free[self._nfree:self._nfree + gone.size] = gone
+            self._nfree += gone.size
+        S.npages[rows] = keep
+        S.filled[rows] = np.where(empty, 0, filled)
+        S.start[rows] = np.where(empty, 0, S.start[rows])
+        self._version += 1
+        for table in self._tables():
+            table._on_trim_back(ids)
+
     # ------------------------------------------------------------------ tables
-    def page_table(self, seqs: Sequence[int]) -> PageTable:
+    def page_table(self, seqs: Sequence[int] | np.ndarray) -> PageTable:
         """The CSR page table of ``seqs``, in order (a sequence may appear twice)."""
         fn = "PagePool.page_table"
         rows = self._lookup(fn, self._ids_array(fn, seqs))

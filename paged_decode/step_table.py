@@ -300,6 +300,12 @@ class StepTable:
         self._dirty_from[t] = max(0, int(self._dirty_from[t]) - gone)
         self._dirty = True
 
+    def _on_trim_back(self, ids: np.ndarray) -> None:
+        """Sequences ``ids`` lost their newest tokens: each keeps the first of its page
+        ids (the delta takes the fewer pages and the new lengths from the pool)."""
+        if self._find(ids)[1].any():
+            self._dirty = True
+
     def _on_free(self, seq: int) -> None:
         """A freed sequence leaves its row empty (a padding row)."""
         pos, found = self._find(np.array([seq], np.int64))

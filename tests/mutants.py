@@ -302,6 +302,7 @@ COVER = "tests/test_emulated_coverage.py::"
 STEADY = "tests/test_steady_step.py::"
 UPLOAD = "tests/test_step_upload.py::"
 MT = "tests/test_multitoken.py::"
+TOKSTEP = "tests/test_engine_step_tokens.py::"
 FP8 = "tests/test_fp8.py::"
 FP8_ORACLE = FP8 + "test_fp8_decode_matches_oracle"
 FP8_APPEND = FP8 + "test_append_quantizes_like_ml_dtypes"
@@ -483,8 +484,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_engine_step.py::test_auto_takes_v2tc_for_an_fp8_pool"],
        "path='auto' over fp8 pools follows the 16-bit table to v2, 2-3x slower there"),
     _m("py-step-auto-chosen-once", "python", ("paged_decode.engine_step",),
-       '        if self.requested_path == "auto":\n',
-       '        if self.requested_path == "auto" and hint is None:\n',
+       '        if self.requested_path == "auto":\n            self.path, self.path_reason',
+       '        if self.requested_path == "auto" and hint is None:\n'
+       '            self.path, self.path_reason',
        ["tests/test_engine_step.py::test_auto_takes_the_crossover_table_s_path_and_chooses_"
         "again_at_each_replan"],
        "a step on path='auto' keeps its first choice through replans"),
@@ -892,6 +894,29 @@ MUTANTS: tuple[Mutant, ...] = (
        [AHEAD + "test_every_decode_launch_is_listed[32-2x96-p16-bfloat16]"],
        "compile_ahead lists the float32 partials with the sink, which they never hold: a "
        "split call with sinks compiles its partial at first use"),
+    _m("py-trim-back-keeps-every-page", "python", ("paged_decode.pool",),
+       "keep = np.where(empty, 0, -(-filled // p))",
+       "keep = npg = S.npages[rows]",
+       [TOKSTEP + "test_trim_back_releases_pages_and_keeps_positions"],
+       "trim_back leaves the emptied pages in the sequence: the next append writes past them "
+       "and a decode attends to the retired tokens"),
+    _m("py-trim-back-frees-shared-pages", "python", ("paged_decode.pool",),
+       "            np.subtract.at(self._ref, pages, 1)     # forks may drop the same page",
+       "            self._ref[pages] -= 1",
+       [TOKSTEP + "test_trim_back_of_forks_sharing_pages"],
+       "two forks retiring the same shared page in one batch drop one reference, not two: "
+       "the page is never freed (a leak) or, mirrored, freed under a live holder"),
+    _m("py-step-table-ignores-trim-back", "python", ("paged_decode.step_table",),
+       "        if self._find(ids)[1].any():\n            self._dirty = True",
+       "        return",
+       [TOKSTEP + "test_step_tables_follow_trim_back"],
+       "a device step table keeps the lengths from before a trim_back: the kernels attend to "
+       "the rejected drafts"),
+    _m("py-step-tokens-padding-not-filled", "python", ("paged_decode.engine_step",),
+       "where = np.full(self.capacity, rows.size, np.int32)     # padding: the fill row",
+       "where = np.zeros(self.capacity, np.int32)",
+       [TOKSTEP + "test_token_steps_match_the_oracle[v2-emulated-cuda]"],
+       "a multi-token step's padding rows take the first live row's output instead of zeros"),
     _m("py-compile-ahead-multitoken-one-fold", "python", ("paged_decode.compile_ahead",),
        "for fold in range(1, query_tokens + 1):",
        "for fold in (1,):",

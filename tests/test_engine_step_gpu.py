@@ -322,3 +322,41 @@ def test_flashinfer_s_finite_mask_over_e5m2_on_cuda(arm, monkeypatch):
     monkeypatch.setattr(efi, "amax_scales", lambda amax, name: real(amax, name) * 128)
     big = efi.run_loop(fi, torch, dev, case, arm)
     assert big.ran and big.verified, big
+
+
+@pytest.mark.parametrize("path", ["auto", "v2tc", "v2"])
+def test_speculative_steps_on_cuda(path):
+    """``begin(tokens=T)`` / ``append`` / ``decode`` of ``[capacity, T, ...]`` rows and
+    ``trim_back`` between one-token steps, Llama-3-8B heads over float16 pools, a padding
+    row between live ones: every output against the float64 oracle (padding rows zero),
+    the one-token steps after each trim reading the device table."""
+    import cupy as cp
+    rng = np.random.default_rng(21)
+    hq, hkv, d, page = 32, 8, 128, 16
+    be = pd.get_backend("cuda")
+    pool = pd.PagePool(2048, page, hkv, d, "float16", num_layers=2, backend=be)
+    seqs = [pool.new_sequence() for _ in range(4)]
+    for s, n in zip(seqs, (3000, 17, 900, 4100)):
+        x = cp.asarray(rng.standard_normal((2, n, hkv, d)).astype(np.float16))
+        pool.append(s, x, x)
+    pool.free(seqs[1])                      # row 1 becomes padding
+    step = pd.DecodeStep(pool, seqs, num_qo_heads=hq, capacity=4, path=path)
+    for t in (4, 1, 8, 1, 2, 1):
+        step.begin(tokens=t)
+        shape = (4, t) if t > 1 else (4,)
+        for layer in range(2):
+            kv = cp.asarray(rng.standard_normal((*shape, hkv, d)).astype(np.float16))
+            step.append(layer, kv, kv)
+            q = cp.asarray(rng.standard_normal((*shape, hq, d)).astype(np.float16))
+            out = cp.full((*shape, hq, d), np.nan, cp.float16)
+            got, lse = step.decode(layer, q, out=out, return_lse=True)
+            live, ids, _ = step.table.live_rows()
+            k, v = pool.layer(layer)
+            want, want_lse = oracle_decode(cp.asnumpy(q)[live], cp.asnumpy(k), cp.asnumpy(v),
+                                           pool.page_table(ids))
+            got = cp.asnumpy(got).astype(np.float32)
+            assert_matches_oracle(got[live], cp.asnumpy(lse)[live], want, want_lse, "float16",
+                                  f"T={t} layer {layer} {pd.last_outcome()}", tol=2e-2)
+            assert not np.any(got[1]), "padding row"
+        if t > 1:
+            step.trim_back(np.array([t - 1, 0, 1, t // 2]))

@@ -404,7 +404,9 @@ def test_refusals_by_name():
                          backend="reference")
 
 
-def test_engine_step_refuses_multi_token_queries():
+def test_a_one_token_engine_step_refuses_multi_token_queries():
+    """begin() gave one slot per sequence; begin(tokens=T) runs them
+    (tests/test_engine_step_tokens.py)."""
     pool = pd.PagePool(16, 16, num_kv_heads=HKV, head_dim=D, dtype="float16")
     seqs = [pool.new_sequence() for _ in range(2)]
     for s in seqs:
@@ -412,7 +414,8 @@ def test_engine_step_refuses_multi_token_queries():
     step = pd.DecodeStep(pool, seqs, num_qo_heads=8)
     step.begin()
     step.append(0, np.ones((2, HKV, D), np.float16), np.ones((2, HKV, D), np.float16))
-    with pytest.raises(UnsupportedProblemError, match=r"DecodeStep.decode: multi-token"):
+    with pytest.raises(UnsupportedProblemError,
+                       match=r"DecodeStep.decode: .*multi-token query.*begin\(tokens=T\)"):
         step.decode(0, np.zeros((2, 2, 8, D), np.float16))
 
 
