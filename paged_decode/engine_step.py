@@ -45,10 +45,10 @@ from typing import Any
 import numpy as np
 
 from .backends import c_contiguous
-from .call import LAUNCH_PATHS, choose_path_at, pool_paths
+from .call import LAUNCH_PATHS, choose_path_at, output_buffer, pool_paths
 from .compile_ahead import AheadReport, compile_ahead
 from .decode import run_decode
-from .dtypes import check_dtype
+from .dtypes import caller_dtype, check_dtype
 from .errors import (
     InvalidArgumentError,
     PagedDecodeError,
@@ -516,24 +516,41 @@ class DecodeStep:
             raise InvalidArgumentError(f"{fn}: q must be [capacity, T, Hq, D] = "
                                        f"{list(want)} (begin(tokens={t})), got "
                                        f"{list(qb.shape)}")
+        rows = self.table.live_rows()[0]
+        whole = rows.size == self.capacity
+        if not whole:       # checked here: the call below writes other arrays
+            o_dt = self.out_dtype or caller_dtype(q, be.dtype_of(qb))
+            with be.launch_context(q):
+                if out is not None:
+                    out = output_buffer(fn, be, "out", out, want, o_dt,
+                                        "[capacity, T, Hq, D]")
+                if lse is not None:
+                    lse = output_buffer(fn, be, "lse", lse, want[:3], "float32",
+                                        "[capacity, T, Hq]")
         if self.table.changed:
             with be.launch_context(q):
                 self.table.update_device()
         else:
             self._apply_pending(q)
-        table = self._tokens_table()
-        plan, path = self._tokens_plan(table, t)
         k, v = self._layers[layer]
-        rows = self.table.live_rows()[0]
-        whole = rows.size == self.capacity
-        res = run_decode(fn, qb if whole else self._live_gather(qb), k, v, table, plan,
-                         path=path, sm_scale=self.sm_scale, out=out if whole else None,
-                         lse=lse if whole else None, return_lse=True,
-                         out_dtype=self.out_dtype, backend=be, cascade=None,
-                         **self.variants, **pool.decode_args(layer))
-        o, lo = res
-        if not whole:
-            o, lo = self._scatter_rows(o, out, 0.0), self._scatter_rows(lo, lse, -np.inf)
+        if whole:
+            plan, path = self._tokens_plan(t)
+            return run_decode(fn, q, k, v, self._tokens_table(), plan, path=path,
+                              sm_scale=self.sm_scale, out=out, lse=lse,
+                              return_lse=return_lse, out_dtype=self.out_dtype, backend=be,
+                              cascade=None, **self.variants, **pool.decode_args(layer))
+        if rows.size:
+            plan, path = self._tokens_plan(t)
+            o, lo = run_decode(fn, self._live_gather(qb), k, v, self._tokens_table(), plan,
+                               path=path, sm_scale=self.sm_scale, out=None, lse=None,
+                               return_lse=True,
+                               out_dtype=self.out_dtype, backend=be, cascade=None,
+                               **self.variants, **pool.decode_args(layer))
+        else:               # padding rows only: nothing to run
+            o_dt = self.out_dtype or caller_dtype(q, be.dtype_of(qb))
+            o, lo = be.empty((0, *want[1:]), o_dt), be.empty((0, *want[1:3]), "float32")
+        o, lo = self._scatter_rows(o, out, 0.0), self._scatter_rows(lo, lse, -np.inf)
+        o, lo = be.wrap_result(o, like=q), be.wrap_result(lo, like=q)
         return (o, lo) if return_lse else o
 
     def _scatter_rows(self, x: Any, dest: Any, fill: float) -> Any:
@@ -556,10 +573,12 @@ class DecodeStep:
             self._mt_table = self.pool.page_table(self.table.live_rows()[1])
         return self._mt_table
 
-    def _tokens_plan(self, table: PageTable, tokens: int) -> tuple[DecodePlan, str]:
-        """The multi-token plan and path for ``table`` (``tokens`` per request): the kept
-        one while it serves, else a new one (its path: the step's, or with
-        ``path="auto"`` decode's rule at the folded group, among the paths that run it)."""
+    def _tokens_plan(self, tokens: int) -> tuple[DecodePlan, str]:
+        """The multi-token plan and path for this step's live rows (``tokens`` per
+        request): the kept one while it serves, else a new one (its path: the step's, or
+        with ``path="auto"`` decode's rule at the folded group, among the paths that run
+        it)."""
+        table = self._tokens_table()
         p = self._mt_plan
         if p is not None and p.query_tokens >= tokens and p.batch_size == table.batch_size \
                 and p.mismatch(table) is None:

@@ -162,6 +162,13 @@ def test_step_refuses_bad_token_calls():
     with pytest.raises(InvalidArgumentError, match=r"DecodeStep.decode: q must be \[capacity, "
                                                    r"T, Hq, D\] = \[5, 3, 8, 64\]"):
         step.decode(0, np.zeros((5, 2, HQ, D), np.float32))
+    q3 = np.zeros((5, 3, HQ, D), np.float32)
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep.decode: out must have shape "
+                                                   r"\[capacity, T, Hq, D\]"):
+        step.decode(0, q3, out=np.zeros((5, 3, HQ, D // 2), np.float32))
+    with pytest.raises(InvalidArgumentError, match=r"DecodeStep.decode: lse must have shape "
+                                                   r"\[capacity, T, Hq\]"):
+        step.decode(0, q3, lse=np.zeros((5, 3, HQ, 1), np.float32), return_lse=True)
     with pytest.raises(InvalidArgumentError, match="DecodeStep.capture: .*runs eagerly"):
         step.capture(lambda st: st.decode(0, np.zeros((5, 3, HQ, D), np.float32)))
     with pytest.raises(InvalidArgumentError, match=r"DecodeStep.trim_back: counts\[4\] must "
@@ -291,3 +298,21 @@ def test_step_tables_follow_trim_back():
             k, v = pool.layer(layer)
             want, want_lse = oracle_decode(q, k, v, pool.page_table(seqs))
             assert_matches_oracle(got, lse, want, want_lse, "float32", f"trim {i}")
+
+
+def test_a_token_step_over_padding_rows_only():
+    """Every sequence of the batch freed: nothing runs; zeros and -inf come back."""
+    rng = np.random.default_rng(9)
+    be = pd.get_backend("emulated-cuda")
+    pool, seqs = _pool(be, rng)
+    step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ, capacity=4)
+    for s in seqs:
+        pool.free(s)
+    step.begin(tokens=2)
+    rows = np.ones((4, 2, HKV, D), np.float32)
+    for layer in range(L):
+        step.append(layer, rows, rows)
+        out = np.full((4, 2, HQ, D), np.nan, np.float32)
+        got, lse = step.decode(layer, np.ones((4, 2, HQ, D), np.float32), out=out,
+                               return_lse=True)
+        assert got is out and not np.any(out) and np.all(np.isneginf(lse))
