@@ -298,6 +298,10 @@ def check(backend: str | None, full: bool, dtypes: tuple[str, ...], json_path: s
               help="engine suite: layers per step.")
 @click.option("--steps", default=32, show_default=True, type=click.IntRange(min=2),
               help="engine suite: decode steps per case (the first is a warm-up).")
+@click.option("--spec-tokens", "spec_tokens", default=4, show_default=True,
+              type=click.IntRange(2, 8),
+              help="engine suite: tokens per sequence per step of the speculative arms "
+                   "(the token and its drafts; a random 0 to T-1 of them are rejected).")
 @click.option("--model", default=None,
               help="engine suite: the attention heads of a models-preset layout (e.g. "
                    "qwen2-7b, llama3-70b-tp8; default llama3-8b on a GPU). Arms eager-tc "
@@ -312,8 +316,8 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
           plot_path: str | None,
           crossover_path: str | None, window_left: int, soft_cap: float, sinks: bool,
           kv_dtype: str | None, json_path: str | None, csv_path: str | None,
-          md_path: str | None, layers: int, steps: int, model: str | None,
-          graph_layers: int) -> None:
+          md_path: str | None, layers: int, steps: int, spec_tokens: int,
+          model: str | None, graph_layers: int) -> None:
     """Time decode arms over a context x batch x page sweep (each arm verified against the
     float64 oracle first): GPU time under CUDA-graph replay and per-call time."""
     from .bench import preset_cases, run_bench
@@ -343,8 +347,12 @@ def bench(backend: str | None, suite: str, preset: str | None, contexts: tuple[i
                                        "apply to the decode suite (the engine suite times "
                                        "--steps steps of --layers layers)")
         _bench_engine(be, contexts, batches, pages, dtype, arms, layers, steps, model, json_path,
-                      plot_path, kv_dtype=kv_dtype or "")
+                      plot_path, kv_dtype=kv_dtype or "", spec_tokens=spec_tokens)
         return
+    if click.get_current_context().get_parameter_source("spec_tokens") \
+            != click.core.ParameterSource.DEFAULT:
+        raise click.ClickException(f"bench: --spec-tokens applies to the engine suite's "
+                                   f"speculative arms, not the {suite} suite")
     if preset in ("cascade", "cascade-rule", "sparse"):   # the suites are presets too
         if suite not in ("decode", preset):
             raise click.ClickException(f"bench: --preset {preset} runs the {preset} suite; "
@@ -463,9 +471,10 @@ def _check_graph_layers(n: int, suite: str, preset: str | None, no_graph: bool,
 def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
                   pages: tuple[int, ...], dtype: str | None, arms: str, layers: int,
                   steps: int, model: str | None, json_path: str | None,
-                  plot_path: str | None, *, kv_dtype: str = "") -> None:
+                  plot_path: str | None, *, kv_dtype: str = "", spec_tokens: int = 4) -> None:
     """``bench --suite engine`` (``paged_decode.bench.engine``); ``kv_dtype``: fp8 pools
-    (``""``: pools of the queries' dtype)."""
+    (``""``: pools of the queries' dtype); ``spec_tokens``: the speculative arms' tokens
+    per sequence per step."""
     from .bench.cases import MODELS
     from .bench.engine import (
         ALL_ENGINE_ARMS,
@@ -493,7 +502,8 @@ def _bench_engine(be: Any, contexts: tuple[int, ...], batches: tuple[int, ...],
         hq, hkv, d = MODELS[model]
         heads = {"num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d, "model": model}
     cases = [EngineCase(b, c, layers, steps, page_size=p, dtype=dtype or (
-                 "float16" if gpu else "float32"), kv_dtype=kv_dtype, **heads)
+                 "float16" if gpu else "float32"), kv_dtype=kv_dtype,
+                        spec_tokens=spec_tokens, **heads)
              for b in (batches or ((8, 64, 128) if gpu else (4,)))
              for c in (contexts or ((1024,) if gpu else (64,)))
              for p in (pages or (16,))]

@@ -329,8 +329,8 @@ def test_bench_engine_suite_runs_verifies_and_reports(run, tmp_path, monkeypatch
     assert released == ["reference"] * len(arms)
     bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
                                     "--arms", "v2"])
-    assert bad.exit_code != 0 and "eager, captured, eager-tc, captured-tc, flashinfer" \
-        in bad.output
+    assert bad.exit_code != 0 and "eager, captured, eager-tc, captured-tc, speculative, " \
+        "speculative-tc, flashinfer" in bad.output
     bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
                                     "--model", "llama9"])
     assert bad.exit_code != 0 and "--model must be one of" in bad.output
@@ -426,6 +426,35 @@ def test_bench_engine_suite_over_fp8_pools(run, tmp_path, monkeypatch):
                                     "float8_e5m2"])
     assert bad.exit_code != 0 and "engine arms failed verification" in bad.output
     assert "kv float8_e5m2 eager" in bad.output
+
+
+def test_bench_engine_suite_speculative_arms(run, tmp_path, monkeypatch):
+    """``speculative`` / ``speculative-tc``: T slots per sequence per step, the drafts
+    trimmed back, every arm checked against the oracle over its T tokens; the sequences
+    grow by what is kept; --spec-tokens belongs to the engine suite."""
+    out = tmp_path / "spec.json"
+    res = run("bench", "--backend", "emulated-cuda", "--suite", "engine", "--layers", "2",
+              "--steps", "3", "--batch", "3", "--context", "40", "--dtype", "float16",
+              "--arms", "speculative,speculative-tc", "--spec-tokens", "3", "--json",
+              str(out))
+    assert res.exit_code == 0, res.output
+    [case] = json.loads(out.read_text())["results"]
+    assert case["case"]["spec_tokens"] == 3
+    for name in ("speculative", "speculative-tc"):
+        arm = case["arms"][name]
+        assert arm["ran"] and arm["verified"] and "3 tokens per sequence" in arm["note"], arm
+    assert re.search(r"speculative-tc .*\(3 tokens per sequence per step", res.output)
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--spec-tokens", "3"])
+    assert bad.exit_code != 0 and "--spec-tokens applies to the engine suite" in bad.output
+    # negative control: an oracle shifted by one token fails the command
+    import paged_decode.bench.engine as engine_mod
+    real = engine_mod.oracle_decode
+    monkeypatch.setattr(engine_mod, "oracle_decode",
+                        lambda q, *a, **kw: real(q[:, ::-1].copy(), *a, **kw))
+    bad = CliRunner().invoke(main, ["bench", "--backend", "reference", "--suite", "engine",
+                                    "--layers", "1", "--steps", "2", "--batch", "2",
+                                    "--context", "20", "--arms", "speculative"])
+    assert bad.exit_code != 0 and "engine arms failed verification" in bad.output
 
 
 def test_an_engine_arm_with_a_wrong_answer_fails_verification():

@@ -10,6 +10,13 @@ token in every layer and every layer decodes the whole batch. Arms:
   ``cuda`` backend) and replayed after every ``begin`` (recaptured when stale);
 - ``eager-tc`` / ``captured-tc`` (named with ``--arms``): the same two on the tensor-core
   partial (``DecodeStep(path="v2tc")``; CUDA, 16-bit queries over 16-bit or fp8 pools);
+- ``speculative`` / ``speculative-tc`` (named with ``--arms``): a speculative decoding
+  loop's step on the same pools: ``begin(tokens=T)`` (``--spec-tokens``, the token and
+  its drafts), per layer ``append`` and ``decode`` of ``[B, T, ...]`` rows, then
+  ``trim_back`` of a random number of drafts per sequence (0 to ``T - 1``: what
+  verification rejects), included in the step's time; eager (such a step is not
+  captured). No FlashInfer arm does the same step here (its decode wrapper takes one
+  query token per request);
 - ``flashinfer`` / ``flashinfer-captured`` (CUDA, when importable): per step the host
   table's update (vectorized numpy), one ``plan``, then ``append_paged_kv_cache`` and
   ``run`` for every layer on FlashInfer's own cache of the same shape, launched eagerly or
@@ -69,7 +76,9 @@ from .memory import release_memory
 
 ENGINE_ARMS = ("eager", "captured", "flashinfer", "flashinfer-captured")
 #: every arm ``--arms`` may name (the default set is ENGINE_ARMS)
-ALL_ENGINE_ARMS = ("eager", "captured", "eager-tc", "captured-tc", *FLASHINFER_ARMS)
+SPEC_ARMS = ("speculative", "speculative-tc")
+ALL_ENGINE_ARMS = ("eager", "captured", "eager-tc", "captured-tc", *SPEC_ARMS,
+                   *FLASHINFER_ARMS)
 #: each sequence's K/V window starts SHIFT * i tokens into the shared blocks, mod SPREAD
 _SHIFT, _SPREAD = 37, 512
 
@@ -151,7 +160,9 @@ def _check(be: Backend, pool: PagePool, step: DecodeStep, layer: int, q: Any,
     if scales:
         quant = {"kv_dtype": pool.dtype, **{nm: float(x[layer]) for nm, x in scales.items()}}
     want, _ = oracle_decode(qn, be.to_numpy(k), be.to_numpy(v), sub, **quant)
-    return row_rel_error(be.to_numpy(out)[rows], want)   # per (request, head) row
+    got = be.to_numpy(out)[rows]       # [r, Hq, D], or [r, T, Hq, D] (speculative arms)
+    return row_rel_error(got.reshape(-1, *got.shape[-2:]),      # per (token, head) row
+                         want.reshape(-1, *want.shape[-2:]))
 
 
 def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
@@ -210,6 +221,56 @@ def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> Engin
                      kv_dtype=case.kv_dtype, **{n: x.tolist() for n, x in scales.items()})
 
 
+def run_speculative(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
+    """The ``speculative`` arm (``-tc``: on the tensor-core partial): ``case.spec_tokens``
+    slots per sequence per step, every layer appended and decoded, then a random 0 to
+    ``T - 1`` drafts per sequence retired (``trim_back``, timed with the step); checked
+    against the oracle at the first and the last step, before the trim."""
+    pool, seqs, scales = _pool(be, case, seed)
+    step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom,
+                      path="v2tc" if arm.endswith("-tc") else "v2")
+    t, cap, dt = case.spec_tokens, step.capacity, numpy_dtype(case.dtype)
+    rng = np.random.default_rng(seed + 2)
+
+    def fresh(shape: tuple[int, ...], sigma: float = 1.0) -> Any:
+        return be.asarray((rng.standard_normal(shape) * sigma).astype(dt))
+
+    hq, hkv, d = case.num_qo_heads, case.num_kv_heads, case.head_dim
+    qs = [fresh((cap, t, hq, d)) for _ in range(case.layers)]
+    ks = [fresh((cap, t, hkv, d)) for _ in range(case.layers)]
+    vs = [fresh((cap, t, hkv, d), V_SIGMA) for _ in range(case.layers)]
+    outs = [be.empty((cap, t, hq, d), case.dtype) for _ in range(case.layers)]
+    rejects = np.random.default_rng(seed + 3).integers(0, t, (case.steps, cap))
+    walls, hosts, gpus, errors = [], [], [], []
+    timer = _gpu_timer(be)
+    for i in range(case.steps):
+        be.synchronize(outs[-1])
+        t0 = time.perf_counter()
+        with timer:
+            step.begin(tokens=t)
+            for layer in range(case.layers):
+                step.append(layer, ks[layer], vs[layer])
+                step.decode(layer, qs[layer], out=outs[layer])
+            t1 = time.perf_counter()
+        be.synchronize(outs[-1])
+        t2 = time.perf_counter()
+        if i in (0, case.steps - 1):
+            errors += [_check(be, pool, step, layer, qs[layer], outs[layer], scales)
+                       for layer in (0, case.layers - 1)]
+        t3 = time.perf_counter()
+        step.trim_back(rejects[i])
+        trim = time.perf_counter() - t3
+        walls.append(t2 - t0 + trim)
+        hosts.append(t1 - t0 + trim)
+        gpus.append(timer.last)
+    kept = t - float(rejects[1:].mean())
+    return EngineArm(arm, True, case.dtype, step_us=median_us(walls), mean_us=mean_us(walls),
+                     host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
+                     replans=step.replans, kv_dtype=case.kv_dtype,
+                     note=f"{t} tokens per sequence per step, {kept:.2f} kept on average",
+                     **{n: x.tolist() for n, x in scales.items()})
+
+
 def _gpu_timer(be: Backend) -> Any:
     if be.name != "cuda":
         return NoTimer()
@@ -237,7 +298,8 @@ def run_engine(be: Backend, cases: list[EngineCase], *, arms: tuple[str, ...] = 
                                          kv_dtype=case.kv_dtype)
             else:
                 try:
-                    got[arm] = run_ours(be, case, arm)
+                    run = run_speculative if arm in SPEC_ARMS else run_ours
+                    got[arm] = run(be, case, arm)
                 except UnsupportedProblemError as exc:    # e.g. v2tc off CUDA or on f32
                     got[arm] = EngineArm(arm, False, case.dtype, note=str(exc)[:300],
                                          kv_dtype=case.kv_dtype)
@@ -267,7 +329,7 @@ def report(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> str:
             err = max(a.errors) if a.errors else float("nan")
             lines.append(f"{case.label:{w}} {name:19} {a.step_us:10.1f} {a.mean_us:10.1f} "
                          f"{a.host_us:10.1f} {a.gpu_us:10.1f} {ratio:7.2f} {err:9.2e} "
-                         f"{a.replans}")
+                         f"{a.replans}" + (f"  ({a.note})" if a.note else ""))
     return "\n".join(lines)
 
 
@@ -324,5 +386,5 @@ def to_dict(results: list[tuple[EngineCase, dict[str, EngineArm]]]) -> list[dict
             for c, arms in results]
 
 
-__all__ = ["ALL_ENGINE_ARMS", "ENGINE_ARMS", "EngineArm", "EngineCase", "plot", "plot_lines",
-           "report", "run_engine", "run_ours", "to_dict"]
+__all__ = ["ALL_ENGINE_ARMS", "ENGINE_ARMS", "SPEC_ARMS", "EngineArm", "EngineCase", "plot",
+           "plot_lines", "report", "run_engine", "run_ours", "run_speculative", "to_dict"]

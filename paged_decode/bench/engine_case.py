@@ -47,6 +47,8 @@ class EngineCase:
     #: the pools' dtype when it is not ``dtype``: an fp8 K/V cache (``"float8_e4m3fn"``,
     #: ``"float8_e5m2"``; per-layer scales calibrated on the prompt's K/V, ``docs/fp8.md``)
     kv_dtype: str = ""
+    #: the speculative arms: tokens per sequence per step (the token and its drafts)
+    spec_tokens: int = 4
 
     def __post_init__(self) -> None:
         # a typo ("float8_e4m3") would otherwise run 16-bit FlashInfer caches labelled fp8
