@@ -165,92 +165,45 @@ def _check(be: Backend, pool: PagePool, step: DecodeStep, layer: int, q: Any,
                          want.reshape(-1, *want.shape[-2:]))
 
 
-def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
-    """The ``eager`` or ``captured`` arm (``-tc``: on the tensor-core partial). Queries,
-    outputs and the appended rows are ``case.dtype``; over an fp8 pool the pool's append
-    quantizes the rows with the layer's scales and the decode reads the codes."""
-    pool, seqs, scales = _pool(be, case, seed)
-    mode, _, tc = arm.partition("-")
-    step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom,
-                      path="v2tc" if tc else "v2")
-    cap, dt = step.capacity, numpy_dtype(case.dtype)
-    rng = np.random.default_rng(seed + 2)
-
-    def fresh(shape: tuple[int, ...], sigma: float = 1.0) -> Any:
-        return be.asarray((rng.standard_normal(shape) * sigma).astype(dt))
-
-    qs = [fresh((cap, case.num_qo_heads, case.head_dim)) for _ in range(case.layers)]
-    ks = [fresh((cap, case.num_kv_heads, case.head_dim)) for _ in range(case.layers)]
-    vs = [fresh((cap, case.num_kv_heads, case.head_dim), V_SIGMA) for _ in range(case.layers)]
-    outs = [be.empty((cap, case.num_qo_heads, case.head_dim), case.dtype)
-            for _ in range(case.layers)]
-
-    def body(st: DecodeStep) -> None:
-        for layer in range(case.layers):
-            st.append(layer, ks[layer], vs[layer])
-            st.decode(layer, qs[layer], out=outs[layer])
-
-    graph = None
-    recaptures = 0
-    walls, hosts, gpus, errors = [], [], [], []
-    timer = _gpu_timer(be)
-    for i in range(case.steps):
-        be.synchronize(outs[-1])
-        t0 = time.perf_counter()
-        with timer:
-            step.begin()
-            if mode == "eager":
-                body(step)
-            elif graph is None or graph.stale:
-                graph = step.capture(body)
-                recaptures += 1
-            else:
-                graph.replay()
-            t1 = time.perf_counter()
-        be.synchronize(outs[-1])
-        t2 = time.perf_counter()
-        walls.append(t2 - t0)
-        hosts.append(t1 - t0)
-        gpus.append(timer.last)
-        if i in (0, case.steps - 1):
-            errors += [_check(be, pool, step, layer, qs[layer], outs[layer], scales)
-                       for layer in (0, case.layers - 1)]
-    return EngineArm(arm, True, case.dtype, step_us=median_us(walls), mean_us=mean_us(walls),
-                     host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
-                     replans=step.replans, recaptures=max(0, recaptures - 1),
-                     kv_dtype=case.kv_dtype, **{n: x.tolist() for n, x in scales.items()})
-
-
-def run_speculative(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
-    """The ``speculative`` arm (``-tc``: on the tensor-core partial): ``case.spec_tokens``
-    slots per sequence per step, every layer appended and decoded, then a random 0 to
-    ``T - 1`` drafts per sequence retired (``trim_back``, timed with the step); checked
-    against the oracle at the first and the last step, before the trim."""
+def _loop(be: Backend, case: EngineCase, arm: str, seed: int, tokens: int,
+          issue: Callable[[DecodeStep, Callable[[DecodeStep], None]], None],
+          after: Callable[[DecodeStep, int], None] | None = None
+          ) -> tuple[DecodeStep, EngineArm]:
+    """``case.steps`` timed steps of an arm of ours on a fresh pool (``-tc``: on the
+    tensor-core partial): ``issue(step, body)`` makes a step (``body`` appends and decodes
+    every layer; with ``tokens`` > 1 their rows are ``[B, tokens, ...]``); the outputs are
+    checked against the oracle at the first and the last step; ``after(step, i)``, timed
+    with the step, follows the check. Queries, outputs and appended rows are
+    ``case.dtype``; over an fp8 pool the pool's append quantizes the rows with the layer's
+    scales and the decode reads the codes. Returns the step and the arm's result."""
     pool, seqs, scales = _pool(be, case, seed)
     step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom,
                       path="v2tc" if arm.endswith("-tc") else "v2")
-    t, cap, dt = case.spec_tokens, step.capacity, numpy_dtype(case.dtype)
+    cap, dt = step.capacity, numpy_dtype(case.dtype)
+    rows = (cap, tokens) if tokens > 1 else (cap,)
     rng = np.random.default_rng(seed + 2)
 
     def fresh(shape: tuple[int, ...], sigma: float = 1.0) -> Any:
         return be.asarray((rng.standard_normal(shape) * sigma).astype(dt))
 
     hq, hkv, d = case.num_qo_heads, case.num_kv_heads, case.head_dim
-    qs = [fresh((cap, t, hq, d)) for _ in range(case.layers)]
-    ks = [fresh((cap, t, hkv, d)) for _ in range(case.layers)]
-    vs = [fresh((cap, t, hkv, d), V_SIGMA) for _ in range(case.layers)]
-    outs = [be.empty((cap, t, hq, d), case.dtype) for _ in range(case.layers)]
-    rejects = np.random.default_rng(seed + 3).integers(0, t, (case.steps, cap))
+    qs = [fresh((*rows, hq, d)) for _ in range(case.layers)]
+    ks = [fresh((*rows, hkv, d)) for _ in range(case.layers)]
+    vs = [fresh((*rows, hkv, d), V_SIGMA) for _ in range(case.layers)]
+    outs = [be.empty((*rows, hq, d), case.dtype) for _ in range(case.layers)]
+
+    def body(st: DecodeStep) -> None:
+        for layer in range(case.layers):
+            st.append(layer, ks[layer], vs[layer])
+            st.decode(layer, qs[layer], out=outs[layer])
+
     walls, hosts, gpus, errors = [], [], [], []
     timer = _gpu_timer(be)
     for i in range(case.steps):
         be.synchronize(outs[-1])
         t0 = time.perf_counter()
         with timer:
-            step.begin(tokens=t)
-            for layer in range(case.layers):
-                step.append(layer, ks[layer], vs[layer])
-                step.decode(layer, qs[layer], out=outs[layer])
+            issue(step, body)
             t1 = time.perf_counter()
         be.synchronize(outs[-1])
         t2 = time.perf_counter()
@@ -258,17 +211,58 @@ def run_speculative(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -
             errors += [_check(be, pool, step, layer, qs[layer], outs[layer], scales)
                        for layer in (0, case.layers - 1)]
         t3 = time.perf_counter()
-        step.trim_back(rejects[i])
-        trim = time.perf_counter() - t3
-        walls.append(t2 - t0 + trim)
-        hosts.append(t1 - t0 + trim)
+        if after is not None:
+            after(step, i)
+        late = time.perf_counter() - t3
+        walls.append(t2 - t0 + late)
+        hosts.append(t1 - t0 + late)
         gpus.append(timer.last)
-    kept = t - float(rejects[1:].mean())
-    return EngineArm(arm, True, case.dtype, step_us=median_us(walls), mean_us=mean_us(walls),
-                     host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
-                     replans=step.replans, kv_dtype=case.kv_dtype,
-                     note=f"{t} tokens per sequence per step, {kept:.2f} kept on average",
-                     **{n: x.tolist() for n, x in scales.items()})
+    return step, EngineArm(arm, True, case.dtype, step_us=median_us(walls),
+                           mean_us=mean_us(walls), host_us=median_us(hosts),
+                           gpu_us=median_us(gpus), errors=errors, replans=step.replans,
+                           kv_dtype=case.kv_dtype,
+                           **{n: x.tolist() for n, x in scales.items()})
+
+
+def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
+    """The ``eager`` or ``captured`` arm (``-tc``: on the tensor-core partial); the
+    captured one records the step once and replays it after every ``begin``
+    (recaptured when stale)."""
+    graph: Any = None
+    captures = 0
+
+    def issue(step: DecodeStep, body: Callable[[DecodeStep], None]) -> None:
+        nonlocal graph, captures
+        step.begin()
+        if arm.startswith("eager"):
+            body(step)
+        elif graph is None or graph.stale:
+            graph = step.capture(body)
+            captures += 1
+        else:
+            graph.replay()
+
+    _, res = _loop(be, case, arm, seed, 1, issue)
+    res.recaptures = max(0, captures - 1)
+    return res
+
+
+def run_speculative(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
+    """The ``speculative`` arm (``-tc``: on the tensor-core partial): ``case.spec_tokens``
+    slots per sequence per step, every layer appended and decoded, then a random 0 to
+    ``T - 1`` drafts per sequence retired (``trim_back``, timed with the step); checked
+    against the oracle at the first and the last step, before the trim."""
+    t = case.spec_tokens
+    rejects = np.random.default_rng(seed + 3).integers(0, t, (case.steps, case.batch))
+
+    def issue(step: DecodeStep, body: Callable[[DecodeStep], None]) -> None:
+        step.begin(tokens=t)
+        body(step)
+
+    _, res = _loop(be, case, arm, seed, t, issue,
+                   lambda step, i: step.trim_back(rejects[i]))
+    res.note = f"{t} tokens per sequence per step, {t - rejects[1:].mean():.2f} kept on average"
+    return res
 
 
 def _gpu_timer(be: Backend) -> Any:
