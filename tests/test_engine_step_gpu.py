@@ -339,8 +339,8 @@ def test_speculative_steps_on_cuda(path):
     for s, n in zip(seqs, (3000, 17, 900, 4100)):
         x = cp.asarray(rng.standard_normal((2, n, hkv, d)).astype(np.float16))
         pool.append(s, x, x)
-    pool.free(seqs[1])                      # row 1 becomes padding
     step = pd.DecodeStep(pool, seqs, num_qo_heads=hq, capacity=4, path=path)
+    pool.free(seqs[1])                      # row 1 becomes padding
     for t in (4, 1, 8, 1, 2, 1):
         step.begin(tokens=t)
         shape = (4, t) if t > 1 else (4,)
