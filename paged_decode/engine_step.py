@@ -353,6 +353,12 @@ class DecodeStep:
             "split and merge are planned on the host each step, which a captured graph "
             "would not repeat; capture one-token steps only")
 
+    def _one_slot_only(self, fn: str) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"{fn}: the last begin() gave each sequence {self._tokens} slots, and a captured "
+            "step writes one: run a multi-token step eagerly (append and decode), and "
+            "replay after a one-token begin()")
+
     def _refuse_capture(self, fn: str) -> None:
         if self._capturing or self.backend.capturing():
             raise self._eager_only(fn)
@@ -643,6 +649,8 @@ class DecodeStep:
         backend (a staging buffer)."""
         fn = "DecodeStep.record_update"
         self._current(fn)
+        if self._tokens > 1:
+            raise self._eager_only(fn)
         if not self.table.upload.staged:
             raise InvalidArgumentError(f"{fn}: the {self.backend.name!r} backend has no "
                                        "staging buffer for a graph to read (cuda only)")
@@ -655,6 +663,8 @@ class DecodeStep:
         (every layer's append among them)."""
         fn = "DecodeStep.replayed"
         self._current(fn)
+        if self._tokens > 1:
+            raise self._one_slot_only(fn)
         self.table.replayed(fn)
         self._wrote(range(self.num_layers))
 
@@ -832,6 +842,8 @@ class CapturedStep:
                                  "since capture (a sequence outgrew the headroom, or the "
                                  "batch changed): capture again")
         s._current(fn)
+        if s._tokens > 1:
+            raise s._one_slot_only(fn)
         if s.steps == self._last:
             raise StaleStepError(f"{fn}: call step.begin() before each replay (the same "
                                  "slots would be written twice)")

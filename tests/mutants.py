@@ -917,6 +917,13 @@ MUTANTS: tuple[Mutant, ...] = (
        "where = np.zeros(self.capacity, np.int32)",
        [TOKSTEP + "test_token_steps_match_the_oracle[v2-emulated-cuda]"],
        "a multi-token step's padding rows take the first live row's output instead of zeros"),
+    _m("py-step-replays-over-a-token-begin", "python", ("paged_decode.engine_step",),
+       "        s._current(fn)\n        if s._tokens > 1:\n            raise s._one_slot_only(fn)\n",
+       "        s._current(fn)\n",
+       [TOKSTEP + "test_a_captured_one_token_step_is_not_replayed_over_a_token_begin"
+        "[emulated-cuda]"],
+       "a captured one-token step replays after begin(tokens=T): it writes one of the T "
+       "slots per sequence, and the others are attended to unwritten"),
     _m("py-compile-ahead-multitoken-one-fold", "python", ("paged_decode.compile_ahead",),
        "for fold in range(1, query_tokens + 1):",
        "for fold in (1,):",

@@ -316,3 +316,41 @@ def test_a_token_step_over_padding_rows_only():
         got, lse = step.decode(layer, np.ones((4, 2, HQ, D), np.float32), out=out,
                                return_lse=True)
         assert got is out and not np.any(out) and np.all(np.isneginf(lse))
+
+
+@pytest.mark.parametrize("backend", ["emulated-cuda", "reference"])
+def test_a_captured_one_token_step_is_not_replayed_over_a_token_begin(backend):
+    """A graph writes one slot per sequence: after begin(tokens=T) its replay is refused
+    (the T slots would stay unwritten); eager token steps and replays then alternate."""
+    rng = np.random.default_rng(10)
+    be = pd.get_backend(backend)
+    pool, seqs = _pool(be, rng)
+    step = pd.DecodeStep(pool, seqs, num_qo_heads=HQ)
+    rows1 = np.zeros((4, HKV, D), np.float32)
+    q1 = rng.standard_normal((4, HQ, D)).astype(np.float32)
+    outs = [np.zeros((4, HQ, D), np.float32) for _ in range(L)]
+
+    def body(st):
+        for layer in range(L):
+            st.append(layer, rows1, rows1)
+            st.decode(layer, q1, out=outs[layer])
+
+    step.begin()
+    graph = step.capture(body)
+    step.begin(tokens=2)
+    with pytest.raises(InvalidArgumentError, match=r"CapturedStep.replay: the last begin\(\) "
+                                                   "gave each sequence 2 slots"):
+        graph.replay()
+    with pytest.raises(InvalidArgumentError, match="DecodeStep.replayed: the last begin"):
+        step.replayed()
+    rows2 = np.zeros((4, 2, HKV, D), np.float32)
+    for layer in range(L):
+        step.append(layer, rows2, rows2)
+    step.trim_back(np.array([1, 0, 1, 0]))
+    step.begin()
+    graph.replay()
+    for layer in range(L):
+        k, v = pool.layer(layer)
+        want, _ = oracle_decode(q1, be.to_numpy(k), be.to_numpy(v), pool.page_table(seqs))
+        assert_matches_oracle(be.to_numpy(outs[layer]), None, want, None, "float32",
+                              f"replay after a token step, layer {layer}")
