@@ -918,7 +918,8 @@ MUTANTS: tuple[Mutant, ...] = (
        [TOKSTEP + "test_token_steps_match_the_oracle[v2-emulated-cuda]"],
        "a multi-token step's padding rows take the first live row's output instead of zeros"),
     _m("py-step-replays-over-a-token-begin", "python", ("paged_decode.engine_step",),
-       "        s._current(fn)\n        if s._tokens > 1:\n            raise s._one_slot_only(fn)\n",
+       "        s._current(fn)\n        if s._tokens > 1:\n"
+       "            raise s._one_slot_only(fn)\n",
        "        s._current(fn)\n",
        [TOKSTEP + "test_a_captured_one_token_step_is_not_replayed_over_a_token_begin"
         "[emulated-cuda]"],

@@ -386,3 +386,30 @@ def test_sparse_launches_are_listed(monkeypatch, geom):
     _settings(monkeypatch, {})
     _check_listed(be, geom, seen, {"sparse": True})
     assert {s.page_size for s in seen if s.kernel == "v2"} == {1}
+
+
+def test_a_speculative_steps_launches_are_listed(monkeypatch):
+    """``step.compile_ahead(query_tokens=8)`` lists what steps of 2-8 tokens per sequence
+    launch (their appends, table updates, both passes and the merge), beside one-token
+    steps; without ``query_tokens`` some are missing."""
+    be = pd.get_backend("emulated-cuda")
+    pool = pd.PagePool(256, 16, 2, 64, "float16", num_layers=2, backend=be)
+    seqs = [pool.new_sequence() for _ in range(4)]
+    for s, n in zip(seqs, (100, 300, 17, 640)):
+        pool.append(s, *(np.ones((2, n, 2, 64), np.float16) for _ in range(2)))
+    step = pd.DecodeStep(pool, seqs, num_qo_heads=8, capacity=5, headroom=4)
+    monkeypatch.setattr(be, "precompile", lambda spec: None)    # the list, not the builds
+    listed = set(step.compile_ahead(query_tokens=8).specs)
+    seen = _recorder(monkeypatch, be)
+    for t in (1, 4, 8, 2, 1, 3):
+        step.begin(tokens=t)
+        shape = (5, t) if t > 1 else (5,)
+        for layer in range(2):
+            step.append(layer, np.ones((*shape, 2, 64), np.float16),
+                        np.ones((*shape, 2, 64), np.float16))
+            step.decode(layer, np.ones((*shape, 8, 64), np.float16))
+        if t > 1:
+            step.trim_back(np.array([t - 1, 0, 1, 0, 0]))
+    got = {s.uri for s in seen}
+    assert got <= listed, sorted(got - listed)
+    assert got - set(step.compile_ahead().specs)
