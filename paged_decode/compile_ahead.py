@@ -166,7 +166,9 @@ def kernel_specs(backend: str | Backend | None = None, *, num_qo_heads: int,
         # level 1, and level 0 over M stacked members (M * Hq heads, any M): the v2
         # partial at each CTA width M * G can give, in float32 states
         g = num_qo_heads // num_kv_heads
-        widths = {heads_per_cta(m * g, 1): m for m in range(1, 841)}   # 840 = lcm(1..8)
+        widths: dict[int, int] = {}       # CTA width -> the fewest members giving it
+        for m in range(1, 841):            # 840 = lcm(1..8): every width there is
+            widths.setdefault(heads_per_cta(m * g, 1), m)
         for m in sorted(widths.values()):
             if runs("v2", m * num_qo_heads):
                 specs += [s for s in decode_specs(q, kv, "float32", m * num_qo_heads,

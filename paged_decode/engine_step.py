@@ -524,8 +524,8 @@ class DecodeStep:
                                        f"{list(qb.shape)}")
         rows = self.table.live_rows()[0]
         whole = rows.size == self.capacity
+        o_dt = self.out_dtype or caller_dtype(q, be.dtype_of(qb))
         if not whole:       # checked here: the call below writes other arrays
-            o_dt = self.out_dtype or caller_dtype(q, be.dtype_of(qb))
             with be.launch_context(q):
                 if out is not None:
                     out = output_buffer(fn, be, "out", out, want, o_dt,
@@ -553,7 +553,6 @@ class DecodeStep:
                                out_dtype=self.out_dtype, backend=be, cascade=None,
                                **self.variants, **pool.decode_args(layer))
         else:               # padding rows only: nothing to run
-            o_dt = self.out_dtype or caller_dtype(q, be.dtype_of(qb))
             o, lo = be.empty((0, *want[1:]), o_dt), be.empty((0, *want[1:3]), "float32")
         o, lo = self._scatter_rows(o, out, 0.0), self._scatter_rows(lo, lse, -np.inf)
         o, lo = be.wrap_result(o, like=q), be.wrap_result(lo, like=q)

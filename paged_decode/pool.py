@@ -552,10 +552,11 @@ class PagePool:
         """Retire the ``n`` newest visible tokens of ``seq`` (speculative tokens that
         verification rejected): ``trim_back_batch([seq], [n])``."""
         fn = "PagePool.trim_back"
-        self._index(fn, seq)
+        row = self._row(fn, seq)
         if not is_int(n):
             raise fail(fn, f"n must be an integer, got {type(n).__name__} {n!r}")
-        self._trim_back(fn, np.array([seq], np.int64), np.array([n], np.int64))
+        self._trim_back(fn, np.array([seq], np.int64), np.array([n], np.int64),
+                        np.array([row], np.int64))
 
     def trim_back_batch(self, seqs: Sequence[int] | np.ndarray,
                         counts: Sequence[int] | np.ndarray) -> None:
@@ -570,12 +571,10 @@ class PagePool:
         ids, rows = self._batch_rows(fn, seqs)
         self._trim_back(fn, ids, self._counts(fn, counts, ids.size, None), rows)
 
-    def _trim_back(self, fn: str, ids: np.ndarray, n: np.ndarray,
-                   rows: np.ndarray | None = None) -> None:
+    def _trim_back(self, fn: str, ids: np.ndarray, n: np.ndarray, rows: np.ndarray) -> None:
+        """``trim_back_batch`` of the live sequences ``ids`` in pool rows ``rows``."""
         self._no_open_step(fn)
         S, p = self._seqs, self.page_size
-        if rows is None:
-            rows = self._lookup(fn, ids)
         vis = S.filled[rows] - S.start[rows]
         over = n > vis
         if over.any() or (n < 0).any():
@@ -595,12 +594,7 @@ class PagePool:
             within = np.arange(int(drop.sum())) - np.repeat(np.cumsum(drop) - drop, drop)
             pages = S.pages[r, S.head[r] + keep[np.repeat(np.arange(rows.size), drop)]
                             + within]
-            np.subtract.at(self._ref, pages, 1)     # forks may drop the same page
-            _, first = np.unique(pages, return_index=True)
-            order = pages[np.sort(first)]
-            gone = order[self._ref[order] == 0]
-            self._free[self._nfree:self._nfree + gone.size] = gone
-            self._nfree += gone.size
+            self._release(pages, distinct=False)     # forks may drop the same page
         S.npages[rows] = keep
         S.filled[rows] = np.where(empty, 0, filled)
         S.start[rows] = np.where(empty, 0, S.start[rows])
@@ -914,10 +908,17 @@ class PagePool:
         return InvalidArgumentError(f"{fn}: {where}unknown sequence {seq!r}; live sequences: "
                                     f"{self.sequences()[:16]}")
 
-    def _release(self, pages: np.ndarray) -> None:
-        """Drop one reference to each of ``pages`` (distinct); pages reaching zero are
-        pushed on the free list in order."""
-        self._ref[pages] -= 1
+    def _release(self, pages: np.ndarray, *, distinct: bool = True) -> None:
+        """Drop one reference per entry of ``pages``; pages reaching zero are pushed on the
+        free list in order (of first appearance). ``distinct=False``: a page may repeat
+        (forks retiring the same shared page in one ``trim_back_batch``), each entry
+        dropping one reference."""
+        if distinct:
+            self._ref[pages] -= 1
+        else:
+            np.subtract.at(self._ref, pages, 1)
+            _, first = np.unique(pages, return_index=True)
+            pages = pages[np.sort(first)]
         gone = pages[self._ref[pages] == 0]
         self._free[self._nfree:self._nfree + gone.size] = gone
         self._nfree += gone.size

@@ -167,15 +167,14 @@ def _check(be: Backend, pool: PagePool, step: DecodeStep, layer: int, q: Any,
 
 def _loop(be: Backend, case: EngineCase, arm: str, seed: int, tokens: int,
           issue: Callable[[DecodeStep, Callable[[DecodeStep], None]], None],
-          after: Callable[[DecodeStep, int], None] | None = None
-          ) -> tuple[DecodeStep, EngineArm]:
+          after: Callable[[DecodeStep, int], None] | None = None) -> EngineArm:
     """``case.steps`` timed steps of an arm of ours on a fresh pool (``-tc``: on the
     tensor-core partial): ``issue(step, body)`` makes a step (``body`` appends and decodes
     every layer; with ``tokens`` > 1 their rows are ``[B, tokens, ...]``); the outputs are
     checked against the oracle at the first and the last step; ``after(step, i)``, timed
     with the step, follows the check. Queries, outputs and appended rows are
     ``case.dtype``; over an fp8 pool the pool's append quantizes the rows with the layer's
-    scales and the decode reads the codes. Returns the step and the arm's result."""
+    scales and the decode reads the codes."""
     pool, seqs, scales = _pool(be, case, seed)
     step = DecodeStep(pool, seqs, num_qo_heads=case.num_qo_heads, headroom=case.headroom,
                       path="v2tc" if arm.endswith("-tc") else "v2")
@@ -217,11 +216,10 @@ def _loop(be: Backend, case: EngineCase, arm: str, seed: int, tokens: int,
         walls.append(t2 - t0 + late)
         hosts.append(t1 - t0 + late)
         gpus.append(timer.last)
-    return step, EngineArm(arm, True, case.dtype, step_us=median_us(walls),
-                           mean_us=mean_us(walls), host_us=median_us(hosts),
-                           gpu_us=median_us(gpus), errors=errors, replans=step.replans,
-                           kv_dtype=case.kv_dtype,
-                           **{n: x.tolist() for n, x in scales.items()})
+    return EngineArm(arm, True, case.dtype, step_us=median_us(walls), mean_us=mean_us(walls),
+                     host_us=median_us(hosts), gpu_us=median_us(gpus), errors=errors,
+                     replans=step.replans, kv_dtype=case.kv_dtype,
+                     **{n: x.tolist() for n, x in scales.items()})
 
 
 def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> EngineArm:
@@ -242,7 +240,7 @@ def run_ours(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -> Engin
         else:
             graph.replay()
 
-    _, res = _loop(be, case, arm, seed, 1, issue)
+    res = _loop(be, case, arm, seed, 1, issue)
     res.recaptures = max(0, captures - 1)
     return res
 
@@ -259,8 +257,7 @@ def run_speculative(be: Backend, case: EngineCase, arm: str, *, seed: int = 0) -
         step.begin(tokens=t)
         body(step)
 
-    _, res = _loop(be, case, arm, seed, t, issue,
-                   lambda step, i: step.trim_back(rejects[i]))
+    res = _loop(be, case, arm, seed, t, issue, lambda step, i: step.trim_back(rejects[i]))
     res.note = f"{t} tokens per sequence per step, {t - rejects[1:].mean():.2f} kept on average"
     return res
 
